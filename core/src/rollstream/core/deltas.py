@@ -1,0 +1,227 @@
+"""Weight sync payloads: anchors (all weights) and exact sparse deltas, as safetensors.
+
+Weights are dicts of Hugging Face name -> uint16 numpy array of bf16 bit patterns (see
+safetensors_io for why bits). A delta from `base_version` to `version` holds, per tensor
+that changed, the changed positions and what to write there. Per tensor it picks the
+smallest of:
+  positions: a packed bitmask (n/8 bytes) or delta-coded indices (uint32 gaps);
+  values:    the new bf16 bits, or the ULP steps (new bits - base bits, int16 that wraps
+             exactly): at RL learning rates most changes are a few ULPs, which compress
+             better than the values themselves;
+each part zstd-compressed when that is smaller. Decoding is exact given the base; a payload
+whose base or model does not match what the receiver holds is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import zstandard
+
+from rollstream.core import safetensors_io
+
+FORMAT = "rollstream.weights"
+FORMAT_VERSION = "1"
+ZSTD_LEVEL = 3
+
+Weights = dict[str, np.ndarray]  # name -> uint16 bf16 bits
+
+
+class DeltaError(ValueError):
+    """A payload that must be refused: corrupt, for another model, or for another base."""
+
+
+@dataclass
+class PayloadInfo:
+    kind: str  # "anchor" | "delta"
+    base_version: int
+    version: int
+    fingerprint: str
+
+
+@dataclass
+class DeltaStats:
+    changed_tensors: int = 0
+    changed_values: int = 0
+    total_values: int = 0
+    nbytes: int = 0
+    dense_bytes: int = 0
+    encodings: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fraction_of_dense(self) -> float:
+        return self.nbytes / self.dense_bytes if self.dense_bytes else 0.0
+
+
+def model_fingerprint(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """Identifies the architecture (names and shapes): a delta for another model is refused."""
+    h = hashlib.sha256()
+    for name in sorted(shapes):
+        h.update(f"{name}:{tuple(shapes[name])}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def weights_sha256(weights: Mapping[str, np.ndarray]) -> str:
+    """Content hash of a weight set (names sorted); equal hashes = bit-identical weights."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(weights[name]).data)
+    return h.hexdigest()
+
+
+def _meta(kind: str, base_version: int, version: int, fingerprint: str, **extra: str) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "base_version": str(base_version),
+        "version": str(version),
+        "fingerprint": fingerprint,
+        **extra,
+    }
+
+
+def encode_anchor(weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> bytes:
+    """All weights as plain BF16 safetensors (loadable by any safetensors reader)."""
+    return safetensors_io.dumps(dict(weights), _meta("anchor", version, version, fingerprint), bf16=set(weights))
+
+
+def _maybe_zstd(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[bytes, bool]:
+    packed = cctx.compress(raw)
+    return (packed, True) if len(packed) < len(raw) else (raw, False)
+
+
+def _encode_tensor(base: np.ndarray, new: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[dict, bytes, bytes] | None:
+    flat_base = base.reshape(-1)
+    flat_new = new.reshape(-1)
+    changed = flat_base != flat_new
+    idx = np.flatnonzero(changed)
+    if idx.size == 0:
+        return None
+    mask_raw = np.packbits(changed).tobytes()
+    gaps_raw = np.diff(idx, prepend=0).astype("<u4").tobytes()
+    pos_options = [("mask", *_maybe_zstd(mask_raw, cctx)), ("idx", *_maybe_zstd(gaps_raw, cctx))]
+    pos_kind, pos_bytes, pos_z = min(pos_options, key=lambda o: len(o[1]))
+    values = flat_new[idx]
+    steps = values - flat_base[idx]  # uint16 arithmetic wraps: exactly invertible
+    val_options = [("bf16", *_maybe_zstd(values.astype("<u2").tobytes(), cctx)), ("ulp", *_maybe_zstd(steps.astype("<u2").tobytes(), cctx))]
+    val_kind, val_bytes, val_z = min(val_options, key=lambda o: len(o[1]))
+    info = {"shape": list(base.shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z}
+    return info, pos_bytes, val_bytes
+
+
+def encode_delta(base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str) -> tuple[bytes, DeltaStats]:
+    """Exact delta turning `base` into `new` (same names and shapes)."""
+    if base.keys() != new.keys():
+        raise DeltaError(f"weight names differ: {sorted(set(base) ^ set(new))[:5]}")
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    stats = DeltaStats()
+    parts: dict[str, np.ndarray] = {}
+    infos: dict[str, dict] = {}
+    for name in sorted(base):
+        b, n = base[name], new[name]
+        if b.shape != n.shape:
+            raise DeltaError(f"{name}: shape {b.shape} != {n.shape}")
+        stats.total_values += b.size
+        stats.dense_bytes += b.size * 2
+        encoded = _encode_tensor(b, n, cctx)
+        if encoded is None:
+            continue
+        info, pos_bytes, val_bytes = encoded
+        infos[name] = info
+        parts[f"{name}::pos"] = np.frombuffer(pos_bytes, dtype=np.uint8)
+        parts[f"{name}::val"] = np.frombuffer(val_bytes, dtype=np.uint8)
+        stats.changed_tensors += 1
+        stats.changed_values += info["count"]
+        key = f"{info['pos']}+{info['val']}"
+        stats.encodings[key] = stats.encodings.get(key, 0) + 1
+    payload = safetensors_io.dumps(parts, _meta("delta", base_version, version, fingerprint, tensors=json.dumps(infos, separators=(",", ":"))))
+    stats.nbytes = len(payload)
+    return payload, stats
+
+
+def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str], dict[str, np.ndarray]]:
+    try:
+        meta, arrays = safetensors_io.loads(payload)
+    except safetensors_io.SafetensorsError as e:
+        raise DeltaError(f"not a valid safetensors payload: {e}") from None
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise DeltaError(f"not a {FORMAT} v{FORMAT_VERSION} payload (format={meta.get('format')!r}, version={meta.get('format_version')!r})")
+    try:
+        info = PayloadInfo(kind=meta["kind"], base_version=int(meta["base_version"]), version=int(meta["version"]), fingerprint=meta["fingerprint"])
+    except (KeyError, ValueError) as e:
+        raise DeltaError(f"payload metadata incomplete: {e}") from None
+    if info.kind not in ("anchor", "delta"):
+        raise DeltaError(f"unknown payload kind {info.kind!r}")
+    return info, meta, arrays
+
+
+def decode(payload: bytes | memoryview, held: Mapping[str, np.ndarray], held_version: int | None, fingerprint: str) -> tuple[PayloadInfo, Weights]:
+    """Decode a payload against the weights held; returns the tensors to replace.
+
+    Nothing in `held` is modified, so a refused payload leaves the receiver as it was.
+    `held_version=None` means the receiver holds nothing it trusts (accepts anchors only).
+    """
+    info, meta, arrays = read_info(payload)
+    if info.fingerprint != fingerprint:
+        raise DeltaError(f"payload is for model {info.fingerprint}, this one is {fingerprint}")
+    if info.kind == "anchor":
+        if set(arrays) != set(held):
+            missing = sorted(set(held) - set(arrays))[:3]
+            extra = sorted(set(arrays) - set(held))[:3]
+            raise DeltaError(f"anchor tensors differ from the model (missing {missing}, unexpected {extra})")
+        for name, array in arrays.items():
+            if array.shape != held[name].shape or array.dtype != np.uint16:
+                raise DeltaError(f"anchor {name}: {array.dtype}{array.shape} != bf16{held[name].shape}")
+        return info, {name: array.copy() for name, array in arrays.items()}
+    if held_version is None or info.base_version != held_version:
+        raise DeltaError(f"delta base is version {info.base_version}, this holds version {held_version}: fetch anchor + deltas")
+    if info.version <= info.base_version:
+        raise DeltaError(f"delta goes backwards: {info.base_version} -> {info.version}")
+    try:
+        infos = json.loads(meta["tensors"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise DeltaError(f"delta has no valid tensor table: {e}") from None
+    dctx = zstandard.ZstdDecompressor()
+    out: Weights = {}
+    for name, t in infos.items():
+        if name not in held:
+            raise DeltaError(f"delta touches unknown tensor {name}")
+        base = held[name]
+        if list(base.shape) != t["shape"]:
+            raise DeltaError(f"{name}: delta shape {t['shape']} != held {list(base.shape)}")
+        try:
+            out[name] = _apply_tensor(base, t, arrays[f"{name}::pos"], arrays[f"{name}::val"], dctx)
+        except (KeyError, ValueError, zstandard.ZstdError) as e:
+            raise DeltaError(f"{name}: corrupt delta ({e})") from None
+    return info, out
+
+
+def _apply_tensor(base: np.ndarray, t: dict, pos: np.ndarray, val: np.ndarray, dctx: zstandard.ZstdDecompressor) -> np.ndarray:
+    count = int(t["count"])
+    pos_raw = dctx.decompress(pos.tobytes()) if t["pos_zstd"] else pos.tobytes()
+    val_raw = dctx.decompress(val.tobytes()) if t["val_zstd"] else val.tobytes()
+    flat = base.reshape(-1)
+    if t["pos"] == "mask":
+        mask = np.unpackbits(np.frombuffer(pos_raw, dtype=np.uint8), count=flat.size).astype(bool)
+        idx = np.flatnonzero(mask)
+    elif t["pos"] == "idx":
+        idx = np.cumsum(np.frombuffer(pos_raw, dtype="<u4").astype(np.int64))
+    else:
+        raise ValueError(f"unknown position encoding {t['pos']!r}")
+    values = np.frombuffer(val_raw, dtype="<u2")
+    if idx.size != count or values.size != count or (count and (idx[-1] >= flat.size or idx[0] < 0)):
+        raise ValueError(f"{idx.size} positions / {values.size} values for count {count} in {flat.size}")
+    new = flat.copy()
+    if t["val"] == "bf16":
+        new[idx] = values
+    elif t["val"] == "ulp":
+        new[idx] = flat[idx] + values  # uint16 wrap-around inverts the encoder's subtraction
+    else:
+        raise ValueError(f"unknown value encoding {t['val']!r}")
+    return new.reshape(base.shape)

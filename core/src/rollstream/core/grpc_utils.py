@@ -1,0 +1,85 @@
+"""gRPC plumbing: servers with health checking and reflection, channels sized for weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Chunks are a few MiB; leave headroom for Generate responses with many completions.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+
+
+@dataclass
+class Service:
+    """One servicer to mount: `add` is the generated add_XServicer_to_server."""
+
+    name: str  # full service name, e.g. "rollstream.v1.Generator"
+    servicer: Any
+    add: Callable[[Any, grpc.Server], None]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+
+    def set_serving(self, serving: bool, names: Sequence[str] = ("",)) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in names:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def serve(services: Sequence[Service], host: str, port: int, max_workers: int = 8) -> RunningServer:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    for s in services:
+        s.add(s.servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind gRPC to {host}:{port}")
+    server.start()
+    running = RunningServer(server=server, port=bound, health=health_servicer)
+    running.set_serving(False, ["", *[s.name for s in services]])
+    return running
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "") -> None:
+    """Block until the server at `address` reports SERVING (raise TimeoutError otherwise)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+            time.sleep(0.2)

@@ -1,0 +1,172 @@
+"""Torch helpers shared by the generator, reference and trainer (never imported by reward).
+
+- Weights by Hugging Face name as bf16 bit patterns (uint16 numpy), the unit of weight sync.
+- Completion log-probs computed through the LM head in token chunks: a full
+  [tokens, vocab] fp32 logits tensor costs GBs at real vocabularies (49k for SmolLM2,
+  152k for Qwen2), so only `chunk_tokens` rows of logits exist at a time, and under
+  autograd each chunk is recomputed in backward instead of being stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
+    """Load a local Hugging Face causal LM folder and its tokenizer (never downloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # progress bars would interleave with service logs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=True)
+    model.to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters by Hugging Face name; tied weights appear once (as the checkpoint has them)."""
+    return dict(model.named_parameters(remove_duplicate=True))
+
+
+def tensor_to_bits(t: torch.Tensor) -> np.ndarray:
+    """bf16 rounding of `t` as uint16 bit patterns (a copy on the host)."""
+    return t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def bits_to_tensor(bits: np.ndarray) -> torch.Tensor:
+    """uint16 bit patterns -> bf16 tensor sharing memory with `bits`."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def model_bits(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: tensor_to_bits(p) for name, p in named_weights(model).items()}
+
+
+def load_bits_(model: torch.nn.Module, bits: Mapping[str, np.ndarray]) -> None:
+    """Copy bf16 weights (a subset of names is fine) into the model, in its own dtype."""
+    copy_bits_(named_weights(model), bits)
+
+
+@torch.no_grad()
+def copy_bits_(params: Mapping[str, torch.Tensor], bits: Mapping[str, np.ndarray]) -> None:
+    """Copy bf16 weights into the named tensors (converted to each tensor's dtype/device)."""
+    for name, value in bits.items():
+        p = params[name]
+        p.copy_(bits_to_tensor(value).to(device=p.device, dtype=p.dtype).view(p.shape))
+
+
+def shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in named_weights(model).items()}
+
+
+@dataclass
+class Batch:
+    """Right-padded prompt+completion sequences and where each completion's tokens sit."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    rows: torch.Tensor  # [N] batch row of each completion token
+    cols: torch.Tensor  # [N] position whose hidden state predicts that token (t - 1)
+    targets: torch.Tensor  # [N] the completion token ids
+    lengths: list[int]  # completion length per sequence, to split [N] back
+
+
+def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: str | torch.device = "cpu") -> Batch:
+    total = [len(p) + len(c) for p, c in sequences]
+    width = max(total)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    rows, cols, targets, lengths = [], [], [], []
+    for i, (prompt, completion) in enumerate(sequences):
+        seq = list(prompt) + list(completion)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = 1
+        start = len(prompt)
+        rows.extend([i] * len(completion))
+        cols.extend(range(start - 1, start - 1 + len(completion)))
+        targets.extend(completion)
+        lengths.append(len(completion))
+    return Batch(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        cols=torch.tensor(cols, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        lengths=lengths,
+    )
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, inv_temp: float, want_entropy: bool):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temp
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    if not want_entropy:
+        return logp, torch.zeros_like(logp)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = logz - (probs * logits).sum(-1)
+    return logp, entropy
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log pi(token | prefix) for every completion token, flat [N] (and entropy).
+
+    Differentiable when grad is enabled; chunks are checkpointed so backward recomputes
+    one chunk of logits at a time.
+    """
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    picked = hidden[batch.rows, batch.cols]  # [N, H]
+    inv_temp = 1.0 / temperature
+    logps, ents = [], []
+    for start in range(0, picked.shape[0], chunk_tokens):
+        h = picked[start : start + chunk_tokens]
+        t = batch.targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_logprobs, h, head.weight, head.bias, t, inv_temp, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, head.weight, head.bias, t, inv_temp, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), torch.cat(ents)
+
+
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `budget` padded tokens.
+
+    Longest first, so padding inside a micro-batch stays small; a sequence longer than
+    the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        new_width = max(width, lengths[i])
+        if current and new_width * (len(current) + 1) > budget:
+            batches.append(current)
+            current, new_width = [], lengths[i]
+        current.append(i)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches

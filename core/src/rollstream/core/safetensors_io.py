@@ -1,0 +1,94 @@
+"""Minimal safetensors reader/writer over numpy arrays, with bf16 as raw uint16 bits.
+
+numpy has no bfloat16, and the weight path never needs bf16 arithmetic: it moves and
+compares bit patterns. So bf16 tensors are uint16 arrays here, written with dtype "BF16"
+so the files load as ordinary bf16 tensors anywhere (`safetensors.torch.load`). The
+format: 8-byte little-endian header length, a JSON header, then the tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+_NUMPY_BY_DTYPE = {
+    "BF16": np.uint16,  # bit patterns
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "I64": np.int64,
+    "U64": np.uint64,
+}
+_DTYPE_BY_NUMPY = {np.dtype(v): k for k, v in _NUMPY_BY_DTYPE.items() if k != "BF16"}
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class SafetensorsError(ValueError):
+    pass
+
+
+def dumps(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> bytes:
+    """Serialise `tensors`; names in `bf16` are uint16 arrays written as BF16."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    blobs: list[bytes | memoryview] = []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        if name in bf16:
+            if array.dtype != np.uint16:
+                raise SafetensorsError(f"{name}: bf16 tensors must be uint16 bit patterns, got {array.dtype}")
+            dtype = "BF16"
+        else:
+            dtype = _DTYPE_BY_NUMPY.get(array.dtype.newbyteorder("=") if array.dtype.byteorder == ">" else array.dtype, "")
+            if not dtype:
+                raise SafetensorsError(f"{name}: dtype {array.dtype} is not supported")
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).data.cast("B")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+        blobs.append(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
+    return b"".join([struct.pack("<Q", len(head)), head, *blobs])
+
+
+def loads(buf: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """Parse a safetensors payload; arrays are read-only views into `buf` (BF16 -> uint16)."""
+    view = memoryview(buf)
+    if len(view) < 8:
+        raise SafetensorsError("payload shorter than the 8-byte header length")
+    (head_len,) = struct.unpack("<Q", view[:8])
+    if head_len > MAX_HEADER_BYTES or 8 + head_len > len(view):
+        raise SafetensorsError(f"header length {head_len} does not fit a payload of {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[8 : 8 + head_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError("header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    data = view[8 + head_len :]
+    arrays: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        try:
+            dtype = _NUMPY_BY_DTYPE[info["dtype"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SafetensorsError(f"{name}: bad header entry {info!r} ({e})") from None
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if not 0 <= start <= end <= len(data) or end - start != count * np.dtype(dtype).itemsize:
+            raise SafetensorsError(f"{name}: data_offsets {start}..{end} do not match shape {shape} {info['dtype']} in {len(data)} bytes")
+        arrays[name] = np.frombuffer(data[start:end], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    return dict(metadata), arrays

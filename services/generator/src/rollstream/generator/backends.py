@@ -1,0 +1,163 @@
+"""Sampling engines behind one interface. `transformers` runs anywhere (CPU tests, demo);
+the vLLM backend (issue 5) implements the same protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from rollstream.core import modeling
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleRequest:
+    prompt_ids: list[int]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+
+
+class Backend(Protocol):
+    name: str
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]: ...
+
+    def load_weights(self, bits: Mapping[str, np.ndarray]) -> None: ...
+
+    def weight_bits(self) -> dict[str, np.ndarray]: ...
+
+
+class TransformersBackend:
+    """A plain KV-cached sampling loop over a Hugging Face model.
+
+    Written out rather than calling `generate()` so that the behaviour log-probs are
+    exactly those of the distribution sampled from (log_softmax(logits / T), fp32), every
+    completion has its own seeded generator, and nothing global is touched.
+    """
+
+    name = "transformers"
+
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu"):
+        self.model, self.tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
+        self.model.eval()
+        self.device = torch.device(device)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids = torch.tensor(sorted(eos_ids), dtype=torch.long, device=self.device)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        chat = [{"role": r, "content": c} for r, c in messages]
+        ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def weight_bits(self) -> dict[str, np.ndarray]:
+        return modeling.model_bits(self.model)
+
+    def load_weights(self, bits: Mapping[str, np.ndarray]) -> None:
+        modeling.load_bits_(self.model, bits)
+
+    @torch.inference_mode()
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        # Expand to one row per completion; rows of one request share its settings.
+        rows = [(ri, k) for ri, r in enumerate(requests) for k in range(r.n)]
+        prompts = [requests[ri].prompt_ids for ri, _ in rows]
+        width = max(len(p) for p in prompts)
+        batch = len(rows)
+        # Left padding so every row's next token sits in the last column.
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((batch, width), dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        temps = torch.tensor([requests[ri].temperature for ri, _ in rows], dtype=torch.float32, device=self.device).unsqueeze(1)
+        top_ps = [requests[ri].top_p for ri, _ in rows]
+        top_ks = [requests[ri].top_k for ri, _ in rows]
+        limits = torch.tensor([requests[ri].max_new_tokens for ri, _ in rows], device=self.device)
+        generators = [torch.Generator(device=self.device).manual_seed(requests[ri].seed * 1_000_003 + k) for ri, k in rows]
+        max_new = int(limits.max())
+
+        out_tokens = torch.full((batch, max_new), self.pad_id, dtype=torch.long, device=self.device)
+        out_logps = torch.zeros((batch, max_new), dtype=torch.float32, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+        past = None
+        step_ids = ids
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        for t in range(max_new):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float() / temps.clamp(min=1e-5)
+            logp_all = torch.log_softmax(logits, dim=-1)
+            tokens = torch.empty(batch, dtype=torch.long, device=self.device)
+            for i in range(batch):
+                tokens[i] = self._draw(logp_all[i], top_ps[i], top_ks[i], float(temps[i]), generators[i])
+            live = ~done
+            out_tokens[live, t] = tokens[live]
+            out_logps[live, t] = logp_all[live].gather(-1, tokens[live].unsqueeze(-1)).squeeze(-1)
+            lengths[live] += 1
+            is_eos = torch.isin(tokens, self.eos_ids) & live
+            stopped |= is_eos
+            done |= is_eos | (lengths >= limits)
+            if bool(done.all()):
+                break
+            step_ids = tokens.unsqueeze(1)
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions[:, -1:] + 1
+
+        results: list[list[Sample]] = [[] for _ in requests]
+        for i, (ri, _) in enumerate(rows):
+            n = int(lengths[i])
+            token_ids = out_tokens[i, :n].tolist()
+            results[ri].append(
+                Sample(
+                    token_ids=token_ids,
+                    logprobs=out_logps[i, :n].tolist(),
+                    text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                )
+            )
+        return results
+
+    @staticmethod
+    def _draw(logp: torch.Tensor, top_p: float, top_k: int, temperature: float, gen: torch.Generator) -> torch.Tensor:
+        if temperature <= 1e-5:
+            return logp.argmax()
+        probs = logp.exp()
+        if top_k > 0 and top_k < probs.numel():
+            kth = torch.topk(probs, top_k).values[-1]
+            probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
+        if 0.0 < top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < top_p
+            filtered = torch.zeros_like(probs)
+            filtered[order[keep]] = sorted_p[keep]
+            probs = filtered
+        return torch.multinomial(probs, 1, generator=gen).squeeze(0)
+
+
+def make_backend(name: str, model_dir: str, dtype: str, device: str) -> Backend:
+    if name == "transformers":
+        return TransformersBackend(model_dir, dtype=dtype, device=device)
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,281 @@
+"""The generator service: prompts -> rollouts, plus the weight path from the trainer.
+
+Loop (one thread): wait while downstream is full or we are too many versions behind,
+read PromptTasks, sample `group_size` completions each under the weights lock (so a batch
+is sampled by exactly one version, the one recorded), write RolloutGroups and ack the
+tasks in one transaction.
+
+Weights (gRPC threads): PushWeights reassembles a payload, checks it against the host
+copy, and applies it between batches. A refused push (wrong base) wakes the sync thread,
+which fetches anchor + deltas from the trainer (Trainer.FetchWeights).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+
+import grpc
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from rollstream.core import codec, deltas, logs, streams, weight_transfer
+from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.grpc_utils import Service, channel
+from rollstream.core.models import resolve_model
+from rollstream.core.service import ServiceHost
+from rollstream.generator.backends import Backend, SampleRequest, make_backend
+from rollstream.generator.config import GeneratorSettings
+from rollstream.generator.host_weights import HostWeights
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+
+class Generator:
+    """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
+
+    def __init__(self, settings: GeneratorSettings, host: ServiceHost):
+        self.settings = settings
+        self.host = host
+        self.log = host.log
+        self.generator_id = settings.generator_id or consumer_name(settings)
+        model_dir = str(resolve_model(settings.model))
+        self.model_name = model_dir
+        self.backend: Backend = make_backend(settings.backend, model_dir, settings.dtype, settings.device)
+        # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
+        # as version 0; round the engine's weights to it before sampling anything.
+        bits = self.backend.weight_bits()
+        self.backend.load_weights(bits)
+        self.weights = HostWeights(bits, version=0)
+        self.groups_generated = 0
+        self.busy = 0
+        self.sync_wake = threading.Event()
+        reg = host.registry
+        self.m_groups = Counter("rollstream_generator_groups", "groups generated", registry=reg)
+        self.m_tokens = Counter("rollstream_generator_tokens", "completion tokens generated", registry=reg)
+        self.m_version = Gauge("rollstream_generator_policy_version", "policy version served", registry=reg)
+        self.m_apply = Histogram("rollstream_generator_apply_seconds", "time to apply a weight payload", registry=reg)
+        self.m_refused = Counter("rollstream_generator_payloads_refused", "weight payloads refused", registry=reg)
+
+    # -- weights --------------------------------------------------------------------
+
+    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes) -> float:
+        """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused."""
+        start = time.perf_counter()
+        with self.weights.lock:
+            info, touched = self.weights.decode(payload)
+            self.backend.load_weights(touched)
+            self.weights.commit(info, touched)
+        seconds = time.perf_counter() - start
+        self.m_apply.observe(seconds)
+        self.m_version.set(info.version)
+        logs.event(self.log, "weights applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3))
+        return seconds
+
+    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk]) -> generator_pb2.GeneratorState:
+        for header, payload in weight_transfer.from_chunks(chunks):
+            self.apply_payload(header, payload)
+        return self.state()
+
+    def catch_up(self) -> bool:
+        """Fetch anchor + deltas from the trainer when it is ahead. Returns True if in sync."""
+        if not self.settings.trainer_address:
+            return True
+        with channel(self.settings.trainer_address) as ch:
+            stub = trainer_pb2_grpc.TrainerStub(ch)
+            state = stub.GetState(trainer_pb2.TrainerStateRequest(), timeout=10)
+            have = self.weights.version
+            if have is not None and have >= state.version:
+                return True
+            logs.event(self.log, "catching up", have=have, trainer=state.version)
+            request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
+            self.apply_stream(stub.FetchWeights(request, timeout=600))
+            return True
+
+    def sync_forever(self) -> None:
+        while not self.host.stop.is_set():
+            try:
+                self.catch_up()
+            except (grpc.RpcError, deltas.DeltaError) as e:
+                logs.event(self.log, "catch-up failed", level=30, error=_short(e))
+            self.sync_wake.wait(self.settings.sync_interval_s)
+            self.sync_wake.clear()
+
+    # -- sampling -------------------------------------------------------------------
+
+    def generate(self, tasks: list[rollout_pb2.PromptTask]) -> list[rollout_pb2.RolloutGroup]:
+        requests = []
+        for task in tasks:
+            prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
+            s = task.sampling
+            requests.append(
+                SampleRequest(
+                    prompt_ids=prompt_ids,
+                    n=task.group_size,
+                    temperature=s.temperature,
+                    top_p=s.top_p or 1.0,
+                    top_k=s.top_k,
+                    max_new_tokens=s.max_new_tokens,
+                    seed=(s.seed or zlib.crc32(task.task_id.encode())) ^ self.settings.seed,
+                )
+            )
+        with self.weights.lock:
+            version = self.weights.version or 0
+            self.busy += len(tasks)
+            try:
+                samples = self.backend.sample(requests)
+            finally:
+                self.busy -= len(tasks)
+        groups = []
+        for task, request, group_samples in zip(tasks, requests, samples):
+            completions = [
+                rollout_pb2.Completion(
+                    token_ids=s.token_ids,
+                    behaviour_logprobs=s.logprobs,
+                    versions=[rollout_pb2.VersionSpan(version=version, start=0, end=len(s.token_ids))],
+                    text=s.text,
+                    finish_reason=s.finish_reason,
+                )
+                for s in group_samples
+            ]
+            groups.append(
+                rollout_pb2.RolloutGroup(
+                    # One group per task: a task generated twice (take-over after a crash)
+                    # yields the same group_id, which the trainer deduplicates.
+                    group_id=task.task_id,
+                    task_id=task.task_id,
+                    policy_version=version,
+                    prompt_ids=request.prompt_ids,
+                    completions=completions,
+                    answer=task.answer,
+                    metadata_json=task.metadata_json,
+                    task_kind=task.task_kind,
+                    generator_id=self.generator_id,
+                    created_at=time.time(),
+                )
+            )
+            self.m_tokens.inc(sum(len(s.token_ids) for s in group_samples))
+        self.groups_generated += len(groups)
+        self.m_groups.inc(len(groups))
+        return groups
+
+    def state(self, with_sha: bool = False) -> generator_pb2.GeneratorState:
+        sha = ""
+        if with_sha:
+            with self.weights.lock:
+                sha = deltas.weights_sha256(self.backend.weight_bits())
+        return generator_pb2.GeneratorState(
+            generator_id=self.generator_id,
+            policy_version=self.weights.version or 0,
+            backend=self.backend.name,
+            model=self.model_name,
+            groups_generated=self.groups_generated,
+            busy=self.busy,
+            model_fingerprint=self.weights.fingerprint,
+            weights_sha256=sha,
+        )
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext) -> rollout_pb2.RolloutGroup:
+        if request.task.group_size < 1 or request.task.sampling.max_new_tokens < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task needs group_size >= 1 and sampling.max_new_tokens >= 1")
+        return self.gen.generate([request.task])[0]
+
+    def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+        start = time.perf_counter()
+        try:
+            state = self.gen.apply_stream(request_iterator)
+        except deltas.DeltaError as e:
+            self.gen.m_refused.inc()
+            logs.event(self.gen.log, "weights refused", level=30, error=str(e), holding=self.gen.weights.version)
+            self.gen.sync_wake.set()  # we are behind or diverged: fetch anchor + deltas
+            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
+        return weights_pb2.PushResult(applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start)
+
+    def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
+        return self.gen.state(with_sha=request.with_weights_sha256)
+
+
+def _short(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    return str(e)
+
+
+def run(settings: GeneratorSettings) -> None:
+    with ServiceHost("generator", settings) as host:
+        host.install_signal_handlers()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        gen = Generator(settings, host)
+        client = streams.connect(settings.redis_url)
+        keys = streams.RunKeys(settings.run)
+        stage = streams.StreamStage(
+            client, keys, "prompts", settings.group, consumer_name(settings),
+            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
+        )
+        host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)], ready=lambda: (True, f"version {gen.weights.version}"))
+        address = settings.advertise_address or host.grpc_address
+        client.hset(keys.generators, gen.generator_id, address)
+        threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True).start()
+        host.set_ready(True)
+        logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
+        try:
+            loop(gen, stage, client, keys, host)
+        finally:
+            client.hdel(keys.generators, gen.generator_id)
+            client.close()
+
+
+def loop(gen: Generator, stage: streams.StreamStage, client, keys: streams.RunKeys, host: ServiceHost) -> None:
+    s = gen.settings
+    downstream = [keys.stream(name) for name in ("rollouts", "scored", "ready")]
+    while not host.stop.is_set():
+        # Back-pressure: streams are trimmed behind acks, so their lengths are the groups in flight.
+        inflight = sum(int(client.xlen(k)) for k in downstream)
+        behind = streams.current_version(client, keys) - (gen.weights.version or 0)
+        if inflight >= s.max_inflight_groups or behind > s.max_staleness:
+            if behind > s.max_staleness:
+                gen.sync_wake.set()
+            host.stop.wait(0.2)
+            continue
+        entries = stage.read(s.tasks_per_batch, s.block_ms)
+        tasks, good = [], []
+        for entry in entries:
+            try:
+                task = codec.decode(entry.fields, rollout_pb2.PromptTask)
+                if task.group_size < 1 or task.sampling.max_new_tokens < 1 or not (task.messages or task.prompt_ids):
+                    raise codec.EntryError(f"task {task.task_id!r} needs messages or prompt_ids, group_size >= 1, max_new_tokens >= 1")
+                json.loads(task.metadata_json or "{}")
+            except (codec.EntryError, json.JSONDecodeError) as e:
+                stage.dead_letter(entry, str(e))
+                continue
+            tasks.append(task)
+            good.append(entry)
+        if not tasks:
+            continue
+        groups = gen.generate(tasks)
+
+        def ledger(pipe, groups=groups) -> None:
+            pipe.hincrby(keys.stats, "generated", len(groups))
+            pipe.sadd(keys.groups("generated"), *[g.group_id for g in groups])
+
+        stage.commit(good, outputs=[("rollouts", g) for g in groups], extra=ledger)
+        stage.trim()
+        logs.event(host.log, "groups written", n=len(groups), version=groups[0].policy_version)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        settings = load_settings(GeneratorSettings, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    run(settings)

@@ -1,0 +1,1 @@
+"""rollstream trainer: feeds prompts, trains GRPO on scored rollouts, publishes weight deltas."""

@@ -1,0 +1,3 @@
+from rollstream.trainer.service import main
+
+main()

@@ -1,0 +1,49 @@
+"""Shared fixtures: a real redis-server per test session, a fresh run name per test,
+and a tiny real model (random weights, locally trained tokenizer) built once."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.core.streams import RunKeys, connect
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def rclient(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = connect(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_name() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def keys(run_name: str) -> RunKeys:
+    return RunKeys(run_name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollstream.core.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -1,0 +1,83 @@
+"""Start rollstream services as real subprocesses for tests (`python -m rollstream.<name>`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class ServiceProc:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    state_file: Path
+    grpc_port: int = 0
+    http_port: int = 0
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
+        """Wait for the state file, then for /readyz to answer 200."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if self.state_file.exists():
+                state = json.loads(self.state_file.read_text())
+                self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
+                try:
+                    if httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
+    """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    label = f"{name}{tag}"
+    state_file = workdir / f"{label}.state.json"
+    state_file.unlink(missing_ok=True)
+    log_path = workdir / f"{label}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    log = log_path.open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"rollstream.{name}", "--state-file", str(state_file), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+    )
+    log.close()
+    return ServiceProc(name=label, proc=proc, log_path=log_path, state_file=state_file)
