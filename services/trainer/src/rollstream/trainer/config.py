@@ -18,6 +18,7 @@ class TrainerSettings(CommonSettings):
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     steps: int = Field(0, ge=0, description="stop after this many optimizer steps (0: run until stopped)")
     seed: int = Field(0)
+    linger: bool = Field(False, description="after the last step keep serving gRPC (weights, state) until stopped")
     # Data
     task: Literal["arithmetic", "jsonl"] = Field("arithmetic", description="built-in synthetic task, or prompts from a JSONL file")
     dataset_path: str = Field("", description="JSONL/Parquet file of prompts (task = jsonl)")

@@ -236,6 +236,8 @@ def run(settings: TrainerSettings) -> None:
         host.set_ready(True)
         try:
             loop(trainer, stage, PromptFeeder(settings, client, keys), directory, client, keys, host)
+            if settings.linger:
+                host.stop.wait()
         finally:
             client.close()
 
@@ -272,9 +274,13 @@ def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, dir
             if not o.applied:
                 logs.event(host.log, "push not applied", level=30, generator=o.address, error=o.error)
 
-        def ledger(pipe, groups=groups, metrics=metrics) -> None:
+        applied = sum(o.applied for o in outcomes)
+
+        def ledger(pipe, groups=groups, metrics=metrics, applied=applied) -> None:
             pipe.sadd(keys.groups("trained"), *[g.group_id for g in groups])
             pipe.hincrby(keys.stats, "trained", len(groups))
+            pipe.hincrby(keys.stats, "pushes_applied", applied)
+            pipe.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
             pipe.set(keys.version, trainer.version)
             pipe.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
 
@@ -286,7 +292,7 @@ def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, dir
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            pushed=sum(o.applied for o in outcomes), generators=len(outcomes),
+            pushed=applied, generators=len(outcomes),
         )
     logs.event(host.log, "training finished", steps=trainer.step, version=trainer.version)
 

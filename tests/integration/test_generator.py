@@ -1,0 +1,108 @@
+"""A real generator process: direct sampling over gRPC, exact delta application, and
+refusal of deltas it cannot apply (wrong base, corrupted, another model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from procs import ServiceProc, start_service
+from rollstream.core import deltas, modeling, weight_transfer
+from rollstream.core.grpc_utils import channel
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
+
+
+@pytest.fixture
+def generator(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
+    proc = start_service("generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1").wait_ready()
+    yield proc
+    proc.stop()
+
+
+def version0_bits(model_dir: Path) -> dict[str, np.ndarray]:
+    model, _ = modeling.load_model(model_dir)
+    return modeling.model_bits(model)
+
+
+def push(gen: ServiceProc, chunks) -> weights_pb2.PushResult:
+    with channel(gen.grpc_address) as ch:
+        return generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(chunks), timeout=60)
+
+
+def state(gen: ServiceProc) -> generator_pb2.GeneratorState:
+    with channel(gen.grpc_address) as ch:
+        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+
+
+def perturbed(bits: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, b in bits.items():
+        step = (rng.random(b.shape) < 0.05).astype(np.uint16) * rng.integers(1, 4, b.shape, dtype=np.uint16)
+        out[name] = b + step
+    return out
+
+
+def test_generate_returns_group_with_logprobs(generator: ServiceProc) -> None:
+    task = rollout_pb2.PromptTask(
+        task_id="direct-1",
+        messages=[rollout_pb2.ChatMessage(role="user", content="What is 2 + 3?")],
+        answer="5",
+        group_size=3,
+        sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=5, seed=7),
+        task_kind="arithmetic",
+    )
+    with channel(generator.grpc_address) as ch:
+        stub = generator_pb2_grpc.GeneratorStub(ch)
+        group = stub.Generate(generator_pb2.GenerateRequest(task=task), timeout=60)
+        again = stub.Generate(generator_pb2.GenerateRequest(task=task), timeout=60)
+    assert group.group_id == "direct-1" and group.policy_version == 0
+    assert len(group.completions) == 3
+    for c in group.completions:
+        assert 1 <= len(c.token_ids) <= 5
+        assert len(c.behaviour_logprobs) == len(c.token_ids)
+        assert all(lp <= 0.0 for lp in c.behaviour_logprobs)
+        assert c.finish_reason in ("stop", "length")
+        assert list(c.versions) == [rollout_pb2.VersionSpan(version=0, start=0, end=len(c.token_ids))]
+    # Same seed, same weights: the same samples.
+    assert [list(c.token_ids) for c in group.completions] == [list(c.token_ids) for c in again.completions]
+
+
+def test_deltas_apply_exactly_and_bad_ones_are_refused(generator: ServiceProc, tiny_model_dir: Path) -> None:
+    v0 = version0_bits(tiny_model_dir)
+    fingerprint = deltas.model_fingerprint({k: v.shape for k, v in v0.items()})
+    assert state(generator).weights_sha256 == deltas.weights_sha256(v0)
+
+    v1 = perturbed(v0, seed=1)
+    payload, _ = deltas.encode_delta(v0, v1, 0, 1, fingerprint)
+    result = push(generator, weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", 0, 1, fingerprint), chunk_bytes=4096))
+    assert result.applied and result.version == 1, result.error
+    assert state(generator).weights_sha256 == deltas.weights_sha256(v1)
+
+    # The same delta again: its base (0) is not what the generator holds (1).
+    result = push(generator, weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", 0, 1, fingerprint)))
+    assert not result.applied and "base is version 0" in result.error
+
+    # Corrupted in transit: the sha256 check refuses it before decoding.
+    v2 = perturbed(v1, seed=2)
+    payload2, _ = deltas.encode_delta(v1, v2, 1, 2, fingerprint)
+    chunks = list(weight_transfer.to_chunks(payload2, deltas.PayloadInfo("delta", 1, 2, fingerprint), chunk_bytes=1024))
+    chunks[1] = weights_pb2.WeightChunk(data=bytes([chunks[1].data[0] ^ 0xFF]) + chunks[1].data[1:])
+    result = push(generator, chunks)
+    assert not result.applied and "corrupted" in result.error
+
+    # A payload for another model.
+    other, _ = deltas.encode_delta(v1, v2, 1, 2, "0123456789abcdef")
+    result = push(generator, weight_transfer.to_chunks(other, deltas.PayloadInfo("delta", 1, 2, "0123456789abcdef")))
+    assert not result.applied and "for model" in result.error
+
+    # After all refusals the generator still serves version 1, bit for bit.
+    after = state(generator)
+    assert after.policy_version == 1 and after.weights_sha256 == deltas.weights_sha256(v1)
+
+    # An anchor replaces everything, whatever was held.
+    anchor = deltas.encode_anchor(v2, 2, fingerprint)
+    result = push(generator, weight_transfer.to_chunks(anchor, deltas.PayloadInfo("anchor", 2, 2, fingerprint)))
+    assert result.applied and state(generator).weights_sha256 == deltas.weights_sha256(v2)
