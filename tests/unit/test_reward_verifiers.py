@@ -25,8 +25,12 @@ WEIGHTS = {"answer": 1.0, "format": 0.1}
         ("8\n", "8", True),
         ("The answer is 8", "8", True),
         ("The answer is 8.", "8", True),
-        ("3 + 5 = 8", "8", False),  # the first number is 3
-        ("9 no wait 8", "8", False),  # the first number counts, not the last
+        ("3 + 5 = 8", "8", True),  # restating the question is fine: the last number counts
+        ("9 no wait 8", "8", True),
+        ("8, no wait, 9", "8", False),
+        ("The answer is 8. Then 3 + 4 = 7", "8", True),  # a stated answer wins over later numbers
+        ("The answer is 7. 3 + 5 = 8", "8", False),
+        ("answer is: 8", "8", True),
         ("eight", "8", False),
         ("", "8", False),
         ("80", "8", False),
@@ -40,8 +44,8 @@ WEIGHTS = {"answer": 1.0, "format": 0.1}
         ("1,234", "1234", True),
         ("The total is 1,234 apples", "1234", True),
         ("1234", "1,234", True),
-        ("1,2,3", "1", True),  # commas that are not thousands groups separate numbers
-        ("12,34", "12", True),
+        ("1,2,3", "3", True),  # commas that are not thousands groups separate numbers
+        ("12,34", "34", True),
         ("  \t 42  \n", "42", True),
         ("x=7", "7", True),
         ("007", "7", True),
@@ -59,7 +63,10 @@ def test_arithmetic_answer(completion: str, answer: str, correct: bool) -> None:
         ("-3", True),
         ("1,234", True),
         ("8\n", True),
-        ("The answer is 8", False),
+        ("The answer is 8", True),
+        ("the answer is 8.", True),
+        ("The answer is eight", False),
+        ("So the answer is 8", False),
         ("8 apples", False),
         ("8..", False),
         ("8.5", False),
@@ -84,7 +91,8 @@ def test_arithmetic_weights_combine() -> None:
         ("answer", 1.0, 1.0, "ok"),
         ("format", 1.0, 0.1, "ok"),
     ]
-    assert verifiers.score("arithmetic", "The answer is 8", "8", WEIGHTS).reward == pytest.approx(1.0)
+    assert verifiers.score("arithmetic", "The answer is 8", "8", WEIGHTS).reward == pytest.approx(1.1)
+    assert verifiers.score("arithmetic", "4 + 4 is 8", "8", WEIGHTS).reward == pytest.approx(1.0)
     assert verifiers.score("arithmetic", "9", "8", WEIGHTS).reward == pytest.approx(0.1)
     assert verifiers.score("arithmetic", "eight", "8", WEIGHTS).reward == 0.0
     custom = verifiers.score("arithmetic", "8.", "8", {"answer": 2.0, "format": -0.5})

@@ -138,12 +138,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         stale_keys = list(client.scan_iter(match=f"rs:{args.run}:*"))
         if stale_keys:
             client.delete(*stale_keys)
-    threads = str(args.threads or max(1, (os.cpu_count() or 2) // 2))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    # The trainer's step is the long pole: it gets every core. Generation of the next batch
+    # overlaps with it, so the generators (and the reference) get half.
+    cores = os.cpu_count() or 2
+    trainer_threads = str(args.threads or cores)
+    side_threads = str(args.threads or max(1, cores // 2))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     common = ["--redis-url", redis_url, "--run", args.run, "--log-json" if args.log_json else "--no-log-json"]
-    model_args = ["--model", model, "--threads", threads]
+    model_args = ["--model", model, "--threads", side_threads]
     trainer_args = [
-        "trainer", *common, *model_args, "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
+        "trainer", *common, "--model", model, "--threads", trainer_threads,
+        "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--consumer", "trainer-0",
     ]
@@ -163,7 +168,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         console.print("starting trainer (loading the model)...")
         trainer_address = children[0].grpc_address()
         for i in range(args.generators):
-            children.append(Child(f"generator-{i}", ["generator", *common, *model_args, "--trainer-address", trainer_address, "--consumer", f"generator-{i}"], env, workdir))
+            # One step's worth of groups ahead: more would only be dropped as stale.
+            generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(args.groups_per_step)]
+            children.append(Child(f"generator-{i}", ["generator", *common, *model_args, *generator_args], env, workdir))
         output_stage = "scored" if args.beta > 0 else "ready"
         children.append(Child("reward-0", ["reward", *common, "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))
         if args.beta > 0:
@@ -206,7 +213,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             child.stop()
         wall = time.monotonic() - started
         result = summary(progress.steps, wall)
-        result["stats"] = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+        try:
+            result["stats"] = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+        except redis.RedisError as e:
+            console.print(f"[yellow]could not read the run's counters: {e}[/]")
         client.close()
         if embedded is not None:
             embedded.stop()
@@ -276,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 also starts the reference service")
     up.add_argument("--group-size", type=int, default=8)
     up.add_argument("--groups-per-step", type=int, default=8)
-    up.add_argument("--max-new-tokens", type=int, default=12)
-    up.add_argument("--threads", type=int, default=0, help="torch threads per service (default: cores / 2)")
+    up.add_argument("--max-new-tokens", type=int, default=16)
+    up.add_argument("--threads", type=int, default=0, help="torch threads per service (default: all cores for the trainer, half for the others)")
     up.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=True, help="delete the run's keys first")
     up.add_argument("--log-json", action="store_true")
     up.set_defaults(func=cmd_up)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 ENV_PREFIX = "ROLLSTREAM_"
 
@@ -109,6 +109,8 @@ def load_settings(cls: type[S], argv: list[str] | None = None, **overrides: Any)
         loaded = _Loaded(**flags)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(cls, e)) from None
+    except SettingsError as e:  # e.g. an environment value that should be JSON and is not
+        raise ConfigError(f"invalid {cls.__name__} configuration: {e}") from None
     return cls.model_validate(loaded.model_dump())
 
 

@@ -9,7 +9,10 @@ smallest of:
              exactly): at RL learning rates most changes are a few ULPs, which compress
              better than the values themselves;
 each part zstd-compressed when that is smaller. Decoding is exact given the base; a payload
-whose base or model does not match what the receiver holds is refused.
+whose base or model does not match what the receiver holds is refused. Each changed
+tensor also carries the xxh3-64 hash of its new bits, checked after decoding: a corrupted
+part, or a base with the right version number but other contents (a trainer restarted
+from scratch), is refused instead of silently producing wrong weights.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 import zstandard
 
 from rollstream.core import safetensors_io
@@ -91,6 +95,10 @@ def encode_anchor(weights: Mapping[str, np.ndarray], version: int, fingerprint: 
     return safetensors_io.dumps(dict(weights), _meta("anchor", version, version, fingerprint), bf16=set(weights))
 
 
+def _bits_hash(bits: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(bits).data)
+
+
 def _maybe_zstd(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[bytes, bool]:
     packed = cctx.compress(raw)
     return (packed, True) if len(packed) < len(raw) else (raw, False)
@@ -111,7 +119,10 @@ def _encode_tensor(base: np.ndarray, new: np.ndarray, cctx: zstandard.ZstdCompre
     steps = values - flat_base[idx]  # uint16 arithmetic wraps: exactly invertible
     val_options = [("bf16", *_maybe_zstd(values.astype("<u2").tobytes(), cctx)), ("ulp", *_maybe_zstd(steps.astype("<u2").tobytes(), cctx))]
     val_kind, val_bytes, val_z = min(val_options, key=lambda o: len(o[1]))
-    info = {"shape": list(base.shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z}
+    info = {
+        "shape": list(base.shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z,
+        "xxh3": _bits_hash(new),
+    }
     return info, pos_bytes, val_bytes
 
 
@@ -119,7 +130,7 @@ def encode_delta(base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], 
     """Exact delta turning `base` into `new` (same names and shapes)."""
     if base.keys() != new.keys():
         raise DeltaError(f"weight names differ: {sorted(set(base) ^ set(new))[:5]}")
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
     stats = DeltaStats()
     parts: dict[str, np.ndarray] = {}
     infos: dict[str, dict] = {}
@@ -224,4 +235,6 @@ def _apply_tensor(base: np.ndarray, t: dict, pos: np.ndarray, val: np.ndarray, d
         new[idx] = flat[idx] + values  # uint16 wrap-around inverts the encoder's subtraction
     else:
         raise ValueError(f"unknown value encoding {t['val']!r}")
+    if _bits_hash(new) != t["xxh3"]:
+        raise ValueError("decoded weights do not hash to the trainer's (corrupted part, or a different base)")
     return new.reshape(base.shape)

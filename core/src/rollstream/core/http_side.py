@@ -40,6 +40,7 @@ class HttpSide:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
+        self.sock.listen(128)  # listen now: the state file announcing this port is written before uvicorn starts
         self.port = int(self.sock.getsockname()[1])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)

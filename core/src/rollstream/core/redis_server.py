@@ -66,7 +66,9 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Own session: a Ctrl-C meant for `rollstream up` must not kill Redis before the
+        # services have shut down cleanly (up stops Redis last).
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         client = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + timeout_s
         while True:

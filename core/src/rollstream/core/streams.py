@@ -1,14 +1,17 @@
 """The rollout buffer: Redis streams read through consumer groups.
 
 One `StreamStage` is one consumer of one input stream. Its contract:
-- `read()` first takes over entries left pending by a dead consumer (XAUTOCLAIM after
-  `claim_idle_ms`), then reads new ones (XREADGROUP `>`). Entries delivered more than
+- `read()` first returns this consumer's own pending entries (after a restart under the
+  same name), then takes over entries left pending by another, dead consumer (idle for
+  `claim_idle_ms`: XPENDING IDLE + XCLAIM), then reads new ones (XREADGROUP `>`). Entries delivered more than
   `max_deliveries` times go to the dead-letter stream instead of being returned.
 - `commit()` writes the outputs to the next stream(s) and acknowledges the inputs in one
-  MULTI/EXEC transaction: a crash before EXEC leaves the inputs pending (they are claimed
-  again), a crash after it has already written and acknowledged. Nothing is lost;
-  duplicates can only come from a take-over racing a slow consumer, and the trainer
-  deduplicates by group_id.
+  Lua script, which Redis runs atomically: a crash leaves either nothing done (the inputs
+  stay pending and are claimed again) or everything. Unlike MULTI/EXEC, a script stops at
+  the first failing command, and the ack comes last: an output that cannot be written
+  (WRONGTYPE, OOM) leaves its input pending instead of acknowledging it away. Duplicates
+  can only come from a take-over racing a slow consumer; the trainer deduplicates by
+  group_id.
 - `dead_letter()` moves an entry to `rs:<run>:dead` with its reason, atomically with its ack.
 - `trim()` deletes entries that every consumer group has acknowledged.
 """
@@ -72,7 +75,54 @@ class Entry:
     deliveries: int
 
 
-Extra = Callable[[redis.client.Pipeline], None]
+# Runs a list of commands in order and stops at the first error (redis.call raises). The
+# commands arrive flattened in ARGV: count, then per command its argc and arguments. Keys
+# travel inside ARGV, which is fine on a single Redis (not on Redis Cluster).
+_RUN_COMMANDS = """
+local i = 1
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local argc = tonumber(ARGV[i]); i = i + 1
+  redis.call(unpack(ARGV, i, i + argc - 1))
+  i = i + argc
+end
+return n
+"""
+
+
+class Ops:
+    """Commands to run atomically with a commit; the same method names as a redis-py pipeline."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[bytes | str | int | float]] = []
+
+    def xadd(self, key: str, fields: dict, maxlen: int | None = None, approximate: bool = True) -> None:
+        trim: list[bytes | str | int | float] = ["MAXLEN", "~" if approximate else "=", maxlen] if maxlen else []
+        flat: list[bytes | str | int | float] = [x for kv in fields.items() for x in kv]
+        self.commands.append(["XADD", key, *trim, "*", *flat])
+
+    def xack(self, key: str, group: str, *ids: bytes) -> None:
+        self.commands.append(["XACK", key, group, *ids])
+
+    def hincrby(self, key: str, field: str, amount: int = 1) -> None:
+        self.commands.append(["HINCRBY", key, field, amount])
+
+    def sadd(self, key: str, *members: str) -> None:
+        if members:
+            self.commands.append(["SADD", key, *members])
+
+    def set(self, key: str, value: str | int) -> None:
+        self.commands.append(["SET", key, value])
+
+    def argv(self) -> list[bytes | str | int | float]:
+        out: list[bytes | str | int | float] = [len(self.commands)]
+        for command in self.commands:
+            out.append(len(command))
+            out.extend(command)
+        return out
+
+
+Extra = Callable[[Ops], None]
 
 
 def connect(url: str) -> redis.Redis:
@@ -108,8 +158,9 @@ class StreamStage:
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
-        self._claim_cursor = b"0-0"
+        self._own_cursor: bytes | str = "0"
         self._own_pending_done = False
+        self._run_commands = client.register_script(_RUN_COMMANDS)
         self.ensure_group(self.client, self.stream, self.group)
 
     @staticmethod
@@ -132,24 +183,37 @@ class StreamStage:
         return self._filter_over_delivered(entries)
 
     def _read_own_pending(self, count: int) -> list[Entry]:
-        """After a restart under the same consumer name, our own unacked entries come first."""
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+        """After a restart under the same consumer name, our own unacked entries come first,
+        each once (a cursor walks the history; it restarts only after a failed commit)."""
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: self._own_cursor}, count=count)
         entries = self._entries(reply)
-        if not entries:
+        if entries:
+            self._own_cursor = entries[-1].id
+        else:
             self._own_pending_done = True
         return self._with_deliveries(entries)
 
     def _claim_stale(self, count: int) -> list[Entry]:
-        reply = self.client.xautoclaim(
-            self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms, start_id=self._claim_cursor, count=count
-        )
-        self._claim_cursor = reply[0]
-        claimed = [Entry(id=eid, fields=fields, deliveries=0) for eid, fields in reply[1] if eid is not None]
-        # Entries trimmed away while pending come back without fields (6.2) or in reply[2] (7.x).
-        gone = [e.id for e in claimed if not e.fields] + list(reply[2] if len(reply) > 2 else [])
+        """Take over entries idle for claim_idle_ms on *other* consumers (XAUTOCLAIM would also
+        hand us back entries we hold ourselves, e.g. a trainer filling its batch)."""
+        pending = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count * 8, idle=self.claim_idle_ms)
+        ids = [p["message_id"] for p in pending if _text(p["consumer"]) != self.consumer][:count]
+        if not ids:
+            return []
+        claimed = self.client.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, ids)
+        entries = [Entry(id=eid, fields=fields or {}, deliveries=0) for eid, fields in claimed if eid is not None]
+        # Entries trimmed away while pending have no fields any more: nothing to process.
+        present = {e.id for e in entries if e.fields}
+        gone = [i for i in ids if i not in present]
         if gone:
             self.client.xack(self.stream, self.group, *gone)
-        return self._with_deliveries([e for e in claimed if e.fields])
+        return self._with_deliveries([e for e in entries if e.fields])
+
+    def touch(self, entries: Sequence[Entry]) -> None:
+        """Reset the idle time of entries we hold but have not committed yet, so that other
+        consumers do not take them over (XCLAIM JUSTID does not count a delivery)."""
+        if entries:
+            self.client.xclaim(self.stream, self.group, self.consumer, 0, [e.id for e in entries], justid=True)
 
     def _read_new(self, count: int, block_ms: int) -> list[Entry]:
         reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
@@ -167,7 +231,9 @@ class StreamStage:
         """Fill in each entry's delivery count from the pending entries list."""
         if not entries:
             return entries
-        pending = self.client.xpending_range(self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=len(entries) * 4)
+        pending = self.client.xpending_range(
+            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=len(entries), consumername=self.consumer
+        )
         counts = {p["message_id"]: p["times_delivered"] for p in pending}
         for e in entries:
             e.deliveries = int(counts.get(e.id, 1))
@@ -187,15 +253,24 @@ class StreamStage:
     # -- writing ---------------------------------------------------------------------
 
     def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> None:
-        """Write `outputs` (stage name, message) and ack `entries` in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
+        """Write `outputs` (stage name, message), run `extra`, then ack `entries`: atomically."""
+        ops = Ops()
         for stage, message in outputs:
-            pipe.xadd(self.keys.stream(stage), codec.encode(message))
+            ops.xadd(self.keys.stream(stage), codec.encode(message))
         if extra is not None:
-            extra(pipe)
+            extra(ops)
         if entries:
-            pipe.xack(self.stream, self.group, *[e.id for e in entries])
-        pipe.execute()
+            ops.xack(self.stream, self.group, *[e.id for e in entries])
+        self._execute(ops)
+
+    def _execute(self, ops: Ops) -> None:
+        try:
+            self._run_commands(args=ops.argv())
+        except redis.RedisError:
+            # Whatever we hold is still pending: re-read our own pending entries first next time.
+            self._own_pending_done = False
+            self._own_cursor = "0"
+            raise
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         letter = rollout_pb2.DeadLetter(
@@ -210,17 +285,21 @@ class StreamStage:
         )
         fields = codec.encode(letter)
         fields["reason"] = reason.encode()  # readable with plain redis-cli
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, fields, maxlen=100_000, approximate=True)
-        pipe.hincrby(self.keys.stats, f"dead_{self.source}", 1)
-        pipe.xack(self.stream, self.group, entry.id)
-        pipe.execute()
+        ops = Ops()
+        ops.xadd(self.keys.dead, fields, maxlen=100_000)
+        ops.hincrby(self.keys.stats, f"dead_{self.source}", 1)
+        ops.xack(self.stream, self.group, entry.id)
+        self._execute(ops)
 
     # -- housekeeping ----------------------------------------------------------------
 
     def trim(self) -> int:
         """Delete entries of the input stream that every group has acknowledged."""
         return trim_acknowledged(self.client, self.stream)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _id_tuple(eid: bytes | str) -> tuple[int, int]:

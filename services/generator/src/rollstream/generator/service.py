@@ -88,11 +88,18 @@ class Generator:
             stub = trainer_pb2_grpc.TrainerStub(ch)
             state = stub.GetState(trainer_pb2.TrainerStateRequest(), timeout=10)
             have = self.weights.version
-            if have is not None and have >= state.version:
+            if have == state.version:
                 return True
             logs.event(self.log, "catching up", have=have, trainer=state.version)
             request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
-            self.apply_stream(stub.FetchWeights(request, timeout=600))
+            try:
+                self.apply_stream(stub.FetchWeights(request, timeout=600))
+            except deltas.DeltaError as e:
+                # Our version number matches the chain but our weights do not (the trainer
+                # restarted from scratch): start over from its anchor.
+                logs.event(self.log, "deltas refused during catch-up; fetching the anchor", level=30, error=str(e))
+                request.have_version = -1
+                self.apply_stream(stub.FetchWeights(request, timeout=600))
             return True
 
     def sync_forever(self) -> None:
@@ -263,9 +270,9 @@ def loop(gen: Generator, stage: streams.StreamStage, client, keys: streams.RunKe
             continue
         groups = gen.generate(tasks)
 
-        def ledger(pipe, groups=groups) -> None:
-            pipe.hincrby(keys.stats, "generated", len(groups))
-            pipe.sadd(keys.groups("generated"), *[g.group_id for g in groups])
+        def ledger(ops: streams.Ops, groups=groups) -> None:
+            ops.hincrby(keys.stats, "generated", len(groups))
+            ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
 
         stage.commit(good, outputs=[("rollouts", g) for g in groups], extra=ledger)
         stage.trim()

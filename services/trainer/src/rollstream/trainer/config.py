@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from rollstream.core.config import CommonSettings
 
@@ -45,16 +47,19 @@ class TrainerSettings(CommonSettings):
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
     chunk_tokens: int = Field(1024, ge=1, description="LM-head chunk when computing log-probs")
     # Weight sync
-    generators: list[str] = Field(default_factory=list, description="generator gRPC addresses (empty: the Redis registry)")
+    # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
+    generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty: the Redis registry)")
     anchor_interval: int = Field(20, ge=1, description="publish a full anchor every N versions")
     push_timeout_s: float = Field(120.0, gt=0)
     group: str = Field("trainer", description="consumer group on the ready stream")
 
-    @field_validator("generators", mode="before")
+    @field_validator("generators", "betas", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
-        # Flags and env give "a:1,b:2"; TOML gives a list.
+        # Flags and env give "a:1,b:2" or "0.9,0.999" (or JSON); TOML gives a list.
         if isinstance(v, str):
+            if v.lstrip().startswith("["):
+                return json.loads(v)
             return [a.strip() for a in v.split(",") if a.strip()]
         return v
 

@@ -62,7 +62,9 @@ def grpo_loss(
     return LossParts(
         loss=loss,
         kl_sum=float(kl.detach().sum()),
-        clipped_tokens=int((clipped.detach() != unclipped.detach()).sum()),
+        # Tokens whose gradient the clip removed (TRL's definition): ratio above 1+eps with a
+        # positive advantage, or below 1-eps with a negative one.
+        clipped_tokens=int((((ratio > 1.0 + clip_eps) & (advantages > 0)) | ((ratio < 1.0 - clip_eps) & (advantages < 0))).sum()),
         tokens=int(logp.numel()),
         entropy_sum=float(entropy.detach().sum()) if entropy is not None else 0.0,
     )

@@ -18,12 +18,14 @@ class Prompt:
 
 
 def arithmetic(seed: int, max_operand: int = 9) -> Iterator[Prompt]:
-    """Endless single-digit additions. SmolLM2-135M-Instruct starts around 0.2-0.5 mean
-    reward here (enough signal to learn from); two-digit sums start near 0."""
+    """Endless single-digit additions. SmolLM2-135M-Instruct (temperature 1) starts around
+    0.15-0.2 mean reward with this wording and the reward service's `arithmetic` recipe:
+    enough signal to learn from (two-digit sums start near 0; scripts/probe_demo_task.py
+    compares wordings)."""
     rng = random.Random(seed)
     while True:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        question = f"What is {a} + {b}? Answer with just the number."
+        question = f'What is {a} + {b}? Reply with "The answer is" and the number.'
         yield Prompt(messages=(("user", question),), answer=str(a + b), task_kind="arithmetic")
 
 

@@ -80,8 +80,11 @@ class WeightPublisher:
             raise deltas.DeltaError(f"generator model {fingerprint} is not the trainer's {self.fingerprint}")
         with self._lock:
             anchor, chain = self._anchor, list(self._deltas)
-        if have_version >= anchor.info.version:
+        current = chain[-1].info.version if chain else anchor.info.version
+        if anchor.info.version <= have_version <= current:
             return [d for d in chain if d.info.base_version >= have_version]
+        # Older than the anchor, nothing held (-1), or *ahead* of us (weights from an earlier
+        # run of a trainer that restarted from scratch): start over from the anchor.
         return [anchor, *chain]
 
     def push(self, addresses: Sequence[str], published: Published, timeout_s: float) -> list[PushOutcome]:

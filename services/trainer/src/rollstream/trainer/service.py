@@ -258,13 +258,16 @@ def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, dir
             except codec.EntryError as e:
                 stage.dead_letter(entry, str(e))
                 continue
+            if entry.id in {e.id for e, _ in batch}:
+                continue  # already held (re-read after a failed commit): not a duplicate group
             seen = group.group_id in {g.group_id for _, g in batch}
             if seen or client.sismember(keys.groups("trained"), group.group_id) or client.sismember(keys.groups("stale"), group.group_id):
-                stage.commit([entry], extra=lambda p: p.hincrby(keys.stats, "duplicates", 1))
+                stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
                 continue
             batch.append((entry, group))
         batch = drop_stale(trainer, stage, keys, batch)
         if len(batch) < s.groups_per_step:
+            stage.touch([e for e, _ in batch])  # still ours: keep other consumers off them
             continue
         taken, batch = batch[: s.groups_per_step], batch[s.groups_per_step :]
         groups = [g for _, g in taken]
@@ -276,13 +279,13 @@ def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, dir
 
         applied = sum(o.applied for o in outcomes)
 
-        def ledger(pipe, groups=groups, metrics=metrics, applied=applied) -> None:
-            pipe.sadd(keys.groups("trained"), *[g.group_id for g in groups])
-            pipe.hincrby(keys.stats, "trained", len(groups))
-            pipe.hincrby(keys.stats, "pushes_applied", applied)
-            pipe.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
-            pipe.set(keys.version, trainer.version)
-            pipe.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
+        def ledger(ops: streams.Ops, groups=groups, metrics=metrics, applied=applied) -> None:
+            ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
+            ops.hincrby(keys.stats, "trained", len(groups))
+            ops.hincrby(keys.stats, "pushes_applied", applied)
+            ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
+            ops.set(keys.version, trainer.version)
+            ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
 
         stage.commit([e for e, _ in taken], extra=ledger)
         stage.trim()
@@ -303,9 +306,9 @@ def drop_stale(trainer: Trainer, stage: streams.StreamStage, keys: streams.RunKe
     keep = [(e, g) for e, g in batch if trainer.version - g.policy_version <= limit]
     stale = [(e, g) for e, g in batch if trainer.version - g.policy_version > limit]
     if stale:
-        def ledger(pipe) -> None:
-            pipe.sadd(keys.groups("stale"), *[g.group_id for _, g in stale])
-            pipe.hincrby(keys.stats, "stale", len(stale))
+        def ledger(ops: streams.Ops) -> None:
+            ops.sadd(keys.groups("stale"), *[g.group_id for _, g in stale])
+            ops.hincrby(keys.stats, "stale", len(stale))
 
         stage.commit([e for e, _ in stale], extra=ledger)
         trainer.groups_stale += len(stale)

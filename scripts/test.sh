@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install (idempotent) and run the tests.
+#   bash scripts/test.sh          default suite, then the slow tier (demo learning on SmolLM2)
+#   bash scripts/test.sh --fast   default suite only (a few minutes)
+# Extra arguments after --fast are passed to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+PY="${ROLLSTREAM_VENV:-.venv}/bin/python"
+fast=0
+if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
+"$PY" -m pytest -m "not slow" "$@"
+if [ "$fast" = 0 ]; then
+  "$PY" -m pytest -m slow "$@"
+fi

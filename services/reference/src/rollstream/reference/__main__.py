@@ -1,0 +1,3 @@
+from rollstream.reference.service import main
+
+raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""The frozen reference model and the one thing it does: per-token log-probs of completions.
+
+The model is loaded once, rounded to bf16 values, and never updated. Sequences are packed
+into micro-batches of at most `token_budget` padded tokens, and the LM head runs in chunks
+of `chunk_tokens` (rollstream.core.modeling), so memory stays bounded whatever arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rollstream.core import modeling
+
+# (prompt token ids, completion token ids)
+TokenPair = tuple[Sequence[int], Sequence[int]]
+
+
+@torch.no_grad()
+def round_to_bf16_(model: torch.nn.Module) -> None:
+    """Replace every weight by its bf16 rounding, kept in the model's own dtype.
+
+    The trainer's version 0 (what the generator samples with, and what the KL starts from)
+    is the bf16 rounding of the checkpoint. Rounding here too makes pi_ref equal to the
+    version-0 policy, so the KL is exactly zero before the first update instead of
+    measuring fp32-vs-bf16 rounding noise.
+    """
+    for p in modeling.named_weights(model).values():
+        p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+class ReferenceModel:
+    """Frozen causal LM computing log pi_ref(token | prefix) for completion tokens."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, *, token_budget: int, chunk_tokens: int, temperature: float = 1.0):
+        self.model = model.eval().requires_grad_(False)
+        self.pad_id = pad_id
+        self.token_budget = token_budget
+        self.chunk_tokens = chunk_tokens
+        self.temperature = temperature
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        # One forward at a time: the stream loop and gRPC calls share the model, and the
+        # token budget bounds memory only if micro-batches do not run side by side.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        token_budget: int = 8192,
+        chunk_tokens: int = 1024,
+        temperature: float = 1.0,
+    ) -> "ReferenceModel":
+        model, tokenizer = modeling.load_model(path, dtype=dtype, device=device)
+        round_to_bf16_(model)  # explicit: see round_to_bf16_ for why
+        return cls(model, int(tokenizer.pad_token_id), token_budget=token_budget, chunk_tokens=chunk_tokens, temperature=temperature)
+
+    def check(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
+        """Raise ValueError (the message says what is wrong) for a pair the model cannot score."""
+        if not prompt_ids:
+            # The first completion token is predicted from the last prompt position; without
+            # one there is nothing to condition on.
+            raise ValueError("empty prompt: the first completion token needs at least one prompt token before it")
+        too_big = [t for t in (*prompt_ids, *completion_ids) if t >= self.vocab_size]
+        if too_big:
+            raise ValueError(f"token id {too_big[0]} is outside the model's vocabulary of {self.vocab_size}")
+        total = len(prompt_ids) + len(completion_ids)
+        if self.max_positions and total > self.max_positions:
+            raise ValueError(f"sequence of {total} tokens is longer than the model's context of {self.max_positions}")
+
+    @torch.inference_mode()
+    def logprobs(self, sequences: Sequence[TokenPair]) -> list[list[float]]:
+        """log pi_ref of each completion token given everything before it, per sequence.
+
+        Callers check pairs with `check` first; an invalid pair raises from torch here.
+        """
+        out: list[list[float]] = [[] for _ in sequences]
+        # Empty completions have nothing to score (and would leave a micro-batch with no
+        # target tokens); they keep their empty list.
+        todo = [i for i, (_, completion) in enumerate(sequences) if len(completion) > 0]
+        lengths = [len(sequences[i][0]) + len(sequences[i][1]) for i in todo]
+        with self._lock:
+            for packed in modeling.pack_by_tokens(lengths, self.token_budget):
+                indices = [todo[k] for k in packed]
+                batch = modeling.make_batch([sequences[i] for i in indices], self.pad_id, self.device)
+                flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+                for i, values in zip(indices, flat.float().cpu().split(batch.lengths)):
+                    out[i] = values.tolist()
+        return out

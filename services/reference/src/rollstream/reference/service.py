@@ -1,0 +1,239 @@
+"""The reference service: rs:<run>:scored -> the same groups with ref_logprobs -> rs:<run>:ready.
+
+Loop (one thread): read scored groups; dead-letter what does not parse or cannot be
+scored; score every completion of every group read in one call (packed into micro-batches
+inside); write the groups to `ready` and acknowledge the inputs in one transaction; trim
+the scored stream now and then. Groups that already carry ref log-probs pass through.
+
+gRPC (server threads): ComputeLogprobs on the same frozen model, GetState.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import redis
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from rollstream.core import codec, logs, streams
+from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.grpc_utils import Service
+from rollstream.core.models import ModelNotFoundError, resolve_model
+from rollstream.core.service import ServiceHost
+from rollstream.reference.config import ReferenceSettings
+from rollstream.reference.scoring import ReferenceModel, TokenPair
+from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
+
+
+@dataclass
+class Totals:
+    """What GetState reports; written by the loop and gRPC threads, hence the lock."""
+
+    groups: int = 0  # groups given ref log-probs by the stream loop
+    tokens: int = 0  # completion tokens scored, stream and gRPC together
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, groups: int, tokens: int) -> None:
+        with self.lock:
+            self.groups += groups
+            self.tokens += tokens
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.groups = Counter("rollstream_reference_groups", "groups written to ready", ["outcome"], registry=registry)
+        self.dead = Counter("rollstream_reference_dead_letters", "scored entries sent to the dead-letter stream", registry=registry)
+        self.tokens = Counter("rollstream_reference_tokens", "tokens run through the reference model", ["kind"], registry=registry)
+        self.seconds = Counter("rollstream_reference_compute_seconds", "time spent computing log-probs", registry=registry)
+        self.tokens_per_s = Gauge("rollstream_reference_tokens_per_second", "prompt+completion tokens/s of the last call", registry=registry)
+
+
+class Scorer:
+    """The model plus its accounting; the stream loop and the gRPC servicer both use it."""
+
+    def __init__(self, model: ReferenceModel, metrics: Metrics, totals: Totals):
+        self.model = model
+        self.metrics = metrics
+        self.totals = totals
+
+    def score(self, sequences: Sequence[TokenPair]) -> list[list[float]]:
+        start = time.perf_counter()
+        values = self.model.logprobs(sequences)
+        seconds = time.perf_counter() - start
+        prompt_tokens = sum(len(p) for p, _ in sequences)
+        completion_tokens = sum(len(c) for _, c in sequences)
+        self.metrics.tokens.labels("prompt").inc(prompt_tokens)
+        self.metrics.tokens.labels("completion").inc(completion_tokens)
+        self.metrics.seconds.inc(seconds)
+        if seconds > 0:
+            self.metrics.tokens_per_s.set((prompt_tokens + completion_tokens) / seconds)
+        self.totals.add(0, completion_tokens)
+        return values
+
+
+class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
+    """Serves from the moment the server starts; answers UNAVAILABLE until the model is loaded."""
+
+    def __init__(self, model_name: str, totals: Totals):
+        self.model_name = model_name
+        self.totals = totals
+        self.scorer: Scorer | None = None  # set once, by run(), after the model loads
+
+    def ComputeLogprobs(self, request: reference_pb2.LogprobsRequest, context: grpc.ServicerContext) -> reference_pb2.LogprobsResponse:
+        scorer = self.scorer
+        if scorer is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the reference model is still loading")
+        sequences = [(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
+        for i, (prompt, completion) in enumerate(sequences):
+            try:
+                scorer.model.check(prompt, completion)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sequence {i}: {e}")
+        values = scorer.score(sequences)
+        return reference_pb2.LogprobsResponse(sequences=[reference_pb2.SequenceLogprobs(logprobs=v) for v in values])
+
+    def GetState(self, request: reference_pb2.ReferenceStateRequest, context: grpc.ServicerContext) -> reference_pb2.ReferenceState:
+        with self.totals.lock:
+            return reference_pb2.ReferenceState(model=self.model_name, groups_processed=self.totals.groups, tokens_processed=self.totals.tokens)
+
+
+def reference_entries(entries: Sequence[streams.Entry], stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
+    """Add ref log-probs to the groups in `entries`, write them to ready, ack the inputs."""
+    # 1. Decode and check. What cannot be used goes to the dead-letter stream with its reason.
+    good: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]] = []
+    for entry in entries:
+        try:
+            group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+            codec.validate_group(group)
+            if not group.has_ref_logprobs:
+                for i, c in enumerate(group.completions):
+                    try:
+                        scorer.model.check(group.prompt_ids, c.token_ids)
+                    except ValueError as e:
+                        raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
+        except ValueError as e:  # codec.EntryError is a ValueError too
+            stage.dead_letter(entry, str(e))
+            scorer.metrics.dead.inc()
+            logs.event(host.log, "dead letter", level=30, id=entry.id.decode(), reason=str(e))
+            continue
+        good.append((entry, group))
+    if not good:
+        return
+
+    # 2. Score every completion of every group that needs it, in one call.
+    todo = [g for _, g in good if not g.has_ref_logprobs]
+    sequences = [(list(g.prompt_ids), list(c.token_ids)) for g in todo for c in g.completions]
+    start = time.perf_counter()
+    values = iter(scorer.score(sequences) if sequences else [])
+    seconds = time.perf_counter() - start
+    for g in todo:
+        for c in g.completions:
+            del c.ref_logprobs[:]  # has_ref_logprobs was false: whatever is there is not ours
+            c.ref_logprobs.extend(next(values))
+        g.has_ref_logprobs = True
+
+    # 3. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
+    def ledger(ops: streams.Ops) -> None:
+        ops.hincrby(stage.keys.stats, "referenced", len(todo))
+
+    stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
+    scorer.totals.add(len(todo), 0)
+    scorer.metrics.groups.labels("referenced").inc(len(todo))
+    scorer.metrics.groups.labels("passed_through").inc(len(good) - len(todo))
+    tokens = sum(len(p) + len(c) for p, c in sequences)
+    logs.event(
+        host.log,
+        "groups referenced",
+        groups=len(todo),
+        passed_through=len(good) - len(todo),
+        completions=len(sequences),
+        tokens=tokens,
+        seconds=round(seconds, 3),
+        tokens_per_s=round(tokens / seconds) if seconds > 0 else 0,
+    )
+
+
+def run(settings: ReferenceSettings) -> int:
+    with ServiceHost("reference", settings) as host:
+        host.install_signal_handlers()
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        metrics = Metrics(host.registry)
+        totals = Totals()
+        servicer = ReferenceServicer(settings.model, totals)
+        loaded = threading.Event()
+        # Servers first, so /healthz answers while the model loads; /readyz and gRPC health
+        # say "not ready" until it has.
+        host.start(
+            [Service("rollstream.v1.Reference", servicer, reference_pb2_grpc.add_ReferenceServicer_to_server)],
+            ready=lambda: (True, "model loaded") if loaded.is_set() else (False, "loading model"),
+        )
+
+        started = time.perf_counter()
+        try:
+            model_dir = resolve_model(settings.model)
+        except ModelNotFoundError as e:
+            logs.event(host.log, "model not found", level=40, error=str(e))
+            return 2
+        model = ReferenceModel.load(
+            model_dir,
+            dtype=settings.dtype,
+            device=settings.device,
+            token_budget=settings.token_budget,
+            chunk_tokens=settings.chunk_tokens,
+            temperature=settings.temperature,
+        )
+        scorer = Scorer(model, metrics, totals)
+        servicer.model_name = str(model_dir)
+        servicer.scorer = scorer
+        logs.event(
+            host.log, "model loaded", model=model_dir, dtype=settings.dtype, device=settings.device,
+            vocab=model.vocab_size, seconds=round(time.perf_counter() - started, 1),
+        )
+
+        client = streams.connect(settings.redis_url)
+        keys = streams.RunKeys(settings.run)
+        stage = streams.StreamStage(
+            client, keys, "scored", settings.group, consumer_name(settings),
+            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
+        )
+        loaded.set()
+        host.set_ready(True)
+        logs.event(host.log, "ready", run=settings.run, group=settings.group, consumer=stage.consumer)
+
+        try:
+            loop(settings, stage, scorer, host)
+        finally:
+            client.close()
+    return 0
+
+
+def loop(settings: ReferenceSettings, stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
+    next_trim = time.monotonic() + settings.trim_interval_s
+    while not host.stop.is_set():
+        try:
+            entries = stage.read(settings.read_count, settings.block_ms)
+            if entries:
+                reference_entries(entries, stage, scorer, host)
+            if time.monotonic() >= next_trim:
+                stage.trim()
+                next_trim = time.monotonic() + settings.trim_interval_s
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            # Redis restarting is not our failure: unacked entries stay pending and come back.
+            logs.event(host.log, "redis unavailable", level=30, error=str(e))
+            host.stop.wait(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_settings(ReferenceSettings, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return run(settings)

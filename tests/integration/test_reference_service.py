@@ -1,0 +1,262 @@
+"""The reference service as a real process: real redis-server, real gRPC, real (tiny) model.
+
+One `python -m rollstream.reference` process serves the whole module (loading torch and the
+model is most of a test's cost); every test writes its own groups and finds them by id.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from rollstream.core import codec, streams
+from rollstream.core.grpc_utils import channel, wait_healthy
+from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.reference.scoring import ReferenceModel
+from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
+
+from procs import ServiceProc, start_service  # tests/procs.py (tests/ is on sys.path via conftest.py)
+
+# Small budgets so one group already spans several micro-batches and LM-head chunks.
+TOKEN_BUDGET = 48
+CHUNK_TOKENS = 5
+TEMPERATURE = 0.9
+
+T = TypeVar("T")
+
+
+def wait_for(fn: Callable[[], T | None], timeout_s: float = 20.0, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not met within {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def keys() -> streams.RunKeys:
+    return streams.RunKeys("ref" + uuid.uuid4().hex[:10])
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    c = streams.connect(redis_server.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(redis_server: EmbeddedRedis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+    proc = start_service(
+        "reference",
+        tmp_path_factory.mktemp("reference"),
+        "--model", str(tiny_model_dir),
+        "--redis-url", redis_server.url,
+        "--run", keys.run,
+        "--token-budget", str(TOKEN_BUDGET),
+        "--chunk-tokens", str(CHUNK_TOKENS),
+        "--temperature", str(TEMPERATURE),
+        "--block-ms", "100",
+        "--trim-interval-s", "0.5",
+    )
+    try:
+        proc.wait_ready(timeout_s=60)
+        yield proc
+    finally:
+        # A clean SIGTERM stop exits 0 (checked here, once, for the whole module).
+        rc = proc.stop()
+    assert rc == 0, proc.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_model_dir: Path) -> ReferenceModel:
+    """The same model and settings in this process, to compare values against."""
+    return ReferenceModel.load(tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE)
+
+
+def make_group(vocab: int, n: int = 3, prompt_len: int = 11, seed: int = 0) -> rollout_pb2.RolloutGroup:
+    """A scored group as the reward stage writes it: completions of different lengths."""
+    prompt = [(seed * 7 + 3 * i) % vocab for i in range(prompt_len)]
+    completions = []
+    for j in range(n):
+        tokens = [(seed + 5 * j + 11 * k) % vocab for k in range(4 + 6 * j)]
+        completions.append(
+            rollout_pb2.Completion(
+                token_ids=tokens,
+                behaviour_logprobs=[-1.5] * len(tokens),
+                versions=[rollout_pb2.VersionSpan(version=0, start=0, end=len(tokens))],
+                text=f"completion {j}",
+                finish_reason="length",
+                reward=float(j),
+                reward_components=[rollout_pb2.RewardComponent(name="correct", value=float(j), weight=1.0, status="ok")],
+            )
+        )
+    return rollout_pb2.RolloutGroup(
+        group_id="g-" + uuid.uuid4().hex[:8],
+        task_id="task-" + str(seed),
+        policy_version=0,
+        prompt_ids=prompt,
+        completions=completions,
+        answer="42",
+        task_kind="arithmetic",
+        generator_id="gen-test",
+        scored=True,
+        created_at=time.time(),
+    )
+
+
+def ready_groups(client: redis.Redis, keys: streams.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
+    out = {}
+    for _id, fields in client.xrange(keys.stream("ready")):
+        group = codec.decode(fields, rollout_pb2.RolloutGroup)
+        out[group.group_id] = group
+    return out
+
+
+def wait_ready_group(client: redis.Redis, keys: streams.RunKeys, group_id: str) -> rollout_pb2.RolloutGroup:
+    return wait_for(lambda: ready_groups(client, keys).get(group_id), what=f"group {group_id} in ready")
+
+
+def dead_reasons(client: redis.Redis, keys: streams.RunKeys) -> dict[str, str]:
+    """source entry id -> reason, from the dead-letter stream."""
+    out = {}
+    for _id, fields in client.xrange(keys.dead):
+        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        assert fields[b"reason"].decode() == letter.reason
+        out[letter.source_id] = letter.reason
+    return out
+
+
+def assert_close(got: list[float], want: list[float], atol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) <= atol, (got, want)
+
+
+def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+    sent = make_group(in_process.vocab_size, n=4, seed=1)
+    entry_id = streams.write(client, keys, "scored", sent)
+
+    got = wait_ready_group(client, keys, sent.group_id)
+
+    assert got.has_ref_logprobs
+    want = in_process.logprobs([(list(sent.prompt_ids), list(c.token_ids)) for c in sent.completions])
+    for c, w in zip(got.completions, want):
+        assert len(c.ref_logprobs) == len(c.token_ids)
+        assert_close(list(c.ref_logprobs), w)
+    # Everything else is exactly what came in.
+    stripped = rollout_pb2.RolloutGroup()
+    stripped.CopyFrom(got)
+    stripped.has_ref_logprobs = False
+    for c in stripped.completions:
+        del c.ref_logprobs[:]
+    assert stripped == sent
+    # The input was acknowledged in the same transaction, and counted.
+    pending = client.xpending_range(keys.stream("scored"), "reference", min=entry_id, max=entry_id, count=1)
+    assert pending == []
+    assert int(client.hget(keys.stats, "referenced") or 0) >= 1
+
+
+def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+    garbage = client.xadd(keys.stream("scored"), {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"})
+    wrong_type = streams.write(client, keys, "scored", rollout_pb2.PromptTask(task_id="not-a-group"))
+    no_completions = streams.write(client, keys, "scored", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1, 2]))
+    out_of_vocab = make_group(in_process.vocab_size, seed=2)
+    out_of_vocab.completions[1].token_ids[2] = in_process.vocab_size + 7
+    oov_id = streams.write(client, keys, "scored", out_of_vocab)
+    valid = make_group(in_process.vocab_size, seed=3)
+    streams.write(client, keys, "scored", valid)
+
+    got = wait_ready_group(client, keys, valid.group_id)
+    assert got.has_ref_logprobs
+
+    reasons = wait_for(lambda: (r := dead_reasons(client, keys)) and len(r) >= 4 and r, what="four dead letters")
+    assert "does not parse as rollstream.v1.RolloutGroup" in reasons[garbage.decode()]
+    assert "type is 'rollstream.v1.PromptTask'" in reasons[wrong_type.decode()]
+    assert "has no completions" in reasons[no_completions.decode()]
+    assert f"token id {in_process.vocab_size + 7} is outside the model's vocabulary" in reasons[oov_id.decode()]
+    assert out_of_vocab.group_id not in ready_groups(client, keys)
+    # Dead letters are acknowledged too: nothing of this run is left pending.
+    assert client.xpending(keys.stream("scored"), "reference")["pending"] == 0
+    assert int(client.hget(keys.stats, "dead_scored") or 0) >= 4
+
+
+def test_group_that_already_has_ref_logprobs_passes_through(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+    sent = make_group(in_process.vocab_size, n=2, seed=4)
+    for c in sent.completions:
+        c.ref_logprobs.extend([-0.25] * len(c.token_ids))
+    sent.has_ref_logprobs = True
+    streams.write(client, keys, "scored", sent)
+
+    assert wait_ready_group(client, keys, sent.group_id) == sent
+
+
+def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel, tiny_model_dir: Path) -> None:
+    wait_healthy(reference.grpc_address, timeout_s=10, service="rollstream.v1.Reference")
+    sequences = [([5, 9, 13], [2, 4, 6, 8, 10, 12, 14]), ([7] * 20, [1]), ([3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7])]
+    with channel(reference.grpc_address) as ch:
+        stub = reference_pb2_grpc.ReferenceStub(ch)
+        before = stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=10)
+        reply = stub.ComputeLogprobs(
+            reference_pb2.LogprobsRequest(sequences=[reference_pb2.TokenSequence(prompt_ids=p, completion_ids=c) for p, c in sequences]),
+            timeout=30,
+        )
+        for got, want in zip(reply.sequences, in_process.logprobs(sequences), strict=True):
+            assert_close(list(got.logprobs), want)
+
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ComputeLogprobs(reference_pb2.LogprobsRequest(sequences=[reference_pb2.TokenSequence(prompt_ids=[], completion_ids=[1])]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sequence 0: empty prompt" in err.value.details()
+
+        # GetState counts what the stream loop referenced and every completion token scored.
+        group = make_group(in_process.vocab_size, n=2, seed=5)
+        streams.write(client, keys, "scored", group)
+        wait_ready_group(client, keys, group.group_id)
+        after = stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=10)
+    assert after.model == str(tiny_model_dir.resolve())
+    assert after.groups_processed == before.groups_processed + 1
+    group_tokens = sum(len(c.token_ids) for c in group.completions)
+    assert after.tokens_processed == before.tokens_processed + sum(len(c) for _, c in sequences) + group_tokens
+
+
+def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+    group = make_group(in_process.vocab_size, seed=6)
+    streams.write(client, keys, "scored", group)
+    wait_ready_group(client, keys, group.group_id)
+
+    text = httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=5).text
+    assert 'rollstream_reference_groups_total{outcome="referenced"}' in text
+    assert 'rollstream_reference_tokens_total{kind="completion"}' in text
+    assert "rollstream_reference_tokens_per_second" in text
+    # Acknowledged entries are trimmed from the scored stream (every 0.5 s here).
+    wait_for(lambda: client.xlen(keys.stream("scored")) == 0, timeout_s=10, what="scored stream trimmed")
+
+
+def test_bad_settings_exit_2_naming_the_field() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rollstream.reference", "--dtype", "float16"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "field 'dtype'" in result.stderr
+
+
+def test_missing_model_folder_exits_2(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "rollstream.reference", "--model", str(missing), "--redis-url", redis_server.url],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr

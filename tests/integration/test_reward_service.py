@@ -1,0 +1,327 @@
+"""The reward service as a real process against a real redis-server, and its real gRPC API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from rollstream.core import codec, grpc_utils, streams
+from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
+from tests.procs import ServiceProc, start_service
+
+GROUP = "reward"  # the service's default consumer group
+
+
+def make_group(group_id: str, texts: list[str], answer: str = "8", task_kind: str = "arithmetic") -> rollout_pb2.RolloutGroup:
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id,
+        task_id="task-" + group_id,
+        policy_version=3,
+        prompt_ids=[11, 12, 13],
+        answer=answer,
+        task_kind=task_kind,
+        generator_id="gen-0",
+        created_at=time.time(),
+        completions=[
+            rollout_pb2.Completion(
+                text=t,
+                token_ids=[5, 6],
+                behaviour_logprobs=[-0.5, -0.25],
+                versions=[rollout_pb2.VersionSpan(version=3, start=0, end=2)],
+                finish_reason="stop",
+            )
+            for t in texts
+        ],
+    )
+
+
+def start_reward(tmp_path: Path, redis_url: str, run: str, *args: str, tag: str = "", ready: bool = True) -> ServiceProc:
+    proc = start_service("reward", tmp_path, "--redis-url", redis_url, "--run", run, "--block-ms", "50", *args, tag=tag)
+    return proc.wait_ready(timeout_s=30) if ready else proc
+
+
+def wait_for(what: str, check: Callable[[], bool], proc: ServiceProc | None = None, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"service exited with {proc.proc.returncode} while waiting for {what}:\n{proc.log()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{proc.log()[-4000:]}" if proc else ""))
+        time.sleep(0.02)
+
+
+def groups_in(rclient: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup]:
+    return [codec.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in rclient.xrange(stream)]
+
+
+def write_many(rclient: redis.Redis, keys: RunKeys, groups: list[rollout_pb2.RolloutGroup]) -> None:
+    pipe = rclient.pipeline(transaction=False)
+    for g in groups:
+        pipe.xadd(keys.stream("rollouts"), codec.encode(g))
+    pipe.execute()
+
+
+def assert_exactly_once(rclient: redis.Redis, keys: RunKeys, expected_ids: list[str]) -> None:
+    """Every group downstream once, nothing pending, nothing dead."""
+    out = [g.group_id for g in groups_in(rclient, keys.stream("scored"))]
+    assert sorted(out) == sorted(expected_ids), f"{len(out)} written for {len(expected_ids)} expected"
+    assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+    assert rclient.xlen(keys.dead) == 0
+    assert all(g.scored for g in groups_in(rclient, keys.stream("scored")))
+
+
+def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2")
+    try:
+        rollouts = keys.stream("rollouts")
+        streams.write(rclient, keys, "rollouts", make_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]))
+        bad_ids = {
+            "garbage type": rclient.xadd(rollouts, {"type": "garbage", "schema": "1", "data": b"x"}),
+            "corrupt data": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff"}),
+            "missing fields": rclient.xadd(rollouts, {"data": b""}),
+            "future schema": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "99", "data": b""}),
+            "no completions": streams.write(rclient, keys, "rollouts", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1])),
+        }
+        # The service must keep going after the bad entries.
+        streams.write(rclient, keys, "rollouts", make_group("g2", ["-3", "3"], answer="-3"))
+        prescored = make_group("pre", ["8"])
+        prescored.scored = True
+        prescored.completions[0].reward = 0.7
+        prescored.completions[0].reward_components.add(name="custom", value=0.7, weight=1.0, status="ok")
+        streams.write(rclient, keys, "rollouts", prescored)
+        streams.write(rclient, keys, "rollouts", make_group("chess", ["e4"], answer="e4", task_kind="chess"))
+        streams.write(rclient, keys, "rollouts", make_group("badref", ["8"], answer="eight"))
+
+        wait_for("5 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 5, svc)
+        wait_for("5 dead letters", lambda: rclient.xlen(keys.dead) == 5, svc)
+        out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
+        assert list(out) == ["g1", "g2", "pre", "chess", "badref"]  # input order, bad ones left out
+
+        g1 = out["g1"]
+        assert g1.scored and not g1.has_ref_logprobs
+        assert [c.reward for c in g1.completions] == pytest.approx([1.1, 1.1, 1.1, 0.0, 0.0, 0.1])
+        for c in g1.completions:
+            assert [(rc.name, rc.weight, rc.status) for rc in c.reward_components] == [
+                ("answer", 1.0, "ok"),
+                ("format", pytest.approx(0.1), "ok"),
+            ]
+        assert [(c.reward_components[0].value, c.reward_components[1].value) for c in g1.completions] == [
+            (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (0.0, 1.0),
+        ]  # fmt: skip
+        # Everything the generator wrote is still there.
+        original = make_group("g1", ["8"])
+        assert (g1.task_id, g1.policy_version, list(g1.prompt_ids), g1.generator_id) == ("task-g1", 3, [11, 12, 13], "gen-0")
+        assert list(g1.completions[0].token_ids) == list(original.completions[0].token_ids)
+        assert list(g1.completions[0].behaviour_logprobs) == [-0.5, -0.25]
+        assert g1.completions[0].versions == original.completions[0].versions
+
+        assert [c.reward for c in out["g2"].completions] == pytest.approx([1.1, 0.1])
+        assert out["pre"] == prescored  # passed through unchanged
+        (chess_component,) = out["chess"].completions[0].reward_components
+        assert out["chess"].completions[0].reward == 0.0
+        assert chess_component.status.startswith("unknown task_kind 'chess'")
+        badref_answer, badref_format = out["badref"].completions[0].reward_components
+        assert badref_answer.status.startswith("error: ValueError: reference answer 'eight' is not a number")
+        assert badref_format.status == "ok"
+        assert out["badref"].completions[0].reward == pytest.approx(0.1)
+
+        dead = {}
+        for _id, fields in rclient.xrange(keys.dead):
+            letter = codec.decode(fields, rollout_pb2.DeadLetter)
+            assert fields[b"reason"].decode() == letter.reason  # readable with redis-cli too
+            dead[letter.source_id] = letter
+        reasons = {what: dead[eid.decode()].reason for what, eid in bad_ids.items()}
+        assert "type is 'garbage'" in reasons["garbage type"]
+        assert "does not parse as rollstream.v1.RolloutGroup" in reasons["corrupt data"]
+        assert "missing field(s) type, schema" in reasons["missing fields"]
+        assert "schema 99 is not supported" in reasons["future schema"]
+        assert "has no completions" in reasons["no completions"]
+        corrupt = dead[bad_ids["corrupt data"].decode()]
+        assert corrupt.original_fields["data"] == b"\xff\xff"
+        assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, GROUP)
+
+        assert rclient.xpending(rollouts, GROUP)["pending"] == 0
+        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        assert stats == {
+            "scored": 4,
+            "reward_passthrough": 1,
+            "reward_unknown_kind": 1,
+            "reward_verifier_errors": 1,
+            "dead_rollouts": 5,
+        }
+        # Every entry is acknowledged, so the periodic trim empties the input stream.
+        wait_for("rollouts trimmed", lambda: rclient.xlen(rollouts) == 0, svc)
+
+        metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text
+        for line in (
+            'rollstream_reward_groups_total{outcome="scored"} 4.0',
+            'rollstream_reward_groups_total{outcome="passed_through"} 1.0',
+            "rollstream_reward_completions_total 10.0",
+            "rollstream_reward_dead_lettered_total 5.0",
+            'rollstream_reward_verifier_errors_total{component="answer"} 1.0',
+            "rollstream_reward_unknown_task_kind_total 1.0",
+        ):
+            assert line in metrics.splitlines(), line
+        assert svc.stop() == 0  # SIGTERM: a clean exit
+        assert "dead_lettered" in svc.log() and "stopped" in svc.log()
+    finally:
+        svc.kill()
+
+
+def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    svc = start_reward(tmp_path, redis_url, keys.run, "--output-stage", "ready", "--answer-weight", "2", "--format-weight", "0.5")
+    try:
+        grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
+        request = reward_pb2.ScoreRequest(
+            items=[
+                reward_pb2.ScoreItem(group_id="a", completion_index=0, task_kind="arithmetic", completion="8", answer="8"),
+                reward_pb2.ScoreItem(group_id="a", completion_index=1, task_kind="arithmetic", completion="It is 7", answer="8"),
+                reward_pb2.ScoreItem(group_id="b", task_kind="exact", completion=" Paris ", answer="Paris"),
+                reward_pb2.ScoreItem(group_id="c", task_kind="poetry", completion="roses", answer=""),
+            ]
+        )
+        with grpc_utils.channel(svc.grpc_address) as ch:
+            reply = reward_pb2_grpc.RewardStub(ch).Score(request, timeout=10)
+        assert [s.reward for s in reply.scores] == pytest.approx([2.5, 0.0, 2.0, 0.0])
+        assert [(c.name, c.value, c.weight) for c in reply.scores[0].components] == [("answer", 1.0, 2.0), ("format", 1.0, 0.5)]
+        assert "unknown task_kind 'poetry'" in reply.scores[3].components[0].status
+
+        # With --output-stage ready (beta = 0) the groups skip the reference stage.
+        streams.write(rclient, keys, "rollouts", make_group("r1", ["8", "7."]))
+        wait_for("group in ready", lambda: rclient.xlen(keys.stream("ready")) == 1, svc)
+        (group,) = groups_in(rclient, keys.stream("ready"))
+        assert [c.reward for c in group.completions] == pytest.approx([2.5, 0.5])
+        assert rclient.xlen(keys.stream("scored")) == 0
+    finally:
+        svc.kill()
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [(["--answer-weight", "abc"], "answer_weight"), (["--grpc-port", "99999"], "grpc_port"), (["--output-stage", "trainer"], "output_stage")],
+)
+def test_bad_config_exits_2_naming_the_field(flags: list[str], field: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "rollstream.reward", *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"field '{field}'" in done.stderr
+
+
+def test_claims_entries_a_dead_consumer_left_pending(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    rollouts = keys.stream("rollouts")
+    ids = [f"p{i}" for i in range(10)]
+    write_many(rclient, keys, [make_group(i, ["8"]) for i in ids])
+    # A consumer "reward-a" read six entries mid-batch and died before acknowledging them.
+    StreamStage.ensure_group(rclient, rollouts, GROUP)
+    taken = rclient.xreadgroup(GROUP, "reward-a", {rollouts: ">"}, count=6)
+    assert len(taken[0][1]) == 6
+    assert rclient.xpending(rollouts, GROUP)["pending"] == 6
+
+    svc = start_reward(tmp_path, redis_url, keys.run, "--claim-idle-ms", "500")
+    try:
+        wait_for("all 10 scored", lambda: rclient.xlen(keys.stream("scored")) >= 10, svc)
+        time.sleep(0.7)  # past another claim interval: a duplicate would show up now
+        assert_exactly_once(rclient, keys, ids)
+        consumers = {c["name"].decode(): c["pending"] for c in rclient.xinfo_consumers(rollouts, GROUP)}
+        assert consumers["reward-a"] == 0
+        metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text
+        assert "rollstream_reward_redelivered_total 6.0" in metrics.splitlines()
+    finally:
+        svc.kill()
+
+
+def test_restart_under_same_consumer_name_finishes_its_own_pending(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
+    rollouts = keys.stream("rollouts")
+    ids = [f"o{i}" for i in range(8)]
+    write_many(rclient, keys, [make_group(i, ["8"]) for i in ids])
+    # What a SIGKILLed "reward-x" leaves behind: five entries read, none acknowledged.
+    StreamStage.ensure_group(rclient, rollouts, GROUP)
+    rclient.xreadgroup(GROUP, "reward-x", {rollouts: ">"}, count=5)
+    # An idle timeout far beyond the test: only "read my own pending first" can recover them.
+    svc = start_reward(tmp_path, redis_url, keys.run, "--consumer", "reward-x", "--claim-idle-ms", "600000")
+    try:
+        wait_for("all 8 scored", lambda: rclient.xlen(keys.stream("scored")) >= 8, svc)
+        time.sleep(0.2)
+        assert_exactly_once(rclient, keys, ids)
+    finally:
+        svc.kill()
+
+
+def test_sigkill_mid_stream_and_restart_loses_and_duplicates_nothing(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
+    n = 600
+    ids = [f"k{i}" for i in range(n)]
+    write_many(rclient, keys, [make_group(i, ["8", "9", "The answer is 8"]) for i in ids])
+    args = ("--consumer", "reward-k", "--read-count", "2", "--claim-idle-ms", "600000")
+    first = start_reward(tmp_path, redis_url, keys.run, *args, tag="-1", ready=False)
+    try:
+        wait_for("scoring under way", lambda: rclient.xlen(keys.stream("scored")) >= 40, first)
+        first.kill()  # SIGKILL while it works through the backlog
+    finally:
+        first.kill()
+    at_kill = rclient.xlen(keys.stream("scored"))
+    assert 0 < at_kill < n, "the kill should land mid-stream"
+
+    second = start_reward(tmp_path, redis_url, keys.run, *args, tag="-2")
+    try:
+        wait_for(f"all {n} scored", lambda: rclient.xlen(keys.stream("scored")) >= n, second)
+        time.sleep(0.2)
+        assert_exactly_once(rclient, keys, ids)
+        assert all([c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1]) for g in groups_in(rclient, keys.stream("scored")))
+    finally:
+        second.kill()
+
+
+def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKeys) -> None:
+    # Its own redis-server, so stopping it does not disturb the session's. Not started yet:
+    # the service must come up anyway, report not-ready, and join once Redis answers.
+    server = EmbeddedRedis(tmp_path / "redis")
+    client = streams.connect(server.url)
+    svc = start_reward(tmp_path, server.url, keys.run, "--claim-idle-ms", "500", ready=False)
+    try:
+        wait_for("state file", svc.state_file.exists, svc)
+        http = f"http://127.0.0.1:{json.loads(svc.state_file.read_text())['http_port']}"
+
+        def waiting_for_redis() -> bool:
+            try:  # the state file can come a moment before the HTTP thread listens
+                reply = httpx.get(http + "/readyz", timeout=5)
+            except httpx.TransportError:
+                return False
+            assert reply.status_code == 503
+            return "waiting for redis" in reply.json()["detail"]
+
+        wait_for("readyz to say it waits for redis", waiting_for_redis, svc)
+        assert httpx.get(http + "/healthz", timeout=5).status_code == 200  # alive, just not ready
+
+        server.start()
+        svc.wait_ready(timeout_s=30)
+        streams.write(client, keys, "rollouts", make_group("before", ["8"]))
+        wait_for("first group scored", lambda: client.xlen(keys.stream("scored")) == 1, svc)
+
+        server.stop()
+        readyz = f"http://127.0.0.1:{svc.http_port}/readyz"
+        wait_for("readyz to fail", lambda: httpx.get(readyz, timeout=5).status_code == 503, svc)
+        assert svc.proc.poll() is None
+
+        server.start()  # same port and data dir: the AOF brings the streams back
+        wait_for("readyz to recover", lambda: httpx.get(readyz, timeout=5).status_code == 200, svc)
+        streams.write(client, keys, "rollouts", make_group("after", ["8"]))
+        wait_for("second group scored", lambda: client.xlen(keys.stream("scored")) == 2, svc)
+        assert [g.group_id for g in groups_in(client, keys.stream("scored"))] == ["before", "after"]
+        assert "redis_error" in svc.log() and "redis_recovered" in svc.log()
+    finally:
+        svc.kill()
+        client.close()
+        server.stop()

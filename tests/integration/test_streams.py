@@ -1,0 +1,341 @@
+"""rollstream.core.streams against a real redis-server: commit atomicity, dead letters,
+take-over of stale entries, max_deliveries, restarts, trimming, and what MULTI/EXEC does
+(and does not) guarantee when a command fails inside the transaction."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from rollstream.core import codec, streams
+from rollstream.core.streams import Entry, RunKeys, StreamStage
+from rollstream.v1 import rollout_pb2
+
+SRC, DST, GROUP = "rollouts", "scored", "reward"
+IDLE = 100  # ms; the take-over tests sleep past it (a lower bound, never an upper one)
+
+
+def _group(i: int) -> rollout_pb2.RolloutGroup:
+    return rollout_pb2.RolloutGroup(
+        group_id=f"g{i}",
+        task_id=f"t{i}",
+        prompt_ids=[1, 2, 3],
+        completions=[rollout_pb2.Completion(token_ids=[4, 5], behaviour_logprobs=[-0.5, -1.0])],
+    )
+
+
+def _feed(client: redis.Redis, keys: RunKeys, n: int, start: int = 0) -> list[bytes]:
+    return [streams.write(client, keys, SRC, _group(start + i)) for i in range(n)]
+
+
+def _stage(client: redis.Redis, keys: RunKeys, consumer: str, **kw) -> StreamStage:
+    return StreamStage(client, keys, SRC, GROUP, consumer, **kw)
+
+
+def _pending_ids(client: redis.Redis, keys: RunKeys, group: str = GROUP, stream: str | None = None) -> list[bytes]:
+    rows = client.xpending_range(stream or keys.stream(SRC), group, min="-", max="+", count=1000)
+    return [r["message_id"] for r in rows]
+
+
+def _stream_ids(client: redis.Redis, key: str) -> list[bytes]:
+    return [eid for eid, _ in client.xrange(key)]
+
+
+def _ids(entries: list[Entry]) -> list[bytes]:
+    return [e.id for e in entries]
+
+
+def _sleep_past_idle() -> None:
+    time.sleep(IDLE / 1000 * 1.5)
+
+
+# --- read / commit --------------------------------------------------------------------------
+
+
+def test_read_then_commit_moves_and_acks_in_one_step(rclient: redis.Redis, keys: RunKeys) -> None:
+    ids = _feed(rclient, keys, 3)
+    stage = _stage(rclient, keys, "A")
+    entries = stage.read(count=10, block_ms=10)
+    assert _ids(entries) == ids
+    assert all(e.deliveries == 1 for e in entries)
+    assert _pending_ids(rclient, keys) == ids  # read but not yet committed: pending
+
+    groups = [codec.decode(e.fields, rollout_pb2.RolloutGroup) for e in entries]
+    for g in groups:
+        g.scored = True
+    stage.commit(entries[:2], outputs=[(DST, g) for g in groups[:2]])
+
+    out = rclient.xrange(keys.stream(DST))
+    assert [codec.decode(f, rollout_pb2.RolloutGroup).group_id for _, f in out] == ["g0", "g1"]
+    assert all(codec.decode(f, rollout_pb2.RolloutGroup).scored for _, f in out)
+    assert _pending_ids(rclient, keys) == ids[2:]  # only the uncommitted one is still pending
+    # Nothing new to read: committed entries do not come back.
+    assert stage.read(count=10, block_ms=10) == []
+
+
+def test_commit_extra_ops_run_in_the_same_transaction(rclient: redis.Redis, keys: RunKeys) -> None:
+    _feed(rclient, keys, 2)
+    stage = _stage(rclient, keys, "A")
+    entries = stage.read(count=10, block_ms=10)
+    handed: list[object] = []
+
+    def ledger(ops: streams.Ops) -> None:
+        handed.append(ops)
+        assert rclient.xlen(keys.stream(DST)) == 0  # queued, not yet run
+        ops.sadd(keys.groups("generated"), "g0", "g1")
+        ops.hincrby(keys.stats, "scored", 2)
+        ops.set(keys.version, 3)
+
+    stage.commit(entries, outputs=[(DST, _group(0))], extra=ledger)
+    assert len(handed) == 1 and isinstance(handed[0], streams.Ops)
+    # Outputs first, then the extra ops, then the ack, all in the one script call.
+    kinds = [c[0] for c in handed[0].commands]
+    assert kinds == ["XADD", "SADD", "HINCRBY", "SET", "XACK"]
+    assert rclient.smembers(keys.groups("generated")) == {b"g0", b"g1"}
+    assert rclient.hget(keys.stats, "scored") == b"2"
+    assert streams.current_version(rclient, keys) == 3
+    assert rclient.xlen(keys.stream(DST)) == 1
+    assert _pending_ids(rclient, keys) == []
+
+
+def test_commit_with_no_entries_only_writes(rclient: redis.Redis, keys: RunKeys) -> None:
+    stage = _stage(rclient, keys, "A")
+    stage.commit([], outputs=[(DST, _group(7))])
+    assert rclient.xlen(keys.stream(DST)) == 1
+
+
+# --- dead letters ---------------------------------------------------------------------------
+
+
+def test_dead_letter_records_reason_and_original_fields_and_acks(rclient: redis.Redis, keys: RunKeys) -> None:
+    good = _feed(rclient, keys, 1)[0]
+    bad_fields = {"type": b"rollstream.v1.RolloutGroup", "schema": b"1", "data": b"\xff\xff\xff"}
+    bad = rclient.xadd(keys.stream(SRC), bad_fields)
+    stage = _stage(rclient, keys, "A")
+    entries = stage.read(count=10, block_ms=10)
+    assert _ids(entries) == [good, bad]
+
+    with pytest.raises(codec.EntryError) as err:
+        codec.decode(entries[1].fields, rollout_pb2.RolloutGroup)
+    stage.dead_letter(entries[1], str(err.value))
+
+    dead = rclient.xrange(keys.dead)
+    assert len(dead) == 1
+    _, fields = dead[0]
+    letter = codec.decode(fields, rollout_pb2.DeadLetter)
+    assert letter.reason == str(err.value) and "does not parse" in letter.reason
+    assert fields[b"reason"] == letter.reason.encode()  # readable with plain redis-cli
+    assert dict(letter.original_fields) == bad_fields
+    assert (letter.source_stream, letter.source_id) == (keys.stream(SRC), bad.decode())
+    assert (letter.consumer_group, letter.consumer, letter.deliveries) == (GROUP, "A", 1)
+    assert letter.dead_at > 0
+    assert rclient.hget(keys.stats, f"dead_{SRC}") == b"1"
+    assert _pending_ids(rclient, keys) == [good]  # the dead one is acked, the good one not
+
+
+# --- take-over ------------------------------------------------------------------------------
+
+
+def test_stale_entry_is_taken_over_by_another_consumer(rclient: redis.Redis, keys: RunKeys) -> None:
+    ids = _feed(rclient, keys, 2)
+    a = _stage(rclient, keys, "A", claim_idle_ms=IDLE)
+    got = a.read(count=1, block_ms=10)
+    assert _ids(got) == ids[:1]  # A takes one and dies without acking
+
+    patient = _stage(rclient, keys, "P", claim_idle_ms=60_000)
+    # Nothing is idle for a minute: P takes the next new entry, not A's.
+    mine = patient.read(count=1, block_ms=10)
+    assert _ids(mine) == ids[1:]
+    patient.commit(mine)
+
+    _sleep_past_idle()
+    b = _stage(rclient, keys, "B", claim_idle_ms=IDLE)
+    taken = b.read(count=10, block_ms=10)
+    assert _ids(taken) == ids[:1]
+    assert taken[0].deliveries == 2
+    assert codec.decode(taken[0].fields, rollout_pb2.RolloutGroup).group_id == "g0"
+    owners = rclient.xpending_range(keys.stream(SRC), GROUP, min="-", max="+", count=10)
+    assert [(o["message_id"], o["consumer"]) for o in owners] == [(ids[0], b"B")]
+
+    b.commit(taken, outputs=[(DST, _group(0))])
+    assert _pending_ids(rclient, keys) == []
+    # A comes back and commits late: XACK of an acked id is a no-op, the output is written
+    # twice. That is the documented duplicate the trainer removes by group_id.
+    a.commit(got, outputs=[(DST, _group(0))])
+    assert rclient.xlen(keys.stream(DST)) == 2
+
+
+def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Redis, keys: RunKeys) -> None:
+    (eid,) = _feed(rclient, keys, 1)
+    max_deliveries = 2
+    assert _ids(_stage(rclient, keys, "A", claim_idle_ms=IDLE, max_deliveries=max_deliveries).read(10, 10)) == [eid]
+    _sleep_past_idle()
+    b = _stage(rclient, keys, "B", claim_idle_ms=IDLE, max_deliveries=max_deliveries)
+    second = b.read(10, 10)
+    assert _ids(second) == [eid] and second[0].deliveries == 2  # == max: still delivered
+    _sleep_past_idle()
+    c = _stage(rclient, keys, "C", claim_idle_ms=IDLE, max_deliveries=max_deliveries)
+    assert c.read(10, 10) == []  # third delivery > max: dead-lettered instead
+
+    dead = rclient.xrange(keys.dead)
+    assert len(dead) == 1
+    letter = codec.decode(dead[0][1], rollout_pb2.DeadLetter)
+    assert "max_deliveries=2" in letter.reason and "delivered 3 times" in letter.reason
+    assert letter.deliveries == 3 and letter.source_id == eid.decode() and letter.consumer == "C"
+    assert codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id == "g0"
+    assert _pending_ids(rclient, keys) == []
+    # The stage goes on: new entries still flow.
+    (new,) = _feed(rclient, keys, 1, start=1)
+    assert _ids(c.read(10, 10)) == [new]
+
+
+def test_restarted_consumer_with_same_name_gets_its_pending_entries_first(rclient: redis.Redis, keys: RunKeys) -> None:
+    first = _feed(rclient, keys, 2)
+    before = _stage(rclient, keys, "A", claim_idle_ms=60_000)
+    assert _ids(before.read(count=2, block_ms=10)) == first  # then "crashes" without acking
+    later = _feed(rclient, keys, 1, start=2)
+
+    restarted = _stage(rclient, keys, "A", claim_idle_ms=60_000)
+    own = restarted.read(count=10, block_ms=10)
+    assert _ids(own) == first  # its own pending entries, not the newer one
+    assert all(e.deliveries >= 2 for e in own)  # XREADGROUP 0 counts as a delivery
+    restarted.commit(own)
+    assert _ids(restarted.read(count=10, block_ms=10)) == later
+    assert _pending_ids(rclient, keys) == later
+
+
+def test_own_pending_entries_are_returned_once_not_on_every_read(rclient: redis.Redis, keys: RunKeys) -> None:
+    """After a restart, read() re-reads the PEL from 0 on every call until it is empty, so a
+    caller that holds entries across reads (the trainer buffers groups until it has
+    groups_per_step) gets the same entries again and again, each time with a higher delivery
+    count, until they are dead-lettered while still being held."""
+    first = _feed(rclient, keys, 2)
+    _stage(rclient, keys, "A", claim_idle_ms=60_000).read(count=2, block_ms=10)
+    later = _feed(rclient, keys, 1, start=2)
+    restarted = _stage(rclient, keys, "A", claim_idle_ms=60_000, max_deliveries=3)
+    assert _ids(restarted.read(count=10, block_ms=10)) == first
+    # Still holding `first` (not committed yet): the next read must move on.
+    assert _ids(restarted.read(count=10, block_ms=10)) == later
+    assert rclient.xlen(keys.dead) == 0
+
+
+def test_a_consumer_does_not_take_over_its_own_in_flight_entries(rclient: redis.Redis, keys: RunKeys) -> None:
+    """The contract: read() takes over entries left pending by a *dead* consumer. XAUTOCLAIM
+    does not skip the caller's own entries, so a consumer that holds entries longer than
+    claim_idle_ms (the trainer waiting for a full batch) gets them again as new deliveries."""
+    ids = _feed(rclient, keys, 1)
+    a = _stage(rclient, keys, "A", claim_idle_ms=IDLE)
+    assert _ids(a.read(count=10, block_ms=10)) == ids
+    _sleep_past_idle()
+    assert a.read(count=10, block_ms=10) == []
+
+
+# --- trimming -------------------------------------------------------------------------------
+
+
+def test_trim_deletes_only_what_every_group_acknowledged(rclient: redis.Redis, keys: RunKeys) -> None:
+    ids = _feed(rclient, keys, 6)
+    fast = StreamStage(rclient, keys, SRC, "fast", "f")
+    slow = StreamStage(rclient, keys, SRC, "slow", "s")
+    fast.commit(fast.read(count=10, block_ms=10))  # fast has acked all 6
+    got = slow.read(count=4, block_ms=10)  # slow has read 4 ...
+    slow.commit([e for e in got if e.id in (ids[0], ids[1], ids[3])])  # ... and acked 0, 1, 3
+
+    deleted = fast.trim()
+    assert deleted == 2
+    # ids[2] is pending in slow; ids[3] is acked but after it; 4 and 5 slow has not read.
+    assert _stream_ids(rclient, keys.stream(SRC)) == ids[2:]
+    assert slow.trim() == 0  # idempotent
+
+    slow.commit([e for e in got if e.id == ids[2]])
+    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 2
+    assert _stream_ids(rclient, keys.stream(SRC)) == ids[4:]  # slow never read 4 and 5
+
+    slow.commit(slow.read(count=10, block_ms=10))
+    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 2
+    assert rclient.xlen(keys.stream(SRC)) == 0
+    # The groups still work after the stream is emptied.
+    (new,) = _feed(rclient, keys, 1, start=9)
+    assert _ids(fast.read(count=10, block_ms=10)) == [new]
+
+
+def test_trim_keeps_everything_for_a_group_that_has_not_read(rclient: redis.Redis, keys: RunKeys) -> None:
+    ids = _feed(rclient, keys, 3)
+    fast = StreamStage(rclient, keys, SRC, "fast", "f")
+    StreamStage.ensure_group(rclient, keys.stream(SRC), "idle")
+    fast.commit(fast.read(count=10, block_ms=10))
+    assert fast.trim() == 0
+    assert _stream_ids(rclient, keys.stream(SRC)) == ids
+
+
+def test_trim_without_any_group_deletes_nothing(rclient: redis.Redis, keys: RunKeys) -> None:
+    ids = _feed(rclient, keys, 3)
+    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 0
+    assert _stream_ids(rclient, keys.stream(SRC)) == ids
+    assert streams.trim_acknowledged(rclient, keys.stream("no-such-stage")) == 0
+    assert not rclient.exists(keys.stream("no-such-stage"))
+
+
+# --- failures inside the transaction ---------------------------------------------------------
+
+
+def test_multi_exec_does_not_roll_back_a_command_failing_at_exec(rclient: redis.Redis, keys: RunKeys) -> None:
+    """The Redis fact that rules MULTI/EXEC out for commit(): a command that fails when EXEC
+    runs it (INCR on a stream: WRONGTYPE) fails alone; the commands around it, an XACK
+    included, are applied, and redis-py raises only afterwards. A commit built that way would
+    ack an input whose output was never written."""
+    (eid,) = _feed(rclient, keys, 1)
+    stage = _stage(rclient, keys, "A")
+    assert _ids(stage.read(count=10, block_ms=10)) == [eid]
+    pipe = rclient.pipeline(transaction=True)
+    pipe.hincrby(keys.stats, "scored", 1)
+    pipe.incr(keys.stream(SRC))  # WRONGTYPE at EXEC time
+    pipe.xack(keys.stream(SRC), GROUP, eid)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        pipe.execute()
+    assert rclient.hget(keys.stats, "scored") == b"1"
+    assert _pending_ids(rclient, keys) == []  # acked although the transaction "failed"
+
+
+def test_multi_exec_aborts_everything_on_a_queue_time_error(rclient: redis.Redis, keys: RunKeys) -> None:
+    """An error found while queueing (wrong arity, unknown command) makes EXEC answer
+    EXECABORT: nothing at all is applied."""
+    pipe = rclient.pipeline(transaction=True)
+    pipe.hincrby(keys.stats, "scored", 1)
+    pipe.execute_command("XADD", keys.stream(DST))  # wrong number of arguments
+    with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
+        pipe.execute()
+    assert rclient.hget(keys.stats, "scored") is None
+    assert not rclient.exists(keys.stream(DST))
+
+
+def test_failing_op_inside_commit_leaves_the_input_pending(rclient: redis.Redis, keys: RunKeys) -> None:
+    """commit() runs its commands in a Lua script that stops at the first error, with the ack
+    last: the input stays pending and comes back. Redis has no rollback for scripts either,
+    so commands before the failing one stay applied: the output written, the counter bumped.
+    The retry then writes the output again (at-least-once, deduplicated downstream)."""
+    (eid,) = _feed(rclient, keys, 1)
+    stage = _stage(rclient, keys, "A", claim_idle_ms=60_000)
+    entries = stage.read(count=10, block_ms=10)
+
+    def bad_ledger(ops: streams.Ops) -> None:
+        ops.hincrby(keys.stats, "scored", 1)
+        ops.hincrby(keys.stream(SRC), "oops", 1)  # WRONGTYPE: the key is a stream
+        ops.sadd(keys.groups("generated"), "g0")
+
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        stage.commit(entries, outputs=[(DST, _group(0))], extra=bad_ledger)
+    assert rclient.xlen(keys.stream(DST)) == 1  # before the failure: applied, not rolled back
+    assert rclient.hget(keys.stats, "scored") == b"1"
+    assert not rclient.exists(keys.groups("generated"))  # after the failure: not run
+    assert _pending_ids(rclient, keys) == [eid]  # the ack never ran
+
+    # The same stage gets the entry back on its next read and can commit it properly.
+    again = stage.read(count=10, block_ms=10)
+    assert _ids(again) == [eid] and again[0].deliveries == 2
+    stage.commit(again, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1))
+    assert _pending_ids(rclient, keys) == []
+    assert rclient.xlen(keys.stream(DST)) == 2  # the duplicate the failed attempt left
+    assert rclient.hget(keys.stats, "scored") == b"2"  # and a counter bumped twice for one entry

@@ -1,0 +1,199 @@
+"""rollstream.core.config.load_settings: defaults < TOML < ROLLSTREAM_* env < flags, and
+errors that name the field; plus the trainer's own settings and its command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.core.config import CommonSettings, ConfigError, load_settings
+from rollstream.trainer.config import TrainerSettings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ROLLSTREAM_* variable from the outer environment may leak into these tests."""
+    for name in list(os.environ):
+        if name.startswith("ROLLSTREAM_"):
+            monkeypatch.delenv(name)
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = load_settings(CommonSettings, [])
+    assert isinstance(s, CommonSettings)
+    assert (s.run, s.max_deliveries, s.read_count, s.log_json, s.log_level) == ("demo", 5, 8, False, "INFO")
+
+
+def test_precedence_defaults_toml_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each field is set at a different number of layers, so each layer's win is visible.
+    cfg = _toml(
+        tmp_path,
+        'run = "from-toml"\nread_count = 11\nmax_deliveries = 12\nblock_ms = 13\n',
+    )
+    monkeypatch.setenv("ROLLSTREAM_MAX_DELIVERIES", "22")
+    monkeypatch.setenv("ROLLSTREAM_BLOCK_MS", "23")
+    s = load_settings(CommonSettings, ["--config", str(cfg), "--block-ms", "33"])
+    assert s.claim_idle_ms == 30_000  # default only
+    assert s.run == "from-toml"  # TOML over default
+    assert s.read_count == 11  # TOML over default
+    assert s.max_deliveries == 22  # env over TOML
+    assert s.block_ms == 33  # flag over env over TOML
+
+
+def test_config_path_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _toml(tmp_path, "read_count = 3\n")
+    monkeypatch.setenv("ROLLSTREAM_CONFIG", str(cfg))
+    assert load_settings(CommonSettings, []).read_count == 3
+
+
+def test_overrides_beat_flags() -> None:
+    s = load_settings(CommonSettings, ["--read-count", "4"], read_count=5)
+    assert s.read_count == 5
+
+
+def test_bool_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(CommonSettings, ["--log-json"]).log_json is True
+    assert load_settings(CommonSettings, ["--no-log-json"]).log_json is False
+    # --no-log-json wins over TOML and env saying true.
+    cfg = _toml(tmp_path, "log_json = true\n")
+    assert load_settings(CommonSettings, ["--config", str(cfg)]).log_json is True
+    monkeypatch.setenv("ROLLSTREAM_LOG_JSON", "true")
+    assert load_settings(CommonSettings, []).log_json is True
+    assert load_settings(CommonSettings, ["--config", str(cfg), "--no-log-json"]).log_json is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--max-deliveries", "0"], "max_deliveries"),
+        (["--read-count", "many"], "read_count"),
+        (["--grpc-port", "70000"], "grpc_port"),
+        (["--run", "has space"], "run"),
+        (["--log-level", "LOUD"], "log_level"),
+        (["--claim-idle-ms", "10"], "claim_idle_ms"),
+    ],
+)
+def test_bad_flag_names_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(CommonSettings, argv)
+    assert f"field '{field}'" in str(err.value)
+    assert "CommonSettings" in str(err.value)
+
+
+def test_bad_env_names_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLSTREAM_BLOCK_MS", "-5")
+    with pytest.raises(ConfigError, match="field 'block_ms'"):
+        load_settings(CommonSettings, [])
+
+
+def test_bad_toml_value_names_field(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, 'read_count = "lots"\n')
+    with pytest.raises(ConfigError, match="field 'read_count'"):
+        load_settings(CommonSettings, ["--config", str(cfg)])
+
+
+def test_unknown_toml_key_fails_naming_it(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, "read_cuont = 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(CommonSettings, ["--config", str(cfg)])
+    assert "read_cuont" in str(err.value)
+    assert "xtra" in str(err.value)  # pydantic: "Extra inputs are not permitted"
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="config file not found") as err:
+        load_settings(CommonSettings, ["--config", str(missing)])
+    assert str(missing) in str(err.value)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, "read_count = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(CommonSettings, ["--config", str(cfg)])
+
+
+# --- trainer settings -------------------------------------------------------------------------
+
+
+def test_trainer_generators_split_from_flag() -> None:
+    s = load_settings(TrainerSettings, ["--generators", "a:1,b:2"])
+    assert s.generators == ["a:1", "b:2"]
+    assert load_settings(TrainerSettings, ["--generators", " a:1 , ,b:2 "]).generators == ["a:1", "b:2"]
+    assert load_settings(TrainerSettings, []).generators == []
+
+
+def test_trainer_generators_split_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TrainerSettings._split says "Flags and env give 'a:1,b:2'". pydantic-settings JSON-decodes
+    # list fields from the environment before any validator runs, so this needs NoDecode.
+    monkeypatch.setenv("ROLLSTREAM_GENERATORS", "x:9,y:8")
+    assert load_settings(TrainerSettings, []).generators == ["x:9", "y:8"]
+
+
+def test_trainer_generators_json_list_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLSTREAM_GENERATORS", '["x:9", "y:8"]')
+    assert load_settings(TrainerSettings, []).generators == ["x:9", "y:8"]
+
+
+def test_undecodable_env_value_is_a_config_error_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A complex field (tuple) whose env value is not JSON: pydantic-settings raises its own
+    # SettingsError, which load_settings must turn into a ConfigError like any other bad value.
+    monkeypatch.setenv("ROLLSTREAM_BETAS", "0.9,0.99")
+    with pytest.raises(ConfigError, match="betas"):
+        load_settings(TrainerSettings, [])
+
+
+def test_trainer_betas_from_env_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _toml(tmp_path, "betas = [0.8, 0.95]\n")
+    assert load_settings(TrainerSettings, ["--config", str(cfg)]).betas == (0.8, 0.95)
+    monkeypatch.setenv("ROLLSTREAM_BETAS", "[0.9, 0.99]")
+    assert load_settings(TrainerSettings, ["--config", str(cfg)]).betas == (0.9, 0.99)
+
+
+def test_trainer_betas_from_flag() -> None:
+    # Every field is meant to be settable by a flag; --betas gets the raw string.
+    assert load_settings(TrainerSettings, ["--betas", "0.9,0.99"]).betas == (0.9, 0.99)
+
+
+def test_trainer_generators_list_from_toml(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, 'generators = ["h1:50051", "h2:50051"]\nlr = 3e-6\n')
+    s = load_settings(TrainerSettings, ["--config", str(cfg)])
+    assert s.generators == ["h1:50051", "h2:50051"]
+    assert s.lr == 3e-6
+
+
+def test_trainer_jsonl_needs_dataset_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="dataset_path"):
+        load_settings(TrainerSettings, ["--task", "jsonl"])
+    ok = load_settings(TrainerSettings, ["--task", "jsonl", "--dataset-path", str(tmp_path / "p.jsonl")])
+    assert ok.task == "jsonl" and ok.dataset_path.endswith("p.jsonl")
+
+
+def test_trainer_bad_literal_names_field() -> None:
+    with pytest.raises(ConfigError, match="field 'task'"):
+        load_settings(TrainerSettings, ["--task", "poetry"])
+
+
+def test_trainer_cli_bad_lr_exits_2_naming_field(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollstream.trainer", "--lr", "-1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "field 'lr'" in proc.stderr
+    assert "Traceback" not in proc.stderr
