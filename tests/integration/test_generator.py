@@ -106,3 +106,14 @@ def test_deltas_apply_exactly_and_bad_ones_are_refused(generator: ServiceProc, t
     anchor = deltas.encode_anchor(v2, 2, fingerprint)
     result = push(generator, weight_transfer.to_chunks(anchor, deltas.PayloadInfo("anchor", 2, 2, fingerprint)))
     assert result.applied and state(generator).weights_sha256 == deltas.weights_sha256(v2)
+
+
+def test_http_side_serves_health_readiness_and_metrics(generator: ServiceProc) -> None:
+    import httpx
+
+    base = f"http://127.0.0.1:{generator.http_port}"
+    assert httpx.get(f"{base}/healthz", timeout=5).json()["status"] == "ok"
+    ready = httpx.get(f"{base}/readyz", timeout=5)
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    assert "rollstream_generator_policy_version" in metrics and "rollstream_generator_groups_total" in metrics

@@ -168,8 +168,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         console.print("starting trainer (loading the model)...")
         trainer_address = children[0].grpc_address()
         for i in range(args.generators):
-            # One step's worth of groups ahead: more would only be dropped as stale.
-            generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(args.groups_per_step)]
+            # Two steps' worth of groups in flight: the next batch is sampled while the trainer
+            # trains on this one (staleness <= 1); more would only be dropped as stale.
+            generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(2 * args.groups_per_step)]
             children.append(Child(f"generator-{i}", ["generator", *common, *model_args, *generator_args], env, workdir))
         output_stage = "scored" if args.beta > 0 else "ready"
         children.append(Child("reward-0", ["reward", *common, "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))

@@ -26,6 +26,7 @@ import redis
 from google.protobuf.message import Message
 
 from rollstream.core import codec
+from rollstream.core.config import CommonSettings, consumer_name
 from rollstream.v1 import rollout_pb2
 
 STAGES = ("prompts", "rollouts", "scored", "ready")
@@ -171,6 +172,14 @@ class StreamStage:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+    @classmethod
+    def for_service(cls, client: redis.Redis, settings: CommonSettings, source: str, group: str) -> "StreamStage":
+        """The stage a service reads: its run, consumer name and delivery settings."""
+        return cls(
+            client, RunKeys(settings.run), source, group, consumer_name(settings),
+            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
+        )
 
     # -- reading ---------------------------------------------------------------------
 

@@ -75,8 +75,13 @@ class Generator:
         logs.event(self.log, "weights applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3))
         return seconds
 
-    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk]) -> generator_pb2.GeneratorState:
+    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False) -> generator_pb2.GeneratorState:
+        """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
+        the version already held are skipped: a push may have delivered them meanwhile."""
         for header, payload in weight_transfer.from_chunks(chunks):
+            held = self.weights.version
+            if skip_held and header.kind == "delta" and held is not None and header.version <= held:
+                continue
             self.apply_payload(header, payload)
         return self.state()
 
@@ -93,7 +98,7 @@ class Generator:
             logs.event(self.log, "catching up", have=have, trainer=state.version)
             request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
             try:
-                self.apply_stream(stub.FetchWeights(request, timeout=600))
+                self.apply_stream(stub.FetchWeights(request, timeout=600), skip_held=True)
             except deltas.DeltaError as e:
                 # Our version number matches the chain but our weights do not (the trainer
                 # restarted from scratch): start over from its anchor.
@@ -202,7 +207,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         except deltas.DeltaError as e:
             self.gen.m_refused.inc()
             logs.event(self.gen.log, "weights refused", level=30, error=str(e), holding=self.gen.weights.version)
-            self.gen.sync_wake.set()  # we are behind or diverged: fetch anchor + deltas
+            self.gen.sync_wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
             return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
         return weights_pb2.PushResult(applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start)
 
@@ -224,10 +229,7 @@ def run(settings: GeneratorSettings) -> None:
         gen = Generator(settings, host)
         client = streams.connect(settings.redis_url)
         keys = streams.RunKeys(settings.run)
-        stage = streams.StreamStage(
-            client, keys, "prompts", settings.group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
-        )
+        stage = streams.StreamStage.for_service(client, settings, "prompts", settings.group)
         host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)], ready=lambda: (True, f"version {gen.weights.version}"))
         address = settings.advertise_address or host.grpc_address
         client.hset(keys.generators, gen.generator_id, address)

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from rollstream.core import codec, logs, streams
-from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
 from rollstream.core.service import ServiceHost
@@ -198,11 +198,7 @@ def run(settings: ReferenceSettings) -> int:
         )
 
         client = streams.connect(settings.redis_url)
-        keys = streams.RunKeys(settings.run)
-        stage = streams.StreamStage(
-            client, keys, "scored", settings.group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
-        )
+        stage = streams.StreamStage.for_service(client, settings, "scored", settings.group)
         loaded.set()
         host.set_ready(True)
         logs.event(host.log, "ready", run=settings.run, group=settings.group, consumer=stage.consumer)

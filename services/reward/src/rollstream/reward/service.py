@@ -22,9 +22,9 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, grpc_utils, logs, streams
-from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.service import ServiceHost
-from rollstream.core.streams import Entry, RunKeys, StreamStage
+from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward import verifiers
 from rollstream.reward.config import RewardSettings
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
@@ -218,15 +218,7 @@ def open_stage(host: ServiceHost, settings: RewardSettings, client: redis.Redis,
     delay = RETRY_FIRST_S
     while not host.stop.is_set():
         try:
-            return StreamStage(
-                client,
-                RunKeys(settings.run),
-                source=SOURCE_STAGE,
-                group=settings.group,
-                consumer=consumer_name(settings),
-                claim_idle_ms=settings.claim_idle_ms,
-                max_deliveries=settings.max_deliveries,
-            )
+            return StreamStage.for_service(client, settings, SOURCE_STAGE, settings.group)
         except redis.RedisError as e:
             readiness.detail = f"waiting for redis: {e}"
             logs.event(host.log, "redis_unavailable", logging.WARNING, error=str(e), retry_s=delay)

@@ -23,7 +23,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from rollstream.core import codec, deltas, logs, modeling, streams, weight_transfer
-from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import resolve_model
 from rollstream.core.service import ServiceHost
@@ -227,10 +227,7 @@ def run(settings: TrainerSettings) -> None:
         client = streams.connect(settings.redis_url)
         keys = streams.RunKeys(settings.run)
         client.set(keys.version, trainer.version)
-        stage = streams.StreamStage(
-            client, keys, "ready", settings.group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
-        )
+        stage = streams.StreamStage.for_service(client, settings, "ready", settings.group)
         directory = GeneratorDirectory(settings.generators, client, keys)
         host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory), trainer_pb2_grpc.add_TrainerServicer_to_server)], ready=lambda: (True, f"version {trainer.version}"))
         host.set_ready(True)

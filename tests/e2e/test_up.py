@@ -1,0 +1,67 @@
+"""`rollstream up` as a user runs it: all services as local processes, progress lines,
+a clean stop on Ctrl-C (SIGINT) with nothing left running, and `rollstream status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from rollstream.core.streams import RunKeys
+
+pytestmark = pytest.mark.e2e
+
+
+def rollstream_cmd() -> str:
+    return str(Path(sys.executable).parent / "rollstream")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", run_name, "--workdir", str(tmp_path),
+        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", "--beta", "0.05",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    keys = RunKeys(run_name)
+    try:
+        deadline = time.monotonic() + 300
+        while rclient.xlen(keys.metrics) < 3:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "no 3 steps within 300 s"
+            time.sleep(0.5)
+        pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
+        assert set(pids) == {"trainer", "generator-0", "reward-0", "reference-0"}
+
+        status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert f"rs:{run_name}:ready" in status.stdout and "trained=" in status.stdout
+
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "step   1/1000" in out and "done" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] >= 3 and len(summary["reward_curve"]) == summary["steps"]
+    assert not [name for name, pid in pids.items() if alive(pid)], "services left running after Ctrl-C"
+    for name in pids:
+        assert "stopped" in (tmp_path / "logs" / f"{name}.log").read_text(), f"{name} did not shut down cleanly"
