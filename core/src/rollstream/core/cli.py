@@ -97,8 +97,9 @@ class Progress:
         return new
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
+def _mean(xs: list[float], digits: int) -> float | None:
+    """Rounded mean, or None (JSON null) when there is nothing to average."""
+    return round(sum(xs) / len(xs), digits) if xs else None
 
 
 def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
@@ -107,11 +108,12 @@ def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
         "steps": len(steps),
         "wall_seconds": round(wall_s, 1),
         "reward_curve": [round(r, 4) for r in rewards],
-        "first5_reward_mean": round(_mean(rewards[:5]), 4),
-        "last5_reward_mean": round(_mean(rewards[-5:]), 4),
-        "train_tokens_per_s": round(_mean([m.train_tokens_per_s for m in steps]), 1),
+        "first5_reward_mean": _mean(rewards[:5], 4),
+        "last5_reward_mean": _mean(rewards[-5:], 4),
+        "step_seconds": [round(m.step_seconds, 1) for m in steps],
+        "train_tokens_per_s": _mean([m.train_tokens_per_s for m in steps], 1),
         "delta_fraction_of_dense": [round(m.delta_bytes / m.dense_bytes, 5) for m in steps if m.dense_bytes],
-        "mean_staleness": round(_mean([m.mean_staleness for m in steps]), 3),
+        "mean_staleness": _mean([m.mean_staleness for m in steps], 3),
     }
 
 
