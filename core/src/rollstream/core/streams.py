@@ -240,8 +240,10 @@ class StreamStage:
         """Fill in each entry's delivery count from the pending entries list."""
         if not entries:
             return entries
+        # Our pending list may hold other entries inside this id range (a trainer filling its
+        # batch), hence the margin on count.
         pending = self.client.xpending_range(
-            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=len(entries), consumername=self.consumer
+            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=4 * len(entries) + 100, consumername=self.consumer
         )
         counts = {p["message_id"]: p["times_delivered"] for p in pending}
         for e in entries:
