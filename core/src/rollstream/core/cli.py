@@ -212,8 +212,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                 )
                 time.sleep(0.5)
     finally:
+        if children[0].proc is not None and children[0].proc.poll() is None:
+            console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
         for child in reversed(children):
-            child.stop()
+            # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
+            # are not acknowledged), but a clean exit flushes its logs and metrics.
+            child.stop(timeout_s=120.0 if child is children[0] else 20.0)
         wall = time.monotonic() - started
         result = summary(progress.steps, wall)
         try:
