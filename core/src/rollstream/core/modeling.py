@@ -90,6 +90,9 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     rows, cols, targets, lengths = [], [], [], []
     for i, (prompt, completion) in enumerate(sequences):
+        if not prompt:
+            # The first completion token is predicted from the last prompt position.
+            raise ValueError(f"sequence {i} has an empty prompt")
         seq = list(prompt) + list(completion)
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[i, : len(seq)] = 1
@@ -132,6 +135,9 @@ def completion_logprobs(
     Differentiable when grad is enabled; chunks are checkpointed so backward recomputes
     one chunk of logits at a time.
     """
+    if batch.targets.numel() == 0:
+        empty = torch.zeros(0, device=batch.input_ids.device)
+        return empty, empty
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
     hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state

@@ -38,7 +38,7 @@ _PROVENANCE_FILE = "rollstream_conversion.json"
 # demo model; but pad is its own token (SmolLM2 pads with eos), so tests also cover pad != eos.
 _TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 _TINY_BOS, _TINY_EOS, _TINY_PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
-_TINY_VOCAB_SIZE = 384
+_TINY_VOCAB_SIZE = 384  # the BPE trainer's target; the trained vocabulary is smaller (353): use len(tokenizer)
 # ChatML without SmolLM2's default system prompt: short prompts keep tiny-model tests fast.
 _TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}"

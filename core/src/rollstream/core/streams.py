@@ -264,7 +264,9 @@ class StreamStage:
     # -- writing ---------------------------------------------------------------------
 
     def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> None:
-        """Write `outputs` (stage name, message), run `extra`, then ack `entries`: atomically."""
+        """Write `outputs` (stage name, message), run `extra`, then ack `entries`, in one script:
+        atomic against crashes; if a command fails, those before it stay applied (no rollback)
+        and the entries stay pending, so a retry may write the outputs again."""
         ops = Ops()
         for stage, message in outputs:
             ops.xadd(self.keys.stream(stage), codec.encode(message))
