@@ -9,7 +9,7 @@ bash scripts/install.sh
 PY="${ROLLSTREAM_VENV:-.venv}/bin/python"
 fast=0
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
-"$PY" -m pytest -m "not slow" "$@"
+"$PY" -m pytest -m "not slow and not vllm" "$@"
 if [ "$fast" = 0 ]; then
   "$PY" -m pytest -m slow "$@"
 fi

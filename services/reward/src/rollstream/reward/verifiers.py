@@ -1,30 +1,28 @@
-"""Built-in verifiers: pure functions from (completion text, reference answer) to scores.
+"""Built-in verifiers: pure functions from a completion (and the task's reference answer
+or metadata) to a value. Nothing here knows about weights, recipes, time limits or
+streams: rollstream.reward.recipes composes these into per-task-kind recipes.
 
-A task kind names a recipe: a list of (component name, check). A check returns a value in
-[0, 1]; the reward of a completion is the sum of weight * value over its components.
-A check that raises gives that component the status "error: ..." and the value 0, so one
-bad task never stops the stage. An unknown task kind is reported as such (never a silent
-0 that would look like a wrong answer).
-
-Recipes:
-- "arithmetic": `answer` (the completion's final answer equals the reference: the number
-  after "answer is" when the completion says so, else its last number) and `format` (the
-  completion is "The answer is N." or just "N", as the demo prompt asks).
-- "exact": `answer` (the stripped completion equals the stripped reference).
+- `arithmetic_answer` / `arithmetic_format`: the demo's recipe. The answer is the number
+  after "answer is" when the completion says so, else its last number; the format is
+  "The answer is N." or just "N", as the demo prompt asks.
+- `exact_match`: the stripped completion equals the stripped reference.
+- `math_equal`: mathematical equivalence with the `math-verify` package (\\boxed{...},
+  fractions, LaTeX, plain expressions).
+- `overlong_penalty`: DAPO's soft penalty for completions near or over a length limit.
+- `countdown_value`: the countdown task: an arithmetic expression that uses the given
+  numbers, each at most once, and equals the target (parsed with `ast`, never eval'd).
+- `extract_code`: the program in a completion (the last fenced block), for the code reward.
 """
 
 from __future__ import annotations
 
+import ast
+import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
 from decimal import Decimal
-
-Check = Callable[[str, str], float]
-Recipe = Sequence[tuple[str, Check]]
-
-OK = "ok"
-UNKNOWN_KIND_COMPONENT = "task_kind"
+from fractions import Fraction
+from typing import Any
 
 # A number: an optional minus sign (ASCII or U+2212, which models like to emit), then
 # either digits with thousands commas ("1,234": each group exactly 3 digits, so "1,2"
@@ -89,67 +87,139 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
-def recipe_for(task_kind: str) -> Recipe | None:
-    """The checks of a task kind, or None when the kind is unknown."""
-    match task_kind:
-        case "arithmetic":
-            return (("answer", arithmetic_answer), ("format", arithmetic_format))
-        case "exact":
-            return (("answer", exact_match),)
-        case _:
-            return None
+# -- math (math-verify) ---------------------------------------------------------------------
+
+def _math_verify() -> Any:
+    """math_verify, imported on first use: it pulls in sympy and antlr (a second to import),
+    which the other task kinds do not need.
+
+    Its own time limits are SIGALRM-based and would replace the recipe's (a process has one
+    ITIMER_REAL), so every call below switches them off and the recipe's time limit covers
+    the whole check; its warning that the limits are off is expected, hence silenced.
+    """
+    import math_verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return math_verify
 
 
-KNOWN_KINDS = ("arithmetic", "exact")
+def parse_math_reference(answer: str) -> list[Any]:
+    """The reference answer as math-verify parses it. A bare answer is read as LaTeX
+    first ("$...$": as plain text, "2\\pi" would be read as 2), then as it is. An answer
+    that does not parse at all raises ValueError: a silent 0 for every completion would
+    look like a model that is always wrong."""
+    mv = _math_verify()
+    delimited = "$" in answer or "\\boxed" in answer or "\\(" in answer or "\\[" in answer
+    for text in (answer,) if delimited else (f"${answer}$", answer):
+        gold = mv.parse(text, parsing_timeout=None)
+        if gold:
+            return gold
+    raise ValueError(f"reference answer {answer!r} does not parse as math")
 
 
-@dataclass(frozen=True)
-class Component:
-    name: str
-    value: float
-    weight: float
-    status: str  # OK, "error: ...", or "unknown task_kind ..."
+def math_equal(completion: str, answer: str) -> float:
+    """1.0 when the completion's final answer is mathematically equal to the reference.
 
-    @property
-    def failed(self) -> bool:
-        return self.status != OK
-
-
-@dataclass(frozen=True)
-class Score:
-    reward: float
-    components: tuple[Component, ...]
-    unknown_kind: bool = False
-
-    @property
-    def errors(self) -> int:
-        """Components whose verifier raised (an unknown kind is counted separately)."""
-        return 0 if self.unknown_kind else sum(1 for c in self.components if c.failed)
+    math-verify extracts the answer from the completion (a \\boxed{} answer first, then
+    LaTeX, then plain expressions) and compares numerically and symbolically.
+    """
+    mv = _math_verify()
+    gold = parse_math_reference(answer)
+    predicted = mv.parse(completion, parsing_timeout=None)
+    if not predicted:
+        return 0.0
+    return 1.0 if mv.verify(gold, predicted, timeout_seconds=None) else 0.0
 
 
-def score_with(recipe: Recipe, completion: str, answer: str, weights: Mapping[str, float]) -> Score:
-    """Run every check of `recipe`; a check that raises scores 0 with an error status."""
-    components = []
-    for name, check in recipe:
-        # A missing weight is a programming error (a recipe whose component has no
-        # setting), not bad data: fail loudly rather than weigh it 0.
-        weight = weights[name]
-        try:
-            value = float(check(completion, answer))
-            status = OK
-        except Exception as e:  # noqa: BLE001 - any verifier failure is reported, never fatal
-            value = 0.0
-            status = f"error: {type(e).__name__}: {e}"
-        components.append(Component(name=name, value=value, weight=weight, status=status))
-    reward = sum(c.weight * c.value for c in components)
-    return Score(reward=reward, components=tuple(components))
+# -- length ------------------------------------------------------------------------------------
 
 
-def score(task_kind: str, completion: str, answer: str, weights: Mapping[str, float]) -> Score:
-    """Score one completion by its task kind's recipe."""
-    recipe = recipe_for(task_kind)
-    if recipe is None:
-        status = f"unknown task_kind {task_kind!r} (known: {', '.join(KNOWN_KINDS)})"
-        component = Component(name=UNKNOWN_KIND_COMPONENT, value=0.0, weight=0.0, status=status)
-        return Score(reward=0.0, components=(component,), unknown_kind=True)
-    return score_with(recipe, completion, answer, weights)
+def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_length - cache_length, then falling
+    linearly to -1 at max_length, and -1 beyond. Weight it positively: the value is <= 0."""
+    if length <= max_length - cache_length:
+        return 0.0
+    if length <= max_length:
+        return (max_length - cache_length - length) / cache_length
+    return -1.0
+
+
+# -- countdown -------------------------------------------------------------------------------
+
+# Longer "expressions" are not an answer to a 3-6 number puzzle; the cap also bounds the
+# parser's work on whatever a model emits.
+COUNTDOWN_MAX_CHARS = 200
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_EXPRESSION_CHARS_RE = re.compile(r"^[\d\s+\-*/().×÷]+$")
+_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+
+def countdown_expression(completion: str) -> str | None:
+    """The expression a countdown completion proposes: the text of its last <answer> tag
+    when it has one, else its last line that looks like arithmetic; a trailing "= N" is
+    dropped ("(3 + 5) * 2 = 16" -> "(3 + 5) * 2")."""
+    tagged = _ANSWER_TAG_RE.findall(completion)
+    candidates = [tagged[-1]] if tagged else reversed(completion.strip().splitlines())
+    for line in candidates:
+        expression = line.split("=")[0].strip().rstrip(".").strip()
+        if expression and _EXPRESSION_CHARS_RE.match(expression):
+            return expression.replace("×", "*").replace("÷", "/")
+    return None
+
+
+def evaluate_countdown(expression: str) -> tuple[Fraction, list[int]]:
+    """Exact value of an expression of integers, + - * / and parentheses, and the integers
+    it uses. Raises ValueError for anything else (names, calls, powers, unary minus, floats,
+    division by zero): `ast` parses, a small walker evaluates; nothing is ever eval'd."""
+    if len(expression) > COUNTDOWN_MAX_CHARS:
+        raise ValueError(f"expression longer than {COUNTDOWN_MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an expression: {e.msg}") from None
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _OPERATORS[type(node.op)](left, right)
+        raise ValueError(f"{type(node).__name__} is not allowed (only integers, + - * / and parentheses)")
+
+    return walk(tree.body), used
+
+
+def countdown_value(completion: str, numbers: list[int], target: int) -> float:
+    """1.0 when the completion's expression uses only the given numbers, each at most as
+    often as it is given, and evaluates exactly to the target."""
+    expression = countdown_expression(completion)
+    if expression is None:
+        return 0.0
+    try:
+        value, used = evaluate_countdown(expression)
+    except ValueError:
+        return 0.0  # the model wrote something that is not a valid expression: wrong, not a verifier error
+    available = Counter(numbers)
+    if any(count > available[n] for n, count in Counter(used).items()):
+        return 0.0
+    return 1.0 if value == target else 0.0
+
+
+# -- code -------------------------------------------------------------------------------------
+
+_FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The program in a completion: the last fenced block (```python ... ```, or any
+    language-less fence), else the whole completion."""
+    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(completion)]
+    python = [body for lang, body in blocks if lang in ("python", "py", "python3", "")]
+    if python:
+        return python[-1]
+    return completion

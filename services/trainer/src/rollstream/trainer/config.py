@@ -22,11 +22,14 @@ class TrainerSettings(CommonSettings):
     seed: int = Field(0)
     linger: bool = Field(False, description="after the last step keep serving gRPC (weights, state) until stopped")
     # Data
-    task: Literal["arithmetic", "jsonl"] = Field("arithmetic", description="built-in synthetic task, or prompts from a JSONL file")
-    dataset_path: str = Field("", description="JSONL/Parquet file of prompts (task = jsonl)")
+    task: Literal["arithmetic", "countdown", "jsonl", "dataset"] = Field(
+        "arithmetic", description="built-in synthetic task (arithmetic, countdown), prompts from a JSONL/Parquet file (jsonl), or a save_to_disk folder (dataset)"
+    )
+    dataset_path: str = Field("", description="JSONL/Parquet file (task = jsonl) or datasets.save_to_disk folder (task = dataset)")
     prompt_field: str = Field("prompt")
     answer_field: str = Field("answer")
-    task_kind: str = Field("arithmetic", description="reward recipe name written into each task (jsonl)")
+    metadata_field: str = Field("", description="optional column with task metadata for the reward recipe (an object or JSON text)")
+    task_kind: str = Field("arithmetic", description="reward recipe name written into each task (jsonl, dataset)")
     max_operand: int = Field(9, ge=1, description="arithmetic: operands are 0..max_operand")
     # Sampling (sent with each task)
     group_size: int = Field(8, ge=2)
@@ -39,21 +42,42 @@ class TrainerSettings(CommonSettings):
     betas: tuple[float, float] = Field((0.9, 0.999))
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    loss: Literal["grpo"] = Field("grpo")
-    clip_eps: float = Field(0.2, gt=0)
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="policy loss (formulas in rollstream/trainer/grpo.py)")
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ratio clipped below at 1 - clip_eps_low")
+    clip_eps_high: float = Field(0.2, gt=0, description="ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28; GSPO: ~4e-4)")
+    tis_cap: float = Field(0.0, ge=0, description="truncated importance sampling: weight min(pi_trainer / pi_behaviour, cap); 0 disables")
     beta: float = Field(0.0, ge=0, description="KL (k3) weight; > 0 needs the reference stage")
     max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
     prompt_buffer: int = Field(16, ge=1, description="tasks kept waiting in the prompts stream")
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
     chunk_tokens: int = Field(1024, ge=1, description="LM-head chunk when computing log-probs")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in backward")
+    # Optimizer memory (see rollstream/trainer/optimizer.py)
+    bucket_mb: float = Field(32.0, gt=0, description="optimizer step bucket size, MB of fp32 masters")
+    moments_dtype: Literal["float32", "bfloat16"] = Field("float32", description="AdamW moments in host memory")
+    grad_offload: bool = Field(False, description="move gradients to host memory as backward produces them")
+    # LoRA (peft); the published weights are the merged ones
+    lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning)")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank)")
+    # NoDecode: the environment gives "q_proj,v_proj" (or a JSON list), not only JSON.
+    lora_target_modules: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["all-linear"], description="module names, comma-separated, or all-linear")
+    # Checkpoints
+    checkpoint_dir: str = Field("", description="where checkpoints go (step-NNNNNNNN folders)")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only on request)")
+    resume: str = Field("", description="checkpoint folder to resume from, or 'latest' (in checkpoint_dir)")
     # Weight sync
     # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
-    generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty: the Redis registry)")
+    generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)")
+    generators_dns: str = Field(
+        "",
+        description="host:port whose every A/AAAA record is a generator, resolved at each push (a Kubernetes headless Service, "
+        "e.g. gen-headless.ns.svc:50051); added to `generators`",
+    )
     anchor_interval: int = Field(20, ge=1, description="publish a full anchor every N versions")
     push_timeout_s: float = Field(120.0, gt=0)
     group: str = Field("trainer", description="consumer group on the ready stream")
 
-    @field_validator("generators", "betas", mode="before")
+    @field_validator("generators", "betas", "lora_target_modules", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         # Flags and env give "a:1,b:2" or "0.9,0.999" (or JSON); TOML gives a list.
@@ -65,6 +89,10 @@ class TrainerSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerSettings":
-        if self.task == "jsonl" and not self.dataset_path:
-            raise ValueError("dataset_path is required when task = 'jsonl'")
+        if self.task in ("jsonl", "dataset") and not self.dataset_path:
+            raise ValueError(f"dataset_path is required when task = {self.task!r}")
+        if (self.checkpoint_every or self.resume == "latest") and not self.checkpoint_dir:
+            raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest'")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ValueError("lora_target_modules is empty")
         return self

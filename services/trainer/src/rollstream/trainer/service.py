@@ -4,20 +4,28 @@ One loop, top to bottom:
   1. top up rs:<run>:prompts to `prompt_buffer` tasks;
   2. read rs:<run>:ready; drop duplicates (group_id already trained) and groups more than
      `max_staleness` versions old (counted, acknowledged);
-  3. with `groups_per_step` groups: advantages, GRPO loss over token-budget micro-batches,
-     backward, AdamW on the host masters -> new bf16 weights (version + 1);
+  3. with `groups_per_step` groups: advantages, the policy loss (grpo.py) over token-budget
+     micro-batches, backward, AdamW on the host masters -> new bf16 weights (version + 1);
+     with LoRA the published weights are the merged ones (lora.py);
   4. encode the exact delta, push it to every generator, then in one transaction: ack the
-     groups, record them as trained, set the version, append the step's metrics.
+     groups, record them as trained, set the version, append the step's metrics;
+  5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
+`--resume` restores one, moves the run's version back to it and pushes its anchor.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
 
 import grpc
+import numpy as np
 import redis
 import torch
 from prometheus_client import Counter, Gauge
@@ -27,7 +35,7 @@ from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import resolve_model
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import grpo, prompts
+from rollstream.trainer import checkpoint, discovery, grpo, lora, prompts
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import Published, WeightPublisher
@@ -36,32 +44,115 @@ from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb
 
 class Trainer:
     def __init__(self, settings: TrainerSettings, host: ServiceHost):
-        self.settings = settings
+        s = self.settings = settings
         self.log = host.log
-        torch.manual_seed(settings.seed)
-        self.model_dir = str(resolve_model(settings.model))
-        self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=settings.dtype, device=settings.device)
+        torch.manual_seed(s.seed)
+        self.model_dir = str(resolve_model(s.model))
+        self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
+        if s.activation_checkpointing:
+            # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora: lora.LoraModel | None = None
+        if s.lora_rank:
+            self.lora = lora.LoraModel(self.model, lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)))
+            self.model = self.lora.model
+            self.lora.round_base_to_bf16()
+            self.params = self.lora.adapters
+        else:
+            self.params = modeling.named_weights(self.model)
         self.model.train()
-        self.params = modeling.named_weights(self.model)
-        self.optimizer = HostAdamW(self.params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
-        # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
-        self.publisher = WeightPublisher(self.optimizer.sync_model(), settings.anchor_interval)
+        self.loss_config = grpo.LossConfig(
+            kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
+            tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
+        )
+        self.optimizer = HostAdamW(
+            self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
+            bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, grad_offload=s.grad_offload,
+        )
         self.step = 0
         self.groups_trained = 0
         self.groups_stale = 0
+        self.last_truncated_fraction = 0.0
+        self.restored: checkpoint.CheckpointState | None = None
+        version = 0
+        if s.resume:
+            path = checkpoint.resolve(s.resume, s.checkpoint_dir)
+            self.restored = self._restore(path)
+            version = self.restored.version
+            bits = self._published_bits(self.optimizer.published_bits())
+            logs.event(self.log, "resumed", checkpoint=str(path), step=self.step, version=version)
+        else:
+            # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
+            bits = self._published_bits(self.optimizer.sync_model())
+        self.publisher = WeightPublisher(bits, s.anchor_interval, version=version)
         reg = host.registry
         self.m_steps = Counter("rollstream_trainer_steps", "optimizer steps", registry=reg)
         self.m_reward = Gauge("rollstream_trainer_reward_mean", "mean reward of the last step", registry=reg)
         self.m_version = Gauge("rollstream_trainer_version", "current policy version", registry=reg)
         self.m_stale = Counter("rollstream_trainer_stale_groups", "groups dropped as stale", registry=reg)
         self.m_delta = Gauge("rollstream_trainer_delta_fraction", "last delta size / dense bf16", registry=reg)
+        self.m_version.set(version)
 
     @property
     def version(self) -> int:
         return self.publisher.version
 
+    def _published_bits(self, trained_bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What generators get: the trained weights, or with LoRA the merged base weights."""
+        return self.lora.merged_bits() if self.lora is not None else trained_bits
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", held_groups: list[str] | None = None, replace: bool = False) -> Path:
+        """Write everything a resume needs (call between steps)."""
+        s = self.settings
+        state = checkpoint.CheckpointState(
+            version=self.version,
+            step=self.step,
+            optimizer_steps=self.optimizer.step_count,
+            groups_trained=self.groups_trained,
+            groups_stale=self.groups_stale,
+            prompts_fed=prompts_fed,
+            run=s.run,
+            consumer=consumer,
+            consumer_group=s.group,
+            held_groups=list(held_groups or []),
+            model_fingerprint=self.publisher.fingerprint,
+            base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
+            lora=self.lora.spec.as_dict() if self.lora is not None else None,
+            moments_dtype=s.moments_dtype,
+            # The Redis URL may carry a password: it stays out of the file.
+            settings=s.model_dump(mode="json", exclude={"redis_url"}),
+        )
+        saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
+        logs.event(self.log, "checkpoint saved", path=str(saved), step=self.step, version=self.version)
+        return saved
+
+    def _restore(self, path: Path) -> checkpoint.CheckpointState:
+        state = checkpoint.load_state(path)
+        want_lora = self.lora.spec.as_dict() if self.lora is not None else None
+        if state.lora != want_lora:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint LoRA config {state.lora} != this trainer's {want_lora}")
+        if self.lora is not None and state.base_weights_sha256 != deltas.weights_sha256(self.lora.base_bits):
+            raise checkpoint.CheckpointError(f"{path}: the adapters belong to another base model than {self.model_dir}")
+        if state.moments_dtype != self.settings.moments_dtype:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint moments are {state.moments_dtype}, moments_dtype is {self.settings.moments_dtype}")
+        published = self.lora.base if self.lora is not None else self.params
+        fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
+        if state.model_fingerprint != fingerprint:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint is for model {state.model_fingerprint}, this one is {fingerprint}")
+        self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
+        checkpoint.set_rng_state(checkpoint.rng_tensors(path))
+        self.step = state.step
+        self.groups_trained = state.groups_trained
+        self.groups_stale = state.groups_stale
+        return state
+
+    # -- the step -----------------------------------------------------------------------
+
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
         s = self.settings
+        cfg = self.loss_config
         start = time.perf_counter()
         sequences: list[tuple[list[int], list[int]]] = []
         seq_adv: list[float] = []
@@ -74,37 +165,45 @@ class Trainer:
             rewards.extend(r)
             if max(r) == min(r):
                 zero_var += 1
-            adv = grpo.group_advantages(r)
-            for c, a in zip(g.completions, adv):
+            if not grpo.keeps_group(cfg.kind, r):
+                continue  # dapo: no signal in this group
+            for c, a in zip(g.completions, grpo.advantages(cfg.kind, r)):
                 sequences.append((list(g.prompt_ids), list(c.token_ids)))
                 seq_adv.append(a)
                 behaviour.append(list(c.behaviour_logprobs))
                 refs.append(list(c.ref_logprobs))
-        total = len(sequences)
+        denom = grpo.normaliser(cfg, [len(c) for _, c in sequences])
         lengths = [len(p) + len(c) for p, c in sequences]
         kl_sum = entropy_sum = 0.0
-        clipped = tokens = 0
+        clipped = truncated = tokens = 0
         loss_sum = 0.0
         for micro in modeling.pack_by_tokens(lengths, s.token_budget):
             batch = modeling.make_batch([sequences[i] for i in micro], self.tokenizer.pad_token_id, s.device)
             logp, entropy = modeling.completion_logprobs(self.model, batch, chunk_tokens=s.chunk_tokens, temperature=s.temperature, with_entropy=True)
             dev = logp.device
-            seq = torch.repeat_interleave(torch.arange(len(micro), device=dev), torch.tensor(batch.lengths, device=dev))
-            adv_tok = torch.repeat_interleave(torch.tensor([seq_adv[i] for i in micro], dtype=torch.float32, device=dev), torch.tensor(batch.lengths, device=dev))
+            seq_lengths = torch.tensor(batch.lengths, device=dev)
+            seq = torch.repeat_interleave(torch.arange(len(micro), device=dev), seq_lengths)
+            adv = torch.tensor([seq_adv[i] for i in micro], dtype=torch.float32, device=dev)
             beh = torch.tensor([x for i in micro for x in behaviour[i]], dtype=torch.float32, device=dev)
-            ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev) if s.beta > 0 else None
-            parts = grpo.grpo_loss(
-                logp, beh, adv_tok, seq, torch.tensor(batch.lengths, device=dev), total, s.clip_eps, s.beta, ref, entropy
-            )
+            ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev) if cfg.beta > 0 else None
+            parts = grpo.policy_loss(cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
             parts.loss.backward()
             loss_sum += float(parts.loss.detach())
             kl_sum += parts.kl_sum
             entropy_sum += parts.entropy_sum
             clipped += parts.clipped_tokens
+            truncated += parts.truncated_tokens
             tokens += parts.tokens
-        grad_norm, new_bits = self.optimizer.step(s.max_grad_norm)
+        if sequences:
+            grad_norm, trained_bits = self.optimizer.step(s.max_grad_norm)
+            new_bits = self._published_bits(trained_bits)
+        else:
+            # Every group was filtered out (dapo): no gradient, so no update; the version
+            # still advances (the groups were consumed) with an empty delta.
+            grad_norm, new_bits = 0.0, self.publisher.bits()
         published, stats = self.publisher.publish(new_bits)
         self.step += 1
+        self.last_truncated_fraction = truncated / max(tokens, 1)
         step_seconds = time.perf_counter() - start
         mean = sum(rewards) / len(rewards)
         std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
@@ -112,7 +211,7 @@ class Trainer:
             step=self.step,
             version=self.version,
             groups=len(groups),
-            completions=total,
+            completions=len(rewards),
             reward_mean=mean,
             reward_std=std,
             loss=loss_sum,
@@ -136,10 +235,52 @@ class Trainer:
         return metrics, published, stats
 
 
+class CheckpointRequests:
+    """SaveCheckpoint calls arrive on gRPC threads; the training loop serves them between
+    steps, so a checkpoint never sees half a step (or a feeder mid top-up)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, Future[tuple[Path, int]]]] = queue.Queue()
+        self._lock = threading.Lock()  # a request is either queued before close() or refused
+        self._closed = False
+
+    def request(self, path: str, timeout_s: float | None) -> tuple[Path, int]:
+        """Ask the loop for a checkpoint (at `path`, or the default one); wait for it."""
+        future: Future[tuple[Path, int]] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the trainer is stopping")
+            self._queue.put((path, future))
+        return future.result(timeout=timeout_s)
+
+    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
+        while True:
+            try:
+                path, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(save(path))
+            except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Refuse new requests and fail the waiting ones."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                _path, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(RuntimeError("the trainer is stopping"))
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer, generators: "GeneratorDirectory"):
+    def __init__(self, trainer: Trainer, generators: "GeneratorDirectory", checkpoints: CheckpointRequests):
         self.trainer = trainer
         self.generators = generators
+        self.checkpoints = checkpoints
 
     def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
         t = self.trainer
@@ -164,33 +305,48 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield from weight_transfer.to_chunks(p.payload, p.info)
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "checkpoints are not implemented yet (issue 4)")
+        """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N)."""
+        try:
+            path, version = self.checkpoints.request(request.path, context.time_remaining())
+        except FileExistsError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step in progress did not finish in time; the checkpoint is still queued")
+        except (ValueError, OSError) as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return trainer_pb2.SaveCheckpointResult(path=str(path), version=version)
 
 
 class GeneratorDirectory:
-    """Where to push: the configured addresses, else the generators registered in Redis."""
+    """Where to push: the configured addresses plus whatever the DNS name resolves to now,
+    else (neither configured) the generators registered in Redis."""
 
-    def __init__(self, configured: list[str], client: redis.Redis, keys: streams.RunKeys):
+    def __init__(self, configured: list[str], client: redis.Redis, keys: streams.RunKeys, dns_name: str = ""):
         self.configured = configured
+        self.dns_name = dns_name
         self.client = client
         self.keys = keys
 
     def addresses(self) -> list[str]:
-        if self.configured:
-            return list(self.configured)
+        if self.configured or self.dns_name:
+            resolved = discovery.resolve_all(self.dns_name) if self.dns_name else []
+            return sorted(set(self.configured) | set(resolved))
         return sorted(v.decode() for v in self.client.hgetall(self.keys.generators).values())
 
 
 class PromptFeeder:
-    def __init__(self, settings: TrainerSettings, client: redis.Redis, keys: streams.RunKeys):
+    def __init__(self, settings: TrainerSettings, client: redis.Redis, keys: streams.RunKeys, skip: int = 0):
         self.settings = settings
         self.client = client
         self.keys = keys
-        if settings.task == "arithmetic":
-            self.source = prompts.arithmetic(settings.seed, settings.max_operand)
-        else:
-            self.source = prompts.from_file(settings.dataset_path, settings.prompt_field, settings.answer_field, settings.task_kind, settings.seed)
-        self.fed = 0
+        self.source = prompts.from_settings(settings)
+        # Resume: the prompts fed before the checkpoint are drawn again and dropped, so the
+        # source continues where the checkpoint left it (sources are seeded, hence the same).
+        for _ in itertools.islice(self.source, skip):
+            pass
+        self.fed = skip
 
     def top_up(self, version: int) -> int:
         s = self.settings
@@ -211,6 +367,7 @@ class PromptFeeder:
                 sampling=rollout_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
                 fed_at_version=version,
                 task_kind=p.task_kind,
+                metadata_json=p.metadata_json,
             )
             pipe.xadd(stream, codec.encode(task))
         pipe.execute()
@@ -224,25 +381,58 @@ def run(settings: TrainerSettings) -> None:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         trainer = Trainer(settings, host)
+        restored = trainer.restored
+        if restored is not None and restored.consumer and not settings.consumer and restored.run == settings.run:
+            # Resume as the same consumer: the entries it held come back to it first.
+            settings = settings.model_copy(update={"consumer": restored.consumer})
         client = streams.connect(settings.redis_url)
         keys = streams.RunKeys(settings.run)
+        # After a resume this moves the version back; generators ahead of it get the anchor.
         client.set(keys.version, trainer.version)
         stage = streams.StreamStage.for_service(client, settings, "ready", settings.group)
-        directory = GeneratorDirectory(settings.generators, client, keys)
-        host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory), trainer_pb2_grpc.add_TrainerServicer_to_server)], ready=lambda: (True, f"version {trainer.version}"))
+        directory = GeneratorDirectory(settings.generators, client, keys, dns_name=settings.generators_dns)
+        checkpoints = CheckpointRequests()
+        feeder = PromptFeeder(settings, client, keys, skip=restored.prompts_fed if restored is not None else 0)
+        host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)], ready=lambda: (True, f"version {trainer.version}"))
         host.set_ready(True)
         try:
-            loop(trainer, stage, PromptFeeder(settings, client, keys), directory, client, keys, host)
-            if settings.linger:
-                host.stop.wait()
+            if restored is not None:
+                push_anchor(trainer, directory, host)
+            loop(trainer, stage, feeder, directory, client, keys, host, checkpoints)
         finally:
+            checkpoints.close()
             client.close()
 
 
-def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, directory: GeneratorDirectory, client: redis.Redis, keys: streams.RunKeys, host: ServiceHost) -> None:
+def push_anchor(trainer: Trainer, directory: GeneratorDirectory, host: ServiceHost) -> None:
+    """After a resume, every generator gets the restored version as an anchor: whatever it
+    holds (a later version of the abandoned run, or the same number from another lineage)
+    is replaced. Generators not reachable now catch up by themselves (hashes + anchor)."""
+    anchor = trainer.publisher.catch_up_payloads(-1, "")[0]
+    outcomes = trainer.publisher.push(directory.addresses(), anchor, trainer.settings.push_timeout_s)
+    logs.event(host.log, "anchor pushed after resume", version=trainer.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
+
+
+def loop(
+    trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, directory: GeneratorDirectory,
+    client: redis.Redis, keys: streams.RunKeys, host: ServiceHost, checkpoints: CheckpointRequests,
+) -> None:
     s = trainer.settings
     batch: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]] = []
+
+    def save(path: str) -> tuple[Path, int]:
+        if not path and not s.checkpoint_dir:
+            raise ValueError("no checkpoint path given and no checkpoint_dir configured")
+        target = Path(path) if path else Path(s.checkpoint_dir) / checkpoint.step_dir_name(trainer.step)
+        held = [g.group_id for _, g in batch]
+        # A step's default folder always holds this trainer's state at that step: after a
+        # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
+        # are never overwritten.
+        saved = trainer.save_checkpoint(target, prompts_fed=feeder.fed, consumer=stage.consumer, held_groups=held, replace=not path)
+        return saved, trainer.version
+
     while not host.stop.is_set() and (s.steps == 0 or trainer.step < s.steps):
+        checkpoints.serve(save)
         feeder.top_up(trainer.version)
         for entry in stage.read(s.read_count, s.block_ms):
             try:
@@ -292,16 +482,28 @@ def loop(trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, dir
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            pushed=applied, generators=len(outcomes),
+            pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
+            zero_var=metrics.zero_variance_groups,
         )
+        if s.checkpoint_every and trainer.step % s.checkpoint_every == 0:
+            save("")
     logs.event(host.log, "training finished", steps=trainer.step, version=trainer.version)
+    if s.linger:
+        while not host.stop.wait(0.2):
+            checkpoints.serve(save)
 
 
 def drop_stale(trainer: Trainer, stage: streams.StreamStage, keys: streams.RunKeys, batch: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:
-    """Acknowledge and count groups sampled more than max_staleness versions ago."""
+    """Acknowledge and count groups sampled more than max_staleness versions ago, and groups
+    from a version this trainer has not published (sampled before it resumed from an
+    earlier checkpoint: that lineage was abandoned)."""
     limit = trainer.settings.max_staleness
-    keep = [(e, g) for e, g in batch if trainer.version - g.policy_version <= limit]
-    stale = [(e, g) for e, g in batch if trainer.version - g.policy_version > limit]
+
+    def usable(g: rollout_pb2.RolloutGroup) -> bool:
+        return 0 <= trainer.version - g.policy_version <= limit
+
+    keep = [(e, g) for e, g in batch if usable(g)]
+    stale = [(e, g) for e, g in batch if not usable(g)]
     if stale:
         def ledger(ops: streams.Ops) -> None:
             ops.sadd(keys.groups("stale"), *[g.group_id for _, g in stale])

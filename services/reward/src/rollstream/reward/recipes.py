@@ -1,0 +1,374 @@
+"""Reward recipes: per task kind, a weighted list of components built from config.
+
+A recipe is what the reward of one completion is made of. Each component is a check (a
+verifier from rollstream.reward.verifiers, or the code sandbox) with a weight, a name in
+the per-completion breakdown, parameters and a time limit. The reward is the sum of
+weight * value over the components.
+
+Every component result carries a status, so a 0 always says why it is a 0:
+- "ok": the check ran; its value is the verdict (a wrong answer is "ok" with value 0);
+- "timeout": it ran out of time (see rollstream.reward.limits); value 0;
+- "error: <exception>": the check itself failed (say, a reference answer that does not
+  parse); value 0. One bad task never stops the stage.
+An unknown task kind gives a single "task_kind" component with a status naming the known
+kinds (never a silent 0 that would look like a wrong answer).
+
+Configuration (TOML; a kind given here replaces the built-in recipe of that kind):
+
+    [[recipes.math]]
+    component = "math"
+    weight = 1.0
+    [[recipes.math]]
+    component = "regex"
+    name = "format"
+    weight = 0.1
+    params = { preset = "think_answer" }
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollstream.reward import sandbox, verifiers
+from rollstream.reward.limits import ComponentTimeout, time_limit
+
+OK = "ok"
+TIMEOUT = "timeout"
+UNKNOWN_KIND_COMPONENT = "task_kind"
+# The think/answer template of R1-style prompts: reasoning in <think>, the answer in <answer>.
+THINK_ANSWER_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a component sees of one completion."""
+
+    completion: str
+    answer: str = ""
+    metadata_json: str = ""
+    num_tokens: int | None = None  # None when unknown (Score RPC items carry only text)
+
+    def metadata(self) -> dict[str, Any]:
+        """The task's metadata_json as an object ({} when empty); ValueError otherwise."""
+        if not self.metadata_json:
+            return {}
+        try:
+            value = json.loads(self.metadata_json)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"metadata_json is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("metadata_json is not a JSON object")
+        return value
+
+
+Check = Callable[[Sample], float]
+ComponentKind = Literal["arithmetic_answer", "arithmetic_format", "exact", "math", "regex", "length", "countdown", "code"]
+
+
+class ComponentSpec(BaseModel):
+    """One entry of a recipe in the config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    component: ComponentKind
+    # allow_inf_nan=False: a NaN weight would silently poison every reward downstream.
+    weight: float = Field(allow_inf_nan=False)
+    name: str = Field("", description="name in the reward breakdown (default: the component)")
+    timeout_s: float | None = Field(None, gt=0, description="time limit (default: the service's component_timeout_s)")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.component
+
+
+# -- parameters of each component -------------------------------------------------------------
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExactParams(_Params):
+    strip: bool = True
+    case_sensitive: bool = True
+
+
+class RegexParams(_Params):
+    pattern: str = ""
+    preset: Literal["", "think_answer"] = ""
+    match: Literal["full", "search"] = "full"
+    dotall: bool = True
+    ignore_case: bool = False
+
+    @model_validator(mode="after")
+    def _one_pattern(self) -> "RegexParams":
+        if bool(self.pattern) == bool(self.preset):
+            raise ValueError("give exactly one of `pattern` and `preset`")
+        try:
+            re.compile(self.pattern or THINK_ANSWER_PATTERN)  # a bad pattern fails at start, not per completion
+        except re.error as e:
+            raise ValueError(f"pattern does not compile: {e}") from None
+        return self
+
+
+class LengthParams(_Params):
+    """DAPO's overlong shaping: 0 up to max_length - cache_length, then down to -1 at max_length."""
+
+    max_length: int = Field(ge=1)
+    cache_length: int = Field(ge=1)
+    unit: Literal["tokens", "chars"] = "tokens"
+
+    @model_validator(mode="after")
+    def _cache_fits(self) -> "LengthParams":
+        if self.cache_length > self.max_length:
+            raise ValueError("cache_length must be at most max_length")
+        return self
+
+
+class CodeParams(_Params):
+    """Limits of the code sandbox (see rollstream.reward.sandbox)."""
+
+    wall_s: float = Field(10.0, gt=0)
+    test_timeout_s: float = Field(5.0, gt=0)
+    cpu_s: int = Field(10, ge=1)
+    memory_mb: int = Field(512, ge=64)
+    max_processes: int = Field(64, ge=2)
+    max_file_mb: int = Field(16, ge=1)
+    require_isolation: bool = True
+    python: str = ""
+    partial_credit: bool = Field(True, description="value = fraction of tests passed (else 1 only when all pass)")
+
+    def limits(self) -> sandbox.SandboxLimits:
+        return sandbox.SandboxLimits(
+            wall_s=self.wall_s, test_timeout_s=self.test_timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
+            max_processes=self.max_processes, max_file_mb=self.max_file_mb, require_isolation=self.require_isolation,
+            python=self.python,
+        )  # fmt: skip
+
+
+# -- building checks ------------------------------------------------------------------------
+
+
+def _exact(p: ExactParams) -> Check:
+    def check(s: Sample) -> float:
+        got, want = (s.completion.strip(), s.answer.strip()) if p.strip else (s.completion, s.answer)
+        if not p.case_sensitive:
+            got, want = got.casefold(), want.casefold()
+        return 1.0 if got == want else 0.0
+
+    return check
+
+
+def _regex(p: RegexParams) -> Check:
+    flags = (re.DOTALL if p.dotall else 0) | (re.IGNORECASE if p.ignore_case else 0)
+    pattern = re.compile(p.pattern or THINK_ANSWER_PATTERN, flags)
+    find = pattern.fullmatch if p.match == "full" else pattern.search
+    return lambda s: 1.0 if find(s.completion) else 0.0
+
+
+def _length(p: LengthParams) -> Check:
+    def check(s: Sample) -> float:
+        if p.unit == "chars":
+            length = len(s.completion)
+        elif s.num_tokens is None:
+            raise ValueError("the token count is unknown here (use unit = 'chars')")
+        else:
+            length = s.num_tokens
+        return verifiers.overlong_penalty(length, p.max_length, p.cache_length)
+
+    return check
+
+
+def _countdown(s: Sample) -> float:
+    meta = s.metadata()
+    numbers, target = meta.get("numbers"), meta.get("target", s.answer)
+    if not isinstance(numbers, list) or not all(isinstance(n, int) for n in numbers):
+        raise ValueError('countdown metadata_json needs "numbers": a list of integers')
+    try:
+        target_int = int(target)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"countdown target {target!r} is not an integer") from None
+    return verifiers.countdown_value(s.completion, numbers, target_int)
+
+
+def _code(p: CodeParams) -> Check:
+    limits = p.limits()
+
+    def check(s: Sample) -> float:
+        tests = sandbox.parse_tests(s.metadata())
+        result = sandbox.run_tests(verifiers.extract_code(s.completion), tests, limits)
+        if result.timed_out:
+            raise ComponentTimeout(f"the program ran past {limits.wall_s}s")
+        if p.partial_credit:
+            return result.fraction
+        return 1.0 if all(result.passed) else 0.0
+
+    return check
+
+
+def _lift(check: Callable[[str, str], float]) -> Check:
+    """A verifier of (completion, answer) as a component check."""
+    return lambda s: check(s.completion, s.answer)
+
+
+def build_check(spec: ComponentSpec) -> Check:
+    """The check of a spec; ValueError (naming the problem) for bad parameters."""
+    params = spec.params
+    try:
+        match spec.component:
+            case "arithmetic_answer":
+                _Params.model_validate(params)
+                return _lift(verifiers.arithmetic_answer)
+            case "arithmetic_format":
+                _Params.model_validate(params)
+                return _lift(verifiers.arithmetic_format)
+            case "math":
+                _Params.model_validate(params)
+                # Import math-verify and build its parsers now, at start: a first call pays
+                # about a second for that, which must not count against a completion's limit.
+                verifiers.math_equal(r"\boxed{1}", "1")
+                return _lift(verifiers.math_equal)
+            case "countdown":
+                _Params.model_validate(params)
+                return _countdown
+            case "exact":
+                return _exact(ExactParams.model_validate(params))
+            case "regex":
+                return _regex(RegexParams.model_validate(params))
+            case "length":
+                return _length(LengthParams.model_validate(params))
+            case "code":
+                return _code(CodeParams.model_validate(params))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'params'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"component {spec.component!r} params: {problems}") from None
+    raise ValueError(f"unknown component {spec.component!r}")  # unreachable: the Literal rejects it first
+
+
+# -- recipes and scores -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecipeComponent:
+    name: str
+    weight: float
+    check: Check
+    timeout_s: float | None
+
+
+Recipe = tuple[RecipeComponent, ...]
+
+
+@dataclass(frozen=True)
+class ComponentResult:
+    name: str
+    value: float
+    weight: float
+    status: str  # OK, TIMEOUT, "error: ...", or "unknown task_kind ..."
+
+    @property
+    def failed(self) -> bool:
+        return self.status != OK
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    components: tuple[ComponentResult, ...]
+    unknown_kind: bool = False
+
+    @property
+    def timeouts(self) -> int:
+        return sum(1 for c in self.components if c.status == TIMEOUT)
+
+    @property
+    def errors(self) -> int:
+        """Components whose check failed (not timeouts; an unknown kind is counted separately)."""
+        return 0 if self.unknown_kind else sum(1 for c in self.components if c.failed and c.status != TIMEOUT)
+
+
+def run_component(component: RecipeComponent, sample: Sample) -> ComponentResult:
+    try:
+        with time_limit(component.timeout_s):
+            value = float(component.check(sample))
+        status = OK
+    except ComponentTimeout:
+        value, status = 0.0, TIMEOUT
+    except Exception as e:  # noqa: BLE001 - any verifier failure is reported, never fatal
+        value, status = 0.0, f"error: {type(e).__name__}: {e}"
+    return ComponentResult(name=component.name, value=value, weight=component.weight, status=status)
+
+
+def score_with(recipe: Recipe, sample: Sample) -> Score:
+    components = tuple(run_component(c, sample) for c in recipe)
+    return Score(reward=sum(c.weight * c.value for c in components), components=components)
+
+
+class Recipes:
+    """The recipe of every task kind the service knows."""
+
+    def __init__(self, table: Mapping[str, Recipe]):
+        self.table = dict(table)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(sorted(self.table))
+
+    def score(self, task_kind: str, sample: Sample) -> Score:
+        recipe = self.table.get(task_kind)
+        if recipe is None:
+            status = f"unknown task_kind {task_kind!r} (known: {', '.join(self.kinds)})"
+            component = ComponentResult(name=UNKNOWN_KIND_COMPONENT, value=0.0, weight=0.0, status=status)
+            return Score(reward=0.0, components=(component,), unknown_kind=True)
+        return score_with(recipe, sample)
+
+
+def default_specs(answer_weight: float = 1.0, format_weight: float = 0.1) -> dict[str, list[ComponentSpec]]:
+    """The built-in recipes. `arithmetic` is the demo's (its semantics are part of the demo)."""
+
+    def spec(component: str, name: str, weight: float, **params: Any) -> ComponentSpec:
+        return ComponentSpec(component=component, name=name, weight=weight, params=params)  # type: ignore[arg-type]
+
+    return {
+        "arithmetic": [spec("arithmetic_answer", "answer", answer_weight), spec("arithmetic_format", "format", format_weight)],
+        "exact": [spec("exact", "answer", answer_weight)],
+        "math": [spec("math", "answer", answer_weight)],
+        "countdown": [spec("countdown", "answer", answer_weight)],
+        "code": [spec("code", "answer", answer_weight)],
+    }
+
+
+def code_backstop_s(spec: ComponentSpec) -> float:
+    """The code component has its own wall-clock limit; the generic limit is only a backstop
+    behind it (the sandbox is killed in a `finally` either way)."""
+    return float(CodeParams.model_validate(spec.params).wall_s) + 5.0
+
+
+def build_recipes(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_s: float | None) -> Recipes:
+    """Build every recipe; ValueError names the kind and entry of a bad one."""
+    table: dict[str, Recipe] = {}
+    for kind, entries in specs.items():
+        if not entries:
+            raise ValueError(f"recipes.{kind}: a recipe needs at least one component")
+        names = [e.label for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"recipes.{kind}: component names repeat ({', '.join(names)}); give each a distinct `name`")
+        components = []
+        for i, spec in enumerate(entries):
+            try:
+                check = build_check(spec)
+            except ValueError as e:
+                raise ValueError(f"recipes.{kind}[{i}]: {e}") from None
+            timeout = spec.timeout_s if spec.timeout_s is not None else default_timeout_s
+            if spec.component == "code" and spec.timeout_s is None:
+                timeout = code_backstop_s(spec)
+            components.append(RecipeComponent(name=spec.label, weight=spec.weight, check=check, timeout_s=timeout))
+        table[kind] = tuple(components)
+    return Recipes(table)

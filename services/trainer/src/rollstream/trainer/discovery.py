@@ -1,0 +1,44 @@
+"""Finding the generators to push weights to, from a DNS name.
+
+On Kubernetes a headless Service (clusterIP: None) has one A record per ready pod, so
+`gen-headless.ns.svc:50051` names every generator. The name is resolved again at every
+push: pods come and go, and a generator that joins gets the next delta (or catches up
+through FetchWeights when the base does not match).
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+class DiscoveryError(ValueError):
+    """A `host:port` that cannot be used (no port, bad port)."""
+
+
+def split_host_port(target: str) -> tuple[str, int]:
+    """"host:port" or "[v6addr]:port" -> (host, port)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DiscoveryError(f"{target!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def resolve_all(target: str) -> list[str]:
+    """Every address `host` resolves to, as sorted, de-duplicated "addr:port" strings.
+
+    IPv4 (A) and IPv6 (AAAA) both count; IPv6 comes back as "[addr]:port", which gRPC
+    accepts. A name that does not resolve (no pod ready yet) gives []: the caller has
+    nobody to push to this time, which is not an error.
+    """
+    host, port = split_host_port(target)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    addresses = set()
+    for family, _type, _proto, _name, sockaddr in infos:
+        addr = sockaddr[0]
+        addresses.add(f"[{addr}]:{port}" if family == socket.AF_INET6 else f"{addr}:{port}")
+    return sorted(addresses)

@@ -1,0 +1,196 @@
+"""The reward stage calling a remote `Reward/Score` server: a real gRPC server started in the
+test, a real reward process, a real redis-server. Covers batching, the scorer being down
+(groups held pending, never zero-scored), recovery, the circuit breaker, and rejections."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from rollstream.core.streams import RunKeys
+from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
+from tests.integration.test_reward_service import GROUP, groups_in, make_group, start_reward, wait_for, write_many
+
+FAST_RETRIES = (
+    "--scorer-retries", "1", "--scorer-backoff-s", "0.05", "--scorer-backoff-max-s", "0.1",
+    "--scorer-breaker-failures", "2", "--scorer-breaker-cooldown-s", "0.3", "--scorer-deadline-s", "5",
+)  # fmt: skip
+
+
+class LengthScorer(reward_pb2_grpc.RewardServicer):
+    """A team's grader: reward = len(completion) / 10, with a component saying so.
+
+    `failing` makes every call answer UNAVAILABLE (a scorer that is down or restarting);
+    a group id in `poison` makes the call answer INVALID_ARGUMENT."""
+
+    def __init__(self) -> None:
+        self.failing = threading.Event()
+        self.poison: set[str] = set()
+        self.lock = threading.Lock()
+        self.batches: list[int] = []
+        self.failed_calls = 0
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
+        if self.failing.is_set():
+            with self.lock:
+                self.failed_calls += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "grader restarting")
+        bad = [item.group_id for item in request.items if item.group_id in self.poison]
+        if bad:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot grade {bad[0]}")
+        with self.lock:
+            self.batches.append(len(request.items))
+        return reward_pb2.ScoreResponse(
+            scores=[
+                reward_pb2.ItemScore(
+                    reward=len(item.completion) / 10,
+                    components=[rollout_pb2.RewardComponent(name="length", value=len(item.completion) / 10, weight=1.0, status="ok")],
+                )
+                for item in request.items
+            ]
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ScorerServer:
+    """A real gRPC server on a fixed port that can be stopped and started again."""
+
+    def __init__(self, servicer: LengthScorer, port: int):
+        self.servicer = servicer
+        self.port = port
+        self.server: grpc.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ScorerServer":
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        reward_pb2_grpc.add_RewardServicer_to_server(self.servicer, self.server)
+        assert self.server.add_insecure_port(self.address) == self.port
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0).wait()
+            self.server = None
+
+
+@pytest.fixture
+def scorer() -> Iterator[ScorerServer]:
+    server = ScorerServer(LengthScorer(), free_port())
+    yield server
+    server.stop()
+
+
+def metric(port: int, line_prefix: str) -> float:
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def readyz(port: int) -> tuple[int, str]:
+    reply = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+    return reply.status_code, reply.json().get("detail", "")
+
+
+def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+    scorer.start()
+    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--scorer-batch-size", "3", *FAST_RETRIES)
+    try:
+        ids = [f"r{i}" for i in range(6)]
+        write_many(rclient, keys, [make_group(i, ["8", "The answer is 8", "x" * 25, ""]) for i in ids])
+        wait_for("6 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 6, svc)
+        for g in groups_in(rclient, keys.stream("scored")):
+            assert g.scored
+            assert [c.reward for c in g.completions] == pytest.approx([0.1, 1.5, 2.5, 0.0])
+            assert [[(rc.name, rc.status) for rc in c.reward_components] for c in g.completions] == [[("length", "ok")]] * 4
+        # 24 completions, never more than 3 per call.
+        assert sum(scorer.servicer.batches) == 24 and max(scorer.servicer.batches) <= 3
+        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="ok"}') == len(scorer.servicer.batches)
+    finally:
+        svc.kill()
+
+
+def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+    # Written first, so that the stage's first read takes all five.
+    ids = [f"d{i}" for i in range(5)]
+    write_many(rclient, keys, [make_group(i, ["8", "abc"]) for i in ids])
+    # Nothing listens at the scorer's address yet: every call fails with UNAVAILABLE.
+    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, *FAST_RETRIES, ready=False)
+    try:
+
+        def holding() -> bool:
+            code, detail = readyz(svc.http_port)
+            return code == 503 and "remote scorer unavailable, holding 5 groups" in detail
+
+        wait_for("state file", svc.state_file.exists, svc)
+        svc.http_port = json.loads(svc.state_file.read_text())["http_port"]
+        wait_for("the stage to report it holds the groups", holding, svc)
+        wait_for("the circuit to open", lambda: metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 1.0, svc)
+        # Held: read but neither written downstream, nor acknowledged, nor dead-lettered.
+        assert rclient.xlen(keys.stream("scored")) == 0
+        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 5
+        assert rclient.xlen(keys.dead) == 0
+        assert metric(svc.http_port, "rollstream_reward_held_groups") == 5.0
+        assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="failed"}') >= 2
+
+        # The grader comes up, but answers UNAVAILABLE for a while (a restart): still held.
+        scorer.servicer.failing.set()
+        scorer.start()
+        wait_for("calls reaching the restarting grader", lambda: scorer.servicer.failed_calls >= 2, svc)
+        assert rclient.xlen(keys.stream("scored")) == 0
+
+        scorer.servicer.failing.clear()  # recovered
+        wait_for("all groups scored", lambda: rclient.xlen(keys.stream("scored")) == 5, svc)
+        out = groups_in(rclient, keys.stream("scored"))
+        assert sorted(g.group_id for g in out) == sorted(ids)  # each exactly once
+        assert all([c.reward for c in g.completions] == pytest.approx([0.1, 0.3]) for g in out)
+        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert rclient.xlen(keys.dead) == 0
+        wait_for("ready again", lambda: readyz(svc.http_port)[0] == 200, svc)
+        assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
+        assert metric(svc.http_port, "rollstream_reward_held_groups") == 0.0
+        assert "scorer_unavailable" in svc.log() and "scorer_recovered" in svc.log()
+        assert rclient.hget(keys.stats, "scored") == b"5"
+    finally:
+        svc.kill()
+
+
+def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+    scorer.servicer.poison.add("bad")
+    scorer.start()
+    # Written before the stage starts, so they come in one read: the first call (all three)
+    # is rejected, and the stage asks group by group to find the one the scorer refuses.
+    write_many(rclient, keys, [make_group("ok1", ["8"]), make_group("bad", ["8"]), make_group("ok2", ["8"])])
+    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES)
+    try:
+        wait_for("two scored", lambda: rclient.xlen(keys.stream("scored")) == 2, svc)
+        wait_for("one dead letter", lambda: rclient.xlen(keys.dead) == 1, svc)
+        assert sorted(g.group_id for g in groups_in(rclient, keys.stream("scored"))) == ["ok1", "ok2"]
+        ((_, fields),) = rclient.xrange(keys.dead)
+        assert fields[b"reason"].decode() == "remote scorer rejected the group: INVALID_ARGUMENT: cannot grade bad"
+        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert int(rclient.hget(keys.stats, "dead_rollouts") or 0) == 1
+        # A rejection is the scorer answering: it does not open the circuit.
+        assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
+        assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="rejected"}') >= 1
+    finally:
+        svc.kill()

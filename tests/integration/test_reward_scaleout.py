@@ -1,0 +1,40 @@
+"""Scale-out: several reward processes share the consumer group; every group is scored
+exactly once, and the work is split between them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from rollstream.core.streams import RunKeys
+from tests.integration.test_reward_service import assert_exactly_once, groups_in, make_group, start_reward, wait_for, write_many
+
+N_GROUPS = 1200
+
+
+def scored_by(http_port: int) -> int:
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith('rollstream_reward_groups_total{outcome="scored"}'))
+    return int(float(line.split()[-1]))
+
+
+def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    # Both join the group and wait before anything is written, so both compete for it.
+    workers = [start_reward(tmp_path, redis_url, keys.run, "--consumer", f"worker-{w}", tag=f"-{w}") for w in "ab"]
+    try:
+        ids = [f"s{i}" for i in range(N_GROUPS)]
+        write_many(rclient, keys, [make_group(i, ["8", "9", "The answer is 8", "eight"]) for i in ids])
+        wait_for(f"all {N_GROUPS} scored", lambda: rclient.xlen(keys.stream("scored")) >= N_GROUPS, workers[0], timeout_s=120)
+        assert_exactly_once(rclient, keys, ids)
+        for g in groups_in(rclient, keys.stream("scored")):
+            assert [c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1, 0.0])
+        # Each worker's own count of what it committed: together exactly the whole, both non-zero.
+        counts = [scored_by(w.http_port) for w in workers]
+        assert sum(counts) == N_GROUPS and min(counts) > 0, counts
+        assert int(rclient.hget(keys.stats, "scored") or 0) == N_GROUPS
+    finally:
+        for w in workers:
+            w.kill()

@@ -1,0 +1,176 @@
+"""A real trainer process resumed from a checkpoint continues exactly, and brings a generator
+that is ahead of it (on the abandoned lineage) back to the restored version.
+
+Trainer A trains 4 steps on scored groups written straight into the ready stream (the test
+plays the upstream stages), checkpointing every 2 steps; a real generator follows it by
+pushes. Trainer B, on the same run and port, resumes from A's step-2 checkpoint: it moves
+the run's version back to 2, pushes an anchor that the generator (at version 4) takes, drops
+a group sampled by the abandoned lineage, and trained on the same groups it reaches A's
+step-4 weights bit for bit, with the same losses.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from procs import ServiceProc, start_service  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from rollstream.core import codec, streams
+from rollstream.core.grpc_utils import channel
+from rollstream.trainer import checkpoint
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+
+GROUPS_PER_STEP = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
+    """The same content for a step whatever the tag (group ids must differ: the trainer
+    deduplicates by group id, and A trained the first copies)."""
+    rng = random.Random(step)
+    out = []
+    for g in range(GROUPS_PER_STEP):
+        completions = []
+        for _ in range(4):
+            n = rng.randint(1, 6)
+            completions.append(rollout_pb2.Completion(
+                token_ids=[rng.randrange(5, 200) for _ in range(n)],
+                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
+                reward=float(rng.random() < 0.5),
+            ))
+        out.append(rollout_pb2.RolloutGroup(
+            group_id=f"{tag}-s{step}-g{g}", task_id=f"{tag}-s{step}-g{g}", policy_version=0,
+            prompt_ids=[rng.randrange(5, 200) for _ in range(5)], completions=completions, scored=True,
+        ))
+    return out
+
+
+def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
+    with channel(address) as ch:
+        return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
+
+
+def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
+    with channel(address) as ch:
+        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
+
+
+def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:
+    with channel(address) as ch:
+        return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: list[ServiceProc]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.name} died ({p.proc.returncode}) waiting for {what}:\n{p.log()[-3000:]}")
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def step_metrics(client: redis.Redis, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
+    return [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in client.xrange(keys.metrics)]
+
+
+def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    dir_a, dir_b = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
+    common = [
+        "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
+        "--grpc-port", str(port), "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP),
+        "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2", "--lr", "1e-3",
+        "--max-staleness", "100", "--block-ms", "100", "--steps", "4", "--checkpoint-every", "2", "--linger",
+    ]
+    a = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_a), tag="-a").wait_ready()
+    gen = start_service(
+        "generator", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
+        "--trainer-address", address, "--consumer", "gen-0", "--max-inflight-groups", "1", "--sync-interval-s", "0.5",
+        "--block-ms", "100", tag="-gen",
+    ).wait_ready()
+    procs = [a, gen]
+    b: ServiceProc | None = None
+    try:
+        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 0, 60, "generator at version 0", procs)
+        for step in range(1, 5):
+            for g in groups_for(step, "first"):
+                rclient.xadd(keys.stream("ready"), codec.encode(g))
+        wait_for(lambda: trainer_state(address).step == 4, 120, "trainer A at step 4", procs)
+        final_a = trainer_state(address, sha=True)
+        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 4, 60, "generator at version 4", procs)
+        assert generator_state(gen.grpc_address, sha=True).weights_sha256 == final_a.weights_sha256
+
+        # SaveCheckpoint: the default path is the step's folder (written by checkpoint_every
+        # already, and written again), an explicit path is written once and never overwritten.
+        assert (dir_a / "step-00000002" / "state.json").is_file()
+        result = save_checkpoint(address, "")
+        assert (result.path, result.version) == (str(dir_a / "step-00000004"), 4)
+        assert checkpoint.load_state(dir_a / "step-00000004").version == 4
+        assert sorted(p.name for p in dir_a.iterdir()) == ["step-00000002", "step-00000004"]  # no leftovers
+        manual = tmp_path / "manual"
+        result = save_checkpoint(address, str(manual))
+        assert (result.path, result.version) == (str(manual), 4)
+        assert checkpoint.load_state(manual).step == 4
+        with pytest.raises(grpc.RpcError) as err:
+            save_checkpoint(address, str(manual))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert a.stop() == 0
+        metrics_a = step_metrics(rclient, keys)
+        assert [m.step for m in metrics_a] == [1, 2, 3, 4]
+
+        # B resumes from A's step-2 checkpoint, same run, same address.
+        b = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_b), "--resume", str(dir_a / "step-00000002"), tag="-b").wait_ready()
+        procs = [b, gen]
+        assert int(rclient.get(keys.version)) == 2  # the run's version moved back
+        restored = trainer_state(address, sha=True)
+        assert (restored.step, restored.version, restored.groups_trained) == (2, 2, 4)
+        # The generator was at version 4 of the abandoned lineage; the anchor brings it back.
+        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 2, 60, "generator back at version 2", procs)
+        assert generator_state(gen.grpc_address, sha=True).weights_sha256 == restored.weights_sha256
+        assert restored.weights_sha256 != final_a.weights_sha256
+
+        # A group sampled by version 3 of the abandoned lineage is dropped as stale, not trained.
+        future = groups_for(9, "future")[0]
+        future.policy_version = 3
+        rclient.xadd(keys.stream("ready"), codec.encode(future))
+        for step in (3, 4):
+            for g in groups_for(step, "again"):
+                rclient.xadd(keys.stream("ready"), codec.encode(g))
+        wait_for(lambda: trainer_state(address).step == 4, 120, "trainer B at step 4", procs)
+        final_b = trainer_state(address, sha=True)
+        # The step's commit (metrics) and then its checkpoint come after the step itself.
+        wait_for(lambda: (dir_b / "step-00000004" / "state.json").is_file(), 60, "B's step-4 checkpoint", procs)
+        assert final_b.weights_sha256 == final_a.weights_sha256  # bit for bit
+        assert rclient.sismember(keys.groups("stale"), future.group_id)
+        assert not rclient.sismember(keys.groups("trained"), future.group_id)
+        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 4, 60, "generator at version 4 again", procs)
+        assert generator_state(gen.grpc_address, sha=True).weights_sha256 == final_b.weights_sha256
+
+        metrics_b = step_metrics(rclient, keys)[4:]
+        assert [m.step for m in metrics_b] == [3, 4]
+        for ma, mb in zip(metrics_a[2:], metrics_b, strict=True):
+            assert (mb.loss, mb.grad_norm, mb.tokens, mb.version) == (ma.loss, ma.grad_norm, ma.tokens, ma.version)
+        # B's own step-4 checkpoint holds the same optimizer state as A's, byte for byte.
+        optimizer_file = "step-00000004/" + checkpoint.OPTIMIZER_FILE
+        assert (dir_b / optimizer_file).read_bytes() == (dir_a / optimizer_file).read_bytes()
+        assert b.stop() == 0
+    finally:
+        for p in [a, gen, *([b] if b is not None else [])]:
+            p.stop()

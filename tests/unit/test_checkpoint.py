@@ -1,0 +1,217 @@
+"""Trainer checkpoints, in process on the tiny model: a run resumed from step k continues
+exactly like the uninterrupted run (losses, gradient norms, masters, published bits, bit for
+bit), for full fine-tuning, LoRA, bf16 moments and gradient offload; the files are
+safetensors + JSON; writes are atomic; mismatched checkpoints are refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollstream.core.config import ConfigError, load_settings
+from rollstream.core.service import ServiceHost
+from rollstream.trainer import checkpoint
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.service import Trainer
+from rollstream.v1 import rollout_pb2
+
+STEPS = 5
+SAVE_AT = 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: torch's default thread pool oversubscribes them badly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def groups_for(step: int, n_groups: int = 2, size: int = 4) -> list[rollout_pb2.RolloutGroup]:
+    """Fixed synthetic scored groups for one step (the same for every run)."""
+    rng = random.Random(1000 + step)
+    out = []
+    for g in range(n_groups):
+        completions = []
+        for _ in range(size):
+            n = rng.randint(1, 6)
+            completions.append(rollout_pb2.Completion(
+                token_ids=[rng.randrange(5, 200) for _ in range(n)],
+                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
+                reward=float(rng.random() < 0.5),
+            ))
+        prompt = [rng.randrange(5, 200) for _ in range(rng.randint(3, 8))]
+        out.append(rollout_pb2.RolloutGroup(group_id=f"s{step}-g{g}", prompt_ids=prompt, completions=completions, scored=True))
+    return out
+
+
+def make_trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
+    values = {"model": str(model_dir), "lr": 1e-3, "max_new_tokens": 6, **overrides}
+    settings = load_settings(TrainerSettings, [], **values)
+    host = ServiceHost("trainer", settings)
+    return Trainer(settings, host), host
+
+
+VARIANTS = {
+    "full-grpo": {},
+    "lora-gspo": {"lora_rank": 4, "lora_alpha": 8.0, "loss": "gspo", "clip_eps_low": 0.02, "clip_eps_high": 0.03},
+    "bf16-moments-dapo-tis-offload": {"moments_dtype": "bfloat16", "loss": "dapo", "clip_eps_high": 0.28, "tis_cap": 2.0, "grad_offload": True, "bucket_mb": 0.01},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_continues_bit_for_bit(variant: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    overrides = VARIANTS[variant]
+    # The uninterrupted run, checkpointing after step SAVE_AT.
+    a, host_a = make_trainer(tiny_model_dir, **overrides)
+    metrics_a = []
+    for step in range(1, STEPS + 1):
+        m, _, _ = a.train_step(groups_for(step))
+        metrics_a.append(m)
+        if step == SAVE_AT:
+            torch.rand(7)  # move the generator, so that restoring it is visible
+            rng_at_save = torch.get_rng_state().clone()
+            bits_at_save = {n: b.copy() for n, b in a.publisher.bits().items()}
+            path = a.save_checkpoint(tmp_path / "ckpt", prompts_fed=17, consumer="trainer-7", held_groups=["x"])
+    host_a.close()
+
+    # The resumed run.
+    torch.manual_seed(999)
+    b, host_b = make_trainer(tiny_model_dir, **overrides, resume=str(path))
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert (b.step, b.version) == (SAVE_AT, SAVE_AT)
+    assert b.restored is not None and (b.restored.prompts_fed, b.restored.consumer, b.restored.held_groups) == (17, "trainer-7", ["x"])
+    assert b.publisher.bits().keys() == bits_at_save.keys()
+    for name, bits in b.publisher.bits().items():
+        assert np.array_equal(bits, bits_at_save[name]), name
+    metrics_b = [b.train_step(groups_for(step))[0] for step in range(SAVE_AT + 1, STEPS + 1)]
+    host_b.close()
+
+    for ma, mb in zip(metrics_a[SAVE_AT:], metrics_b, strict=True):
+        assert (mb.step, mb.version) == (ma.step, ma.version)
+        assert mb.loss == ma.loss and mb.grad_norm == ma.grad_norm, f"step {ma.step}"
+        assert (mb.tokens, mb.clip_fraction, mb.kl, mb.entropy) == (ma.tokens, ma.clip_fraction, ma.kl, ma.entropy)
+        assert mb.delta_bytes == ma.delta_bytes
+    assert any(m.loss != 0 for m in metrics_b)
+    for name, master in a.optimizer.master.items():
+        assert torch.equal(b.optimizer.master[name], master), name
+    for key, value in a.optimizer.state_tensors().items():
+        assert torch.equal(b.optimizer.state_tensors()[key], value), key
+    for name, bits in a.publisher.bits().items():
+        assert np.array_equal(b.publisher.bits()[name], bits), name
+    # And training moved the published weights (the comparison is not of two idle runs).
+    assert any(not np.array_equal(bits_at_save[n], x) for n, x in a.publisher.bits().items())
+
+
+def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_path: Path) -> None:
+    t, host = make_trainer(tiny_model_dir, moments_dtype="bfloat16", redis_url="redis://:secret@127.0.0.1:6379/0")
+    t.train_step(groups_for(1))
+    path = t.save_checkpoint(tmp_path / "c1", prompts_fed=3, consumer="me")
+    host.close()
+    assert sorted(p.name for p in path.iterdir()) == ["optimizer.safetensors", "rng.safetensors", "state.json"]
+    state = json.loads((path / "state.json").read_text())
+    assert state["format"] == checkpoint.FORMAT and state["format_version"] == checkpoint.FORMAT_VERSION
+    assert (state["version"], state["step"], state["optimizer_steps"], state["prompts_fed"], state["consumer"]) == (1, 1, 1, 3, "me")
+    assert state["model_fingerprint"] == t.publisher.fingerprint
+    assert state["settings"]["lr"] == 1e-3 and "redis_url" not in state["settings"]
+    assert "secret" not in (path / "state.json").read_text()
+    tensors = load_file(str(path / "optimizer.safetensors"))  # safetensors' own reader
+    names = set(t.params)
+    assert set(tensors) == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in names}
+    for n in names:
+        assert tensors[f"master/{n}"].dtype == torch.float32
+        assert torch.equal(tensors[f"master/{n}"], t.optimizer.master[n])
+        assert tensors[f"exp_avg/{n}"].dtype == torch.bfloat16
+        assert tuple(tensors[f"exp_avg_sq/{n}"].shape) == tuple(t.params[n].shape)
+    rng = load_file(str(path / "rng.safetensors"))
+    assert rng["torch_cpu"].dtype == torch.uint8
+
+
+def test_save_is_atomic_and_latest_sees_only_complete_checkpoints(tiny_model_dir: Path, tmp_path: Path) -> None:
+    t, host = make_trainer(tiny_model_dir)
+    root = tmp_path / "ckpts"
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        checkpoint.resolve("latest", str(root))
+    first = t.save_checkpoint(root / checkpoint.step_dir_name(0))
+    t.train_step(groups_for(1))
+    second = t.save_checkpoint(root / checkpoint.step_dir_name(1))
+    # Neither a crashed write (hidden temp folder) nor a folder without state.json counts.
+    (root / ".step-00000009.tmp-1234").mkdir()
+    (root / "step-00000008").mkdir()
+    assert checkpoint.latest(root) == second
+    assert checkpoint.resolve("latest", str(root)) == second
+    assert checkpoint.resolve(str(first), "") == first
+    with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint"):
+        checkpoint.resolve(str(root / "step-00000008"), "")
+
+    # An existing checkpoint is never overwritten, unless asked to (a step's default folder
+    # after a resume from an earlier step); then the new one is complete before it replaces it.
+    before = (second / "optimizer.safetensors").read_bytes()
+    with pytest.raises(FileExistsError):
+        t.save_checkpoint(second)
+    assert (second / "optimizer.safetensors").read_bytes() == before
+    t.train_step(groups_for(2))
+    t.save_checkpoint(second, replace=True)
+    assert checkpoint.load_state(second).step == 2
+    assert (second / "optimizer.safetensors").read_bytes() != before
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == [".step-00000009.tmp-1234"]
+
+    # A write that fails half-way leaves nothing behind under any name.
+    bad = {"x": torch.zeros(2, dtype=torch.complex64)}
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be stored"):
+        checkpoint.save(root / "step-00000005", checkpoint.CheckpointState(version=5, step=5, optimizer_steps=5), bad, checkpoint.rng_state())
+    assert not (root / "step-00000005").exists()
+    assert not any(p.name.startswith(".step-00000005") for p in root.iterdir())
+    host.close()
+
+
+def test_mismatched_checkpoints_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lora, host = make_trainer(tiny_model_dir, lora_rank=4)
+    path = lora.save_checkpoint(tmp_path / "lora")
+    host.close()
+    with pytest.raises(checkpoint.CheckpointError, match="LoRA"):
+        make_trainer(tiny_model_dir, resume=str(path))
+    with pytest.raises(checkpoint.CheckpointError, match="LoRA"):
+        make_trainer(tiny_model_dir, resume=str(path), lora_rank=8)
+    full, host = make_trainer(tiny_model_dir)
+    full_path = full.save_checkpoint(tmp_path / "full")
+    host.close()
+    with pytest.raises(checkpoint.CheckpointError, match="moments_dtype"):
+        make_trainer(tiny_model_dir, resume=str(full_path), moments_dtype="bfloat16")
+
+
+def test_checkpoint_settings_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        load_settings(TrainerSettings, ["--checkpoint-every", "5"])
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        load_settings(TrainerSettings, ["--resume", "latest"])
+    s = load_settings(TrainerSettings, ["--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path), "--resume", "latest"])
+    assert (s.checkpoint_every, s.resume) == (5, "latest")
+
+
+def test_memory_options_do_not_change_the_step(tiny_model_dir: Path) -> None:
+    """Activation checkpointing, gradient offload and the bucket size trade memory and time,
+    not results: the same masters, bit for bit, as the defaults. (Both runs split each step
+    into several micro-batches: the split itself changes the order of the fp32 gradient sums.)"""
+    runs = {}
+    for name, overrides in {
+        "default": {},
+        "checkpointing+offload+small-buckets": {"activation_checkpointing": True, "grad_offload": True, "bucket_mb": 0.01},
+    }.items():
+        t, host = make_trainer(tiny_model_dir, token_budget=40, **overrides)
+        metrics = [t.train_step(groups_for(step)) for step in (1, 2)]
+        runs[name] = ([(m.loss, m.grad_norm) for m, _, _ in metrics], {n: m.clone() for n, m in t.optimizer.master.items()}, t)
+        host.close()
+    (losses_a, masters_a, default), (losses_b, masters_b, other) = runs.values()
+    assert other.model.is_gradient_checkpointing and not default.model.is_gradient_checkpointing
+    assert len(other.optimizer.buckets) > 1 and other.optimizer.host_grad is not None
+    assert losses_a == losses_b
+    for n, m in masters_a.items():
+        assert torch.equal(masters_b[n], m), n

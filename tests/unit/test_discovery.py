@@ -1,0 +1,62 @@
+"""Generator discovery from a DNS name (Kubernetes headless Services resolve to every pod)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import redis
+
+from rollstream.core.streams import RunKeys
+from rollstream.trainer import discovery
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.service import GeneratorDirectory
+
+
+def test_localhost_resolves_to_loopback_with_the_port() -> None:
+    addresses = discovery.resolve_all("localhost:50123")
+    assert addresses, "localhost did not resolve"
+    assert set(addresses) <= {"127.0.0.1:50123", "[::1]:50123"}
+    assert addresses == sorted(set(addresses))
+
+
+def test_every_record_of_a_name_is_a_generator() -> None:
+    # What getaddrinfo itself returns for the name, as addresses: no more, no fewer.
+    expected = {info[4][0] for info in socket.getaddrinfo("localhost", 50123, type=socket.SOCK_STREAM)}
+    got = {a.rpartition(":")[0].strip("[]") for a in discovery.resolve_all("localhost:50123")}
+    assert got == expected
+
+
+def test_a_name_that_does_not_resolve_gives_nobody() -> None:
+    # .invalid never resolves (RFC 2606): no pod ready yet, nothing to push to.
+    assert discovery.resolve_all("no-such-generator.invalid:50051") == []
+
+
+@pytest.mark.parametrize("bad", ["localhost", "localhost:", ":50051", "localhost:0", "localhost:70000", "localhost:http"])
+def test_a_target_without_a_usable_port_is_refused(bad: str) -> None:
+    with pytest.raises(discovery.DiscoveryError):
+        discovery.resolve_all(bad)
+
+
+def test_ipv6_literal_targets() -> None:
+    assert discovery.split_host_port("[::1]:50051") == ("::1", 50051)
+
+
+def test_directory_combines_configured_addresses_and_the_dns_name(rclient: redis.Redis, keys: RunKeys) -> None:
+    # A generator registered in Redis is ignored once addresses are configured.
+    rclient.hset(keys.generators, "g-redis", "10.1.2.3:50051")
+    directory = GeneratorDirectory(["127.0.0.2:7000"], rclient, keys, dns_name="localhost:50124")
+    addresses = directory.addresses()
+    assert "127.0.0.2:7000" in addresses
+    assert set(addresses) - {"127.0.0.2:7000"} <= {"127.0.0.1:50124", "[::1]:50124"}
+    assert len(addresses) >= 2 and "10.1.2.3:50051" not in addresses
+    # Neither configured: the Redis registry.
+    assert GeneratorDirectory([], rclient, keys).addresses() == ["10.1.2.3:50051"]
+
+
+def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollstream.core.config import load_settings
+
+    assert load_settings(TrainerSettings, ["--generators-dns", "gen-headless.ns.svc:50051"]).generators_dns == "gen-headless.ns.svc:50051"
+    monkeypatch.setenv("ROLLSTREAM_GENERATORS_DNS", "gen.ns.svc:50051")
+    assert load_settings(TrainerSettings, []).generators_dns == "gen.ns.svc:50051"
