@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,3 +82,17 @@ def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | No
     )
     log.close()
     return ServiceProc(name=label, proc=proc, log_path=log_path, state_file=state_file)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: list[ServiceProc], poll_s: float = 0.2) -> None:
+    """Poll `predicate` until it holds; fail early (with logs) if a watched process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.name} died ({p.proc.returncode}) while waiting for {what}:\n{p.log()[-3000:]}")
+        time.sleep(poll_s)
+    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")

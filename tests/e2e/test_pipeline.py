@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from procs import ServiceProc, start_service
+from procs import start_service, wait_for
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc
@@ -29,19 +29,6 @@ def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
 def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
     with channel(address) as ch:
         return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
-
-
-def wait_for(predicate, timeout_s: float, what: str, procs: list[ServiceProc]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise AssertionError(f"{p.name} died ({p.proc.returncode}) while waiting for {what}:\n{p.log()[-3000:]}")
-        time.sleep(0.2)
-    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
 def stream_group_ids(client: redis.Redis, key: str) -> set[str]:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import random
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
 
-from procs import ServiceProc, start_service  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from procs import ServiceProc, start_service, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
@@ -70,19 +68,6 @@ def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorS
 def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:
     with channel(address) as ch:
         return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: list[ServiceProc]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise AssertionError(f"{p.name} died ({p.proc.returncode}) waiting for {what}:\n{p.log()[-3000:]}")
-        time.sleep(0.1)
-    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
 def step_metrics(client: redis.Redis, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:

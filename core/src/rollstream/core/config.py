@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -119,3 +120,13 @@ def consumer_name(settings: CommonSettings) -> str:
     if settings.consumer:
         return settings.consumer
     return f"{os.uname().nodename}-{os.getpid()}"
+
+
+def load_or_exit(cls: type[S], argv: list[str]) -> S:
+    """`load_settings` for a service's main(): a bad configuration prints the error (naming
+    the field) and exits with status 2 before anything starts."""
+    try:
+        return load_settings(cls, argv)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from rollstream.core import codec, logs, streams
-from rollstream.core.config import ConfigError, load_settings
+from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
 from rollstream.core.service import ServiceHost
@@ -227,9 +227,4 @@ def loop(settings: ReferenceSettings, stage: streams.StreamStage, scorer: Scorer
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = load_settings(ReferenceSettings, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    return run(settings)
+    return run(load_or_exit(ReferenceSettings, sys.argv[1:] if argv is None else argv))

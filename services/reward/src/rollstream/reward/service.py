@@ -30,7 +30,7 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, grpc_utils, logs, streams
-from rollstream.core.config import ConfigError, load_settings
+from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
@@ -49,11 +49,7 @@ RPC_DEFAULT_TIMEOUT_S = 300.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings(RewardSettings, list(argv) if argv is not None else sys.argv[1:])
-    except ConfigError as e:
-        print(f"rollstream.reward: {e}", file=sys.stderr)
-        return 2
+    settings = load_or_exit(RewardSettings, list(argv) if argv is not None else sys.argv[1:])
     with ServiceHost("reward", settings) as host:
         host.install_signal_handlers()
         run(host, settings)

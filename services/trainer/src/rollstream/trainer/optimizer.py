@@ -77,39 +77,32 @@ class _Copier:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+        self.d2h: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.cuda else None
 
     def begin(self) -> None:
         """Gradients were produced on the compute stream: copies must wait for them."""
-        if self.cuda:
+        if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream(self.d2h.device))
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
         """Copy each (device source -> host destination); returns an event to wait for."""
-        if not self.cuda:
-            for src, dst in pairs:
-                dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.d2h):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.d2h)
-        return event
+        return self._copy(pairs, self.d2h)
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
         """Copy each (host source -> device destination); returns an event to wait for."""
+        return self._copy(pairs, self.h2d)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: "torch.cuda.Stream | None") -> torch.cuda.Event | None:
         if not self.cuda:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(stream):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.h2d)
+            event.record(stream)
         return event
 
     @staticmethod

@@ -31,7 +31,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from rollstream.core import codec, deltas, logs, modeling, streams, weight_transfer
-from rollstream.core.config import ConfigError, load_settings
+from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import resolve_model
 from rollstream.core.service import ServiceHost
@@ -516,9 +516,4 @@ def drop_stale(trainer: Trainer, stage: streams.StreamStage, keys: streams.RunKe
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        settings = load_settings(TrainerSettings, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
-    run(settings)
+    run(load_or_exit(TrainerSettings, sys.argv[1:] if argv is None else argv))
