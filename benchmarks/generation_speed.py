@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast, samples slower)")
     args = parser.parse_args()
 
+    # vLLM logs to stdout by default; stdout is for the JSON result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import torch
 
     from rollstream.core.models import resolve_model

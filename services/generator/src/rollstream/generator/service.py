@@ -26,7 +26,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rollstream.core import codec, deltas, logs, streams, weight_transfer
-from rollstream.core.config import ConfigError, consumer_name, load_settings
+from rollstream.core.config import consumer_name, load_or_exit
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.core.models import resolve_model
 from rollstream.core.service import ServiceHost
@@ -293,9 +293,4 @@ def loop(gen: Generator, stage: streams.StreamStage, client, keys: streams.RunKe
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        settings = load_settings(GeneratorSettings, sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
-    run(settings)
+    run(load_or_exit(GeneratorSettings, sys.argv[1:] if argv is None else argv))

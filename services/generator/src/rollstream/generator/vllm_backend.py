@@ -141,9 +141,10 @@ class VllmBackend:
             # run without the package installed (in-process engine only).
             vllm_transfer.register()
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
+        self.llm = LLM(**kwargs)
+        # After the engine exists: vLLM (re)configures its loggers while starting.
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
-        self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         if not self.on_cpu:
             self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
