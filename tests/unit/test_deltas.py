@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 import pytest
-import safetensors.torch
+from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 import torch
 
 from rollstream.core import deltas, safetensors_io, weight_transfer
@@ -201,7 +201,7 @@ def test_encode_refuses_mismatched_names_and_shapes(scenario) -> None:
 def test_anchor_loads_as_bf16_with_safetensors_torch(scenario) -> None:
     base, _, fp = scenario
     payload = deltas.encode_anchor(base, version=9, fingerprint=fp)
-    loaded = safetensors.torch.load(payload)
+    loaded = load_safetensors(payload)
     assert loaded.keys() == base.keys()
     for name, bits in base.items():
         t = loaded[name]
@@ -239,7 +239,7 @@ def test_safetensors_io_round_trips_other_dtypes() -> None:
     for name, array in tensors.items():
         assert back[name].shape == array.shape and np.array_equal(back[name], array)
     # Same file read by the reference implementation.
-    ref = safetensors.torch.load(buf)
+    ref = load_safetensors(buf)
     assert ref["bf"].dtype == torch.bfloat16 and ref["bf"].tolist() == [1.0, -1.0]
     assert torch.equal(ref["f32"], torch.from_numpy(tensors["f32"]))
 
@@ -249,7 +249,7 @@ def test_empty_tensor_round_trips() -> None:
     buf = safetensors_io.dumps({"empty": np.zeros((0, 4), np.float32), "x": np.ones(2, np.float32)})
     _, back = safetensors_io.loads(buf)
     assert back["empty"].shape == (0, 4) and back["x"].tolist() == [1.0, 1.0]
-    assert safetensors.torch.load(buf)["empty"].shape == torch.Size([0, 4])
+    assert load_safetensors(buf)["empty"].shape == torch.Size([0, 4])
 
 
 def test_zero_dim_tensor_keeps_its_shape() -> None:
@@ -258,7 +258,7 @@ def test_zero_dim_tensor_keeps_its_shape() -> None:
     buf = safetensors_io.dumps({"s": np.array(2.5, np.float64), "b": np.array(0x3F80, np.uint16)}, bf16={"b"})
     _, back = safetensors_io.loads(buf)
     assert back["s"].shape == () and float(back["s"]) == 2.5
-    assert safetensors.torch.load(buf)["b"].shape == torch.Size([])
+    assert load_safetensors(buf)["b"].shape == torch.Size([])
     # And so an anchor of a model with a scalar parameter is accepted by the same model.
     held = {"s": np.array(0x3F80, np.uint16), "w": np.arange(6, dtype=np.uint16).reshape(2, 3)}
     fp = deltas.model_fingerprint({k: v.shape for k, v in held.items()})
