@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from rollstream.core import codec
 from rollstream.core.streams import RunKeys
+from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +67,28 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
     assert not [name for name, pid in pids.items() if alive(pid)], "services left running after Ctrl-C"
     for name in pids:
         assert "stopped" in (tmp_path / "logs" / f"{name}.log").read_text(), f"{name} did not shut down cleanly"
+
+
+def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+    """LoRA with kl_reference = lora_base: the KL trains against the trainer's own base, the
+    reward stage writes straight to `ready`, and no reference service is started."""
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "4", "--run", run_name, "--workdir", str(tmp_path),
+        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+        "--beta", "0.05", "--lr", "1e-2", "--lora-rank", "4", "--kl-reference", "lora_base",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {p.stem for p in (tmp_path / "state").glob("*.json")} == {"trainer", "generator-0", "reward-0"}
+    keys = RunKeys(run_name)
+    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    # Version 0 is the base: no KL at the first step. (The tiny random model earns no reward,
+    # so nothing moves it later; tests/unit/test_lora.py shows the KL growing under training.)
+    assert metrics[0].kl == 0.0
+    assert rclient.xlen(keys.stream("scored")) == 0 and rclient.xlen(keys.stream("dead")) == 0
+
+
+def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--lora-rank" in done.stderr

@@ -37,6 +37,7 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
         self.poison: set[str] = set()
         self.lock = threading.Lock()
         self.batches: list[int] = []
+        self.items: list[reward_pb2.ScoreItem] = []
         self.failed_calls = 0
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
@@ -49,6 +50,7 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot grade {bad[0]}")
         with self.lock:
             self.batches.append(len(request.items))
+            self.items.extend(request.items)
         return reward_pb2.ScoreResponse(
             scores=[
                 reward_pb2.ItemScore(
@@ -123,6 +125,8 @@ def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, r
             assert [[(rc.name, rc.status) for rc in c.reward_components] for c in g.completions] == [[("length", "ok")]] * 4
         # 24 completions, never more than 3 per call.
         assert sum(scorer.servicer.batches) == 24 and max(scorer.servicer.batches) <= 3
+        # What a grader gets besides the text: the token count and why sampling stopped.
+        assert {(i.HasField("num_tokens"), i.num_tokens, i.finish_reason) for i in scorer.servicer.items} == {(True, 2, "stop")}
         assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="ok"}') == len(scorer.servicer.batches)
     finally:

@@ -179,7 +179,10 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
 
 
 def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
-    svc = start_reward(tmp_path, redis_url, keys.run, "--output-stage", "ready", "--answer-weight", "2", "--format-weight", "0.5")
+    # A token-length recipe too: Score items carry num_tokens (DAPO overlong shaping: 0 up to
+    # 2 tokens, -0.5 at 3, -1 at 4 and beyond).
+    length_recipe = '{"short": [{"component": "length", "weight": 1.0, "params": {"max_length": 4, "cache_length": 2}}]}'
+    svc = start_reward(tmp_path, redis_url, keys.run, "--output-stage", "ready", "--answer-weight", "2", "--format-weight", "0.5", "--recipes", length_recipe)
     try:
         grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
         request = reward_pb2.ScoreRequest(
@@ -188,13 +191,18 @@ def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclie
                 reward_pb2.ScoreItem(group_id="a", completion_index=1, task_kind="arithmetic", completion="It is 7", answer="8"),
                 reward_pb2.ScoreItem(group_id="b", task_kind="exact", completion=" Paris ", answer="Paris"),
                 reward_pb2.ScoreItem(group_id="c", task_kind="poetry", completion="roses", answer=""),
+                reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="a b c", num_tokens=3, finish_reason="stop"),
+                reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="", num_tokens=0, finish_reason="stop"),
+                reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="a b c"),  # token count unknown
             ]
         )
         with grpc_utils.channel(svc.grpc_address) as ch:
             reply = reward_pb2_grpc.RewardStub(ch).Score(request, timeout=10)
-        assert [s.reward for s in reply.scores] == pytest.approx([2.5, 0.0, 2.0, 0.0])
+        assert [s.reward for s in reply.scores] == pytest.approx([2.5, 0.0, 2.0, 0.0, -0.5, 0.0, 0.0])
         assert [(c.name, c.value, c.weight) for c in reply.scores[0].components] == [("answer", 1.0, 2.0), ("format", 1.0, 0.5)]
         assert "unknown task_kind 'poetry'" in reply.scores[3].components[0].status
+        # An absent num_tokens is "unknown", not 0: the component says so instead of scoring.
+        assert [c.status for s in reply.scores[4:] for c in s.components] == ["ok", "ok", "error: ValueError: the token count is unknown here (use unit = 'chars')"]
 
         # With --output-stage ready (beta = 0) the groups skip the reference stage.
         streams.write(rclient, keys, "rollouts", make_group("r1", ["8", "7."]))

@@ -11,7 +11,6 @@ step-4 weights bit for bit, with the same losses.
 
 from __future__ import annotations
 
-import random
 import socket
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import redis
 
 from procs import ServiceProc, start_service, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from synthetic import scored_groups
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
@@ -37,22 +37,7 @@ def free_port() -> int:
 def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
     """The same content for a step whatever the tag (group ids must differ: the trainer
     deduplicates by group id, and A trained the first copies)."""
-    rng = random.Random(step)
-    out = []
-    for g in range(GROUPS_PER_STEP):
-        completions = []
-        for _ in range(4):
-            n = rng.randint(1, 6)
-            completions.append(rollout_pb2.Completion(
-                token_ids=[rng.randrange(5, 200) for _ in range(n)],
-                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
-                reward=float(rng.random() < 0.5),
-            ))
-        out.append(rollout_pb2.RolloutGroup(
-            group_id=f"{tag}-s{step}-g{g}", task_id=f"{tag}-s{step}-g{g}", policy_version=0,
-            prompt_ids=[rng.randrange(5, 200) for _ in range(5)], completions=completions, scored=True,
-        ))
-    return out
+    return scored_groups(step, GROUPS_PER_STEP, tag)
 
 
 def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:

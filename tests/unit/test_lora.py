@@ -1,10 +1,11 @@
 """LoRA training publishes merged weights: the trainer's published bits equal peft's own
 merge_and_unload() of the same adapter state (bf16-rounded, bit for bit), the deltas decode
-to exactly them from version 0, and only the adapters are trained."""
+to exactly them from version 0, and only the adapters are trained. With kl_reference =
+lora_base the trainer is its own reference: the base under the adapters gives the reference
+service's log-probs bit for bit, before and after training."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from rollstream.core import deltas, modeling
-from rollstream.core.config import load_settings
+from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.service import ServiceHost
+from rollstream.reference.scoring import ReferenceModel
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import Trainer
 from rollstream.v1 import rollout_pb2
+from synthetic import scored_groups  # tests/synthetic.py
 
 
 @pytest.fixture(autouse=True)
@@ -28,19 +31,7 @@ def one_thread():
 
 
 def groups_for(step: int) -> list[rollout_pb2.RolloutGroup]:
-    rng = random.Random(step)
-    out = []
-    for g in range(2):
-        completions = []
-        for _ in range(4):
-            n = rng.randint(1, 6)
-            completions.append(rollout_pb2.Completion(
-                token_ids=[rng.randrange(5, 200) for _ in range(n)],
-                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
-                reward=float(rng.random() < 0.5),
-            ))
-        out.append(rollout_pb2.RolloutGroup(group_id=f"{step}-{g}", prompt_ids=[rng.randrange(5, 200) for _ in range(5)], completions=completions, scored=True))
-    return out
+    return scored_groups(step, 2)
 
 
 def make_trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
@@ -116,3 +107,44 @@ def test_lora_settings(tiny_model_dir: Path) -> None:
     assert load_settings(TrainerSettings, []).lora_target_modules == ["all-linear"]
     with pytest.raises(ValueError, match="no_such_proj"):  # peft names the missing module
         make_trainer(tiny_model_dir, lora_rank=2, lora_target_modules="no_such_proj")
+
+
+def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> None:
+    trainer, host = make_trainer(tiny_model_dir, lora_rank=4, lora_alpha=8.0, beta=0.1, kl_reference="lora_base", chunk_tokens=16, token_budget=128)
+    assert trainer.ref_from_base
+    reference = ReferenceModel.load(tiny_model_dir, token_budget=128, chunk_tokens=16)
+    groups = groups_for(1)
+    seqs = [(list(g.prompt_ids), list(c.token_ids)) for g in groups for c in g.completions]
+
+    def base_logprobs() -> list[list[float]]:
+        # The reference service's packing, so both compute on the very same micro-batches.
+        out: list[list[float]] = [[] for _ in seqs]
+        for micro in modeling.pack_by_tokens([len(p) + len(c) for p, c in seqs], 128):
+            batch = modeling.make_batch([seqs[i] for i in micro], trainer.tokenizer.pad_token_id)
+            for i, values in zip(micro, trainer.base_logprobs(batch).split(batch.lengths)):
+                out[i] = values.tolist()
+        return out
+
+    expected = reference.logprobs(seqs)
+    assert base_logprobs() == expected
+    # Version 0 is the base itself (B = 0): the first step's KL is exactly zero. The groups
+    # carry no ref_logprobs: the trainer does not need them.
+    assert not any(c.ref_logprobs for g in groups for c in g.completions)
+    metrics, _, _ = trainer.train_step(groups)
+    assert metrics.kl == 0.0
+    for step in range(2, 4):
+        metrics, _, _ = trainer.train_step(groups_for(step))
+    # Training moved the policy away from the reference, and the reference stayed put.
+    assert metrics.kl > 0.0
+    assert base_logprobs() == expected
+    batch = modeling.make_batch(seqs, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        policy, _ = modeling.completion_logprobs(trainer.model, batch, chunk_tokens=16)
+    assert not torch.equal(policy, trainer.base_logprobs(batch))
+    host.close()
+
+
+def test_lora_base_needs_lora() -> None:
+    with pytest.raises(ConfigError, match="kl_reference"):
+        load_settings(TrainerSettings, ["--beta", "0.1", "--kl-reference", "lora_base"])
+    assert load_settings(TrainerSettings, ["--lora-rank", "4", "--kl-reference", "lora_base"]).kl_reference == "lora_base"

@@ -140,7 +140,7 @@ def test_regex_length_and_exact_params() -> None:
     s = table.score("r1", Sample("\\boxed{4}", "4", num_tokens=8))  # no template; 8 tokens: -0.5
     assert [(c.name, c.value) for c in s.components] == [("answer", 1.0), ("format", 0.0), ("length", -0.5)]
     assert s.reward == pytest.approx(0.5)
-    # Score RPC items have no token count: a token-length component says so.
+    # A Score item without num_tokens: a token-length component says the count is unknown.
     s = table.score("r1", Sample(good, "4"))
     assert s.components[2].status == "error: ValueError: the token count is unknown here (use unit = 'chars')"
     assert table.score("caseless", Sample(" PARIS ", "paris")).reward == 1.0

@@ -2,7 +2,7 @@
 
   rollstream up       the whole system as local processes: embedded redis-server (or
                       --redis-url), trainer, generator(s), reward, reference (when
-                      beta > 0), with a live progress display; Ctrl-C stops it all cleanly
+                      beta > 0 and the trainer is not its own reference), with a live progress display; Ctrl-C stops it all cleanly
   rollstream status   the pipeline of a run, read from Redis (--watch to follow)
 """
 
@@ -119,6 +119,9 @@ def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
 
 def cmd_up(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    if args.kl_reference == "lora_base" and not args.lora_rank:
+        console.print("[red]--kl-reference lora_base needs --lora-rank > 0: the reference is the base under the LoRA adapters[/]")
+        return 2
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     # Resolve (and on first use convert) the model once, before any service races to do it.
@@ -153,7 +156,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--consumer", "trainer-0",
+        "--lora-rank", str(args.lora_rank), "--kl-reference", args.kl_reference,
     ]
+    # The reference service runs only where the KL needs it and the trainer is not its own
+    # reference (LoRA with kl_reference = lora_base: the base under the adapters).
+    with_reference = args.beta > 0 and args.kl_reference == "service"
     children: list[Child] = [Child("trainer", trainer_args, env, workdir)]
     started = time.monotonic()
     stopping = False
@@ -174,9 +181,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             # trains on this one (staleness <= 1); more would only be dropped as stale.
             generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(2 * args.groups_per_step)]
             children.append(Child(f"generator-{i}", ["generator", *common, *model_args, *generator_args], env, workdir))
-        output_stage = "scored" if args.beta > 0 else "ready"
+        output_stage = "scored" if with_reference else "ready"
         children.append(Child("reward-0", ["reward", *common, "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))
-        if args.beta > 0:
+        if with_reference:
             children.append(Child("reference-0", ["reference", *common, *model_args, "--consumer", "reference-0"], env, workdir))
         for child in children[1:]:
             child.start()
@@ -290,7 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workdir", default="", help="logs, redis data and summary.json (default runs/<run>)")
     up.add_argument("--generators", type=int, default=1)
     up.add_argument("--lr", type=float, default=2e-5)
-    up.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 also starts the reference service")
+    up.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 also starts the reference service (unless --kl-reference lora_base)")
+    up.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
+    up.add_argument(
+        "--kl-reference", choices=["service", "lora_base"], default="service",
+        help="with --beta > 0: pi_ref from the reference service, or (LoRA only) from the trainer's base with the adapters off, with no reference service",
+    )
     up.add_argument("--group-size", type=int, default=8)
     up.add_argument("--groups-per-step", type=int, default=8)
     up.add_argument("--max-new-tokens", type=int, default=16)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rollstream.v1 import rollout_pb2 as rollstream_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arollstream/v1/reward.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/rollout.proto\"\xb1\x01\n\tScoreItem\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ompletion_index\x18\x02 \x01(\r\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12*\n\x06prompt\x18\x04 \x03(\x0b\x32\x1a.rollstream.v1.ChatMessage\x12\x12\n\ncompletion\x18\x05 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x06 \x01(\t\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\"7\n\x0cScoreRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.rollstream.v1.ScoreItem\"O\n\tItemScore\x12\x0e\n\x06reward\x18\x01 \x01(\x02\x12\x32\n\ncomponents\x18\x02 \x03(\x0b\x32\x1e.rollstream.v1.RewardComponent\"9\n\rScoreResponse\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.rollstream.v1.ItemScore2L\n\x06Reward\x12\x42\n\x05Score\x12\x1b.rollstream.v1.ScoreRequest\x1a\x1c.rollstream.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arollstream/v1/reward.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/rollout.proto\"\xf0\x01\n\tScoreItem\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ompletion_index\x18\x02 \x01(\r\x12\x11\n\ttask_kind\x18\x03 \x01(\t\x12*\n\x06prompt\x18\x04 \x03(\x0b\x32\x1a.rollstream.v1.ChatMessage\x12\x12\n\ncompletion\x18\x05 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x06 \x01(\t\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\x12\x17\n\nnum_tokens\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rfinish_reason\x18\t \x01(\tB\r\n\x0b_num_tokens\"7\n\x0cScoreRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.rollstream.v1.ScoreItem\"O\n\tItemScore\x12\x0e\n\x06reward\x18\x01 \x01(\x02\x12\x32\n\ncomponents\x18\x02 \x03(\x0b\x32\x1e.rollstream.v1.RewardComponent\"9\n\rScoreResponse\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.rollstream.v1.ItemScore2L\n\x06Reward\x12\x42\n\x05Score\x12\x1b.rollstream.v1.ScoreRequest\x1a\x1c.rollstream.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollstream.v1.reward_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREITEM']._serialized_start=75
-  _globals['_SCOREITEM']._serialized_end=252
-  _globals['_SCOREREQUEST']._serialized_start=254
-  _globals['_SCOREREQUEST']._serialized_end=309
-  _globals['_ITEMSCORE']._serialized_start=311
-  _globals['_ITEMSCORE']._serialized_end=390
-  _globals['_SCORERESPONSE']._serialized_start=392
-  _globals['_SCORERESPONSE']._serialized_end=449
-  _globals['_REWARD']._serialized_start=451
-  _globals['_REWARD']._serialized_end=527
+  _globals['_SCOREITEM']._serialized_end=315
+  _globals['_SCOREREQUEST']._serialized_start=317
+  _globals['_SCOREREQUEST']._serialized_end=372
+  _globals['_ITEMSCORE']._serialized_start=374
+  _globals['_ITEMSCORE']._serialized_end=453
+  _globals['_SCORERESPONSE']._serialized_start=455
+  _globals['_SCORERESPONSE']._serialized_end=512
+  _globals['_REWARD']._serialized_start=514
+  _globals['_REWARD']._serialized_end=590
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("group_id", "completion_index", "task_kind", "prompt", "completion", "answer", "metadata_json")
+    __slots__ = ("group_id", "completion_index", "task_kind", "prompt", "completion", "answer", "metadata_json", "num_tokens", "finish_reason")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_INDEX_FIELD_NUMBER: _ClassVar[int]
     TASK_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class ScoreItem(_message.Message):
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     completion_index: int
     task_kind: str
@@ -23,7 +25,9 @@ class ScoreItem(_message.Message):
     completion: str
     answer: str
     metadata_json: str
-    def __init__(self, group_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., task_kind: _Optional[str] = ..., prompt: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ..., completion: _Optional[str] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    num_tokens: int
+    finish_reason: str
+    def __init__(self, group_id: _Optional[str] = ..., completion_index: _Optional[int] = ..., task_kind: _Optional[str] = ..., prompt: _Optional[_Iterable[_Union[_rollout_pb2.ChatMessage, _Mapping]]] = ..., completion: _Optional[str] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items",)

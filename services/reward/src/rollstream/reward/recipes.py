@@ -52,7 +52,7 @@ class Sample:
     completion: str
     answer: str = ""
     metadata_json: str = ""
-    num_tokens: int | None = None  # None when unknown (Score RPC items carry only text)
+    num_tokens: int | None = None  # None when unknown (a Score call whose items carry no num_tokens)
 
     def metadata(self) -> dict[str, Any]:
         """The task's metadata_json as an object ({} when empty); ValueError otherwise."""

@@ -170,7 +170,13 @@ def score_group(group: rollout_pb2.RolloutGroup, recipes: Recipes) -> list[Score
 
 def score_items(items: Sequence[reward_pb2.ScoreItem], recipes: Recipes) -> list[Score]:
     return [
-        recipes.score(item.task_kind, Sample(completion=item.completion, answer=item.answer, metadata_json=item.metadata_json))
+        recipes.score(
+            item.task_kind,
+            Sample(
+                completion=item.completion, answer=item.answer, metadata_json=item.metadata_json,
+                num_tokens=item.num_tokens if item.HasField("num_tokens") else None,
+            ),
+        )
         for item in items
     ]
 
@@ -239,7 +245,8 @@ class Scorer:
         assert self.remote is not None
         items = [
             reward_pb2.ScoreItem(
-                group_id=g.group_id, completion_index=k, task_kind=g.task_kind, completion=c.text, answer=g.answer, metadata_json=g.metadata_json
+                group_id=g.group_id, completion_index=k, task_kind=g.task_kind, completion=c.text, answer=g.answer,
+                metadata_json=g.metadata_json, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
             )
             for g in groups.values()
             for k, c in enumerate(g.completions)

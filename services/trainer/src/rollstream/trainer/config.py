@@ -46,7 +46,12 @@ class TrainerSettings(CommonSettings):
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = Field(0.2, gt=0, description="ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28; GSPO: ~4e-4)")
     tis_cap: float = Field(0.0, ge=0, description="truncated importance sampling: weight min(pi_trainer / pi_behaviour, cap); 0 disables")
-    beta: float = Field(0.0, ge=0, description="KL (k3) weight; > 0 needs the reference stage")
+    beta: float = Field(0.0, ge=0, description="KL (k3) weight; > 0 needs reference log-probs (see kl_reference)")
+    kl_reference: Literal["service", "lora_base"] = Field(
+        "service",
+        description="where pi_ref comes from when beta > 0: the reference service (groups carry ref_logprobs), or, with LoRA, "
+        "the trainer's own frozen base with the adapters switched off (lora_base: no reference service to deploy)",
+    )
     max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
     prompt_buffer: int = Field(16, ge=1, description="tasks kept waiting in the prompts stream")
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
@@ -95,4 +100,6 @@ class TrainerSettings(CommonSettings):
             raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest'")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty")
+        if self.kl_reference == "lora_base" and not self.lora_rank:
+            raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
         return self

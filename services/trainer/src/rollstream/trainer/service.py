@@ -6,7 +6,8 @@ One loop, top to bottom:
      `max_staleness` versions old (counted, acknowledged);
   3. with `groups_per_step` groups: advantages, the policy loss (grpo.py) over token-budget
      micro-batches, backward, AdamW on the host masters -> new bf16 weights (version + 1);
-     with LoRA the published weights are the merged ones (lora.py);
+     with LoRA the published weights are the merged ones (lora.py), and with
+     kl_reference = lora_base the KL's pi_ref is the same model with its adapters off;
   4. encode the exact delta, push it to every generator, then in one transaction: ack the
      groups, record them as trained, set the version, append the step's metrics;
   5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
@@ -61,6 +62,8 @@ class Trainer:
         else:
             self.params = modeling.named_weights(self.model)
         self.model.train()
+        # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
+        self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
         self.loss_config = grpo.LossConfig(
             kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
             tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
@@ -150,6 +153,17 @@ class Trainer:
 
     # -- the step -----------------------------------------------------------------------
 
+    def base_logprobs(self, batch: modeling.Batch) -> torch.Tensor:
+        """log pi_ref of the batch's completion tokens from the frozen base: the LoRA model
+        with its adapters switched off (kl_reference = lora_base). The base holds the bf16
+        rounding of the checkpoint, exactly what the reference service computes with, and
+        version 0 (B = 0) is this very model, so the KL starts at exactly zero."""
+        if self.lora is None:
+            raise RuntimeError("base_logprobs needs LoRA training")
+        with torch.no_grad(), self.lora.model.disable_adapter():
+            logp, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.settings.chunk_tokens, temperature=self.settings.temperature)
+        return logp.float()
+
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
         s = self.settings
         cfg = self.loss_config
@@ -171,7 +185,7 @@ class Trainer:
                 sequences.append((list(g.prompt_ids), list(c.token_ids)))
                 seq_adv.append(a)
                 behaviour.append(list(c.behaviour_logprobs))
-                refs.append(list(c.ref_logprobs))
+                refs.append([] if self.ref_from_base else list(c.ref_logprobs))
         denom = grpo.normaliser(cfg, [len(c) for _, c in sequences])
         lengths = [len(p) + len(c) for p, c in sequences]
         kl_sum = entropy_sum = 0.0
@@ -185,7 +199,12 @@ class Trainer:
             seq = torch.repeat_interleave(torch.arange(len(micro), device=dev), seq_lengths)
             adv = torch.tensor([seq_adv[i] for i in micro], dtype=torch.float32, device=dev)
             beh = torch.tensor([x for i in micro for x in behaviour[i]], dtype=torch.float32, device=dev)
-            ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev) if cfg.beta > 0 else None
+            if cfg.beta == 0:
+                ref = None
+            elif self.ref_from_base:
+                ref = self.base_logprobs(batch)
+            else:
+                ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev)
             parts = grpo.policy_loss(cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
             parts.loss.backward()
             loss_sum += float(parts.loss.detach())
@@ -440,7 +459,7 @@ def loop(
                 codec.validate_group(group)
                 if not group.scored:
                     raise codec.EntryError(f"group {group.group_id} reached the trainer without rewards")
-                if s.beta > 0 and not group.has_ref_logprobs:
+                if s.beta > 0 and s.kl_reference == "service" and not group.has_ref_logprobs:
                     raise codec.EntryError(f"group {group.group_id} has no reference log-probs but beta = {s.beta}")
             except codec.EntryError as e:
                 stage.dead_letter(entry, str(e))
