@@ -5,10 +5,17 @@ raised OSError"), so a pass means the sandbox did its job from the inside."""
 
 from __future__ import annotations
 
+import json
 import os
+import stat
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +24,38 @@ from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, SandboxUnavailable, run_tests
 
 LIMITS = SandboxLimits(wall_s=20.0, test_timeout_s=5.0)
+TEMP_DIRS = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if Path(d).is_dir()]
+# Defines refusal(path): "written", or the errno name with which creating `path` failed.
+REFUSAL = (
+    "import errno, os\n"
+    "def refusal(path):\n"
+    "    try:\n"
+    "        open(path, 'w').close()\n"
+    "        return 'written'\n"
+    "    except OSError as e:\n"
+    "        return errno.errorcode.get(e.errno, str(e.errno))\n"
+)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _processes_with(marker: str) -> list[int]:
+    """PIDs (in the host's /proc, which shows every namespace) whose command line has `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass  # gone meanwhile
+    return found
 
 
 def test_assert_tests_partial_credit() -> None:
@@ -60,21 +99,25 @@ def test_a_test_that_hangs_fails_and_the_others_still_run() -> None:
     assert "test 1: timed out" in result.detail
 
 
-def test_the_whole_run_is_killed_at_the_wall_limit_with_everything_it_started(tmp_path: Path) -> None:
-    # The program starts a detached grandchild that would write a file after 2 s; the run is
-    # killed at 1 s, and the PID namespace must take the grandchild with it.
-    marker = Path("/tmp") / f"rollstream-sandbox-escape-{uuid.uuid4().hex}"
+def test_the_whole_run_is_killed_at_the_wall_limit_with_everything_it_started() -> None:
+    # The program starts a detached grandchild (a sleeping interpreter with a marker in
+    # its command line, visible in the host's /proc); the run is killed at 1 s, and the PID
+    # namespace must take the grandchild with it. (A file it would write is no evidence:
+    # it could only land in the run's private /tmp.)
+    marker = f"rollstream-sandbox-escape-{uuid.uuid4().hex}"
     code = (
-        "import os, time\n"
+        "import os, sys, time\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
-        f"    time.sleep(2.0)\n    open({str(marker)!r}, 'w').write('escaped')\n    os._exit(0)\n"
+        f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {marker!r}])\n"
         "while True:\n    time.sleep(0.01)\n"
     )
-    result = run_tests(code, ["assert True"], SandboxLimits(wall_s=1.0, test_timeout_s=10.0))
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_tests, code, ["assert True"], SandboxLimits(wall_s=1.0, test_timeout_s=10.0))
+        assert _wait_for(lambda: bool(_processes_with(marker)), 5.0), "the grandchild never started: the test proves nothing"
+        result = running.result()
     assert result.timed_out and result.passed == (False,)
-    time.sleep(3.0)  # past the moment the grandchild would have written
-    assert not marker.exists(), "a process the program started outlived the sandbox"
+    assert _wait_for(lambda: not _processes_with(marker), 2.0), "a process the program started outlived the sandbox"
 
 
 def test_no_network(redis_server: EmbeddedRedis) -> None:
@@ -133,8 +176,15 @@ def test_runs_as_nobody_and_cannot_touch_roots_files(tmp_path: Path) -> None:
         "    except OSError:\n"
         "        return True\n"
     )
-    tests = ["assert os.getuid() == 65534", f"assert refused({str(target)!r})", "assert refused('/etc/passwd')"]
-    assert run_tests(code, tests, LIMITS).passed == (True, True, True)
+    # With the private file system the file (in the host's /tmp) and /etc are out of reach
+    # twice over; listing /root (0700) is refused by the user alone.
+    tests = [
+        "assert os.getuid() == 65534",
+        f"assert refused({str(target)!r})",
+        "assert refused('/etc/passwd')",
+        "try:\n    os.listdir('/root')\n    raise AssertionError('listed /root')\nexcept PermissionError:\n    pass\n",
+    ]
+    assert run_tests(code, tests, LIMITS).passed == (True, True, True, True)
     assert target.read_text() == "keep"
 
 
@@ -142,6 +192,217 @@ def test_the_program_cannot_read_the_expected_outputs() -> None:
     # The job file (code, tests, expected outputs) is deleted before the program runs.
     code = "import os\nleft = sorted(os.listdir('.'))\n"
     assert run_tests(code, ["assert not any('job' in name for name in left), left"], LIMITS).passed == (True,)
+
+
+def test_temp_dirs_are_private_to_the_run() -> None:
+    # The program writes (and reads back) a file in each shared temp dir, and does not see
+    # one the host has there; none of its files reaches the host's.
+    name = f"rollstream-sandbox-{uuid.uuid4().hex}"
+    host_file = Path("/tmp") / f"{name}-host"
+    host_file.write_text("the host's")
+    code = (
+        "import os\n"
+        "def write_and_read(path):\n"
+        "    with open(path, 'w') as f:\n"
+        "        f.write('left behind')\n"
+        "    with open(path) as f:\n"
+        "        return f.read() == 'left behind'\n"
+    )
+    tests = [f"assert not os.path.exists({str(host_file)!r})", *(f"assert write_and_read({f'{d}/{name}'!r})" for d in TEMP_DIRS)]
+    try:
+        result = run_tests(code, tests, LIMITS)
+    finally:
+        host_file.unlink()
+    assert result.passed == (True,) * len(tests), result.detail
+    assert result.private_fs
+    for d in TEMP_DIRS:
+        assert not (Path(d) / name).exists(), f"the program left a file in the host's {d}"
+
+
+def test_system_v_ipc_is_private_to_the_run() -> None:
+    # A shared-memory segment made inside (the kernel lists it in /proc/sysvipc/shm of the
+    # namespace it lives in) never shows up in the host's list, and dies with the run.
+    key = 0x5A000000 + os.getpid() % 0xFFFF
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"shm_id = libc.shmget({key}, 4096, 0o1600)  # IPC_CREAT | 0600\n"
+    )
+    tests = ["assert shm_id >= 0", f"assert any(line.split()[0] == {str(key)!r} for line in open('/proc/sysvipc/shm').readlines()[1:])"]
+    result = run_tests(code, tests, LIMITS)
+    assert result.passed == (True, True), result.detail
+    host_keys = [line.split()[0] for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    assert str(key) not in host_keys
+
+
+def test_the_rest_of_the_file_system_is_read_only() -> None:
+    # EROFS, not EACCES: the mount refuses before the permission check, whoever the user is.
+    name = f"rollstream-sandbox-{uuid.uuid4().hex}"
+    targets = [f"/{name}", f"/etc/{name}", str(Path(__file__).resolve().parent / name)]
+    tests = [f"assert refusal({t!r}) == 'EROFS', refusal({t!r})" for t in targets]
+    result = run_tests(REFUSAL, tests, LIMITS)
+    assert result.passed == (True,) * len(targets), result.detail
+    assert result.private_fs
+    assert not any(Path(t).exists() for t in targets)
+
+
+def test_the_program_can_write_in_its_work_dir() -> None:
+    # Its files stay there from one test to the next (same run), and an io test's program
+    # reads them too.
+    code = (
+        "import os\n"
+        "os.makedirs('sub', exist_ok=True)\n"
+        "with open('sub/notes.txt', 'w') as f:\n"
+        "    f.write('kept')\n"
+        "if __name__ == '__main__':\n"
+        "    print(open('sub/notes.txt').read())\n"
+    )
+    tests = ["assert open(os.path.join(os.getcwd(), 'sub', 'notes.txt')).read() == 'kept'", {"input": "", "output": "kept"}]
+    result = run_tests(code, tests, LIMITS)
+    assert result.passed == (True, True), result.detail
+    assert result.private_fs
+
+
+def test_proc_shows_only_the_sandboxs_processes() -> None:
+    code = "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\ncmdlines = [open(f'/proc/{p}/cmdline', 'rb').read() for p in pids]\n"
+    # The harness's init and the test's child; pytest (this process) is out of sight.
+    tests = ["assert len(pids) <= 3, pids", "assert not any(b'pytest' in c for c in cmdlines)"]
+    assert run_tests(code, tests, LIMITS).passed == (True, True)
+    assert b"pytest" in Path("/proc/self/cmdline").read_bytes()  # so the second test means something
+
+
+def test_the_program_cannot_undo_the_mounts() -> None:
+    # Without capabilities it cannot unmount; in a user and mount namespace of its own it
+    # has them, but there the mounts it got are locked (EINVAL to unmount, EPERM to make
+    # writable), and /tmp is still the private one.
+    host_file = Path("/tmp") / f"rollstream-sandbox-{uuid.uuid4().hex}"
+    host_file.write_text("the host's")
+    code = REFUSAL + (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "MNT_DETACH, MS_REMOUNT, MS_BIND = 2, 0x20, 0x1000\n"
+        "def attempt(call):\n"
+        "    return errno.errorcode.get(ctypes.get_errno(), '?') if call() != 0 else 'done'\n"
+        "before = attempt(lambda: libc.umount2(b'/tmp', MNT_DETACH))\n"
+        "own_namespace = libc.unshare(0x10000000 | 0x00020000)  # CLONE_NEWUSER | CLONE_NEWNS\n"
+        "unmount = attempt(lambda: libc.umount2(b'/tmp', MNT_DETACH))\n"
+        "remount = attempt(lambda: libc.mount(None, b'/', None, ctypes.c_ulong(MS_REMOUNT | MS_BIND), None))\n"
+    )
+    tests = [
+        "assert before == 'EPERM', before",
+        "assert own_namespace == 0",
+        "assert unmount == 'EINVAL', unmount",
+        "assert remount == 'EPERM', remount",
+        f"assert not os.path.exists({str(host_file)!r})",
+        "assert refusal('/etc/rollstream-sandbox-probe') == 'EROFS'",
+    ]
+    try:
+        result = run_tests(code, tests, LIMITS)
+    finally:
+        host_file.unlink()
+    assert result.passed == (True,) * len(tests), result.detail
+
+
+# Runs run_tests in a user namespace (ids 0-65535 mapped to themselves, written by this
+# privileged parent) whose limit on mount namespaces is 0: there unshare(CLONE_NEWNS)
+# fails while the network and PID namespaces still work.
+NO_MOUNT_NAMESPACE = r"""
+import ctypes, json, os, sys
+from rollstream.reward.sandbox import SandboxLimits, run_tests
+
+libc = ctypes.CDLL(None, use_errno=True)
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    if libc.unshare(0x10000000) != 0:
+        os._exit(3)
+    os.write(ready_w, b"x")
+    os.read(go_r, 1)
+    with open("/proc/sys/user/max_mnt_namespaces", "w") as f:
+        f.write("0")
+    result = run_tests(sys.argv[1], json.loads(sys.argv[2]), SandboxLimits(wall_s=20.0))
+    print(json.dumps({"passed": result.passed, "isolated": result.isolated, "private_fs": result.private_fs, "detail": result.detail}), flush=True)
+    os._exit(0)
+os.close(ready_w)  # so that a child that failed reads as EOF here, not as a hang
+os.read(ready_r, 1)
+for name in ("uid_map", "gid_map"):
+    with open("/proc/%d/%s" % (pid, name), "w") as f:
+        f.write("0 0 65536")
+os.write(go_w, b"x")
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def _run_script(argv: list[str], **kwargs: Any) -> Any:
+    """Run a helper script that prints a run's result as JSON; that JSON."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mapping a range of ids into a user namespace needs root")
+def test_without_a_mount_namespace_the_run_goes_on() -> None:
+    code = "def f():\n    with open('x', 'w') as f:\n        return f.write('hi')\nif __name__ == '__main__':\n    print(f())\n"
+    # The run still drops to nobody and still writes in its work dir (the service's).
+    tests = ["assert f() == 2", "import os\nassert os.getuid() == 65534", {"input": "", "output": "2"}]
+    report = _run_script([sys.executable, "-c", NO_MOUNT_NAMESPACE, code, json.dumps(tests)])
+    assert report == {"passed": [True, True, True], "isolated": True, "private_fs": False, "detail": ""}
+
+
+# Runs run_tests from a service that is not root: the sandbox module loaded by path into
+# the system's interpreter (this one may not be readable by `nobody`).
+NOT_ROOT = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox_under_test", sys.argv[1])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = sandbox  # dataclasses look the module up
+spec.loader.exec_module(sandbox)
+result = sandbox.run_tests(sys.argv[2], json.loads(sys.argv[3]), sandbox.SandboxLimits(wall_s=20.0))
+print(json.dumps({"passed": result.passed, "isolated": result.isolated, "private_fs": result.private_fs, "detail": result.detail}))
+"""
+
+
+def _readable_by_others(path: Path) -> bool:
+    return bool(path.stat().st_mode & stat.S_IROTH) and all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _readable_by_others(Path(sandbox.__file__).resolve()),
+    reason="needs root (to start the service as nobody), /usr/bin/python3, and the sandbox module readable by others",
+)
+def test_a_service_that_is_not_root_gets_the_same_file_system() -> None:
+    # Then the harness makes a user namespace: it maps its own ids and must drop the
+    # capabilities that come with it, or the program could unmount the private /tmp.
+    name = f"rollstream-sandbox-{uuid.uuid4().hex}"
+    code = REFUSAL + (
+        "import ctypes\n"
+        "caps = [line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff')][0]\n"
+        "unmounted = ctypes.CDLL(None, use_errno=True).umount2(b'/tmp', 2)\n"
+    )
+    tests = [
+        "assert os.getuid() == 65534",  # the service's user, mapped to itself
+        "assert int(caps, 16) == 0, caps",
+        "assert unmounted == -1",
+        f"assert refusal('/etc/{name}') == 'EROFS'",
+        f"assert refusal('/tmp/{name}') == 'written'",
+        f"assert refusal('{name}') == 'written'",
+    ]
+    report = _run_script(
+        ["/usr/bin/python3", "-I", "-c", NOT_ROOT, str(Path(sandbox.__file__).resolve()), code, json.dumps(tests)],
+        user=65534, group=65534, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert report == {"passed": [True] * len(tests), "isolated": True, "private_fs": True, "detail": ""}
+    assert not (Path("/tmp") / name).exists()
+
+
+def test_a_report_without_the_file_system_field_means_not_private() -> None:
+    # What an older harness (or a partial report) says: no claim of a private file system.
+    old = sandbox._parse_report(b'{"passed": [true], "isolated": true, "detail": ""}', 1, False, "")
+    assert old.passed == (True,) and old.isolated and not old.private_fs
+    assert sandbox._parse_report(b'{"passed": [true], "isolated": true, "fs_private": true}', 1, False, "").private_fs
+    assert not sandbox._parse_report(b"", 1, True, "killed").private_fs
 
 
 def test_output_flood_is_bounded() -> None:

@@ -5,10 +5,20 @@ most `limits.wall_s`. The harness (trusted code, below) first fences itself in, 
 each test in a forked child, and finally reports which tests passed on a pipe only it holds:
 
 - network: a new network namespace (no interfaces but a down loopback), plus a new PID
-  namespace whose init is the harness, so every process the program starts dies with it;
-  as root both come from unshare(2), otherwise from an unprivileged user namespace;
+  namespace whose init is the harness, so every process the program starts dies with it,
+  and a new IPC namespace (System V objects and POSIX message queues die with the run);
+  as root these come from unshare(2), otherwise from an unprivileged user namespace;
+- file system: a new mount namespace, cut off from the host's (private propagation), in
+  which every mount is read-only and nosuid; /tmp, /var/tmp and /dev/shm are fresh tmpfs
+  (each at most twice `max_file_mb`, 4096 files) that vanish with the run, and /tmp is
+  the program's work dir; /proc is the new PID namespace's, so other processes (and,
+  through /proc/PID/root, their file systems) are out of sight. The program cannot undo
+  this: as `nobody` it has no capabilities, in a user namespace the harness drops them
+  all, and a namespace of its own gets the mounts locked. `RunResult.private_fs` says
+  whether all of it held (see the limits below);
 - user: as root it drops to `nobody` (65534): root's files are off limits and RLIMIT_NPROC
   (which root ignores) caps the processes, so a fork bomb stops at `max_processes`;
+  without root the program runs as the service's own user (mapped to itself);
 - rlimits: CPU seconds, address space, file size, open files, no core dumps;
 - time: `test_timeout_s` per test (the harness kills the child), `wall_s` for the whole run
   (the service kills the process group; the PID namespace takes the rest with it).
@@ -23,10 +33,24 @@ Tests come from the task's metadata_json, `{"tests": [...]}`, each either
 A test passes when its child reaches the end and writes a per-test token the harness
 chose, so `sys.exit(0)` or `os._exit(0)` in the program is a failure, not a pass. Limits
 worth knowing: the program runs in the harness's memory image, so code that inspects
-the harness (frames, gc) can learn a token and fake a pass; the file system is only
-protected by the user (as `nobody`, world-writable places such as /tmp stay writable);
-without root and without user namespaces there is no isolation, and with
-`require_isolation` (the default) nothing runs.
+the harness (frames, gc) can learn a token and fake a pass; without root and without
+user namespaces there is no isolation, and with `require_isolation` (the default)
+nothing runs.
+
+The private file system is best effort, because `require_isolation` promises the
+network and PID namespaces only, and a kernel that allows those but not the mounts
+should not stop runs that worked before. Where a step fails, the run goes on with what
+held and `private_fs` is False: no mount namespace at all; a kernel before 5.12 (no
+mount_setattr: nothing is read-only, the temp dirs are still private); a /proc the
+kernel will not mount again in a user namespace (as in many containers, whose /proc is
+partly covered). What did not hold is then guarded by the user alone, as before (as
+`nobody`, world-writable places stay writable; without root, all of the service user's
+files are). A /tmp mount that fails after the tree became read-only ends the run (no
+writable work dir). Not isolated even with `private_fs`: the program reads what its
+user may read (world-readable files under /etc, /home, ...); it writes the service's
+stderr file through fd 2 (bounded by the file-size limit); it can connect to Unix
+sockets on the file system (the network namespace does not cover those, nor does
+read-only stop connect).
 """
 
 from __future__ import annotations
@@ -75,6 +99,9 @@ class RunResult:
     timed_out: bool  # the whole run hit wall_s (or the harness never reported)
     isolated: bool
     detail: str  # why tests failed, briefly (first failure), or the stderr tail
+    # The program saw a read-only tree with private temp dirs and /proc (see the module
+    # docstring); False when the kernel refused part of it, or without a report.
+    private_fs: bool = False
 
     @property
     def fraction(self) -> float:
@@ -237,7 +264,13 @@ def _parse_report(report: bytes, n_tests: int, timed_out: bool, stderr_tail: str
         passed = tuple(bool(p) for p in data["passed"])
         if len(passed) != n_tests:
             raise ValueError("wrong number of results")
-        return RunResult(passed=passed, timed_out=False, isolated=bool(data["isolated"]), detail=str(data.get("detail", ""))[:STDERR_TAIL])
+        return RunResult(
+            passed=passed,
+            timed_out=False,
+            isolated=bool(data["isolated"]),
+            detail=str(data.get("detail", ""))[:STDERR_TAIL],
+            private_fs=data.get("fs_private") is True,
+        )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         # No report: killed at the wall limit, or the harness itself died.
         return RunResult(passed=(False,) * n_tests, timed_out=timed_out, isolated=False, detail=stderr_tail or "the harness did not report")
@@ -253,15 +286,108 @@ job = json.load(open(sys.argv[1]))
 os.unlink(sys.argv[1])  # it holds the expected outputs: the program must not read them
 results_fd = job["results_fd"]
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x40000000, 0x20000000, 0x10000000
 PR_SET_PDEATHSIG = 1
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x4000, 0x40000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+SYS_MOUNT_SETATTR = 442  # Linux 5.12; new system calls have one number on x86-64 and arm64 alike
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# Each private temp dir holds one test's input and output at the file-size limit; the
+# inode cap keeps a program from filling kernel memory with empty files.
+TMPFS_OPTIONS = "size=%d,nr_inodes=4096,mode=1777" % (2 * job["file_bytes"])
 
-flags = CLONE_NEWNET | CLONE_NEWPID | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
-isolated = libc.unshare(flags) == 0
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def mount(source, target, fstype, flags, data):
+    if libc.mount(source, target.encode(), fstype, ctypes.c_ulong(flags), data) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, "mount %s: %s" % (target, os.strerror(errno)))
+
+
+def mount_tmpfs(target):
+    mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV, TMPFS_OPTIONS.encode())
+
+
+def make_mounts_private(in_user_ns, uid, gid):
+    """Returns "" when this mount namespace is cut off from the host's, else what failed."""
+    try:
+        if in_user_ns:
+            # Without a uid/gid map a new tmpfs refuses to create files (EOVERFLOW). We
+            # keep our own ids; "deny" (no setgroups) is the price of mapping the gid.
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        # On a host whose mounts are shared, what we mount below would otherwise appear
+        # in the host's namespace too.
+        mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    except OSError as e:
+        return str(e)
+    return ""
+
+
+def private_fs():
+    """Every mount read-only and nosuid, fresh tmpfs over the shared temp dirs, and /tmp
+    as the work dir. Returns "" when all that is in place, else what failed. A failure
+    before the tree is read-only leaves the harness where it was, in the service's
+    (writable) work dir; after it, only a failed /tmp mount would leave no writable work
+    dir, and then nothing can run (exit)."""
+    if not os.path.isdir("/tmp"):
+        return "no /tmp to hold the work dir"
+    why = ""
+    attr = MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
+    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+        why = "mount_setattr (read-only tree): %s" % os.strerror(ctypes.get_errno())
+    try:
+        mount_tmpfs("/tmp")
+    except OSError as e:
+        if not why:
+            sys.stderr.write("private file system: %s after the tree became read-only; no writable work dir\n" % e)
+            sys.stderr.flush()
+            os._exit(1)
+        return "%s; %s" % (why, e)
+    os.chdir("/tmp")
+    for target in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(target):
+            try:
+                mount_tmpfs(target)
+            except OSError as e:
+                why = why or str(e)  # read-only (if the tree is) but the host's files stay visible
+    return why
+
+
+def drop_capabilities():
+    """As root setuid(nobody) has already cleared them; in a user namespace the harness
+    holds all of them, and with CAP_SYS_ADMIN the program could unmount what hides /tmp."""
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, for two 32-bit words: all empty
+    if libc.capset(header, data) != 0:
+        return "capset: %s" % os.strerror(ctypes.get_errno())
+    return ""
+
+
+in_user_ns = os.geteuid() != 0
+uid, gid = os.geteuid(), os.getegid()
+# IPC too: System V objects and POSIX message queues would otherwise be the host's and outlive the run.
+flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | (CLONE_NEWUSER if in_user_ns else 0)
+isolated = libc.unshare(flags | CLONE_NEWNS) == 0
+has_mount_ns = isolated
+if not isolated:
+    isolated = libc.unshare(flags) == 0  # no mount namespace here: keep the rest of the isolation
 if not isolated and job["require_isolation"]:
     sys.stderr.write("network isolation unavailable: unshare failed with errno %d (%s)\n" % (ctypes.get_errno(), os.strerror(ctypes.get_errno())))
     sys.stderr.flush()
     os._exit(121)
+mounts_private = False
+fs_why = "no mount namespace"
+if has_mount_ns:
+    fs_why = make_mounts_private(in_user_ns, uid, gid)
+    mounts_private = not fs_why
+    if mounts_private:
+        fs_why = private_fs()
 if isolated:
     # The new PID namespace applies to children: fork, and let the child be its init.
     # The parent only waits; if it is killed, PDEATHSIG kills the init, and the kernel
@@ -275,11 +401,23 @@ if isolated:
         _, status = os.waitpid(child, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if mounts_private:
+        # A /proc of the new PID namespace (only its init can mount one): the host's shows
+        # every process, and /proc/PID/root of one running as our user is its whole file system.
+        try:
+            mount(b"proc", "/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, None)
+        except OSError as e:
+            fs_why = fs_why or str(e)
 
 if job["drop_to"] >= 0:
     os.setgroups([])
     os.setgid(job["drop_to"])
     os.setuid(job["drop_to"])
+caps_why = drop_capabilities()
+fs_why = fs_why or caps_why
+if fs_why:
+    sys.stderr.write("private file system not in place: %s\n" % fs_why)
+    sys.stderr.flush()
 cpu = job["cpu_s"]
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (job["memory_bytes"], job["memory_bytes"]))
@@ -361,6 +499,11 @@ def run_one(index, test):
             ok = normalise(f.read()) == normalise(test["output"])
         if not ok:
             why = "test %d: wrong output" % index
+    for name in ("in%d.txt" % index, "out%d.txt" % index):
+        try:
+            os.unlink(name)  # the private /tmp holds only one test's files at a time
+        except OSError:
+            pass
     return ok, why
 
 
@@ -370,7 +513,7 @@ def run_all():
         ok, why = run_one(index, test)
         passed.append(ok)
         first_failure = first_failure or why
-    report = json.dumps({"passed": passed, "isolated": isolated, "detail": first_failure}).encode()
+    report = json.dumps({"passed": passed, "isolated": isolated, "fs_private": not fs_why, "detail": first_failure}).encode()
     os.write(results_fd, report)
     os.close(results_fd)
 
