@@ -44,9 +44,10 @@ def main() -> None:
 
     from rollstream.core import deltas, modeling
     from rollstream.core.models import resolve_model
-    from rollstream.generator.backends import SampleRequest, TransformersBackend
+    from demo_task import arithmetic_requests  # benchmarks/demo_task.py
+    from rollstream.generator.backends import TransformersBackend
     from rollstream.reward.verifiers import arithmetic_answer
-    from rollstream.trainer import grpo, prompts
+    from rollstream.trainer import grpo
     from rollstream.trainer.optimizer import HostAdamW
 
     torch.set_num_threads(args.threads)
@@ -56,9 +57,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sampler = TransformersBackend(model_dir)
     sampler.load_weights(sampler.host_bits())
-    source = prompts.arithmetic(seed=0)
-    tasks = [next(source) for _ in range(args.pool_groups)]
-    requests = [SampleRequest(sampler.encode_chat(p.messages), args.group_size, 1.0, 1.0, 0, args.max_new_tokens, seed=i) for i, p in enumerate(tasks)]
+    tasks, requests = arithmetic_requests(sampler, args.pool_groups, args.group_size, args.max_new_tokens)
     pool = []  # per group: [(prompt ids, completion ids, behaviour log-probs, advantage)]
     rewards_all = []
     for task, request, group in zip(tasks, requests, sampler.sample(requests)):

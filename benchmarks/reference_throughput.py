@@ -1,7 +1,11 @@
-"""Reference stage throughput on CPU: tokens/s of ReferenceModel.logprobs on the demo model.
+"""Reference stage throughput: tokens/s of ReferenceModel.logprobs.
 
-    .venv/bin/python benchmarks/reference_throughput.py [--model PATH] [--groups 16] [--threads 2]
-        [--token-budgets 2048,8192] [--dtypes float32,bfloat16]
+    .venv/bin/python benchmarks/reference_throughput.py [--model PATH | --shape 0.5b] [--groups 16]
+        [--threads 2] [--token-budgets 2048,8192] [--dtypes float32,bfloat16] [--device cuda]
+
+The model is the demo's SmolLM2-135M-Instruct, a local folder (`--model`), or a Qwen2-shaped
+model of a given size with random weights (`--shape 0.5b | 1.5b`, no download: the speed of
+a forward does not depend on the values).
 
 The workload is what the stage sees: groups of `group_size` completions sharing a chat
 prompt of the demo's length, completions of 16-192 tokens. For each dtype and token
@@ -25,7 +29,8 @@ import torch
 
 from rollstream.core import modeling
 from rollstream.core.models import resolve_model
-from rollstream.reference.scoring import ReferenceModel, TokenPair
+from rollstream.reference.scoring import ReferenceModel, TokenPair, round_to_bf16_
+from shapes import SIZES, build_model  # benchmarks/shapes.py
 
 
 def workload(vocab: int, groups: int, group_size: int, prompt_tokens: int, seed: int) -> list[TokenPair]:
@@ -41,6 +46,8 @@ def workload(vocab: int, groups: int, group_size: int, prompt_tokens: int, seed:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct via resolve_model)")
+    parser.add_argument("--shape", choices=sorted(SIZES), default=None, help="a Qwen2-shaped model with random weights instead of --model")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=48, help="the demo prompt with SmolLM2's chat template is about this long")
@@ -51,20 +58,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
+    model_dir = None if args.shape else resolve_model(args.model)
+
+    def load(dtype: str, budget: int) -> ReferenceModel:
+        if model_dir is not None:
+            return ReferenceModel.load(model_dir, dtype=dtype, device=args.device, token_budget=budget, chunk_tokens=args.chunk_tokens)
+        model = build_model(args.shape, torch.device(args.device), getattr(torch, dtype))
+        round_to_bf16_(model)  # as the service does at load
+        return ReferenceModel(model, pad_id=0, token_budget=budget, chunk_tokens=args.chunk_tokens)
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     results = []
     for dtype in args.dtypes.split(","):
         for budget in (int(b) for b in args.token_budgets.split(",")):
-            ref = ReferenceModel.load(model_dir, dtype=dtype, token_budget=budget, chunk_tokens=args.chunk_tokens)
+            ref = load(dtype, budget)
             sequences = workload(ref.vocab_size, args.groups, args.group_size, args.prompt_tokens, seed=0)
             lengths = [len(p) + len(c) for p, c in sequences]
             packed = modeling.pack_by_tokens(lengths, budget)
             ref.logprobs(sequences[: args.group_size])  # warm-up (allocations, kernels)
             seconds, cpu_seconds = [], []
             for _ in range(args.repeats):
+                sync()
                 start, cpu_start = time.perf_counter(), time.process_time()
-                ref.logprobs(sequences)
+                ref.logprobs(sequences)  # returns Python floats: the device work is done
                 seconds.append(time.perf_counter() - start)
                 cpu_seconds.append(time.process_time() - cpu_start)
             s, cpu = statistics.median(seconds), statistics.median(cpu_seconds)
@@ -87,11 +106,14 @@ def main() -> None:
                 }
             )
             del ref
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     print(
         json.dumps(
             {
                 "benchmark": "reference_throughput",
-                "model": str(model_dir),
+                "model": f"qwen2-{args.shape} (random weights)" if args.shape else str(model_dir),
+                "device": args.device if not args.device.startswith("cuda") else torch.cuda.get_device_name(),
                 "threads": args.threads,
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},

@@ -17,10 +17,11 @@ import time
 
 import torch
 
+from demo_task import arithmetic_requests  # benchmarks/demo_task.py
 from rollstream.core import deltas, modeling
 from rollstream.core.models import resolve_model
-from rollstream.generator.backends import SampleRequest, TransformersBackend
-from rollstream.trainer import grpo, prompts
+from rollstream.generator.backends import TransformersBackend
+from rollstream.trainer import grpo
 from rollstream.trainer.optimizer import HostAdamW
 
 
@@ -36,12 +37,7 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
 
     backend = TransformersBackend(model_dir)
-    source = prompts.arithmetic(seed=0)
-    groups = args.completions // args.group_size
-    requests = []
-    for i in range(groups):
-        p = next(source)
-        requests.append(SampleRequest(backend.encode_chat(p.messages), args.group_size, 1.0, 1.0, 0, args.max_new_tokens, seed=i))
+    _, requests = arithmetic_requests(backend, args.completions // args.group_size, args.group_size, args.max_new_tokens)
     start = time.perf_counter()
     samples = backend.sample(requests)
     gen_s = time.perf_counter() - start
