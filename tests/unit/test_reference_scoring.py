@@ -77,6 +77,59 @@ def test_logprobs_equal_full_logits_computation(tiny_model_dir: Path, bf16_round
     assert (flat < 0).all() and flat.std() > 0
 
 
+def grouped_sequences(vocab: int) -> list[TokenPair]:
+    """What the stage sees: groups of completions sharing a prompt (one group needing two
+    micro-batches, one prompt longer than the token budget), a prompt of one token, a lone
+    sequence, and empty completions."""
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    out: list[TokenPair] = []
+    for prompt_len, completion_lens in [(24, [3, 20, 1, 9, 0, 14, 6, 2]), (1, [5, 5, 2]), (300, [4, 11]), (6, [8])]:
+        prompt = tokens(prompt_len)
+        out.extend((prompt, tokens(n)) for n in completion_lens)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prompts_give_the_packed_values_for_fewer_tokens(tiny_model_dir: Path, bf16_rounded_model: torch.nn.Module, dtype: str) -> None:
+    budget = 256
+    shared = ReferenceModel.load(tiny_model_dir, dtype=dtype, token_budget=budget, chunk_tokens=CHUNK_TOKENS, temperature=0.7)
+    packed = ReferenceModel.load(tiny_model_dir, dtype=dtype, token_budget=budget, chunk_tokens=CHUNK_TOKENS, temperature=0.7, share_prompts=False)
+    sequences = grouped_sequences(shared.vocab_size)
+
+    def decoder_tokens(ref: ReferenceModel, seqs: list[TokenPair]) -> tuple[list[list[float]], int]:
+        """The log-probs, and how many token positions went through the decoder."""
+        seen = [0]
+        hook = ref.model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(0, seen[0] + kw["input_ids"].numel()), with_kwargs=True)
+        try:
+            return ref.logprobs(seqs), seen[0]
+        finally:
+            hook.remove()
+
+    got, _ = decoder_tokens(shared, sequences)
+    want, _ = decoder_tokens(packed, sequences)
+    assert [len(g) for g in got] == [len(c) for _, c in sequences]
+    # Equal up to the float noise of other matrix shapes (as two packings are).
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    for g, w in zip(got, want):
+        assert max((abs(a - b) for a, b in zip(g, w)), default=0.0) <= tolerance
+    if dtype == "float32":
+        scored = [i for i, (_, c) in enumerate(sequences) if c]
+        naive = naive_logprobs(bf16_rounded_model, [sequences[i] for i in scored], 0.7)
+        for i, w in zip(scored, naive):
+            assert torch.allclose(torch.tensor(got[i]), torch.tensor(w), rtol=0, atol=1e-5)
+
+    # 4 completions of 16 tokens under a 48-token prompt, one micro-batch (4 x 64 = budget):
+    # the prompt goes through the decoder once (48 + 4 x 16 = 112 positions), not 4 times (256).
+    prompt = sequences[0][0][:1] * 48
+    group = [(prompt, [7 + k] * 16) for k in range(4)]
+    assert decoder_tokens(shared, group)[1] == 48 + 4 * 16
+    assert decoder_tokens(packed, group)[1] == 4 * (48 + 16)
+
+
 def test_temperature_changes_the_values(tiny_model_dir: Path) -> None:
     at_1_model = ReferenceModel.load(tiny_model_dir, temperature=1.0)
     sequences = make_sequences(at_1_model.vocab_size)[:3]

@@ -20,6 +20,11 @@ class ReferenceSettings(CommonSettings):
     temperature: float = Field(1.0, gt=0, description="log-probs are of logits/temperature (must match the trainer's)")
     token_budget: int = Field(8192, ge=1, description="padded tokens per micro-batch (bounds activation memory)")
     chunk_tokens: int = Field(1024, ge=1, description="completion tokens per LM-head chunk (bounds logits memory)")
+    share_prompts: bool = Field(
+        True,
+        description="run a group's shared prompt through the model once (KV cache) instead of once per completion; "
+        "off: exactly the trainer's computation for the same micro-batches",
+    )
     group: str = Field("reference", description="consumer group on the scored stream")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     trim_interval_s: float = Field(10.0, gt=0, description="how often to trim acknowledged entries from the scored stream")

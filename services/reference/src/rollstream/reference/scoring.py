@@ -3,6 +3,14 @@
 The model is loaded once, rounded to bf16 values, and never updated. Sequences are packed
 into micro-batches of at most `token_budget` padded tokens, and the LM head runs in chunks
 of `chunk_tokens` (rollstream.core.modeling), so memory stays bounded whatever arrives.
+
+A group's completions share one prompt. With `share_prompts` (the default) completions of
+the same prompt are computed together: the prompt runs once per micro-batch and its KV
+cache serves them all, so the prompt's cost is paid once, not once per completion (with
+group size 8 and prompts as long as completions, ~1.8x fewer tokens through the decoder).
+The values equal the packed path's up to float rounding, as two packings of the packed
+path already do; `share_prompts = False` computes exactly what the trainer computes for
+the same micro-batches (tests/unit/test_reference_matches_trainer.py).
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ def round_to_bf16_(model: torch.nn.Module) -> None:
 class ReferenceModel:
     """Frozen causal LM computing log pi_ref(token | prefix) for completion tokens."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, *, token_budget: int, chunk_tokens: int, temperature: float = 1.0):
+    def __init__(self, model: torch.nn.Module, pad_id: int, *, token_budget: int, chunk_tokens: int, temperature: float = 1.0, share_prompts: bool = True):
         self.model = model.eval().requires_grad_(False)
         self.pad_id = pad_id
         self.token_budget = token_budget
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
+        self.share_prompts = share_prompts
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -58,10 +67,11 @@ class ReferenceModel:
         token_budget: int = 8192,
         chunk_tokens: int = 1024,
         temperature: float = 1.0,
+        share_prompts: bool = True,
     ) -> "ReferenceModel":
         model, tokenizer = modeling.load_model(path, dtype=dtype, device=device)
         round_to_bf16_(model)  # explicit: see round_to_bf16_ for why
-        return cls(model, int(tokenizer.pad_token_id), token_budget=token_budget, chunk_tokens=chunk_tokens, temperature=temperature)
+        return cls(model, int(tokenizer.pad_token_id), token_budget=token_budget, chunk_tokens=chunk_tokens, temperature=temperature, share_prompts=share_prompts)
 
     def check(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
         """Raise ValueError (the message says what is wrong) for a pair the model cannot score."""
@@ -86,12 +96,35 @@ class ReferenceModel:
         # Empty completions have nothing to score (and would leave a micro-batch with no
         # target tokens); they keep their empty list.
         todo = [i for i, (_, completion) in enumerate(sequences) if len(completion) > 0]
-        lengths = [len(sequences[i][0]) + len(sequences[i][1]) for i in todo]
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        if self.share_prompts:
+            for i in todo:
+                by_prompt.setdefault(tuple(sequences[i][0]), []).append(i)
+        shared = {prompt: indices for prompt, indices in by_prompt.items() if len(indices) > 1}
+        alone = [i for i in todo if tuple(sequences[i][0]) not in shared]
         with self._lock:
-            for packed in modeling.pack_by_tokens(lengths, self.token_budget):
-                indices = [todo[k] for k in packed]
-                batch = modeling.make_batch([sequences[i] for i in indices], self.pad_id, self.device)
-                flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
-                for i, values in zip(indices, flat.float().cpu().split(batch.lengths)):
-                    out[i] = values.tolist()
+            for prompt, indices in shared.items():
+                self._shared_prompt(prompt, indices, sequences, out)
+            self._packed(alone, sequences, out)
         return out
+
+    def _packed(self, indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]]) -> None:
+        """Whole sequences, packed into micro-batches of at most token_budget padded tokens."""
+        lengths = [len(sequences[i][0]) + len(sequences[i][1]) for i in indices]
+        for packed in modeling.pack_by_tokens(lengths, self.token_budget):
+            batch_indices = [indices[k] for k in packed]
+            batch = modeling.make_batch([sequences[i] for i in batch_indices], self.pad_id, self.device)
+            flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+            for i, values in zip(batch_indices, flat.float().cpu().split(batch.lengths)):
+                out[i] = values.tolist()
+
+    def _shared_prompt(self, prompt: tuple[int, ...], indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]]) -> None:
+        """Completions of one prompt: the prompt once per micro-batch, its KV cache for all.
+        Packed as the whole sequences would be (each row holds the prompt's cache and its
+        completion), so memory stays within the same token budget."""
+        for packed in modeling.pack_by_tokens([len(prompt) + len(sequences[i][1]) for i in indices], self.token_budget):
+            batch_indices = [indices[k] for k in packed]
+            completions = [sequences[i][1] for i in batch_indices]
+            flat = modeling.shared_prompt_logprobs(self.model, prompt, completions, self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+            for i, values in zip(batch_indices, flat.float().cpu().split([len(c) for c in completions])):
+                out[i] = values.tolist()

@@ -188,6 +188,7 @@ def run(settings: ReferenceSettings) -> int:
             token_budget=settings.token_budget,
             chunk_tokens=settings.chunk_tokens,
             temperature=settings.temperature,
+            share_prompts=settings.share_prompts,
         )
         scorer = Scorer(model, metrics, totals)
         servicer.model_name = str(model_dir)
