@@ -6,7 +6,6 @@ safetensors + JSON; writes are atomic; mismatched checkpoints are refused."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from rollstream.trainer import checkpoint
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import Trainer
 from rollstream.v1 import rollout_pb2
+from synthetic import scored_groups  # tests/synthetic.py
 
 STEPS = 5
 SAVE_AT = 2
@@ -36,20 +36,7 @@ def one_thread():
 
 def groups_for(step: int, n_groups: int = 2, size: int = 4) -> list[rollout_pb2.RolloutGroup]:
     """Fixed synthetic scored groups for one step (the same for every run)."""
-    rng = random.Random(1000 + step)
-    out = []
-    for g in range(n_groups):
-        completions = []
-        for _ in range(size):
-            n = rng.randint(1, 6)
-            completions.append(rollout_pb2.Completion(
-                token_ids=[rng.randrange(5, 200) for _ in range(n)],
-                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
-                reward=float(rng.random() < 0.5),
-            ))
-        prompt = [rng.randrange(5, 200) for _ in range(rng.randint(3, 8))]
-        out.append(rollout_pb2.RolloutGroup(group_id=f"s{step}-g{g}", prompt_ids=prompt, completions=completions, scored=True))
-    return out
+    return scored_groups(1000 + step, n_groups, group_size=size)
 
 
 def make_trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
