@@ -42,9 +42,9 @@ def main() -> None:
 
     import torch
 
+    from demo_task import arithmetic_requests  # benchmarks/demo_task.py
     from rollstream.core import deltas, modeling
     from rollstream.core.models import resolve_model
-    from demo_task import arithmetic_requests  # benchmarks/demo_task.py
     from rollstream.generator.backends import TransformersBackend
     from rollstream.reward.verifiers import arithmetic_answer
     from rollstream.trainer import grpo

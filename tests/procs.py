@@ -14,6 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from rollstream.core.grpc_utils import channel
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
 
 @dataclass
 class ServiceProc:
@@ -96,3 +99,15 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: 
         time.sleep(poll_s)
     logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
+    """Trainer.GetState (with the weights' sha256 when `sha`)."""
+    with channel(address) as ch:
+        return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
+
+
+def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
+    """Generator.GetState (with the weights' sha256 when `sha`)."""
+    with channel(address) as ch:
+        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)

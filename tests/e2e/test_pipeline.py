@@ -11,24 +11,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from procs import start_service, wait_for
+from procs import generator_state, start_service, trainer_state, wait_for
 from rollstream.core import codec, streams
-from rollstream.core.grpc_utils import channel
-from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 8
-
-
-def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
-    with channel(address) as ch:
-        return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
-
-
-def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
-    with channel(address) as ch:
-        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
 
 
 def stream_group_ids(client: redis.Redis, key: str) -> set[str]:

@@ -18,12 +18,12 @@ import grpc
 import pytest
 import redis
 
-from procs import ServiceProc, start_service, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from procs import ServiceProc, generator_state, start_service, trainer_state, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
 from synthetic import scored_groups
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
-from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc
+from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
 
 GROUPS_PER_STEP = 2
 
@@ -38,16 +38,6 @@ def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
     """The same content for a step whatever the tag (group ids must differ: the trainer
     deduplicates by group id, and A trained the first copies)."""
     return scored_groups(step, GROUPS_PER_STEP, tag)
-
-
-def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
-    with channel(address) as ch:
-        return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
-
-
-def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
-    with channel(address) as ch:
-        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
 
 
 def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:

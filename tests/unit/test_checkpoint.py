@@ -25,13 +25,7 @@ STEPS = 5
 SAVE_AT = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: torch's default thread pool oversubscribes them badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def groups_for(step: int, n_groups: int = 2, size: int = 4) -> list[rollout_pb2.RolloutGroup]:

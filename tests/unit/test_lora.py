@@ -22,12 +22,7 @@ from rollstream.v1 import rollout_pb2
 from synthetic import scored_groups  # tests/synthetic.py
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def groups_for(step: int) -> list[rollout_pb2.RolloutGroup]:

@@ -296,15 +296,6 @@ def _group(rng: random.Random, gid: str, rewards: list[float]) -> rollout_pb2.Ro
     return rollout_pb2.RolloutGroup(group_id=gid, prompt_ids=prompt, completions=completions, scored=True)
 
 
-@pytest.fixture
-def one_thread():
-    """Two cores, shared: torch's default thread pool oversubscribes them badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
     settings = load_settings(TrainerSettings, [], **{"model": str(model_dir), "lr": 1e-3, "max_new_tokens": 6, **overrides})
     host = ServiceHost("trainer", settings)
