@@ -238,7 +238,11 @@ def test_system_v_ipc_is_private_to_the_run() -> None:
 def test_the_rest_of_the_file_system_is_read_only() -> None:
     # EROFS, not EACCES: the mount refuses before the permission check, whoever the user is.
     name = f"rollstream-sandbox-{uuid.uuid4().hex}"
-    targets = [f"/{name}", f"/etc/{name}", str(Path(__file__).resolve().parent / name)]
+    # The service's own files too, unless the checkout sits under a temp dir (a CI clone in
+    # /tmp): the sandbox replaces those, so the path would not exist there at all.
+    here = Path(__file__).resolve().parent
+    own = here if not any(here.is_relative_to(d) for d in TEMP_DIRS) else Path("/usr/local")
+    targets = [f"/{name}", f"/etc/{name}", str(own / name)]
     tests = [f"assert refusal({t!r}) == 'EROFS', refusal({t!r})" for t in targets]
     result = run_tests(REFUSAL, tests, LIMITS)
     assert result.passed == (True,) * len(targets), result.detail
