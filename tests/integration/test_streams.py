@@ -311,11 +311,10 @@ def test_multi_exec_aborts_everything_on_a_queue_time_error(rclient: redis.Redis
     assert not rclient.exists(keys.stream(DST))
 
 
-def test_failing_op_inside_commit_leaves_the_input_pending(rclient: redis.Redis, keys: RunKeys) -> None:
-    """commit() runs its commands in a Lua script that stops at the first error, with the ack
-    last: the input stays pending and comes back. Redis has no rollback for scripts either,
-    so commands before the failing one stay applied: the output written, the counter bumped.
-    The retry then writes the output again (at-least-once, deduplicated downstream)."""
+def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(rclient: redis.Redis, keys: RunKeys) -> None:
+    """commit() checks every key's type before it writes: a command that would fail with
+    WRONGTYPE refuses the whole commit, so nothing is half-written (Redis has no rollback),
+    the input stays pending and comes back, and the retry writes its output once."""
     (eid,) = _feed(rclient, keys, 1)
     stage = _stage(rclient, keys, "A", claim_idle_ms=60_000)
     entries = stage.read(count=10, block_ms=10)
@@ -325,17 +324,30 @@ def test_failing_op_inside_commit_leaves_the_input_pending(rclient: redis.Redis,
         ops.hincrby(keys.stream(SRC), "oops", 1)  # WRONGTYPE: the key is a stream
         ops.sadd(keys.groups("generated"), "g0")
 
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE HINCRBY on .*, a stream: nothing written"):
         stage.commit(entries, outputs=[(DST, _group(0))], extra=bad_ledger)
-    assert rclient.xlen(keys.stream(DST)) == 1  # before the failure: applied, not rolled back
-    assert rclient.hget(keys.stats, "scored") == b"1"
-    assert not rclient.exists(keys.groups("generated"))  # after the failure: not run
+    assert rclient.xlen(keys.stream(DST)) == 0  # the output, before the bad command: not written
+    assert rclient.hget(keys.stats, "scored") is None
+    assert not rclient.exists(keys.groups("generated"))
     assert _pending_ids(rclient, keys) == [eid]  # the ack never ran
 
-    # The same stage gets the entry back on its next read and can commit it properly.
+    # The same stage gets the entry back on its next read and commits it properly, once.
     again = stage.read(count=10, block_ms=10)
     assert _ids(again) == [eid] and again[0].deliveries == 2
     stage.commit(again, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1))
     assert _pending_ids(rclient, keys) == []
-    assert rclient.xlen(keys.stream(DST)) == 2  # the duplicate the failed attempt left
-    assert rclient.hget(keys.stats, "scored") == b"2"  # and a counter bumped twice for one entry
+    assert rclient.xlen(keys.stream(DST)) == 1
+    assert rclient.hget(keys.stats, "scored") == b"1"
+
+
+def test_an_error_the_type_check_cannot_foresee_stops_before_the_ack(rclient: redis.Redis, keys: RunKeys) -> None:
+    """A command that fails for another reason (here HINCRBY on a field holding text) stops
+    the script there: what came before stays (no rollback), the ack never runs."""
+    (eid,) = _feed(rclient, keys, 1)
+    stage = _stage(rclient, keys, "A", claim_idle_ms=60_000)
+    entries = stage.read(count=10, block_ms=10)
+    rclient.hset(keys.stats, "text", "not a number")
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        stage.commit(entries, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "text", 1))
+    assert rclient.xlen(keys.stream(DST)) == 1
+    assert _pending_ids(rclient, keys) == [eid]

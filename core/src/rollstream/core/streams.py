@@ -76,12 +76,30 @@ class Entry:
     deliveries: int
 
 
-# Runs a list of commands in order and stops at the first error (redis.call raises). The
-# commands arrive flattened in ARGV: count, then per command its argc and arguments. Keys
-# travel inside ARGV, which is fine on a single Redis (not on Redis Cluster).
+# Runs a list of commands in order. The commands arrive flattened in ARGV: count, then per
+# command its argc and arguments (the key first). Keys travel inside ARGV, which is fine on
+# a single Redis (not on Redis Cluster).
+# Redis has no rollback, so the script first checks every key's type against its command
+# and refuses the whole list (writing nothing) if one would fail with WRONGTYPE: then a
+# failed commit leaves no half-written output behind. Under maxmemory, Redis refuses a
+# script's first write (OOM) before anything is applied. What remains, an error in a
+# command itself, stops at that command (redis.call raises), with the ack last.
 _RUN_COMMANDS = """
+local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', SADD = 'set'}
 local i = 1
 local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local argc = tonumber(ARGV[i])
+  local want = expected[string.upper(ARGV[i + 1])]
+  if want then
+    local have = redis.call('TYPE', ARGV[i + 2])['ok']
+    if have ~= 'none' and have ~= want then
+      return redis.error_reply('WRONGTYPE ' .. ARGV[i + 1] .. ' on ' .. ARGV[i + 2] .. ', a ' .. have .. ': nothing written')
+    end
+  end
+  i = i + 1 + argc
+end
+i = 2
 for _ = 1, n do
   local argc = tonumber(ARGV[i]); i = i + 1
   redis.call(unpack(ARGV, i, i + argc - 1))
@@ -265,8 +283,8 @@ class StreamStage:
 
     def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> None:
         """Write `outputs` (stage name, message), run `extra`, then ack `entries`, in one script:
-        atomic against crashes; if a command fails, those before it stay applied (no rollback)
-        and the entries stay pending, so a retry may write the outputs again."""
+        atomic against crashes. A key of the wrong type refuses the whole commit before
+        anything is written (WRONGTYPE); the entries stay pending and come back."""
         ops = Ops()
         for stage, message in outputs:
             ops.xadd(self.keys.stream(stage), codec.encode(message))
