@@ -2,7 +2,8 @@
 
   rollstream up       the whole system as local processes: embedded redis-server (or
                       --redis-url), trainer, generator(s), reward, reference (when
-                      beta > 0 and the trainer is not its own reference), with a live progress display; Ctrl-C stops it all cleanly
+                      beta > 0 and the trainer is not its own reference), with a live
+                      progress display; Ctrl-C stops it all cleanly
   rollstream status   the pipeline of a run, read from Redis (--watch to follow)
 """
 
