@@ -81,8 +81,8 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams
             assert state.weights_sha256 == final.weights_sha256, f"{gen.name} weights differ from the trainer's"
 
         # Drain: no more generation; let reward and reference finish what is in flight.
-        gen_a.stop()
-        gen_b.stop()
+        for gen in (gen_a, gen_b):
+            assert gen.stop() == 0, f"{gen.name} did not stop cleanly on SIGTERM:\n{gen.log()[-3000:]}"
         for stage, group in (("rollouts", "reward"), ("scored", "reference")):
             key = keys.stream(stage)
             wait_for(lambda key=key, group=group: rclient.xpending(key, group)["pending"] == 0 and _undelivered(rclient, key, group) == 0, 120, f"{stage} drained", procs)

@@ -64,10 +64,16 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------
 
-    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes) -> float:
-        """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused."""
+    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False) -> float:
+        """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
+        With `skip_held` a delta to a version already held is skipped, decided under the
+        same lock as the apply: a push landing between a check and the apply would
+        otherwise make the catch-up's next delta look like a broken chain."""
         start = time.perf_counter()
         with self.weights.lock:
+            held = self.weights.version
+            if skip_held and header.kind == "delta" and held is not None and header.version <= held:
+                return 0.0
             info, touched = self.weights.decode(payload)
             self.backend.load_weights(touched, version=info.version)
             self.weights.commit(info, touched)
@@ -81,10 +87,7 @@ class Generator:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
         the version already held are skipped: a push may have delivered them meanwhile."""
         for header, payload in weight_transfer.from_chunks(chunks):
-            held = self.weights.version
-            if skip_held and header.kind == "delta" and held is not None and header.version <= held:
-                continue
-            self.apply_payload(header, payload)
+            self.apply_payload(header, payload, skip_held=skip_held)
         return self.state()
 
     def catch_up(self) -> bool:
@@ -244,7 +247,8 @@ def run(settings: GeneratorSettings) -> None:
         host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)], ready=lambda: (True, f"version {gen.weights.version}"))
         address = settings.advertise_address or host.grpc_address
         client.hset(keys.generators, gen.generator_id, address)
-        threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True).start()
+        sync = threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True)
+        sync.start()
         host.set_ready(True)
         logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
         try:
@@ -252,6 +256,12 @@ def run(settings: GeneratorSettings) -> None:
         finally:
             client.hdel(keys.generators, gen.generator_id)
             client.close()
+            # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
+            # thread killed inside grpc's C++ core can abort the process (exit 139 after a
+            # clean stop, seen in the containers tier).
+            host.stop.set()
+            gen.sync_wake.set()
+            sync.join(timeout=30.0)
 
 
 def loop(gen: Generator, stage: streams.StreamStage, client, keys: streams.RunKeys, host: ServiceHost) -> None:
