@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,3 +112,10 @@ def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorS
     """Generator.GetState (with the weights' sha256 when `sha`)."""
     with channel(address) as ch:
         return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a server the test starts on a fixed port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -5,7 +5,6 @@ test, a real reward process, a real redis-server. Covers batching, the scorer be
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from procs import free_port  # tests/procs.py
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from tests.integration.test_reward_service import GROUP, groups_in, make_group, start_reward, wait_for, write_many
@@ -60,12 +60,6 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
                 for item in request.items
             ]
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ScorerServer:

@@ -11,14 +11,13 @@ step-4 weights bit for bit, with the same losses.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
 
-from procs import ServiceProc, generator_state, start_service, trainer_state, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from procs import ServiceProc, free_port, generator_state, start_service, trainer_state, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
 from synthetic import scored_groups
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
@@ -26,12 +25,6 @@ from rollstream.trainer import checkpoint
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
 
 GROUPS_PER_STEP = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
