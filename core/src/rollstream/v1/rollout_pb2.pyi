@@ -93,7 +93,7 @@ class Completion(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("group_id", "task_id", "policy_version", "prompt_ids", "completions", "answer", "metadata_json", "task_kind", "generator_id", "scored", "has_ref_logprobs", "created_at")
+    __slots__ = ("group_id", "task_id", "policy_version", "prompt_ids", "completions", "answer", "metadata_json", "task_kind", "generator_id", "scored", "has_ref_logprobs", "created_at", "group_size")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class RolloutGroup(_message.Message):
     SCORED_FIELD_NUMBER: _ClassVar[int]
     HAS_REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     task_id: str
     policy_version: int
@@ -118,7 +119,8 @@ class RolloutGroup(_message.Message):
     scored: bool
     has_ref_logprobs: bool
     created_at: float
-    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., task_kind: _Optional[str] = ..., generator_id: _Optional[str] = ..., scored: _Optional[bool] = ..., has_ref_logprobs: _Optional[bool] = ..., created_at: _Optional[float] = ...) -> None: ...
+    group_size: int
+    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., task_kind: _Optional[str] = ..., generator_id: _Optional[str] = ..., scored: _Optional[bool] = ..., has_ref_logprobs: _Optional[bool] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("source_stream", "source_id", "consumer_group", "consumer", "reason", "deliveries", "original_fields", "dead_at")
