@@ -1,7 +1,7 @@
 """A custom reward service for rollstream that uses only a Redis client and protobuf.
 
-It reads RolloutGroups from rs:<run>:rollouts with its own consumer group, gives every
-completion a reward, and writes the group to rs:<run>:scored (or :ready when the
+It reads RolloutGroups from rs:{<run>}:rollouts with its own consumer group, gives every
+completion a reward, and writes the group to rs:{<run>}:scored (or :ready when the
 reference stage is skipped), acknowledging the input in the same Lua script. It imports
 nothing from rollstream: the message classes come from proto/rollstream/v1/rollout.proto
 (python generate_stubs.py), and docs/custom-reward.md is the whole contract.
@@ -54,7 +54,7 @@ class ParityReward:
         self.consumer = args.consumer
         self.block_ms = args.block_ms
         self.claim_idle_ms = args.claim_idle_ms
-        prefix = f"rs:{args.run}:"
+        prefix = f"rs:{{{args.run}}}:"  # the {run} hash tag: one Redis Cluster slot per run
         self.source, self.output = prefix + "rollouts", prefix + args.output_stage
         self.dead, self.stats = prefix + "dead", prefix + "stats"
         self.commit = self.r.register_script(COMMIT)
@@ -166,8 +166,8 @@ def main() -> int:
     here = Path(__file__).resolve().parent
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--run", default="demo", help="run name: the streams are rs:<run>:<stage>")
-    parser.add_argument("--group", default="custom-reward", help="our consumer group on rs:<run>:rollouts")
+    parser.add_argument("--run", default="demo", help="run name: the streams are rs:{<run>}:<stage>")
+    parser.add_argument("--group", default="custom-reward", help="our consumer group on rs:{<run>}:rollouts")
     parser.add_argument("--consumer", default=f"{socket.gethostname()}-{os.getpid()}", help="stable name: a restart resumes its pending entries")
     parser.add_argument("--output-stage", choices=["scored", "ready"], default="scored", help="ready when the run has no reference stage (beta = 0)")
     parser.add_argument("--stubs", default=str(here / "generated"), help="folder holding rollout_pb2.py (python generate_stubs.py)")

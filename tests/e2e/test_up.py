@@ -53,7 +53,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
 
         status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        assert f"rs:{run_name}:ready" in status.stdout and "trained=" in status.stdout
+        assert f"rs:{{{run_name}}}:ready" in status.stdout and "trained=" in status.stdout
 
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)

@@ -3,13 +3,14 @@ refusal of deltas it cannot apply (wrong base, corrupted, another model)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from procs import ServiceProc, start_service
-from rollstream.core import deltas, modeling, weight_transfer
+from rollstream.core import codec, deltas, modeling, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
@@ -117,3 +118,60 @@ def test_http_side_serves_health_readiness_and_metrics(generator: ServiceProc) -
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     metrics = httpx.get(f"{base}/metrics", timeout=5).text
     assert "rollstream_generator_policy_version" in metrics and "rollstream_generator_groups_total" in metrics
+
+
+def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: ServiceProc, rclient, run_name: str) -> None:
+    """Tasks that once crashed the generator five times (and took their batch with them) are
+    refused one by one, each with its own reason; the good tasks of the same read are
+    sampled and written, and the generator keeps serving."""
+    keys = streams.RunKeys(run_name)
+
+    def task(task_id: str, **change) -> rollout_pb2.PromptTask:
+        t = rollout_pb2.PromptTask(
+            task_id=task_id, prompt_ids=[5, 6, 7], group_size=2, task_kind="arithmetic",
+            sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
+        )
+        for path, value in change.items():
+            target = t.sampling if path in ("temperature", "top_p", "max_new_tokens") else t
+            if isinstance(value, list):
+                del getattr(target, path)[:]
+                getattr(target, path).extend(value)
+            else:
+                setattr(target, path, value)
+        return t
+
+    poison = {
+        "oov": task("oov", prompt_ids=[5, 100000]),
+        "nan-temp": task("nan-temp", temperature=float("nan")),
+        "huge-tokens": task("huge-tokens", max_new_tokens=2**32 - 1),
+        "huge-group": task("huge-group", group_size=2**32 - 1),
+        "neg-temp": task("neg-temp", temperature=-1.0),
+        "nan-top-p": task("nan-top-p", top_p=float("nan")),
+    }
+    good = [task("good-1"), task("good-2")]
+    # One read holds them all (tasks_per_batch defaults to 4: two reads, mixed).
+    for t in [good[0], *poison.values(), good[1]]:
+        streams.write(rclient, keys, "prompts", t)
+    rclient.xadd(keys.stream("prompts"), {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b"\xff\xff garbage"})
+
+    deadline = time.monotonic() + 120
+    while rclient.xlen(keys.dead) < len(poison) + 1 or rclient.xlen(keys.stream("rollouts")) < 2:
+        assert generator.proc.poll() is None, generator.log()[-3000:]
+        assert time.monotonic() < deadline, f"dead {rclient.xlen(keys.dead)}, rollouts {rclient.xlen(keys.stream('rollouts'))}\n{generator.log()[-3000:]}"
+        time.sleep(0.2)
+    groups = [codec.decode(f, rollout_pb2.RolloutGroup) for _, f in rclient.xrange(keys.stream("rollouts"))]
+    assert sorted(g.group_id for g in groups) == ["good-1", "good-2"]
+    assert all(g.group_size == 2 and len(g.completions) == 2 for g in groups)
+    reasons = {}
+    for _, fields in rclient.xrange(keys.dead):
+        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        try:
+            reasons[codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.PromptTask).task_id] = letter.reason
+        except codec.EntryError:
+            reasons["garbage"] = letter.reason
+    assert set(reasons) == {*poison, "garbage"}
+    for name, reason in reasons.items():
+        assert "delivered" not in reason and reason, (name, reason)  # specific, not a delivery count
+    assert "100000" in reasons["oov"] and "data does not parse" in reasons["garbage"]
+    assert rclient.xpending(keys.stream("prompts"), "generator")["pending"] == 0
+    assert state(generator).groups_generated == 2

@@ -185,7 +185,7 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
     assert "does not parse as rollstream.v1.RolloutGroup" in reasons[garbage.decode()]
     assert "type is 'rollstream.v1.PromptTask'" in reasons[wrong_type.decode()]
     assert "has no completions" in reasons[no_completions.decode()]
-    assert f"token id {in_process.vocab_size + 7} is outside the model's vocabulary" in reasons[oov_id.decode()]
+    assert f"= {in_process.vocab_size + 7} is not a token id (vocab size {in_process.vocab_size})" in reasons[oov_id.decode()]
     assert out_of_vocab.group_id not in ready_groups(client, keys)
     # Dead letters are acknowledged too: nothing of this run is left pending.
     assert client.xpending(keys.stream("scored"), "reference")["pending"] == 0

@@ -296,7 +296,7 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
     # Its own redis-server, so stopping it does not disturb the session's. Not started yet:
     # the service must come up anyway, report not-ready, and join once Redis answers.
     server = EmbeddedRedis(tmp_path / "redis")
-    client = streams.connect(server.url)
+    client = None
     svc = start_reward(tmp_path, server.url, keys.run, "--claim-idle-ms", "500", ready=False)
     try:
         wait_for("state file", svc.state_file.exists, svc)
@@ -308,13 +308,14 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
             except httpx.TransportError:
                 return False
             assert reply.status_code == 503
-            return "waiting for redis" in reply.json()["detail"]
+            return "redis unavailable (connecting to" in reply.json()["detail"]
 
         wait_for("readyz to say it waits for redis", waiting_for_redis, svc)
         assert httpx.get(http + "/healthz", timeout=5).status_code == 200  # alive, just not ready
 
         server.start()
         svc.wait_ready(timeout_s=30)
+        client = streams.connect(server.url)
         streams.write(client, keys, "rollouts", make_group("before", ["8"]))
         wait_for("first group scored", lambda: client.xlen(keys.stream("scored")) == 1, svc)
 
@@ -328,10 +329,12 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
         streams.write(client, keys, "rollouts", make_group("after", ["8"]))
         wait_for("second group scored", lambda: client.xlen(keys.stream("scored")) == 2, svc)
         assert [g.group_id for g in groups_in(client, keys.stream("scored"))] == ["before", "after"]
-        assert "redis_error" in svc.log() and "redis_recovered" in svc.log()
+        # One line when the outage starts, one when it ends (not one per retry).
+        assert svc.log().count("redis unavailable") <= 3 and "redis recovered" in svc.log()
     finally:
         svc.kill()
-        client.close()
+        if client is not None:
+            client.close()
         server.stop()
 
 

@@ -161,10 +161,10 @@ def test_stale_entry_is_taken_over_by_another_consumer(rclient: redis.Redis, key
 
     b.commit(taken, outputs=[(DST, _group(0))])
     assert _pending_ids(rclient, keys) == []
-    # A comes back and commits late: XACK of an acked id is a no-op, the output is written
-    # twice. That is the documented duplicate the trainer removes by group_id.
-    a.commit(got, outputs=[(DST, _group(0))])
-    assert rclient.xlen(keys.stream(DST)) == 2
+    # A comes back and commits late: its entry is no longer pending on it, so the commit
+    # writes nothing (no duplicate downstream) and says so.
+    assert a.commit(got, outputs=[(DST, _group(0))]) is False
+    assert rclient.xlen(keys.stream(DST)) == 1
 
 
 def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Redis, keys: RunKeys) -> None:
@@ -332,8 +332,9 @@ def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(rc
     assert _pending_ids(rclient, keys) == [eid]  # the ack never ran
 
     # The same stage gets the entry back on its next read and commits it properly, once.
+    # A failed call in this process does not count a delivery (only a restart does).
     again = stage.read(count=10, block_ms=10)
-    assert _ids(again) == [eid] and again[0].deliveries == 2
+    assert _ids(again) == [eid] and again[0].deliveries == 1
     stage.commit(again, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1))
     assert _pending_ids(rclient, keys) == []
     assert rclient.xlen(keys.stream(DST)) == 1
@@ -351,3 +352,70 @@ def test_an_error_the_type_check_cannot_foresee_stops_before_the_ack(rclient: re
         stage.commit(entries, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "text", 1))
     assert rclient.xlen(keys.stream(DST)) == 1
     assert _pending_ids(rclient, keys) == [eid]
+
+
+# --- back-pressure: what really waits -------------------------------------------------------
+
+
+def test_waiting_counts_unacknowledged_entries_not_stream_length(rclient: redis.Redis, keys: RunKeys) -> None:
+    stream = keys.stream(SRC)
+    assert streams.waiting(rclient, stream) == 0  # no stream yet
+    _feed(rclient, keys, 5)
+    assert streams.waiting(rclient, stream) == 5  # no group reads it yet: all of it waits
+    stage = _stage(rclient, keys, "A")
+    assert streams.waiting(rclient, stream) == 5  # a group that has read nothing: 5 unread
+    got = stage.read(count=3, block_ms=10)
+    assert streams.waiting(rclient, stream) == 5  # 3 pending + 2 unread
+    stage.commit(got[:2])
+    # Two acknowledged and not trimmed: XLEN still says 5, but only 3 wait.
+    assert rclient.xlen(stream) == 5 and streams.waiting(rclient, stream) == 3
+    assert streams.waiting(rclient, stream, limit=1) == 2  # unread counted up to the limit
+    # A second group that has read nothing makes everything wait again: the slowest counts.
+    StreamStage.ensure_group(rclient, stream, "audit")
+    assert streams.waiting(rclient, stream) == 5
+
+
+def test_a_commit_retried_after_a_lost_reply_writes_nothing_twice(rclient: redis.Redis, keys: RunKeys) -> None:
+    _feed(rclient, keys, 1)
+    stage = _stage(rclient, keys, "A")
+    got = stage.read(count=1, block_ms=10)
+    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1)) is True
+    # The same commit again, as after a timeout whose first try had gone through.
+    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1)) is False
+    assert rclient.xlen(keys.stream(DST)) == 1 and rclient.hget(keys.stats, "scored") == b"1"
+
+
+def test_reread_after_a_failure_does_not_count_deliveries(rclient: redis.Redis, keys: RunKeys) -> None:
+    (eid,) = _feed(rclient, keys, 1)
+    stage = _stage(rclient, keys, "A", max_deliveries=2)
+    assert _ids(stage.read(count=1, block_ms=10)) == [eid]
+    # Ten failed turns in a row (Redis trouble): the entry comes back each time, still at
+    # one delivery, and is never dead-lettered for it.
+    for _ in range(10):
+        stage.reread_own_pending()
+        again = stage.read(count=1, block_ms=10)
+        assert _ids(again) == [eid] and again[0].deliveries == 1
+    assert rclient.xlen(keys.dead) == 0
+
+
+def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys: RunKeys) -> None:
+    good = _feed(rclient, keys, 1)
+    rclient.xadd(keys.stream(SRC), {"type": "junk"})
+    good += _feed(rclient, keys, 1, start=1)
+    stage = _stage(rclient, keys, "A")
+    seen: list[str] = []
+    parsed = stage.read_valid(10, 10, lambda e: codec.decode(e.fields, rollout_pb2.RolloutGroup), on_dead=lambda e, r: seen.append(r))
+    assert [e.id for e, _ in parsed] == good
+    assert [g.group_id for _, g in parsed] == ["g0", "g1"]
+    assert len(seen) == 1 and "missing field(s) schema, data" in seen[0]
+    (dead,) = rclient.xrange(keys.dead)
+    assert dead[1][b"reason"] == seen[0].encode()
+
+
+def test_keys_of_a_run_share_one_cluster_slot(keys: RunKeys) -> None:
+    from redis.crc import key_slot
+
+    names = [keys.stream(s) for s in streams.STAGES] + [keys.dead, keys.metrics, keys.stats, keys.version, keys.fed,
+                                                        keys.trained_log, keys.generators, keys.generators_seen, keys.groups("trained")]
+    assert all(n.startswith(f"rs:{{{keys.run}}}:") for n in names)
+    assert len({key_slot(n.encode()) for n in names}) == 1

@@ -33,8 +33,15 @@ SHAPES = {
 }
 
 
+def _finite(bits: np.ndarray) -> np.ndarray:
+    """bits with every NaN/inf pattern (exponent all ones) made finite, in place: decode
+    refuses non-finite weights, so the codec is tested on what a sane trainer sends."""
+    bits[(bits & 0x7F80) == 0x7F80] &= 0xBFFF
+    return bits
+
+
 def _random_bits(rng: np.random.Generator, shapes=SHAPES) -> dict[str, np.ndarray]:
-    return {name: rng.integers(0, 2**16, size=shape, dtype=np.uint16) for name, shape in shapes.items()}
+    return {name: _finite(rng.integers(0, 2**16, size=shape, dtype=np.uint16)) for name, shape in shapes.items()}
 
 
 def _copy(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -60,8 +67,8 @@ def _assert_bits_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
 
 
 def _bump(flat: np.ndarray, positions: np.ndarray, steps: np.ndarray) -> None:
-    """flat[positions] += steps, as uint16 arithmetic (wraps)."""
-    flat[positions] = (flat[positions].astype(np.int64) + steps).astype(np.uint16)
+    """flat[positions] += steps, as uint16 arithmetic (wraps), kept finite."""
+    flat[positions] = _finite((flat[positions].astype(np.int64) + steps).astype(np.uint16))
 
 
 @pytest.fixture
@@ -83,25 +90,26 @@ def make_scenario() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], str]:
     pos = np.flatnonzero(rng.random(flat.size) < 0.4)
     _bump(flat, pos, rng.choice([-1, 1], size=pos.size))
     # (b) dense random changes: every value replaced by random bits.
-    new["model.layers.0.self_attn.q_proj.weight"] = rng.integers(0, 2**16, size=SHAPES["model.layers.0.self_attn.q_proj.weight"], dtype=np.uint16)
+    new["model.layers.0.self_attn.q_proj.weight"] = _finite(rng.integers(0, 2**16, size=SHAPES["model.layers.0.self_attn.q_proj.weight"], dtype=np.uint16))
     # (c) "model.norm.weight" and "scalar_like" stay unchanged.
-    # (d) wrap-around at the uint16 edges, in a 1-D tensor and in the embedding.
+    # (d) uint16 wrap-around of the steps with finite values (the 0xFFFF/0x0000 edge is NaN
+    # in bf16): sign flips at -max, +0, +max, -tiny, steps of 0x8000, two of them wrapping.
     ln = new["model.layers.0.input_layernorm.weight"]
-    base["model.layers.0.input_layernorm.weight"][:4] = [0xFFFF, 0x0000, 0xFFFE, 0x0001]
-    ln[:4] = [0x0000, 0xFFFF, 0x0001, 0xFFFE]  # +1, -1, +3, -3 with wrap
+    base["model.layers.0.input_layernorm.weight"][:4] = [0xFF7F, 0x0000, 0x7F7F, 0x8001]
+    ln[:4] = [0x7F7F, 0x8000, 0xFF7F, 0x0001]
     ln[10] = base["model.layers.0.input_layernorm.weight"][10] ^ 0x8000  # sign flip
     emb_base = base["model.embed_tokens.weight"].reshape(-1)
     emb_new = new["model.embed_tokens.weight"].reshape(-1)
-    emb_base[[0, 5, 999]] = [0xFFFF, 0x0000, 0x7FFF]
+    emb_base[[0, 5, 999]] = [0xFF7F, 0x0000, 0x7F7F]
     emb_new[:] = emb_base
-    emb_new[[0, 5, 999]] = [0x0000, 0xFFFF, 0x8000]
+    emb_new[[0, 5, 999]] = [0x0000, 0xFF7F, 0x8000]
     # Wrapping ULP steps among many +-1 steps at random values: steps ({1, 0xFFFF}) compress,
     # values do not, so this tensor goes through the ULP encoding and its wrap-around.
     wb = base["wrap.weight"]
-    wb[:8] = [0xFFFF, 0xFFFF, 0x0000, 0x0000, 0x7FFF, 0x8000, 0xFFFF, 0x0000]
+    wb[:8] = [0x0001, 0x8001, 0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80]
     wn = new["wrap.weight"]
     wn[:] = wb
-    wn[:8] = [0x0000, 0xFFFE, 0xFFFF, 0x0001, 0x8000, 0x7FFF, 0x0000, 0xFFFF]
+    wn[:8] = [0x0000, 0x8000, 0x0001, 0x8001, 0x7F7E, 0xFF7E, 0x3F81, 0xBF7F]  # -1 steps wrap in uint16
     rest = 8 + rng.choice(wb.size - 8, size=1500, replace=False)
     _bump(wn, rest, rng.choice([-1, 1], size=rest.size))
     fp = deltas.model_fingerprint({k: v.shape for k, v in base.items()})
@@ -539,3 +547,66 @@ def test_publisher_sends_an_anchor_to_a_generator_ahead_of_it() -> None:
         held, held_version = _apply(held, replaced), info.version
     assert held_version == 4
     _assert_bits_equal(held, pub.bits())
+
+
+# --- non-finite weights ---------------------------------------------------------------------
+
+
+def _finite_bits(rng: np.random.Generator, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """bf16 bits of small normal values (what a sane trainer holds), all finite."""
+    out = {}
+    for name, shape in shapes.items():
+        values = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        out[name] = (values.view(np.uint32) >> 16).astype(np.uint16)  # truncate fp32 to bf16
+    return out
+
+
+@pytest.mark.parametrize("bad", [0x7FC0, 0xFFC1, 0x7F80, 0xFF80], ids=["nan", "-nan", "inf", "-inf"])
+def test_refuses_anchor_and_delta_carrying_a_non_finite_value(bad: int) -> None:
+    """A diverged trainer publishes NaN/inf with a valid hash: decode must refuse the payload
+    (naming the tensor), and the weights held stay as they were."""
+    rng = np.random.default_rng(11)
+    shapes = {"a.weight": (64, 32), "b.weight": (300,), "c.bias": (7,)}
+    held = _finite_bits(rng, shapes)
+    fp = deltas.model_fingerprint(shapes)
+    new = _copy(held)
+    new["b.weight"][123] = bad
+    _refused(deltas.encode_anchor(new, 5, fp), held, None, fp, r"anchor b.weight: value 123 is not finite")
+    _refused(deltas.encode_anchor(new, 5, fp), held, 4, fp, r"anchor b.weight: value 123 is not finite")
+    # Both value encodings: a lone change goes as new bits; many +-1 ULP steps go as steps.
+    payload, stats = deltas.encode_delta(held, new, 4, 5, fp)
+    _refused(payload, held, 4, fp, r"^b.weight: value 123 is not finite")
+    steps = _copy(new)
+    flat = steps["a.weight"].reshape(-1)
+    flat[::3] += np.uint16(1)
+    flat[1000] = bad
+    payload, stats = deltas.encode_delta(held, steps, 4, 5, fp)
+    assert json.loads(safetensors_io.loads(payload)[0]["tensors"])["a.weight"]["val"] == "ulp"
+    _refused(payload, held, 4, fp, r"a.weight: value 1000 is not finite \(bf16 bits 0x")
+    # The same weights without the bad value are accepted, bit for bit.
+    flat[1000] = held["a.weight"].reshape(-1)[1000]
+    steps["b.weight"][123] = held["b.weight"][123]
+    payload, _ = deltas.encode_delta(held, steps, 4, 5, fp)
+    _, replaced = deltas.decode(payload, held, 4, fp)
+    _assert_bits_equal(_apply(held, replaced), steps)
+    _, anchor = deltas.decode(deltas.encode_anchor(steps, 5, fp), held, None, fp)
+    _assert_bits_equal(anchor, steps)
+
+
+def test_refuses_a_malformed_delta_table_without_crashing() -> None:
+    """A tensor table that is JSON but not the expected shape is refused, not a TypeError."""
+    rng = np.random.default_rng(12)
+    shapes = {"w": (16,)}
+    held = _finite_bits(rng, shapes)
+    fp = deltas.model_fingerprint(shapes)
+    meta = {"format": deltas.FORMAT, "format_version": deltas.FORMAT_VERSION, "kind": "delta", "base_version": "1", "version": "2", "fingerprint": fp}
+    for table, match in [
+        ("[1, 2]", "tensor table is a JSON list"),
+        ('{"w": 5}', "w: delta entry 5 is not an object"),
+        ('{"w": {"count": 1}}', r"w: delta shape None != held \[16\]"),
+        ('{"w": {"shape": [16], "count": null, "pos": "idx", "pos_zstd": false, "val": "bf16", "val_zstd": false, "xxh3": ""}}', "w: corrupt delta"),
+        ("[" * 100_000, "no valid tensor table"),
+    ]:
+        parts = {"w::pos": np.zeros(4, np.uint8), "w::val": np.zeros(2, np.uint8)}
+        payload = safetensors_io.dumps(parts, dict(meta, tensors=table))
+        _refused(payload, held, 1, fp, match)

@@ -7,10 +7,11 @@ import socket
 import pytest
 import redis
 
+from rollstream.core import registry
 from rollstream.core.streams import RunKeys
 from rollstream.trainer import discovery
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.service import GeneratorDirectory
+from rollstream.trainer.discovery import GeneratorDirectory
 
 
 def test_localhost_resolves_to_loopback_with_the_port() -> None:
@@ -44,14 +45,33 @@ def test_ipv6_literal_targets() -> None:
 
 def test_directory_combines_configured_addresses_and_the_dns_name(rclient: redis.Redis, keys: RunKeys) -> None:
     # A generator registered in Redis is ignored once addresses are configured.
-    rclient.hset(keys.generators, "g-redis", "10.1.2.3:50051")
-    directory = GeneratorDirectory(["127.0.0.2:7000"], rclient, keys, dns_name="localhost:50124")
-    addresses = directory.addresses()
+    registry.heartbeat(rclient, keys, "g-redis", "10.1.2.3:50051")
+    directory = GeneratorDirectory(["127.0.0.2:7000"], dns_name="localhost:50124")
+    addresses = directory.addresses(rclient, keys)
     assert "127.0.0.2:7000" in addresses
     assert set(addresses) - {"127.0.0.2:7000"} <= {"127.0.0.1:50124", "[::1]:50124"}
     assert len(addresses) >= 2 and "10.1.2.3:50051" not in addresses
-    # Neither configured: the Redis registry.
-    assert GeneratorDirectory([], rclient, keys).addresses() == ["10.1.2.3:50051"]
+    # Neither configured: the live generators of the Redis registry.
+    assert GeneratorDirectory([]).addresses(rclient, keys) == ["10.1.2.3:50051"]
+
+
+def test_registry_forgets_generators_that_stop_beating(rclient: redis.Redis, keys: RunKeys) -> None:
+    registry.heartbeat(rclient, keys, "alive", "127.0.0.1:1")
+    registry.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
+    # "dead" last beat an hour ago (its score is written as a dead generator would have left it).
+    seconds, _ = rclient.time()
+    rclient.zadd(keys.generators_seen, {"dead": (int(seconds) - 3600) * 1000})
+    rclient.hset(keys.generators, "legacy", "127.0.0.1:3")  # an address with no heartbeat at all
+    assert registry.live(rclient, keys, forget=False) == {"alive": "127.0.0.1:1"}
+    assert rclient.hexists(keys.generators, "dead")  # a read-only look changes nothing
+    assert registry.live(rclient, keys) == {"alive": "127.0.0.1:1"}
+    assert set(rclient.hkeys(keys.generators)) == {b"alive"}
+    assert rclient.zrange(keys.generators_seen, 0, -1) == [b"alive"]
+    # A restarted generator registers again and is pushed to.
+    registry.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
+    assert registry.live(rclient, keys) == {"alive": "127.0.0.1:1", "dead": "127.0.0.1:2"}
+    registry.leave(rclient, keys, "alive")
+    assert registry.live(rclient, keys) == {"dead": "127.0.0.1:2"}
 
 
 def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -107,7 +107,9 @@ def test_lora_settings(tiny_model_dir: Path) -> None:
 def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> None:
     trainer, host = make_trainer(tiny_model_dir, lora_rank=4, lora_alpha=8.0, beta=0.1, kl_reference="lora_base", chunk_tokens=16, token_budget=128)
     assert trainer.ref_from_base
-    reference = ReferenceModel.load(tiny_model_dir, token_budget=128, chunk_tokens=16)
+    # The packed path: what the trainer computes, bit for bit (the shared-prompt path, the
+    # service's default, agrees to ~1e-6 only, and not on every machine's kernels).
+    reference = ReferenceModel.load(tiny_model_dir, token_budget=128, chunk_tokens=16, share_prompts=False)
     groups = groups_for(1)
     seqs = [(list(g.prompt_ids), list(c.token_ids)) for g in groups for c in g.completions]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core import codec
+from rollstream.core import codec, validation
 from rollstream.v1 import rollout_pb2
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -122,7 +122,7 @@ def test_round_trip(make) -> None:
 
 def test_round_trip_of_a_valid_group_passes_validation() -> None:
     decoded = codec.decode(_as_redis_fields(codec.encode(_rollout_group())), rollout_pb2.RolloutGroup)
-    codec.validate_group(decoded)  # no exception
+    validation.check_group(decoded, validation.Limits(), stage="ready")  # no exception
     assert decoded.completions[0].versions[1].version == 4
 
 
@@ -189,49 +189,3 @@ def test_entry_error_is_a_value_error() -> None:
     assert issubclass(codec.EntryError, ValueError)
 
 
-# --- validate_group --------------------------------------------------------------------------
-
-
-def test_validate_group_missing_group_id() -> None:
-    g = _rollout_group()
-    g.group_id = ""
-    with pytest.raises(codec.EntryError, match="no group_id"):
-        codec.validate_group(g)
-
-
-def test_validate_group_no_completions() -> None:
-    g = _rollout_group()
-    del g.completions[:]
-    with pytest.raises(codec.EntryError, match="g-1 has no completions"):
-        codec.validate_group(g)
-
-
-def test_validate_group_no_prompt_ids() -> None:
-    g = _rollout_group()
-    del g.prompt_ids[:]
-    with pytest.raises(codec.EntryError, match="no prompt_ids"):
-        codec.validate_group(g)
-
-
-def test_validate_group_empty_completion() -> None:
-    g = _rollout_group()
-    del g.completions[1].token_ids[:]
-    with pytest.raises(codec.EntryError, match="completion 1 of g-1 has no tokens"):
-        codec.validate_group(g)
-
-
-def test_validate_group_behaviour_logprob_length_mismatch() -> None:
-    g = _rollout_group()
-    g.completions[0].behaviour_logprobs.append(-0.1)
-    with pytest.raises(codec.EntryError, match="completion 0 of g-1: 4 behaviour log-probs for 3 tokens"):
-        codec.validate_group(g)
-
-
-def test_validate_group_ref_logprob_length_mismatch_only_when_claimed() -> None:
-    g = _rollout_group()
-    del g.completions[1].ref_logprobs[:]
-    with pytest.raises(codec.EntryError, match="completion 1 of g-1: 0 reference log-probs for 1 tokens"):
-        codec.validate_group(g)
-    # Before the reference stage (has_ref_logprobs unset) missing ref log-probs are fine.
-    g.has_ref_logprobs = False
-    codec.validate_group(g)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from procs import ServiceProc, start_service, wait_for
-from rollstream.core import codec, deltas, modeling, streams, weight_transfer
+from rollstream.core import codec, deltas, modeling, streams, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.generator.backends import SampleRequest, TransformersBackend
@@ -104,7 +104,7 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
         client.close()
     assert sorted(g.group_id for g in groups) == [f"{run.run}-0", f"{run.run}-1"]
     for g in groups:
-        codec.validate_group(g)
+        validation.check_group(g, validation.Limits(), stage="rollouts")
         assert g.policy_version == 0 and len(g.completions) == 4 and g.generator_id
         for c in g.completions:
             assert 1 <= len(c.token_ids) <= 10 and len(c.behaviour_logprobs) == len(c.token_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +24,8 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from rollstream.core import codec, streams
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.core import codec, redis_policy, registry, streams, validation
+from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
 
 
@@ -38,6 +39,7 @@ class Child:
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    started_at: float = 0.0
 
     @property
     def log_path(self) -> Path:
@@ -48,6 +50,7 @@ class Child:
         return self.workdir / "state" / f"{self.name}.json"
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.state_file.unlink(missing_ok=True)
         with self.log_path.open("ab") as log:
@@ -55,6 +58,15 @@ class Child:
                 [sys.executable, "-m", f"rollstream.{self.args[0]}", *self.args[1:], "--state-file", str(self.state_file)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,  # Ctrl-C reaches `up` only
             )
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def restart_delay_s(self) -> float:
+        """A child that keeps dying right after its start is restarted ever more slowly (a
+        crash loop must not eat the machine), one that ran a while at once."""
+        ran = time.monotonic() - self.started_at
+        return 0.0 if ran > 60 else min(2.0 ** min(self.restarts, 5), 30.0)
 
     def grpc_address(self, timeout_s: float = 600.0) -> str:
         """Wait for the service's state file (written once it serves) and return its address."""
@@ -86,15 +98,29 @@ def tail(path: Path, lines: int = 30) -> str:
 
 @dataclass
 class Progress:
-    steps: list[rollout_pb2.StepMetrics] = field(default_factory=list)
+    by_step: dict[int, rollout_pb2.StepMetrics] = field(default_factory=dict)
     last_id: bytes = b"0-0"
+    unreadable: int = 0
 
-    def poll(self, client: redis.Redis, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
+    @property
+    def steps(self) -> list[rollout_pb2.StepMetrics]:
+        return [self.by_step[k] for k in sorted(self.by_step)]
+
+    def poll(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
+        """New step metrics (an entry that does not decode or check is counted and skipped:
+        anyone can write to the stream, and the display must not die of it)."""
         new = []
         for eid, fields in client.xrange(keys.metrics, min=b"(" + self.last_id, count=1000):
             self.last_id = eid
-            new.append(codec.decode(fields, rollout_pb2.StepMetrics))
-        self.steps.extend(new)
+            try:
+                m = codec.decode(fields, rollout_pb2.StepMetrics)
+                validation.check_metrics(m)
+            except codec.EntryError:
+                self.unreadable += 1
+                continue
+            if m.step not in self.by_step:
+                new.append(m)
+            self.by_step[m.step] = m
         return new
 
 
@@ -123,12 +149,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.kl_reference == "lora_base" and not args.lora_rank:
         console.print("[red]--kl-reference lora_base needs --lora-rank > 0: the reference is the base under the LoRA adapters[/]")
         return 2
+    if args.redis_url:
+        try:
+            redis_policy.check_url(args.redis_url)
+        except ValueError as e:
+            console.print(f"[red]--redis-url: {e}[/]")
+            return 2
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    checkpoints = workdir / "checkpoints"
+    if args.fresh and checkpoints.exists():
+        shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
     # Resolve (and on first use convert) the model once, before any service races to do it.
     from rollstream.core.models import resolve_model
 
-    console.print(f"[bold]rollstream up[/] run={args.run} workdir={workdir}")
+    console.print(f"[bold]rollstream up[/] run={args.run} workdir={workdir}{'' if args.fresh else ' (continuing the run)'}")
     model = str(resolve_model(args.model))
     console.print(f"model: {model}")
     embedded = None
@@ -137,13 +172,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         embedded = EmbeddedRedis(workdir / "redis").start()
         redis_url = embedded.url
-        console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'})")
-    client = streams.connect(redis_url)
+        _write_redis_state(workdir, embedded)
+        console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on)")
     keys = streams.RunKeys(args.run)
-    if args.fresh:
-        stale_keys = list(client.scan_iter(match=f"rs:{args.run}:*"))
-        if stale_keys:
-            client.delete(*stale_keys)
+    try:
+        client = streams.connect(redis_url)
+        if args.fresh:
+            stale_keys = list(client.scan_iter(match=keys.prefix + "*"))
+            if stale_keys:
+                client.delete(*stale_keys)
+    except redis.RedisError as e:
+        console.print(f"[red]Redis at {redis_policy.redact(redis_url)} does not answer: {redis_policy.short(e)}[/]")
+        if embedded is not None:
+            embedded.stop()
+        return 1
     # The trainer's step is the long pole: it gets every core. Generation of the next batch
     # overlaps with it, so the generators (and the reference) get half.
     cores = os.cpu_count() or 2
@@ -152,17 +194,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     common = ["--redis-url", redis_url, "--run", args.run, "--log-json" if args.log_json else "--no-log-json"]
     model_args = ["--model", model, "--threads", side_threads]
+    # A fixed port: generators keep the trainer's address across its restarts (catch-up).
+    trainer_port = free_port()
     trainer_args = [
-        "trainer", *common, "--model", model, "--threads", trainer_threads,
+        "trainer", *common, "--model", model, "--threads", trainer_threads, "--grpc-port", str(trainer_port),
         "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--consumer", "trainer-0",
         "--lora-rank", str(args.lora_rank), "--kl-reference", args.kl_reference,
+        # Checkpoints by default; a restarted trainer resumes from the latest and replays the
+        # steps trained after it. It lingers after the last step so generators can catch up.
+        "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.checkpoint_every), "--resume", "auto", "--linger",
     ]
     # The reference service runs only where the KL needs it and the trainer is not its own
     # reference (LoRA with kl_reference = lora_base: the base under the adapters).
     with_reference = args.beta > 0 and args.kl_reference == "service"
-    children: list[Child] = [Child("trainer", trainer_args, env, workdir)]
+    trainer = Child("trainer", trainer_args, env, workdir)
+    children: list[Child] = [trainer]
     started = time.monotonic()
     stopping = False
 
@@ -173,10 +221,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
     progress = Progress()
+    finished = False
+    versions: dict[str, int] = {}
     try:
-        children[0].start()
+        trainer.start()
         console.print("starting trainer (loading the model)...")
-        trainer_address = children[0].grpc_address()
+        trainer_address = trainer.grpc_address()
         for i in range(args.generators):
             # Two steps' worth of groups in flight: the next batch is sampled while the trainer
             # trains on this one (staleness <= 1); more would only be dropped as stale.
@@ -191,47 +241,69 @@ def cmd_up(args: argparse.Namespace) -> int:
         for child in children[1:]:
             child.grpc_address()
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
+        redis_down = False
         with console.status("waiting for the first step...") as status:
             while not stopping:
-                for m in progress.poll(client, keys):
-                    console.print(
-                        f"step {m.step:>3}/{args.steps}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
-                        f"loss {m.loss:+.4f}  staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
-                        f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
-                    )
-                trainer = children[0].proc
-                assert trainer is not None
-                if trainer.poll() is not None:
-                    if trainer.returncode != 0:
-                        console.print(f"[red]trainer exited with {trainer.returncode}[/]\n{tail(children[0].log_path)}")
-                        return 1
-                    progress.poll(client, keys)
-                    break
-                for child in children[1:]:
-                    if child.proc is not None and child.proc.poll() is not None:
-                        # A dead stage restarts under the same consumer name and resumes its own pending entries.
+                if embedded is not None and embedded.proc is not None and embedded.proc.poll() is not None:
+                    console.print(f"[yellow]redis-server exited with {embedded.proc.returncode}; restarting it on its AOF[/]")
+                    embedded.stop()
+                    _restart_redis(embedded, console)
+                    _write_redis_state(workdir, embedded)
+                for child in children:
+                    if child.exited():
+                        code = child.proc.returncode if child.proc is not None else None
+                        if child is trainer and code == 0:
+                            console.print(f"[red]the trainer exited before step {args.steps}[/]")
+                            return 1
+                        # Every service restarts under the same consumer name and resumes its own
+                        # pending entries; the trainer from its latest checkpoint.
+                        delay = child.restart_delay_s()
                         child.restarts += 1
-                        console.print(f"[yellow]{child.name} exited with {child.proc.returncode}; restarting ({child.restarts})[/]")
+                        console.print(f"[yellow]{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s[/]\n{tail(child.log_path, 5)}")
+                        time.sleep(delay)
                         child.start()
-                stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+                try:
+                    for m in progress.poll(client, keys):
+                        console.print(
+                            f"step {m.step:>3}/{args.steps}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
+                            f"loss {m.loss:+.4f}  staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
+                            f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
+                        )
+                    stats = _stats(client, keys)
+                    if redis_down:
+                        console.print("[green]Redis answers again[/]")
+                        redis_down = False
+                except redis.RedisError as e:
+                    if not redis_down:
+                        console.print(f"[yellow]Redis unavailable ({redis_policy.short(e)}); the services wait and retry[/]")
+                        redis_down = True
+                    time.sleep(1.0)
+                    continue
+                if progress.by_step and max(progress.by_step) >= args.steps:
+                    finished = True
+                    break
                 status.update(
-                    f"steps {len(progress.steps)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
+                    f"steps {len(progress.by_step)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
                     f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}"
                 )
                 time.sleep(0.5)
+        if finished:
+            versions = settle_versions(trainer, children[1 : 1 + args.generators])
     finally:
-        if children[0].proc is not None and children[0].proc.poll() is None:
+        if trainer.proc is not None and trainer.proc.poll() is None and not finished:
             console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
         for child in reversed(children):
             # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
             # are not acknowledged), but a clean exit flushes its logs and metrics.
-            child.stop(timeout_s=120.0 if child is children[0] else 20.0)
+            child.stop(timeout_s=120.0 if child is trainer else 30.0)
         wall = time.monotonic() - started
         result = summary(progress.steps, wall)
+        result["versions"] = versions
+        result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
-            result["stats"] = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+            result["stats"] = _stats(client, keys)
         except redis.RedisError as e:
-            console.print(f"[yellow]could not read the run's counters: {e}[/]")
+            console.print(f"[yellow]could not read the run's counters: {redis_policy.short(e)}[/]")
         client.close()
         if embedded is not None:
             embedded.stop()
@@ -244,6 +316,63 @@ def cmd_up(args: argparse.Namespace) -> int:
         elif stopping:
             console.print("stopped before the first step")
     return 0
+
+
+def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
+    """The run's counters; a field that is not an integer (someone wrote to the hash) is skipped."""
+    out = {}
+    for k, v in client.hgetall(keys.stats).items():
+        try:
+            out[k.decode(errors="replace")] = int(v)
+        except ValueError:
+            continue
+    return out
+
+
+def _write_redis_state(workdir: Path, embedded: EmbeddedRedis) -> None:
+    path = workdir / "state" / "redis.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert embedded.proc is not None
+    path.write_text(json.dumps({"pid": embedded.proc.pid, "url": embedded.url}))
+
+
+def _restart_redis(embedded: EmbeddedRedis, console: Console) -> None:
+    """Start the embedded redis-server again on its port and data folder (it replays its AOF)."""
+    delay = 0.5
+    while True:
+        try:
+            embedded.start(timeout_s=60.0)
+            return
+        except RuntimeError as e:
+            console.print(f"[yellow]redis-server did not start again ({str(e).splitlines()[0]}); retrying in {delay:.0f}s[/]")
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+def settle_versions(trainer: Child, generators: list[Child], timeout_s: float = 60.0) -> dict[str, int]:
+    """After the last step: wait until every generator serves the trainer's version (a push
+    that missed is caught up within a few seconds), and return each one's version."""
+    from rollstream.core.grpc_utils import channel
+    from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    def trainer_version() -> int:
+        with channel(trainer.grpc_address(timeout_s=30.0)) as ch:
+            return int(trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(), timeout=10).version)
+
+    def generator_version(g: Child) -> int:
+        with channel(g.grpc_address(timeout_s=30.0)) as ch:
+            return int(generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(), timeout=10).policy_version)
+
+    deadline = time.monotonic() + timeout_s
+    versions: dict[str, int] = {}
+    while True:
+        try:
+            versions = {"trainer": trainer_version(), **{g.name: generator_version(g) for g in generators}}
+        except Exception:  # noqa: BLE001 - a child restarting; try again until the deadline
+            versions = {}
+        if versions and len(set(versions.values())) == 1 or time.monotonic() > deadline:
+            return versions
+        time.sleep(1.0)
 
 
 def status_table(client: redis.Redis, keys: streams.RunKeys) -> Table:
@@ -259,32 +388,48 @@ def status_table(client: redis.Redis, keys: streams.RunKeys) -> Table:
             groups = []
         described = ", ".join(f"{g['name'].decode()} ({g['pending']})" for g in groups) or "-"
         table.add_row(key, str(client.xlen(key)), described)
-    stats = {k.decode(): v.decode() for k, v in client.hgetall(keys.stats).items()}
+    stats = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in client.hgetall(keys.stats).items()}
     table.caption = "  ".join(f"{k}={v}" for k, v in sorted(stats.items())) or "no counters yet"
     last = client.xrevrange(keys.metrics, count=1)
     if last:
-        m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
-        table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
-    generators = {k.decode(): v.decode() for k, v in client.hgetall(keys.generators).items()}
+        try:
+            m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
+            validation.check_metrics(m)
+            table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
+        except codec.EntryError as e:
+            table.caption += f"\nlast metrics entry unreadable: {e}"
+    generators = registry.live(client, keys, forget=False)
     if generators:
-        table.caption += "\ngenerators: " + ", ".join(f"{k}@{v}" for k, v in generators.items())
+        table.caption += "\ngenerators (live): " + ", ".join(f"{k}@{v}" for k, v in generators.items())
     return table
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
-    client = streams.connect(args.redis_url)
+    try:
+        redis_policy.check_url(args.redis_url)
+    except ValueError as e:
+        console.print(f"[red]--redis-url: {e}[/]")
+        return 2
     keys = streams.RunKeys(args.run)
+    client = None
     try:
         while True:
-            console.print(status_table(client, keys))
+            try:
+                client = client or streams.connect(args.redis_url)
+                console.print(status_table(client, keys))
+            except redis.RedisError as e:
+                console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)} does not answer: {redis_policy.short(e)}[/]")
+                if not args.watch:
+                    return 1
             if not args.watch:
                 return 0
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,7 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--groups-per-step", type=int, default=8)
     up.add_argument("--max-new-tokens", type=int, default=16)
     up.add_argument("--threads", type=int, default=0, help="torch threads per service (default: all cores for the trainer, half for the others)")
-    up.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=True, help="delete the run's keys first")
+    up.add_argument(
+        "--checkpoint-every", type=int, default=5,
+        help="trainer checkpoint every N steps (WORKDIR/checkpoints, newest 2 kept); steps after it are replayed on a restart",
+    )
+    up.add_argument(
+        "--fresh", action=argparse.BooleanOptionalAction, default=True,
+        help="delete the run's keys and checkpoints first; --no-fresh continues the run (the trainer resumes its latest checkpoint)",
+    )
     up.add_argument("--log-json", action="store_true")
     up.set_defaults(func=cmd_up)
     st = sub.add_parser("status", help="show a run's streams, consumer groups and counters")

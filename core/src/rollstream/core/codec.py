@@ -52,22 +52,3 @@ def decode(fields: Fields, cls: type[M]) -> M:
     except DecodeError as e:
         raise EntryError(f"data does not parse as {expected}: {e}") from None
     return message
-
-
-def validate_group(group: rollout_pb2.RolloutGroup) -> None:
-    """Structural checks every stage applies to a RolloutGroup before using it."""
-    if not group.group_id:
-        raise EntryError("RolloutGroup has no group_id")
-    if not group.completions:
-        raise EntryError(f"RolloutGroup {group.group_id} has no completions")
-    if not group.prompt_ids:
-        raise EntryError(f"RolloutGroup {group.group_id} has no prompt_ids")
-    for i, c in enumerate(group.completions):
-        if not c.token_ids:
-            raise EntryError(f"completion {i} of {group.group_id} has no tokens")
-        if len(c.behaviour_logprobs) != len(c.token_ids):
-            raise EntryError(
-                f"completion {i} of {group.group_id}: {len(c.behaviour_logprobs)} behaviour log-probs for {len(c.token_ids)} tokens"
-            )
-        if group.has_ref_logprobs and len(c.ref_logprobs) != len(c.token_ids):
-            raise EntryError(f"completion {i} of {group.group_id}: {len(c.ref_logprobs)} reference log-probs for {len(c.token_ids)} tokens")

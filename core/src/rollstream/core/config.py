@@ -15,8 +15,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+
+from rollstream.core.redis_policy import check_url
 
 ENV_PREFIX = "ROLLSTREAM_"
 
@@ -44,6 +46,13 @@ class CommonSettings(BaseSettings):
     read_count: int = Field(8, ge=1, description="entries read per XREADGROUP")
     block_ms: int = Field(500, ge=1, description="XREADGROUP block time")
     state_file: str = Field("", description="write {grpc_port, http_port, pid} here once serving (for supervisors)")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        # A malformed URL is a configuration error, found now; an unreachable server is not
+        # (it may be starting): the Redis policy waits for that.
+        return check_url(url)
 
 
 S = TypeVar("S", bound=CommonSettings)

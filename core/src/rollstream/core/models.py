@@ -289,3 +289,10 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def vocab_size(model_dir: str | os.PathLike[str]) -> int:
+    """Rows of the model's embedding (config.json `vocab_size`): every token id read from a
+    stream must be below it, or it would index past the embedding. 0 when not stated."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)

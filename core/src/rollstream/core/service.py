@@ -1,5 +1,10 @@
 """What every service process does around its loop: logging, gRPC + HTTP servers,
-readiness, a state file for supervisors, and a stop event set by SIGTERM/SIGINT."""
+readiness, the Redis policy, a state file for supervisors, and a stop event set by
+SIGTERM/SIGINT.
+
+Readiness (HTTP /readyz and gRPC health) is the service's own answer and Redis's: while
+Redis is away (`self.redis`, rollstream.core.redis_policy) the service reports not ready,
+waits and retries; it never exits for that."""
 
 from __future__ import annotations
 
@@ -12,9 +17,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from rollstream.core import grpc_utils, logs
+from rollstream.core import grpc_utils, logs, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.http_side import HttpSide, build_app
+from rollstream.core.redis_policy import RedisHealth
 
 
 class ServiceHost:
@@ -30,6 +36,8 @@ class ServiceHost:
         self.grpc: grpc_utils.RunningServer | None = None
         self.http: HttpSide | None = None
         self._service_names: list[str] = []
+        self._own_ready = False
+        self.redis = RedisHealth(self.log, self.stop, on_change=lambda _ok: self._publish_ready())
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum: int, _frame: object) -> None:
@@ -43,7 +51,7 @@ class ServiceHost:
         self._ready = ready
         self._service_names = [s.name for s in services]
         self.grpc = grpc_utils.serve(services, self.settings.host, self.settings.grpc_port)
-        self.http = HttpSide(build_app(self.name, self._ready, self.registry), self.settings.host, self.settings.http_port).start()
+        self.http = HttpSide(build_app(self.name, self.readiness, self.registry), self.settings.host, self.settings.http_port).start()
         if self.settings.state_file:
             path = Path(self.settings.state_file)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,9 +60,32 @@ class ServiceHost:
             tmp.replace(path)
         logs.event(self.log, "serving", grpc=f"{self.settings.host}:{self.grpc.port}", http=f"{self.settings.host}:{self.http.port}")
 
+    def readiness(self) -> tuple[bool, str]:
+        """What /readyz answers: not ready while Redis is away, else the service's own answer."""
+        if not self.redis.ok:
+            return False, self.redis.detail
+        return self._ready()
+
     def set_ready(self, ready: bool) -> None:
+        self._own_ready = ready
+        self._publish_ready()
+
+    def _publish_ready(self) -> None:
         if self.grpc is not None:
-            self.grpc.set_serving(ready, ["", *self._service_names])
+            self.grpc.set_serving(self._own_ready and self.redis.ok, ["", *self._service_names])
+
+    def connect_redis(self) -> redis_policy.Client:
+        """A client for settings.redis_url, waiting (one log line, then backing off) until the
+        server answers. Raises Stopped if the service is stopped meanwhile."""
+        url = self.settings.redis_url
+        return self.redis.call(lambda: redis_policy.connect(url), f"connecting to {redis_policy.redact(url)}")
+
+    def open_stage(self, client: redis_policy.Client, source: str, group: str) -> streams.StreamStage:
+        """Join `group` on the run's `source` stream (waiting for Redis); commits retry through
+        this host's Redis policy."""
+        return self.redis.call(
+            lambda: streams.StreamStage.for_service(client, self.settings, source, group, health=self.redis), f"joining {group} on {source}"
+        )
 
     @property
     def grpc_address(self) -> str:
@@ -71,8 +102,10 @@ class ServiceHost:
     def __enter__(self) -> "ServiceHost":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None and exc[0] is not KeyboardInterrupt:
+    def __exit__(self, *exc: object) -> bool:
+        if exc[0] is not None and exc[0] not in (KeyboardInterrupt, redis_policy.Stopped):
             self.log.exception("service failed")
         self.close()
+        # Stopped while waiting for Redis is a clean stop, not a failure.
+        return exc[0] is redis_policy.Stopped
 

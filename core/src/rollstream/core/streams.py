@@ -5,14 +5,17 @@ One `StreamStage` is one consumer of one input stream. Its contract:
   same name), then takes over entries left pending by another, dead consumer (idle for
   `claim_idle_ms`: XPENDING IDLE + XCLAIM), then reads new ones (XREADGROUP `>`). Entries delivered more than
   `max_deliveries` times go to the dead-letter stream instead of being returned.
+  `read_valid()` adds decoding and validation: a bad entry is dead-lettered alone.
 - `commit()` writes the outputs to the next stream(s) and acknowledges the inputs in one
   Lua script, which Redis runs atomically: a crash leaves either nothing done (the inputs
   stay pending and are claimed again) or everything. Unlike MULTI/EXEC, a script stops at
   the first failing command, and the ack comes last: an output that cannot be written
-  (WRONGTYPE, OOM) leaves its input pending instead of acknowledging it away. Duplicates
-  can only come from a take-over racing a slow consumer; the trainer deduplicates by
-  group_id.
-- `dead_letter()` moves an entry to `rs:<run>:dead` with its reason, atomically with its ack.
+  (WRONGTYPE, OOM) leaves its input pending instead of acknowledging it away. The script
+  writes only while its inputs are still pending on the caller, so a commit retried after
+  a lost reply, or one racing a take-over, writes nothing twice. The trainer still
+  deduplicates by group_id (a stage slower than claim_idle_ms is taken over and its work
+  done twice; only the first commit lands).
+- `dead_letter()` moves an entry to `rs:{<run>}:dead` with its reason, atomically with its ack.
 - `trim()` deletes entries that every consumer group has acknowledged.
 """
 
@@ -21,52 +24,76 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from google.protobuf.message import Message
 
-from rollstream.core import codec
+from rollstream.core import codec, redis_policy
 from rollstream.core.config import CommonSettings, consumer_name
 from rollstream.v1 import rollout_pb2
 
 STAGES = ("prompts", "rollouts", "scored", "ready")
 
+M = TypeVar("M")
+
 
 @dataclass(frozen=True)
 class RunKeys:
-    """Every Redis key of a run. A run name isolates experiments sharing one Redis."""
+    """Every Redis key of a run: `rs:{<run>}:<name>`. A run name isolates experiments sharing
+    one Redis; the braces are a Redis Cluster hash tag, so all of a run's keys live in one
+    slot and the commit script may touch any of them (many runs spread over the shards)."""
 
     run: str
 
+    @property
+    def prefix(self) -> str:
+        return f"rs:{{{self.run}}}:"
+
     def stream(self, stage: str) -> str:
-        return f"rs:{self.run}:{stage}"
+        return f"{self.prefix}{stage}"
 
     @property
     def dead(self) -> str:
-        return f"rs:{self.run}:dead"
+        return f"{self.prefix}dead"
 
     @property
     def metrics(self) -> str:
-        return f"rs:{self.run}:metrics"
+        return f"{self.prefix}metrics"
 
     @property
     def stats(self) -> str:
         """Hash of counters: generated, trained, stale, dead, ... (HINCRBY, in the same transactions)."""
-        return f"rs:{self.run}:stats"
+        return f"{self.prefix}stats"
 
     @property
     def version(self) -> str:
         """The trainer's current policy version (string integer)."""
-        return f"rs:{self.run}:version"
+        return f"{self.prefix}version"
+
+    @property
+    def fed(self) -> str:
+        """Prompts fed so far (string integer), written with the tasks: the feeder's position."""
+        return f"{self.prefix}fed"
+
+    @property
+    def trained_log(self) -> str:
+        """Groups trained since the last checkpoint, with their step: replayed on resume."""
+        return f"{self.prefix}trained_log"
 
     @property
     def generators(self) -> str:
         """Hash generator_id -> gRPC address, for discovery when none are configured."""
-        return f"rs:{self.run}:generators"
+        return f"{self.prefix}generators"
+
+    @property
+    def generators_seen(self) -> str:
+        """Sorted set generator_id -> last heartbeat (ms, server clock): liveness of the registry."""
+        return f"{self.prefix}generators:seen"
 
     def groups(self, outcome: str) -> str:
         """Set of group ids per outcome: generated, trained, stale (the accounting ledger)."""
-        return f"rs:{self.run}:groups:{outcome}"
+        return f"{self.prefix}groups:{outcome}"
 
 
 @dataclass
@@ -76,91 +103,153 @@ class Entry:
     deliveries: int
 
 
-# Runs a list of commands in order. The commands arrive flattened in ARGV: count, then per
-# command its argc and arguments (the key first). Keys travel inside ARGV, which is fine on
-# a single Redis (not on Redis Cluster).
-# Redis has no rollback, so the script first checks every key's type against its command
-# and refuses the whole list (writing nothing) if one would fail with WRONGTYPE: then a
-# failed commit leaves no half-written output behind. Under maxmemory, Redis refuses a
-# script's first write (OOM) before anything is applied. What remains, an error in a
-# command itself, stops at that command (redis.call raises), with the ack last.
+# Runs a list of commands in order, atomically. KEYS: every key touched (Redis Cluster needs
+# them declared; one run's keys share a slot). ARGV: group, consumer, the number of input
+# ids and the ids, then the number of commands and per command its argc, name, the index
+# of its key in KEYS and the remaining arguments.
+#
+# Idempotent: the inputs must all still be pending on this consumer, else nothing is
+# written and 0 is returned. So a commit retried after a lost reply (a timeout while Redis
+# stalled) does not write its outputs twice, and a consumer whose entries were taken over
+# meanwhile does not write a duplicate of what the new owner will write.
+# Redis has no rollback, so the script then checks every key's type against its command
+# and refuses the whole list (writing nothing) if one would fail with WRONGTYPE. Under
+# maxmemory, Redis refuses a script's first write (OOM) before anything is applied. What
+# remains, an error in a command itself, stops at that command (redis.call raises), with
+# the ack last.
 _RUN_COMMANDS = """
-local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', SADD = 'set'}
-local i = 1
-local n = tonumber(ARGV[i]); i = i + 1
+local group, consumer = ARGV[1], ARGV[2]
+local m = tonumber(ARGV[3])
+for j = 1, m do
+  local id = ARGV[3 + j]
+  if #redis.call('XPENDING', KEYS[1], group, id, id, 1, consumer) == 0 then
+    return 0
+  end
+end
+local expected = {XADD = 'stream', XACK = 'stream', XTRIM = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set', SET = 'string'}
+local first = 4 + m
+local n = tonumber(ARGV[first])
+local i = first + 1
 for _ = 1, n do
   local argc = tonumber(ARGV[i])
   local want = expected[string.upper(ARGV[i + 1])]
   if want then
-    local have = redis.call('TYPE', ARGV[i + 2])['ok']
+    local key = KEYS[tonumber(ARGV[i + 2])]
+    local have = redis.call('TYPE', key)['ok']
     if have ~= 'none' and have ~= want then
-      return redis.error_reply('WRONGTYPE ' .. ARGV[i + 1] .. ' on ' .. ARGV[i + 2] .. ', a ' .. have .. ': nothing written')
+      return redis.error_reply('WRONGTYPE ' .. ARGV[i + 1] .. ' on ' .. key .. ', a ' .. have .. ': nothing written')
     end
   end
   i = i + 1 + argc
 end
-i = 2
+i = first + 1
 for _ = 1, n do
-  local argc = tonumber(ARGV[i]); i = i + 1
-  redis.call(unpack(ARGV, i, i + argc - 1))
-  i = i + argc
+  local argc = tonumber(ARGV[i])
+  local call = {ARGV[i + 1], KEYS[tonumber(ARGV[i + 2])]}
+  for k = i + 3, i + argc do
+    call[#call + 1] = ARGV[k]
+  end
+  redis.call(unpack(call))
+  i = i + 1 + argc
 end
-return n
+return 1
 """
+
+# How many entries of a stream are still waiting for some consumer group: for each group,
+# its pending entries plus the entries after its last-delivered id (counted up to a limit
+# server-side, so no payload crosses the wire); the largest over the groups. A stream no
+# group reads yet: all of it. Redis 7's XINFO `lag` says the same, but 6.2 lacks it.
+_WAITING = """
+local limit = tonumber(ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return redis.call('XLEN', KEYS[1]) end
+local most = 0
+for _, g in ipairs(groups) do
+  local info = {}
+  for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
+  local unread = #redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', limit)
+  local waiting = info['pending'] + unread
+  if waiting > most then most = waiting end
+end
+return most
+"""
+
+Arg = bytes | str | int | float
 
 
 class Ops:
     """Commands to run atomically with a commit; the same method names as a redis-py pipeline."""
 
     def __init__(self) -> None:
-        self.commands: list[list[bytes | str | int | float]] = []
+        self.commands: list[tuple[str, str, list[Arg]]] = []
 
     def xadd(self, key: str, fields: dict, maxlen: int | None = None, approximate: bool = True) -> None:
-        trim: list[bytes | str | int | float] = ["MAXLEN", "~" if approximate else "=", maxlen] if maxlen else []
-        flat: list[bytes | str | int | float] = [x for kv in fields.items() for x in kv]
-        self.commands.append(["XADD", key, *trim, "*", *flat])
+        trim: list[Arg] = ["MAXLEN", "~" if approximate else "=", maxlen] if maxlen else []
+        flat: list[Arg] = [x for kv in fields.items() for x in kv]
+        self.commands.append(("XADD", key, [*trim, "*", *flat]))
 
     def xack(self, key: str, group: str, *ids: bytes) -> None:
-        self.commands.append(["XACK", key, group, *ids])
+        self.commands.append(("XACK", key, [group, *ids]))
 
     def hincrby(self, key: str, field: str, amount: int = 1) -> None:
-        self.commands.append(["HINCRBY", key, field, amount])
+        self.commands.append(("HINCRBY", key, [field, amount]))
 
     def sadd(self, key: str, *members: str) -> None:
         if members:
-            self.commands.append(["SADD", key, *members])
+            self.commands.append(("SADD", key, list(members)))
 
     def set(self, key: str, value: str | int) -> None:
-        self.commands.append(["SET", key, value])
+        self.commands.append(("SET", key, [value]))
 
-    def argv(self) -> list[bytes | str | int | float]:
-        out: list[bytes | str | int | float] = [len(self.commands)]
-        for command in self.commands:
-            out.append(len(command))
-            out.extend(command)
-        return out
+    def hset(self, key: str, field: str, value: str | int) -> None:
+        self.commands.append(("HSET", key, [field, value]))
+
+    def delete(self, key: str) -> None:
+        self.commands.append(("DEL", key, []))
+
+    def keys_and_argv(self, source: str, group: str, consumer: str, inputs: Sequence[bytes]) -> tuple[list[str], list[Arg]]:
+        keys = [source]
+        index = {source: 1}
+        argv: list[Arg] = [group, consumer, len(inputs), *inputs, len(self.commands)]
+        for name, key, args in self.commands:
+            if key not in index:
+                keys.append(key)
+                index[key] = len(keys)
+            argv.extend([2 + len(args), name, index[key], *args])
+        return keys, argv
 
 
 Extra = Callable[[Ops], None]
 
 
-def connect(url: str) -> redis.Redis:
-    """A client that returns bytes (entries carry protobuf bytes), with a health check."""
-    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30, socket_keepalive=True)
-    return client
+def connect(url: str) -> redis_policy.Client:
+    """A client with the project's Redis policy (rollstream.core.redis_policy)."""
+    return redis_policy.connect(url)
 
 
-def current_version(client: redis.Redis, keys: RunKeys) -> int:
+def current_version(client: redis_policy.Client, keys: RunKeys) -> int:
     value = client.get(keys.version)
     return int(value) if value is not None else 0
 
 
+def waiting(client: redis_policy.Client, stream: str, limit: int = 1000) -> int:
+    """Entries of `stream` some consumer group has not acknowledged yet (pending + unread),
+    counting unread ones up to `limit`: what back-pressure should count, not XLEN, which
+    includes acknowledged entries not trimmed yet."""
+    return int(client.eval(_WAITING, 1, stream, limit))
+
+
 class StreamStage:
-    """A consumer in group `group` of the stream `rs:<run>:<source>`."""
+    """A consumer in group `group` of the stream `rs:{<run>}:<source>`.
+
+    With `health`, transient Redis errors in `commit` and `dead_letter` are waited out
+    (the script is idempotent, so a retry after a lost reply writes nothing twice), so work
+    done is never thrown away for a blip; `read` errors propagate to the caller's loop."""
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis_policy.Client,
         keys: RunKeys,
         source: str,
         group: str,
@@ -168,6 +257,7 @@ class StreamStage:
         *,
         claim_idle_ms: int = 30_000,
         max_deliveries: int = 5,
+        health: redis_policy.RedisHealth | None = None,
     ):
         self.client = client
         self.keys = keys
@@ -177,13 +267,17 @@ class StreamStage:
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
+        self.health = health
         self._own_cursor: bytes | str = "0"
         self._own_pending_done = False
+        # After a failed call in this process, our own pending entries are re-read without
+        # counting a delivery: Redis trouble is not the entry's fault.
+        self._reread_quietly = False
         self._run_commands = client.register_script(_RUN_COMMANDS)
         self.ensure_group(self.client, self.stream, self.group)
 
     @staticmethod
-    def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    def ensure_group(client: redis_policy.Client, stream: str, group: str) -> None:
         """Create the group at the start of the stream (idempotent; creates the stream too)."""
         try:
             client.xgroup_create(stream, group, id="0", mkstream=True)
@@ -192,33 +286,84 @@ class StreamStage:
                 raise
 
     @classmethod
-    def for_service(cls, client: redis.Redis, settings: CommonSettings, source: str, group: str) -> "StreamStage":
+    def for_service(
+        cls, client: redis_policy.Client, settings: CommonSettings, source: str, group: str, health: redis_policy.RedisHealth | None = None
+    ) -> "StreamStage":
         """The stage a service reads: its run, consumer name and delivery settings."""
         return cls(
             client, RunKeys(settings.run), source, group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries,
+            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries, health=health,
         )
 
     # -- reading ---------------------------------------------------------------------
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
-        entries = self._read_own_pending(count) if not self._own_pending_done else []
-        if not entries:
-            entries = self._claim_stale(count)
-        if not entries:
-            entries = self._read_new(count, block_ms)
-        return self._filter_over_delivered(entries)
+        try:
+            entries = self._read_own_pending(count) if not self._own_pending_done else []
+            if not entries:
+                entries = self._claim_stale(count)
+            if not entries:
+                entries = self._read_new(count, block_ms)
+            return self._filter_over_delivered(entries)
+        except redis.RedisError as e:
+            # A reply may have been lost with entries delivered to us: read our own pending
+            # entries again first. A stream or group deleted under us (FLUSHALL, a Redis
+            # restarted without its data) is created again.
+            self._restart_own_pending()
+            if "NOGROUP" in str(e):
+                self.ensure_group(self.client, self.stream, self.group)
+            raise
+
+    def read_valid(
+        self, count: int, block_ms: int, parse: Callable[[Entry], M], on_dead: Callable[[Entry, str], None] | None = None
+    ) -> list[tuple[Entry, M]]:
+        """`read`, then `parse` each entry (decode + validate, raising codec.EntryError with
+        the reason); an entry that fails goes to the dead-letter stream alone, with its
+        reason (then `on_dead(entry, reason)`), and the others are returned."""
+        good: list[tuple[Entry, M]] = []
+        for entry in self.read(count, block_ms):
+            try:
+                good.append((entry, parse(entry)))
+            except codec.EntryError as e:
+                self.dead_letter(entry, str(e))
+                if on_dead is not None:
+                    on_dead(entry, str(e))
+        return good
+
+    def reread_own_pending(self) -> None:
+        """Return our own pending entries again on the next reads: after a failure anywhere in
+        the caller's turn, entries it had read may be in no one's hands but ours."""
+        self._restart_own_pending()
+
+    def _restart_own_pending(self) -> None:
+        self._own_pending_done = False
+        self._own_cursor = "0"
+        self._reread_quietly = True
 
     def _read_own_pending(self, count: int) -> list[Entry]:
-        """After a restart under the same consumer name, our own unacked entries come first,
-        each once (a cursor walks the history; it restarts only after a failed commit)."""
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: self._own_cursor}, count=count)
-        entries = self._entries(reply)
+        """Our own unacked entries come first, each once (a cursor walks the history; it
+        restarts after a failed call). After a restart under the same consumer name they
+        count a delivery (the process may have died of them); after a failed call in this
+        process they do not (XCLAIM with RETRYCOUNT keeps the count)."""
+        if not self._reread_quietly:
+            reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: self._own_cursor}, count=count)
+            entries = self._with_deliveries(self._entries(reply))
+        else:
+            low = "-" if self._own_cursor == "0" else b"(" + _as_bytes(self._own_cursor)
+            pending = self.client.xpending_range(self.stream, self.group, min=low, max="+", count=count, consumername=self.consumer)
+            entries = []
+            for p in pending:
+                claimed = self.client.xclaim(
+                    self.stream, self.group, self.consumer, 0, [p["message_id"]], retrycount=int(p["times_delivered"])
+                )
+                fields = claimed[0][1] if claimed and claimed[0][0] is not None else None
+                entries.append(Entry(id=p["message_id"], fields=fields or {}, deliveries=int(p["times_delivered"])))
         if entries:
             self._own_cursor = entries[-1].id
         else:
             self._own_pending_done = True
-        return self._with_deliveries(entries)
+            self._reread_quietly = False
+        return entries
 
     def _claim_stale(self, count: int) -> list[Entry]:
         """Take over entries idle for claim_idle_ms on *other* consumers (XAUTOCLAIM would also
@@ -272,7 +417,11 @@ class StreamStage:
         keep = []
         for e in entries:
             if e.deliveries > self.max_deliveries:
-                self.dead_letter(e, f"delivered {e.deliveries} times (max_deliveries={self.max_deliveries}) without being acknowledged")
+                self.dead_letter(
+                    e,
+                    f"delivered {e.deliveries} times (max_deliveries={self.max_deliveries}) without being acknowledged: "
+                    f"each consumer that took it stopped before committing it (crash, kill or an error it could not survive)",
+                )
             elif not e.fields:
                 self.client.xack(self.stream, self.group, e.id)
             else:
@@ -281,10 +430,12 @@ class StreamStage:
 
     # -- writing ---------------------------------------------------------------------
 
-    def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> None:
+    def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> bool:
         """Write `outputs` (stage name, message), run `extra`, then ack `entries`, in one script:
-        atomic against crashes. A key of the wrong type refuses the whole commit before
-        anything is written (WRONGTYPE); the entries stay pending and come back."""
+        atomic against crashes, and idempotent. Returns False (nothing written) when the
+        entries are no longer pending on us: an earlier try of this very commit went
+        through, or another consumer took them over. A key of the wrong type refuses the
+        whole commit before anything is written (WRONGTYPE); the entries stay pending."""
         ops = Ops()
         for stage, message in outputs:
             ops.xadd(self.keys.stream(stage), codec.encode(message))
@@ -292,16 +443,26 @@ class StreamStage:
             extra(ops)
         if entries:
             ops.xack(self.stream, self.group, *[e.id for e in entries])
-        self._execute(ops)
+        return self._execute(ops, [e.id for e in entries])
 
-    def _execute(self, ops: Ops) -> None:
+    def _execute(self, ops: Ops, inputs: Sequence[bytes]) -> bool:
+        keys, argv = ops.keys_and_argv(self.stream, self.group, self.consumer, inputs)
+
+        def run() -> bool:
+            return bool(self._run_commands(keys=keys, args=argv))
+
         try:
-            self._run_commands(args=ops.argv())
-        except redis.RedisError:
+            if self.health is None:
+                return run()
+            return self.health.call(run, f"commit to {self.stream}")
+        except (redis.RedisError, redis_policy.Stopped):
             # Whatever we hold is still pending: re-read our own pending entries first next time.
-            self._own_pending_done = False
-            self._own_cursor = "0"
+            self._restart_own_pending()
             raise
+
+    def apply(self, ops: Ops) -> None:
+        """Run `ops` atomically with no input to acknowledge (a feeder's writes)."""
+        self._execute(ops, [])
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         letter = rollout_pb2.DeadLetter(
@@ -320,7 +481,7 @@ class StreamStage:
         ops.xadd(self.keys.dead, fields, maxlen=100_000)
         ops.hincrby(self.keys.stats, f"dead_{self.source}", 1)
         ops.xack(self.stream, self.group, entry.id)
-        self._execute(ops)
+        self._execute(ops, [entry.id])
 
     # -- housekeeping ----------------------------------------------------------------
 
@@ -333,13 +494,17 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
 def _id_tuple(eid: bytes | str) -> tuple[int, int]:
     s = eid.decode() if isinstance(eid, bytes) else eid
     ms, _, seq = s.partition("-")
     return int(ms), int(seq or 0)
 
 
-def trim_acknowledged(client: redis.Redis, stream: str) -> int:
+def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
     """XTRIM MINID to the oldest entry some group still needs (pending or undelivered)."""
     try:
         groups = client.xinfo_groups(stream)
@@ -360,6 +525,6 @@ def trim_acknowledged(client: redis.Redis, stream: str) -> int:
     return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
 
 
-def write(client: redis.Redis, keys: RunKeys, stage: str, message: Message) -> bytes:
+def write(client: redis_policy.Client, keys: RunKeys, stage: str, message: Message) -> bytes:
     """Append one message to a stage's stream (used by feeders and tests)."""
     return client.xadd(keys.stream(stage), codec.encode(message))

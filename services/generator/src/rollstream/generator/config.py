@@ -35,6 +35,11 @@ class GeneratorSettings(CommonSettings):
     tasks_per_batch: int = Field(4, ge=1, description="prompt tasks sampled together in one batch")
     max_inflight_groups: int = Field(32, ge=1, description="take no task while this many groups wait downstream")
     max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer")
+    # Tasks asking for more are dead-lettered with the reason instead of tried (a task with
+    # max_new_tokens = 2^32-1 once made a generator allocate 549 GB and crash).
+    max_group_size: int = Field(256, ge=1, description="refuse tasks asking for more completions than this")
+    max_task_new_tokens: int = Field(16384, ge=1, description="refuse tasks asking for more new tokens than this")
+    max_prompt_tokens: int = Field(65536, ge=1, description="refuse tasks whose prompt is longer than this (tokens)")
     sync_interval_s: float = Field(2.0, gt=0, description="how often to compare versions with the trainer")
     seed: int = Field(0, description="sampling seed (mixed with each task's own)")
 

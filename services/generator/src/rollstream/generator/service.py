@@ -14,7 +14,7 @@ which fetches anchor + deltas from the trainer (Trainer.FetchWeights).
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import sys
 import threading
 import time
@@ -22,13 +22,14 @@ import zlib
 from collections.abc import Iterable
 
 import grpc
+import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, streams, weight_transfer
+from rollstream.core import codec, deltas, logs, redis_policy, registry, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name, load_or_exit
 from rollstream.core.grpc_utils import Service, channel
-from rollstream.core.models import resolve_model
+from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.config import GeneratorSettings
@@ -46,6 +47,11 @@ class Generator:
         self.generator_id = settings.generator_id or consumer_name(settings)
         model_dir = str(resolve_model(settings.model))
         self.model_name = model_dir
+        # What a task may ask for: ids inside the vocabulary, sizes under the configured caps.
+        self.limits = validation.Limits(
+            vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+        )
         self.backend: Backend = make_backend(settings, model_dir)
         # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
         # as version 0; round the engine's weights to it before sampling anything.
@@ -123,6 +129,12 @@ class Generator:
 
     # -- sampling -------------------------------------------------------------------
 
+    def parse_task(self, entry: streams.Entry) -> rollout_pb2.PromptTask:
+        """Decode and check one prompts entry (raises codec.EntryError with the reason)."""
+        task = codec.decode(entry.fields, rollout_pb2.PromptTask)
+        validation.check_task(task, self.limits)
+        return task
+
     def generate(self, tasks: list[rollout_pb2.PromptTask]) -> list[rollout_pb2.RolloutGroup]:
         requests = []
         for task in tasks:
@@ -176,6 +188,7 @@ class Generator:
                     answer=task.answer,
                     metadata_json=task.metadata_json,
                     task_kind=task.task_kind,
+                    group_size=task.group_size,
                     generator_id=self.generator_id,
                     created_at=time.time(),
                 )
@@ -210,8 +223,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self.gen = gen
 
     def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext) -> rollout_pb2.RolloutGroup:
-        if request.task.group_size < 1 or request.task.sampling.max_new_tokens < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task needs group_size >= 1 and sampling.max_new_tokens >= 1")
+        try:
+            validation.check_task(request.task, self.gen.limits)
+        except codec.EntryError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return self.gen.generate([request.task])[0]
 
     def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
@@ -241,65 +256,94 @@ def run(settings: GeneratorSettings) -> None:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         gen = Generator(settings, host)
-        client = streams.connect(settings.redis_url)
-        keys = streams.RunKeys(settings.run)
-        stage = streams.StreamStage.for_service(client, settings, "prompts", settings.group)
         host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)], ready=lambda: (True, f"version {gen.weights.version}"))
-        address = settings.advertise_address or host.grpc_address
-        client.hset(keys.generators, gen.generator_id, address)
         sync = threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True)
         sync.start()
-        host.set_ready(True)
-        logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
+        address = settings.advertise_address or host.grpc_address
+        keys = streams.RunKeys(settings.run)
+        client = None
+        beat = None
         try:
+            client = host.connect_redis()
+            stage = host.open_stage(client, "prompts", settings.group)
+            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen.generator_id, address, host), name="heartbeat", daemon=True)
+            beat.start()
+            host.set_ready(True)
+            logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
             loop(gen, stage, client, keys, host)
         finally:
-            client.hdel(keys.generators, gen.generator_id)
-            client.close()
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
             # clean stop, seen in the containers tier).
             host.stop.set()
             gen.sync_wake.set()
             sync.join(timeout=30.0)
+            if beat is not None:
+                beat.join(timeout=10.0)
+            if client is not None:
+                with contextlib.suppress(redis.RedisError):
+                    registry.leave(client, keys, gen.generator_id)
+                client.close()
 
 
-def loop(gen: Generator, stage: streams.StreamStage, client, keys: streams.RunKeys, host: ServiceHost) -> None:
-    s = gen.settings
-    downstream = [keys.stream(name) for name in ("rollouts", "scored", "ready")]
+def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, generator_id: str, address: str, host: ServiceHost) -> None:
+    """Keep this generator in the registry; the trainer forgets generators that stop beating."""
     while not host.stop.is_set():
-        # Back-pressure: streams are trimmed behind acks, so their lengths are the groups in flight.
-        inflight = sum(int(client.xlen(k)) for k in downstream)
-        behind = streams.current_version(client, keys) - (gen.weights.version or 0)
-        if inflight >= s.max_inflight_groups or behind > s.max_staleness:
-            if behind > s.max_staleness:
-                gen.sync_wake.set()
-            host.stop.wait(0.2)
+        try:
+            registry.heartbeat(client, keys, generator_id, address)
+        except redis.RedisError as e:
+            logs.event(host.log, "heartbeat failed", logging.DEBUG, error=redis_policy.short(e))
+        host.stop.wait(registry.BEAT_EVERY_S)
+
+
+def loop(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
+    """Until stopped: one turn at a time; Redis trouble is waited out (rollstream.core.redis_policy)."""
+    while not host.stop.is_set():
+        try:
+            turn(gen, stage, client, keys, host)
+        except redis.RedisError as e:
+            host.redis.failed(e, "generator loop")
             continue
-        entries = stage.read(s.tasks_per_batch, s.block_ms)
-        tasks, good = [], []
-        for entry in entries:
+        host.redis.recovered()
+
+
+def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
+    s = gen.settings
+    # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
+    inflight = sum(streams.waiting(client, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+    behind = streams.current_version(client, keys) - (gen.weights.version or 0)
+    if inflight >= s.max_inflight_groups or behind > s.max_staleness:
+        if behind > s.max_staleness:
+            gen.sync_wake.set()
+        host.stop.wait(0.2)
+        return
+    taken = stage.read_valid(s.tasks_per_batch, s.block_ms, gen.parse_task)
+    if not taken:
+        return
+    try:
+        done = [(entry, group) for (entry, _), group in zip(taken, gen.generate([t for _, t in taken]))]
+    except Exception as e:  # noqa: BLE001 - a task the engine chokes on must not take its batch with it
+        if len(taken) == 1:
+            stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
+            return
+        logs.event(host.log, "batch failed; sampling its tasks one by one", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}")
+        done = []
+        for entry, task in taken:
             try:
-                task = codec.decode(entry.fields, rollout_pb2.PromptTask)
-                if task.group_size < 1 or task.sampling.max_new_tokens < 1 or not (task.messages or task.prompt_ids):
-                    raise codec.EntryError(f"task {task.task_id!r} needs messages or prompt_ids, group_size >= 1, max_new_tokens >= 1")
-                json.loads(task.metadata_json or "{}")
-            except (codec.EntryError, json.JSONDecodeError) as e:
-                stage.dead_letter(entry, str(e))
-                continue
-            tasks.append(task)
-            good.append(entry)
-        if not tasks:
-            continue
-        groups = gen.generate(tasks)
+                done.append((entry, gen.generate([task])[0]))
+            except Exception as e1:  # noqa: BLE001
+                stage.dead_letter(entry, f"sampling failed: {type(e1).__name__}: {e1}")
+        if not done:
+            return
+    groups = [g for _, g in done]
 
-        def ledger(ops: streams.Ops, groups=groups) -> None:
-            ops.hincrby(keys.stats, "generated", len(groups))
-            ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
+    def ledger(ops: streams.Ops, groups=groups) -> None:
+        ops.hincrby(keys.stats, "generated", len(groups))
+        ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
 
-        stage.commit(good, outputs=[("rollouts", g) for g in groups], extra=ledger)
-        stage.trim()
-        logs.event(host.log, "groups written", n=len(groups), version=groups[0].policy_version)
+    committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
+    stage.trim()
+    logs.event(host.log, "groups written" if committed else "groups taken over meanwhile; not written", n=len(groups), version=groups[0].policy_version)
 
 
 def main(argv: list[str] | None = None) -> None:

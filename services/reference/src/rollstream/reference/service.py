@@ -1,4 +1,4 @@
-"""The reference service: rs:<run>:scored -> the same groups with ref_logprobs -> rs:<run>:ready.
+"""The reference service: rs:{<run>}:scored -> the same groups with ref_logprobs -> rs:{<run>}:ready.
 
 Loop (one thread): read scored groups; dead-letter what does not parse or cannot be
 scored; score every completion of every group read in one call (packed into micro-batches
@@ -10,6 +10,7 @@ gRPC (server threads): ComputeLogprobs on the same frozen model, GetState.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ import redis
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, logs, streams
+from rollstream.core import codec, logs, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
@@ -61,6 +62,7 @@ class Scorer:
         self.model = model
         self.metrics = metrics
         self.totals = totals
+        self.limits = validation.Limits(vocab_size=model.vocab_size)
 
     def score(self, sequences: Sequence[TokenPair]) -> list[list[float]]:
         start = time.perf_counter()
@@ -103,26 +105,21 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
             return reference_pb2.ReferenceState(model=self.model_name, groups_processed=self.totals.groups, tokens_processed=self.totals.tokens)
 
 
-def reference_entries(entries: Sequence[streams.Entry], stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
-    """Add ref log-probs to the groups in `entries`, write them to ready, ack the inputs."""
-    # 1. Decode and check. What cannot be used goes to the dead-letter stream with its reason.
-    good: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]] = []
-    for entry in entries:
-        try:
-            group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-            codec.validate_group(group)
-            if not group.has_ref_logprobs:
-                for i, c in enumerate(group.completions):
-                    try:
-                        scorer.model.check(group.prompt_ids, c.token_ids)
-                    except ValueError as e:
-                        raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
-        except ValueError as e:  # codec.EntryError is a ValueError too
-            stage.dead_letter(entry, str(e))
-            scorer.metrics.dead.inc()
-            logs.event(host.log, "dead letter", level=30, id=entry.id.decode(), reason=str(e))
-            continue
-        good.append((entry, group))
+def parse_group(entry: streams.Entry, scorer: Scorer) -> rollout_pb2.RolloutGroup:
+    """Decode and check one scored entry (raises codec.EntryError with the reason)."""
+    group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+    validation.check_group(group, scorer.limits, stage="scored")
+    if not group.has_ref_logprobs:
+        for i, c in enumerate(group.completions):
+            try:
+                scorer.model.check(group.prompt_ids, c.token_ids)
+            except ValueError as e:
+                raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
+    return group
+
+
+def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGroup]], stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
+    """Add ref log-probs to the (checked) groups, write them to ready, ack the inputs."""
     if not good:
         return
 
@@ -137,6 +134,18 @@ def reference_entries(entries: Sequence[streams.Entry], stage: streams.StreamSta
             del c.ref_logprobs[:]  # has_ref_logprobs was false: whatever is there is not ours
             c.ref_logprobs.extend(next(values))
         g.has_ref_logprobs = True
+    # A non-finite log-prob must not reach the trainer's KL: refused here, group by group.
+    ok = []
+    for entry, g in good:
+        try:
+            validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
+        except codec.EntryError as e:
+            stage.dead_letter(entry, f"reference log-probs unusable: {e}")
+            scorer.metrics.dead.inc()
+            continue
+        ok.append((entry, g))
+    todo = [g for g in todo if any(g is k for _, k in ok)]
+    good = ok
 
     # 3. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
     def ledger(ops: streams.Ops) -> None:
@@ -198,13 +207,12 @@ def run(settings: ReferenceSettings) -> int:
             vocab=model.vocab_size, seconds=round(time.perf_counter() - started, 1),
         )
 
-        client = streams.connect(settings.redis_url)
-        stage = streams.StreamStage.for_service(client, settings, "scored", settings.group)
-        loaded.set()
-        host.set_ready(True)
-        logs.event(host.log, "ready", run=settings.run, group=settings.group, consumer=stage.consumer)
-
+        client = host.connect_redis()
         try:
+            stage = host.open_stage(client, "scored", settings.group)
+            loaded.set()
+            host.set_ready(True)
+            logs.event(host.log, "ready", run=settings.run, group=settings.group, consumer=stage.consumer)
             loop(settings, stage, scorer, host)
         finally:
             client.close()
@@ -213,18 +221,24 @@ def run(settings: ReferenceSettings) -> int:
 
 def loop(settings: ReferenceSettings, stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
     next_trim = time.monotonic() + settings.trim_interval_s
+
+    def on_dead(entry: streams.Entry, reason: str) -> None:
+        scorer.metrics.dead.inc()
+        logs.event(host.log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
+
     while not host.stop.is_set():
         try:
-            entries = stage.read(settings.read_count, settings.block_ms)
-            if entries:
-                reference_entries(entries, stage, scorer, host)
+            good = stage.read_valid(settings.read_count, settings.block_ms, lambda e: parse_group(e, scorer), on_dead=on_dead)
+            reference_entries(good, stage, scorer, host)
             if time.monotonic() >= next_trim:
                 stage.trim()
                 next_trim = time.monotonic() + settings.trim_interval_s
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            # Redis restarting is not our failure: unacked entries stay pending and come back.
-            logs.event(host.log, "redis unavailable", level=30, error=str(e))
-            host.stop.wait(1.0)
+        except redis.RedisError as e:
+            # Redis away is not our failure: unacked entries stay pending on us and come back.
+            stage.reread_own_pending()
+            host.redis.failed(e, "reference loop")
+            continue
+        host.redis.recovered()
 
 
 def main(argv: list[str] | None = None) -> int:

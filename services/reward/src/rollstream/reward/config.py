@@ -13,7 +13,7 @@ from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes, def
 
 
 class RewardSettings(CommonSettings):
-    """Scores rollout groups from rs:<run>:rollouts with built-in recipes or a remote scorer."""
+    """Scores rollout groups from rs:{<run>}:rollouts with built-in recipes or a remote scorer."""
 
     output_stage: Literal["scored", "ready"] = Field(
         "scored", description="stream the scored groups go to: 'ready' when the reference stage is skipped (beta = 0)"

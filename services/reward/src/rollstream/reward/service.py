@@ -1,4 +1,4 @@
-"""The reward stage: rs:<run>:rollouts -> recipes (or a remote scorer) -> rs:<run>:scored (or :ready).
+"""The reward stage: rs:{<run>}:rollouts -> recipes (or a remote scorer) -> rs:{<run>}:scored (or :ready).
 
 Read it top to bottom: `main` loads settings and starts the servers, `run` starts the
 stream loop and then serves scoring work on the main thread, `stream_loop` is the loop,
@@ -29,7 +29,7 @@ import grpc
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, grpc_utils, logs, streams
+from rollstream.core import codec, grpc_utils, logs, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
@@ -41,9 +41,12 @@ from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 SERVICE_NAME = "rollstream.v1.Reward"
 SOURCE_STAGE = "rollouts"
-# Back-off while Redis is unreachable: start small (a blip), cap it (a restart).
-RETRY_FIRST_S = 0.2
-RETRY_MAX_S = 5.0
+# Groups read: the structure every stage checks (finite log-probs, lengths that match, the
+# completion count the task asked for). Vocabulary bounds are the trainer's and
+# generator's business: this service has no model (and no torch).
+INPUT_LIMITS = validation.Limits()
+# Groups written: rewards finite and bounded, whatever a remote scorer answered.
+OUTPUT_LIMITS = validation.Limits()
 # A Score RPC without a deadline still gets an answer or an error within this.
 RPC_DEFAULT_TIMEOUT_S = 300.0
 
@@ -262,24 +265,28 @@ class Scorer:
 # -- the stage ----------------------------------------------------------------------------
 
 
-def decode_batch(stage: StreamStage, entries: Sequence[Entry], metrics: Metrics, totals: Totals, log: logging.Logger) -> list[tuple[Entry, rollout_pb2.RolloutGroup]]:
-    """Parse and check every entry; dead-letter what does not parse (each in its own
-    transaction: a bad entry must not hold up the good ones)."""
-    redelivered = sum(1 for e in entries if e.deliveries > 1)
+def parse_group(entry: Entry) -> rollout_pb2.RolloutGroup:
+    """Decode and check one rollouts entry (raises codec.EntryError with the reason)."""
+    group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+    validation.check_group(group, INPUT_LIMITS, stage="rollouts")
+    return group
+
+
+def read_batch(stage: StreamStage, settings: RewardSettings, metrics: Metrics, totals: Totals, log: logging.Logger) -> list[tuple[Entry, rollout_pb2.RolloutGroup]]:
+    """One read's worth of valid groups; what does not parse or check goes to the dead
+    letters alone (rollstream.core.streams.StreamStage.read_valid)."""
+    def on_dead(entry: Entry, reason: str) -> None:
+        metrics.dead_lettered.inc()
+        totals.dead_lettered += 1
+        logs.event(log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
+
+    batch = stage.read_valid(settings.read_count, settings.block_ms, parse_group, on_dead=on_dead)
+    redelivered = sum(1 for e, _ in batch if e.deliveries > 1)
     if redelivered:
         # Left pending by a consumer that died (or by us before a restart): worth seeing.
         metrics.redelivered.inc(redelivered)
-        logs.event(log, "redelivered", entries=redelivered, max_deliveries_seen=max(e.deliveries for e in entries))
-    good = []
-    for entry in entries:
-        try:
-            group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-            codec.validate_group(group)
-        except codec.EntryError as e:
-            dead_letter(stage, entry, str(e), metrics, totals, log)
-            continue
-        good.append((entry, group))
-    return good
+        logs.event(log, "redelivered", entries=redelivered, max_deliveries_seen=max(e.deliveries for e, _ in batch))
+    return batch
 
 
 def dead_letter(stage: StreamStage, entry: Entry, reason: str, metrics: Metrics, totals: Totals, log: logging.Logger) -> None:
@@ -309,6 +316,12 @@ def process_batch(
     for i, (entry, group) in enumerate(batch):
         if i in scored.rejected:
             dead_letter(stage, entry, scored.rejected[i], metrics, totals, log)
+            continue
+        try:
+            # A scorer (a remote one above all) may answer NaN or 1e30: refused here, alone.
+            validation.check_group(group, OUTPUT_LIMITS, stage="scored")
+        except codec.EntryError as e:
+            dead_letter(stage, entry, f"scoring gave an unusable group: {e}", metrics, totals, log)
             continue
         done.append(entry)
         outputs.append((settings.output_stage, group))
@@ -350,20 +363,6 @@ def process_batch(
     totals.timeouts += timeouts
     totals.unknown_kind += unknown
     logs.event(log, "batch", logging.DEBUG, groups=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts)
-
-
-def open_stage(host: ServiceHost, settings: RewardSettings, client: redis.Redis, readiness: Readiness) -> StreamStage | None:
-    """Join the consumer group, waiting for Redis if it is not up yet (None: stopped meanwhile)."""
-    delay = RETRY_FIRST_S
-    while not host.stop.is_set():
-        try:
-            return StreamStage.for_service(client, settings, SOURCE_STAGE, settings.group)
-        except redis.RedisError as e:
-            readiness.detail = f"waiting for redis: {e}"
-            logs.event(host.log, "redis_unavailable", logging.WARNING, error=str(e), retry_s=delay)
-            host.stop.wait(delay)
-            delay = min(delay * 2, RETRY_MAX_S)
-    return None
 
 
 def make_remote(settings: RewardSettings, stop: threading.Event, metrics: Metrics) -> RemoteScorer | None:
@@ -414,11 +413,9 @@ def run(host: ServiceHost, settings: RewardSettings) -> None:
 
 
 def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, metrics: Metrics, readiness: Readiness) -> None:
-    client = streams.connect(settings.redis_url)
+    client = host.connect_redis()
     try:
-        stage = open_stage(host, settings, client, readiness)
-        if stage is None:
-            return
+        stage = host.open_stage(client, SOURCE_STAGE, settings.group)
         readiness.ok, readiness.detail = True, f"reading {stage.stream}"
         host.set_ready(True)
         logs.event(
@@ -436,16 +433,13 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
         totals = Totals()
         last_logged = asdict(totals)
         next_housekeeping = time.monotonic() + settings.trim_every_s
-        delay = RETRY_FIRST_S
         # Groups read but not yet committed because the remote scorer is unavailable: they
         # stay pending on us (touched, so nobody takes them over) and are tried again first.
         held: list[tuple[Entry, rollout_pb2.RolloutGroup]] = []
-        unready_because = ""
         while not host.stop.is_set():
             try:
                 if not held:
-                    entries = stage.read(settings.read_count, settings.block_ms)
-                    held = decode_batch(stage, entries, metrics, totals, host.log) if entries else []
+                    held = read_batch(stage, settings, metrics, totals, host.log)
                 if held:
                     with metrics.batch_seconds.time():
                         process_batch(stage, held, settings, scorer, metrics, totals, host.log)
@@ -464,10 +458,10 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
                 assert remote is not None
                 metrics.held_groups.set(len(held))
                 metrics.scorer_circuit_open.set(1 if remote.breaker.state == "open" else 0)
+                if readiness.ok:
+                    logs.event(host.log, "scorer_unavailable", logging.WARNING, held=len(held), error=str(e))
                 readiness.ok, readiness.detail = False, f"remote scorer unavailable, holding {len(held)} groups: {e}"
                 host.set_ready(False)
-                unready_because = "scorer"
-                logs.event(host.log, "scorer_unavailable", logging.WARNING, held=len(held), error=str(e))
                 try:
                     stage.touch([entry for entry, _ in held])
                 except redis.RedisError:
@@ -475,20 +469,15 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
                 host.stop.wait(max(remote.breaker.retry_in_s(), settings.scorer_backoff_s))
                 continue
             except redis.RedisError as e:
-                # Whatever was read and not committed stays pending and is read again (the
-                # stage re-reads its own pending entries after a failed write).
+                # Whatever was read and not committed stays pending on us and is read again.
                 held = []
-                readiness.ok, readiness.detail = False, f"redis error: {e}"
-                host.set_ready(False)
-                unready_because = "redis"
-                logs.event(host.log, "redis_error", logging.WARNING, error=str(e), retry_s=delay)
-                host.stop.wait(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
+                stage.reread_own_pending()
+                host.redis.failed(e, "reward loop")
                 continue
+            host.redis.recovered()
             if not readiness.ok:
                 readiness.ok, readiness.detail = True, f"reading {stage.stream}"
                 host.set_ready(True)
-                logs.event(host.log, f"{unready_because}_recovered")
-            delay = RETRY_FIRST_S
+                logs.event(host.log, "scorer_recovered")
     finally:
         client.close()

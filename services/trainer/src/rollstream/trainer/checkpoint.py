@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,8 +228,27 @@ def latest(checkpoint_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def resolve(spec: str, checkpoint_dir: str) -> Path:
-    """`--resume` value -> checkpoint folder: a path, or 'latest' in checkpoint_dir."""
+def prune(checkpoint_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest step checkpoints in `checkpoint_dir` (0: keep all).
+    A resume needs only the latest; the trained log covers the steps after it."""
+    if keep <= 0 or not Path(checkpoint_dir).is_dir():
+        return []
+    steps = sorted(
+        (int(m.group(1)), child) for child in Path(checkpoint_dir).iterdir() if (m := _STEP_DIR.match(child.name)) and (child / STATE_FILE).is_file()
+    )
+    gone = [path for _, path in steps[:-keep]]
+    # Half-written folders of a process killed mid-save (this process's own are in use).
+    gone += [p for p in Path(checkpoint_dir).glob(".step-*") if not p.name.endswith(f"-{os.getpid()}")]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def resolve(spec: str, checkpoint_dir: str) -> Path | None:
+    """`--resume` value -> checkpoint folder: a path, or 'latest' in checkpoint_dir; 'auto' is
+    'latest' when there is one, else None (start from the model)."""
+    if spec == "auto":
+        return latest(Path(checkpoint_dir)) if checkpoint_dir else None
     if spec == "latest":
         found = latest(Path(checkpoint_dir))
         if found is None:
@@ -236,3 +258,44 @@ def resolve(spec: str, checkpoint_dir: str) -> Path:
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a checkpoint (no {STATE_FILE})")
     return path
+
+
+class CheckpointRequests:
+    """SaveCheckpoint calls arrive on gRPC threads; the training loop serves them between
+    steps, so a checkpoint never sees half a step (or a feeder mid top-up)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, Future[tuple[Path, int]]]] = queue.Queue()
+        self._lock = threading.Lock()  # a request is either queued before close() or refused
+        self._closed = False
+
+    def request(self, path: str, timeout_s: float | None) -> tuple[Path, int]:
+        """Ask the loop for a checkpoint (at `path`, or the default one); wait for it."""
+        future: Future[tuple[Path, int]] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the trainer is stopping")
+            self._queue.put((path, future))
+        return future.result(timeout=timeout_s)
+
+    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
+        while True:
+            try:
+                path, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(save(path))
+            except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Refuse new requests and fail the waiting ones."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                _path, future = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(RuntimeError("the trainer is stopping"))

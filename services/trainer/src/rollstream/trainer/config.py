@@ -53,6 +53,7 @@ class TrainerSettings(CommonSettings):
         "the trainer's own frozen base with the adapters switched off (lora_base: no reference service to deploy)",
     )
     max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
+    max_abs_reward: float = Field(1e4, gt=0, description="dead-letter groups with a reward of larger magnitude (a scorer gone wrong)")
     prompt_buffer: int = Field(16, ge=1, description="tasks kept waiting in the prompts stream")
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
     chunk_tokens: int = Field(1024, ge=1, description="LM-head chunk when computing log-probs")
@@ -69,7 +70,8 @@ class TrainerSettings(CommonSettings):
     # Checkpoints
     checkpoint_dir: str = Field("", description="where checkpoints go (step-NNNNNNNN folders)")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only on request)")
-    resume: str = Field("", description="checkpoint folder to resume from, or 'latest' (in checkpoint_dir)")
+    keep_checkpoints: int = Field(2, ge=0, description="step checkpoints kept in checkpoint_dir, newest first (0: all)")
+    resume: str = Field("", description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)")
     # Weight sync
     # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
     generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)")
@@ -96,8 +98,8 @@ class TrainerSettings(CommonSettings):
     def _check(self) -> "TrainerSettings":
         if self.task in ("jsonl", "dataset") and not self.dataset_path:
             raise ValueError(f"dataset_path is required when task = {self.task!r}")
-        if (self.checkpoint_every or self.resume == "latest") and not self.checkpoint_dir:
-            raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest'")
+        if (self.checkpoint_every or self.resume in ("latest", "auto")) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest' / 'auto'")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty")
         if self.kl_reference == "lora_base" and not self.lora_rank:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import socket
 
+from rollstream.core import redis_policy, registry, streams
+
 
 class DiscoveryError(ValueError):
     """A `host:port` that cannot be used (no port, bad port)."""
@@ -42,3 +44,21 @@ def resolve_all(target: str) -> list[str]:
         addr = sockaddr[0]
         addresses.add(f"[{addr}]:{port}" if family == socket.AF_INET6 else f"{addr}:{port}")
     return sorted(addresses)
+
+
+class GeneratorDirectory:
+    """Where to push: the configured addresses plus whatever the DNS name resolves to now,
+    else (neither configured) the live generators of the Redis registry (heartbeats)."""
+
+    def __init__(self, configured: list[str], dns_name: str = ""):
+        self.configured = configured
+        self.dns_name = dns_name
+        self.last: list[str] = list(configured)  # what GetState reports, without a Redis call
+
+    def addresses(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[str]:
+        if self.configured or self.dns_name:
+            resolved = resolve_all(self.dns_name) if self.dns_name else []
+            self.last = sorted(set(self.configured) | set(resolved))
+        else:
+            self.last = sorted(registry.live(client, keys).values())
+        return self.last

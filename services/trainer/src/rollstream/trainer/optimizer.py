@@ -122,6 +122,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
+class NonFiniteStep(ArithmeticError):
+    """A step whose loss or gradients are not finite: nothing was applied."""
+
+
 class HostAdamW:
     def __init__(
         self,
@@ -253,11 +257,22 @@ class HostAdamW:
         scratch = torch.empty(_NORM_CHUNK, dtype=torch.float32)
         return math.sqrt(sum(_sum_of_squares(g, scratch) for g in grads))
 
+    def discard_grads(self) -> None:
+        """Drop the accumulated gradients without a step (a step refused for non-finite values)."""
+        for p in self.params.values():
+            p.grad = None
+        if self.host_grad is not None:
+            self.host_grad.zero_()
+
     @torch.no_grad()
     def step(self, max_grad_norm: float) -> tuple[float, dict[str, np.ndarray]]:
         """One AdamW step from the accumulated gradients (then cleared). Returns (grad norm
-        before clipping, the new bf16 bits of every parameter)."""
+        before clipping, the new bf16 bits of every parameter). A non-finite gradient norm
+        applies nothing: the gradients are dropped and NonFiniteStep is raised."""
         norm = self._grad_norm()
+        if not math.isfinite(norm):
+            self.discard_grads()
+            raise NonFiniteStep(f"gradient norm is {norm}")
         clip = 1.0
         if max_grad_norm > 0:
             # torch.nn.utils.clip_grad_norm_'s factor, computed as it does (fp32), so results match it.

@@ -1,8 +1,8 @@
 """The trainer service: feed prompts, collect scored groups, GRPO step, publish, push.
 
 One loop, top to bottom:
-  1. top up rs:<run>:prompts to `prompt_buffer` tasks;
-  2. read rs:<run>:ready; drop duplicates (group_id already trained) and groups more than
+  1. top up rs:{<run>}:prompts to `prompt_buffer` tasks;
+  2. read rs:{<run>}:ready; drop duplicates (group_id already trained) and groups more than
      `max_staleness` versions old (counted, acknowledged);
   3. with `groups_per_step` groups: advantages, the policy loss (grpo.py) over token-budget
      micro-batches, backward, AdamW on the host masters -> new bf16 weights (version + 1);
@@ -11,18 +11,22 @@ One loop, top to bottom:
   4. encode the exact delta, push it to every generator, then in one transaction: ack the
      groups, record them as trained, set the version, append the step's metrics;
   5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
-`--resume` restores one, moves the run's version back to it and pushes its anchor.
+`--resume` restores one, trains again the groups logged as trained after it (so a crash
+loses no trained work), moves the run's version to it and pushes its anchor.
+Redis trouble never ends the loop: it waits (rollstream.core.redis_policy), and from the
+step on it only retries, since the update exists and its groups must be acknowledged.
+A non-finite loss or gradient norm applies and publishes nothing; the step's groups go to
+the dead letters with the reason.
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
+import contextlib
+import logging
+import math
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -31,14 +35,17 @@ import redis
 import torch
 from prometheus_client import Counter, Gauge
 
-from rollstream.core import codec, deltas, logs, modeling, streams, weight_transfer
+from rollstream.core import codec, deltas, logs, modeling, redis_policy, streams, validation, weight_transfer
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
-from rollstream.core.models import resolve_model
+from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, discovery, grpo, lora, prompts
+from rollstream.trainer import checkpoint, grpo, lora
+from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.optimizer import HostAdamW
+from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.feeder import PromptFeeder
+from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
 from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -49,6 +56,11 @@ class Trainer:
         self.log = host.log
         torch.manual_seed(s.seed)
         self.model_dir = str(resolve_model(s.model))
+        # What a ready group may hold: ids inside the vocabulary, completions no longer than
+        # the tasks this trainer feeds ask for (dr_grpo normalises by that length), bounded
+        # rewards (rollstream.core.validation).
+        self.limits = validation.Limits(vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward)
+        self.need_ref = s.beta > 0 and s.kl_reference == "service"
         self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
         if s.activation_checkpointing:
             # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
@@ -78,8 +90,8 @@ class Trainer:
         self.last_truncated_fraction = 0.0
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
-        if s.resume:
-            path = checkpoint.resolve(s.resume, s.checkpoint_dir)
+        path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
+        if path is not None:
             self.restored = self._restore(path)
             version = self.restored.version
             bits = self._published_bits(self.optimizer.published_bits())
@@ -153,6 +165,12 @@ class Trainer:
 
     # -- the step -----------------------------------------------------------------------
 
+    def parse_group(self, entry: streams.Entry) -> rollout_pb2.RolloutGroup:
+        """Decode and check one ready entry (raises codec.EntryError with the reason)."""
+        group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+        validation.check_group(group, self.limits, stage="ready", need_ref=self.need_ref)
+        return group
+
     def base_logprobs(self, batch: modeling.Batch) -> torch.Tensor:
         """log pi_ref of the batch's completion tokens from the frozen base: the LoRA model
         with its adapters switched off (kl_reference = lora_base). The base holds the bf16
@@ -206,8 +224,12 @@ class Trainer:
             else:
                 ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev)
             parts = grpo.policy_loss(cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
+            loss = float(parts.loss.detach())
+            if not math.isfinite(loss):
+                self.optimizer.discard_grads()
+                raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
             parts.loss.backward()
-            loss_sum += float(parts.loss.detach())
+            loss_sum += loss
             kl_sum += parts.kl_sum
             entropy_sum += parts.entropy_sum
             clipped += parts.clipped_tokens
@@ -254,49 +276,8 @@ class Trainer:
         return metrics, published, stats
 
 
-class CheckpointRequests:
-    """SaveCheckpoint calls arrive on gRPC threads; the training loop serves them between
-    steps, so a checkpoint never sees half a step (or a feeder mid top-up)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[str, Future[tuple[Path, int]]]] = queue.Queue()
-        self._lock = threading.Lock()  # a request is either queued before close() or refused
-        self._closed = False
-
-    def request(self, path: str, timeout_s: float | None) -> tuple[Path, int]:
-        """Ask the loop for a checkpoint (at `path`, or the default one); wait for it."""
-        future: Future[tuple[Path, int]] = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the trainer is stopping")
-            self._queue.put((path, future))
-        return future.result(timeout=timeout_s)
-
-    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
-        while True:
-            try:
-                path, future = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                future.set_result(save(path))
-            except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
-                future.set_exception(e)
-
-    def close(self) -> None:
-        """Refuse new requests and fail the waiting ones."""
-        with self._lock:
-            self._closed = True
-        while True:
-            try:
-                _path, future = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            future.set_exception(RuntimeError("the trainer is stopping"))
-
-
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer, generators: "GeneratorDirectory", checkpoints: CheckpointRequests):
+    def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: CheckpointRequests):
         self.trainer = trainer
         self.generators = generators
         self.checkpoints = checkpoints
@@ -311,7 +292,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             model_fingerprint=t.publisher.fingerprint,
             groups_trained=t.groups_trained,
             groups_stale=t.groups_stale,
-            generators=self.generators.addresses(),
+            generators=self.generators.last,
             weights_sha256=sha,
         )
 
@@ -338,62 +319,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.SaveCheckpointResult(path=str(path), version=version)
 
 
-class GeneratorDirectory:
-    """Where to push: the configured addresses plus whatever the DNS name resolves to now,
-    else (neither configured) the generators registered in Redis."""
-
-    def __init__(self, configured: list[str], client: redis.Redis, keys: streams.RunKeys, dns_name: str = ""):
-        self.configured = configured
-        self.dns_name = dns_name
-        self.client = client
-        self.keys = keys
-
-    def addresses(self) -> list[str]:
-        if self.configured or self.dns_name:
-            resolved = discovery.resolve_all(self.dns_name) if self.dns_name else []
-            return sorted(set(self.configured) | set(resolved))
-        return sorted(v.decode() for v in self.client.hgetall(self.keys.generators).values())
-
-
-class PromptFeeder:
-    def __init__(self, settings: TrainerSettings, client: redis.Redis, keys: streams.RunKeys, skip: int = 0):
-        self.settings = settings
-        self.client = client
-        self.keys = keys
-        self.source = prompts.from_settings(settings)
-        # Resume: the prompts fed before the checkpoint are drawn again and dropped, so the
-        # source continues where the checkpoint left it (sources are seeded, hence the same).
-        for _ in itertools.islice(self.source, skip):
-            pass
-        self.fed = skip
-
-    def top_up(self, version: int) -> int:
-        s = self.settings
-        stream = self.keys.stream("prompts")
-        streams.trim_acknowledged(self.client, stream)
-        missing = s.prompt_buffer - int(self.client.xlen(stream))
-        if missing <= 0:
-            return 0
-        # Task ids come from a Redis counter so they stay unique across trainer restarts.
-        first = int(self.client.incrby(f"rs:{self.keys.run}:task_seq", missing)) - missing
-        pipe = self.client.pipeline(transaction=True)
-        for n, p in zip(range(first, first + missing), itertools.islice(self.source, missing)):
-            task = rollout_pb2.PromptTask(
-                task_id=f"{self.keys.run}-{n:08d}",
-                messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages],
-                answer=p.answer,
-                group_size=s.group_size,
-                sampling=rollout_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
-                fed_at_version=version,
-                task_kind=p.task_kind,
-                metadata_json=p.metadata_json,
-            )
-            pipe.xadd(stream, codec.encode(task))
-        pipe.execute()
-        self.fed += missing
-        return missing
-
-
 def run(settings: TrainerSettings) -> None:
     with ServiceHost("trainer", settings) as host:
         host.install_signal_handlers()
@@ -404,40 +329,77 @@ def run(settings: TrainerSettings) -> None:
         if restored is not None and restored.consumer and not settings.consumer and restored.run == settings.run:
             # Resume as the same consumer: the entries it held come back to it first.
             settings = settings.model_copy(update={"consumer": restored.consumer})
-        client = streams.connect(settings.redis_url)
-        keys = streams.RunKeys(settings.run)
-        # After a resume this moves the version back; generators ahead of it get the anchor.
-        client.set(keys.version, trainer.version)
-        stage = streams.StreamStage.for_service(client, settings, "ready", settings.group)
-        directory = GeneratorDirectory(settings.generators, client, keys, dns_name=settings.generators_dns)
+        directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
         checkpoints = CheckpointRequests()
-        feeder = PromptFeeder(settings, client, keys, skip=restored.prompts_fed if restored is not None else 0)
         host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)], ready=lambda: (True, f"version {trainer.version}"))
-        host.set_ready(True)
+        client = host.connect_redis()
         try:
+            keys = streams.RunKeys(settings.run)
+            stage = host.open_stage(client, "ready", settings.group)
+            fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
+            feeder = PromptFeeder(settings, client, stage, fed)
+            # Also without a checkpoint: a trainer killed before its first one starts from the
+            # model again, and the steps it trained are replayed from there.
+            replay_trained_log(trainer, client, keys, host)
+            # After a resume this moves the version back; generators ahead of it get the anchor.
+            host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
+            host.set_ready(True)
             if restored is not None:
-                push_anchor(trainer, directory, host)
+                push_anchor(trainer, directory, client, keys, host)
             loop(trainer, stage, feeder, directory, client, keys, host, checkpoints)
         finally:
             checkpoints.close()
             client.close()
 
 
-def push_anchor(trainer: Trainer, directory: GeneratorDirectory, host: ServiceHost) -> None:
+def replay_trained_log(trainer: Trainer, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
+    """Train again, step by step and in their order, the groups trained after the checkpoint
+    we resumed from (their acknowledgements outlived the update they fed, which died with
+    the process). Same groups, same optimizer state and RNG: the same weights, bit for bit."""
+    logged = host.redis.call(lambda: client.xrange(keys.trained_log), "reading the trained log")
+    steps: dict[int, list[rollout_pb2.RolloutGroup]] = {}
+    for _eid, fields in logged:
+        step = int(fields[b"step"])
+        if step > trainer.step:
+            steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
+    replayed = 0
+    for step in sorted(steps):
+        if step != trainer.step + 1:
+            logs.event(host.log, "trained log has a gap; replay stops", logging.ERROR, expected=trainer.step + 1, found=step)
+            break
+        trainer.train_step(steps[step])
+        trainer.groups_trained += len(steps[step])
+        replayed += 1
+    last = host.redis.call(lambda: client.hget(keys.stats, "step"), "reading the run's step")
+    lost = int(last or 0) - trainer.step
+    if lost > 0:
+        # Resumed from an older checkpoint than the latest: those steps' groups stay counted
+        # as trained, but their updates are not in these weights. Say so, loudly.
+        host.redis.call(lambda: client.hincrby(keys.stats, "steps_lost_on_resume", lost), "counting lost steps")
+        logs.event(host.log, "steps not replayable", logging.ERROR, run_step=int(last or 0), resumed_step=trainer.step, lost=lost)
+    if replayed:
+        logs.event(host.log, "replayed trained log", steps=replayed, step=trainer.step, version=trainer.version)
+
+
+def push_anchor(trainer: Trainer, directory: GeneratorDirectory, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
     """After a resume, every generator gets the restored version as an anchor: whatever it
     holds (a later version of the abandoned run, or the same number from another lineage)
     is replaced. Generators not reachable now catch up by themselves (hashes + anchor)."""
     anchor = trainer.publisher.catch_up_payloads(-1, "")[0]
-    outcomes = trainer.publisher.push(directory.addresses(), anchor, trainer.settings.push_timeout_s)
+    addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    outcomes = trainer.publisher.push(addresses, anchor, trainer.settings.push_timeout_s)
     logs.event(host.log, "anchor pushed after resume", version=trainer.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
+
+
+Held = list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]
 
 
 def loop(
     trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, directory: GeneratorDirectory,
-    client: redis.Redis, keys: streams.RunKeys, host: ServiceHost, checkpoints: CheckpointRequests,
+    client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost, checkpoints: CheckpointRequests,
 ) -> None:
     s = trainer.settings
-    batch: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]] = []
+    batch: Held = []  # read, valid and not yet trained: ours until committed
 
     def save(path: str) -> tuple[Path, int]:
         if not path and not s.checkpoint_dir:
@@ -448,71 +410,110 @@ def loop(
         # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
         # are never overwritten.
         saved = trainer.save_checkpoint(target, prompts_fed=feeder.fed, consumer=stage.consumer, held_groups=held, replace=not path)
+        if s.checkpoint_dir and saved.parent.resolve() == Path(s.checkpoint_dir).resolve():
+            # `latest` now holds every logged step: the log starts over.
+            host.redis.call(lambda: client.delete(keys.trained_log), "clearing the trained log")
+            checkpoint.prune(Path(s.checkpoint_dir), s.keep_checkpoints)
         return saved, trainer.version
 
     while not host.stop.is_set() and (s.steps == 0 or trainer.step < s.steps):
         checkpoints.serve(save)
-        feeder.top_up(trainer.version)
-        for entry in stage.read(s.read_count, s.block_ms):
-            try:
-                group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-                codec.validate_group(group)
-                if not group.scored:
-                    raise codec.EntryError(f"group {group.group_id} reached the trainer without rewards")
-                if s.beta > 0 and s.kl_reference == "service" and not group.has_ref_logprobs:
-                    raise codec.EntryError(f"group {group.group_id} has no reference log-probs but beta = {s.beta}")
-            except codec.EntryError as e:
-                stage.dead_letter(entry, str(e))
-                continue
-            if entry.id in {e.id for e, _ in batch}:
-                continue  # already held (re-read after a failed commit): not a duplicate group
-            seen = group.group_id in {g.group_id for _, g in batch}
-            if seen or client.sismember(keys.groups("trained"), group.group_id) or client.sismember(keys.groups("stale"), group.group_id):
-                stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
-                continue
-            batch.append((entry, group))
-        batch = drop_stale(trainer, stage, keys, batch)
-        if len(batch) < s.groups_per_step:
-            stage.touch([e for e, _ in batch])  # still ours: keep other consumers off them
+        try:
+            batch = turn(trainer, stage, feeder, directory, client, keys, host, batch, save)
+        except redis.RedisError as e:
+            stage.reread_own_pending()
+            host.redis.failed(e, "trainer loop")
             continue
-        taken, batch = batch[: s.groups_per_step], batch[s.groups_per_step :]
-        groups = [g for _, g in taken]
-        metrics, published, stats = trainer.train_step(groups)
-        outcomes = trainer.publisher.push(directory.addresses(), published, s.push_timeout_s)
-        for o in outcomes:
-            if not o.applied:
-                logs.event(host.log, "push not applied", level=30, generator=o.address, error=o.error)
-
-        applied = sum(o.applied for o in outcomes)
-
-        def ledger(ops: streams.Ops, groups=groups, metrics=metrics, applied=applied) -> None:
-            ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
-            ops.hincrby(keys.stats, "trained", len(groups))
-            ops.hincrby(keys.stats, "pushes_applied", applied)
-            ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
-            ops.set(keys.version, trainer.version)
-            ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
-
-        stage.commit([e for e, _ in taken], extra=ledger)
-        stage.trim()
-        trainer.groups_trained += len(groups)
-        logs.event(
-            host.log, "step",
-            step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
-            clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
-            delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
-            zero_var=metrics.zero_variance_groups,
-        )
-        if s.checkpoint_every and trainer.step % s.checkpoint_every == 0:
-            save("")
+        host.redis.recovered()
     logs.event(host.log, "training finished", steps=trainer.step, version=trainer.version)
     if s.linger:
         while not host.stop.wait(0.2):
             checkpoints.serve(save)
 
 
-def drop_stale(trainer: Trainer, stage: streams.StreamStage, keys: streams.RunKeys, batch: list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:
+def turn(
+    trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, directory: GeneratorDirectory,
+    client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost, batch: Held, save: Callable[[str], tuple[Path, int]],
+) -> Held:
+    """Feed prompts, read ready groups into `batch`, and train once it holds a step's worth.
+    Returns what is left in the batch."""
+    s = trainer.settings
+    feeder.top_up(trainer.version)
+    held_ids = {e.id for e, _ in batch}
+    for entry, group in stage.read_valid(s.read_count, s.block_ms, trainer.parse_group):
+        if entry.id in held_ids:
+            continue  # already held (re-read after a failed call): not a duplicate group
+        seen = group.group_id in {g.group_id for _, g in batch}
+        if seen or client.sismember(keys.groups("trained"), group.group_id) or client.sismember(keys.groups("stale"), group.group_id):
+            stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
+            continue
+        batch.append((entry, group))
+    batch = drop_stale(trainer, stage, keys, batch)
+    if len(batch) < s.groups_per_step:
+        stage.touch([e for e, _ in batch])  # still ours: keep other consumers off them
+        return batch
+    taken, rest = batch[: s.groups_per_step], batch[s.groups_per_step :]
+    train_and_commit(trainer, stage, directory, client, keys, host, taken)
+    if s.checkpoint_every and trainer.step % s.checkpoint_every == 0:
+        save("")
+    return rest
+
+
+def train_and_commit(
+    trainer: Trainer, stage: streams.StreamStage, directory: GeneratorDirectory, client: redis_policy.Client,
+    keys: streams.RunKeys, host: ServiceHost, taken: Held,
+) -> None:
+    """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one
+    script. From the step on, Redis trouble is waited out (host.redis.call, commit's own
+    retries), never raised: the update exists, so its groups must be acknowledged."""
+    s = trainer.settings
+    groups = [g for _, g in taken]
+    try:
+        metrics, published, stats = trainer.train_step(groups)
+    except NonFiniteStep as e:
+        # Nothing applied, nothing published; the groups cannot be trained, so they go to the
+        # dead letters with the reason (validation let them in: their values were finite).
+        reason = f"step {trainer.step + 1} refused: {e}; nothing applied or published"
+        for entry, _ in taken:
+            stage.dead_letter(entry, reason)
+        host.redis.call(lambda: client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
+        logs.event(host.log, "step refused", logging.ERROR, reason=str(e), groups=len(groups))
+        return
+    addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    outcomes = trainer.publisher.push(addresses, published, s.push_timeout_s)
+    for o in outcomes:
+        if not o.applied:
+            logs.event(host.log, "push not applied", logging.WARNING, generator=o.address, error=o.error)
+    applied = sum(o.applied for o in outcomes)
+    log_trained = bool(s.checkpoint_dir)  # replayed on resume; without checkpoints nothing resumes
+
+    def ledger(ops: streams.Ops) -> None:
+        ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
+        ops.hincrby(keys.stats, "trained", len(groups))
+        ops.hincrby(keys.stats, "pushes_applied", applied)
+        ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
+        ops.hset(keys.stats, "step", trainer.step)
+        ops.set(keys.version, trainer.version)
+        ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
+        if log_trained:
+            for entry, _ in taken:
+                ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
+
+    stage.commit([e for e, _ in taken], extra=ledger)
+    trainer.groups_trained += len(groups)
+    with contextlib.suppress(redis.RedisError):
+        stage.trim()  # housekeeping: the next step tries again
+    logs.event(
+        host.log, "step",
+        step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
+        clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
+        delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
+        pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
+        zero_var=metrics.zero_variance_groups,
+    )
+
+
+def drop_stale(trainer: Trainer, stage: streams.StreamStage, keys: streams.RunKeys, batch: Held) -> Held:
     """Acknowledge and count groups sampled more than max_staleness versions ago, and groups
     from a version this trainer has not published (sampled before it resumed from an
     earlier checkpoint: that lineage was abandoned)."""

@@ -1,0 +1,204 @@
+"""What a stream entry must satisfy before a stage uses it: one checker per message type.
+
+DESIGN.md, "Failure and trust model": a bad entry is refused where it is read, with a
+specific reason, alone; no value that is not finite, out of range or inconsistent reaches a
+loss, a sampler or the weights. Each checker raises codec.EntryError whose text (one line,
+long values truncated) becomes the dead-letter reason, and returns None for a good message.
+
+Use after codec.decode:
+    task = codec.decode(fields, rollout_pb2.PromptTask); check_task(task, limits)
+    group = codec.decode(fields, rollout_pb2.RolloutGroup); check_group(group, limits, stage="scored")
+
+These run on every entry, so the per-token checks use numpy over the repeated fields
+(np.asarray on a upb repeated scalar field is a copy in C, ~3 us for 2048 values) and
+only look for the offending index once something is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+from rollstream.core.codec import EntryError
+from rollstream.v1 import rollout_pb2
+
+Stage = Literal["rollouts", "scored", "ready"]
+STAGES: tuple[str, ...] = ("rollouts", "scored", "ready")
+
+# A log-prob is <= 0; engines computing in bf16/fp32 can round a near-certain token a hair
+# above 0, so allow this much.
+LOGPROB_SLACK = 1e-3
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int = 0  # token ids must be < this (0: unknown, not checked)
+    max_group_size: int = 256
+    max_new_tokens: int = 16384
+    max_prompt_tokens: int = 65536
+    max_reward_abs: float = 1e4  # |reward| above this is refused
+    max_temperature: float = 10.0
+    task_kinds: frozenset[str] | None = None  # known task kinds (None: any)
+    # Lowest log-prob accepted (behaviour and reference). A sampled token below e^-1e4 is
+    # not a sample but a corrupt value; finite but absurd values would otherwise overflow
+    # exp(logp - b) in the loss exactly as a NaN would.
+    min_logprob: float = -1e4
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """repr(value) on one line, cut to `limit` characters: reasons go to the dead-letter stream."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_ids(ids: Sequence[int], what: str, max_count: int, vocab_size: int) -> None:
+    """Token ids: at most max_count of them, each < vocab_size when that is known."""
+    n = len(ids)
+    if n > max_count:
+        raise EntryError(f"{what}: {n} tokens, more than the limit {max_count}")
+    if vocab_size and n:
+        import numpy as np  # here, not at import: the reward service starts without numpy
+
+        a = np.asarray(ids)
+        if int(a.max()) >= vocab_size:
+            i = int(np.argmax(a >= vocab_size))
+            raise EntryError(f"{what}[{i}] = {int(a[i])} is not a token id (vocab size {vocab_size})")
+
+
+def _check_logprobs(values: Sequence[float], n_tokens: int, what: str, floor: float) -> None:
+    """One finite log-prob in [floor, LOGPROB_SLACK] per token."""
+    n = len(values)
+    if n != n_tokens:
+        raise EntryError(f"{what}: {n} log-probs for {n_tokens} tokens")
+    if not n:
+        return
+    import numpy as np  # here, not at import: the reward service starts without numpy
+
+    a = np.asarray(values, dtype=np.float32)  # what the wire carries, copied in C
+    # numpy's min/max propagate NaN, and +-inf falls outside the bounds: these two
+    # comparisons refuse every non-finite value without a separate isfinite pass. float()
+    # first: numpy 2 would compare a float32 with a Python float in float32, where 1e-3
+    # rounds up and would let float32(1e-3) > 1e-3 through.
+    if float(a.min()) >= floor and float(a.max()) <= LOGPROB_SLACK:
+        return
+    b = a.astype(np.float64)
+    bad = ~((b >= floor) & (b <= LOGPROB_SLACK))
+    i = int(np.argmax(bad))
+    raise EntryError(f"{what}[{i}] = {float(a[i])!r} is not a log-prob (finite, in [{floor:g}, 0])")
+
+
+def _check_metadata(metadata_json: str, where: str) -> None:
+    """Empty, or a JSON object without non-finite numbers (NaN, Infinity, 1e999): recipes read them."""
+    if not metadata_json:
+        return
+
+    def refuse_constant(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    def finite_float(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):  # 1e999 is valid JSON syntax but overflows to inf
+            raise ValueError(f"{text[:20]} overflows a float")
+        return value
+
+    try:
+        value = json.loads(metadata_json, parse_constant=refuse_constant, parse_float=finite_float)
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested past the stack
+        raise EntryError(f"{where}: metadata_json is not valid JSON: {_short(str(e))}") from None
+    if not isinstance(value, dict):
+        raise EntryError(f"{where}: metadata_json is a JSON {type(value).__name__}, not an object")
+
+
+def check_task(task: rollout_pb2.PromptTask, limits: Limits) -> None:
+    """A PromptTask the generator can sample from (rs:{<run>}:prompts)."""
+    if not task.task_id:
+        raise EntryError("PromptTask has no task_id")
+    where = f"task {_short(task.task_id)}"
+    if not task.messages and not task.prompt_ids:
+        raise EntryError(f"{where} has neither messages nor prompt_ids")
+    for i, m in enumerate(task.messages):
+        if not m.role:
+            raise EntryError(f"{where}: messages[{i}] has no role")
+    _check_ids(task.prompt_ids, f"{where}: prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
+    if not 1 <= task.group_size <= limits.max_group_size:
+        raise EntryError(f"{where}: group_size {task.group_size} is not in [1, {limits.max_group_size}]")
+    s = task.sampling
+    if not 1 <= s.max_new_tokens <= limits.max_new_tokens:
+        raise EntryError(f"{where}: sampling.max_new_tokens {s.max_new_tokens} is not in [1, {limits.max_new_tokens}]")
+    # `not a <= x <= b` is also true for NaN, so one comparison refuses it.
+    if not 0.0 <= s.temperature <= limits.max_temperature:
+        raise EntryError(f"{where}: sampling.temperature {s.temperature!r} is not in [0, {limits.max_temperature:g}]")
+    if not 0.0 <= s.top_p <= 1.0:  # 0 means unset (the generator uses 1.0)
+        raise EntryError(f"{where}: sampling.top_p {s.top_p!r} is not in [0, 1]")
+    # top_k: 0 is "no top-k"; top_k >= vocab keeps every token, so only a k past the
+    # vocabulary is refused (an engine may index with it), and only when the vocab is known.
+    if limits.vocab_size and s.top_k > limits.vocab_size:
+        raise EntryError(f"{where}: sampling.top_k {s.top_k} is larger than the vocab ({limits.vocab_size})")
+    _check_metadata(task.metadata_json, where)
+    if limits.task_kinds is not None and task.task_kind not in limits.task_kinds:
+        raise EntryError(f"{where}: task_kind {_short(task.task_kind)} is not one of {sorted(limits.task_kinds)}")
+
+
+def check_group(group: rollout_pb2.RolloutGroup, limits: Limits, *, stage: Stage, need_ref: bool = False) -> None:
+    """A RolloutGroup as read from rs:{<run>}:<stage>.
+
+    stage "rollouts": tokens and behaviour log-probs; "scored" and "ready": also scored and
+    every reward finite and bounded. need_ref (any stage): reference log-probs present.
+    Reference log-probs are checked whenever has_ref_logprobs says they are there; when it
+    does not, whatever is in ref_logprobs is ignored downstream (the reference stage
+    replaces it), so it is not checked.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}, expected one of {STAGES}")  # a caller bug, not a bad entry
+    if not group.group_id:
+        raise EntryError("RolloutGroup has no group_id")
+    where = f"group {_short(group.group_id)}"
+    n = len(group.completions)
+    if n == 0:
+        raise EntryError(f"{where} has no completions")
+    if n > limits.max_group_size:
+        raise EntryError(f"{where}: {n} completions, more than the limit {limits.max_group_size}")
+    if group.group_size and n != group.group_size:
+        raise EntryError(f"{where}: {n} completions, the task asked for {group.group_size}")
+    if not group.prompt_ids:
+        raise EntryError(f"{where} has no prompt_ids")
+    _check_ids(group.prompt_ids, f"{where}: prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
+    _check_metadata(group.metadata_json, where)
+    rewards = stage != "rollouts"
+    if rewards and not group.scored:
+        raise EntryError(f"{where} read from {stage} is not scored")
+    if need_ref and not group.has_ref_logprobs:
+        raise EntryError(f"{where} has no reference log-probs")
+    for i, c in enumerate(group.completions):
+        at = f"{where} completion {i}"
+        n_tokens = len(c.token_ids)
+        if not n_tokens:
+            raise EntryError(f"{at} has no tokens")
+        _check_ids(c.token_ids, f"{at}: token_ids", limits.max_new_tokens, limits.vocab_size)
+        _check_logprobs(c.behaviour_logprobs, n_tokens, f"{at}: behaviour_logprobs", limits.min_logprob)
+        if group.has_ref_logprobs:
+            _check_logprobs(c.ref_logprobs, n_tokens, f"{at}: ref_logprobs", limits.min_logprob)
+        for j, span in enumerate(c.versions):
+            # Bounds only (an empty span is harmless); policy_version is the trainer's call.
+            if not span.start <= span.end <= n_tokens:
+                raise EntryError(f"{at}: versions[{j}] = [{span.start}, {span.end}) is not a token range within {n_tokens} tokens")
+        if rewards:
+            if not abs(c.reward) <= limits.max_reward_abs:  # NaN fails the comparison too
+                raise EntryError(f"{at}: reward {c.reward!r} is not finite with |reward| <= {limits.max_reward_abs:g}")
+            for j, rc in enumerate(c.reward_components):
+                if not (math.isfinite(rc.value) and math.isfinite(rc.weight)):
+                    raise EntryError(f"{at}: reward_components[{j}] {_short(rc.name)} has value {rc.value!r}, weight {rc.weight!r}")
+
+
+def check_metrics(m: rollout_pb2.StepMetrics) -> None:
+    """A StepMetrics entry the CLI can show as a step (else it shows the step as invalid)."""
+    if m.step < 1:
+        raise EntryError(f"StepMetrics step {m.step} is not a step (steps start at 1)")
+    for name in ("reward_mean", "loss"):
+        value = getattr(m, name)
+        if not math.isfinite(value):
+            raise EntryError(f"StepMetrics step {m.step}: {name} is {value!r}")

@@ -1,0 +1,69 @@
+"""The trainer's last line of defence: a step whose loss or gradient norm is not finite
+applies nothing and publishes nothing (validation keeps such values out of the ready
+stream; this is for what slips through, e.g. a diverged model), and a ready entry that
+would have crashed the trainer is refused by its check with the reason."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from synthetic import scored_groups
+from rollstream.core import codec, deltas
+from rollstream.core.config import load_settings
+from rollstream.core.service import ServiceHost
+from rollstream.core.streams import Entry
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.optimizer import NonFiniteStep
+from rollstream.trainer.service import Trainer
+
+
+@pytest.fixture
+def trainer(tiny_model_dir: Path, one_thread: None) -> Trainer:
+    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4)
+    return Trainer(settings, ServiceHost("trainer", settings))
+
+
+def test_a_non_finite_loss_applies_and_publishes_nothing(trainer: Trainer) -> None:
+    before = deltas.weights_sha256(trainer.publisher.bits())
+    groups = scored_groups(1, 2)
+    groups[1].completions[0].behaviour_logprobs[0] = math.nan  # bypasses the stream check on purpose
+    with pytest.raises(NonFiniteStep, match="loss is nan"):
+        trainer.train_step(groups)
+    assert (trainer.step, trainer.version, trainer.optimizer.step_count) == (0, 0, 0)
+    assert deltas.weights_sha256(trainer.publisher.bits()) == before
+    assert all(p.grad is None for p in trainer.params.values())
+    # The next, sound step trains from exactly where it was: no stale gradient leaks into it.
+    trainer.train_step(scored_groups(2, 2))
+    assert (trainer.step, trainer.version) == (1, 1)
+
+
+def test_a_non_finite_gradient_norm_applies_nothing(trainer: Trainer) -> None:
+    for p in trainer.params.values():
+        p.grad = p.detach().clone().fill_(math.inf)
+    with pytest.raises(NonFiniteStep, match="gradient norm is inf"):
+        trainer.optimizer.step(1.0)
+    assert trainer.optimizer.step_count == 0
+    assert all(p.grad is None for p in trainer.params.values())
+
+
+@pytest.mark.parametrize(
+    "poison, reason",
+    [
+        (lambda g: g.completions[0].token_ids.__setitem__(0, 10**6), "is not a token id"),
+        (lambda g: setattr(g.completions[0], "reward", math.nan), "reward"),
+        (lambda g: setattr(g.completions[0], "reward", 1e30), "reward"),
+        (lambda g: g.completions[1].behaviour_logprobs.__setitem__(0, math.inf), "log-prob"),
+        (lambda g: g.completions.add(token_ids=[5], behaviour_logprobs=[-1.0], reward=0.0), "completions"),
+        (lambda g: setattr(g, "scored", False), "scored"),
+    ],
+)
+def test_ready_entries_that_would_crash_the_trainer_are_refused(trainer: Trainer, poison, reason: str) -> None:
+    group = scored_groups(1, 1)[0]
+    group.group_size = 4
+    trainer.parse_group(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
+    poison(group)
+    with pytest.raises(codec.EntryError, match=reason):
+        trainer.parse_group(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
