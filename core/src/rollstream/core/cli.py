@@ -181,7 +181,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             stale_keys = list(client.scan_iter(match=keys.prefix + "*"))
             if stale_keys:
                 client.delete(*stale_keys)
-    except redis.RedisError as e:
+    except redis_policy.ERRORS as e:
         console.print(f"[red]Redis at {redis_policy.redact(redis_url)} does not answer: {redis_policy.short(e)}[/]")
         if embedded is not None:
             embedded.stop()
@@ -273,7 +273,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     if redis_down:
                         console.print("[green]Redis answers again[/]")
                         redis_down = False
-                except redis.RedisError as e:
+                except redis_policy.ERRORS as e:
                     if not redis_down:
                         console.print(f"[yellow]Redis unavailable ({redis_policy.short(e)}); the services wait and retry[/]")
                         redis_down = True
@@ -302,7 +302,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
             result["stats"] = _stats(client, keys)
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             console.print(f"[yellow]could not read the run's counters: {redis_policy.short(e)}[/]")
         client.close()
         if embedded is not None:
@@ -418,7 +418,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             try:
                 client = client or streams.connect(args.redis_url)
                 console.print(status_table(client, keys))
-            except redis.RedisError as e:
+            except redis_policy.ERRORS as e:
                 console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)} does not answer: {redis_policy.short(e)}[/]")
                 if not args.watch:
                     return 1

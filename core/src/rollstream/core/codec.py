@@ -10,7 +10,6 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from rollstream.v1 import rollout_pb2
 
 SCHEMA_VERSION = 1
 

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from rollstream.core import logs
@@ -42,6 +43,9 @@ _TRANSIENT_REPLIES = ("LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READO
 
 T = TypeVar("T")
 Client = redis.Redis | RedisCluster
+# What a Redis call can raise: redis-py's errors, and the cluster client's "no node reachable",
+# which is not a RedisError. Loops catch this tuple.
+ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
 
 def check_url(url: str) -> str:
@@ -87,15 +91,16 @@ def connect(url: str, socket_timeout_s: float = SOCKET_TIMEOUT_S, connect_timeou
         client.close()
         raise
     client.close()
-    # The cluster client keeps its own retries: they are how it follows MOVED and failovers.
-    return RedisCluster.from_url(url, **options)
+    # No hidden retries here either (it still follows MOVED and ASK redirections): a
+    # retried XREADGROUP would leave what a lost reply delivered pending on us, unseen.
+    return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 0), **options)
 
 
 def is_transient(error: BaseException) -> bool:
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
         return True  # includes BusyLoadingError (a restarted server replaying its AOF)
-    if isinstance(error, redis.exceptions.ClusterError):
-        return True
+    if isinstance(error, (redis.exceptions.ClusterError, RedisClusterException)):
+        return True  # a cluster failing over, or no node of it reachable right now
     return isinstance(error, redis.ResponseError) and str(error).upper().startswith(_TRANSIENT_REPLIES)
 
 
@@ -162,7 +167,7 @@ class RedisHealth:
                 raise Stopped(doing)
             try:
                 result = fn()
-            except redis.RedisError as e:
+            except ERRORS as e:
                 if not is_transient(e):
                     raise
                 self.failed(e, doing)

@@ -305,7 +305,7 @@ class StreamStage:
             if not entries:
                 entries = self._read_new(count, block_ms)
             return self._filter_over_delivered(entries)
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             # A reply may have been lost with entries delivered to us: read our own pending
             # entries again first. A stream or group deleted under us (FLUSHALL, a Redis
             # restarted without its data) is created again.
@@ -455,7 +455,7 @@ class StreamStage:
             if self.health is None:
                 return run()
             return self.health.call(run, f"commit to {self.stream}")
-        except (redis.RedisError, redis_policy.Stopped):
+        except (*redis_policy.ERRORS, redis_policy.Stopped):
             # Whatever we hold is still pending: re-read our own pending entries first next time.
             self._restart_own_pending()
             raise

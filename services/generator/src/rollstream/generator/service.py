@@ -22,7 +22,6 @@ import zlib
 from collections.abc import Iterable
 
 import grpc
-import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -281,7 +280,7 @@ def run(settings: GeneratorSettings) -> None:
             if beat is not None:
                 beat.join(timeout=10.0)
             if client is not None:
-                with contextlib.suppress(redis.RedisError):
+                with contextlib.suppress(*redis_policy.ERRORS):
                     registry.leave(client, keys, gen.generator_id)
                 client.close()
 
@@ -291,7 +290,7 @@ def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, genera
     while not host.stop.is_set():
         try:
             registry.heartbeat(client, keys, generator_id, address)
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             logs.event(host.log, "heartbeat failed", logging.DEBUG, error=redis_policy.short(e))
         host.stop.wait(registry.BEAT_EVERY_S)
 
@@ -301,7 +300,7 @@ def loop(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
     while not host.stop.is_set():
         try:
             turn(gen, stage, client, keys, host)
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             host.redis.failed(e, "generator loop")
             continue
         host.redis.recovered()

@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
-import redis
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, logs, streams, validation
+from rollstream.core import codec, logs, redis_policy, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
@@ -233,7 +232,7 @@ def loop(settings: ReferenceSettings, stage: streams.StreamStage, scorer: Scorer
             if time.monotonic() >= next_trim:
                 stage.trim()
                 next_trim = time.monotonic() + settings.trim_interval_s
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             # Redis away is not our failure: unacked entries stay pending on us and come back.
             stage.reread_own_pending()
             host.redis.failed(e, "reference loop")

@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
-import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, grpc_utils, logs, streams, validation
+from rollstream.core import codec, grpc_utils, logs, redis_policy, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
@@ -464,11 +463,11 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
                 host.set_ready(False)
                 try:
                     stage.touch([entry for entry, _ in held])
-                except redis.RedisError:
+                except redis_policy.ERRORS:
                     pass  # Redis trouble is handled on the next turn
                 host.stop.wait(max(remote.breaker.retry_in_s(), settings.scorer_backoff_s))
                 continue
-            except redis.RedisError as e:
+            except redis_policy.ERRORS as e:
                 # Whatever was read and not committed stays pending on us and is read again.
                 held = []
                 stage.reread_own_pending()

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import redis
 import torch
 from prometheus_client import Counter, Gauge
 
@@ -420,7 +419,7 @@ def loop(
         checkpoints.serve(save)
         try:
             batch = turn(trainer, stage, feeder, directory, client, keys, host, batch, save)
-        except redis.RedisError as e:
+        except redis_policy.ERRORS as e:
             stage.reread_own_pending()
             host.redis.failed(e, "trainer loop")
             continue
@@ -501,7 +500,7 @@ def train_and_commit(
 
     stage.commit([e for e, _ in taken], extra=ledger)
     trainer.groups_trained += len(groups)
-    with contextlib.suppress(redis.RedisError):
+    with contextlib.suppress(*redis_policy.ERRORS):
         stage.trim()  # housekeeping: the next step tries again
     logs.event(
         host.log, "step",
