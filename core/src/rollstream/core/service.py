@@ -61,9 +61,13 @@ class ServiceHost:
         logs.event(self.log, "serving", grpc=f"{self.settings.host}:{self.grpc.port}", http=f"{self.settings.host}:{self.http.port}")
 
     def readiness(self) -> tuple[bool, str]:
-        """What /readyz answers: not ready while Redis is away, else the service's own answer."""
+        """What /readyz answers: not ready before the service says so (set_ready), nor while
+        Redis is away; else the service's own answer."""
         if not self.redis.ok:
             return False, self.redis.detail
+        if not self._own_ready:
+            ok, detail = self._ready()
+            return False, detail if not ok else "starting"
         return self._ready()
 
     def set_ready(self, ready: bool) -> None:

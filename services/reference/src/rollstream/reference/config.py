@@ -27,4 +27,4 @@ class ReferenceSettings(CommonSettings):
     )
     group: str = Field("reference", description="consumer group on the scored stream")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
-    trim_interval_s: float = Field(10.0, gt=0, description="how often to trim acknowledged entries from the scored stream")
+    trim_interval_s: float = Field(1.0, gt=0, description="how often to trim acknowledged entries from the scored stream")

@@ -28,7 +28,7 @@ class RewardSettings(CommonSettings):
         description="task_kind -> [{component, weight, name, timeout_s, params}], replacing/adding to the built-in recipes (TOML table, or JSON)",
     )
     component_timeout_s: float = Field(5.0, gt=0, description="time limit of one component on one completion (per component: timeout_s)")
-    trim_every_s: float = Field(10.0, gt=0, description="trim acknowledged rollouts and log a progress line this often")
+    trim_every_s: float = Field(1.0, gt=0, description="trim acknowledged rollouts this often")
     # Remote scorer: when set, every group is scored by this Reward/Score server instead.
     scorer_address: str = Field("", description="host:port of a rollstream.v1.Reward server to score with (empty: built-in recipes)")
     scorer_batch_size: int = Field(64, ge=1, description="completions per Score call")

@@ -40,6 +40,7 @@ from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 SERVICE_NAME = "rollstream.v1.Reward"
 SOURCE_STAGE = "rollouts"
+PROGRESS_EVERY_S = 30.0  # the periodic progress line
 # Groups read: the structure every stage checks (finite log-probs, lengths that match, the
 # completion count the task asked for). Vocabulary bounds are the trainer's and
 # generator's business: this service has no model (and no torch).
@@ -432,6 +433,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
         totals = Totals()
         last_logged = asdict(totals)
         next_housekeeping = time.monotonic() + settings.trim_every_s
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
         # Groups read but not yet committed because the remote scorer is unavailable: they
         # stay pending on us (touched, so nobody takes them over) and are tried again first.
         held: list[tuple[Entry, rollout_pb2.RolloutGroup]] = []
@@ -449,9 +451,10 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
                 if time.monotonic() >= next_housekeeping:
                     totals.trimmed += stage.trim()
                     next_housekeeping = time.monotonic() + settings.trim_every_s
-                    if asdict(totals) != last_logged:  # quiet while idle
-                        last_logged = asdict(totals)
-                        logs.event(host.log, "progress", **last_logged)
+                if time.monotonic() >= next_progress and asdict(totals) != last_logged:  # quiet while idle
+                    last_logged = asdict(totals)
+                    next_progress = time.monotonic() + PROGRESS_EVERY_S
+                    logs.event(host.log, "progress", **last_logged)
             except ScorerUnavailable as e:
                 remote = scorer.remote
                 assert remote is not None

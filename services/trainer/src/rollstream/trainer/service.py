@@ -454,7 +454,12 @@ def turn(
     taken, rest = batch[: s.groups_per_step], batch[s.groups_per_step :]
     train_and_commit(trainer, stage, directory, client, keys, host, taken)
     if s.checkpoint_every and trainer.step % s.checkpoint_every == 0:
-        save("")
+        try:
+            save("")
+        except OSError as e:
+            # A full or failing disk must not stop training: the trained log keeps every step
+            # since the last good checkpoint, so a restart still loses nothing. Say it loudly.
+            logs.event(host.log, "checkpoint failed", logging.ERROR, step=trainer.step, error=str(e))
     return rest
 
 
