@@ -15,9 +15,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 STEPS = 12
-# A measurable rise within 15 minutes on an idle 2-core machine, model load included; the hog
-# takes one of the two cores, hence the margin.
-LIMIT_S = 25 * 60
+# A measurable rise within 15 minutes on an idle 2-core machine, model load included. The hog
+# takes most of one of the two cores and the trainer's two threads then wait on each other:
+# steps took 110-135 s instead of 30-50 s (docs/reliability.md), hence the margin.
+LIMIT_S = 35 * 60
 
 
 @pytest.mark.timeout(LIMIT_S + 120)

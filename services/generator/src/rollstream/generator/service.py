@@ -138,6 +138,8 @@ class Generator:
         requests = []
         for task in tasks:
             prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
+            if len(prompt_ids) > self.limits.max_prompt_tokens:  # messages are counted only once rendered
+                raise codec.EntryError(f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}")
             s = task.sampling
             requests.append(
                 SampleRequest(

@@ -393,6 +393,11 @@ def push_anchor(trainer: Trainer, directory: GeneratorDirectory, client: redis_p
 Held = list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]
 
 
+class StepNotRecorded(RuntimeError):
+    """A step applied in memory whose commit Redis refused for good: the process ends (not a
+    Redis error, so no loop catches it)."""
+
+
 def loop(
     trainer: Trainer, stage: streams.StreamStage, feeder: PromptFeeder, directory: GeneratorDirectory,
     client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost, checkpoints: CheckpointRequests,
@@ -483,7 +488,11 @@ def train_and_commit(
         host.redis.call(lambda: client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
         logs.event(host.log, "step refused", logging.ERROR, reason=str(e), groups=len(groups))
         return
-    addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    try:
+        addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    except redis_policy.ERRORS as e:  # a registry key someone overwrote: push where we pushed last
+        logs.event(host.log, "generator registry unreadable", logging.ERROR, error=redis_policy.short(e), pushing_to=len(directory.last))
+        addresses = directory.last
     outcomes = trainer.publisher.push(addresses, published, s.push_timeout_s)
     for o in outcomes:
         if not o.applied:
@@ -503,7 +512,14 @@ def train_and_commit(
             for entry, _ in taken:
                 ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
 
-    stage.commit([e for e, _ in taken], extra=ledger)
+    try:
+        stage.commit([e for e, _ in taken], extra=ledger)
+    except redis_policy.ERRORS as e:
+        # Not a transient error (those are retried inside commit): Redis refuses the record
+        # (a key of the wrong type, say). The update must not live on without it, or its
+        # groups, still pending, would be trained a second time: end the process; the
+        # restart resumes from the checkpoint and trains them once.
+        raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
     trainer.groups_trained += len(groups)
     with contextlib.suppress(*redis_policy.ERRORS):
         stage.trim()  # housekeeping: the next step tries again
