@@ -17,8 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from rich.console import Console
@@ -27,6 +29,8 @@ from rich.table import Table
 from rollstream.core import codec, redis_policy, registry, streams, validation
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -375,22 +379,32 @@ def settle_versions(trainer: Child, generators: list[Child], timeout_s: float = 
         time.sleep(1.0)
 
 
-def status_table(client: redis.Redis, keys: streams.RunKeys) -> Table:
-    table = Table(title=f"run {keys.run}: policy version {streams.current_version(client, keys)}")
+def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> Table:
+    """The run's streams, counters, last step and live generators. A key holding something
+    else than rollstream wrote there is shown as such, not a crash."""
+
+    def read(what: Callable[[], T], default: T) -> tuple[T, str]:
+        try:
+            return what(), ""
+        except redis.ResponseError as e:  # WRONGTYPE and the like: someone else's key
+            return default, redis_policy.short(e)
+
+    table = Table(title=f"run {keys.run}: policy version {streams.current_version(client, keys) if client.type(keys.version) in (b'string', b'none') else '?'}")
     table.add_column("stream")
     table.add_column("length", justify="right")
     table.add_column("groups (pending)")
     for stage in (*streams.STAGES, "dead"):
         key = keys.stream(stage)
-        try:
-            groups = client.xinfo_groups(key)
-        except redis.ResponseError:
-            groups = []
-        described = ", ".join(f"{g['name'].decode()} ({g['pending']})" for g in groups) or "-"
-        table.add_row(key, str(client.xlen(key)), described)
-    stats = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in client.hgetall(keys.stats).items()}
-    table.caption = "  ".join(f"{k}={v}" for k, v in sorted(stats.items())) or "no counters yet"
-    last = client.xrevrange(keys.metrics, count=1)
+        length, error = read(lambda key=key: client.xlen(key), 0)
+        groups, _ = read(lambda key=key: client.xinfo_groups(key), [])
+        described = error or ", ".join(f"{g['name'].decode(errors='replace')} ({g['pending']})" for g in groups) or "-"
+        table.add_row(key, "?" if error else str(length), described)
+    raw, error = read(lambda: client.hgetall(keys.stats), {})
+    stats = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
+    table.caption = error or "  ".join(f"{k}={v}" for k, v in sorted(stats.items())) or "no counters yet"
+    last, error = read(lambda: client.xrevrange(keys.metrics, count=1), [])
+    if error:
+        table.caption += f"\nmetrics: {error}"
     if last:
         try:
             m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
@@ -398,9 +412,9 @@ def status_table(client: redis.Redis, keys: streams.RunKeys) -> Table:
             table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
         except codec.EntryError as e:
             table.caption += f"\nlast metrics entry unreadable: {e}"
-    generators = registry.live(client, keys, forget=False)
-    if generators:
-        table.caption += "\ngenerators (live): " + ", ".join(f"{k}@{v}" for k, v in generators.items())
+    generators, error = read(lambda: registry.live(client, keys, forget=False), {})
+    if generators or error:
+        table.caption += "\ngenerators (live): " + (error or ", ".join(f"{k}@{v}" for k, v in generators.items()))
     return table
 
 
@@ -419,7 +433,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 client = client or streams.connect(args.redis_url)
                 console.print(status_table(client, keys))
             except redis_policy.ERRORS as e:
-                console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)} does not answer: {redis_policy.short(e)}[/]")
+                console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}[/]")
                 if not args.watch:
                     return 1
             if not args.watch:

@@ -40,9 +40,9 @@ def live(client: redis_policy.Client, keys: RunKeys, ttl_s: float = TTL_S, forge
     """id -> address of the generators that beat within `ttl_s`; forgets the others (unless
     not `forget`: a read-only look, for `rollstream status`)."""
     cutoff = _now_ms(client) - int(ttl_s * 1000)
-    dead = [m.decode() for m in client.zrangebyscore(keys.generators_seen, "-inf", f"({cutoff}")]
-    addresses = {k.decode(): v.decode() for k, v in client.hgetall(keys.generators).items()}
-    seen = {m.decode() for m in client.zrangebyscore(keys.generators_seen, cutoff, "+inf")}
+    dead = [m.decode(errors="replace") for m in client.zrangebyscore(keys.generators_seen, "-inf", f"({cutoff}")]
+    addresses = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in client.hgetall(keys.generators).items()}
+    seen = {m.decode(errors="replace") for m in client.zrangebyscore(keys.generators_seen, cutoff, "+inf")}
     # A hash entry with no heartbeat at all (written by an older generator) counts as dead too.
     dead += [g for g in addresses if g not in seen and g not in dead]
     for generator_id in dead if forget else []:

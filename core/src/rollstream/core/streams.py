@@ -229,8 +229,13 @@ def connect(url: str) -> redis_policy.Client:
 
 
 def current_version(client: redis_policy.Client, keys: RunKeys) -> int:
+    """The trainer's policy version. A value that is not an integer (written by someone
+    else) reads as 0 until the trainer's next step writes it again: no reader dies of it."""
     value = client.get(keys.version)
-    return int(value) if value is not None else 0
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
 
 
 def waiting(client: redis_policy.Client, stream: str, limit: int = 1000) -> int:
