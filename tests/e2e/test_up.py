@@ -4,7 +4,6 @@ a clean stop on Ctrl-C (SIGINT) with nothing left running, and `rollstream statu
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from procs import alive  # tests/procs.py
 from rollstream.core import codec
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
@@ -23,16 +23,6 @@ pytestmark = pytest.mark.e2e
 
 def rollstream_cmd() -> str:
     return str(Path(sys.executable).parent / "rollstream")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:

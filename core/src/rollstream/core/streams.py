@@ -503,7 +503,8 @@ def _as_bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _id_tuple(eid: bytes | str) -> tuple[int, int]:
+def id_tuple(eid: bytes | str) -> tuple[int, int]:
+    """A stream entry id as (ms, seq), for comparisons."""
     s = eid.decode() if isinstance(eid, bytes) else eid
     ms, _, seq = s.partition("-")
     return int(ms), int(seq or 0)
@@ -521,9 +522,9 @@ def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
     for g in groups:
         if g["pending"]:
             summary = client.xpending(stream, g["name"])
-            needed = _id_tuple(summary["min"])
+            needed = id_tuple(summary["min"])
         else:
-            ms, seq = _id_tuple(g["last-delivered-id"])
+            ms, seq = id_tuple(g["last-delivered-id"])
             needed = (ms, seq + 1)  # everything up to last-delivered is acknowledged
         floor = needed if floor is None or needed < floor else floor
     assert floor is not None
