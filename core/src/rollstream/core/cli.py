@@ -33,6 +33,14 @@ from rollstream.v1 import rollout_pb2
 T = TypeVar("T")
 
 
+class ChildFailed(RuntimeError):
+    """A service exited while `up` waited for it to serve."""
+
+    def __init__(self, returncode: int, message: str):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 @dataclass
 class Child:
     """One service process under `up`'s supervision; restarted if it dies unexpectedly."""
@@ -77,7 +85,7 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while not self.state_file.exists():
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{tail(self.log_path)}")
+                raise ChildFailed(self.proc.returncode, f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{tail(self.log_path)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start within {timeout_s}s; see {self.log_path}")
             time.sleep(0.2)
@@ -230,7 +238,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         trainer.start()
         console.print("starting trainer (loading the model)...")
-        trainer_address = trainer.grpc_address()
+        try:
+            trainer_address = trainer.grpc_address()
+        except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
+            console.print(f"[red]{e}[/]")
+            return 2 if e.returncode == 2 else 1
         for i in range(args.generators):
             # Two steps' worth of groups in flight: the next batch is sampled while the trainer
             # trains on this one (staleness <= 1); more would only be dropped as stale.
@@ -242,8 +254,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             children.append(Child("reference-0", ["reference", *common, *model_args, "--consumer", "reference-0"], env, workdir))
         for child in children[1:]:
             child.start()
-        for child in children[1:]:
-            child.grpc_address()
+        try:
+            for child in children[1:]:
+                child.grpc_address()
+        except ChildFailed as e:
+            console.print(f"[red]{e}[/]")
+            return 2 if e.returncode == 2 else 1
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
         redis_down = False
         with console.status("waiting for the first step...") as status:
@@ -259,6 +275,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                         if child is trainer and code == 0:
                             console.print(f"[red]the trainer exited before step {args.steps}[/]")
                             return 1
+                        if code == 2:  # a bad setting: restarting would fail the same way
+                            console.print(f"[red]{child.name} refused its configuration:[/]\n{tail(child.log_path, 10)}")
+                            return 2
                         # Every service restarts under the same consumer name and resumes its own
                         # pending entries; the trainer from its latest checkpoint.
                         delay = child.restart_delay_s()

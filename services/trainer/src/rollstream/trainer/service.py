@@ -357,10 +357,13 @@ def replay_trained_log(trainer: Trainer, client: redis_policy.Client, keys: stre
     the process). Same groups, same optimizer state and RNG: the same weights, bit for bit."""
     logged = host.redis.call(lambda: client.xrange(keys.trained_log), "reading the trained log")
     steps: dict[int, list[rollout_pb2.RolloutGroup]] = {}
-    for _eid, fields in logged:
-        step = int(fields[b"step"])
-        if step > trainer.step:
-            steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
+    for eid, fields in logged:
+        try:
+            step = int(fields.get(b"step", b""))
+            if step > trainer.step:
+                steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
+        except (ValueError, codec.EntryError) as e:  # not written by a trainer: say so, skip it
+            logs.event(host.log, "trained log entry unreadable", logging.ERROR, entry=eid.decode(), error=str(e))
     replayed = 0
     for step in sorted(steps):
         if step != trainer.step + 1:
