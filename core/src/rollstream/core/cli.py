@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollstream.core import codec, redis_policy, registry, streams, validation
+from rollstream.core.procs import die_with_parent
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
 
@@ -69,6 +70,7 @@ class Child:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", f"rollstream.{self.args[0]}", *self.args[1:], "--state-file", str(self.state_file)],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,  # Ctrl-C reaches `up` only
+                preexec_fn=die_with_parent,
             )
 
     def exited(self) -> bool:

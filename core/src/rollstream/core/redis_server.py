@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from rollstream.core.procs import die_with_parent
+
 MIN_VERSION = (6, 2, 0)
 
 
@@ -72,7 +74,9 @@ class EmbeddedRedis:
         ]
         # Own session: a Ctrl-C meant for `rollstream up` must not kill Redis before the
         # services have shut down cleanly (up stops Redis last).
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent
+        )
         client = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + timeout_s
         while True:
