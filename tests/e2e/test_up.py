@@ -82,3 +82,30 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
     done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--lora-rank" in done.stderr
+
+
+def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of `up` itself (no cleanup runs) leaves no service and no redis-server behind:
+    each child gets SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG)."""
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", "orphans", "--workdir", str(tmp_path),
+        "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    expected = {"redis", "trainer", "generator-0", "reward-0"}
+    try:
+        deadline = time.monotonic() + 300
+        while {p.stem for p in (tmp_path / "state").glob("*.json")} != expected:
+            assert proc.poll() is None and time.monotonic() < deadline, "up did not start every service"
+            time.sleep(0.5)
+        pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while [name for name, pid in pids.items() if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = {name: pid for name, pid in pids.items() if alive(pid)}
+    for pid in left.values():
+        os.kill(pid, signal.SIGKILL)  # do not leave them to the next test either
+    assert not left, f"left running after up was killed: {left}"
