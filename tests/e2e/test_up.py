@@ -93,19 +93,24 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     expected = {"redis", "trainer", "generator-0", "reward-0"}
+
+    def pids() -> dict[str, int]:
+        return {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
+
     try:
         deadline = time.monotonic() + 300
-        while {p.stem for p in (tmp_path / "state").glob("*.json")} != expected:
-            assert proc.poll() is None and time.monotonic() < deadline, "up did not start every service"
+        while set(pids()) != expected:
+            assert proc.poll() is None and time.monotonic() < deadline, f"up did not start every service: {sorted(pids())}"
             time.sleep(0.5)
-        pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
-    finally:
+        started = pids()
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 60
-    while [name for name, pid in pids.items() if alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = {name: pid for name, pid in pids.items() if alive(pid)}
-    for pid in left.values():
-        os.kill(pid, signal.SIGKILL)  # do not leave them to the next test either
-    assert not left, f"left running after up was killed: {left}"
+        deadline = time.monotonic() + 60
+        while [name for name, pid in started.items() if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [name for name, pid in started.items() if alive(pid)], "left running after up was killed"
+    finally:
+        proc.kill()
+        for pid in pids().values():  # whatever happened, leave nothing to the next test
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
