@@ -38,8 +38,10 @@ LOGPROB_SLACK = 1e-3
 class Limits:
     vocab_size: int = 0  # token ids must be < this (0: unknown, not checked)
     max_group_size: int = 256
-    max_new_tokens: int = 16384
-    max_prompt_tokens: int = 65536
+    # Long enough for long-context reasoning runs; they bound absurd sizes (2^32-1), and each
+    # service narrows them where it knows better (the trainer to its own max_new_tokens).
+    max_new_tokens: int = 131072
+    max_prompt_tokens: int = 131072
     max_reward_abs: float = 1e4  # |reward| above this is refused
     max_temperature: float = 10.0
     task_kinds: frozenset[str] | None = None  # known task kinds (None: any)

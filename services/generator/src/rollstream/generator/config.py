@@ -38,8 +38,8 @@ class GeneratorSettings(CommonSettings):
     # Tasks asking for more are dead-lettered with the reason instead of tried (a task with
     # max_new_tokens = 2^32-1 once made a generator allocate 549 GB and crash).
     max_group_size: int = Field(256, ge=1, description="refuse tasks asking for more completions than this")
-    max_task_new_tokens: int = Field(16384, ge=1, description="refuse tasks asking for more new tokens than this")
-    max_prompt_tokens: int = Field(65536, ge=1, description="refuse tasks whose prompt is longer than this (tokens)")
+    max_task_new_tokens: int = Field(32768, ge=1, description="refuse tasks asking for more new tokens than this")
+    max_prompt_tokens: int = Field(131072, ge=1, description="refuse tasks whose prompt is longer than this (tokens)")
     sync_interval_s: float = Field(2.0, gt=0, description="how often to compare versions with the trainer")
     seed: int = Field(0, description="sampling seed (mixed with each task's own)")
 
