@@ -177,7 +177,7 @@ def host_network_override(ports: Ports, run: str) -> dict:
         "services": {
             "redis": {
                 "network_mode": "host",
-                "command": ["redis-server", "--bind", "127.0.0.1", "--port", p, "--dir", "/data", "--appendonly", "yes", "--appendfsync", "everysec"],
+                "command": ["redis-server", "--bind", "127.0.0.1", "--port", p, "--dir", "/data", "--appendonly", "yes", "--appendfsync", "always"],
                 "healthcheck": {"test": ["CMD", "redis-cli", "-p", p, "ping"]},
             },
             "trainer": service(
