@@ -4,6 +4,7 @@ a clean stop on Ctrl-C (SIGINT) with nothing left running, and `rollstream statu
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys

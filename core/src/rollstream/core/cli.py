@@ -114,15 +114,14 @@ def tail(path: Path, lines: int = 30) -> str:
 class Progress:
     by_step: dict[int, rollout_pb2.StepMetrics] = field(default_factory=dict)
     last_id: bytes = b"0-0"
-    unreadable: int = 0
 
     @property
     def steps(self) -> list[rollout_pb2.StepMetrics]:
         return [self.by_step[k] for k in sorted(self.by_step)]
 
     def poll(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
-        """New step metrics (an entry that does not decode or check is counted and skipped:
-        anyone can write to the stream, and the display must not die of it)."""
+        """New step metrics (an entry that does not decode or check is skipped: anyone can
+        write to the stream, and the display must not die of it)."""
         new = []
         for eid, fields in client.xrange(keys.metrics, min=b"(" + self.last_id, count=1000):
             self.last_id = eid
@@ -130,7 +129,6 @@ class Progress:
                 m = codec.decode(fields, rollout_pb2.StepMetrics)
                 validation.check_metrics(m)
             except codec.EntryError:
-                self.unreadable += 1
                 continue
             if m.step not in self.by_step:
                 new.append(m)

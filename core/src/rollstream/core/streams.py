@@ -126,7 +126,7 @@ for j = 1, m do
     return 0
   end
 end
-local expected = {XADD = 'stream', XACK = 'stream', XTRIM = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set', SET = 'string'}
+local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set', SET = 'string'}
 local first = 4 + m
 local n = tonumber(ARGV[first])
 local i = first + 1
@@ -314,7 +314,7 @@ class StreamStage:
             # A reply may have been lost with entries delivered to us: read our own pending
             # entries again first. A stream or group deleted under us (FLUSHALL, a Redis
             # restarted without its data) is created again.
-            self._restart_own_pending()
+            self.reread_own_pending()
             if "NOGROUP" in str(e):
                 self.ensure_group(self.client, self.stream, self.group)
             raise
@@ -336,11 +336,9 @@ class StreamStage:
         return good
 
     def reread_own_pending(self) -> None:
-        """Return our own pending entries again on the next reads: after a failure anywhere in
-        the caller's turn, entries it had read may be in no one's hands but ours."""
-        self._restart_own_pending()
-
-    def _restart_own_pending(self) -> None:
+        """Return our own pending entries again on the next reads, without counting a
+        delivery: after a failure anywhere in the caller's turn (or in a call of ours),
+        entries it had read may be in no one's hands but ours."""
         self._own_pending_done = False
         self._own_cursor = "0"
         self._reread_quietly = True
@@ -462,7 +460,7 @@ class StreamStage:
             return self.health.call(run, f"commit to {self.stream}")
         except (*redis_policy.ERRORS, redis_policy.Stopped):
             # Whatever we hold is still pending: re-read our own pending entries first next time.
-            self._restart_own_pending()
+            self.reread_own_pending()
             raise
 
     def apply(self, ops: Ops) -> None:

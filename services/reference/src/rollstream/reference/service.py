@@ -122,7 +122,7 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     if not good:
         return
 
-    # 2. Score every completion of every group that needs it, in one call.
+    # 1. Score every completion of every group that needs it, in one call.
     todo = [g for _, g in good if not g.has_ref_logprobs]
     sequences = [(list(g.prompt_ids), list(c.token_ids)) for g in todo for c in g.completions]
     start = time.perf_counter()
@@ -143,23 +143,24 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
             scorer.metrics.dead.inc()
             continue
         ok.append((entry, g))
-    todo = [g for g in todo if any(g is k for _, k in ok)]
+    computed = {id(g) for g in todo}
+    referenced = sum(1 for _, g in ok if id(g) in computed)
     good = ok
 
-    # 3. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
+    # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
     def ledger(ops: streams.Ops) -> None:
-        ops.hincrby(stage.keys.stats, "referenced", len(todo))
+        ops.hincrby(stage.keys.stats, "referenced", referenced)
 
     stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
-    scorer.totals.add(len(todo), 0)
-    scorer.metrics.groups.labels("referenced").inc(len(todo))
-    scorer.metrics.groups.labels("passed_through").inc(len(good) - len(todo))
+    scorer.totals.add(referenced, 0)
+    scorer.metrics.groups.labels("referenced").inc(referenced)
+    scorer.metrics.groups.labels("passed_through").inc(len(good) - referenced)
     tokens = sum(len(p) + len(c) for p, c in sequences)
     logs.event(
         host.log,
         "groups referenced",
-        groups=len(todo),
-        passed_through=len(good) - len(todo),
+        groups=referenced,
+        passed_through=len(good) - referenced,
         completions=len(sequences),
         tokens=tokens,
         seconds=round(seconds, 3),

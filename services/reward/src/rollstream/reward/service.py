@@ -276,9 +276,7 @@ def read_batch(stage: StreamStage, settings: RewardSettings, metrics: Metrics, t
     """One read's worth of valid groups; what does not parse or check goes to the dead
     letters alone (rollstream.core.streams.StreamStage.read_valid)."""
     def on_dead(entry: Entry, reason: str) -> None:
-        metrics.dead_lettered.inc()
-        totals.dead_lettered += 1
-        logs.event(log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
+        count_dead_letter(entry, reason, metrics, totals, log)
 
     batch = stage.read_valid(settings.read_count, settings.block_ms, parse_group, on_dead=on_dead)
     redelivered = sum(1 for e, _ in batch if e.deliveries > 1)
@@ -291,6 +289,11 @@ def read_batch(stage: StreamStage, settings: RewardSettings, metrics: Metrics, t
 
 def dead_letter(stage: StreamStage, entry: Entry, reason: str, metrics: Metrics, totals: Totals, log: logging.Logger) -> None:
     stage.dead_letter(entry, reason)
+    count_dead_letter(entry, reason, metrics, totals, log)
+
+
+def count_dead_letter(entry: Entry, reason: str, metrics: Metrics, totals: Totals, log: logging.Logger) -> None:
+    """The metrics, totals and log line of an entry the stage has dead-lettered."""
     metrics.dead_lettered.inc()
     totals.dead_lettered += 1
     logs.event(log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)

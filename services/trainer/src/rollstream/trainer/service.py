@@ -388,9 +388,19 @@ def push_anchor(trainer: Trainer, directory: GeneratorDirectory, client: redis_p
     holds (a later version of the abandoned run, or the same number from another lineage)
     is replaced. Generators not reachable now catch up by themselves (hashes + anchor)."""
     anchor = trainer.publisher.catch_up_payloads(-1, "")[0]
-    addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    addresses = push_targets(directory, client, keys, host)
     outcomes = trainer.publisher.push(addresses, anchor, trainer.settings.push_timeout_s)
     logs.event(host.log, "anchor pushed after resume", version=trainer.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
+
+
+def push_targets(directory: GeneratorDirectory, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> list[str]:
+    """The generators to push to, waiting out Redis trouble; a registry key someone overwrote
+    (a lasting error) means: push where we pushed last."""
+    try:
+        return host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
+    except redis_policy.ERRORS as e:
+        logs.event(host.log, "generator registry unreadable", logging.ERROR, error=redis_policy.short(e), pushing_to=len(directory.last))
+        return directory.last
 
 
 Held = list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]
@@ -491,12 +501,7 @@ def train_and_commit(
         host.redis.call(lambda: client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
         logs.event(host.log, "step refused", logging.ERROR, reason=str(e), groups=len(groups))
         return
-    try:
-        addresses = host.redis.call(lambda: directory.addresses(client, keys), "listing generators")
-    except redis_policy.ERRORS as e:  # a registry key someone overwrote: push where we pushed last
-        logs.event(host.log, "generator registry unreadable", logging.ERROR, error=redis_policy.short(e), pushing_to=len(directory.last))
-        addresses = directory.last
-    outcomes = trainer.publisher.push(addresses, published, s.push_timeout_s)
+    outcomes = trainer.publisher.push(push_targets(directory, client, keys, host), published, s.push_timeout_s)
     for o in outcomes:
         if not o.applied:
             logs.event(host.log, "push not applied", logging.WARNING, generator=o.address, error=o.error)
