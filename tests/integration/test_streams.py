@@ -261,6 +261,25 @@ def test_trim_deletes_only_what_every_group_acknowledged(rclient: redis.Redis, k
     assert _ids(fast.read(count=10, block_ms=10)) == [new]
 
 
+def test_trim_survives_the_last_pending_entry_acked_by_another_worker_midway(redis_url: str, keys: RunKeys) -> None:
+    """XINFO GROUPS says pending, and before XPENDING another worker acks it all (seen in
+    CI with two reward workers): XPENDING then has no min. Trim to last-delivered, no crash."""
+
+    class AckedMidway(redis.Redis):
+        def xinfo_groups(self, name):  # type: ignore[no-untyped-def, override]
+            groups = super().xinfo_groups(name)
+            other.commit(pending)  # the other worker's commit lands between the two calls
+            return groups
+
+    client = AckedMidway.from_url(redis_url)
+    ids = _feed(client, keys, 4)
+    other = StreamStage(client, keys, SRC, GROUP, "other")
+    pending = other.read(count=3, block_ms=10)
+    assert streams.trim_acknowledged(client, keys.stream(SRC)) == 3
+    assert _stream_ids(client, keys.stream(SRC)) == ids[3:]  # never delivered: kept
+    client.close()
+
+
 def test_trim_keeps_everything_for_a_group_that_has_not_read(rclient: redis.Redis, keys: RunKeys) -> None:
     ids = _feed(rclient, keys, 3)
     fast = StreamStage(rclient, keys, SRC, "fast", "f")

@@ -518,12 +518,16 @@ def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
         return 0  # nobody has read it yet: everything is still needed
     floor: tuple[int, int] | None = None
     for g in groups:
+        # Everything up to last-delivered is acknowledged unless pending. This reading of
+        # last-delivered may already be stale; it only grows, so a stale one trims less.
+        ms, seq = id_tuple(g["last-delivered-id"])
+        needed = (ms, seq + 1)
         if g["pending"]:
-            summary = client.xpending(stream, g["name"])
-            needed = id_tuple(summary["min"])
-        else:
-            ms, seq = id_tuple(g["last-delivered-id"])
-            needed = (ms, seq + 1)  # everything up to last-delivered is acknowledged
+            # Another consumer may ack the last pending entry between the two calls: then
+            # XPENDING has no min, and the bound above holds.
+            oldest = client.xpending(stream, g["name"])["min"]
+            if oldest is not None:
+                needed = id_tuple(oldest)
         floor = needed if floor is None or needed < floor else floor
     assert floor is not None
     return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
