@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from rollstream.core.redis_policy import check_url
@@ -46,6 +46,17 @@ class CommonSettings(BaseSettings):
     read_count: int = Field(8, ge=1, description="entries read per XREADGROUP")
     block_ms: int = Field(500, ge=1, description="XREADGROUP block time")
     state_file: str = Field("", description="write {grpc_port, http_port, pid} here once serving (for supervisors)")
+    # Credentials (docs/security.md). Secrets come from files (or ROLLSTREAM_REDIS_PASSWORD),
+    # never from flags: a flag shows in every process listing.
+    redis_username: str = Field("", description="Redis ACL user (empty: the URL's user, else 'default')")
+    redis_password_file: str = Field("", description="file holding the Redis ACL user's password")
+    redis_password: SecretStr = Field(SecretStr(""), description="Redis password (prefer redis_password_file)")
+    grpc_token_file: str = Field("", description="file holding this service's gRPC token, sent on every call it makes")
+    grpc_auth_file: str = Field("", description="JSON {role: sha256 of its token}: the callers this server accepts")
+    grpc_tls_cert_file: str = Field("", description="PEM certificate this service presents (server, and client for mTLS)")
+    grpc_tls_key_file: str = Field("", description="PEM private key for grpc_tls_cert_file")
+    grpc_tls_ca_file: str = Field("", description="PEM CA bundle: verifies peers (servers; clients too when set on a server)")
+    allow_unauthenticated: bool = Field(False, description="serve gRPC without grpc_auth_file on a non-loopback host")
 
     @field_validator("redis_url")
     @classmethod
@@ -84,6 +95,8 @@ def _format_validation_error(cls: type[BaseSettings], err: ValidationError) -> s
 
 def _add_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     for name, info in cls.model_fields.items():
+        if info.annotation is SecretStr:
+            continue  # secrets never as flags (visible in `ps`): a file, or the environment
         flag = "--" + name.replace("_", "-")
         help_text = info.description or ""
         if info.annotation is bool:
