@@ -1,7 +1,8 @@
 # rollstream/redis: Debian bookworm's redis-server (7.0), the rollout buffer. Any Redis >= 6.2
 # works (the official redis:7 image too); this one is built from the same base as the service
 # images so that nothing has to be pulled from a registry.
-# AOF and the password are set by the command line (compose.yaml, k8s/10-redis.yaml).
+# AOF and the ACL file (--aclfile: one user per service, docs/security.md) are set by the
+# command line (compose.yaml, k8s/10-redis.yaml).
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
@@ -16,6 +17,6 @@ RUN groupadd --system --gid 999 redis \
 USER 999:999
 WORKDIR /data
 EXPOSE 6379
-# No config file: everything is on the command line. Without a password (compose's private
-# network) protected mode would refuse other containers, hence --protected-mode no there.
+# No config file: everything is on the command line. Protected mode only concerns a default
+# user without a password; with the ACL file the default user is off.
 CMD ["redis-server", "--dir", "/data", "--appendonly", "yes", "--appendfsync", "everysec"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -102,15 +103,19 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: 
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
-def trainer_state(address: str, sha: bool = False) -> trainer_pb2.TrainerState:
-    """Trainer.GetState (with the weights' sha256 when `sha`)."""
-    with channel(address) as ch:
+def _creds(token: str) -> ClientCredentials | None:
+    return ClientCredentials(token=token) if token else None
+
+
+def trainer_state(address: str, sha: bool = False, token: str = "") -> trainer_pb2.TrainerState:
+    """Trainer.GetState (with the weights' sha256 when `sha`; with `token` for a server that checks one)."""
+    with channel(address, _creds(token)) as ch:
         return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
 
 
-def generator_state(address: str, sha: bool = False) -> generator_pb2.GeneratorState:
-    """Generator.GetState (with the weights' sha256 when `sha`)."""
-    with channel(address) as ch:
+def generator_state(address: str, sha: bool = False, token: str = "") -> generator_pb2.GeneratorState:
+    """Generator.GetState (with the weights' sha256 when `sha`; with `token` for a server that checks one)."""
+    with channel(address, _creds(token)) as ch:
         return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
 
 

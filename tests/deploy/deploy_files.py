@@ -9,12 +9,20 @@
 
 Nothing here starts a service: loading settings validates every value (types, ranges, the
 cross-field checks) exactly as the service does at start.
+
+Credentials: `make_credentials` writes a folder in the layout of rollstream.core.credentials
+(with `rollstream secrets` when the CLI has it, else by hand), scripts/k8s_secrets.py turns it
+into Secrets, and `k8s_secret_files` / `compose_secret_files` say which of those files a
+container sees at which path, so the tests can follow every *_FILE setting to its content.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
+import hashlib
 import importlib
+import json
 import os
 import re
 import shutil
@@ -36,6 +44,10 @@ DOCKER_DIR = REPO / "docker"
 COMPOSE_BASE = REPO / "compose.yaml"
 COMPOSE_CPU = REPO / "compose.cpu.yaml"
 COMPOSE_REFERENCE = REPO / "compose.reference.yaml"
+K8S_SECRETS_SCRIPT = REPO / "scripts/k8s_secrets.py"
+DEPLOY_DOC = REPO / "docs/deploy.md"
+ROLES = ("trainer", "generator", "reward", "reference", "admin")
+REDIS_USERS = (*ROLES, "observer")  # Redis ACL users: the roles and the read-only observer (no gRPC token)
 
 SERVICES = ("generator", "reward", "reference", "trainer")
 SETTINGS_CLASSES = {
@@ -206,6 +218,43 @@ class Container:
         return mounts[0], volumes[0]
 
 
+def secret_names(workload: dict) -> set[str]:
+    """Every Secret a workload's pods can read: volumes (plain and projected), env and envFrom."""
+    pod = workload["spec"]["template"]["spec"]
+    names = set()
+    for volume in pod.get("volumes", []):
+        if "secret" in volume:
+            names.add(volume["secret"]["secretName"])
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                names.add(source["secret"]["name"])
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        for entry in c.get("env", []):
+            if "secretKeyRef" in entry.get("valueFrom", {}):
+                names.add(entry["valueFrom"]["secretKeyRef"]["name"])
+        for entry in c.get("envFrom", []):
+            if "secretRef" in entry:
+                names.add(entry["secretRef"]["name"])
+    return names
+
+
+def k8s_secret_files(c: "Container", secrets: dict[str, dict], root: Path) -> dict[str, Path]:
+    """Path in the container -> a local copy of that file, for every file of the Secret
+    volumes mounted in `c` (`secrets`: name -> Secret, e.g. scripts/k8s_secrets.py's output)."""
+    out = {}
+    for mount in c.spec.get("volumeMounts", []):
+        volume = next((v for v in c.pod.get("volumes", []) if v["name"] == mount["name"]), {})  # {}: a volumeClaimTemplate
+        if "secret" not in volume:
+            continue
+        secret = secrets[volume["secret"]["secretName"]]
+        local = root / c.workload["metadata"]["name"] / mount["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        for key, value in secret_files(secret).items():
+            (local / key).write_bytes(value)
+            out[f"{mount['mountPath'].rstrip('/')}/{key}"] = local / key
+    return out
+
+
 _K8S_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 POD_IP = "10.1.2.3"  # stands in for the downward API's status.podIP
 
@@ -237,8 +286,10 @@ def k8s_container(k8s: K8s, workload: dict) -> Container:
     return c
 
 
-def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypatch) -> CommonSettings:
-    """Settings of the container: its --config file taken from the mounted ConfigMap."""
+def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypatch, files: dict[str, Path] | None = None) -> CommonSettings:
+    """Settings of the container: its --config file taken from the mounted ConfigMap; with
+    `files` (container path -> local file, see k8s_secret_files), environment values naming
+    such a path are given the local copy."""
     argv = list(c.args)
     if "--config" in argv:
         i = argv.index("--config") + 1
@@ -250,7 +301,8 @@ def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypat
         local = tmp_path / f"{service}-{config.name}"
         local.write_text(data[config.name])
         argv[i] = str(local)
-    return load_service_settings(service, c.env, argv, monkeypatch)
+    env = {k: str(files[v]) if files and v in files else v for k, v in c.env.items()}
+    return load_service_settings(service, env, argv, monkeypatch)
 
 
 def toml_keys(k8s: K8s, c: Container) -> list[str]:
@@ -273,12 +325,12 @@ class _ComposeLoader(yaml.SafeLoader):
 
 
 _ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
-_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
 def _interpolate(value: Any) -> Any:
-    if isinstance(value, str):
-        return _INTERPOLATION.sub(lambda m: m.group(2) or "", value)
+    if isinstance(value, str):  # `${VAR:-default}` -> the default; `$$` -> a literal `$`
+        return _INTERPOLATION.sub(lambda m: "$" if m.group(0) == "$$" else (m.group(2) or ""), value)
     if isinstance(value, dict):
         return {k: _interpolate(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -317,8 +369,140 @@ def compose_env(service: dict) -> dict[str, str]:
 
 
 def rollstream_services(compose: dict) -> Iterator[tuple[str, str, dict]]:
-    """(compose service name, rollstream service, definition) for the python services."""
+    """(compose service name, rollstream service, definition) for the python services that
+    `up` starts (not the tools behind a profile, such as `admin`)."""
     for name, svc in compose["services"].items():
         image = image_name(svc["image"])
-        if image in SERVICES:
+        if image in SERVICES and not svc.get("profiles"):
             yield name, image, svc
+
+
+def compose_secret_mounts(compose: dict, svc: dict) -> dict[str, str]:
+    """Path in the container -> the `file:` of the top-level secret mounted there (as
+    written, relative to the project folder)."""
+    out = {}
+    for entry in svc.get("secrets", []):
+        source, target = (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target", entry["source"]))
+        path = target if target.startswith("/") else f"/run/secrets/{target}"
+        assert path not in out, f"two secrets mounted at {path}"
+        out[path] = compose["secrets"][source]["file"]
+    return out
+
+
+def compose_secret_files(compose: dict, svc: dict, folder: Path, default: str = "./secrets") -> dict[str, Path]:
+    """Path in the container -> the file of the credentials folder `folder` behind it (the
+    secrets folder of compose.yaml, `${ROLLSTREAM_SECRETS:-./secrets}`, taken to be `folder`)."""
+    out = {}
+    for path, file in compose_secret_mounts(compose, svc).items():
+        assert file.startswith(default + "/"), f"secret {file} is not under {default}/"
+        out[path] = folder / file[len(default) + 1:]
+    return out
+
+
+# -- credentials --------------------------------------------------------------------------
+
+
+def secrets_command() -> list[str] | None:
+    """`rollstream secrets` of this environment, when the CLI has that command."""
+    exe = Path(sys.executable).parent / "rollstream"
+    if not exe.is_file():
+        return None
+    done = subprocess.run([str(exe), "secrets", "--help"], capture_output=True, text=True, timeout=120)
+    return [str(exe), "secrets"] if done.returncode == 0 else None
+
+
+def documented_secrets_args(doc: Path = DEPLOY_DOC) -> list[str]:
+    """The arguments after `rollstream secrets DIR` in the Kubernetes section of docs/deploy.md."""
+    text = doc.read_text()
+    section = text[text.index("## Kubernetes"):]
+    found = re.findall(r"^rollstream secrets \S+((?: --?[\w-]+(?: [^\s-][^\s]*)?)*)\s*$", section, flags=re.M)
+    assert found, "docs/deploy.md: no `rollstream secrets DIR ...` line in the Kubernetes section"
+    return found[0].split()
+
+
+def dns_names(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "--dns"]
+
+
+def _write_tls(folder: Path, names: list[str]) -> None:
+    """A CA and a certificate per role (server + client), as `rollstream secrets --tls`
+    describes them: SANs = the role, localhost and `names`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    from rollstream.core.credentials import write_secret
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def pem_key(key) -> str:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode().strip()
+
+    def cert(subject: str, key, issuer_name, issuer_key, sans: list[str], ca: bool):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in sans]), critical=False)
+            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = cert("rollstream test CA", ca_key, None, ca_key, [], True)
+    write_secret(folder / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM).decode().strip())
+    for role in ROLES:
+        key = ec.generate_private_key(ec.SECP256R1())
+        leaf = cert(role, key, ca_cert.subject, ca_key, [role, "localhost", *names], False)
+        write_secret(folder / f"{role}.key", pem_key(key))
+        write_secret(folder / f"{role}.pem", leaf.public_bytes(serialization.Encoding.PEM).decode().strip())
+
+
+def write_credentials_by_hand(folder: Path, tls: bool, dns: list[str]) -> None:
+    """The layout of rollstream.core.credentials, written with its write_secret: what
+    `rollstream secrets` makes (stands in for it while the CLI lacks the command)."""
+    from rollstream.core.credentials import digest, new_secret, write_secret
+
+    tokens = {role: new_secret() for role in ROLES}
+    passwords = {user: new_secret() for user in REDIS_USERS}
+    for role in ROLES:
+        write_secret(folder / f"grpc/{role}.token", tokens[role])
+    for user in REDIS_USERS:
+        write_secret(folder / f"redis/{user}.password", passwords[user])
+    write_secret(folder / "grpc/roles.json", json.dumps({role: digest(tokens[role]) for role in ROLES}, indent=2, sort_keys=True))
+    acl = ["user default off"] + [f"user {u} on #{hashlib.sha256(passwords[u].encode()).hexdigest()} ~* &* +@all" for u in REDIS_USERS]
+    write_secret(folder / "redis/users.acl", "\n".join(acl))
+    if tls:
+        _write_tls(folder / "tls", dns)
+
+
+def make_credentials(folder: Path, args: list[str] | None = None) -> Path:
+    """A credentials folder at `folder`: `rollstream secrets folder *args` where the CLI has
+    the command, else written by hand with the same `--tls`/`--dns` meaning."""
+    args = list(args or [])
+    cmd = secrets_command()
+    if cmd is not None:
+        done = subprocess.run([*cmd, str(folder), *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"rollstream secrets {folder} {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    else:
+        write_credentials_by_hand(folder, "--tls" in args, dns_names(args))
+    return folder
+
+
+def k8s_secrets(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """scripts/k8s_secrets.py FOLDER ARGS, as a user runs it."""
+    return subprocess.run([sys.executable, str(K8S_SECRETS_SCRIPT), str(folder), *args], capture_output=True, text=True, timeout=120)
+
+
+def secret_files(secret: dict) -> dict[str, bytes]:
+    """A Secret's files (data base64, stringData text), key -> bytes."""
+    out = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
+    out.update({k: v.encode() for k, v in secret.get("stringData", {}).items()})
+    return out

@@ -2,11 +2,15 @@
 code, in every combination a user runs: real service modules, settings that load, health
 checks on the port the service binds, addresses that name the right compose services, GPU
 reservations only without the CPU override, and a pipeline whose stages fit together.
+Credentials: each service mounts exactly its own secrets (token, role table, Redis password)
+from the folder `rollstream secrets` writes, and its settings lead to them; Redis loads the ACL
+file and its health check authenticates; nothing is published; the hardening holds.
 Also the pieces the images are built from: docker/, .dockerignore, scripts/build_images.sh."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -25,10 +29,13 @@ from deploy_files import (
     check_env_names,
     compose_command,
     compose_env,
+    compose_secret_files,
+    compose_secret_mounts,
     dockerfile_entrypoint,
     image_name,
     load_compose,
     load_service_settings,
+    make_credentials,
     rollstream_services,
     split_host_port,
 )
@@ -73,7 +80,8 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
     redis = compose["services"]["redis"]
     redis_port = int(redis["command"][redis["command"].index("--port") + 1])
     assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes", "Redis must run with AOF"
-    assert redis["healthcheck"]["test"][-3:] == ["-p", str(redis_port), "ping"]
+    check = redis["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL" and f"-p {redis_port} ping | grep -q PONG" in check[1], check
     for name, (service, svc, s) in settings.items():
         assert s.host == "0.0.0.0", name
         check = " ".join(svc["healthcheck"]["test"])
@@ -84,7 +92,8 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
         if svc.get("read_only"):
             assert "/tmp" in svc["tmpfs"], f"{name}: a read-only root needs a writable /tmp"
     for name, svc in compose["services"].items():
-        assert svc["restart"] in ("unless-stopped", "on-failure", "always"), name
+        if not svc.get("profiles"):  # `up` starts it
+            assert svc["restart"] in ("unless-stopped", "on-failure", "always"), name
     assert settings["generator"][1]["depends_on"]["trainer"]["condition"] == "service_healthy"
     # `rollstream up`'s wiring: the trainer pushes to every generator, generators catch up from the trainer.
     trainer, generator = settings["trainer"][2], settings["generator"][2]
@@ -188,3 +197,94 @@ def test_images_build_from_what_the_context_sends() -> None:
             src = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], src).rstrip("/")
             assert any(Path(src).match(a) or src.startswith(a + "/") or src == a for a in allowed), f"{dockerfile.name}: {src} is excluded by .dockerignore"
             assert (REPO / src).exists() or src.startswith("build/"), f"{dockerfile.name}: COPY {src} does not exist"
+
+
+# -- credentials and exposure ------------------------------------------------------------
+
+OWN_SECRETS = {  # path in the container -> file of the credentials folder, for role R
+    "/run/secrets/grpc_token": "grpc/{R}.token",
+    "/run/secrets/grpc_roles.json": "grpc/roles.json",
+    "/run/secrets/redis_password": "redis/{R}.password",
+}
+CREDENTIAL_ENV = {
+    "ROLLSTREAM_GRPC_TOKEN_FILE": "/run/secrets/grpc_token",
+    "ROLLSTREAM_GRPC_AUTH_FILE": "/run/secrets/grpc_roles.json",
+    "ROLLSTREAM_REDIS_PASSWORD_FILE": "/run/secrets/redis_password",
+}
+# The generator alone also gets the read-only Redis user `observer` (its back-pressure over
+# scored and ready, which its own user may not touch: rollstream.core.redis_acl).
+OBSERVER_SECRET = {"/run/secrets/redis_observer_password": "redis/observer.password"}
+OBSERVER_ENV = {"ROLLSTREAM_REDIS_OBSERVER_PASSWORD_FILE": "/run/secrets/redis_observer_password"}
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the documented `rollstream secrets ./secrets` (no TLS in compose)."""
+    return make_credentials(tmp_path_factory.mktemp("creds") / "secrets")
+
+
+def test_each_service_mounts_exactly_its_own_secrets(combination: tuple[str, dict], credentials: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    label, compose = combination
+    for name, service, svc in rollstream_services(compose):
+        observer = service == "generator"
+        own = {**OWN_SECRETS, **(OBSERVER_SECRET if observer else {})}
+        expected = {path: "./secrets/" + rel.format(R=service) for path, rel in own.items()}
+        assert compose_secret_mounts(compose, svc) == expected, f"{label} {name}"
+        env = compose_env(svc)
+        assert env["ROLLSTREAM_REDIS_USERNAME"] == service, name
+        for var, path in CREDENTIAL_ENV.items():
+            assert env[var] == path, f"{name}: {var}"
+        for var, path in OBSERVER_ENV.items():
+            assert env.get(var) == (path if observer else None), f"{name}: {var}"
+        assert "ROLLSTREAM_REDIS_PASSWORD" not in env and "ROLLSTREAM_ALLOW_UNAUTHENTICATED" not in env, name
+        # Settings, loaded as the service loads them, lead to its own role's files.
+        files = compose_secret_files(compose, svc, credentials)
+        s = load_service_settings(service, {k: str(files.get(v, v)) for k, v in env.items()}, svc.get("command", []), monkeypatch)
+        assert Path(s.grpc_token_file).read_bytes() == (credentials / f"grpc/{service}.token").read_bytes(), name
+        assert Path(s.redis_password_file).read_bytes() == (credentials / f"redis/{service}.password").read_bytes(), name
+        assert json.loads(Path(s.grpc_auth_file).read_text()) == json.loads((credentials / "grpc/roles.json").read_text()), name
+        assert s.redis_username == service and not s.allow_unauthenticated, name
+        if observer:
+            assert Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes(), name
+    # Redis: the ACL file, and admin's password for its health check; nothing else.
+    redis = compose["services"]["redis"]
+    mounts = compose_secret_mounts(compose, redis)
+    assert mounts == {"/run/secrets/users.acl": "./secrets/redis/users.acl", "/run/secrets/admin_redis_password": "./secrets/redis/admin.password"}
+    cmd = redis["command"]
+    assert cmd[cmd.index("--aclfile") + 1] == "/run/secrets/users.acl"
+    assert "--protected-mode" not in cmd and "--requirepass" not in cmd
+    check = redis["healthcheck"]["test"][1]
+    assert "--user admin" in check and 'REDISCLI_AUTH="$(cat /run/secrets/admin_redis_password)"' in check, check
+    # Every file the project mounts is in the layout `rollstream secrets` writes.
+    for secret in compose["secrets"].values():
+        assert (credentials / secret["file"].removeprefix("./secrets/")).is_file(), secret
+
+
+def test_admin_tool_has_admin_s_credentials_only(combination: tuple[str, dict], credentials: Path) -> None:
+    _, compose = combination
+    admin = compose["services"]["admin"]
+    assert admin["profiles"] == ["admin"], "`up` must not start the operator's CLI"
+    assert admin["entrypoint"] == ["rollstream"] and admin["command"] == ["status"]
+    assert compose_secret_mounts(compose, admin) == {"/run/secrets/grpc_token": "./secrets/grpc/admin.token", "/run/secrets/redis_password": "./secrets/redis/admin.password"}
+    env = compose_env(admin)
+    assert env["ROLLSTREAM_REDIS_USERNAME"] == "admin"
+    assert env["ROLLSTREAM_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password" and env["ROLLSTREAM_GRPC_TOKEN_FILE"] == "/run/secrets/grpc_token"
+    assert env["ROLLSTREAM_REDIS_URL"] == compose_env(compose["services"]["trainer"])["ROLLSTREAM_REDIS_URL"]
+    assert env["ROLLSTREAM_RUN"] == compose_env(compose["services"]["trainer"])["ROLLSTREAM_RUN"]
+
+
+def test_nothing_published_and_every_container_hardened(combination: tuple[str, dict]) -> None:
+    label, compose = combination
+    for name, svc in compose["services"].items():
+        assert "ports" not in svc, f"{label} {name}: publishes {svc.get('ports')} (docs/security.md: nothing by default)"
+        assert svc.get("network_mode") in (None, "bridge"), name
+        assert svc.get("read_only") is True and svc.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert not svc.get("privileged") and "user" not in svc, name
+        assert not any("seccomp=unconfined" in o or "seccomp:unconfined" in o for o in svc.get("security_opt", [])), name
+    reward = compose["services"]["reward"]
+    assert "seccomp=./docker/seccomp/reward.json" in reward["security_opt"]
+    profile = REPO / "docker/seccomp/reward.json"
+    if profile.exists():  # written with the reward sandbox; compose reads it at `up`
+        assert "defaultAction" in json.loads(profile.read_text())
+

@@ -9,7 +9,10 @@
    trainer has done 2 steps (read from the run's metrics stream in Redis); every push reached
    the generator; then the trainer is stopped and started again and resumes from its
    checkpoint (the next step is the one after the checkpoint); then everything stops with
-   exit code 0 and `docker compose down -v` leaves nothing behind.
+   exit code 0 and `docker compose down -v` leaves nothing behind. With credentials as
+   docs/deploy.md makes them (a `rollstream secrets` folder, files made readable, passed as
+   ROLLSTREAM_SECRETS): Redis loads the ACL file, every service authenticates as its role, and
+   the test reads Redis as admin.
 
 Docker: DOCKER_HOST (or docker's default socket) when a daemon answers there; else the
 daemon at unix:///tmp/rs-docker.sock; else, as root with dockerd installed, this module
@@ -29,14 +32,14 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import redis
 import yaml
 
-from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, REPO, compose_command, project_version
+from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, REPO, compose_command, make_credentials, project_version
 from rollstream.core import codec
 from rollstream.core.redis_server import free_port
 from rollstream.core.streams import RunKeys
@@ -173,12 +176,16 @@ def host_network_override(ports: Ports, run: str) -> dict:
         }
 
     p = str(ports.redis)
+    auth = 'REDISCLI_AUTH="$$(cat /run/secrets/admin_redis_password)" redis-cli --user admin'
     return {
         "services": {
             "redis": {
                 "network_mode": "host",
-                "command": ["redis-server", "--bind", "127.0.0.1", "--port", p, "--dir", "/data", "--appendonly", "yes", "--appendfsync", "always"],
-                "healthcheck": {"test": ["CMD", "redis-cli", "-p", p, "ping"]},
+                "command": [
+                    "redis-server", "--bind", "127.0.0.1", "--port", p, "--dir", "/data", "--appendonly", "yes", "--appendfsync", "always",
+                    "--aclfile", "/run/secrets/users.acl",
+                ],
+                "healthcheck": {"test": ["CMD-SHELL", f"{auth} -p {p} ping | grep -q PONG"]},
             },
             "trainer": service(
                 "trainer", ROLLSTREAM_STEPS="0", ROLLSTREAM_THREADS="2", ROLLSTREAM_GROUP_SIZE="4",
@@ -220,9 +227,15 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
     override = tmp_path / "compose.hostnet.yaml"
     override.write_text(yaml.safe_dump(host_network_override(ports, run)))
     files = [a for f in (COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, override) for a in ("-f", str(f))]
+    # Credentials as docs/deploy.md makes them: the folder, then its files readable by the
+    # containers' users (Compose bind-mounts them with the host's owner and mode).
+    secrets = make_credentials(tmp_path / "secrets")
+    for path in secrets.rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o444)
+    project_docker = replace(images, env={**images.env, "ROLLSTREAM_SECRETS": str(secrets)})
 
     def compose(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return images.compose("-p", project, *files, *args, timeout=timeout, check=check)
+        return project_docker.compose("-p", project, *files, *args, timeout=timeout, check=check)
 
     def logs(service: str = "") -> str:
         return compose("logs", "--no-color", "--no-log-prefix", *([service] if service else []), check=False).stdout
@@ -241,7 +254,8 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
             time.sleep(1)
 
     timings = images.timings
-    client = redis.Redis(host="127.0.0.1", port=ports.redis)
+    admin_password = (secrets / "redis/admin.password").read_text().strip()
+    client = redis.Redis(host="127.0.0.1", port=ports.redis, username="admin", password=admin_password)
     keys = RunKeys(run)
     down = False
     crashed: dict[str, int] = {}

@@ -2,11 +2,19 @@
 agree with the code: each container runs a real service module from the image that builds
 it, every setting (ConfigMap TOML, ROLLSTREAM_* env) loads into the service's settings class,
 probes and Services hit the ports those settings bind, and the addresses the services are
-given (Redis, the generators' headless Service, the trainer) lead where they should."""
+given (Redis, the generators' headless Service, the trainer) lead where they should.
+
+Security: no Secret (no credential at all) is committed; scripts/k8s_secrets.py makes the
+Secrets from a `rollstream secrets` folder, valid objects, one per workload with that
+workload's files only, and each workload mounts only its own, so every credential setting
+leads to the right role's file; gRPC runs with TLS; the NetworkPolicies allow exactly the
+connections the system makes (evaluated as the API defines them, for every pair of pods)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from deploy_files import (
     K8S_DIR,
@@ -22,11 +31,18 @@ from deploy_files import (
     TRAINER_LAUNCHER,
     K8s,
     check_env_names,
+    dns_names,
     dockerfile_entrypoint,
     dockerfile_user,
+    documented_secrets_args,
     image_name,
     k8s_container,
+    k8s_secret_files,
+    k8s_secrets,
     k8s_settings,
+    make_credentials,
+    secret_files,
+    secret_names,
     split_host_port,
     toml_keys,
 )
@@ -123,15 +139,14 @@ def test_settings_load_and_ports_match_probes_and_services(k8s: K8s, settings: d
 def test_addresses_lead_to_the_right_services(k8s: K8s, settings: dict) -> None:
     redis = k8s_container(k8s, k8s.workload_of("redis"))
     redis_port = int(redis.args[redis.args.index("--port") + 1])
-    password = redis.args[redis.args.index("--requirepass") + 1]
-    assert password == k8s.secret_value("redis-auth", "password") and redis.port("redis") == redis_port
+    assert redis.port("redis") == redis_port
     for service, (c, s) in settings.items():
         url = urlsplit(s.redis_url)
         svc = k8s.service_for(url.hostname, NAMESPACE)
         assert [w["metadata"]["name"] for w in k8s.pods_selected(svc)] == ["redis"], service
         port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
         assert redis.port(port["targetPort"]) == redis_port, service
-        assert url.password == password, f"{service}: the Redis URL does not carry the Secret's password"
+        assert url.username is None and url.password is None, f"{service}: credentials in the Redis URL (use the *_FILE settings)"
 
     # The trainer pushes to every generator pod: a headless Service (one A record per pod).
     trainer = settings["trainer"][1]
@@ -187,10 +202,314 @@ def test_pods_are_restricted_non_root(k8s: K8s) -> None:
         c = k8s_container(k8s, workload)
         pod_sc, sc = c.pod["securityContext"], c.spec["securityContext"]
         name = image_name(c.spec["image"])
-        assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"]["type"] == "RuntimeDefault", name
+        # The reward pod's sandbox needs the shipped profile (docker/seccomp/reward.json); the rest the runtime's default.
+        expected_seccomp = {"type": "Localhost", "localhostProfile": "rollstream/reward.json"} if name == "reward" else {"type": "RuntimeDefault"}
+        assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"] == expected_seccomp, name
         assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(name), f"{name}: not the image's user"
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["readOnlyRootFilesystem"] is True, name
         if name in SERVICES:
             _, tmp = c.mount_of("/tmp")
             assert "emptyDir" in tmp, f"{name}: /tmp must be writable"
+
+
+# -- credentials ----------------------------------------------------------------------------
+
+SECRET_MOUNT = "/run/secrets/rollstream"
+CREDENTIAL_ENV = {  # setting -> key of the workload's own Secret
+    "ROLLSTREAM_REDIS_PASSWORD_FILE": "redis-password",
+    "ROLLSTREAM_GRPC_TOKEN_FILE": "grpc-token",
+    "ROLLSTREAM_GRPC_AUTH_FILE": "grpc-roles.json",
+    "ROLLSTREAM_GRPC_TLS_CERT_FILE": "tls-cert.pem",
+    "ROLLSTREAM_GRPC_TLS_KEY_FILE": "tls-key.pem",
+    "ROLLSTREAM_GRPC_TLS_CA_FILE": "tls-ca.pem",
+}
+# The generator's alone: the read-only Redis user `observer` (its back-pressure over scored and
+# ready, which its own user may not touch: rollstream.core.redis_acl).
+OBSERVER_ENV = {"ROLLSTREAM_REDIS_OBSERVER_PASSWORD_FILE": "redis-observer-password"}
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A credentials folder made with the command docs/deploy.md gives for Kubernetes."""
+    return make_credentials(tmp_path_factory.mktemp("creds") / "secrets", documented_secrets_args())
+
+
+@pytest.fixture(scope="module")
+def generated(credentials: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """scripts/k8s_secrets.py's output: (the file it was saved to, Secrets by name)."""
+    done = k8s_secrets(credentials)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", f"warnings on a complete folder: {done.stderr}"
+    out = tmp_path_factory.mktemp("k8s-secrets") / "secrets.yaml"
+    out.write_text(done.stdout)
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    return out, {d["metadata"]["name"]: d for d in docs}
+
+
+def own_secret(workload: dict) -> str:
+    name = image_name(workload["spec"]["template"]["spec"]["containers"][0]["image"])
+    return f"{name}-credentials"
+
+
+def test_no_secret_or_credential_is_committed(k8s: K8s) -> None:
+    assert k8s.all("Secret") == [], "Secrets come from scripts/k8s_secrets.py, never from k8s/"
+    def walk(node, where: str) -> None:  # no string value under a key that names a credential
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if re.search(r"(?i)password|token", str(k)) and isinstance(v, str) and v:
+                    raise AssertionError(f"{where}: {k}: {v!r} looks like a committed credential")
+                walk(v, f"{where}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+        elif isinstance(node, str):
+            assert not re.search(r"rediss?://[^/\s]*@", node), f"{where}: a Redis URL with a user or password"
+            for line in node.splitlines():  # TOML in ConfigMaps
+                assert not re.match(r"\s*\w*(password|token)\w*\s*=\s*[\"']", line) or "_file" in line, f"{where}: {line.strip()}"
+
+    for path, doc in k8s.docs:
+        walk(doc, f"{path.name} {doc['kind']}/{doc['metadata']['name']}")
+    for workload in k8s.workloads():
+        c = k8s_container(k8s, workload)
+        for name, value in c.env.items():
+            if re.search(r"PASSWORD|TOKEN|_KEY", name):
+                assert name.endswith("_FILE") and value.startswith(SECRET_MOUNT + "/"), f"{workload['metadata']['name']}: {name}={value}"
+
+
+def test_every_workload_mounts_only_its_own_secret(k8s: K8s) -> None:
+    for workload in k8s.workloads():
+        name = workload["metadata"]["name"]
+        assert secret_names(workload) == {own_secret(workload)}, f"{name} can read {secret_names(workload)}"
+        c = k8s_container(k8s, workload)
+        mount, volume = c.mount_of(SECRET_MOUNT)
+        assert mount.get("readOnly") is True and "subPath" not in mount, name  # subPath: no updates on rotation
+        assert volume["secret"]["secretName"] == own_secret(workload) and volume["secret"]["defaultMode"] == 0o400, name
+        # 0400 files are root's: the pod's fsGroup makes them group-readable (0440) by the
+        # service, which runs with that group.
+        pod_sc = c.pod["securityContext"]
+        assert pod_sc["fsGroup"] == pod_sc["runAsGroup"], f"{name}: the 0400 Secret files would be unreadable"
+        assert c.pod.get("automountServiceAccountToken") is False, f"{name}: no pod here needs the Kubernetes API"
+
+
+def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials: Path, generated: tuple[Path, dict[str, dict]], k8s: K8s) -> None:
+    path, secrets = generated
+    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert set(secrets) == {own_secret(w) for w in k8s.workloads()}, "one Secret per workload, and only those"
+    for secret in secrets.values():
+        assert secret["metadata"]["namespace"] == NAMESPACE and secret["type"] == "Opaque"
+    read = lambda rel: (credentials / rel).read_bytes()  # noqa: E731
+    for service in SERVICES:
+        files = secret_files(secrets[f"{service}-credentials"])
+        assert files == {
+            "grpc-token": read(f"grpc/{service}.token"),
+            "grpc-roles.json": read("grpc/roles.json"),
+            "redis-password": read(f"redis/{service}.password"),
+            "tls-cert.pem": read(f"tls/{service}.pem"),
+            "tls-key.pem": read(f"tls/{service}.key"),
+            "tls-ca.pem": read("tls/ca.pem"),
+            **({"redis-observer-password": read("redis/observer.password")} if service == "generator" else {}),
+        }, service
+    assert secret_files(secrets["redis-credentials"]) == {"users.acl": read("redis/users.acl"), "admin.password": read("redis/admin.password")}
+    # No Secret holds another role's token, password or key, nor the admin token or a CA key.
+    for name, secret in secrets.items():
+        own = name.removesuffix("-credentials")
+        values = b"\n".join(secret_files(secret).values())
+        for role in ("trainer", "generator", "reward", "reference", "admin"):
+            foreign = [f"grpc/{role}.token", f"tls/{role}.key"] + ([f"redis/{role}.password"] if (role, own) != ("admin", "redis") else [])
+            for rel in foreign if role != own else []:
+                assert read(rel).strip() not in values, f"{name} holds {rel}"
+        if own != "generator":  # the observer's password is the generator's alone
+            assert read("redis/observer.password").strip() not in values, f"{name} holds redis/observer.password"
+        for rel in ("tls/ca.key",):
+            if (credentials / rel).exists():
+                assert read(rel).strip() not in values, f"{name} holds {rel}"
+
+
+def test_k8s_secrets_refuses_an_incomplete_folder(credentials: Path, tmp_path: Path) -> None:
+    shutil.copytree(credentials, tmp_path / "c")
+    shutil.rmtree(tmp_path / "c/tls")
+    done = k8s_secrets(tmp_path / "c")
+    assert done.returncode == 2 and done.stdout == "" and "--tls" in done.stderr, done.stderr
+    shutil.copytree(credentials / "tls", tmp_path / "c/tls")
+    (tmp_path / "c/grpc/generator.token").unlink()
+    done = k8s_secrets(tmp_path / "c")
+    assert done.returncode == 2 and done.stdout == "" and "generator.token" in done.stderr, done.stderr
+    done = k8s_secrets(tmp_path / "missing")
+    assert done.returncode == 2 and "rollstream secrets" in done.stderr
+
+
+def test_k8s_secrets_namespace_option(credentials: Path) -> None:
+    done = k8s_secrets(credentials, "--namespace", "rl-team")
+    assert done.returncode == 0, done.stderr
+    assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(done.stdout) if d} == {"rl-team"}
+
+
+def test_credential_settings_lead_to_the_roles_own_files(k8s: K8s, credentials: Path, generated: tuple[Path, dict[str, dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every *_FILE setting names a file of the workload's own Secret, holding its own role's
+    credential (the Secret materialized as the kubelet would); TLS on, Redis as the role."""
+    _, secrets = generated
+    for service in SERVICES:
+        c = k8s_container(k8s, k8s.workload_of(service))
+        files = k8s_secret_files(c, secrets, tmp_path)
+        s = k8s_settings(k8s, c, service, tmp_path, monkeypatch, files)
+        for env, key in CREDENTIAL_ENV.items():
+            assert c.env.get(env) == f"{SECRET_MOUNT}/{key}", f"{service}: {env}"
+        observer = service == "generator"
+        for env, key in OBSERVER_ENV.items():
+            assert c.env.get(env) == (f"{SECRET_MOUNT}/{key}" if observer else None), f"{service}: {env}"
+        if observer:
+            assert Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes()
+        assert s.redis_username == service and s.redis_password.get_secret_value() == ""
+        assert Path(s.redis_password_file).read_bytes() == (credentials / f"redis/{service}.password").read_bytes()
+        assert Path(s.grpc_token_file).read_bytes() == (credentials / f"grpc/{service}.token").read_bytes()
+        assert json.loads(Path(s.grpc_auth_file).read_text()) == json.loads((credentials / "grpc/roles.json").read_text())
+        assert Path(s.grpc_tls_cert_file).read_bytes() == (credentials / f"tls/{service}.pem").read_bytes()
+        assert Path(s.grpc_tls_key_file).read_bytes() == (credentials / f"tls/{service}.key").read_bytes()
+        assert Path(s.grpc_tls_ca_file).read_bytes() == (credentials / "tls/ca.pem").read_bytes()
+        assert not s.allow_unauthenticated, service
+    # Redis: the ACL file of its Secret, and the probes authenticate as admin from it.
+    redis = k8s_container(k8s, k8s.workload_of("redis"))
+    files = k8s_secret_files(redis, secrets, tmp_path)
+    aclfile = redis.args[redis.args.index("--aclfile") + 1]
+    assert files[aclfile].read_bytes() == (credentials / "redis/users.acl").read_bytes()
+    assert "--requirepass" not in redis.args and "--protected-mode" not in redis.args
+    for kind in ("readinessProbe", "livenessProbe"):
+        command = " ".join(redis.spec[kind]["exec"]["command"])
+        assert "--user admin" in command and "grep -q" in command, kind
+        secret_path = re.search(r"cat (\S+?)\)", command).group(1)
+        assert files[secret_path].read_bytes() == (credentials / "redis/admin.password").read_bytes(), kind
+
+
+def test_tls_names_cover_the_addresses_peers_dial(settings: dict) -> None:
+    """The documented `rollstream secrets ... --tls --dns ...` names every Service host a
+    service is dialled at (rollstream's clients also accept the role name; other clients,
+    grpcurl or a proxy, check the host)."""
+    args = documented_secrets_args()
+    assert "--tls" in args
+    names = set(dns_names(args))
+    dialled = {split_host_port(settings["generator"][1].trainer_address)[0], split_host_port(settings["trainer"][1].generators_dns)[0]}
+    assert dialled <= names, f"documented --dns names {sorted(names)} miss {sorted(dialled - names)}"
+
+
+# -- NetworkPolicies --------------------------------------------------------------------------
+
+# Peers outside the namespace: the cluster DNS, a Prometheus in another namespace, and an
+# address outside the cluster (reachable only through an ipBlock).
+EXTERNAL = {
+    "kube-dns": ("kube-system", {"k8s-app": "kube-dns"}),
+    "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+    "outside": (None, {}),
+}
+PORTS = [("TCP", 6379), ("TCP", 50051), ("TCP", 8080), ("UDP", 53), ("TCP", 53), ("TCP", 443)]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    for k, v in selector.get("matchLabels", {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions", []):
+        op, key, values = e["operator"], e["key"], e.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": key not in labels or labels[key] not in values, "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+class Cluster:
+    """Pods (one per workload, plus EXTERNAL) and the policies of NAMESPACE, evaluated as
+    https://kubernetes.io/docs/concepts/services-networking/network-policies/ defines them."""
+
+    def __init__(self, k8s: K8s):
+        ns_labels = {**k8s.get("Namespace", NAMESPACE)["metadata"].get("labels", {}), "kubernetes.io/metadata.name": NAMESPACE}
+        self.pods: dict[str, tuple[str | None, dict, dict, dict]] = {}  # name -> (namespace, ns labels, pod labels, named ports)
+        for w in k8s.workloads():
+            c = w["spec"]["template"]["spec"]["containers"][0]
+            named = {p["name"]: p["containerPort"] for p in c.get("ports", []) if "name" in p}
+            self.pods[w["metadata"]["name"]] = (NAMESPACE, ns_labels, w["spec"]["template"]["metadata"]["labels"], named)
+        for name, (ns, labels) in EXTERNAL.items():
+            self.pods[name] = (ns, {"kubernetes.io/metadata.name": ns} if ns else {}, labels, {})
+        self.policies = k8s.all("NetworkPolicy")
+        for p in self.policies:
+            assert p["metadata"]["namespace"] == NAMESPACE
+
+    def _peer_matches(self, peer: dict, pod: str) -> bool:
+        ns, ns_labels, labels, _ = self.pods[pod]
+        assert set(peer) <= {"podSelector", "namespaceSelector"}, f"peer kind these tests do not evaluate: {peer}"
+        if ns is None:
+            return False  # outside the cluster: only an ipBlock could match
+        if "namespaceSelector" in peer:
+            if not _selects(peer["namespaceSelector"], ns_labels):
+                return False
+        elif ns != NAMESPACE:
+            return False
+        return _selects(peer.get("podSelector", {}), labels)
+
+    def _port_matches(self, ports: list[dict] | None, dst: str, proto: str, port: int) -> bool:
+        if not ports:
+            return True
+        named = self.pods[dst][3]
+        for p in ports:
+            assert "endPort" not in p
+            number = named.get(p["port"]) if isinstance(p.get("port"), str) else p.get("port")
+            if p.get("protocol", "TCP") == proto and (number is None or number == port):
+                return True
+        return False
+
+    def _types(self, policy: dict) -> list[str]:
+        return policy["spec"].get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in policy["spec"] else [])]
+
+    def _allowed(self, direction: str, pod: str, peer: str, dst: str, proto: str, port: int) -> bool:
+        if self.pods[pod][0] != NAMESPACE:
+            return True  # not ours to govern
+        key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+        selecting = [p for p in self.policies if direction in self._types(p) and _selects(p["spec"]["podSelector"], self.pods[pod][2])]
+        if not selecting:
+            return True  # not isolated
+        for policy in selecting:
+            for rule in policy["spec"].get(key) or []:
+                peers = rule.get(peers_key)
+                if (not peers or any(self._peer_matches(x, peer) for x in peers)) and self._port_matches(rule.get("ports"), dst, proto, port):
+                    return True
+        return False
+
+    def edges(self) -> set[tuple[str, str, str, int]]:
+        out = set()
+        for src in self.pods:
+            for dst in self.pods:
+                if self.pods[src][0] != NAMESPACE and self.pods[dst][0] != NAMESPACE:
+                    continue
+                for proto, port in PORTS:
+                    if self._allowed("Egress", src, dst, dst, proto, port) and self._allowed("Ingress", dst, src, dst, proto, port):
+                        out.add((src, dst, proto, port))
+        return out
+
+
+def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> None:
+    services = ("trainer", "generator", "reward", "reference")
+    expected = {(s, "redis", "TCP", 6379) for s in services}
+    expected |= {("trainer", "generator", "TCP", 50051), ("generator", "trainer", "TCP", 50051)}
+    expected |= {(s, "kube-dns", proto, 53) for s in services for proto in ("UDP", "TCP")}
+    expected |= {(peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services}  # any pod in the cluster
+    # A namespace-wide default deny, so that a pod added later starts with no access at all.
+    assert any(
+        p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} and not p["spec"].get("ingress") and not p["spec"].get("egress")
+        for p in k8s.all("NetworkPolicy")
+    ), "no default-deny NetworkPolicy"
+    edges = Cluster(k8s).edges()
+    assert edges - expected == set(), f"allowed but not needed: {sorted(edges - expected)}"
+    assert expected - edges == set(), f"needed but denied: {sorted(expected - edges)}"
+
+
+def test_network_policy_edges_match_the_services_settings(k8s: K8s, settings: dict) -> None:
+    """The ports in the policies are the ones the services use: Redis' port, the gRPC port
+    the generators and the trainer are dialled at, the HTTP port Prometheus scrapes."""
+    redis = k8s_container(k8s, k8s.workload_of("redis"))
+    assert int(redis.args[redis.args.index("--port") + 1]) == 6379
+    assert split_host_port(settings["generator"][1].trainer_address)[1] == settings["trainer"][1].grpc_port == 50051
+    assert split_host_port(settings["trainer"][1].generators_dns)[1] == settings["generator"][1].grpc_port == 50051
+    assert all(s.http_port == 8080 for _, s in settings.values())
+    for service, (c, s) in settings.items():
+        annotations = c.workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/port") == str(s.http_port), service

@@ -353,10 +353,11 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         wait_for("2 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 2, svc, timeout_s=60)
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert [(c.reward, c.reward_components[0].status) for c in out["m"].completions] == [(1.0, "ok"), (0.0, "timeout"), (0.0, "ok")]
-        # sq = x + x passes sq(2) == 4 only; the endless loop fails both tests (per-test limit).
-        assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [(1.0, "ok"), (0.5, "ok"), (0.0, "ok")]
+        # sq = x + x passes sq(2) == 4 only; the endless loop runs past the per-test limit: a
+        # timeout (value 0), not a wrong answer.
+        assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [(1.0, "ok"), (0.5, "ok"), (0.0, "timeout")]
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
-        assert stats == {"scored": 2, "reward_timeouts": 1}
+        assert stats == {"scored": 2, "reward_timeouts": 2}
 
         # The Score RPC runs on the same main thread, so its time limit is as hard.
         grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
@@ -369,6 +370,7 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         assert [(s.reward, s.components[0].status) for s in reply.scores] == [(0.0, "timeout"), (1.0, "ok")]
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text.splitlines()
         assert 'rollstream_reward_timeouts_total{component="answer"} 2.0' in metrics
+        assert 'rollstream_reward_timeouts_total{component="tests"} 1.0' in metrics
     finally:
         svc.kill()
 

@@ -71,13 +71,15 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         assert generator_state(gen.grpc_address, sha=True).weights_sha256 == final_a.weights_sha256
 
         # SaveCheckpoint: the default path is the step's folder (written by checkpoint_every
-        # already, and written again), an explicit path is written once and never overwritten.
+        # already, and written again), an explicit path (inside the checkpoint folder: anywhere
+        # else is refused, tests/integration/test_grpc_auth_services.py) is written once and
+        # never overwritten.
         assert (dir_a / "step-00000002" / "state.json").is_file()
         result = save_checkpoint(address, "")
         assert (result.path, result.version) == (str(dir_a / "step-00000004"), 4)
         assert checkpoint.load_state(dir_a / "step-00000004").version == 4
         assert sorted(p.name for p in dir_a.iterdir()) == ["step-00000002", "step-00000004"]  # no leftovers
-        manual = tmp_path / "manual"
+        manual = dir_a / "manual"
         result = save_checkpoint(address, str(manual))
         assert (result.path, result.version) == (str(manual), 4)
         assert checkpoint.load_state(manual).step == 4

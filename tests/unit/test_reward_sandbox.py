@@ -95,7 +95,7 @@ def test_a_test_that_hangs_fails_and_the_others_still_run() -> None:
     code = "import time\ndef f(x):\n    if x == 2:\n        while True:\n            time.sleep(0.01)\n    return x\n"
     result = run_tests(code, ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"], SandboxLimits(wall_s=20.0, test_timeout_s=0.5))
     assert result.passed == (True, False, True)
-    assert not result.timed_out
+    assert not result.timed_out and result.timeouts == 1  # the code component makes this a "timeout"
     assert "test 1: timed out" in result.detail
 
 
@@ -189,7 +189,9 @@ def test_runs_as_nobody_and_cannot_touch_roots_files(tmp_path: Path) -> None:
 
 
 def test_the_program_cannot_read_the_expected_outputs() -> None:
-    # The job file (code, tests, expected outputs) is deleted before the program runs.
+    # The job file (code, tests, expected outputs) is deleted before the program runs, and
+    # no file of the harness's is in the work dir (see test_reward_sandbox_gaming.py for the
+    # harness's memory).
     code = "import os\nleft = sorted(os.listdir('.'))\n"
     assert run_tests(code, ["assert not any('job' in name for name in left), left"], LIMITS).passed == (True,)
 

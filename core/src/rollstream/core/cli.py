@@ -5,6 +5,8 @@
                       beta > 0 and the trainer is not its own reference), with a live
                       progress display; Ctrl-C stops it all cleanly
   rollstream status   the pipeline of a run, read from Redis (--watch to follow)
+  rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
+                      and with --tls a CA and a certificate per role (docs/security.md)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from rollstream.core import codec, redis_policy, registry, streams, validation
+from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, streams, validation
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
@@ -178,17 +181,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     console.print(f"[bold]rollstream up[/] run={args.run} workdir={workdir}{'' if args.fresh else ' (continuing the run)'}")
     model = str(resolve_model(args.model))
     console.print(f"model: {model}")
+    # Every service gets its own credentials (docs/security.md): a gRPC token per role, and
+    # on the embedded server a Redis ACL user per role. Kept across runs in the workdir.
+    creds = workdir / "credentials"
+    tokens = credentials.ensure_grpc_tokens(creds)
+    admin = ClientCredentials(token=tokens["admin"])
     embedded = None
+    admin_redis: tuple[str | None, str | None] = (None, None)  # an external URL brings its own
     if args.redis_url:
         redis_url = args.redis_url
     else:
-        embedded = EmbeddedRedis(workdir / "redis").start()
+        passwords = redis_acl.ensure_redis_credentials(creds)
+        admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
+        embedded = EmbeddedRedis(workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN]).start()
         redis_url = embedded.url
         _write_redis_state(workdir, embedded)
-        console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on)")
+        console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
     keys = streams.RunKeys(args.run)
     try:
-        client = streams.connect(redis_url)
+        client = redis_policy.connect(redis_url, *admin_redis)
         if args.fresh:
             stale_keys = list(client.scan_iter(match=keys.prefix + "*"))
             if stale_keys:
@@ -208,8 +219,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_args = ["--model", model, "--threads", side_threads]
     # A fixed port: generators keep the trainer's address across its restarts (catch-up).
     trainer_port = free_port()
+
+    def own(role: str) -> list[str]:
+        return credentials.service_flags(creds, role, redis_acl=embedded is not None)
+
     trainer_args = [
-        "trainer", *common, "--model", model, "--threads", trainer_threads, "--grpc-port", str(trainer_port),
+        "trainer", *common, *own("trainer"), "--model", model, "--threads", trainer_threads, "--grpc-port", str(trainer_port),
         "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--consumer", "trainer-0",
@@ -247,11 +262,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             # Two steps' worth of groups in flight: the next batch is sampled while the trainer
             # trains on this one (staleness <= 1); more would only be dropped as stale.
             generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(2 * args.groups_per_step)]
-            children.append(Child(f"generator-{i}", ["generator", *common, *model_args, *generator_args], env, workdir))
+            children.append(Child(f"generator-{i}", ["generator", *common, *own("generator"), *model_args, *generator_args], env, workdir))
         output_stage = "scored" if with_reference else "ready"
-        children.append(Child("reward-0", ["reward", *common, "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))
+        children.append(Child("reward-0", ["reward", *common, *own("reward"), "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))
         if with_reference:
-            children.append(Child("reference-0", ["reference", *common, *model_args, "--consumer", "reference-0"], env, workdir))
+            children.append(Child("reference-0", ["reference", *common, *own("reference"), *model_args, "--consumer", "reference-0"], env, workdir))
         for child in children[1:]:
             child.start()
         try:
@@ -311,7 +326,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 )
                 time.sleep(0.5)
         if finished:
-            versions = settle_versions(trainer, children[1 : 1 + args.generators])
+            versions = settle_versions(trainer, children[1 : 1 + args.generators], admin)
     finally:
         if trainer.proc is not None and trainer.proc.poll() is None and not finished:
             console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
@@ -372,18 +387,19 @@ def _restart_redis(embedded: EmbeddedRedis, console: Console) -> None:
             delay = min(delay * 2, 10.0)
 
 
-def settle_versions(trainer: Child, generators: list[Child], timeout_s: float = 60.0) -> dict[str, int]:
+def settle_versions(trainer: Child, generators: list[Child], creds: ClientCredentials, timeout_s: float = 60.0) -> dict[str, int]:
     """After the last step: wait until every generator serves the trainer's version (a push
-    that missed is caught up within a few seconds), and return each one's version."""
+    that missed is caught up within a few seconds), and return each one's version. Asks as
+    `creds` (the admin role)."""
     from rollstream.core.grpc_utils import channel
     from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
     def trainer_version() -> int:
-        with channel(trainer.grpc_address(timeout_s=30.0)) as ch:
+        with channel(trainer.grpc_address(timeout_s=30.0), creds, server_name="trainer") as ch:
             return int(trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(), timeout=10).version)
 
     def generator_version(g: Child) -> int:
-        with channel(g.grpc_address(timeout_s=30.0)) as ch:
+        with channel(g.grpc_address(timeout_s=30.0), creds, server_name="generator") as ch:
             return int(generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(), timeout=10).policy_version)
 
     deadline = time.monotonic() + timeout_s
@@ -439,17 +455,31 @@ def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> Table:
 
 def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
+    if args.workdir:  # the embedded Redis of an `up` run, as its admin user
+        workdir = Path(args.workdir)
+        try:
+            args.redis_url = json.loads((workdir / "state" / "redis.json").read_text())["url"]
+        except (OSError, ValueError, KeyError) as e:
+            console.print(f"[red]--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})[/]")
+            return 2
+        args.redis_username = args.redis_username or redis_acl.ADMIN
+        args.redis_password_file = args.redis_password_file or str(redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN))
     try:
         redis_policy.check_url(args.redis_url)
     except ValueError as e:
         console.print(f"[red]--redis-url: {e}[/]")
+        return 2
+    try:
+        username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, os.environ.get("ROLLSTREAM_REDIS_PASSWORD", ""))
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
         return 2
     keys = streams.RunKeys(args.run)
     client = None
     try:
         while True:
             try:
-                client = client or streams.connect(args.redis_url)
+                client = client or redis_policy.connect(args.redis_url, username, password)
                 console.print(status_table(client, keys))
             except redis_policy.ERRORS as e:
                 console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}[/]")
@@ -463,6 +493,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()
+
+
+def cmd_secrets(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if (args.namespace or args.dns) and not args.tls:
+        print("--namespace and --dns name certificates: add --tls", file=sys.stderr)
+        return 2
+    credentials.ensure_grpc_tokens(root)
+    redis_acl.ensure_redis_credentials(root)
+    if args.tls:
+        credentials.ensure_tls(root, namespace=args.namespace, extra_names=tuple(args.dns))
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        print(path)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -499,8 +543,20 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show a run's streams, consumer groups and counters")
     st.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_REDIS_URL", "redis://127.0.0.1:6379/0"))
     st.add_argument("--run", default=os.environ.get("ROLLSTREAM_RUN", "demo"))
+    st.add_argument("--workdir", default="", help="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
+    st.add_argument("--redis-username", default=os.environ.get("ROLLSTREAM_REDIS_USERNAME", ""), help="Redis ACL user (under `up`: admin)")
+    st.add_argument(
+        "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
+        help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)",
+    )
     st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
     st.set_defaults(func=cmd_status)
+    se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment")
+    se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
+    se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
+    se.add_argument("--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc")
+    se.add_argument("--dns", action="append", default=[], help="with --tls: another name every certificate carries (repeatable)")
+    se.set_defaults(func=cmd_secrets)
     return parser
 
 

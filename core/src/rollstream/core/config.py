@@ -9,13 +9,14 @@ it with `load_settings(cls, argv)`. Precedence, lowest to highest: defaults, TOM
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from rollstream.core.redis_policy import check_url
@@ -65,8 +66,32 @@ class CommonSettings(BaseSettings):
         # (it may be starting): the Redis policy waits for that.
         return check_url(url)
 
+    @model_validator(mode="after")
+    def _grpc_security(self) -> "CommonSettings":
+        # Off loopback, a server without a role table lets anyone who reaches the port push
+        # weights, read them, or write checkpoints: refuse, unless the operator says so.
+        # Whether the files exist is checked when the server starts (rollstream.core.grpc_auth),
+        # so settings can be validated where the secrets are not mounted (CI, a laptop).
+        if not self.grpc_auth_file and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(f"grpc_auth_file: serving gRPC on {self.host} without authentication: set grpc_auth_file, or allow_unauthenticated=true")
+        if self.grpc_tls_cert_file and not self.grpc_tls_key_file:
+            raise ValueError("grpc_tls_key_file: required with grpc_tls_cert_file")
+        if self.grpc_tls_key_file and not self.grpc_tls_cert_file:
+            raise ValueError("grpc_tls_cert_file: required with grpc_tls_key_file")
+        return self
+
 
 S = TypeVar("S", bound=CommonSettings)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _TomlDict(PydanticBaseSettingsSource):

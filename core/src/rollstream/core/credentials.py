@@ -5,7 +5,8 @@ the compose file (Docker secrets) and the k8s Secret (docs/security.md):
 
     <dir>/grpc/<role>.token      a role's gRPC token (sent in metadata; 0600)
     <dir>/grpc/roles.json        {role: sha256(token)}: what a server checks calls against
-    <dir>/redis/<role>.password  a role's Redis ACL password (0600)
+    <dir>/redis/<role>.password  a role's Redis ACL password (0600); also observer.password,
+                                 the read-only Redis user of the generator's back-pressure
     <dir>/redis/users.acl        the ACL file the Redis server loads
 
 Roles are the four services and `admin` (the operator: the CLI, checkpoints on demand).
@@ -16,6 +17,7 @@ the trainer.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 from pathlib import Path
@@ -52,3 +54,69 @@ def read_secret(path: str | Path, what: str) -> str:
     if not value:
         raise ValueError(f"{what}: {path} is empty")
     return value
+
+
+def grpc_dir(root: Path) -> Path:
+    return root / "grpc"
+
+
+def redis_dir(root: Path) -> Path:
+    return root / "redis"
+
+
+def tls_dir(root: Path) -> Path:
+    return root / "tls"
+
+
+def ensure_grpc_tokens(root: Path) -> dict[str, str]:
+    """A token per role (kept if its file exists, so a restarted `up` keeps its services'
+    credentials), and roles.json with their hashes. Deleting a token file and running this
+    again rotates that role's token."""
+    tokens: dict[str, str] = {}
+    for role in ROLES:
+        path = grpc_dir(root) / f"{role}.token"
+        if not path.exists():
+            write_secret(path, new_secret())
+        tokens[role] = read_secret(path, f"{role} token")
+    table = json.dumps({role: digest(token) for role, token in tokens.items()}, indent=2, sort_keys=True)
+    write_secret(grpc_dir(root) / "roles.json", table)  # hashes only, but no reason to share them
+    return tokens
+
+
+def ensure_tls(root: Path, namespace: str = "", extra_names: tuple[str, ...] = ()) -> None:
+    """A CA and one certificate per role, each valid as server and as client (mTLS).
+
+    A role's certificate names the role itself (DNS:trainer, ...): clients check a server
+    against the role they meant to call (grpc.ssl_target_name_override), which holds
+    whatever address discovery gave them (a pod IP, a loopback port). With `namespace`,
+    the Kubernetes Service names are added (`trainer.<ns>.svc`, ...) for other clients
+    (grpcurl, probes). Existing files are kept; delete tls/ to reissue everything."""
+    from rollstream.core import tls_files
+
+    folder = tls_dir(root)
+    ca_key, ca_cert = tls_files.ensure_ca(folder / "ca.key", folder / "ca.pem")
+    for role in ROLES:
+        names = [role, "localhost", *extra_names]
+        if namespace:
+            names += [f"{role}.{namespace}.svc", f"{role}.{namespace}.svc.cluster.local"]
+        tls_files.ensure_leaf(folder / f"{role}.key", folder / f"{role}.pem", ca_key, ca_cert, role, names)
+
+
+def service_flags(root: Path, role: str, tls: bool = False, redis_acl: bool = True) -> list[str]:
+    """The flags that give a service of `role` its own credentials from `root` (and only its
+    own: its token, its Redis password, the role table every server checks against; a
+    generator also gets the read-only `observer` user's password, for its back-pressure over
+    stages it may not write: rollstream.core.redis_acl)."""
+    flags = ["--grpc-token-file", str(grpc_dir(root) / f"{role}.token"), "--grpc-auth-file", str(grpc_dir(root) / "roles.json")]
+    if redis_acl:
+        flags += ["--redis-username", role, "--redis-password-file", str(redis_dir(root) / f"{role}.password")]
+        if role == "generator":
+            flags += ["--redis-observer-password-file", str(redis_dir(root) / "observer.password")]
+    if tls:
+        folder = tls_dir(root)
+        flags += [
+            "--grpc-tls-cert-file", str(folder / f"{role}.pem"),
+            "--grpc-tls-key-file", str(folder / f"{role}.key"),
+            "--grpc-tls-ca-file", str(folder / "ca.pem"),
+        ]
+    return flags

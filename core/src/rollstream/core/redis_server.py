@@ -6,6 +6,11 @@ loopback only, with AOF on so a restart keeps the streams, fsynced on every writ
 (`appendfsync always`): with `everysec` a kill -9 can lose the last second of commits, and
 a trainer whose step commit is lost after it applied the update would train those groups
 again. The streams carry a few writes a second, so the fsyncs cost nothing that matters.
+
+With `aclfile` (rollstream.core.redis_acl.ensure_redis_credentials writes one) the server
+loads its ACL users from it: the default user is off, and this class talks to the server
+(readiness, version check) as `admin` with `admin_password`. Without it, the server runs
+as before: the default user, no password.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import redis
 
 from rollstream.core.procs import die_with_parent
+from rollstream.core.redis_acl import ADMIN
 
 MIN_VERSION = (6, 2, 0)
 
@@ -47,11 +53,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """`with EmbeddedRedis(dir) as r: r.url` — a redis-server child process."""
 
-    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, appendfsync: str = "always"):
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int = 0,
+        appendonly: bool = True,
+        appendfsync: str = "always",
+        aclfile: Path | None = None,
+        admin_password: str | None = None,
+    ):
+        if aclfile is not None and not admin_password:
+            raise ValueError("an aclfile needs the admin user's password (admin_password): the default user is off")
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
+        # Absolute: redis-server resolves a relative path against --dir, not our directory.
+        self.aclfile = Path(aclfile).resolve() if aclfile is not None else None
+        self.admin_password = admin_password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,12 +91,14 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
+        if self.aclfile is not None:
+            args += ["--aclfile", str(self.aclfile)]
         # Own session: a Ctrl-C meant for `rollstream up` must not kill Redis before the
         # services have shut down cleanly (up stops Redis last).
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent
         )
-        client = redis.Redis(host="127.0.0.1", port=self.port)
+        client = self.admin_client()
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -87,6 +108,9 @@ class EmbeddedRedis:
             try:
                 client.ping()
                 break
+            except redis.AuthenticationError as e:  # a ConnectionError, but no wait fixes it
+                self.stop()
+                raise RuntimeError(f"redis-server refused the admin user of {self.aclfile}: {e}") from None
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
@@ -98,6 +122,13 @@ class EmbeddedRedis:
             self.stop()
             raise RuntimeError(f"redis-server {version} is too old: XAUTOCLAIM needs >= 6.2")
         return self
+
+    def admin_client(self) -> redis.Redis:
+        """A plain client on this server: as `admin` when it runs with an ACL file, else as the
+        default user."""
+        if self.aclfile is None:
+            return redis.Redis(host="127.0.0.1", port=self.port)
+        return redis.Redis(host="127.0.0.1", port=self.port, username=ADMIN, password=self.admin_password)
 
     def stop(self) -> None:
         if self.proc is None:

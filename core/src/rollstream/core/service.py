@@ -17,7 +17,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from rollstream.core import grpc_utils, logs, redis_policy, streams
+from rollstream.core import grpc_auth, grpc_utils, logs, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.http_side import HttpSide, build_app
 from rollstream.core.redis_policy import RedisHealth
@@ -50,7 +50,17 @@ class ServiceHost:
     def start(self, services: Sequence[grpc_utils.Service], ready: Callable[[], tuple[bool, str]]) -> None:
         self._ready = ready
         self._service_names = [s.name for s in services]
-        self.grpc = grpc_utils.serve(services, self.settings.host, self.settings.grpc_port)
+        # Every credential file is read now: a missing one fails the start, naming its field,
+        # instead of the first call made or answered. The client side is built again where the
+        # service makes its calls; this only checks it can be.
+        try:
+            security = grpc_auth.server_security(self.settings, self.log)
+            grpc_auth.ClientCredentials.from_settings(self.settings)
+        except ValueError as e:  # a file missing or unreadable: a configuration error (exit 2)
+            raise self.redis.invalid(str(e)) from None
+        self.grpc = grpc_utils.serve(
+            services, self.settings.host, self.settings.grpc_port, interceptors=security.interceptors, credentials=security.credentials
+        )
         self.http = HttpSide(build_app(self.name, self.readiness, self.registry), self.settings.host, self.settings.http_port).start()
         if self.settings.state_file:
             path = Path(self.settings.state_file)
@@ -58,7 +68,10 @@ class ServiceHost:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "grpc_port": self.grpc.port, "http_port": self.http.port}))
             tmp.replace(path)
-        logs.event(self.log, "serving", grpc=f"{self.settings.host}:{self.grpc.port}", http=f"{self.settings.host}:{self.http.port}")
+        logs.event(
+            self.log, "serving", grpc=f"{self.settings.host}:{self.grpc.port}", http=f"{self.settings.host}:{self.http.port}",
+            grpc_auth="on" if security.auth else "off", grpc_tls=security.tls,
+        )
 
     def readiness(self) -> tuple[bool, str]:
         """What /readyz answers: not ready before the service says so (set_ready), nor while
@@ -79,10 +92,20 @@ class ServiceHost:
             self.grpc.set_serving(self._own_ready and self.redis.ok, ["", *self._service_names])
 
     def connect_redis(self) -> redis_policy.Client:
-        """A client for settings.redis_url, waiting (one log line, then backing off) until the
-        server answers. Raises Stopped if the service is stopped meanwhile."""
-        url = self.settings.redis_url
-        return self.redis.call(lambda: redis_policy.connect(url), f"connecting to {redis_policy.redact(url)}")
+        """A client for settings.redis_url as settings.redis_username (password from
+        redis_password_file, else redis_password), waiting (one log line, then backing off)
+        until the server answers. Raises Stopped if the service is stopped meanwhile, and
+        redis_policy.Misconfigured (exit status 2, after one log line naming the field or the
+        user) for credentials that cannot be read or that Redis refuses."""
+        s = self.settings
+        url = s.redis_url
+        try:
+            username, password = redis_policy.credentials(url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
+        except ValueError as e:
+            raise self.redis.invalid(str(e)) from None
+        self.redis.user = username or redis_policy.url_credentials(url)[0] or ""
+        doing = f"connecting to {redis_policy.redact(url)} as {self.redis.user or 'default'}"
+        return self.redis.call(lambda: redis_policy.connect(url, username, password), doing)
 
     def open_stage(self, client: redis_policy.Client, source: str, group: str) -> streams.StreamStage:
         """Join `group` on the run's `source` stream (waiting for Redis); commits retry through
@@ -107,7 +130,8 @@ class ServiceHost:
         return self
 
     def __exit__(self, *exc: object) -> bool:
-        if exc[0] is not None and exc[0] not in (KeyboardInterrupt, redis_policy.Stopped):
+        # Misconfigured has logged its one line already; it exits with status 2.
+        if exc[0] is not None and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):  # type: ignore[arg-type]
             self.log.exception("service failed")
         self.close()
         # Stopped while waiting for Redis is a clean stop, not a failure.

@@ -2,7 +2,8 @@
 
 Large payloads never travel as one message (gRPC's 4 MiB default, and memory spikes on
 both sides): `to_chunks` cuts them, `from_chunks` reassembles and checks size and sha256,
-so a truncated or corrupted transfer is refused before anything is decoded.
+so a truncated or corrupted transfer is refused before anything is decoded, and an
+oversized one (declared, or sent beyond what was declared) is cut without being read on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from rollstream.core.deltas import DeltaError, PayloadInfo
 from rollstream.v1 import weights_pb2
 
 CHUNK_BYTES = 4 * 1024 * 1024
+# For callers that know no model size: above any model this system trains on one host.
+DEFAULT_MAX_BYTES = 32 * 1024**3
 
 
 def to_chunks(payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES) -> Iterator[weights_pb2.WeightChunk]:
@@ -31,28 +34,73 @@ def to_chunks(payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES)
         yield weights_pb2.WeightChunk(data=bytes(view[start : start + chunk_bytes]))
 
 
-def from_chunks(chunks: Iterable[weights_pb2.WeightChunk]) -> Iterator[tuple[weights_pb2.WeightHeader, bytes]]:
-    """Yield (header, payload) per payload in the stream, each verified."""
-    header: weights_pb2.WeightHeader | None = None
-    parts: list[bytes] = []
+def payload_limit(dense_bytes: int) -> int:
+    """The largest payload worth accepting for a model whose bf16 weights take `dense_bytes`.
+    An anchor is those bytes plus a safetensors header; a delta is at most about 1.06x them
+    (positions as a bitmask, n/8 bytes, beside 2-byte values; see deltas) plus a JSON index.
+    1.25x + 64 MiB covers both with room, and still refuses a stream sized for another model
+    or for exhausting memory before any of it is read."""
+    return dense_bytes * 5 // 4 + 64 * 1024 * 1024
 
-    def finish() -> tuple[weights_pb2.WeightHeader, bytes]:
-        assert header is not None
-        payload = b"".join(parts)
-        if len(payload) != header.total_bytes:
-            raise DeltaError(f"payload for version {header.version} has {len(payload)} bytes, header says {header.total_bytes}")
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest != header.sha256:
-            raise DeltaError(f"payload for version {header.version} is corrupted (sha256 {digest[:12]} != {header.sha256[:12]})")
-        return header, payload
 
+class TransferRefused(DeltaError):
+    """The stream breaks the transfer's own size rules: it is cut where it is (not read on)
+    and the receiver answers with an error status, not with a sync outcome."""
+
+
+class PayloadTooLarge(TransferRefused):
+    """A header declares more bytes than the receiver accepts."""
+
+
+class PayloadOverrun(TransferRefused):
+    """A payload carries more bytes than its header declared."""
+
+
+class _Assembly:
+    """One payload being received: its header, the chunks so far, and their running hash."""
+
+    def __init__(self, header: weights_pb2.WeightHeader, max_bytes: int):
+        if header.total_bytes > max_bytes:
+            raise PayloadTooLarge(f"payload for version {header.version} declares {header.total_bytes} bytes, more than the {max_bytes} accepted (max_weight_bytes)")
+        self.header = header
+        self.parts: list[bytes] = []
+        self.received = 0
+        self.sha = hashlib.sha256()
+
+    def add(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.header.total_bytes:
+            raise PayloadOverrun(f"payload for version {self.header.version} sent more than the {self.header.total_bytes} bytes its header declares; stream cut")
+        self.sha.update(data)
+        self.parts.append(data)
+
+    def finish(self) -> tuple[weights_pb2.WeightHeader, bytes]:
+        h = self.header
+        if self.received != h.total_bytes:
+            raise DeltaError(f"payload for version {h.version} has {self.received} bytes, header says {h.total_bytes}")
+        digest = self.sha.hexdigest()
+        if digest != h.sha256:
+            raise DeltaError(f"payload for version {h.version} is corrupted (sha256 {digest[:12]} != {h.sha256[:12]})")
+        payload = b"".join(self.parts)
+        self.parts = []  # the chunks are not needed again: hold the payload once while it is applied
+        return h, payload
+
+
+def from_chunks(chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[tuple[weights_pb2.WeightHeader, bytes]]:
+    """Yield (header, payload) per payload in the stream, each verified.
+
+    Bounded per payload: a header declaring more than `max_bytes` is refused as it arrives
+    (PayloadTooLarge), and a payload sending more than its header declared is cut at the
+    chunk that overruns (PayloadOverrun); in both cases nothing more is read from `chunks`.
+    So a sender makes the receiver hold at most min(declared, max_bytes) plus one message."""
+    current: _Assembly | None = None
     for chunk in chunks:
         if chunk.HasField("header"):
-            if header is not None:
-                yield finish()
-            header, parts = chunk.header, []
-        elif header is None:
+            if current is not None:
+                yield current.finish()
+            current = _Assembly(chunk.header, max_bytes)
+        elif current is None:
             raise DeltaError("weight stream does not start with a header")
-        parts.append(chunk.data)
-    if header is not None:
-        yield finish()
+        current.add(chunk.data)
+    if current is not None:
+        yield current.finish()

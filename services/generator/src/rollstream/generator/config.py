@@ -35,11 +35,24 @@ class GeneratorSettings(CommonSettings):
     tasks_per_batch: int = Field(4, ge=1, description="prompt tasks sampled together in one batch")
     max_inflight_groups: int = Field(32, ge=1, description="take no task while this many groups wait downstream")
     max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer")
+    # Back-pressure reads `scored` and `ready`, which the generator's own Redis user may not
+    # touch (a user may write every key it may read: rollstream.core.redis_acl).
+    redis_observer_password_file: str = Field(
+        "",
+        description="the read-only `observer` Redis user's password file, for back-pressure over rollouts, scored and ready "
+        "(empty: the generator's own connection counts them, as without ACLs)",
+    )
     # Tasks asking for more are dead-lettered with the reason instead of tried (a task with
     # max_new_tokens = 2^32-1 once made a generator allocate 549 GB and crash).
     max_group_size: int = Field(256, ge=1, description="refuse tasks asking for more completions than this")
     max_task_new_tokens: int = Field(32768, ge=1, description="refuse tasks asking for more new tokens than this")
     max_prompt_tokens: int = Field(131072, ge=1, description="refuse tasks whose prompt is longer than this (tokens)")
+    # A weight stream (PushWeights, or FetchWeights' answer) is refused at its header when it
+    # declares more, and cut when it sends more than it declared: an oversized or lying
+    # stream never fills the generator's memory. 0: the model's bf16 weights x 1.25 + 64 MiB
+    # (rollstream.core.weight_transfer.payload_limit), known once the model is loaded, which
+    # fits every anchor and delta of that model.
+    max_weight_bytes: int = Field(0, ge=0, description="largest weight payload accepted, bytes (0: auto, 1.25 x the model's bf16 weights + 64 MiB)")
     sync_interval_s: float = Field(2.0, gt=0, description="how often to compare versions with the trainer")
     seed: int = Field(0, description="sampling seed (mixed with each task's own)")
 

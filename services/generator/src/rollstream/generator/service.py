@@ -25,8 +25,10 @@ import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, redis_policy, registry, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, logs, redis_acl, redis_policy, registry, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name, load_or_exit
+from rollstream.core.credentials import read_secret
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -57,6 +59,9 @@ class Generator:
         bits = self.backend.host_bits()
         self.backend.load_weights(bits, version=0)
         self.weights = HostWeights(bits, version=0)
+        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in bits.values()))
+        # Our token (as the generator role) and TLS material for calls to the trainer.
+        self.creds = ClientCredentials.from_settings(settings)
         self.groups_generated = 0
         self.busy = 0
         self.sync_wake = threading.Event()
@@ -90,8 +95,10 @@ class Generator:
 
     def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
-        the version already held are skipped: a push may have delivered them meanwhile."""
-        for header, payload in weight_transfer.from_chunks(chunks):
+        the version already held are skipped: a push may have delivered them meanwhile.
+        Raises weight_transfer.TransferRefused, having read no further, for a stream above
+        max_weight_bytes or longer than its header says."""
+        for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
             self.apply_payload(header, payload, skip_held=skip_held)
         return self.state()
 
@@ -99,7 +106,7 @@ class Generator:
         """Fetch anchor + deltas from the trainer when it is ahead. Returns True if in sync."""
         if not self.settings.trainer_address:
             return True
-        with channel(self.settings.trainer_address) as ch:
+        with channel(self.settings.trainer_address, self.creds, server_name="trainer") as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
             state = stub.GetState(trainer_pb2.TrainerStateRequest(), timeout=10)
             have = self.weights.version
@@ -108,14 +115,24 @@ class Generator:
             logs.event(self.log, "catching up", have=have, trainer=state.version)
             request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
             try:
-                self.apply_stream(stub.FetchWeights(request, timeout=600), skip_held=True)
+                self.fetch(stub, request, skip_held=True)
+            except weight_transfer.TransferRefused:
+                raise  # oversized: an anchor would be no smaller
             except deltas.DeltaError as e:
                 # Our version number matches the chain but our weights do not (the trainer
                 # restarted from scratch): start over from its anchor.
                 logs.event(self.log, "deltas refused during catch-up; fetching the anchor", level=30, error=str(e))
                 request.have_version = -1
-                self.apply_stream(stub.FetchWeights(request, timeout=600))
+                self.fetch(stub, request)
             return True
+
+    def fetch(self, stub: trainer_pb2_grpc.TrainerStub, request: trainer_pb2.FetchWeightsRequest, skip_held: bool = False) -> None:
+        """FetchWeights and apply what it streams; a refused stream is cancelled, not drained."""
+        responses = stub.FetchWeights(request, timeout=600)
+        try:
+            self.apply_stream(responses, skip_held=skip_held)
+        finally:
+            responses.cancel()  # no-op once the stream has ended
 
     def sync_forever(self) -> None:
         while not self.host.stop.is_set():
@@ -234,6 +251,13 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         start = time.perf_counter()
         try:
             state = self.gen.apply_stream(request_iterator)
+        except weight_transfer.TransferRefused as e:
+            # Not a sync outcome but a broken or hostile stream: an error status, at once
+            # (the rest of the stream is not read), and no catch-up woken for it.
+            self.gen.m_refused.inc()
+            logs.event(self.gen.log, "weight stream refused", level=30, error=str(e), peer=context.peer())
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(e))
         except deltas.DeltaError as e:
             self.gen.m_refused.inc()
             logs.event(self.gen.log, "weights refused", level=30, error=str(e), holding=self.gen.weights.version)
@@ -262,16 +286,17 @@ def run(settings: GeneratorSettings) -> None:
         sync.start()
         address = settings.advertise_address or host.grpc_address
         keys = streams.RunKeys(settings.run)
-        client = None
+        client = observer = None
         beat = None
         try:
             client = host.connect_redis()
+            observer = connect_observer(settings, host) or client
             stage = host.open_stage(client, "prompts", settings.group)
             beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen.generator_id, address, host), name="heartbeat", daemon=True)
             beat.start()
             host.set_ready(True)
             logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
-            loop(gen, stage, client, keys, host)
+            loop(gen, stage, client, observer, keys, host)
         finally:
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
@@ -285,6 +310,27 @@ def run(settings: GeneratorSettings) -> None:
                 with contextlib.suppress(*redis_policy.ERRORS):
                     registry.leave(client, keys, gen.generator_id)
                 client.close()
+            if observer is not None and observer is not client:
+                observer.close()
+
+
+def connect_observer(settings: GeneratorSettings, host: ServiceHost) -> redis_policy.Client | None:
+    """A client as the read-only `observer` user (rollstream.core.redis_acl), for the
+    back-pressure count over stages the generator may not write; None without
+    redis_observer_password_file. Credentials that cannot be used end the start (status 2)."""
+    if not settings.redis_observer_password_file:
+        return None
+    url = settings.redis_url
+    try:
+        password = read_secret(settings.redis_observer_password_file, "redis_observer_password_file")
+        if any(redis_policy.url_credentials(url)):
+            raise ValueError("redis_observer_password_file: redis_url carries credentials: give the generator's in redis_username and redis_password_file")
+    except ValueError as e:
+        raise host.redis.invalid(str(e)) from None
+    doing = f"connecting to {redis_policy.redact(url)} as {redis_acl.OBSERVER} (redis_observer_password_file)"
+    # Its own policy object, so that a refusal names the observer user (the service is not ready yet).
+    health = redis_policy.RedisHealth(host.log, host.stop, user=redis_acl.OBSERVER)
+    return health.call(lambda: redis_policy.connect(url, redis_acl.OBSERVER, password), doing)
 
 
 def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, generator_id: str, address: str, host: ServiceHost) -> None:
@@ -293,25 +339,30 @@ def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, genera
         try:
             registry.heartbeat(client, keys, generator_id, address)
         except redis_policy.ERRORS as e:
-            logs.event(host.log, "heartbeat failed", logging.DEBUG, error=redis_policy.short(e))
+            # A refusal (the ACL lacks a registry command) will not pass by itself: say so loudly.
+            level = logging.ERROR if redis_policy.is_denied(e) else logging.DEBUG
+            logs.event(host.log, "heartbeat failed", level, error=redis_policy.short(e))
         host.stop.wait(registry.BEAT_EVERY_S)
 
 
-def loop(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
+def loop(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, observer: redis_policy.Client, keys: streams.RunKeys,
+         host: ServiceHost) -> None:  # fmt: skip
     """Until stopped: one turn at a time; Redis trouble is waited out (rollstream.core.redis_policy)."""
     while not host.stop.is_set():
         try:
-            turn(gen, stage, client, keys, host)
+            turn(gen, stage, client, observer, keys, host)
         except redis_policy.ERRORS as e:
             host.redis.failed(e, "generator loop")
             continue
         host.redis.recovered()
 
 
-def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, keys: streams.RunKeys, host: ServiceHost) -> None:
+def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, observer: redis_policy.Client, keys: streams.RunKeys,
+         host: ServiceHost) -> None:  # fmt: skip
     s = gen.settings
-    # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
-    inflight = sum(streams.waiting(client, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+    # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths),
+    # counted by `observer` (read-only; the generator's own client without one).
+    inflight = sum(streams.waiting(observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
     behind = streams.current_version(client, keys) - (gen.weights.version or 0)
     if inflight >= s.max_inflight_groups or behind > s.max_staleness:
         if behind > s.max_staleness:

@@ -7,7 +7,8 @@ weight * value over the components.
 
 Every component result carries a status, so a 0 always says why it is a 0:
 - "ok": the check ran; its value is the verdict (a wrong answer is "ok" with value 0);
-- "timeout": it ran out of time (see rollstream.reward.limits); value 0;
+- "timeout": it ran out of time (see rollstream.reward.limits; for the code component
+  also a program that ran past its per-test or whole-run limit); value 0;
 - "error: <exception>": the check itself failed (say, a reference answer that does not
   parse); value 0. One bad task never stops the stage.
 An unknown task kind gives a single "task_kind" component with a status naming the known
@@ -206,6 +207,10 @@ def _code(p: CodeParams) -> Check:
         result = sandbox.run_tests(verifiers.extract_code(s.completion), tests, limits)
         if result.timed_out:
             raise ComponentTimeout(f"the program ran past {limits.wall_s}s")
+        if result.timeouts:
+            # A program that hangs on a test is a timeout (status "timeout", value 0), not
+            # a wrong answer, even where it passed the other tests.
+            raise ComponentTimeout(f"the program ran past {limits.test_timeout_s}s on {result.timeouts} test(s)")
         if p.partial_credit:
             return result.fraction
         return 1.0 if all(result.passed) else 0.0

@@ -27,6 +27,7 @@ from typing import Literal
 import grpc
 
 from rollstream.core import grpc_utils
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
 # Failures worth retrying: the scorer is down, overloaded, restarting or slow.
@@ -99,10 +100,12 @@ class RemoteScorer:
         breaker: CircuitBreaker,
         wait: Callable[[float], bool],
         on_call: Callable[[str], None] = lambda outcome: None,
+        creds: ClientCredentials | None = None,
     ):
         """`wait(seconds)` sleeps and returns True if the service is stopping meanwhile
         (threading.Event.wait), so a back-off never delays a shutdown. `on_call(outcome)`
-        is told of every call: "ok", "failed" (transient) or "rejected"."""
+        is told of every call: "ok", "failed" (transient) or "rejected". `creds`: the reward
+        stage's token and TLS material (a scorer with a role table wants them)."""
         self.address = address
         self.batch_size = batch_size
         self.deadline_s = deadline_s
@@ -111,7 +114,7 @@ class RemoteScorer:
         self.backoff_max_s = backoff_max_s
         self.breaker = breaker
         self.wait = wait
-        self.channel = grpc_utils.channel(address)
+        self.channel = grpc_utils.channel(address, creds)
         self.stub = reward_pb2_grpc.RewardStub(self.channel)
         self.on_call = on_call
 

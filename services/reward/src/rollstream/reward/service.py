@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, grpc_utils, logs, redis_policy, streams, validation
 from rollstream.core.config import load_or_exit
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
@@ -381,6 +382,7 @@ def make_remote(settings: RewardSettings, stop: threading.Event, metrics: Metric
         breaker=CircuitBreaker(settings.scorer_breaker_failures, settings.scorer_breaker_cooldown_s),
         wait=stop.wait,
         on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc(),
+        creds=ClientCredentials.from_settings(settings),
     )
 
 

@@ -57,6 +57,10 @@ class CheckpointError(ValueError):
     pass
 
 
+class CheckpointPathRefused(CheckpointError):
+    """A checkpoint path asked for over gRPC that leads outside checkpoint_dir."""
+
+
 @dataclass
 class CheckpointState:
     """Everything in state.json: the non-tensor state of a trainer."""
@@ -258,6 +262,21 @@ def resolve(spec: str, checkpoint_dir: str) -> Path | None:
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a checkpoint (no {STATE_FILE})")
     return path
+
+
+def confine(path: str, checkpoint_dir: str) -> Path:
+    """Where SaveCheckpoint may write `path`: inside checkpoint_dir, nowhere else (a caller
+    must not make the trainer write where it pleases). A relative path is taken inside
+    checkpoint_dir; any path is resolved (symlinks, `..`) before it is checked, and the
+    resolved one is returned, so what is checked is what is written."""
+    if not checkpoint_dir:
+        raise CheckpointError("no checkpoint_dir configured: SaveCheckpoint writes only inside it")
+    root = Path(checkpoint_dir).resolve()
+    given = Path(path)
+    target = (given if given.is_absolute() else root / given).resolve()
+    if target == root or not target.is_relative_to(root):
+        raise CheckpointPathRefused(f"checkpoint path {path!r} resolves to {target}, outside the checkpoint folder {root}")
+    return target
 
 
 class CheckpointRequests:

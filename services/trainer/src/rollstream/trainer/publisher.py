@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from rollstream.core import deltas, weight_transfer
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2_grpc
 
@@ -37,9 +38,12 @@ class Published:
 
 
 class WeightPublisher:
-    def __init__(self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0):
+    def __init__(self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None):
+        """`creds`: the trainer's token (generators accept PushWeights from the trainer role
+        only) and TLS material; None pushes without either."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
+        self.creds = creds
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
         self._set_anchor(dict(bits), version)
@@ -89,14 +93,14 @@ class WeightPublisher:
 
     def push(self, addresses: Sequence[str], published: Published, timeout_s: float) -> list[PushOutcome]:
         """Push one payload to every generator concurrently (each as a stream of chunks)."""
-        futures = [self._pool.submit(_push_one, a, published, timeout_s) for a in addresses]
+        futures = [self._pool.submit(_push_one, a, published, timeout_s, self.creds) for a in addresses]
         return [f.result() for f in futures]
 
 
-def _push_one(address: str, published: Published, timeout_s: float) -> PushOutcome:
+def _push_one(address: str, published: Published, timeout_s: float, creds: ClientCredentials | None) -> PushOutcome:
     start = time.perf_counter()
     try:
-        with channel(address) as ch:
+        with channel(address, creds, server_name="generator") as ch:
             stub = generator_pb2_grpc.GeneratorStub(ch)
             result = stub.PushWeights(weight_transfer.to_chunks(published.payload, published.info), timeout=timeout_s)
         return PushOutcome(address, result.applied, result.version, result.error, time.perf_counter() - start)

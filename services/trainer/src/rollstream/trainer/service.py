@@ -36,6 +36,7 @@ from prometheus_client import Counter, Gauge
 
 from rollstream.core import codec, deltas, logs, modeling, redis_policy, streams, validation, weight_transfer
 from rollstream.core.config import load_or_exit
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -98,7 +99,7 @@ class Trainer:
         else:
             # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
             bits = self._published_bits(self.optimizer.sync_model())
-        self.publisher = WeightPublisher(bits, s.anchor_interval, version=version)
+        self.publisher = WeightPublisher(bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s))
         reg = host.registry
         self.m_steps = Counter("rollstream_trainer_steps", "optimizer steps", registry=reg)
         self.m_reward = Gauge("rollstream_trainer_reward_mean", "mean reward of the last step", registry=reg)
@@ -304,9 +305,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             yield from weight_transfer.to_chunks(p.payload, p.info)
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
-        """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N)."""
+        """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;
+        any other path must lie inside checkpoint_dir, and a relative one is taken there)."""
+        target = ""
+        if request.path:
+            try:
+                target = str(checkpoint.confine(request.path, self.trainer.settings.checkpoint_dir))
+            except checkpoint.CheckpointPathRefused as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            except checkpoint.CheckpointError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
-            path, version = self.checkpoints.request(request.path, context.time_remaining())
+            path, version = self.checkpoints.request(target, context.time_remaining())
         except FileExistsError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except TimeoutError:
@@ -419,6 +429,7 @@ def loop(
     batch: Held = []  # read, valid and not yet trained: ours until committed
 
     def save(path: str) -> tuple[Path, int]:
+        """`path`: empty (the step's folder), or one SaveCheckpoint confined to checkpoint_dir."""
         if not path and not s.checkpoint_dir:
             raise ValueError("no checkpoint path given and no checkpoint_dir configured")
         target = Path(path) if path else Path(s.checkpoint_dir) / checkpoint.step_dir_name(trainer.step)
@@ -427,8 +438,10 @@ def loop(
         # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
         # are never overwritten.
         saved = trainer.save_checkpoint(target, prompts_fed=feeder.fed, consumer=stage.consumer, held_groups=held, replace=not path)
-        if s.checkpoint_dir and saved.parent.resolve() == Path(s.checkpoint_dir).resolve():
-            # `latest` now holds every logged step: the log starts over.
+        if not path:
+            # `latest` now holds every logged step: the log starts over. Not after an explicit
+            # path (now always inside checkpoint_dir too): `latest` does not see it, so the
+            # steps since the last step folder must stay replayable.
             host.redis.call(lambda: client.delete(keys.trained_log), "clearing the trained log")
             checkpoint.prune(Path(s.checkpoint_dir), s.keep_checkpoints)
         return saved, trainer.version

@@ -1,0 +1,153 @@
+"""Least privilege on Redis: one ACL user per service role, and a read-only `observer`.
+
+`ROLE_RULES` below is the whole policy: for each user, the commands it may send and the keys
+it may touch (by name under `rs:{<run>}:`, for every run). `render_acl_file(passwords)`
+turns it into a `users.acl` for `redis-server --aclfile` (passwords only as sha256 hashes),
+and `ensure_redis_credentials(root)` writes each user's password file (kept when it exists)
+and that ACL file into the layout of rollstream.core.credentials. The users are the roles of
+credentials.ROLES and `observer` (`REDIS_USERS`): a Redis user only, with no gRPC token.
+
+Where the lists come from (keep them in step with the code; tests/integration/test_redis_acl.py
+does each user's real work as that user and checks the server's ACL LOG stays empty):
+
+- every client: PING (redis-py's health checks), INFO (redis_policy.connect asks `INFO
+  cluster` to pick the cluster client), SELECT (a `/<db>` in the URL), and for a Redis
+  Cluster, CLUSTER SLOTS and COMMAND (the cluster client's slot map and key positions).
+  redis_policy.connect turns CLIENT SETINFO off, so no user needs CLIENT (whose KILL, LIST
+  and PAUSE reach other clients' connections).
+- every stream stage (rollstream.core.streams.StreamStage): XGROUP CREATE, XREADGROUP,
+  XPENDING, XCLAIM, XACK; the commit script through EVALSHA (SCRIPT LOAD when the server
+  does not have it yet), which runs XPENDING, TYPE, then the stage's writes (XADD, HINCRBY,
+  ...) as the caller: Redis checks a script's commands and keys against the caller's ACL
+  too; dead letters (XADD `dead`, HINCRBY `stats`); trimming (XINFO GROUPS, XPENDING,
+  XTRIM).
+- back-pressure, streams.waiting: EVAL of a script running EXISTS, XINFO GROUPS, XLEN,
+  XRANGE on the stream it measures.
+
+What a key pattern cannot say: Redis 6.2 gives a user the same access to every key it may
+touch (read and write alike), and on 7 an EVAL's declared keys count as written too. A user
+that may read a key may therefore write it with any write command it has. So the
+generator's back-pressure over `rollouts`, `scored` and `ready` runs as `observer`, a user
+with read commands only (no XADD, no XACK, nothing that writes: a script it runs can write
+nothing either), and the generator's own user has neither `scored` nor `ready`: a stolen
+generator password cannot put a forged, self-rewarded group where the trainer reads. The
+trainer, which feeds `prompts`, could still read them. What each role cannot do is
+everything else: another stage's keys, the trainer's ledger and version (but the generator
+reads the version), any command outside its list, and every administrative command (DEBUG,
+CONFIG, FLUSHALL, KEYS, ACL, MONITOR, SHUTDOWN, SCRIPT FLUSH/KILL, MODULE, REPLICAOF,
+CLIENT, ...): those are the `admin` user's alone (the operator: `rollstream status`, `up`'s
+own reads). A script may still busy the server (a loop) until the admin's SCRIPT KILL: EVAL
+is the price of the atomic commit.
+
+Key patterns are Redis globs, in which `{` and `}` are plain characters: `rs:{*}:ready`
+matches `rs:{<any run>}:ready` and not a key without the braces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollstream.core.credentials import ROLES, digest, new_secret, read_secret, redis_dir, write_secret
+
+ADMIN = "admin"
+# Read-only back-pressure over the stages downstream of the generator (module docstring).
+OBSERVER = "observer"
+# Every Redis ACL user: the roles (each also has a gRPC token) and the observer (Redis only).
+REDIS_USERS = (*ROLES, OBSERVER)
+ACL_FILE = "users.acl"
+
+# Commands, grouped by what needs them (see the module docstring).
+_CONNECTION = ("ping", "info", "select", "cluster|slots", "command")
+_STAGE = ("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "evalsha", "script|load", "type", "xadd", "hincrby", "xinfo|groups", "xtrim")
+_WAITING = ("eval", "exists", "xlen", "xrange")
+
+# user -> (commands, keys under rs:{<run>}:). One table, the whole policy.
+ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # prompts -> rollouts; staleness against version; the ledger set of generated groups; the
+    # registry (heartbeat: TIME, HSET, ZADD; leave: HDEL, ZREM). Its back-pressure runs as
+    # the observer: neither `scored` nor `ready` is the generator's.
+    "generator": (
+        (*_CONNECTION, *_STAGE, "get", "sadd", "time", "hset", "zadd", "hdel", "zrem"),
+        ("prompts", "rollouts", "version", "dead", "stats", "groups:generated", "generators", "generators:seen"),
+    ),
+    # rollouts -> scored, or ready when the run has no reference stage (--output-stage).
+    # For a custom reward service (docs/custom-reward.md, which shows this line): XAUTOCLAIM
+    # to take over, and EVAL for its commit script (no more than EVALSHA + SCRIPT LOAD allow).
+    "reward": (
+        (*_CONNECTION, *_STAGE, "xautoclaim", "eval"),
+        ("rollouts", "scored", "ready", "dead", "stats"),
+    ),
+    # scored -> ready.
+    "reference": (
+        (*_CONNECTION, *_STAGE),
+        ("scored", "ready", "dead", "stats"),
+    ),
+    # ready -> the step's ledger (groups sets, stats, version, metrics, trained_log); feeds
+    # prompts (XADD + SET fed in the commit script, after waiting + trimming them); reads its
+    # position (GET fed), the trained log (XRANGE, DEL after a checkpoint), the run's step
+    # (HGET), duplicates (SISMEMBER); reads and prunes the generator registry.
+    "trainer": (
+        (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
+         "time", "zrangebyscore", "hgetall", "hdel", "zrem"),
+        ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
+         "generators", "generators:seen"),
+    ),
+    # The generator's back-pressure (streams.waiting on rollouts, scored, ready): read
+    # commands only, so neither it nor a script it runs writes anything anywhere.
+    OBSERVER: (
+        (*_CONNECTION, "eval", "evalsha", "script|load", "exists", "xinfo|groups", "xlen", "xrange"),
+        ("rollouts", "scored", "ready"),
+    ),
+}  # fmt: skip
+
+
+def key_pattern(name: str) -> str:
+    """The glob for key `name` of every run: `rs:{*}:<name>`."""
+    return f"rs:{{*}}:{name}"
+
+
+def acl_rules(role: str) -> str:
+    """A user's rules, as on its `user` line after the password (no password)."""
+    if role == ADMIN:
+        return "~* &* +@all"
+    commands, keys = ROLE_RULES[role]
+    # resetchannels: no pub/sub for anyone (6.2's default would allow every channel).
+    return " ".join(["resetchannels", *(f"~{key_pattern(k)}" for k in keys), "-@all", *(f"+{c}" for c in commands)])
+
+
+def render_acl_file(passwords: dict[str, str]) -> str:
+    """users.acl for every user of REDIS_USERS, each password stored as `#<sha256>`.
+    The default user is off: a client that does not authenticate can do nothing."""
+    missing = [r for r in REDIS_USERS if not passwords.get(r)]
+    unknown = sorted(set(passwords) - set(REDIS_USERS))
+    if missing or unknown:
+        raise ValueError(f"passwords needed for exactly {', '.join(REDIS_USERS)} (missing: {missing or 'none'}, unknown: {unknown or 'none'})")
+    # Nothing but `user` lines: redis-server refuses comments and blank lines in an ACL file.
+    lines = ["user default reset resetchannels"]
+    # `reset` first: off, no password, no keys, no commands; then exactly what the user gets.
+    lines += [f"user {user} reset on #{digest(passwords[user])} {acl_rules(user)}" for user in REDIS_USERS]
+    return "\n".join(lines) + "\n"
+
+
+def acl_file(root: Path) -> Path:
+    return redis_dir(root) / ACL_FILE
+
+
+def password_file(root: Path, role: str) -> Path:
+    return redis_dir(root) / f"{role}.password"
+
+
+def ensure_redis_credentials(root: Path) -> dict[str, str]:
+    """A password per user of REDIS_USERS under `<root>/redis/` (kept if its file exists,
+    so a restarted `rollstream up` and its running services keep working; delete a file to
+    rotate that user's password) and users.acl rendered from them, written now (a changed
+    table takes effect at the next server start). Returns user -> password."""
+    passwords: dict[str, str] = {}
+    for user in REDIS_USERS:
+        path = password_file(root, user)
+        if not path.exists():
+            write_secret(path, new_secret())
+        passwords[user] = read_secret(path, f"{user} redis password")
+    # Hashes only, but the server is its only reader: 0600 like the rest.
+    write_secret(acl_file(root), render_acl_file(passwords).rstrip("\n"))
+    return passwords

@@ -1,0 +1,139 @@
+"""`rollstream up` on its embedded Redis, attacked from an outside process while it trains:
+every outsider action of the security review is refused (NOAUTH / NOPERM on Redis,
+UNAUTHENTICATED / PERMISSION_DENIED on gRPC), and the run goes on, its services serving
+their own work under their own credentials (docs/security.md)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from rollstream.core import codec, credentials
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_utils import channel
+from rollstream.core.streams import RunKeys
+from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+pytestmark = pytest.mark.e2e
+
+
+def rollstream_cmd() -> str:
+    return str(Path(sys.executable).parent / "rollstream")
+
+
+def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def forged_group(keys: RunKeys) -> dict[bytes, bytes]:
+    group = rollout_pb2.RolloutGroup(
+        group_id="forged", task_id="forged", prompt_ids=[1, 2], policy_version=0, scored=True,
+        completions=[rollout_pb2.Completion(token_ids=[3, 4], behaviour_logprobs=[-0.1, -0.1], reward=100.0)],
+    )
+    return codec.encode(group)
+
+
+def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = "guarded"
+    keys = RunKeys(run)
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", run, "--workdir", str(tmp_path),
+        "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    creds = tmp_path / "credentials"
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "state" / "generator-0.json").exists() or not (tmp_path / "state" / "redis.json").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "up did not start its services within 300 s"
+            time.sleep(0.5)
+        port = int(json.loads((tmp_path / "state" / "redis.json").read_text())["url"].rsplit(":", 1)[1].split("/")[0])
+        admin = redis.Redis(port=port, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "admin"))
+        while admin.xlen(keys.metrics) < 1:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "no step within 300 s"
+            time.sleep(0.5)
+
+        # Redis: no password, no access at all; a service's own user only for its own work.
+        anonymous = redis.Redis(port=port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.xadd(keys.stream("ready"), forged_group(keys))
+        generator = redis.Redis(port=port, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
+        reward = redis.Redis(port=port, username="reward", password=credentials.read_secret(creds / "redis" / "reward.password", "r"))
+        observer = redis.Redis(port=port, username="observer", password=credentials.read_secret(creds / "redis" / "observer.password", "o"))
+        for refused in (
+            lambda: reward.xadd(keys.stream("prompts"), {"x": "y"}),  # another stage's stream
+            lambda: generator.xadd(keys.stream("ready"), forged_group(keys)),  # a self-rewarded group for the trainer
+            lambda: observer.xadd(keys.stream("ready"), forged_group(keys)),  # the generator's back-pressure reads only
+            lambda: generator.set(keys.version, 10**6),  # the trainer's version
+            lambda: generator.xadd(keys.metrics, {"x": "y"}),
+            lambda: generator.execute_command("DEBUG", "SLEEP", "6"),
+            lambda: generator.flushall(),
+            lambda: generator.config_set("appendonly", "no"),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+
+        # gRPC: the trainer's and generators' ports, from an outside process's point of view.
+        trainer_address = f"127.0.0.1:{json.loads((tmp_path / 'state' / 'trainer.json').read_text())['grpc_port']}"
+        generator_address = f"127.0.0.1:{json.loads((tmp_path / 'state' / 'generator-0.json').read_text())['grpc_port']}"
+        generator_token = ClientCredentials(token=credentials.read_secret(creds / "grpc" / "generator.token", "g"))
+        admin_token = ClientCredentials(token=credentials.read_secret(creds / "grpc" / "admin.token", "a"))
+        anchor = [weights_pb2.WeightChunk(header=weights_pb2.WeightHeader(kind="anchor", version=10**6, total_bytes=1), data=b"x")]
+        with channel(generator_address) as ch:
+            assert code_of(lambda: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(anchor), timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+        with channel(generator_address, generator_token) as ch:
+            assert code_of(lambda: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(anchor), timeout=30)) == grpc.StatusCode.PERMISSION_DENIED
+        with channel(trainer_address) as ch:
+            stub = trainer_pb2_grpc.TrainerStub(ch)
+            assert code_of(lambda: list(stub.FetchWeights(trainer_pb2.FetchWeightsRequest(), timeout=30))) == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(lambda: stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=str(tmp_path / "evil")), timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+        with channel(trainer_address, generator_token) as ch:
+            assert code_of(lambda: trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=30)) == grpc.StatusCode.PERMISSION_DENIED
+        with channel(trainer_address, admin_token) as ch:  # even the operator writes only under the checkpoint folder
+            evil = trainer_pb2.SaveCheckpointRequest(path=str(tmp_path / "evil"))
+            assert code_of(lambda: trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(evil, timeout=60)) == grpc.StatusCode.PERMISSION_DENIED
+        assert not (tmp_path / "evil").exists()
+
+        # The run goes on: more steps, nothing forged trained, nothing dead-lettered, and each
+        # service does its work as its own user: the server denies none of them anything.
+        admin.acl_log_reset()  # what was denied so far is the attacks above
+        steps_then = admin.xlen(keys.metrics)
+        while admin.xlen(keys.metrics) < steps_then + 2:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline + 300, "the run stopped after the attacks"
+            time.sleep(0.5)
+        assert not admin.sismember(keys.groups("trained"), "forged")
+        assert admin.xlen(keys.dead) == 0
+        assert admin.acl_log() == []
+
+        # The operator's view: `rollstream status` as admin works; without credentials it says why.
+        url = f"redis://127.0.0.1:{port}/0"
+        ok = subprocess.run(
+            [rollstream_cmd(), "status", "--redis-url", url, "--run", run, "--redis-username", "admin",
+             "--redis-password-file", str(creds / "redis" / "admin.password")],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert ok.returncode == 0 and f"rs:{{{run}}}:ready" in ok.stdout, ok.stdout + ok.stderr
+        refused = subprocess.run([rollstream_cmd(), "status", "--redis-url", url, "--run", run], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower(), refused.stdout + refused.stderr
+        admin.close()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out

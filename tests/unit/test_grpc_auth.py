@@ -1,0 +1,317 @@
+"""rollstream.core.grpc_auth: the permission table, roles.json loading, the settings rules, and
+the interceptor on a real in-process gRPC server (health, reflection, and small servicers of
+our own protos: one per kind of call, unary and streaming)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pydantic import ValidationError
+
+from rollstream.core import credentials, grpc_auth, grpc_utils
+from rollstream.core.config import CommonSettings, ConfigError, load_settings
+from rollstream.core.credentials import ROLES
+from rollstream.core.service import ServiceHost
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
+GENERATOR_PUSH = "/rollstream.v1.Generator/PushWeights"
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def proto_methods() -> set[str]:
+    out = set()
+    for module in (generator_pb2, trainer_pb2, reward_pb2, reference_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            out |= {f"/{service.full_name}/{m.name}" for m in service.methods}
+    return out
+
+
+def test_table_covers_exactly_the_methods_of_our_protos() -> None:
+    # A new RPC without an entry would be refused to everyone: this says so at once.
+    assert set(grpc_auth.PERMISSIONS) == proto_methods()
+
+
+def test_table_rules() -> None:
+    allowed = grpc_auth.allowed_roles
+    assert allowed(GENERATOR_PUSH) == {"trainer"}
+    assert allowed("/rollstream.v1.Generator/Generate") == {"admin", "trainer"}
+    assert allowed("/rollstream.v1.Trainer/FetchWeights") == {"generator", "admin"}
+    assert allowed("/rollstream.v1.Trainer/SaveCheckpoint") == {"admin"}
+    for method in ("/rollstream.v1.Generator/GetState", "/rollstream.v1.Trainer/GetState", "/rollstream.v1.Reference/GetState",
+                   "/rollstream.v1.Reward/Score", "/rollstream.v1.Reference/ComputeLogprobs"):
+        assert allowed(method) == set(ROLES), method
+    assert allowed("/rollstream.v1.Generator/Nope") == frozenset()  # default deny
+    assert grpc_auth.is_open("/grpc.health.v1.Health/Check") and grpc_auth.is_open("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert not grpc_auth.is_open(GENERATOR_PUSH)
+
+
+# -- roles.json ------------------------------------------------------------------------------
+
+
+def table() -> grpc_auth.RoleTable:
+    return grpc_auth.parse_roles(json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}), "test")
+
+
+def test_role_of_finds_each_role_and_nothing_else() -> None:
+    t = table()
+    for role, token in TOKENS.items():
+        assert t.role_of(token) == role
+    assert t.role_of("") is None and t.role_of("trainer") is None and t.role_of(TOKENS["admin"] + " ") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["trainer"]', "expected a JSON object"),
+        ("{}", "no roles"),
+        (json.dumps({"root": "a" * 64}), "unknown role 'root'"),
+        (json.dumps({"trainer": "a" * 63}), "role 'trainer' must map to the sha256"),
+        (json.dumps({"trainer": "A" * 64}), "role 'trainer' must map to the sha256"),
+        (json.dumps({"trainer": "g" * 64}), "role 'trainer' must map to the sha256"),
+        (json.dumps({"trainer": 5}), "role 'trainer' must map to the sha256"),
+        (json.dumps({"trainer": "a" * 64, "admin": "a" * 64}), "roles 'trainer' and 'admin' have the same token"),
+    ],
+)
+def test_bad_roles_files_are_refused_naming_the_file(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "roles.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error) as e:
+        grpc_auth.load_roles(path)
+    assert str(path) in str(e.value) and "grpc_auth_file" in str(e.value)
+
+
+def test_missing_or_empty_roles_file_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="grpc_auth_file: cannot read"):
+        grpc_auth.load_roles(tmp_path / "absent.json")
+    (tmp_path / "empty.json").write_text("\n")
+    with pytest.raises(ValueError, match="grpc_auth_file: .* is empty"):
+        grpc_auth.load_roles(tmp_path / "empty.json")
+
+
+def test_roles_file_written_with_the_credentials_layout_loads(tmp_path: Path) -> None:
+    root = tmp_path / "secrets"
+    for role, token in TOKENS.items():
+        credentials.write_secret(root / "grpc" / f"{role}.token", token)
+    credentials.write_secret(root / "grpc" / "roles.json", json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}))
+    t = grpc_auth.load_roles(root / "grpc" / "roles.json")
+    assert t.role_of(credentials.read_secret(root / "grpc" / "generator.token", "token")) == "generator"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "token"),
+    [
+        ((("authorization", "Bearer abc"),), "abc"),
+        ((), None),
+        ((("authorization", "Basic abc"),), None),
+        ((("authorization", "Bearer "),), None),
+        ((("authorization", "Bearer a"), ("authorization", "Bearer b")), None),  # two: ambiguous
+    ],
+)
+def test_bearer_token(metadata: tuple, token: str | None) -> None:
+    assert grpc_auth.bearer_token(metadata) == token
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ROLLSTREAM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_serves_without_a_role_table(host: str, clean_env: None) -> None:
+    assert CommonSettings(host=host).grpc_auth_file == ""
+
+
+def test_other_hosts_need_a_role_table_or_an_explicit_opt_out(clean_env: None) -> None:
+    with pytest.raises(ValidationError, match="grpc_auth_file: serving gRPC on 0.0.0.0 without authentication"):
+        CommonSettings(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="allow_unauthenticated=true"):
+        load_settings(CommonSettings, ["--host", "10.1.2.3"])
+    assert CommonSettings(host="0.0.0.0", allow_unauthenticated=True).allow_unauthenticated
+    # Existence is checked at start (the secrets may not be mounted where settings are checked).
+    assert CommonSettings(host="0.0.0.0", grpc_auth_file="/run/secrets/roles.json").grpc_auth_file
+
+
+def test_tls_certificate_and_key_come_together(clean_env: None) -> None:
+    with pytest.raises(ValidationError, match="grpc_tls_key_file: required with grpc_tls_cert_file"):
+        CommonSettings(grpc_tls_cert_file="a.pem")
+    with pytest.raises(ValidationError, match="grpc_tls_cert_file: required with grpc_tls_key_file"):
+        CommonSettings(grpc_tls_key_file="a.key")
+
+
+def test_missing_files_fail_the_start_naming_the_field(tmp_path: Path, clean_env: None) -> None:
+    missing = str(tmp_path / "absent")
+    for fields, name in [
+        ({"grpc_auth_file": missing}, "grpc_auth_file"),
+        ({"grpc_token_file": missing}, "grpc_token_file"),
+        ({"grpc_tls_cert_file": missing, "grpc_tls_key_file": missing}, "grpc_tls_cert_file"),
+        ({"grpc_tls_ca_file": missing}, "grpc_tls_ca_file"),
+    ]:
+        host = ServiceHost("test", CommonSettings(**fields))
+        with pytest.raises(ValueError, match=f"{name}: cannot read {missing}"):
+            host.start([], ready=lambda: (True, ""))
+        assert host.grpc is None and host.http is None  # nothing was served
+    (tmp_path / "not.pem").write_text("hello")
+    with pytest.raises(ValueError, match="grpc_tls_ca_file: .* is not a PEM file"):
+        grpc_auth.ClientCredentials.from_settings(CommonSettings(grpc_tls_ca_file=str(tmp_path / "not.pem")))
+
+
+def test_client_credentials_from_settings_do_not_show_secrets(tmp_path: Path, clean_env: None) -> None:
+    credentials.write_secret(tmp_path / "t.token", "s3cret-token")
+    creds = grpc_auth.ClientCredentials.from_settings(CommonSettings(grpc_token_file=str(tmp_path / "t.token")))
+    assert creds.token == "s3cret-token" and not creds.tls
+    assert "s3cret" not in repr(creds)
+    assert grpc_auth.ClientCredentials.from_settings(CommonSettings()) == grpc_auth.ClientCredentials()
+
+
+# -- the interceptor on a real server ---------------------------------------------------------------
+
+
+class Generator(generator_pb2_grpc.GeneratorServicer):
+    """Counts what it reads: a refused push must have read nothing."""
+
+    def __init__(self) -> None:
+        self.chunks_read = 0
+
+    def GetState(self, request, context):  # type: ignore[no-untyped-def]
+        return generator_pb2.GeneratorState(generator_id="g")
+
+    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        for _ in request_iterator:
+            self.chunks_read += 1
+        return weights_pb2.PushResult(applied=True)
+
+
+class Trainer(trainer_pb2_grpc.TrainerServicer):
+    def FetchWeights(self, request, context):  # type: ignore[no-untyped-def]
+        yield weights_pb2.WeightChunk(data=b"w")
+
+    def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+        return trainer_pb2.SaveCheckpointResult(path="ok")
+
+
+def _echo(request_iterator, context):  # type: ignore[no-untyped-def]
+    yield from request_iterator
+
+
+class Server:
+    def __init__(self) -> None:
+        self.generator = Generator()
+        services = [
+            grpc_utils.Service("rollstream.v1.Generator", self.generator, generator_pb2_grpc.add_GeneratorServicer_to_server),
+            grpc_utils.Service("rollstream.v1.Trainer", Trainer(), trainer_pb2_grpc.add_TrainerServicer_to_server),
+            # A stream-stream method that is in no table: default deny for every role.
+            grpc_utils.Service(
+                "test.Echo", None, lambda _s, server: server.add_generic_rpc_handlers(
+                    [grpc.method_handlers_generic_handler("test.Echo", {"Both": grpc.stream_stream_rpc_method_handler(_echo)})]
+                ),
+            ),
+        ]
+        self.running = grpc_utils.serve(services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(table())])
+        self.running.set_serving(True)
+        self.address = f"127.0.0.1:{self.running.port}"
+
+    def channel(self, token: str) -> grpc.Channel:
+        return grpc_utils.channel(self.address, grpc_auth.ClientCredentials(token=token))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.running.stop(0)
+
+
+def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code()  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK
+
+
+def test_health_and_reflection_need_no_token(server: Server) -> None:
+    with grpc_utils.channel(server.address) as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "rollstream.v1.Generator" in names
+    grpc_utils.wait_healthy(server.address, timeout_s=5)
+
+
+@pytest.mark.parametrize("token", ["", "garbage", *TOKENS.values()])
+def test_each_kind_of_call_is_allowed_or_refused_by_role(server: Server, token: str) -> None:
+    role = next((r for r, t in TOKENS.items() if t == token), None)
+
+    def expect(allowed: frozenset[str]) -> grpc.StatusCode:
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED
+        return grpc.StatusCode.OK if role in allowed else grpc.StatusCode.PERMISSION_DENIED
+
+    with server.channel(token) as ch:
+        gen, tr = generator_pb2_grpc.GeneratorStub(ch), trainer_pb2_grpc.TrainerStub(ch)
+        echo = ch.stream_stream("/test.Echo/Both")
+        calls = {
+            "/rollstream.v1.Generator/GetState": lambda: gen.GetState(generator_pb2.GetStateRequest(), timeout=5),  # unary-unary
+            GENERATOR_PUSH: lambda: gen.PushWeights(iter([weights_pb2.WeightChunk(data=b"x")] * 3), timeout=5),  # stream-unary
+            "/rollstream.v1.Trainer/FetchWeights": lambda: list(tr.FetchWeights(trainer_pb2.FetchWeightsRequest(), timeout=5)),  # unary-stream
+            "/rollstream.v1.Trainer/SaveCheckpoint": lambda: tr.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=5),
+            "/test.Echo/Both": lambda: list(echo(iter([b"a", b"b"]), timeout=5)),  # stream-stream
+        }
+        for method, call in calls.items():
+            assert code_of(call) == expect(grpc_auth.allowed_roles(method)), (role, method)
+        # Not a method of this server: UNIMPLEMENTED for anyone (gRPC's own answer; the protos
+        # are public, so it reveals nothing), and nothing of the request is read.
+        missing = ch.unary_unary("/rollstream.v1.Reward/Score")
+        assert code_of(lambda: missing(b"", timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_refusals_say_why_and_read_nothing_of_the_stream(server: Server) -> None:
+    pulled = 0
+
+    def chunks() -> Iterator[weights_pb2.WeightChunk]:
+        nonlocal pulled
+        for _ in range(300):
+            pulled += 1
+            yield weights_pb2.WeightChunk(data=b"x" * (1 << 20))
+
+    before = server.generator.chunks_read
+    for token, code, message in [
+        ("", grpc.StatusCode.UNAUTHENTICATED, "no bearer token"),
+        ("garbage", grpc.StatusCode.UNAUTHENTICATED, "unknown token"),
+        (TOKENS["generator"], grpc.StatusCode.PERMISSION_DENIED, f"role 'generator' may not call {GENERATOR_PUSH}"),
+    ]:
+        pulled = 0
+        with server.channel(token) as ch, pytest.raises(grpc.RpcError) as e:
+            generator_pb2_grpc.GeneratorStub(ch).PushWeights(chunks(), timeout=30)
+        assert e.value.code() == code and message in e.value.details()
+        # The client stops at the refusal: a few MiB in flight at most, never the 300 MiB.
+        assert pulled < 20, pulled
+    assert server.generator.chunks_read == before  # the servicer never saw a chunk
+    with server.channel(TOKENS["trainer"]) as ch:
+        assert generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([weights_pb2.WeightChunk(data=b"x")] * 4), timeout=30).applied
+    assert server.generator.chunks_read == before + 4
+
+
+def test_token_interceptor_replaces_a_token_set_by_hand(server: Server) -> None:
+    with server.channel(TOKENS["admin"]) as ch:
+        reply = trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(), metadata=(("authorization", f"Bearer {TOKENS['reward']}"),), timeout=5
+        )
+    assert reply.path == "ok"
