@@ -96,6 +96,7 @@ def test_run_survives_fault(kind: str, tiny_model_dir: Path, tmp_path: Path) -> 
 
         # The faults really happened, mid-run (else this run proved nothing), and `up`
         # restarted what was killed.
+        assert not run.misfires, f"{context}: fault(s) not injected: {run.misfires}"
         late = [f for f in run.faults if f.at_step >= SHAPE.steps]
         assert not late, f"{context}: fault(s) landed after the last step: {late}\n{run.logs_tail()}"
         for name in {n for n, _pid in killed if n != "redis"}:
