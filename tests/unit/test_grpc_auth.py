@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pydantic import ValidationError
 
-from rollstream.core import credentials, grpc_auth, grpc_utils
+from rollstream.core import credentials, grpc_auth, grpc_utils, redis_policy
 from rollstream.core.config import CommonSettings, ConfigError, load_settings
 from rollstream.core.credentials import ROLES
 from rollstream.core.service import ServiceHost
@@ -164,8 +164,10 @@ def test_missing_files_fail_the_start_naming_the_field(tmp_path: Path, clean_env
         ({"grpc_tls_ca_file": missing}, "grpc_tls_ca_file"),
     ]:
         host = ServiceHost("test", CommonSettings(**fields))
-        with pytest.raises(ValueError, match=f"{name}: cannot read {missing}"):
+        # A configuration error: exit status 2, the field named (as a bad setting at load).
+        with pytest.raises(redis_policy.Misconfigured, match=f"{name}: cannot read {missing}") as refused:
             host.start([], ready=lambda: (True, ""))
+        assert refused.value.code == 2
         assert host.grpc is None and host.http is None  # nothing was served
     (tmp_path / "not.pem").write_text("hello")
     with pytest.raises(ValueError, match="grpc_tls_ca_file: .* is not a PEM file"):
