@@ -56,6 +56,14 @@ def read_secret(path: str | Path, what: str) -> str:
     return value
 
 
+def ensure_secret(path: Path, what: str) -> str:
+    """The secret in `path`, made (new_secret) if the file does not exist yet: kept across
+    runs, so restarted services keep working; deleting the file rotates it."""
+    if not path.exists():
+        write_secret(path, new_secret())
+    return read_secret(path, what)
+
+
 def grpc_dir(root: Path) -> Path:
     return root / "grpc"
 
@@ -72,12 +80,7 @@ def ensure_grpc_tokens(root: Path) -> dict[str, str]:
     """A token per role (kept if its file exists, so a restarted `up` keeps its services'
     credentials), and roles.json with their hashes. Deleting a token file and running this
     again rotates that role's token."""
-    tokens: dict[str, str] = {}
-    for role in ROLES:
-        path = grpc_dir(root) / f"{role}.token"
-        if not path.exists():
-            write_secret(path, new_secret())
-        tokens[role] = read_secret(path, f"{role} token")
+    tokens = {role: ensure_secret(grpc_dir(root) / f"{role}.token", f"{role} token") for role in ROLES}
     table = json.dumps({role: digest(token) for role, token in tokens.items()}, indent=2, sort_keys=True)
     write_secret(grpc_dir(root) / "roles.json", table)  # hashes only, but no reason to share them
     return tokens

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollstream.core.credentials import ROLES, digest, new_secret, read_secret, redis_dir, write_secret
+from rollstream.core.credentials import ROLES, digest, ensure_secret, redis_dir, write_secret
 
 ADMIN = "admin"
 # Read-only back-pressure over the stages downstream of the generator (module docstring).
@@ -142,12 +142,7 @@ def ensure_redis_credentials(root: Path) -> dict[str, str]:
     so a restarted `rollstream up` and its running services keep working; delete a file to
     rotate that user's password) and users.acl rendered from them, written now (a changed
     table takes effect at the next server start). Returns user -> password."""
-    passwords: dict[str, str] = {}
-    for user in REDIS_USERS:
-        path = password_file(root, user)
-        if not path.exists():
-            write_secret(path, new_secret())
-        passwords[user] = read_secret(path, f"{user} redis password")
+    passwords = {user: ensure_secret(password_file(root, user), f"{user} redis password") for user in REDIS_USERS}
     # Hashes only, but the server is its only reader: 0600 like the rest.
     write_secret(acl_file(root), render_acl_file(passwords).rstrip("\n"))
     return passwords
