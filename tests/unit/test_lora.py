@@ -16,6 +16,7 @@ from rollstream.core import deltas, modeling
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.service import ServiceHost
 from rollstream.reference.scoring import ReferenceModel
+from rollstream.trainer import step as trainer_step
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import Trainer
 from rollstream.v1 import rollout_pb2
@@ -113,12 +114,16 @@ def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> N
     groups = groups_for(1)
     seqs = [(list(g.prompt_ids), list(c.token_ids)) for g in groups for c in g.completions]
 
+    def reference_of(batch: modeling.Batch) -> torch.Tensor:
+        # What the trainer's step takes as log pi_ref with kl_reference = lora_base.
+        return trainer_step.base_logprobs(trainer.model, trainer.lora.model.disable_adapter, batch, trainer.step_config)
+
     def base_logprobs() -> list[list[float]]:
         # The reference service's packing, so both compute on the very same micro-batches.
         out: list[list[float]] = [[] for _ in seqs]
         for micro in modeling.pack_by_tokens([len(p) + len(c) for p, c in seqs], 128):
             batch = modeling.make_batch([seqs[i] for i in micro], trainer.tokenizer.pad_token_id)
-            for i, values in zip(micro, trainer.base_logprobs(batch).split(batch.lengths)):
+            for i, values in zip(micro, reference_of(batch).split(batch.lengths)):
                 out[i] = values.tolist()
         return out
 
@@ -137,7 +142,7 @@ def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> N
     batch = modeling.make_batch(seqs, trainer.tokenizer.pad_token_id)
     with torch.no_grad():
         policy, _ = modeling.completion_logprobs(trainer.model, batch, chunk_tokens=16)
-    assert not torch.equal(policy, trainer.base_logprobs(batch))
+    assert not torch.equal(policy, reference_of(batch))
     host.close()
 
 

@@ -4,10 +4,10 @@ One loop, top to bottom:
   1. top up rs:{<run>}:prompts to `prompt_buffer` tasks;
   2. read rs:{<run>}:ready; drop duplicates (group_id already trained) and groups more than
      `max_staleness` versions old (counted, acknowledged);
-  3. with `groups_per_step` groups: advantages, the policy loss (grpo.py) over token-budget
-     micro-batches, backward, AdamW on the host masters -> new bf16 weights (version + 1);
-     with LoRA the published weights are the merged ones (lora.py), and with
-     kl_reference = lora_base the KL's pi_ref is the same model with its adapters off;
+  3. with `groups_per_step` groups: one GRPO step (step.py: advantages, the policy loss
+     over token-budget micro-batches, backward, AdamW on the host masters) -> new bf16
+     weights (version + 1); with LoRA the published weights are the merged ones (lora.py),
+     and with kl_reference = lora_base the KL's pi_ref is the same model with its adapters off;
   4. encode the exact delta, push it to every generator, then in one transaction: ack the
      groups, record them as trained, set the version, append the step's metrics;
   5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,12 +39,13 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, grpo, lora
+from rollstream.trainer import checkpoint, lora
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
+from rollstream.trainer.step import StepConfig, train_step
 from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -76,10 +76,7 @@ class Trainer:
         self.model.train()
         # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
         self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
-        self.loss_config = grpo.LossConfig(
-            kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
-            tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
-        )
+        self.step_config = StepConfig.from_settings(s)
         self.optimizer = HostAdamW(
             self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
             bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, grad_offload=s.grad_offload,
@@ -171,106 +168,29 @@ class Trainer:
         validation.check_group(group, self.limits, stage="ready", need_ref=self.need_ref)
         return group
 
-    def base_logprobs(self, batch: modeling.Batch) -> torch.Tensor:
-        """log pi_ref of the batch's completion tokens from the frozen base: the LoRA model
-        with its adapters switched off (kl_reference = lora_base). The base holds the bf16
-        rounding of the checkpoint, exactly what the reference service computes with, and
-        version 0 (B = 0) is this very model, so the KL starts at exactly zero."""
-        if self.lora is None:
-            raise RuntimeError("base_logprobs needs LoRA training")
-        with torch.no_grad(), self.lora.model.disable_adapter():
-            logp, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.settings.chunk_tokens, temperature=self.settings.temperature)
-        return logp.float()
-
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
-        s = self.settings
-        cfg = self.loss_config
+        """One GRPO step (step.train_step), published as the next version. Raises NonFiniteStep
+        with nothing applied or published."""
         start = time.perf_counter()
-        sequences: list[tuple[list[int], list[int]]] = []
-        seq_adv: list[float] = []
-        behaviour: list[list[float]] = []
-        refs: list[list[float]] = []
-        rewards: list[float] = []
-        zero_var = 0
-        for g in groups:
-            r = [c.reward for c in g.completions]
-            rewards.extend(r)
-            if max(r) == min(r):
-                zero_var += 1
-            if not grpo.keeps_group(cfg.kind, r):
-                continue  # dapo: no signal in this group
-            for c, a in zip(g.completions, grpo.advantages(cfg.kind, r)):
-                sequences.append((list(g.prompt_ids), list(c.token_ids)))
-                seq_adv.append(a)
-                behaviour.append(list(c.behaviour_logprobs))
-                refs.append([] if self.ref_from_base else list(c.ref_logprobs))
-        denom = grpo.normaliser(cfg, [len(c) for _, c in sequences])
-        lengths = [len(p) + len(c) for p, c in sequences]
-        kl_sum = entropy_sum = 0.0
-        clipped = truncated = tokens = 0
-        loss_sum = 0.0
-        for micro in modeling.pack_by_tokens(lengths, s.token_budget):
-            batch = modeling.make_batch([sequences[i] for i in micro], self.tokenizer.pad_token_id, s.device)
-            logp, entropy = modeling.completion_logprobs(self.model, batch, chunk_tokens=s.chunk_tokens, temperature=s.temperature, with_entropy=True)
-            dev = logp.device
-            seq_lengths = torch.tensor(batch.lengths, device=dev)
-            seq = torch.repeat_interleave(torch.arange(len(micro), device=dev), seq_lengths)
-            adv = torch.tensor([seq_adv[i] for i in micro], dtype=torch.float32, device=dev)
-            beh = torch.tensor([x for i in micro for x in behaviour[i]], dtype=torch.float32, device=dev)
-            if cfg.beta == 0:
-                ref = None
-            elif self.ref_from_base:
-                ref = self.base_logprobs(batch)
-            else:
-                ref = torch.tensor([x for i in micro for x in refs[i]], dtype=torch.float32, device=dev)
-            parts = grpo.policy_loss(cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
-            loss = float(parts.loss.detach())
-            if not math.isfinite(loss):
-                self.optimizer.discard_grads()
-                raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
-            parts.loss.backward()
-            loss_sum += loss
-            kl_sum += parts.kl_sum
-            entropy_sum += parts.entropy_sum
-            clipped += parts.clipped_tokens
-            truncated += parts.truncated_tokens
-            tokens += parts.tokens
-        if sequences:
-            grad_norm, trained_bits = self.optimizer.step(s.max_grad_norm)
-            new_bits = self._published_bits(trained_bits)
-        else:
-            # Every group was filtered out (dapo): no gradient, so no update; the version
-            # still advances (the groups were consumed) with an empty delta.
-            grad_norm, new_bits = 0.0, self.publisher.bits()
+        adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
+        r = train_step(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off)
+        # No update (dapo filtered every group): the version still advances, since the groups
+        # were consumed, with an empty delta.
+        new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
         published, stats = self.publisher.publish(new_bits)
         self.step += 1
-        self.last_truncated_fraction = truncated / max(tokens, 1)
+        self.last_truncated_fraction = r.truncated_fraction
         step_seconds = time.perf_counter() - start
-        mean = sum(rewards) / len(rewards)
-        std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
         metrics = rollout_pb2.StepMetrics(
-            step=self.step,
-            version=self.version,
-            groups=len(groups),
-            completions=len(rewards),
-            reward_mean=mean,
-            reward_std=std,
-            loss=loss_sum,
-            kl=kl_sum / max(tokens, 1),
-            clip_fraction=clipped / max(tokens, 1),
-            entropy=entropy_sum / max(tokens, 1),
-            tokens=tokens,
-            step_seconds=step_seconds,
-            train_tokens_per_s=sum(lengths) / step_seconds,
-            delta_bytes=stats.nbytes,
-            dense_bytes=stats.dense_bytes,
+            step=self.step, version=self.version, groups=r.groups, completions=r.completions,
+            reward_mean=r.reward_mean, reward_std=r.reward_std, loss=r.loss, kl=r.kl, clip_fraction=r.clip_fraction,
+            entropy=r.entropy, tokens=r.tokens, step_seconds=step_seconds, train_tokens_per_s=r.train_tokens / step_seconds,
+            delta_bytes=stats.nbytes, dense_bytes=stats.dense_bytes,
             mean_staleness=sum(self.version - 1 - g.policy_version for g in groups) / len(groups),
-            grad_norm=grad_norm,
-            time=time.time(),
-            zero_variance_groups=zero_var,
+            grad_norm=r.grad_norm, time=time.time(), zero_variance_groups=r.zero_variance_groups,
         )
         self.m_steps.inc()
-        self.m_reward.set(mean)
+        self.m_reward.set(r.reward_mean)
         self.m_version.set(self.version)
         self.m_delta.set(stats.fraction_of_dense)
         return metrics, published, stats

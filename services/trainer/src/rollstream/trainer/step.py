@@ -1,0 +1,221 @@
+"""One GRPO step, top to bottom: scored groups in, one optimizer update and its metrics out.
+
+  1. advantages     per group (grpo.advantages), one per completion, constant over its
+                    tokens; dapo drops the groups whose rewards are all equal
+  2. normaliser     the step's constant loss denominator (grpo.normaliser) over every
+                    trained completion, so micro-batches add up to the full-batch loss
+  3. micro-batches  whole sequences packed to `token_budget` padded tokens, and for each:
+       log-probs    log pi(token | prefix) and entropy of every completion token, with
+                    grad (modeling.completion_logprobs); log pi_ref from the groups, or from
+                    the model's own frozen base under its LoRA adapters
+       loss         grpo.policy_loss (the formulas are in grpo.py)
+       backward     gradients accumulate over the micro-batches
+  4. optimizer      one HostAdamW step: grad-norm clip, AdamW on the fp32 masters, new bf16
+                    weights in the model and returned as bits
+  5. metrics        the micro-batches' sums, per token
+
+A non-finite loss or gradient norm applies nothing: the gradients are dropped and
+NonFiniteStep is raised. Nothing here talks to Redis, gRPC or Prometheus, and nothing is
+published: the trainer service publishes the bits, records the metrics and acknowledges
+the groups. Benchmarks and tests call this very function, so what they measure and check
+is what the trainer does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollstream.core import modeling
+from rollstream.trainer import grpo
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
+from rollstream.v1 import rollout_pb2
+
+# peft's `disable_adapter`: inside it the model computes with its frozen base weights.
+AdaptersOff = Callable[[], AbstractContextManager[object]]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The settings one step reads. No defaults here: TrainerSettings holds them, and
+    `from_settings(TrainerSettings())` gives the trainer's."""
+
+    loss: grpo.LossConfig
+    token_budget: int  # padded tokens per micro-batch
+    chunk_tokens: int  # LM-head rows at a time (modeling.head_logprobs)
+    temperature: float  # the sampling temperature: log-probs of the distribution sampled from
+    max_grad_norm: float  # 0: no clipping
+    device: str
+
+    @classmethod
+    def from_settings(cls, s: TrainerSettings) -> StepConfig:
+        loss = grpo.LossConfig(
+            kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
+            tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
+        )
+        return cls(loss, s.token_budget, s.chunk_tokens, s.temperature, s.max_grad_norm, s.device)
+
+
+@dataclass
+class StepResult:
+    groups: int
+    completions: int  # in every group, dropped ones (dapo) included
+    zero_variance_groups: int  # groups whose rewards are all equal (zero advantages)
+    reward_mean: float  # over every completion
+    reward_std: float  # population std over every completion
+    loss: float  # the step's loss: the sum of its micro-batches'
+    kl: float  # mean k3 per trained token (0 when beta = 0)
+    clip_fraction: float  # trained tokens whose policy gradient the clip removed
+    entropy: float  # mean per trained token
+    truncated_fraction: float  # trained tokens whose IS weight hit tis_cap
+    tokens: int  # completion tokens trained
+    train_tokens: int  # prompt + completion tokens through the model
+    grad_norm: float  # before clipping; 0 without an update
+    # The new bf16 bits of the optimizer's parameters; None when no group was left to train
+    # (dapo): no gradient, so no update.
+    trained_bits: dict[str, np.ndarray] | None
+    # log pi of each trained completion's tokens before the update (detached), in the order
+    # the completions come in the groups: what the policy term's ratio was taken of.
+    logprobs: list[torch.Tensor]
+    # Wall time per phase. On a GPU kernels run asynchronously: each micro-batch's loss is
+    # read on the host (the non-finite check), so forward_s waits for its forward, and the
+    # optimizer waits for the last backward; forward/backward is then only roughly split.
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One completion to train on: its sequence, advantage and per-token log-probs."""
+
+    prompt: list[int]
+    completion: list[int]
+    advantage: float
+    behaviour: list[float]
+    ref: list[float]  # empty when pi_ref is not read from the groups
+
+
+def base_logprobs(model: torch.nn.Module, adapters_off: AdaptersOff, batch: modeling.Batch, cfg: StepConfig) -> torch.Tensor:
+    """log pi_ref of the batch's completion tokens from the frozen base: the LoRA model with
+    its adapters switched off (kl_reference = lora_base). The base holds the bf16 rounding of
+    the checkpoint, exactly what the reference service computes with, and version 0 (B = 0)
+    is this very model, so the KL starts at exactly zero."""
+    with torch.no_grad(), adapters_off():
+        logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature)
+    return logp.float()
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: HostAdamW,
+    groups: Sequence[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    *,
+    pad_id: int,
+    adapters_off: AdaptersOff | None = None,
+) -> StepResult:
+    """One update of `model` (through `optimizer`, which holds its trained parameters) on
+    validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
+    given `adapters_off` (LoRA, kl_reference = lora_base), the model's base under it.
+    Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
+    if not groups:
+        raise ValueError("a step needs at least one group")
+    loss_cfg = cfg.loss
+    ref_from_groups = loss_cfg.beta > 0 and adapters_off is None
+
+    # 1. Advantages, group by group.
+    rows: list[_Row] = []
+    rewards: list[float] = []
+    zero_variance = 0
+    for g in groups:
+        r = [c.reward for c in g.completions]
+        rewards.extend(r)
+        zero_variance += max(r) == min(r)
+        if not grpo.keeps_group(loss_cfg.kind, r):
+            continue
+        for c, a in zip(g.completions, grpo.advantages(loss_cfg.kind, r)):
+            ref = list(c.ref_logprobs) if ref_from_groups else []
+            rows.append(_Row(list(g.prompt_ids), list(c.token_ids), a, list(c.behaviour_logprobs), ref))
+
+    # 2. The loss denominator of the whole step.
+    denom = grpo.normaliser(loss_cfg, [len(row.completion) for row in rows])
+
+    # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
+    lengths = [len(row.prompt) + len(row.completion) for row in rows]
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    loss_sum = kl_sum = entropy_sum = 0.0
+    clipped = truncated = tokens = 0
+    forward_s = backward_s = 0.0
+    for micro in modeling.pack_by_tokens(lengths, cfg.token_budget):
+        start = time.perf_counter()
+        batch = modeling.make_batch([(rows[i].prompt, rows[i].completion) for i in micro], pad_id, cfg.device)
+        logp, entropy = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True)
+        dev = logp.device
+        # The loss works on flat [tokens] vectors; `seq` says which sequence each token is of.
+        seq_lengths = torch.tensor(batch.lengths, device=dev)
+        seq = torch.repeat_interleave(torch.arange(len(micro), device=dev), seq_lengths)
+        adv = torch.tensor([rows[i].advantage for i in micro], dtype=torch.float32, device=dev)
+        beh = torch.tensor([x for i in micro for x in rows[i].behaviour], dtype=torch.float32, device=dev)
+        if loss_cfg.beta == 0:
+            ref = None
+        elif adapters_off is not None:
+            ref = base_logprobs(model, adapters_off, batch, cfg)
+        else:
+            ref = torch.tensor([x for i in micro for x in rows[i].ref], dtype=torch.float32, device=dev)
+        parts = grpo.policy_loss(loss_cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
+        loss = float(parts.loss.detach())
+        if not math.isfinite(loss):
+            # Earlier micro-batches' gradients are in the parameters already: drop them, or
+            # they would leak into the next step.
+            optimizer.discard_grads()
+            raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
+        forward_s += time.perf_counter() - start
+        start = time.perf_counter()
+        parts.loss.backward()
+        backward_s += time.perf_counter() - start
+        for i, values in zip(micro, logp.detach().split(batch.lengths)):
+            logprobs[i] = values
+        loss_sum += loss
+        kl_sum += parts.kl_sum
+        entropy_sum += parts.entropy_sum
+        clipped += parts.clipped_tokens
+        truncated += parts.truncated_tokens
+        tokens += parts.tokens
+
+    # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
+    start = time.perf_counter()
+    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm) if rows else (0.0, None)
+    optimizer_s = time.perf_counter() - start
+
+    # 5. Metrics.
+    mean = sum(rewards) / len(rewards)
+    std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
+    per_token = max(tokens, 1)
+    return StepResult(
+        groups=len(groups),
+        completions=len(rewards),
+        zero_variance_groups=zero_variance,
+        reward_mean=mean,
+        reward_std=std,
+        loss=loss_sum,
+        kl=kl_sum / per_token,
+        clip_fraction=clipped / per_token,
+        entropy=entropy_sum / per_token,
+        truncated_fraction=truncated / per_token,
+        tokens=tokens,
+        train_tokens=sum(lengths),
+        grad_norm=grad_norm,
+        trained_bits=trained_bits,
+        logprobs=logprobs,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        optimizer_s=optimizer_s,
+    )
