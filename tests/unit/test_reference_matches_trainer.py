@@ -15,7 +15,10 @@ import torch
 
 from rollstream.core import modeling
 from rollstream.reference.scoring import ReferenceModel, TokenPair
+from rollstream.trainer.grpo import LossConfig
 from rollstream.trainer.optimizer import HostAdamW
+from rollstream.trainer.step import StepConfig, train_step
+from rollstream.v1 import rollout_pb2
 
 TEMPERATURE = 0.8
 CHUNK_TOKENS = 16
@@ -28,18 +31,19 @@ def sequences(vocab: int) -> list[TokenPair]:
 
 
 def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], token_budget: int) -> list[list[float]]:
-    """What Trainer.train_step computes before its first update: train mode, autograd on."""
+    """The log-probs the trainer's first step takes its policy ratio of: the model at
+    version 0 (HostAdamW.sync_model) through step.train_step itself, one group per sequence."""
     model, tokenizer = modeling.load_model(tiny_model_dir, dtype=dtype)
     model.train()
-    HostAdamW(modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0).sync_model()
-    out: list[list[float]] = [[] for _ in seqs]
-    lengths = [len(p) + len(c) for p, c in seqs]
-    for micro in modeling.pack_by_tokens(lengths, token_budget):
-        batch = modeling.make_batch([seqs[i] for i in micro], tokenizer.pad_token_id)
-        logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE, with_entropy=True)
-        for i, values in zip(micro, logp.detach().float().split(batch.lengths)):
-            out[i] = values.tolist()
-    return out
+    optimizer = HostAdamW(modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
+    optimizer.sync_model()
+    groups = [
+        rollout_pb2.RolloutGroup(prompt_ids=p, completions=[rollout_pb2.Completion(token_ids=c, behaviour_logprobs=[0.0] * len(c), reward=0.0)])
+        for p, c in seqs
+    ]
+    cfg = StepConfig(LossConfig(), token_budget, CHUNK_TOKENS, TEMPERATURE, max_grad_norm=1.0, device="cpu")
+    result = train_step(model, optimizer, groups, cfg, pad_id=tokenizer.pad_token_id)
+    return [values.float().tolist() for values in result.logprobs]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
