@@ -6,11 +6,12 @@ What it does, as the trainer does it:
 1. samples a pool of groups on the demo task (arithmetic, temperature 1) with the
    transformers backend at version 0, and scores them with the reward service's
    `arithmetic_answer` verifier: real completions, real rewards, real behaviour log-probs;
-2. per learning rate, from the fp32 checkpoint: HostAdamW (fp32 masters, betas 0.9/0.999,
-   no weight decay, grad-norm clip 1.0), then `--steps` steps, each on the next
-   `--groups-per-step` groups of the pool with the clipped GRPO loss computed by the
-   current policy; after each step the published bf16 weights are delta-encoded against
-   the previous version with core/deltas.py (the generator's format, exact);
+2. per learning rate, from the fp32 checkpoint: HostAdamW (fp32 masters, the trainer's
+   default settings otherwise: betas 0.9/0.999, no weight decay, grad-norm clip 1.0), then
+   `--steps` steps of the trainer's own step.train_step (the clipped GRPO loss by default),
+   each on the next `--groups-per-step` groups of the pool; after each step the published
+   bf16 weights are delta-encoded against the previous version with core/deltas.py (the
+   generator's format, exact);
 3. prints one JSON object: per step the delta's bytes, its fraction of the dense bf16
    weights, the fraction of values that changed, and the encodings chosen per tensor.
 
@@ -47,8 +48,10 @@ def main() -> None:
     from rollstream.core.models import resolve_model
     from rollstream.generator.backends import TransformersBackend
     from rollstream.reward.verifiers import arithmetic_answer
-    from rollstream.trainer import grpo
+    from rollstream.trainer.config import TrainerSettings
     from rollstream.trainer.optimizer import HostAdamW
+    from rollstream.trainer.step import StepConfig, train_step
+    from rollstream.v1 import rollout_pb2
 
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(args.model))
@@ -58,38 +61,34 @@ def main() -> None:
     sampler = TransformersBackend(model_dir)
     sampler.load_weights(sampler.host_bits())
     tasks, requests = arithmetic_requests(sampler, args.pool_groups, args.group_size, args.max_new_tokens)
-    pool = []  # per group: [(prompt ids, completion ids, behaviour log-probs, advantage)]
+    pool: list[rollout_pb2.RolloutGroup] = []
     rewards_all = []
     for task, request, group in zip(tasks, requests, sampler.sample(requests)):
         rewards = [arithmetic_answer(s.text, task.answer) for s in group]
         rewards_all.extend(rewards)
-        adv = grpo.group_advantages(rewards)
-        pool.append([(request.prompt_ids, s.token_ids, s.logprobs, a) for s, a in zip(group, adv)])
+        completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(group, rewards)]
+        pool.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
     tokenizer = sampler.tokenizer
     del sampler
     sample_s = time.perf_counter() - t0
 
     curves = []
     for lr in args.lrs:
+        settings = TrainerSettings(lr=lr, max_new_tokens=args.max_new_tokens)
+        step_config = StepConfig.from_settings(settings)
         model, _ = modeling.load_model(model_dir)
         model.train()
         params = modeling.named_weights(model)
-        opt = HostAdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb, moments_dtype=settings.moments_dtype)
         prev = opt.sync_model()
         fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})
         steps = []
         for step in range(1, args.steps + 1):
             first = (step - 1) * args.groups_per_step
-            rows = [row for g in range(first, first + args.groups_per_step) for row in pool[g % len(pool)]]
-            batch = modeling.make_batch([(p, c) for p, c, _, _ in rows], tokenizer.pad_token_id)
-            logp, _ = modeling.completion_logprobs(model, batch)
-            lengths = torch.tensor(batch.lengths)
-            seq = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-            behaviour = torch.tensor([lp for _, _, lps, _ in rows for lp in lps])
-            adv = torch.tensor([a for _, c, _, a in rows for _ in c])
-            parts = grpo.grpo_loss(logp, behaviour, adv, seq, lengths, len(rows), 0.2)
-            parts.loss.backward()
-            grad_norm, bits = opt.step(1.0)
+            groups = [pool[g % len(pool)] for g in range(first, first + args.groups_per_step)]
+            result = train_step(model, opt, groups, step_config, pad_id=tokenizer.pad_token_id)
+            assert result.trained_bits is not None  # grpo trains every group
+            grad_norm, bits = result.grad_norm, result.trained_bits
             t = time.perf_counter()
             _payload, stats = deltas.encode_delta(prev, bits, step - 1, step, fingerprint)
             encode_s = time.perf_counter() - t

@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/throughput.py [--model PATH] [--completions 64] [--threads 2]
 
 Prints one JSON object: generation tokens/s (transformers backend, the demo's sampling
-settings) and training tokens/s (one GRPO step: log-probs, loss, backward, host AdamW,
-delta encoding), each phase timed separately. Results go to docs/benchmarks.md.
+settings) and training tokens/s (one GRPO step, the trainer's own step.train_step with the
+trainer's default settings: log-probs, loss, backward, host AdamW; then delta encoding),
+each phase timed separately. Results go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from demo_task import arithmetic_requests  # benchmarks/demo_task.py
 from rollstream.core import deltas, modeling
 from rollstream.core.models import resolve_model
 from rollstream.generator.backends import TransformersBackend
-from rollstream.trainer import grpo
+from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW
+from rollstream.trainer.step import StepConfig, train_step
+from rollstream.v1 import rollout_pb2
 
 
 def main() -> None:
@@ -43,40 +46,29 @@ def main() -> None:
     gen_s = time.perf_counter() - start
     gen_tokens = sum(len(s.token_ids) for group in samples for s in group)
 
+    # The trainer's step with the trainer's defaults (TrainerSettings), on random 0/1 rewards.
+    settings = TrainerSettings(max_new_tokens=args.max_new_tokens)
     model, tokenizer = modeling.load_model(model_dir)
     model.train()
     params = modeling.named_weights(model)
-    opt = HostAdamW(params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb, moments_dtype=settings.moments_dtype)
     bits0 = opt.sync_model()
     fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits0.items()})
-    sequences, behaviour, adv = [], [], []
     rng = torch.Generator().manual_seed(0)
+    groups = []
     for request, group in zip(requests, samples):
         rewards = torch.randint(0, 2, (len(group),), generator=rng).float().tolist()
-        for s, a in zip(group, grpo.group_advantages(rewards)):
-            sequences.append((request.prompt_ids, s.token_ids))
-            behaviour.extend(s.logprobs)
-            adv.extend([a] * len(s.token_ids))
-    start = time.perf_counter()
-    batch = modeling.make_batch(sequences, tokenizer.pad_token_id)
-    logp, _ = modeling.completion_logprobs(model, batch)
-    lengths = torch.tensor(batch.lengths)
-    seq = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
-    parts = grpo.grpo_loss(logp, torch.tensor(behaviour), torch.tensor(adv), seq, lengths, len(sequences), 0.2)
-    forward_s = time.perf_counter() - start
-    parts.loss.backward()
-    backward_s = time.perf_counter() - start - forward_s
+        completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(group, rewards)]
+        groups.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
+    result = train_step(model, opt, groups, StepConfig.from_settings(settings), pad_id=tokenizer.pad_token_id)
+    assert result.trained_bits is not None  # grpo trains every group
     t = time.perf_counter()
-    _, bits1 = opt.step(1.0)
-    optimizer_s = time.perf_counter() - t
-    t = time.perf_counter()
-    payload, stats = deltas.encode_delta(bits0, bits1, 0, 1, fingerprint)
+    payload, stats = deltas.encode_delta(bits0, result.trained_bits, 0, 1, fingerprint)
     encode_s = time.perf_counter() - t
     t = time.perf_counter()
     deltas.decode(payload, bits0, 0, fingerprint)
     decode_s = time.perf_counter() - t
-    train_tokens = int(batch.attention_mask.sum())
-    step_s = forward_s + backward_s + optimizer_s + encode_s
+    step_s = result.forward_s + result.backward_s + result.optimizer_s + encode_s
     print(json.dumps({
         "benchmark": "throughput",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
@@ -85,10 +77,10 @@ def main() -> None:
         "parameters": sum(p.numel() for p in params.values()),
         "generation": {"completions": args.completions, "tokens": gen_tokens, "seconds": round(gen_s, 2), "tokens_per_s": round(gen_tokens / gen_s, 1)},
         "training": {
-            "sequences": len(sequences), "tokens": train_tokens, "completion_tokens": int(lengths.sum()),
-            "forward_s": round(forward_s, 2), "backward_s": round(backward_s, 2), "optimizer_s": round(optimizer_s, 2),
+            "sequences": result.completions, "tokens": result.train_tokens, "completion_tokens": result.tokens,
+            "forward_s": round(result.forward_s, 2), "backward_s": round(result.backward_s, 2), "optimizer_s": round(result.optimizer_s, 2),
             "delta_encode_s": round(encode_s, 2), "delta_decode_s": round(decode_s, 2),
-            "step_s": round(step_s, 2), "tokens_per_s": round(train_tokens / step_s, 1),
+            "step_s": round(step_s, 2), "tokens_per_s": round(result.train_tokens / step_s, 1),
         },
         "delta": {"bytes": stats.nbytes, "dense_bf16_bytes": stats.dense_bytes, "fraction_of_dense": round(stats.fraction_of_dense, 4), "encodings": stats.encodings},
     }, indent=2))
