@@ -43,6 +43,13 @@ def fill_ready(client: redis.Redis, keys: streams.RunKeys) -> None:
             client.xadd(keys.stream("ready"), codec.encode(g))
 
 
+def committed_step(client: redis.Redis, keys: streams.RunKeys) -> int:
+    """The last step whose commit (ack, ledger, metrics: one transaction) reached Redis. The
+    trainer's own step (GetState) counts a step before its push and commit, so a test that
+    reads the metrics must wait for this one."""
+    return int(client.hget(keys.stats, "step") or 0)
+
+
 def losses(client: redis.Redis, keys: streams.RunKeys) -> dict[int, tuple[float, float]]:
     out = {}
     for _id, fields in client.xrange(keys.metrics):
@@ -61,7 +68,7 @@ def reference_run(redis_server, tiny_model_dir: Path, tmp_path_factory: pytest.T
     t = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt")).wait_ready()
     started = time.monotonic()
     try:
-        wait_for(lambda: trainer_state(t.grpc_address).step == STEPS, 300, f"step {STEPS}", [t])
+        wait_for(lambda: trainer_state(t.grpc_address).step == STEPS and committed_step(client, keys) == STEPS, 300, f"step {STEPS}", [t])
         step_s = (time.monotonic() - started) / STEPS
         sha = trainer_state(t.grpc_address, sha=True).weights_sha256
         return sha, losses(client, keys), step_s
@@ -80,15 +87,15 @@ def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
     first = start_service("trainer", tmp_path, *args, tag="-first")
     rng = random.Random(seed)
     target = rng.randrange(STEPS)
-    wait_for(lambda: int(rclient.hget(keys.stats, "step") or 0) >= target, 300, f"step {target}", [first], poll_s=0.02)
+    wait_for(lambda: committed_step(rclient, keys) >= target, 300, f"step {target}", [first], poll_s=0.02)
     time.sleep(rng.uniform(0, 1.5 * step_s))
-    killed_at = int(rclient.hget(keys.stats, "step") or 0)
+    killed_at = committed_step(rclient, keys)
     first.kill()
     print(f"seed {seed}: killed after step {killed_at} of {STEPS}")  # which case this seed is (-s shows it)
 
     second = start_service("trainer", tmp_path, *args, tag="-second").wait_ready()
     try:
-        wait_for(lambda: trainer_state(second.grpc_address).step == STEPS, 300, f"step {STEPS} after the restart", [second])
+        wait_for(lambda: trainer_state(second.grpc_address).step == STEPS and committed_step(rclient, keys) == STEPS, 300, f"step {STEPS} after the restart", [second])
         state = trainer_state(second.grpc_address, sha=True)
         assert state.weights_sha256 == ref_sha, f"killed at step {killed_at}: weights differ from the uninterrupted run"
         # Every step's metrics were written once, by whichever process committed it, and agree.
