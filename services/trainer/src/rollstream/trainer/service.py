@@ -169,7 +169,7 @@ class Trainer:
         return group
 
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
-        """One GRPO step (step.train_step), published as the next version. Raises NonFiniteStep
+        """One GRPO step (step.py), published as the next version. Raises NonFiniteStep
         with nothing applied or published."""
         start = time.perf_counter()
         adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None

@@ -138,7 +138,8 @@ def train_step(
     for g in groups:
         r = [c.reward for c in g.completions]
         rewards.extend(r)
-        zero_variance += max(r) == min(r)
+        if max(r) == min(r):
+            zero_variance += 1  # all its advantages are 0: no policy signal (dapo drops it)
         if not grpo.keeps_group(loss_cfg.kind, r):
             continue
         for c, a in zip(g.completions, grpo.advantages(loss_cfg.kind, r)):
@@ -150,7 +151,7 @@ def train_step(
 
     # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
     lengths = [len(row.prompt) + len(row.completion) for row in rows]
-    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # every row is in one micro-batch
     loss_sum = kl_sum = entropy_sum = 0.0
     clipped = truncated = tokens = 0
     forward_s = backward_s = 0.0
