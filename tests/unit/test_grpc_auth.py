@@ -166,7 +166,7 @@ def test_missing_files_fail_the_start_naming_the_field(tmp_path: Path, clean_env
         host = ServiceHost("test", CommonSettings(**fields))
         # A configuration error: exit status 2, the field named (as a bad setting at load).
         with pytest.raises(redis_policy.Misconfigured, match=f"{name}: cannot read {missing}") as refused:
-            host.start([], ready=lambda: (True, ""))
+            host.start([])
         assert refused.value.code == 2
         assert host.grpc is None and host.http is None  # nothing was served
     (tmp_path / "not.pem").write_text("hello")

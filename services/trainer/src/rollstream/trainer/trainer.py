@@ -1,0 +1,244 @@
+"""The trainer's state and its gRPC face: the model, the host-memory optimizer and the weight
+publisher (`Trainer`), one step on them (`Trainer.train_step`: step.train_step, then the
+new version published), checkpoints of all of it, and `TrainerServicer` (GetState,
+FetchWeights, SaveCheckpoint). The loop that feeds it lives in service.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from rollstream.core import codec, deltas, logs, modeling, streams, validation, weight_transfer
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.models import resolve_model, vocab_size
+from rollstream.core.service import ServiceHost
+from rollstream.trainer import checkpoint, lora
+from rollstream.trainer.checkpoint import CheckpointRequests
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.optimizer import HostAdamW
+from rollstream.trainer.publisher import Published, WeightPublisher
+from rollstream.trainer.step import StepConfig, train_step
+from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+
+@dataclass(frozen=True)
+class Metrics:
+    steps: Counter
+    reward_mean: Gauge
+    version: Gauge
+    stale_groups: Counter
+    delta_fraction: Gauge
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> "Metrics":
+        p = "rollstream_trainer_"
+        return cls(
+            steps=Counter(p + "steps", "optimizer steps", registry=registry),
+            reward_mean=Gauge(p + "reward_mean", "mean reward of the last step", registry=registry),
+            version=Gauge(p + "version", "current policy version", registry=registry),
+            stale_groups=Counter(p + "stale_groups", "groups dropped as stale", registry=registry),
+            delta_fraction=Gauge(p + "delta_fraction", "last delta size / dense bf16", registry=registry),
+        )
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, host: ServiceHost):
+        s = self.settings = settings
+        self.log = host.log
+        if s.threads:
+            torch.set_num_threads(s.threads)
+        torch.manual_seed(s.seed)
+        self.model_dir = str(resolve_model(s.model))
+        # What a ready group may hold: ids inside the vocabulary, completions no longer than
+        # the tasks this trainer feeds ask for (dr_grpo normalises by that length), bounded
+        # rewards (rollstream.core.validation).
+        self.limits = validation.Limits(vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward)
+        self.need_ref = s.beta > 0 and s.kl_reference == "service"
+        self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
+        if s.activation_checkpointing:
+            # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora: lora.LoraModel | None = None
+        if s.lora_rank:
+            self.lora = lora.LoraModel(self.model, lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)))
+            self.model = self.lora.model
+            self.lora.round_base_to_bf16()
+            self.params = self.lora.adapters
+        else:
+            self.params = modeling.named_weights(self.model)
+        self.model.train()
+        # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
+        self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
+        self.step_config = StepConfig.from_settings(s)
+        self.optimizer = HostAdamW(
+            self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
+            bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, grad_offload=s.grad_offload,
+        )
+        self.step = 0
+        self.groups_trained = 0
+        self.groups_stale = 0
+        self.last_truncated_fraction = 0.0
+        self.restored: checkpoint.CheckpointState | None = None
+        version = 0
+        path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
+        if path is not None:
+            self.restored = self._restore(path)
+            version = self.restored.version
+            bits = self._published_bits(self.optimizer.published_bits())
+            logs.event(self.log, "resumed", checkpoint=str(path), step=self.step, version=version)
+        else:
+            # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
+            bits = self._published_bits(self.optimizer.sync_model())
+        self.publisher = WeightPublisher(bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s))
+        self.metrics = Metrics.register(host.registry)
+        self.metrics.version.set(version)
+
+    @property
+    def version(self) -> int:
+        return self.publisher.version
+
+    def _published_bits(self, trained_bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What generators get: the trained weights, or with LoRA the merged base weights."""
+        return self.lora.merged_bits() if self.lora is not None else trained_bits
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", held_groups: list[str] | None = None, replace: bool = False) -> Path:
+        """Write everything a resume needs (call between steps)."""
+        s = self.settings
+        state = checkpoint.CheckpointState(
+            version=self.version,
+            step=self.step,
+            optimizer_steps=self.optimizer.step_count,
+            groups_trained=self.groups_trained,
+            groups_stale=self.groups_stale,
+            prompts_fed=prompts_fed,
+            run=s.run,
+            consumer=consumer,
+            consumer_group=s.group,
+            held_groups=list(held_groups or []),
+            model_fingerprint=self.publisher.fingerprint,
+            base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
+            lora=self.lora.spec.as_dict() if self.lora is not None else None,
+            moments_dtype=s.moments_dtype,
+            # The Redis URL may carry a password: it stays out of the file.
+            settings=s.model_dump(mode="json", exclude={"redis_url"}),
+        )
+        saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
+        logs.event(self.log, "checkpoint saved", path=str(saved), step=self.step, version=self.version)
+        return saved
+
+    def _restore(self, path: Path) -> checkpoint.CheckpointState:
+        state = checkpoint.load_state(path)
+        want_lora = self.lora.spec.as_dict() if self.lora is not None else None
+        if state.lora != want_lora:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint LoRA config {state.lora} != this trainer's {want_lora}")
+        if self.lora is not None and state.base_weights_sha256 != deltas.weights_sha256(self.lora.base_bits):
+            raise checkpoint.CheckpointError(f"{path}: the adapters belong to another base model than {self.model_dir}")
+        if state.moments_dtype != self.settings.moments_dtype:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint moments are {state.moments_dtype}, moments_dtype is {self.settings.moments_dtype}")
+        published = self.lora.base if self.lora is not None else self.params
+        fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
+        if state.model_fingerprint != fingerprint:
+            raise checkpoint.CheckpointError(f"{path}: checkpoint is for model {state.model_fingerprint}, this one is {fingerprint}")
+        self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
+        checkpoint.set_rng_state(checkpoint.rng_tensors(path))
+        self.step = state.step
+        self.groups_trained = state.groups_trained
+        self.groups_stale = state.groups_stale
+        return state
+
+    # -- the step -----------------------------------------------------------------------
+
+    def parse_group(self, entry: streams.Entry) -> rollout_pb2.RolloutGroup:
+        """Decode and check one ready entry (raises codec.EntryError with the reason)."""
+        group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+        validation.check_group(group, self.limits, stage="ready", need_ref=self.need_ref)
+        return group
+
+    def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
+        """One GRPO step (step.py), published as the next version. Raises NonFiniteStep
+        with nothing applied or published."""
+        start = time.perf_counter()
+        adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
+        r = train_step(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off)
+        # No update (dapo filtered every group): the version still advances, since the groups
+        # were consumed, with an empty delta.
+        new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
+        published, stats = self.publisher.publish(new_bits)
+        self.step += 1
+        self.last_truncated_fraction = r.truncated_fraction
+        step_seconds = time.perf_counter() - start
+        metrics = rollout_pb2.StepMetrics(
+            step=self.step, version=self.version, groups=r.groups, completions=r.completions,
+            reward_mean=r.reward_mean, reward_std=r.reward_std, loss=r.loss, kl=r.kl, clip_fraction=r.clip_fraction,
+            entropy=r.entropy, tokens=r.tokens, step_seconds=step_seconds, train_tokens_per_s=r.train_tokens / step_seconds,
+            delta_bytes=stats.nbytes, dense_bytes=stats.dense_bytes,
+            mean_staleness=sum(self.version - 1 - g.policy_version for g in groups) / len(groups),
+            grad_norm=r.grad_norm, time=time.time(), zero_variance_groups=r.zero_variance_groups,
+        )
+        self.metrics.steps.inc()
+        self.metrics.reward_mean.set(r.reward_mean)
+        self.metrics.version.set(self.version)
+        self.metrics.delta_fraction.set(stats.fraction_of_dense)
+        return metrics, published, stats
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: CheckpointRequests):
+        self.trainer = trainer
+        self.generators = generators
+        self.checkpoints = checkpoints
+
+    def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
+        t = self.trainer
+        sha = deltas.weights_sha256(t.publisher.bits()) if request.with_weights_sha256 else ""
+        return trainer_pb2.TrainerState(
+            version=t.version,
+            step=t.step,
+            model=t.model_dir,
+            model_fingerprint=t.publisher.fingerprint,
+            groups_trained=t.groups_trained,
+            groups_stale=t.groups_stale,
+            generators=self.generators.last,
+            weights_sha256=sha,
+        )
+
+    def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
+        try:
+            payloads = self.trainer.publisher.catch_up_payloads(request.have_version, request.model_fingerprint)
+        except deltas.DeltaError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        for p in payloads:
+            yield from weight_transfer.to_chunks(p.payload, p.info)
+
+    def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
+        """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;
+        any other path must lie inside checkpoint_dir, and a relative one is taken there)."""
+        target = ""
+        if request.path:
+            try:
+                target = str(checkpoint.confine(request.path, self.trainer.settings.checkpoint_dir))
+            except checkpoint.CheckpointPathRefused as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            except checkpoint.CheckpointError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        try:
+            path, version = self.checkpoints.request(target, context.time_remaining())
+        except FileExistsError as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step in progress did not finish in time; the checkpoint is still queued")
+        except (ValueError, OSError) as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return trainer_pb2.SaveCheckpointResult(path=str(path), version=version)
