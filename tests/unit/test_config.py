@@ -1,5 +1,6 @@
-"""rollstream.core.config.load_settings: defaults < TOML < ROLLSTREAM_* env < flags, and
-errors that name the field; plus the trainer's own settings and its command line."""
+"""rollstream.core.config.load_settings: defaults < TOML < ROLLSTREAM_* env < flags <
+overrides (pydantic-settings' TOML, env and CLI sources), and errors that name the field;
+plus the trainer's own settings and its command line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core.config import CommonSettings, ConfigError, load_settings
+from rollstream.core.config import CommonSettings, ConfigError, TorchSettings, load_or_exit, load_settings
+from rollstream.generator.config import GeneratorSettings
+from rollstream.reference.config import ReferenceSettings
+from rollstream.reward.config import RewardSettings
 from rollstream.trainer.config import TrainerSettings
 
 
@@ -123,6 +127,110 @@ def test_invalid_toml(tmp_path: Path) -> None:
         load_settings(CommonSettings, ["--config", str(cfg)])
 
 
+def test_one_field_through_every_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same field at each layer in turn, through the real sources: TOML < env < flag < override.
+    cfg = _toml(tmp_path, "read_count = 2\n")
+    assert load_settings(CommonSettings, ["--config", str(cfg)]).read_count == 2
+    monkeypatch.setenv("ROLLSTREAM_READ_COUNT", "3")
+    assert load_settings(CommonSettings, ["--config", str(cfg)]).read_count == 3
+    assert load_settings(CommonSettings, ["--config", str(cfg), "--read-count", "4"]).read_count == 4
+    assert load_settings(CommonSettings, ["--config", str(cfg), "--read-count", "4"], read_count=5).read_count == 5
+
+
+def test_config_flag_beats_config_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env_cfg = tmp_path / "env.toml"
+    env_cfg.write_text("read_count = 3\n")
+    monkeypatch.setenv("ROLLSTREAM_CONFIG", str(env_cfg))
+    assert load_settings(CommonSettings, ["--config", str(_toml(tmp_path, "read_count = 4\n"))]).read_count == 4
+
+
+def test_argv_none_or_empty_never_reads_sys_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["rollstream.trainer", "--read-count", "7", "--bogus"])
+    assert load_settings(CommonSettings).read_count == 8
+    assert load_settings(CommonSettings, None).read_count == 8
+    assert load_settings(CommonSettings, []).read_count == 8
+
+
+def test_flag_sources_do_not_leak_into_direct_construction(tmp_path: Path) -> None:
+    # Flags and TOML belong to one load_settings call; a class built directly afterwards reads
+    # its keyword arguments and the environment only.
+    load_settings(CommonSettings, ["--config", str(_toml(tmp_path, "read_count = 3\n")), "--block-ms", "9"])
+    s = CommonSettings()
+    assert (s.read_count, s.block_ms) == (8, 500)
+
+
+def test_unknown_flag_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match="--read-cuont"):
+        load_settings(CommonSettings, ["--read-cuont", "3"])
+
+
+def test_abbreviated_flag_is_refused() -> None:
+    # argparse's prefix matching is off: `--read 3` must not quietly mean --read-count.
+    with pytest.raises(ConfigError, match="--read"):
+        load_settings(CommonSettings, ["--read", "3"])
+
+
+def test_flag_missing_its_value_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--read-count"):
+        load_settings(CommonSettings, ["--read-count"])
+
+
+def test_load_or_exit_prints_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        load_or_exit(CommonSettings, ["--grpc-port", "notanumber"])
+    assert e.value.code == 2
+    assert "field 'grpc_port'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--redis-password", "hunter2"], ["--redis-password=hunter2"]])
+def test_secret_is_never_a_flag(argv: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(CommonSettings, argv)
+    assert "field 'redis_password'" in str(err.value)
+    assert "hunter2" not in str(err.value)  # the error goes to logs: no echo of the secret
+
+
+def test_secret_from_env_and_file_flag_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLSTREAM_REDIS_PASSWORD", "hunter2")
+    s = load_settings(CommonSettings, ["--redis-password-file", "/run/secrets/pw"])
+    assert s.redis_password.get_secret_value() == "hunter2"
+    assert s.redis_password_file == "/run/secrets/pw"
+
+
+@pytest.mark.parametrize("cls", [CommonSettings, GeneratorSettings, ReferenceSettings, RewardSettings, TrainerSettings])
+def test_help_lists_fields_with_descriptions(cls: type[CommonSettings], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        load_settings(cls, ["--help"])
+    assert e.value.code == 0
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())  # argparse wraps lines,
+    squeezed = "".join(raw.split())  # also after a hyphen ("hostname-\npid")
+    assert "--read-count" in out and "entries read per XREADGROUP" in out
+    assert "--log-json, --no-log-json" in out
+    assert "--config PATH" in out and "ROLLSTREAM_CONFIG" in out
+    assert "--redis-password-file" in out
+    assert "--redis-password " not in out and "--redis-password," not in out and "ROLLSTREAM_REDIS_PASSWORD " not in out
+    for name, info in cls.model_fields.items():
+        if name != "redis_password":
+            assert "--" + name.replace("_", "-") in out
+            if info.description:
+                assert "".join(info.description.split()) in squeezed, name
+
+
+def test_torch_settings_are_shared_with_service_descriptions_kept() -> None:
+    for cls in (GeneratorSettings, ReferenceSettings, TrainerSettings):
+        assert issubclass(cls, TorchSettings)
+        s = load_settings(cls, ["--model", "m", "--dtype", "bfloat16", "--device", "cuda:0", "--threads", "3"])
+        assert (s.model, s.dtype, s.device, s.threads) == ("m", "bfloat16", "cuda:0", 3)
+        with pytest.raises(ConfigError, match="field 'dtype'"):
+            load_settings(cls, ["--dtype", "float16"])
+    assert not issubclass(RewardSettings, TorchSettings)
+    # Redeclared where the service says more, with the same default.
+    assert "optimizer" in (TrainerSettings.model_fields["device"].description or "")
+    assert "vllm" in (GeneratorSettings.model_fields["device"].description or "")
+    assert TrainerSettings.model_fields["device"].default == TorchSettings.model_fields["device"].default == "cpu"
+
+
 # --- trainer settings -------------------------------------------------------------------------
 
 
@@ -163,6 +271,24 @@ def test_trainer_betas_from_env_and_toml(tmp_path: Path, monkeypatch: pytest.Mon
 def test_trainer_betas_from_flag() -> None:
     # Every field is meant to be settable by a flag; --betas gets the raw string.
     assert load_settings(TrainerSettings, ["--betas", "0.9,0.99"]).betas == (0.9, 0.99)
+
+
+def test_trainer_generators_json_list_from_flag_and_repeated_flags() -> None:
+    assert load_settings(TrainerSettings, ["--generators", '["a:1", "b:2"]']).generators == ["a:1", "b:2"]
+    assert load_settings(TrainerSettings, ["--generators", "a:1", "--generators", "b:2"]).generators == ["a:1", "b:2"]
+    assert load_settings(TrainerSettings, ["--lora-target-modules", "q_proj,v_proj"]).lora_target_modules == ["q_proj", "v_proj"]
+    assert load_settings(TrainerSettings, []).lora_target_modules == ["all-linear"]
+
+
+def test_trainer_bad_betas_flag_names_field() -> None:
+    with pytest.raises(ConfigError, match="betas"):
+        load_settings(TrainerSettings, ["--betas", "0.9,x"])
+
+
+def test_trainer_linger_flag_pair(tmp_path: Path) -> None:
+    cfg = _toml(tmp_path, "linger = true\n")
+    assert load_settings(TrainerSettings, ["--config", str(cfg)]).linger is True
+    assert load_settings(TrainerSettings, ["--config", str(cfg), "--no-linger"]).linger is False
 
 
 def test_trainer_generators_list_from_toml(tmp_path: Path) -> None:

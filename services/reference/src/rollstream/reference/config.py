@@ -1,20 +1,16 @@
-"""Reference settings (one typed place; TOML, ROLLSTREAM_* env, flags)."""
+"""Reference settings (one typed place; TOML, ROLLSTREAM_* env, flags: rollstream.core.config)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import TorchSettings
 
 
-class ReferenceSettings(CommonSettings):
+class ReferenceSettings(TorchSettings):
     """rollstream reference: scored RolloutGroup -> the same group with ref_logprobs."""
 
-    model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (weights are always bf16 values)")
-    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
+    # model, dtype, device, threads: TorchSettings (the reference says nothing more about them).
     # The trainer's KL term compares log pi_ref with its own log pi, both of logits/temperature;
     # a different value here would make the KL measure the temperature, not the policy drift.
     temperature: float = Field(1.0, gt=0, description="log-probs are of logits/temperature (must match the trainer's)")
@@ -26,5 +22,4 @@ class ReferenceSettings(CommonSettings):
         "off: exactly the trainer's computation for the same micro-batches",
     )
     group: str = Field("reference", description="consumer group on the scored stream")
-    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     trim_interval_s: float = Field(1.0, gt=0, description="how often to trim acknowledged entries from the scored stream")

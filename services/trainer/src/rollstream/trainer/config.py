@@ -1,4 +1,4 @@
-"""Trainer settings (one typed place; TOML, ROLLSTREAM_* env, flags)."""
+"""Trainer settings (one typed place; TOML, ROLLSTREAM_* env, flags: rollstream.core.config)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import TorchSettings
 
 
-class TrainerSettings(CommonSettings):
+class TrainerSettings(TorchSettings):
     """rollstream trainer: GRPO on the ready stream, weights pushed to the generators."""
 
-    model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
+    # model, threads: TorchSettings. dtype and device are redeclared (same defaults, same
+    # allowed values) for what they mean here: the optimizer's fp32 masters and moments
+    # stay on the CPU whatever these say.
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of forward/backward")
     device: str = Field("cpu", description="compute device; the optimizer state always lives on the CPU")
-    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     steps: int = Field(0, ge=0, description="stop after this many optimizer steps (0: run until stopped)")
     seed: int = Field(0)
     linger: bool = Field(False, description="after the last step keep serving gRPC (weights, state) until stopped")
@@ -65,8 +66,9 @@ class TrainerSettings(CommonSettings):
     # LoRA (peft); the published weights are the merged ones
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank)")
-    # NoDecode: the environment gives "q_proj,v_proj" (or a JSON list), not only JSON.
-    lora_target_modules: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["all-linear"], description="module names, comma-separated, or all-linear")
+    # NoDecode: the environment gives "q_proj,v_proj" (or a JSON list), not only JSON. A plain
+    # default, not a factory: pydantic copies it per instance, and --help can show it.
+    lora_target_modules: Annotated[list[str], NoDecode] = Field(["all-linear"], description="module names, comma-separated, or all-linear")
     # Checkpoints
     checkpoint_dir: str = Field("", description="where checkpoints go (step-NNNNNNNN folders)")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only on request)")
