@@ -23,6 +23,8 @@ import redis
 
 from rollstream.core.redis_server import find_redis_server, free_port
 
+from helpers import wait_for
+
 SLOTS = 16384
 # Each node also listens on its cluster bus, port + 10000 (6.2 has no `cluster-port`), so a
 # node's port must be <= 55535 and its bus port free: most of Linux's ephemeral range is not.
@@ -122,21 +124,22 @@ class RedisClusterNodes:
 
     def _wait_answering(self, index: int, timeout_s: float = 15.0) -> None:
         client = self.node_client(index)
-        deadline = time.monotonic() + timeout_s
+        proc = self.procs[index]
+        assert proc is not None, f"node {index} is not running"
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:  # includes LOADING while it replays its AOF
+                return False
+
+        def running() -> None:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"cluster node {index} (port {self.ports[index]}) exited with {proc.returncode}: {err}{self.log(index)[-2000:]}")
+
         try:
-            while True:
-                proc = self.procs[index]
-                assert proc is not None, f"node {index} is not running"
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                    raise RuntimeError(f"cluster node {index} (port {self.ports[index]}) exited with {proc.returncode}: {err}{self.log(index)[-2000:]}")
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:  # includes LOADING while it replays its AOF
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"cluster node {index} did not answer on port {self.ports[index]} within {timeout_s}s") from None
-                    time.sleep(0.05)
+            wait_for(answers, timeout_s, f"cluster node {index} to answer on port {self.ports[index]}", check=running)
         finally:
             client.close()
 
@@ -159,23 +162,26 @@ class RedisClusterNodes:
         """Until every node says cluster_state:ok and knows all the nodes (bounded)."""
         timeout_s = self.form_timeout_s if timeout_s is None else timeout_s
         clients = [self.node_client(i) for i in range(self.count)]
-        deadline = time.monotonic() + timeout_s
+        infos: list[dict[str, str]] = []
+
+        def ok() -> bool:
+            infos[:] = [self._cluster_info(c) for c in clients]
+            return all(info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(self.count) for info in infos)
+
+        def nodes_up() -> None:
+            for i, proc in enumerate(self.procs):
+                if proc is None or proc.poll() is not None:
+                    raise RuntimeError(f"cluster node {i} is down while waiting for cluster_state:ok: {self.log(i)[-2000:]}")
+
+        def states() -> str:
+            return "; ".join(
+                f"node {i} (port {self.ports[i]}): state={info.get('cluster_state')} known_nodes={info.get('cluster_known_nodes')} "
+                f"slots_assigned={info.get('cluster_slots_assigned')}"
+                for i, info in enumerate(infos)
+            )
+
         try:
-            while True:
-                infos = [self._cluster_info(c) for c in clients]
-                if all(info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(self.count) for info in infos):
-                    return
-                for i, proc in enumerate(self.procs):
-                    if proc is None or proc.poll() is not None:
-                        raise RuntimeError(f"cluster node {i} is down while waiting for cluster_state:ok: {self.log(i)[-2000:]}")
-                if time.monotonic() > deadline:
-                    states = "; ".join(
-                        f"node {i} (port {self.ports[i]}): state={info.get('cluster_state')} known_nodes={info.get('cluster_known_nodes')} "
-                        f"slots_assigned={info.get('cluster_slots_assigned')}"
-                        for i, info in enumerate(infos)
-                    )
-                    raise RuntimeError(f"Redis Cluster not ok within {timeout_s}s: {states}")
-                time.sleep(0.1)
+            wait_for(ok, timeout_s, "cluster_state:ok on every node, each knowing all the nodes", check=nodes_up, details=states, poll_s=0.1)
         finally:
             for c in clients:
                 c.close()

@@ -1,8 +1,11 @@
 """Shared fixtures: a real redis-server per test session, a fresh run name per test,
-and a tiny real model (random weights, locally trained tokenizer) built once."""
+a tiny real model (random weights, locally trained tokenizer) built once, and the custom
+reward example's protobuf stubs. Helper functions are in tests/helpers.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,8 @@ import redis
 
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, connect
+
+from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +49,15 @@ def keys(run_name: str) -> RunKeys:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollstream.core.models import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def custom_reward_stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/custom_reward's rollout_pb2, generated from proto/ by the example's own script."""
+    out = tmp_path_factory.mktemp("custom-reward-stubs")
+    subprocess.run([sys.executable, str(CUSTOM_REWARD_EXAMPLE / "generate_stubs.py"), "--out", str(out)], check=True, capture_output=True)
+    return out
 
 
 @pytest.fixture

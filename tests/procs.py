@@ -1,15 +1,13 @@
-"""Start rollstream services as real subprocesses for tests (`python -m rollstream.<name>`)."""
+"""Start rollstream services as real subprocesses for tests (`python -m rollstream.<name>`),
+and ask them for their state. Waiting on them: helpers.wait_for(..., procs=[...])."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +15,10 @@ import httpx
 
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
+from rollstream.core.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+from helpers import wait_for
 
 
 @dataclass
@@ -37,21 +38,20 @@ class ServiceProc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
-        """Wait for the state file, then for /readyz to answer 200."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            if self.state_file.exists():
-                state = json.loads(self.state_file.read_text())
-                self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
-                try:
-                    if httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log()[-4000:]}")
+        """Wait for the state file, then for /readyz to answer 200 (fail if the process exits)."""
+
+        def ready() -> bool:
+            if not self.state_file.exists():
+                return False
+            state = json.loads(self.state_file.read_text())
+            self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, as a crash."""
@@ -89,20 +89,6 @@ def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | No
     return ServiceProc(name=label, proc=proc, log_path=log_path, state_file=state_file)
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, procs: list[ServiceProc], poll_s: float = 0.2) -> None:
-    """Poll `predicate` until it holds; fail early (with logs) if a watched process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise AssertionError(f"{p.name} died ({p.proc.returncode}) while waiting for {what}:\n{p.log()[-3000:]}")
-        time.sleep(poll_s)
-    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
-
-
 def _creds(token: str) -> ClientCredentials | None:
     return ClientCredentials(token=token) if token else None
 
@@ -117,13 +103,6 @@ def generator_state(address: str, sha: bool = False, token: str = "") -> generat
     """Generator.GetState (with the weights' sha256 when `sha`; with `token` for a server that checks one)."""
     with channel(address, _creds(token)) as ch:
         return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (for a server the test starts on a fixed port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:

@@ -1,8 +1,12 @@
-"""Synthetic scored groups for trainer tests that play the upstream stages themselves."""
+"""Synthetic rollout groups for tests that play the stages upstream of the one under test:
+`rollout_group` as the generator writes it (for the reward stage), `scored_group_in_vocab`
+as the reward stage writes it (for the reference stage), `scored_groups` for the trainer."""
 
 from __future__ import annotations
 
 import random
+import time
+import uuid
 
 from rollstream.v1 import rollout_pb2
 
@@ -29,3 +33,59 @@ def scored_groups(step: int, count: int, tag: str = "g", group_size: int = 4) ->
             prompt_ids=[rng.randrange(5, 200) for _ in range(5)], completions=completions, scored=True,
         ))
     return out
+
+
+def rollout_group(group_id: str, texts: list[str], answer: str = "8", task_kind: str = "arithmetic") -> rollout_pb2.RolloutGroup:
+    """An unscored group as the generator writes it: one completion per text (2 tokens each)."""
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id,
+        task_id="task-" + group_id,
+        policy_version=3,
+        prompt_ids=[11, 12, 13],
+        answer=answer,
+        task_kind=task_kind,
+        generator_id="gen-0",
+        created_at=time.time(),
+        completions=[
+            rollout_pb2.Completion(
+                text=t,
+                token_ids=[5, 6],
+                behaviour_logprobs=[-0.5, -0.25],
+                versions=[rollout_pb2.VersionSpan(version=3, start=0, end=2)],
+                finish_reason="stop",
+            )
+            for t in texts
+        ],
+    )
+
+
+def scored_group_in_vocab(vocab: int, n: int = 3, prompt_len: int = 11, seed: int = 0) -> rollout_pb2.RolloutGroup:
+    """A scored group as the reward stage writes it, token ids below `vocab`: `n` completions
+    of different lengths, a fresh group id."""
+    prompt = [(seed * 7 + 3 * i) % vocab for i in range(prompt_len)]
+    completions = []
+    for j in range(n):
+        tokens = [(seed + 5 * j + 11 * k) % vocab for k in range(4 + 6 * j)]
+        completions.append(
+            rollout_pb2.Completion(
+                token_ids=tokens,
+                behaviour_logprobs=[-1.5] * len(tokens),
+                versions=[rollout_pb2.VersionSpan(version=0, start=0, end=len(tokens))],
+                text=f"completion {j}",
+                finish_reason="length",
+                reward=float(j),
+                reward_components=[rollout_pb2.RewardComponent(name="correct", value=float(j), weight=1.0, status="ok")],
+            )
+        )
+    return rollout_pb2.RolloutGroup(
+        group_id="g-" + uuid.uuid4().hex[:8],
+        task_id="task-" + str(seed),
+        policy_version=0,
+        prompt_ids=prompt,
+        completions=completions,
+        answer="42",
+        task_kind="arithmetic",
+        generator_id="gen-test",
+        scored=True,
+        created_at=time.time(),
+    )

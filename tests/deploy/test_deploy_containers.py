@@ -40,6 +40,7 @@ import redis
 import yaml
 
 from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, REPO, compose_command, make_credentials, project_version
+from helpers import wait_for
 from rollstream.core import codec
 from rollstream.core.redis_server import free_port
 from rollstream.core.streams import RunKeys
@@ -101,12 +102,17 @@ def docker() -> Iterator[Docker]:
                     ["dockerd", *DOCKERD_FLAGS, "-H", OWN_SOCKET, "--data-root", OWN_DATA_ROOT, "--pidfile", OWN_DATA_ROOT + ".pid"],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
-            deadline = time.monotonic() + 60
-            while not _answers(env):
-                if started.poll() is not None or time.monotonic() > deadline:
-                    started.kill()
-                    pytest.skip(f"dockerd could not be started (see {OWN_DATA_ROOT}.log)")
-                time.sleep(1)
+            dockerd = started
+
+            def dockerd_running() -> None:
+                if dockerd.poll() is not None:
+                    pytest.skip(f"dockerd could not be started: it exited with {dockerd.returncode} (see {OWN_DATA_ROOT}.log)")
+
+            try:
+                wait_for(lambda: _answers(env), 60, "the dockerd started here to answer", check=dockerd_running, poll_s=1)
+            except AssertionError:
+                started.kill()
+                pytest.skip(f"dockerd could not be started: no answer within 60 s (see {OWN_DATA_ROOT}.log)")
     compose = compose_command(env)
     try:
         if compose is None:
@@ -245,13 +251,14 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         rows = [json.loads(line) for line in out.splitlines() if line.strip()] if not out.lstrip().startswith("[") else json.loads(out)
         return {r["Service"]: r for r in rows}
 
-    def wait_for(what: str, ok, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ok():
+    def wait_until(what: str, ok, timeout_s: float) -> None:
+        """helpers.wait_for, failing at once when a container stops, with the compose logs."""
+
+        def containers_up() -> None:
             down_now = {s: (r["State"], r["ExitCode"]) for s, r in states().items() if r["State"] in ("exited", "restarting", "dead")}
             assert not down_now, f"containers stopped while waiting for {what}: {down_now}\n{logs()[-6000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s} s\n{logs()[-6000:]}"
-            time.sleep(1)
+
+        wait_for(ok, timeout_s, what, check=containers_up, details=lambda: logs()[-6000:], poll_s=1)
 
     timings = images.timings
     admin_password = (secrets / "redis/admin.password").read_text().strip()
@@ -266,7 +273,7 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         up = compose("up", "-d", "--pull", "never", check=False)
         assert up.returncode == 0, f"compose up failed:\n{up.stderr[-3000:]}\n{logs()[-6000:]}"
         timings["up_s"] = round(time.monotonic() - t0, 1)
-        wait_for("2 trainer steps", lambda: client.xlen(keys.metrics) >= 2, 900)
+        wait_until("2 trainer steps", lambda: client.xlen(keys.metrics) >= 2, 900)
         timings["two_steps_s"] = round(time.monotonic() - t0, 1)
 
         # The pipeline as a whole: steps in order, every push applied (so the generator got
@@ -281,7 +288,7 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         # beta > 0: the trainer dead-letters groups without reference log-probs, so trained
         # groups and an empty dead stream mean the reference stage did its part.
         assert [g["name"] for g in client.xinfo_groups(keys.stream("scored"))] == [b"reference"]
-        wait_for("every container healthy", lambda: {s: r.get("Health") for s, r in states().items()} == dict.fromkeys([*names, "redis"], "healthy"), 120)
+        wait_until("every container healthy", lambda: {s: r.get("Health") for s, r in states().items()} == dict.fromkeys([*names, "redis"], "healthy"), 120)
         with urllib.request.urlopen(f"http://127.0.0.1:{ports.http['trainer']}/metrics", timeout=10) as r:
             assert b"rollstream_trainer_steps_total" in r.read()
 
@@ -291,7 +298,7 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         last = step_metrics(client, keys)[-1].step
         assert states()["trainer"]["ExitCode"] == 0, logs("trainer")[-4000:]
         compose("start", "trainer")
-        wait_for("a step after the resume", lambda: client.xlen(keys.metrics) > last, 600)
+        wait_until("a step after the resume", lambda: client.xlen(keys.metrics) > last, 600)
         timings["resume_to_next_step_s"] = round(time.monotonic() - t1, 1)
         resumed = json_events(logs("trainer"), "resumed")
         assert [e["step"] for e in resumed] == [last], f"expected one resume at step {last}: {resumed}"

@@ -7,19 +7,20 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from procs import ServiceProc, start_service
 from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
 
+from helpers import CUSTOM_REWARD_EXAMPLE as EXAMPLE
+from helpers import LoggedProc, wait_for
+from procs import start_service
+
 pytestmark = pytest.mark.e2e
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
 STEPS = 3
 GROUPS_PER_STEP = 2
 GROUP_SIZE = 4
@@ -52,25 +53,9 @@ def test_example_source_imports_only_redis_protobuf_and_the_stdlib() -> None:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
 
 
-def wait_for(predicate, timeout_s: float, what: str, procs: list[ServiceProc], custom: subprocess.Popen[bytes], custom_log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if custom.poll() is not None:
-            raise AssertionError(f"the custom reward service exited ({custom.returncode}):\n{custom_log.read_text()[-3000:]}")
-        for p in procs:
-            if p.proc.poll() is not None and p.proc.returncode != 0:
-                raise AssertionError(f"{p.name} died ({p.proc.returncode}) while waiting for {what}:\n{p.log()[-3000:]}")
-        time.sleep(0.2)
-    logs = "\n".join(f"--- {p.name}\n{p.log()[-2500:]}" for p in procs)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}\n--- custom\n{custom_log.read_text()[-2500:]}")
-
-
-def test_trainer_trains_on_the_custom_services_scores(redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
-    # Stubs generated from proto/ at test time, into a temporary folder.
-    stubs = tmp_path / "stubs"
-    subprocess.run([sys.executable, str(EXAMPLE / "generate_stubs.py"), "--out", str(stubs)], check=True, capture_output=True)
+def test_trainer_trains_on_the_custom_services_scores(
+    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, custom_reward_stubs: Path, tmp_path: Path
+) -> None:
     # An audit group on `ready` that never reads: the trainer trims `ready` only behind every
     # group, so every group the custom service wrote stays there for the checks below.
     streams.StreamStage.ensure_group(rclient, keys.stream("ready"), "audit")
@@ -89,12 +74,13 @@ def test_trainer_trains_on_the_custom_services_scores(redis_url: str, rclient: r
     with custom_log.open("wb") as log:
         custom = subprocess.Popen(
             [sys.executable, "-c", NO_ROLLSTREAM, str(EXAMPLE / "parity_reward.py"), "--redis-url", redis_url, "--run", keys.run,
-             "--output-stage", "ready", "--stubs", str(stubs), "--consumer", "parity-0", "--block-ms", "100"],
+             "--output-stage", "ready", "--stubs", str(custom_reward_stubs), "--consumer", "parity-0", "--block-ms", "100"],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     procs = [trainer, generator]
     try:
-        wait_for(lambda: rclient.xlen(keys.metrics) >= STEPS, 600, f"{STEPS} training steps", procs, custom, custom_log)
+        wait_for(lambda: rclient.xlen(keys.metrics) >= STEPS, 600, f"{STEPS} training steps",
+                 procs=[*procs, LoggedProc("the custom reward service", custom, custom_log)], poll_s=0.2)  # fmt: skip
 
         steps = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
         trained = {m.decode() for m in rclient.smembers(keys.groups("trained"))}

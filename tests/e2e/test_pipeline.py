@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from procs import generator_state, start_service, trainer_state, wait_for
+from helpers import wait_for
+from procs import generator_state, start_service, trainer_state
 from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
 
@@ -60,7 +61,7 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams
         # SIGKILL the reward stage mid-run and restart it under the same consumer name.
         wait_for(lambda: step() >= 2, 300, "step 2", procs)
         reward.kill()
-        time.sleep(1.0)
+        time.sleep(1.0)  # deliberate: the stage stays down a moment (the fault under test), then comes back
         reward = start_service("reward", tmp_path, *common[:-2], "--output-stage", "scored", "--consumer", "reward-0").wait_ready()
         procs[2] = reward
 

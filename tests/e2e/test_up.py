@@ -8,16 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from procs import alive  # tests/procs.py
 from rollstream.core import codec
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
+
+from helpers import still_running, wait_for
+from procs import alive
 
 pytestmark = pytest.mark.e2e
 
@@ -34,17 +35,13 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     keys = RunKeys(run_name)
     try:
-        deadline = time.monotonic() + 300
-        while rclient.xlen(keys.metrics) < 3:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "no 3 steps within 300 s"
-            time.sleep(0.5)
+        wait_for(lambda: rclient.xlen(keys.metrics) >= 3, 300, "3 steps", check=still_running(proc, "up"), poll_s=0.5)
         pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
         assert set(pids) == {"trainer", "generator-0", "reward-0", "reference-0"}
 
         status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        assert f"rs:{{{run_name}}}:ready" in status.stdout and "trained=" in status.stdout
+        assert keys.stream("ready") in status.stdout and "trained=" in status.stdout
 
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -99,17 +96,16 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
         return {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
 
     try:
-        deadline = time.monotonic() + 300
-        while set(pids()) != expected:
-            assert proc.poll() is None and time.monotonic() < deadline, f"up did not start every service: {sorted(pids())}"
-            time.sleep(0.5)
+        wait_for(lambda: set(pids()) == expected, 300, f"up to start {sorted(expected)}", check=still_running(proc, "up"),
+                 details=lambda: f"started: {sorted(pids())}", poll_s=0.5)  # fmt: skip
         started = pids()
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 60
-        while [name for name, pid in started.items() if alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [name for name, pid in started.items() if alive(pid)], "left running after up was killed"
+
+        def left_running() -> list[str]:
+            return [name for name, pid in started.items() if alive(pid)]
+
+        wait_for(lambda: not left_running(), 60, "every service to exit after up was killed", details=lambda: f"left running: {left_running()}", poll_s=0.5)
     finally:
         proc.kill()
         for pid in pids().values():  # whatever happened, leave nothing to the next test

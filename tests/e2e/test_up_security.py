@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,8 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+from helpers import still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -55,17 +56,13 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds = tmp_path / "credentials"
     try:
-        deadline = time.monotonic() + 300
-        while not (tmp_path / "state" / "generator-0.json").exists() or not (tmp_path / "state" / "redis.json").exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "up did not start its services within 300 s"
-            time.sleep(0.5)
+        up_running = still_running(proc, "up")
+        state = tmp_path / "state"
+        wait_for(lambda: (state / "generator-0.json").exists() and (state / "redis.json").exists(), 300, "up to start its services",
+                 check=up_running, poll_s=0.5)  # fmt: skip
         port = int(json.loads((tmp_path / "state" / "redis.json").read_text())["url"].rsplit(":", 1)[1].split("/")[0])
         admin = redis.Redis(port=port, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "admin"))
-        while admin.xlen(keys.metrics) < 1:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "no step within 300 s"
-            time.sleep(0.5)
+        wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
 
         # Redis: no password, no access at all; a service's own user only for its own work.
         anonymous = redis.Redis(port=port)
@@ -112,10 +109,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         # service does its work as its own user: the server denies none of them anything.
         admin.acl_log_reset()  # what was denied so far is the attacks above
         steps_then = admin.xlen(keys.metrics)
-        while admin.xlen(keys.metrics) < steps_then + 2:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline + 300, "the run stopped after the attacks"
-            time.sleep(0.5)
+        wait_for(lambda: admin.xlen(keys.metrics) >= steps_then + 2, 300, "2 more steps after the attacks", check=up_running, poll_s=0.5)
         assert not admin.sismember(keys.groups("trained"), "forged")
         assert admin.xlen(keys.dead) == 0
         assert admin.acl_log() == []
@@ -127,7 +121,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
              "--redis-password-file", str(creds / "redis" / "admin.password")],
             capture_output=True, text=True, timeout=60,
         )
-        assert ok.returncode == 0 and f"rs:{{{run}}}:ready" in ok.stdout, ok.stdout + ok.stderr
+        assert ok.returncode == 0 and keys.stream("ready") in ok.stdout, ok.stdout + ok.stderr
         refused = subprocess.run([rollstream_cmd(), "status", "--redis-url", url, "--run", run], capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower(), refused.stdout + refused.stderr
         admin.close()

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import redis
 
-from procs import alive  # tests/procs.py
+from helpers import wait_for
+from procs import alive
 from rollstream.core import codec, credentials, redis_acl
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, id_tuple
@@ -125,24 +126,20 @@ class FaultRun:
     def pid(self, name: str, timeout_s: float = 180.0) -> int:
         """The live pid of a service (waits for its state file: a restarted child writes it
         once it serves, so a kill lands on a started process)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def live_pid() -> int | None:
             st = self.state(name)
-            if st is not None and alive(int(st["pid"])):
-                return int(st["pid"])
-            self._check_upalive(f"the pid of {name}")
-            time.sleep(0.1)
-        raise FaultRunError(f"no live {name} within {timeout_s}s\n{self.logs_tail()}")
+            return int(st["pid"]) if st is not None and alive(int(st["pid"])) else None
+
+        return wait_for(live_pid, timeout_s, f"a live {name}", check=lambda: self._check_upalive(f"the pid of {name}"), details=self.logs_tail, poll_s=0.1)
 
     def redis_url(self, timeout_s: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def url() -> str | None:
             st = self.state("redis")
-            if st is not None:
-                return str(st["url"])
-            self._check_upalive("state/redis.json")
-            time.sleep(0.1)
-        raise FaultRunError(f"no state/redis.json within {timeout_s}s\n{self.logs_tail()}")
+            return str(st["url"]) if st is not None else None
+
+        return wait_for(url, timeout_s, "state/redis.json", check=lambda: self._check_upalive("state/redis.json"), details=self.logs_tail, poll_s=0.1)
 
     def admin(self) -> dict[str, str]:
         """Credentials of the embedded Redis's `admin` user (`up` runs it with an ACL file: the
@@ -176,15 +173,16 @@ class FaultRun:
         return max(steps)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Wait until the metrics stream shows `step` (or later); returns the step seen."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Wait until the metrics stream shows `step` >= 1 (or later); returns the step seen."""
+
+        def reached() -> int | None:
             seen = self.max_step()
-            if seen is not None and seen >= step:
-                return seen
-            self._check_upalive(f"step {step}")
-            time.sleep(0.1)
-        raise FaultRunError(f"step {step} not reached within {timeout_s}s (last seen: {self.max_step()})\n{self.logs_tail()}")
+            return seen if seen is not None and seen >= step else None
+
+        return wait_for(
+            reached, timeout_s, f"step {step}", check=lambda: self._check_upalive(f"step {step}"),
+            details=lambda: f"last step seen: {self.max_step()}\n{self.logs_tail()}", poll_s=0.1,
+        )  # fmt: skip
 
     def fault_point(self, first: int = 0, span: int | None = None) -> tuple[int, float]:
         """A seeded random point of the run: after step k (first <= k <= first + span; by

@@ -3,16 +3,17 @@ refusal of deltas it cannot apply (wrong base, corrupted, another model)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
+
+from helpers import wait_for, write
+from procs import ServiceProc, start_service
 
 
 @pytest.fixture
@@ -151,14 +152,14 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
     good = [task("good-1"), task("good-2")]
     # One read holds them all (tasks_per_batch defaults to 4: two reads, mixed).
     for t in [good[0], *poison.values(), good[1]]:
-        streams.write(rclient, keys, "prompts", t)
+        write(rclient, keys, "prompts", t)
     rclient.xadd(keys.stream("prompts"), {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b"\xff\xff garbage"})
 
-    deadline = time.monotonic() + 120
-    while rclient.xlen(keys.dead) < len(poison) + 1 or rclient.xlen(keys.stream("rollouts")) < 2:
-        assert generator.proc.poll() is None, generator.log()[-3000:]
-        assert time.monotonic() < deadline, f"dead {rclient.xlen(keys.dead)}, rollouts {rclient.xlen(keys.stream('rollouts'))}\n{generator.log()[-3000:]}"
-        time.sleep(0.2)
+    wait_for(
+        lambda: rclient.xlen(keys.dead) >= len(poison) + 1 and rclient.xlen(keys.stream("rollouts")) >= 2, 120,
+        f"{len(poison) + 1} dead letters and 2 rollout groups", procs=[generator],
+        details=lambda: f"dead {rclient.xlen(keys.dead)}, rollouts {rclient.xlen(keys.stream('rollouts'))}", poll_s=0.2,
+    )  # fmt: skip
     groups = [codec.decode(f, rollout_pb2.RolloutGroup) for _, f in rclient.xrange(keys.stream("rollouts"))]
     assert sorted(g.group_id for g in groups) == ["good-1", "good-2"]
     assert all(g.group_size == 2 and len(g.completions) == 2 for g in groups)

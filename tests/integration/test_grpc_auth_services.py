@@ -22,11 +22,12 @@ import grpc
 import numpy as np
 import pytest
 
-from procs import ServiceProc, generator_state, start_service, trainer_state, wait_for
+from helpers import wait_for, wait_healthy
+from procs import ServiceProc, generator_state, start_service, trainer_state
 from rollstream.core import credentials, deltas, grpc_auth, modeling, weight_transfer
 from rollstream.core.credentials import ROLES
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.grpc_utils import channel, wait_healthy
+from rollstream.core.grpc_utils import channel
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.trainer import checkpoint
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2

@@ -37,10 +37,10 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
 from rollstream.v1 import rollout_pb2
-from tests.integration.test_reference_service import make_group as scored_group
-from tests.integration.test_reward_custom_example import EXAMPLE, stubs  # noqa: F401 - the module's stubs fixture
-from tests.integration.test_reward_service import make_group
-from tests.procs import ServiceProc, start_service, trainer_state, wait_for
+
+from helpers import CUSTOM_REWARD_EXAMPLE, LoggedProc, wait_for, write
+from procs import start_service, trainer_state
+from synthetic import rollout_group, scored_group_in_vocab
 
 SERVICES = ("trainer", "generator", "reward", "reference")
 # Commands no service role may have (the `admin` user's alone).
@@ -175,7 +175,7 @@ def work_through_stage(admin: redis.Redis, client: redis_policy.Client, keys: Ru
     pending ones after a failure, touch them, another consumer taking them over once idle,
     commit (with `extra`) to `output`, dead-letter, trim."""
     for i in range(4):
-        streams.write(admin, keys, source, make_group(f"{source}-{i}", ["8"]))
+        write(admin, keys, source, rollout_group(f"{source}-{i}", ["8"]))
     a = StreamStage(client, keys, source, group, "consumer-a", claim_idle_ms=100)
     b = StreamStage(client, keys, source, group, "consumer-b", claim_idle_ms=100)
     held = a.read(1, 10)
@@ -184,15 +184,15 @@ def work_through_stage(admin: redis.Redis, client: redis_policy.Client, keys: Ru
     again = a.read(1, 10)  # XPENDING + XCLAIM RETRYCOUNT: the same entry, no delivery counted
     assert [e.id for e in again] == [held[0].id]
     a.touch(again)
-    time.sleep(0.2)
+    time.sleep(0.2)  # deliberate: the entry must sit idle past claim_idle_ms (100 ms) before b may take it over
     taken = b.read(1, 10)  # b's own pending (none), then the take-over of a's idle entry
     assert [e.id for e in taken] == [held[0].id]
-    outputs = [(output, make_group("out-0", ["8"]))] if output else []
+    outputs = [(output, rollout_group("out-0", ["8"]))] if output else []
     assert b.commit(taken, outputs=outputs, extra=extra)
     rest = b.read(3, 10)
     assert len(rest) == 3
     b.dead_letter(rest[0], "refused by the test")
-    assert b.commit(rest[1:], outputs=[(output, make_group(f"out-{i}", ["8"])) for i in (1, 2)] if output else [], extra=extra)
+    assert b.commit(rest[1:], outputs=[(output, rollout_group(f"out-{i}", ["8"])) for i in (1, 2)] if output else [], extra=extra)
     assert b.trim() >= 0
     assert admin.xpending(keys.stream(source), group)["pending"] == 0
     assert admin.xlen(keys.dead) == 1
@@ -230,8 +230,8 @@ def test_reward_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) ->
     work_through_stage(admin, client, keys, "rollouts", "reward", "scored", extra=count)
     # --output-stage ready (no reference stage), and XAUTOCLAIM as a custom reward may use it.
     stage = StreamStage(client, keys, "rollouts", "reward", "consumer-c")
-    streams.write(admin, keys, "rollouts", make_group("to-ready", ["8"]))
-    assert stage.commit(stage.read(1, 10), outputs=[("ready", make_group("to-ready", ["8"]))], extra=count)
+    write(admin, keys, "rollouts", rollout_group("to-ready", ["8"]))
+    assert stage.commit(stage.read(1, 10), outputs=[("ready", rollout_group("to-ready", ["8"]))], extra=count)
     assert client.xautoclaim(keys.stream("rollouts"), "reward", "consumer-c", 1000)[1] == []
     assert admin.xlen(keys.stream("ready")) == 1
     assert denials(admin) == []
@@ -277,7 +277,7 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -
     # The generator registry: the live ones, and dead ones forgotten.
     registry.heartbeat(generator, keys, "gen-live", "127.0.0.1:5001")
     assert GeneratorDirectory([]).addresses(client, keys) == ["127.0.0.1:5001"]
-    time.sleep(0.01)
+    time.sleep(0.01)  # deliberate: the heartbeat must be older than the 1 ms ttl below
     assert registry.live(client, keys, ttl_s=0.001) == {}
     assert admin.hlen(keys.generators) == 0
     assert denials(admin) == []
@@ -300,7 +300,7 @@ def test_no_role_but_admin_runs_admin_commands(connect_as, role: str, command: t
 
 
 def test_roles_are_refused_other_stages_keys(connect_as, keys: RunKeys) -> None:
-    group = codec.encode(make_group("forged", ["8"]))
+    group = codec.encode(rollout_group("forged", ["8"]))
     generator, reward, reference, trainer = (connect_as(r) for r in ("generator", "reward", "reference", "trainer"))
     assert_denied(lambda: reward.xadd(keys.stream("prompts"), group))
     assert_denied(lambda: reference.xadd(keys.stream("prompts"), group))
@@ -334,7 +334,7 @@ def test_generator_cannot_write_ready_or_scored(admin: redis.Redis, connect_as, 
     """A stolen generator password cannot put a forged, self-rewarded group where the
     trainer (or the reference) reads: not by XADD, not inside a script; nor read there."""
     generator = connect_as("generator")
-    forged = codec.encode(make_group("forged", ["8"]))
+    forged = codec.encode(rollout_group("forged", ["8"]))
     for name in ("ready", "scored"):
         assert_denied(lambda name=name: generator.xadd(keys.stream(name), forged))
         assert_denied(lambda name=name: generator.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream(name)))
@@ -350,14 +350,14 @@ def test_observer_counts_back_pressure(admin: redis.Redis, connect_as, keys: Run
     observer = connect_as("observer")
     assert streams.waiting(observer, keys.stream("ready")) == 0  # no such stream yet
     for i in range(3):
-        streams.write(admin, keys, "scored", make_group(f"s{i}", ["8"]))
+        write(admin, keys, "scored", rollout_group(f"s{i}", ["8"]))
     assert streams.waiting(observer, keys.stream("scored")) == 3  # no group: its length
-    streams.write(admin, keys, "rollouts", make_group("r0", ["8"]))
-    streams.write(admin, keys, "rollouts", make_group("r1", ["8"]))
+    write(admin, keys, "rollouts", rollout_group("r0", ["8"]))
+    write(admin, keys, "rollouts", rollout_group("r1", ["8"]))
     admin.xgroup_create(keys.stream("rollouts"), "reward", id="0")
     admin.xreadgroup("reward", "c", {keys.stream("rollouts"): ">"}, count=1)
     assert streams.waiting(observer, keys.stream("rollouts")) == 2  # one pending, one unread
-    streams.write(admin, keys, "ready", make_group("g0", ["8"]))
+    write(admin, keys, "ready", rollout_group("g0", ["8"]))
     assert streams.waiting(observer, keys.stream("ready"), limit=64) == 1
     assert denials(admin) == []
 
@@ -366,10 +366,10 @@ def test_observer_counts_back_pressure(admin: redis.Redis, connect_as, keys: Run
 def test_observer_writes_nothing(admin: redis.Redis, connect_as, keys: RunKeys, name: str) -> None:
     observer = connect_as("observer")
     key = keys.version if name == "version" else keys.stream(name)
-    streams.write(admin, keys, "scored", make_group("s", ["8"]))
+    write(admin, keys, "scored", rollout_group("s", ["8"]))
     admin.xgroup_create(keys.stream("scored"), "reference", id="0", mkstream=True)
     entry = admin.xreadgroup("reference", "c", {keys.stream("scored"): ">"}, count=1)[0][1][0][0]
-    forged = codec.encode(make_group("forged", ["8"]))
+    forged = codec.encode(rollout_group("forged", ["8"]))
     assert_denied(lambda: observer.xadd(key, forged))
     assert_denied(lambda: observer.xack(keys.stream("scored"), "reference", entry))
     assert_denied(lambda: observer.xgroup_create(key, "evil", id="$", mkstream=True))
@@ -483,26 +483,16 @@ def role_flags(secrets_root: Path, role: str) -> list[str]:
     return flags
 
 
-def wait_until(what: str, check: Callable[[], bool], proc: ServiceProc, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.proc.poll() is not None:
-            raise AssertionError(f"{proc.name} exited with {proc.proc.returncode} while waiting for {what}:\n{proc.log()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n{proc.log()[-4000:]}")
-        time.sleep(0.05)
-
-
 def test_reward_service_scores_as_reward(tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys) -> None:
     svc = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, "--block-ms", "50", "--trim-every-s", "0.2",
                         *role_flags(secrets_root, "reward"))  # fmt: skip
     try:
         svc.wait_ready(timeout_s=60)
         for i in range(3):
-            streams.write(admin, keys, "rollouts", make_group(f"g{i}", ["8", "7"]))
+            write(admin, keys, "rollouts", rollout_group(f"g{i}", ["8", "7"]))
         admin.xadd(keys.stream("rollouts"), {"type": b"garbage"})  # a dead letter too
-        wait_until("3 groups scored and 1 dead", lambda: admin.xlen(keys.stream("scored")) == 3 and admin.xlen(keys.dead) == 1, svc)
-        wait_until("rollouts trimmed", lambda: admin.xlen(keys.stream("rollouts")) == 0, svc)
+        wait_for(lambda: admin.xlen(keys.stream("scored")) == 3 and admin.xlen(keys.dead) == 1, 60, "3 groups scored and 1 dead", procs=[svc])
+        wait_for(lambda: admin.xlen(keys.stream("rollouts")) == 0, 60, "rollouts trimmed", procs=[svc])
     finally:
         rc = svc.stop()
     assert rc == 0, svc.log()[-4000:]
@@ -519,9 +509,9 @@ def test_reference_service_references_as_reference(
         svc.wait_ready(timeout_s=120)
         vocab = vocab_size(str(tiny_model_dir))
         for seed in range(2):
-            streams.write(admin, keys, "scored", scored_group(vocab, seed=seed))
-        wait_until("2 groups ready", lambda: admin.xlen(keys.stream("ready")) == 2, svc, timeout_s=120)
-        wait_until("scored trimmed", lambda: admin.xlen(keys.stream("scored")) == 0, svc)
+            write(admin, keys, "scored", scored_group_in_vocab(vocab, seed=seed))
+        wait_for(lambda: admin.xlen(keys.stream("ready")) == 2, 120, "2 groups ready", procs=[svc])
+        wait_for(lambda: admin.xlen(keys.stream("scored")) == 0, 60, "scored trimmed", procs=[svc])
     finally:
         rc = svc.stop()
     assert rc == 0, svc.log()[-4000:]
@@ -551,7 +541,7 @@ def test_tiny_pipeline_trains_with_every_service_as_its_role(
         ).wait_ready())  # fmt: skip
         procs.append(start_service("reward", tmp_path, *common, *role_flags(secrets_root, "reward"), "--output-stage", "ready").wait_ready())
         # The step's commit (its ledger, the version) lands after GetState already says the step.
-        wait_for(lambda: int(admin.get(keys.version) or 0) >= steps, 240, f"{steps} steps as roles", procs)
+        wait_for(lambda: int(admin.get(keys.version) or 0) >= steps, 240, f"{steps} steps as roles", procs=procs)
         # The generator counts its back-pressure as the observer (its own user could not).
         assert "observer" in {c["user"] for c in admin.client_list()}
         assert trainer_state(trainer.grpc_address).step == steps
@@ -613,7 +603,7 @@ def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, se
 
 
 def test_custom_reward_example_runs_as_reward(
-    stubs: Path,  # noqa: F811 - the example's fixture
+    custom_reward_stubs: Path,
     tmp_path: Path, server: EmbeddedRedis, passwords: dict[str, str], admin: redis.Redis, keys: RunKeys,
 ) -> None:  # fmt: skip
     """docs/custom-reward.md's ACL line covers a custom reward service (the example: plain
@@ -622,17 +612,14 @@ def test_custom_reward_example_runs_as_reward(
     log = tmp_path / "parity.log"
     with log.open("ab") as f:
         proc = subprocess.Popen(
-            [sys.executable, str(EXAMPLE / "parity_reward.py"), "--run", keys.run, "--stubs", str(stubs), "--consumer", "parity-0",
+            [sys.executable, str(CUSTOM_REWARD_EXAMPLE / "parity_reward.py"), "--run", keys.run, "--stubs", str(custom_reward_stubs), "--consumer", "parity-0",
              "--block-ms", "50"],
             # The URL carries the password: through the environment, as the doc says, not argv.
             stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": url},
         )  # fmt: skip
     try:
-        streams.write(admin, keys, "rollouts", make_group("even-odd", ["a", "b"]))
-        deadline = time.monotonic() + 30
-        while admin.xlen(keys.stream("scored")) < 1:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
+        write(admin, keys, "rollouts", rollout_group("even-odd", ["a", "b"]))
+        wait_for(lambda: admin.xlen(keys.stream("scored")) >= 1, 30, "the example to score a group", procs=[LoggedProc("parity_reward.py", proc, log)])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

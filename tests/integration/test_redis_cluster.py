@@ -23,11 +23,13 @@ import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
-from cluster import RedisClusterNodes
-from procs import start_service, trainer_state, wait_for
 from rollstream.core import codec, redis_policy, registry, streams
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
+
+from cluster import RedisClusterNodes
+from helpers import wait_for, write
+from procs import start_service, trainer_state
 
 pytestmark = pytest.mark.cluster
 
@@ -134,7 +136,7 @@ def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
     source, scored = keys.stream("rollouts"), keys.stream("scored")
     stage = streams.StreamStage(client, keys, "rollouts", "reward", "reward-0", claim_idle_ms=60_000, max_deliveries=5)
     for gid in ("g1", "g2", "g3"):
-        streams.write(client, keys, "rollouts", group(gid))
+        write(client, keys, "rollouts", group(gid))
     assert streams.waiting(client, source) == 3  # unread by the group
 
     entries = stage.read(count=10, block_ms=100)
@@ -164,13 +166,13 @@ def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
 
     # Restart under the same consumer name: its pending entry comes back first (a 2nd
     # delivery); another consumer takes it over once idle; the first one's commit is refused.
-    streams.write(client, keys, "rollouts", group("g4"))
+    write(client, keys, "rollouts", group("g4"))
     (held,) = stage.read(count=10, block_ms=100)
     restarted = streams.StreamStage(client, keys, "rollouts", "reward", "reward-0", claim_idle_ms=60_000)
     (again,) = restarted.read(count=10, block_ms=100)
     assert again.id == held.id and again.deliveries == 2
     other = streams.StreamStage(client, keys, "rollouts", "reward", "reward-1", claim_idle_ms=50)
-    time.sleep(0.2)
+    time.sleep(0.2)  # deliberate: the entry must sit idle past claim_idle_ms (50 ms) to be taken over
     (taken,) = other.read(count=10, block_ms=100)
     assert taken.id == held.id and taken.deliveries == 3
     assert other.commit([taken], [("scored", group("g4"))]) is True
@@ -220,7 +222,7 @@ def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient
         procs.append(start_service("reward", tmp_path, *common[:-2], "--output-stage", "ready", "--consumer", "reward-0").wait_ready())
         ready_s = time.monotonic() - started
 
-        wait_for(lambda: trainer_state(trainer.grpc_address).step >= STEPS, 240, f"{STEPS} steps on the cluster", procs)
+        wait_for(lambda: trainer_state(trainer.grpc_address).step >= STEPS, 240, f"{STEPS} steps on the cluster", procs=procs)
         trained_s = time.monotonic() - started
         print(f"\n[cluster] pipeline: services ready after {ready_s:.1f}s, {STEPS} steps after {trained_s:.1f}s")
 
@@ -279,7 +281,7 @@ def test_a_lost_xreadgroup_reply_is_read_again(where: str, cluster: RedisCluster
         assert stage.read(count=10, block_ms=100) == []  # past its own pending entries (none)
 
         def write_then_stall() -> None:
-            time.sleep(0.3)  # the read below is blocked by then
+            wait_for(lambda: int(admin.info("clients")["blocked_clients"]) >= 1, 10, "the read below to block on the server")
             pipe = admin.pipeline(transaction=False)
             pipe.xadd(keys.stream("rollouts"), codec.encode(group("g1")))  # delivered to the blocked read...
             pipe.eval(_STALL, 0, 1500)  # ...whose reply then waits past the client's 1 s socket timeout

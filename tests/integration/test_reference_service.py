@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -20,30 +18,19 @@ import pytest
 import redis
 
 from rollstream.core import codec, streams
-from rollstream.core.grpc_utils import channel, wait_healthy
+from rollstream.core.grpc_utils import channel
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.reference.scoring import ReferenceModel
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
 
-from procs import ServiceProc, start_service  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from helpers import wait_for, wait_healthy, write
+from procs import ServiceProc, start_service
+from synthetic import scored_group_in_vocab
 
 # Small budgets so one group already spans several micro-batches and LM-head chunks.
 TOKEN_BUDGET = 48
 CHUNK_TOKENS = 5
 TEMPERATURE = 0.9
-
-T = TypeVar("T")
-
-
-def wait_for(fn: Callable[[], T | None], timeout_s: float = 20.0, what: str = "condition") -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} not met within {timeout_s}s")
-
 
 @pytest.fixture(scope="module")
 def keys() -> streams.RunKeys:
@@ -86,37 +73,6 @@ def in_process(tiny_model_dir: Path) -> ReferenceModel:
     return ReferenceModel.load(tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE)
 
 
-def make_group(vocab: int, n: int = 3, prompt_len: int = 11, seed: int = 0) -> rollout_pb2.RolloutGroup:
-    """A scored group as the reward stage writes it: completions of different lengths."""
-    prompt = [(seed * 7 + 3 * i) % vocab for i in range(prompt_len)]
-    completions = []
-    for j in range(n):
-        tokens = [(seed + 5 * j + 11 * k) % vocab for k in range(4 + 6 * j)]
-        completions.append(
-            rollout_pb2.Completion(
-                token_ids=tokens,
-                behaviour_logprobs=[-1.5] * len(tokens),
-                versions=[rollout_pb2.VersionSpan(version=0, start=0, end=len(tokens))],
-                text=f"completion {j}",
-                finish_reason="length",
-                reward=float(j),
-                reward_components=[rollout_pb2.RewardComponent(name="correct", value=float(j), weight=1.0, status="ok")],
-            )
-        )
-    return rollout_pb2.RolloutGroup(
-        group_id="g-" + uuid.uuid4().hex[:8],
-        task_id="task-" + str(seed),
-        policy_version=0,
-        prompt_ids=prompt,
-        completions=completions,
-        answer="42",
-        task_kind="arithmetic",
-        generator_id="gen-test",
-        scored=True,
-        created_at=time.time(),
-    )
-
-
 def ready_groups(client: redis.Redis, keys: streams.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
     out = {}
     for _id, fields in client.xrange(keys.stream("ready")):
@@ -126,7 +82,7 @@ def ready_groups(client: redis.Redis, keys: streams.RunKeys) -> dict[str, rollou
 
 
 def wait_ready_group(client: redis.Redis, keys: streams.RunKeys, group_id: str) -> rollout_pb2.RolloutGroup:
-    return wait_for(lambda: ready_groups(client, keys).get(group_id), what=f"group {group_id} in ready")
+    return wait_for(lambda: ready_groups(client, keys).get(group_id), 20, f"group {group_id} in ready")
 
 
 def dead_reasons(client: redis.Redis, keys: streams.RunKeys) -> dict[str, str]:
@@ -145,8 +101,8 @@ def assert_close(got: list[float], want: list[float], atol: float = 1e-5) -> Non
 
 
 def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
-    sent = make_group(in_process.vocab_size, n=4, seed=1)
-    entry_id = streams.write(client, keys, "scored", sent)
+    sent = scored_group_in_vocab(in_process.vocab_size, n=4, seed=1)
+    entry_id = write(client, keys, "scored", sent)
 
     got = wait_ready_group(client, keys, sent.group_id)
 
@@ -170,18 +126,18 @@ def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, 
 
 def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
     garbage = client.xadd(keys.stream("scored"), {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"})
-    wrong_type = streams.write(client, keys, "scored", rollout_pb2.PromptTask(task_id="not-a-group"))
-    no_completions = streams.write(client, keys, "scored", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1, 2]))
-    out_of_vocab = make_group(in_process.vocab_size, seed=2)
+    wrong_type = write(client, keys, "scored", rollout_pb2.PromptTask(task_id="not-a-group"))
+    no_completions = write(client, keys, "scored", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1, 2]))
+    out_of_vocab = scored_group_in_vocab(in_process.vocab_size, seed=2)
     out_of_vocab.completions[1].token_ids[2] = in_process.vocab_size + 7
-    oov_id = streams.write(client, keys, "scored", out_of_vocab)
-    valid = make_group(in_process.vocab_size, seed=3)
-    streams.write(client, keys, "scored", valid)
+    oov_id = write(client, keys, "scored", out_of_vocab)
+    valid = scored_group_in_vocab(in_process.vocab_size, seed=3)
+    write(client, keys, "scored", valid)
 
     got = wait_ready_group(client, keys, valid.group_id)
     assert got.has_ref_logprobs
 
-    reasons = wait_for(lambda: (r := dead_reasons(client, keys)) and len(r) >= 4 and r, what="four dead letters")
+    reasons = wait_for(lambda: (r := dead_reasons(client, keys)) and len(r) >= 4 and r, 20, "four dead letters")
     assert "does not parse as rollstream.v1.RolloutGroup" in reasons[garbage.decode()]
     assert "type is 'rollstream.v1.PromptTask'" in reasons[wrong_type.decode()]
     assert "has no completions" in reasons[no_completions.decode()]
@@ -193,11 +149,11 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
 
 
 def test_group_that_already_has_ref_logprobs_passes_through(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
-    sent = make_group(in_process.vocab_size, n=2, seed=4)
+    sent = scored_group_in_vocab(in_process.vocab_size, n=2, seed=4)
     for c in sent.completions:
         c.ref_logprobs.extend([-0.25] * len(c.token_ids))
     sent.has_ref_logprobs = True
-    streams.write(client, keys, "scored", sent)
+    write(client, keys, "scored", sent)
 
     assert wait_ready_group(client, keys, sent.group_id) == sent
 
@@ -221,8 +177,8 @@ def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.R
         assert "sequence 0: empty prompt" in err.value.details()
 
         # GetState counts what the stream loop referenced and every completion token scored.
-        group = make_group(in_process.vocab_size, n=2, seed=5)
-        streams.write(client, keys, "scored", group)
+        group = scored_group_in_vocab(in_process.vocab_size, n=2, seed=5)
+        write(client, keys, "scored", group)
         wait_ready_group(client, keys, group.group_id)
         after = stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=10)
     assert after.model == str(tiny_model_dir.resolve())
@@ -232,8 +188,8 @@ def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.R
 
 
 def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
-    group = make_group(in_process.vocab_size, seed=6)
-    streams.write(client, keys, "scored", group)
+    group = scored_group_in_vocab(in_process.vocab_size, seed=6)
+    write(client, keys, "scored", group)
     wait_ready_group(client, keys, group.group_id)
 
     text = httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=5).text
@@ -241,7 +197,7 @@ def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: str
     assert 'rollstream_reference_tokens_total{kind="completion"}' in text
     assert "rollstream_reference_tokens_per_second" in text
     # Acknowledged entries are trimmed from the scored stream (every 0.5 s here).
-    wait_for(lambda: client.xlen(keys.stream("scored")) == 0, timeout_s=10, what="scored stream trimmed")
+    wait_for(lambda: client.xlen(keys.stream("scored")) == 0, 10, "scored stream trimmed")
 
 
 def test_bad_settings_exit_2_naming_the_field() -> None:

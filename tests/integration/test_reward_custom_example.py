@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,36 +15,25 @@ import redis
 from rollstream.core import codec, streams
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
-from tests.integration.test_reward_service import groups_in, make_group, write_many
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
+from helpers import CUSTOM_REWARD_EXAMPLE, LoggedProc, groups_in, wait_for, write, write_many
+from synthetic import rollout_group
+
 GROUP = "custom-reward"
-
-
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("stubs")
-    subprocess.run([sys.executable, str(EXAMPLE / "generate_stubs.py"), "--out", str(out)], check=True, capture_output=True)
-    return out
 
 
 def start(stubs: Path, redis_url: str, run: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
     with log.open("ab") as f:
         return subprocess.Popen(
-            [sys.executable, str(EXAMPLE / "parity_reward.py"), "--redis-url", redis_url, "--run", run, "--stubs", str(stubs),
+            [sys.executable, str(CUSTOM_REWARD_EXAMPLE / "parity_reward.py"), "--redis-url", redis_url, "--run", run, "--stubs", str(stubs),
              "--consumer", "parity-0", "--block-ms", "50", *args],
             stdout=f, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
 
-def wait_for(what: str, check, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.poll() is not None:
-            raise AssertionError(f"the example exited ({proc.returncode}) while waiting for {what}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
+def example(proc: subprocess.Popen[bytes], log: Path) -> list[LoggedProc]:
+    """The example's process, for wait_for to watch."""
+    return [LoggedProc("the example", proc, log)]
 
 
 @pytest.fixture
@@ -55,20 +43,20 @@ def log(tmp_path: Path) -> Iterator[Path]:
     yield path
 
 
-def test_scores_dead_letters_passes_through_and_stops_cleanly(stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
+def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
     rollouts = keys.stream("rollouts")
-    group = make_group("even-odd", ["a", "b"])
+    group = rollout_group("even-odd", ["a", "b"])
     group.completions[1].token_ids.append(7)  # 2 tokens and 3 tokens
-    streams.write(rclient, keys, "rollouts", group)
+    write(rclient, keys, "rollouts", group)
     bad = rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "2", "data": b""})
-    prescored = make_group("pre", ["x"])
+    prescored = rollout_group("pre", ["x"])
     prescored.scored = True
     prescored.completions[0].reward = 0.25
-    streams.write(rclient, keys, "rollouts", prescored)
-    proc = start(stubs, redis_url, keys.run, log)
+    write(rclient, keys, "rollouts", prescored)
+    proc = start(custom_reward_stubs, redis_url, keys.run, log)
     try:
-        wait_for("two groups scored", lambda: rclient.xlen(keys.stream("scored")) == 2, proc, log)
-        wait_for("one dead letter", lambda: rclient.xlen(keys.dead) == 1, proc, log)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 20, "two groups scored", procs=example(proc, log))
+        wait_for(lambda: rclient.xlen(keys.dead) == 1, 20, "one dead letter", procs=example(proc, log))
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert [c.reward for c in out["even-odd"].completions] == [1.0, 0.0]
         assert [[(rc.name, rc.value, rc.status) for rc in c.reward_components] for c in out["even-odd"].completions] == [
@@ -83,16 +71,16 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(stubs: Path, redis
         assert "schema b'2' is not supported" in fields[b"reason"].decode() == letter.reason
         assert rclient.xpending(rollouts, GROUP)["pending"] == 0
         assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 2, "dead_rollouts": 1}
-        wait_for("rollouts trimmed behind the acks", lambda: rclient.xlen(rollouts) == 0, proc, log)
+        wait_for(lambda: rclient.xlen(rollouts) == 0, 20, "rollouts trimmed behind the acks", procs=example(proc, log))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert proc.returncode == 0, log.read_text()
 
 
-def test_resumes_its_own_pending_and_dead_letters_over_delivered(stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
+def test_resumes_its_own_pending_and_dead_letters_over_delivered(custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
     rollouts = keys.stream("rollouts")
-    write_many(rclient, keys, [make_group(f"p{i}", ["ab"]) for i in range(6)])
+    write_many(rclient, keys, [rollout_group(f"p{i}", ["ab"]) for i in range(6)])
     streams.StreamStage.ensure_group(rclient, rollouts, GROUP)
     # What a killed "parity-0" leaves: four entries read and never acknowledged; one of them
     # read six times over (each XCLAIM to itself counts a delivery).
@@ -100,10 +88,10 @@ def test_resumes_its_own_pending_and_dead_letters_over_delivered(stubs: Path, re
     poison = taken[0][0]
     for _ in range(5):
         rclient.xclaim(rollouts, GROUP, "parity-0", 0, [poison])
-    proc = start(stubs, redis_url, keys.run, log, "--claim-idle-ms", "600000")
+    proc = start(custom_reward_stubs, redis_url, keys.run, log, "--claim-idle-ms", "600000")
     try:
-        wait_for("five scored", lambda: rclient.xlen(keys.stream("scored")) == 5, proc, log)
-        wait_for("one dead letter", lambda: rclient.xlen(keys.dead) == 1, proc, log)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 5, 20, "five scored", procs=example(proc, log))
+        wait_for(lambda: rclient.xlen(keys.dead) == 1, 20, "one dead letter", procs=example(proc, log))
         ((_, fields),) = rclient.xrange(keys.dead)
         # 1 read + 5 claims before, + the restart's re-read of its own pending entries.
         assert fields[b"reason"] == b"delivered 7 times without being acknowledged"

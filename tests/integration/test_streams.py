@@ -13,6 +13,8 @@ from rollstream.core import codec, streams
 from rollstream.core.streams import Entry, RunKeys, StreamStage
 from rollstream.v1 import rollout_pb2
 
+from helpers import write
+
 SRC, DST, GROUP = "rollouts", "scored", "reward"
 IDLE = 100  # ms; the take-over tests sleep past it (a lower bound, never an upper one)
 
@@ -27,7 +29,7 @@ def _group(i: int) -> rollout_pb2.RolloutGroup:
 
 
 def _feed(client: redis.Redis, keys: RunKeys, n: int, start: int = 0) -> list[bytes]:
-    return [streams.write(client, keys, SRC, _group(start + i)) for i in range(n)]
+    return [write(client, keys, SRC, _group(start + i)) for i in range(n)]
 
 
 def _stage(client: redis.Redis, keys: RunKeys, consumer: str, **kw) -> StreamStage:
@@ -48,6 +50,8 @@ def _ids(entries: list[Entry]) -> list[bytes]:
 
 
 def _sleep_past_idle() -> None:
+    # Deliberate: taking over entries idle for claim_idle_ms is what these tests test, and
+    # only time makes an entry idle (a lower bound on the sleep, never an upper one).
     time.sleep(IDLE / 1000 * 1.5)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from procs import start_service, trainer_state, wait_for  # tests/procs.py
+from helpers import wait_for
+from procs import start_service, trainer_state
 from synthetic import scored_groups
 from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
@@ -88,7 +89,7 @@ def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
     rng = random.Random(seed)
     target = rng.randrange(STEPS)
     wait_for(lambda: committed_step(rclient, keys) >= target, 300, f"step {target}", [first], poll_s=0.02)
-    time.sleep(rng.uniform(0, 1.5 * step_s))
+    time.sleep(rng.uniform(0, 1.5 * step_s))  # deliberate: the kill lands at a random moment of the next step
     killed_at = committed_step(rclient, keys)
     first.kill()
     print(f"seed {seed}: killed after step {killed_at} of {STEPS}")  # which case this seed is (-s shows it)

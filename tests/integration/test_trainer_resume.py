@@ -17,7 +17,8 @@ import grpc
 import pytest
 import redis
 
-from procs import ServiceProc, free_port, generator_state, start_service, trainer_state, wait_for  # tests/procs.py (tests/ is on sys.path via conftest.py)
+from helpers import wait_for
+from procs import ServiceProc, free_port, generator_state, start_service, trainer_state
 from synthetic import scored_groups
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel

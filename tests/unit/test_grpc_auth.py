@@ -20,6 +20,8 @@ from rollstream.core.credentials import ROLES
 from rollstream.core.service import ServiceHost
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
+from helpers import wait_healthy
+
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
 GENERATOR_PUSH = "/rollstream.v1.Generator/PushWeights"
 
@@ -254,7 +256,7 @@ def test_health_and_reflection_need_no_token(server: Server) -> None:
         replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert "rollstream.v1.Generator" in names
-    grpc_utils.wait_healthy(server.address, timeout_s=5)
+    wait_healthy(server.address, timeout_s=5)
 
 
 @pytest.mark.parametrize("token", ["", "garbage", *TOKENS.values()])

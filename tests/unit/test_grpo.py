@@ -1,5 +1,7 @@
-"""rollstream.trainer.grpo against a straightforward per-sequence reference of the published
-formula, in float64: advantages, loss value, gradient, and micro-batch additivity."""
+"""rollstream.trainer.grpo's `grpo` loss, called as trainer.step calls it (advantages per
+group, normaliser over the step, policy_loss per micro-batch), against a straightforward
+per-sequence reference of the published formula, in float64: advantages, loss value,
+gradient, and micro-batch additivity. The other losses: tests/unit/test_losses.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from rollstream.trainer.grpo import group_advantages, grpo_loss
+from rollstream.trainer.grpo import LossConfig, advantages, group_advantages, keeps_group, normaliser, policy_loss
 
 CLIP = 0.2
 TOL = 1e-6
@@ -27,8 +29,9 @@ def test_group_advantages_by_hand(rewards: list[float]) -> None:
     mean = sum(rewards) / len(rewards)
     std = statistics.stdev(rewards)  # unbiased (n - 1)
     expected = [(r - mean) / (std + eps) for r in rewards]
-    got = group_advantages(rewards)
+    got = advantages("grpo", rewards)  # what trainer.step asks for
     assert got == pytest.approx(expected, abs=1e-12)
+    assert got == group_advantages(rewards)
     assert sum(got) == pytest.approx(0.0, abs=1e-12)
 
 
@@ -40,7 +43,8 @@ def test_group_advantages_eps_argument() -> None:
 
 @pytest.mark.parametrize("rewards", [[0.0, 0.0, 0.0, 0.0], [1.0, 1.0], [0.7] * 8, [5.0]])
 def test_zero_variance_group_gives_zero_advantages(rewards: list[float]) -> None:
-    assert group_advantages(rewards) == [0.0] * len(rewards)
+    assert advantages("grpo", rewards) == [0.0] * len(rewards)
+    assert keeps_group("grpo", rewards)  # grpo keeps it: it still counts in G (and carries the KL term)
 
 
 # --- the reference implementation -------------------------------------------------------------
@@ -98,18 +102,28 @@ def make_sequences(seed: int = 0) -> list[dict]:
     return seqs
 
 
-def run_grpo(seqs: list[dict], total_seqs: int, clip_eps: float, beta: float):
-    """grpo_loss over `seqs` as one flat micro-batch; returns (parts, per-sequence logp leaves)."""
+def grpo_config(clip_eps: float, beta: float) -> LossConfig:
+    return LossConfig("grpo", clip_eps_low=clip_eps, clip_eps_high=clip_eps, beta=beta)
+
+
+def run_grpo(seqs: list[dict], denom: float, clip_eps: float, beta: float):
+    """policy_loss (kind grpo, symmetric clip) over `seqs` as one flat micro-batch, with the
+    step's normaliser `denom`, laid out as trainer.step lays it out: flat [tokens] vectors,
+    `seq` the sequence of each token, one advantage per sequence. Returns (parts, per-sequence
+    logp leaves)."""
     leaves = [torch.tensor(s["logp"], dtype=torch.float64, requires_grad=True) for s in seqs]
     logp = torch.cat(leaves)
     cat = lambda key: torch.tensor([x for s in seqs for x in s[key]], dtype=torch.float64)  # noqa: E731
-    seq = torch.tensor([i for i, s in enumerate(seqs) for _ in s["logp"]], dtype=torch.long)
     lengths = torch.tensor([len(s["logp"]) for s in seqs], dtype=torch.long)
-    parts = grpo_loss(
-        logp, cat("behaviour"), cat("adv"), seq, lengths, total_seqs, clip_eps,
-        beta=beta, ref_logp=cat("ref") if beta > 0 else None,
-    )
+    seq = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+    seq_adv = torch.tensor([s["adv"][0] for s in seqs], dtype=torch.float64)
+    parts = policy_loss(grpo_config(clip_eps, beta), logp, cat("behaviour"), seq_adv, seq, lengths, denom, cat("ref") if beta > 0 else None)
     return parts, leaves
+
+
+def step_normaliser(seqs: list[dict]) -> float:
+    """The step's denominator as trainer.step computes it: over every sequence of the step."""
+    return normaliser(LossConfig("grpo"), [len(s["logp"]) for s in seqs])
 
 
 def test_reference_covers_every_clip_case() -> None:
@@ -127,7 +141,8 @@ def test_reference_covers_every_clip_case() -> None:
 def test_loss_and_gradient_match_the_reference(beta: float) -> None:
     seqs = make_sequences()
     total = len(seqs)
-    parts, leaves = run_grpo(seqs, total, CLIP, beta)
+    assert step_normaliser(seqs) == total  # grpo: G, the number of sequences
+    parts, leaves = run_grpo(seqs, step_normaliser(seqs), CLIP, beta)
     ref_loss, ref_grads = reference_loss_and_grad(seqs, total, CLIP, beta)
     assert parts.loss.dtype == torch.float64 and parts.loss.dim() == 0
     assert parts.loss.item() == pytest.approx(ref_loss, abs=TOL)
@@ -164,7 +179,7 @@ def test_on_policy_gradient_is_the_policy_gradient() -> None:
     """At ratio 1 with beta = 0 the gradient wrt logp_t is -A / (len * total): REINFORCE."""
     logp = [-1.0, -2.0, -0.5]
     seqs = [{"logp": logp, "behaviour": logp, "adv": [0.75] * 3, "ref": logp}]
-    parts, leaves = run_grpo(seqs, total_seqs=4, clip_eps=CLIP, beta=0.0)
+    parts, leaves = run_grpo(seqs, denom=4.0, clip_eps=CLIP, beta=0.0)
     parts.loss.backward()
     assert parts.loss.item() == pytest.approx(-0.75 / 4, abs=1e-12)
     assert leaves[0].grad.tolist() == pytest.approx([-0.75 / 3 / 4] * 3, abs=1e-12)
@@ -174,7 +189,7 @@ def test_on_policy_gradient_is_the_policy_gradient() -> None:
 def test_beta_needs_reference_logprobs() -> None:
     x = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(ValueError, match="reference"):
-        grpo_loss(x, x, x, torch.zeros(2, dtype=torch.long), torch.tensor([2]), 1, CLIP, beta=0.1, ref_logp=None)
+        policy_loss(grpo_config(CLIP, 0.1), x, x, torch.zeros(1, dtype=torch.float64), torch.zeros(2, dtype=torch.long), torch.tensor([2]), 1.0, ref_logp=None)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
@@ -182,13 +197,14 @@ def test_beta_needs_reference_logprobs() -> None:
 def test_micro_batches_add_up_to_the_full_batch(beta: float, split: list[int]) -> None:
     seqs = make_sequences(seed=3)
     total = len(seqs)
-    full, full_leaves = run_grpo(seqs, total, CLIP, beta)
+    denom = step_normaliser(seqs)  # of the whole step, whatever the packing
+    full, full_leaves = run_grpo(seqs, denom, CLIP, beta)
     full.loss.backward()
 
     first = [seqs[i] for i in split]
     second = [s for i, s in enumerate(seqs) if i not in split]
-    a, a_leaves = run_grpo(first, total, CLIP, beta)
-    b, b_leaves = run_grpo(second, total, CLIP, beta)
+    a, a_leaves = run_grpo(first, denom, CLIP, beta)
+    b, b_leaves = run_grpo(second, denom, CLIP, beta)
     (a.loss + b.loss).backward()
 
     assert (a.loss + b.loss).item() == pytest.approx(full.loss.item(), abs=1e-12)

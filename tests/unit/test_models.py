@@ -1,4 +1,5 @@
-"""rollstream.core.models: real models, real tokenizers, no mocks.
+"""rollstream.core.models, and the tests' tiny model (tests/helpers.py: build_tiny_model):
+real models, real tokenizers, no mocks.
 
 The tiny-model tests are fast (a few seconds in all). The SmolLM2 conversion takes ~20 s on
 2 CPU cores, so those tests are marked slow and share one conversion per module.
@@ -20,10 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollstream.core.models import (
     DEFAULT_MODEL_ALIAS,
     ModelNotFoundError,
-    build_tiny_model,
     default_model_dir,
     resolve_model,
 )
+
+from helpers import build_tiny_model
 
 CORE_SRC = Path(__file__).resolve().parents[2] / "core" / "src"
 MESSAGES = [{"role": "user", "content": "What is 3 + 5?"}]

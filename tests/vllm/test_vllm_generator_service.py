@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from procs import ServiceProc, start_service, wait_for
+from helpers import wait_for, write
+from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, streams, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.core.redis_server import EmbeddedRedis
@@ -96,7 +97,7 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
     client = streams.connect(redis_server.url)
     try:
         for i, question in enumerate((QUESTION, STORY)):
-            streams.write(client, run, "prompts", task(f"{run.run}-{i}", question, group_size=4, temperature=1.0, tokens=10))
+            write(client, run, "prompts", task(f"{run.run}-{i}", question, group_size=4, temperature=1.0, tokens=10))
         # A hang guard, not a speed check.
         wait_for(lambda: client.xlen(run.stream("rollouts")) >= 2, 300, "2 rollout groups", [generator])
         groups = [codec.decode(fields, rollout_pb2.RolloutGroup) for _, fields in client.xrange(run.stream("rollouts"))]

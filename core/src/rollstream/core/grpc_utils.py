@@ -95,9 +95,11 @@ def channel(address: str, creds: ClientCredentials | None = None, server_name: s
     return ch
 
 
+# Only tests wait for health (tests/helpers.py: wait_healthy). This copy stays until
+# tests/integration/test_reward_service.py, its last caller, imports helpers.wait_healthy: then delete it.
 def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "", creds: ClientCredentials | None = None, server_name: str = "") -> None:
     """Block until the server at `address` reports SERVING (raise TimeoutError otherwise).
-    Health needs no token; `creds` matter for TLS."""
+    Deprecated: use tests/helpers.py's wait_healthy."""
     import time
 
     deadline = time.monotonic() + timeout_s

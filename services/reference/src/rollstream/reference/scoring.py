@@ -40,6 +40,47 @@ def round_to_bf16_(model: torch.nn.Module) -> None:
         p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
+@torch.inference_mode()
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    *,
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token log pi(token | prefix) of several completions of one prompt, flat [N]: the
+    prompt runs through the decoder once and its KV cache serves every completion, instead
+    of once per completion. The same values as `modeling.completion_logprobs` up to float rounding
+    (other matrix shapes). No gradients: this is for the reference model."""
+    if not prompt:
+        raise ValueError("empty prompt: the first completion token needs at least one prompt token before it")
+    if not completions or any(len(c) == 0 for c in completions):
+        raise ValueError("every completion needs at least one token")
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    first = decoder(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
+    cache = first.past_key_values
+    cache.batch_repeat_interleave(len(completions))
+    width = max(len(c) for c in completions)
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    # The prompt's positions (in the cache) are real for every row; completions are right-padded.
+    mask = torch.zeros((len(completions), len(prompt) + width), dtype=torch.long)
+    mask[:, : len(prompt)] = 1
+    for i, c in enumerate(completions):
+        ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        mask[i, len(prompt) : len(prompt) + len(c)] = 1
+    hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=cache, use_cache=True).last_hidden_state
+    # A completion's first token is predicted from the prompt's last position, token j > 0
+    # from the completion's position j - 1.
+    last = first.last_hidden_state[0, -1:]
+    picked = torch.cat([torch.cat([last, hidden[i, : len(c) - 1]]) for i, c in enumerate(completions)])
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
+    logp, _ = modeling.head_logprobs(model, picked, targets, chunk_tokens=chunk_tokens, temperature=temperature)
+    return logp
+
+
 class ReferenceModel:
     """Frozen causal LM computing log pi_ref(token | prefix) for completion tokens."""
 
@@ -125,6 +166,6 @@ class ReferenceModel:
         for packed in modeling.pack_by_tokens([len(prompt) + len(sequences[i][1]) for i in indices], self.token_budget):
             batch_indices = [indices[k] for k in packed]
             completions = [sequences[i][1] for i in batch_indices]
-            flat = modeling.shared_prompt_logprobs(self.model, prompt, completions, self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+            flat = shared_prompt_logprobs(self.model, prompt, completions, self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
             for i, values in zip(batch_indices, flat.float().cpu().split([len(c) for c in completions])):
                 out[i] = values.tolist()

@@ -181,21 +181,3 @@ def policy_loss(
         entropy_sum=float(entropy.detach().sum()) if entropy is not None else 0.0,
     )
 
-
-def grpo_loss(
-    logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    seq: torch.Tensor,
-    seq_lengths: torch.Tensor,
-    total_seqs: int,
-    clip_eps: float,
-    beta: float = 0.0,
-    ref_logp: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> LossParts:
-    """The `grpo` loss with a symmetric clip and per-token advantages (constant within each
-    sequence, as GRPO's are): the original signature, kept for scripts that use it."""
-    seq_adv = torch.zeros(seq_lengths.shape[0], dtype=advantages.dtype, device=advantages.device).index_put_((seq,), advantages)
-    cfg = LossConfig("grpo", clip_eps, clip_eps, beta)
-    return policy_loss(cfg, logp, behaviour_logp, seq_adv, seq, seq_lengths, float(total_seqs), ref_logp, entropy)

@@ -1,0 +1,262 @@
+"""What the tests share: one `wait_for`, the tiny test model, and small Redis/gRPC helpers.
+
+- `wait_for(condition, timeout_s, what)` -- poll until `condition()` is truthy; fail saying
+  what was awaited (and why, when a watched process died first). Every wait in the tests
+  goes through it, instead of a settle `time.sleep`.
+- `build_tiny_model(path)` -- a tiny random Llama with a locally trained tokenizer, for fast
+  tests that still exercise the real transformers code paths (the `tiny_model_dir` fixture).
+- `write`, `write_many`, `groups_in` -- put messages on a run's streams, read groups back.
+- `wait_healthy(address)` -- until a gRPC server reports SERVING.
+
+Imported as `helpers` (tests/ is on sys.path: pytest puts conftest.py's folder there).
+Process supervision is tests/procs.py, the Redis Cluster tests/cluster.py, synthetic
+groups tests/synthetic.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import grpc
+import redis
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollstream.core import codec
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_utils import channel
+from rollstream.core.streams import RunKeys
+from rollstream.v1 import rollout_pb2
+
+T = TypeVar("T")
+
+# The custom reward example (examples/custom_reward), run by several tests.
+CUSTOM_REWARD_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_reward"
+
+
+# --- waiting ----------------------------------------------------------------------------
+
+
+class Watched(Protocol):
+    """A process a wait watches (procs.ServiceProc is one): waiting stops when it dies."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+
+    def log(self) -> str: ...
+
+
+@dataclass
+class LoggedProc:
+    """A plain subprocess to watch while waiting (procs.ServiceProc is the services' own):
+    its name and the file its output goes to."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def wait_for(
+    condition: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    procs: Sequence[Watched] = (),
+    *,
+    check: Callable[[], None] | None = None,
+    details: Callable[[], str] | None = None,
+    poll_s: float = 0.05,
+) -> T:
+    """Poll `condition` until it returns something truthy, and return that.
+
+    Fails (AssertionError) after `timeout_s` saying `what` was awaited, with `details()` and
+    the tail of each watched process's log; fails at once when one of `procs` exits before
+    the condition holds (it is checked once more first: a process may write the awaited
+    state and exit, a trainer done with its --steps), or when `check()` raises.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        dead = [p for p in procs if p.proc.poll() is not None]
+        if dead:
+            value = condition()
+            if value:
+                return value
+            p = dead[0]
+            raise AssertionError(f"{p.name} exited ({p.proc.returncode}) while waiting for {what}:\n{p.log()[-3000:]}")
+        if check is not None:
+            check()
+        if time.monotonic() >= deadline:
+            more = [details()] if details is not None else []
+            more += [f"--- {p.name}\n{p.log()[-2500:]}" for p in procs]
+            raise AssertionError("\n".join([f"timed out after {timeout_s} s waiting for {what}", *more]))
+        time.sleep(poll_s)
+
+
+def still_running(proc: subprocess.Popen, name: str) -> Callable[[], None]:
+    """A wait_for `check`: fail when `proc` has exited, with what it printed (when its stdout is a pipe)."""
+
+    def check() -> None:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"{name} exited ({proc.returncode}):\n{out[-3000:] if out else ''}")
+
+    return check
+
+
+def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "", creds: ClientCredentials | None = None, server_name: str = "") -> None:
+    """Until the gRPC server at `address` reports SERVING for `service` ("" = the server).
+    Health needs no token; `creds` matter for TLS."""
+    with channel(address, creds, server_name) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        def serving() -> bool:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_for(serving, timeout_s, f"{address} to report {service or 'the server'} SERVING", poll_s=0.2)
+
+
+# --- streams ----------------------------------------------------------------------------
+
+
+def write(client: redis.Redis, keys: RunKeys, stage: str, message: Message) -> bytes:
+    """Append one message to a stage's stream, as the stage before it would; its entry id."""
+    return client.xadd(keys.stream(stage), codec.encode(message))
+
+
+def write_many(client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2.RolloutGroup], stage: str = "rollouts") -> None:
+    """Append `groups` to a stage's stream in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for g in groups:
+        pipe.xadd(keys.stream(stage), codec.encode(g))
+    pipe.execute()
+
+
+def groups_in(client: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup]:
+    """Every RolloutGroup on `stream`, oldest first."""
+    return [codec.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in client.xrange(stream)]
+
+
+# --- the tiny test model ----------------------------------------------------------------
+
+# Its special tokens. ChatML like SmolLM2, so chat code paths match the
+# demo model; but pad is its own token (SmolLM2 pads with eos), so tests also cover pad != eos.
+_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+_TINY_BOS, _TINY_EOS, _TINY_PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
+_TINY_VOCAB_SIZE = 384  # the BPE trainer's target; the trained vocabulary is smaller (353): use len(tokenizer)
+# ChatML without SmolLM2's default system prompt: short prompts keep tiny-model tests fast.
+_TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _tiny_corpus() -> list[str]:
+    """Text the tiny tokenizer is trained on: what the tests and the demo task feed it.
+
+    Arithmetic questions and answers (so digits, ' + ', ' = ', '?' are in the vocabulary),
+    plus chat-template words. Fixed, so the tokenizer is the same on every run.
+    """
+    lines = [
+        "system", "user", "assistant",
+        "You are a helpful assistant.",
+        "Answer with just the number.",
+        "The answer is", "Sure! Let me think step by step.",
+        "Hello! How can I help you today?", "Thank you.",
+    ]
+    for a in range(20):
+        for b in range(20):
+            lines.append(f"What is {a} + {b}? The answer is {a + b}.")
+            lines.append(f"{a} + {b} = {a + b}")
+            lines.append(f"{a} - {b} = {a - b}")
+            lines.append(f"{a} * {b} = {a * b}")
+    return lines
+
+
+def _train_tiny_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """Byte-level BPE trained in-process; no files, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one per token (as in SmolLM2's own tokenizer), so every number is spelled
+    # from the same ten tokens and "first integer in the completion" stays easy to read.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TINY_VOCAB_SIZE,
+        special_tokens=list(_TINY_SPECIALS),  # ids 0..3, in this order
+        # The full byte alphabet, so any text (not just the corpus) can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=_TINY_BOS,
+        eos_token=_TINY_EOS,
+        pad_token=_TINY_PAD,
+        unk_token=None,  # byte-level: every string is encodable
+        chat_template=_TINY_CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    """Write a tiny random Llama causal LM + tokenizer to `path` (created if needed); return it.
+
+    Byte-for-byte the same for the same seed and library versions. Weights are random, so
+    generations are gibberish: this is for plumbing tests, not for learning curves.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA, like the real model, so the KV-head code path runs
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,  # separate lm_head: the opposite of SmolLM2, so both are tested
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    # fork_rng: seed the init without changing the caller's global torch RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
