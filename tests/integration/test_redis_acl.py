@@ -504,7 +504,7 @@ def test_reference_service_references_as_reference(
     tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path
 ) -> None:
     svc = start_service("reference", tmp_path, "--model", str(tiny_model_dir), "--redis-url", server.url, "--run", keys.run,
-                        "--block-ms", "100", "--trim-interval-s", "0.2", "--threads", "1", *role_flags(secrets_root, "reference"))  # fmt: skip
+                        "--block-ms", "100", "--trim-every-s", "0.2", "--threads", "1", *role_flags(secrets_root, "reference"))  # fmt: skip
     try:
         svc.wait_ready(timeout_s=120)
         vocab = vocab_size(str(tiny_model_dir))

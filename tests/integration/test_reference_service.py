@@ -56,7 +56,7 @@ def reference(redis_server: EmbeddedRedis, keys: streams.RunKeys, tiny_model_dir
         "--chunk-tokens", str(CHUNK_TOKENS),
         "--temperature", str(TEMPERATURE),
         "--block-ms", "100",
-        "--trim-interval-s", "0.5",
+        "--trim-every-s", "0.5",
     )
     try:
         proc.wait_ready(timeout_s=60)

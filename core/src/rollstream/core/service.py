@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from rollstream.core import grpc_auth, grpc_utils, logs, redis_policy, streams
 from rollstream.core.config import CommonSettings
+from rollstream.core.credentials import read_secret
 from rollstream.core.http_side import HttpSide, build_app
 from rollstream.core.redis_policy import RedisHealth
 from rollstream.core.streams import Entry, StreamStage
@@ -153,21 +154,32 @@ class ServiceHost:
         if self.grpc is not None:
             self.grpc.set_serving(self._own_ready and self.redis.ok, ["", *self._service_names])
 
-    def connect_redis(self) -> redis_policy.Client:
+    def connect_redis(self, as_user: str = "", password_file: str = "", field: str = "") -> redis_policy.Client:
         """A client for settings.redis_url as settings.redis_username (password from
         redis_password_file, else redis_password), waiting (one log line, then backing off)
         until the server answers. Raises Stopped if the service is stopped meanwhile, and
         redis_policy.Misconfigured (exit status 2, after one log line naming the field or the
-        user) for credentials that cannot be read or that Redis refuses."""
+        user) for credentials that cannot be read or that Redis refuses.
+
+        With `as_user`: a second connection as that user, its password in `password_file`
+        (the setting `field`): the generator's read-only observer (rollstream.core.redis_acl).
+        Its refusals name that user; the service's readiness follows its own user only."""
         s = self.settings
         url = s.redis_url
         try:
-            username, password = redis_policy.credentials(url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
+            if as_user:
+                if any(redis_policy.url_credentials(url)):
+                    raise ValueError(f"{field}: redis_url carries credentials: give the service's own in redis_username and redis_password_file")
+                username, password = as_user, read_secret(password_file, field)
+            else:
+                username, password = redis_policy.credentials(url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
         except ValueError as e:
             raise self.redis.invalid(str(e)) from None
-        self.redis.user = username or redis_policy.url_credentials(url)[0] or ""
-        doing = f"connecting to {redis_policy.redact(url)} as {self.redis.user or 'default'}"
-        return self.redis.call(lambda: redis_policy.connect(url, username, password), doing)
+        health = RedisHealth(self.log, self.stop, user=as_user) if as_user else self.redis
+        if not as_user:
+            health.user = username or redis_policy.url_credentials(url)[0] or ""
+        doing = f"connecting to {redis_policy.redact(url)} as {health.user or 'default'}" + (f" ({field})" if field else "")
+        return health.call(lambda: redis_policy.connect(url, username, password), doing)
 
     def open_stage(self, client: redis_policy.Client, source: str, group: str) -> streams.StreamStage:
         """Join `group` on the run's `source` stream (waiting for Redis); commits retry through

@@ -17,7 +17,6 @@ import threading
 
 from rollstream.core import logs, redis_acl, redis_policy, registry, streams
 from rollstream.core.config import load_or_exit
-from rollstream.core.credentials import read_secret
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
 from rollstream.generator.config import GeneratorSettings
@@ -42,7 +41,11 @@ def run(settings: GeneratorSettings) -> None:
         beat = None
         try:
             client = host.connect_redis()
-            observer = connect_observer(settings, host) or client
+            # Back-pressure reads `scored` and `ready`, which the generator's own user may not
+            # touch: through the read-only observer user where one is configured.
+            observer = client
+            if settings.redis_observer_password_file:
+                observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
             stage = host.open_stage(client, "prompts", settings.group)
             beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen.generator_id, address, host), name="heartbeat", daemon=True)
             beat.start()
@@ -64,25 +67,6 @@ def run(settings: GeneratorSettings) -> None:
                 client.close()
             if observer is not None and observer is not client:
                 observer.close()
-
-
-def connect_observer(settings: GeneratorSettings, host: ServiceHost) -> redis_policy.Client | None:
-    """A client as the read-only `observer` user (rollstream.core.redis_acl), for the
-    back-pressure count over stages the generator may not write; None without
-    redis_observer_password_file. Credentials that cannot be used end the start (status 2)."""
-    if not settings.redis_observer_password_file:
-        return None
-    url = settings.redis_url
-    try:
-        password = read_secret(settings.redis_observer_password_file, "redis_observer_password_file")
-        if any(redis_policy.url_credentials(url)):
-            raise ValueError("redis_observer_password_file: redis_url carries credentials: give the generator's in redis_username and redis_password_file")
-    except ValueError as e:
-        raise host.redis.invalid(str(e)) from None
-    doing = f"connecting to {redis_policy.redact(url)} as {redis_acl.OBSERVER} (redis_observer_password_file)"
-    # Its own policy object, so that a refusal names the observer user (the service is not ready yet).
-    health = redis_policy.RedisHealth(host.log, host.stop, user=redis_acl.OBSERVER)
-    return health.call(lambda: redis_policy.connect(url, redis_acl.OBSERVER, password), doing)
 
 
 def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, generator_id: str, address: str, host: ServiceHost) -> None:

@@ -22,4 +22,4 @@ class ReferenceSettings(TorchSettings):
         "off: exactly the trainer's computation for the same micro-batches",
     )
     group: str = Field("reference", description="consumer group on the scored stream")
-    trim_interval_s: float = Field(1.0, gt=0, description="how often to trim acknowledged entries from the scored stream")
+    trim_every_s: float = Field(1.0, gt=0, description="how often to trim acknowledged entries from the scored stream")

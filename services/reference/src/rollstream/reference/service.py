@@ -224,7 +224,7 @@ def run(settings: ReferenceSettings) -> int:
             stage = host.open_stage(client, "scored", settings.group)
             host.set_ready(True, f"reading {stage.stream}")
             logs.event(host.log, "started", run=settings.run, source=stage.stream, group=settings.group, consumer=stage.consumer)
-            trim = Every(settings.trim_interval_s)
+            trim = Every(settings.trim_every_s)
 
             def turn() -> None:
                 batch = host.read(stage, lambda e: parse_group(e, scorer))
