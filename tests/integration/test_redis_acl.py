@@ -395,14 +395,14 @@ def test_default_user_and_wrong_password_are_refused(server: EmbeddedRedis, capl
         redis_policy.connect(server.url, "reward", "not-the-password")
     assert redis_policy.is_denied(e.value) and not redis_policy.is_transient(e.value)
     # Through the Redis policy: one ERROR line naming the user, then Misconfigured (status 2),
-    # not "redis unavailable" and a back-off forever.
+    # not "redis_unavailable" and a back-off forever.
     health = redis_policy.RedisHealth(logging.getLogger("test-acl"), threading.Event(), user="reward")
     with caplog.at_level(logging.INFO, logger="test-acl"), pytest.raises(redis_policy.Misconfigured) as refused:
         health.call(lambda: redis_policy.connect(server.url, "reward", "not-the-password"), "connecting")
     assert refused.value.code == 2
     assert "'reward'" in str(refused.value) and "redis_password_file" in str(refused.value)
     lines = [r for r in caplog.records if r.name == "test-acl"]
-    assert [r.getMessage() for r in lines] == ["redis refused access"]
+    assert [r.getMessage() for r in lines] == ["redis_refused_access"]
     assert lines[0].levelno == logging.ERROR and lines[0].fields["user"] == "reward"  # type: ignore[attr-defined]
     assert health.ok  # never reported as an outage
 
@@ -562,9 +562,9 @@ def test_service_with_wrong_credentials_exits_2_saying_why(tmp_path: Path, serve
     wrong = tmp_path / "wrong.password"
     wrong.write_text("not-the-password\n")
     cases = {
-        "wrong": (["--redis-username", "reward", "--redis-password-file", str(wrong)], ["redis refused access", "user=reward"]),
+        "wrong": (["--redis-username", "reward", "--redis-password-file", str(wrong)], ["redis_refused_access", "user=reward"]),
         "missing": (["--redis-username", "reward", "--redis-password-file", str(tmp_path / "nope")], ["redis_password_file: cannot read"]),
-        "anonymous": ([], ["redis refused access", "user=default"]),
+        "anonymous": ([], ["redis_refused_access", "user=default"]),
     }
     for tag, (flags, expected) in cases.items():
         svc = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, *flags, tag=tag)
@@ -575,7 +575,7 @@ def test_service_with_wrong_credentials_exits_2_saying_why(tmp_path: Path, serve
         log = svc.log()
         assert rc == 2, log[-4000:]
         assert all(e in log for e in expected), log[-4000:]
-        assert "redis unavailable" not in log
+        assert "redis_unavailable" not in log
 
 
 def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, keys: RunKeys,
@@ -587,7 +587,7 @@ def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, se
     own = ["--redis-username", "generator", "--redis-password-file", str(redis_acl.password_file(secrets_root, "generator"))]
     cases = {
         "missing": (str(tmp_path / "nope"), ["redis_observer_password_file: cannot read"]),
-        "wrong": (str(wrong), ["redis refused access", "user=observer", "redis_observer_password_file"]),
+        "wrong": (str(wrong), ["redis_refused_access", "user=observer", "redis_observer_password_file"]),
     }
     for tag, (file, expected) in cases.items():
         svc = start_service("generator", tmp_path, "--model", str(tiny_model_dir), "--threads", "1", "--redis-url", server.url,
@@ -599,7 +599,7 @@ def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, se
         log = svc.log()
         assert rc == 2, log[-4000:]
         assert all(e in log for e in expected), log[-4000:]
-        assert "redis unavailable" not in log
+        assert "redis_unavailable" not in log
 
 
 def test_custom_reward_example_runs_as_reward(

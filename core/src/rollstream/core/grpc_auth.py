@@ -198,7 +198,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if refusal is None or handler is None:
             return handler
         if self.log is not None:
-            logs.event(self.log, "grpc call refused", logging.WARNING, method=method, code=refusal.code.name, role=role or "-")
+            logs.event(self.log, "grpc_call_refused", logging.WARNING, method=method, code=refusal.code.name, role=role or "-")
         return _refusing(handler, refusal)
 
 

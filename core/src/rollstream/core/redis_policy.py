@@ -240,7 +240,7 @@ class RedisHealth:
     def invalid(self, problem: str) -> Misconfigured:
         """Log the one line of a configuration error (`credentials`' ValueError, naming the
         field) and return the Misconfigured to raise."""
-        logs.event(self.log, "invalid configuration", logging.ERROR, error=problem)
+        logs.event(self.log, "invalid_configuration", logging.ERROR, error=problem)
         return Misconfigured(problem)
 
     def refused(self, error: BaseException, doing: str) -> Misconfigured:
@@ -250,7 +250,7 @@ class RedisHealth:
             fix = "check redis_username and redis_password_file (or ROLLSTREAM_REDIS_PASSWORD) against the server's ACL users"
         else:  # NOPERM: what we asked
             fix = f"the server's ACL does not grant user {user!r} this command or key (rollstream.core.redis_acl lists what each role needs)"
-        logs.event(self.log, "redis refused access", logging.ERROR, user=user, doing=doing, error=short(error), fix=fix)
+        logs.event(self.log, "redis_refused_access", logging.ERROR, user=user, doing=doing, error=short(error), fix=fix)
         return Misconfigured(f"Redis refused user {user!r} ({doing}): {short(error)}; {fix}")
 
     def failed(self, error: BaseException, doing: str) -> None:
@@ -269,7 +269,7 @@ class RedisHealth:
             if remind:
                 self._reminded = now
         if first or remind:
-            logs.event(self.log, "redis unavailable", logging.WARNING, doing=doing, error=short(error), retry_s=round(delay, 2),
+            logs.event(self.log, "redis_unavailable", logging.WARNING, doing=doing, error=short(error), retry_s=round(delay, 2),
                        down_s=round(now - self._since, 1))
         if first and self.on_change is not None:
             self.on_change(False)
@@ -282,7 +282,7 @@ class RedisHealth:
             was_down, self.ok, self.detail, self._delay = not self.ok, True, "", BACKOFF_FIRST_S
             down_s = time.monotonic() - self._since
         if was_down:
-            logs.event(self.log, "redis recovered", down_s=round(down_s, 1))
+            logs.event(self.log, "redis_recovered", down_s=round(down_s, 1))
             if self.on_change is not None:
                 self.on_change(True)
 

@@ -133,7 +133,7 @@ class Trainer:
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
         )
         saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
-        logs.event(self.log, "checkpoint saved", path=str(saved), step=self.step, version=self.version)
+        logs.event(self.log, "checkpoint_saved", path=str(saved), step=self.step, version=self.version)
         return saved
 
     def _restore(self, path: Path) -> checkpoint.CheckpointState:
