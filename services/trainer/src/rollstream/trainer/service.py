@@ -357,7 +357,7 @@ def loop(
         # A step's default folder always holds this trainer's state at that step: after a
         # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
         # are never overwritten.
-        saved = trainer.save_checkpoint(target, prompts_fed=feeder.fed, consumer=stage.consumer, held_groups=held, replace=not path)
+        saved = trainer.save_checkpoint(target, prompts_fed=feeder.fed, consumer=stage.consumer, replace=not path)
         if not path:
             # `latest` now holds every logged step: the log starts over. Not after an explicit
             # path (now always inside checkpoint_dir too): `latest` does not see it, so the
