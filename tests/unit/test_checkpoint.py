@@ -60,7 +60,7 @@ def test_resume_continues_bit_for_bit(variant: str, tiny_model_dir: Path, tmp_pa
             torch.rand(7)  # move the generator, so that restoring it is visible
             rng_at_save = torch.get_rng_state().clone()
             bits_at_save = {n: b.copy() for n, b in a.publisher.bits().items()}
-            path = a.save_checkpoint(tmp_path / "ckpt", prompts_fed=17, consumer="trainer-7", held_groups=["x"])
+            path = a.save_checkpoint(tmp_path / "ckpt", prompts_fed=17, consumer="trainer-7")
     host_a.close()
 
     # The resumed run.
@@ -68,7 +68,7 @@ def test_resume_continues_bit_for_bit(variant: str, tiny_model_dir: Path, tmp_pa
     b, host_b = make_trainer(tiny_model_dir, **overrides, resume=str(path))
     assert torch.equal(torch.get_rng_state(), rng_at_save)
     assert (b.step, b.version) == (SAVE_AT, SAVE_AT)
-    assert b.restored is not None and (b.restored.prompts_fed, b.restored.consumer, b.restored.held_groups) == (17, "trainer-7", ["x"])
+    assert b.restored is not None and (b.restored.prompts_fed, b.restored.consumer) == (17, "trainer-7")
     assert b.publisher.bits().keys() == bits_at_save.keys()
     for name, bits in b.publisher.bits().items():
         assert np.array_equal(bits, bits_at_save[name]), name
@@ -103,6 +103,7 @@ def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_pat
     assert state["model_fingerprint"] == t.publisher.fingerprint
     assert state["settings"]["lr"] == 1e-3 and "redis_url" not in state["settings"]
     assert "secret" not in (path / "state.json").read_text()
+    assert "held_groups" not in state  # retired: nothing read it back
     tensors = load_file(str(path / "optimizer.safetensors"))  # safetensors' own reader
     names = set(t.params)
     assert set(tensors) == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in names}
@@ -166,6 +167,79 @@ def test_mismatched_checkpoints_are_refused(tiny_model_dir: Path, tmp_path: Path
     host.close()
     with pytest.raises(checkpoint.CheckpointError, match="moments_dtype"):
         make_trainer(tiny_model_dir, resume=str(full_path), moments_dtype="bfloat16")
+
+
+# state.json as trainers before the pydantic model wrote it (json.dumps(sort_keys=True) of the
+# dataclass), held_groups included.
+OLD_STATE = {
+    "base_weights_sha256": "",
+    "consumer": "trainer-7",
+    "consumer_group": "trainer",
+    "format": "rollstream-trainer-checkpoint",
+    "format_version": 1,
+    "groups_stale": 1,
+    "groups_trained": 8,
+    "held_groups": ["g-1", "g-2"],
+    "lora": {"alpha": 8.0, "rank": 4, "target_modules": ["q_proj", "v_proj"]},
+    "model_fingerprint": "abc123",
+    "moments_dtype": "bfloat16",
+    "optimizer_steps": 4,
+    "prompts_fed": 17,
+    "run": "demo",
+    "settings": {"lr": 0.001, "steps": 0},
+    "step": 4,
+    "version": 4,
+}
+
+
+def write_state(path: Path, state: dict | str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / checkpoint.STATE_FILE).write_text(state if isinstance(state, str) else json.dumps(state, indent=2, sort_keys=True))
+    return path
+
+
+def test_an_old_state_file_still_loads(tmp_path: Path) -> None:
+    state = checkpoint.load_state(write_state(tmp_path / "old", OLD_STATE))
+    assert (state.version, state.step, state.optimizer_steps, state.groups_trained, state.groups_stale) == (4, 4, 4, 8, 1)
+    assert (state.prompts_fed, state.run, state.consumer, state.consumer_group) == (17, "demo", "trainer-7", "trainer")
+    assert state.lora == OLD_STATE["lora"] and state.settings == OLD_STATE["settings"] and state.moments_dtype == "bfloat16"
+    assert not hasattr(state, "held_groups")
+    # Written back: the same keys, less the retired one; and it loads again to the same state.
+    again = json.loads(state.to_json())
+    assert again == {k: v for k, v in OLD_STATE.items() if k != "held_groups"}
+    assert checkpoint.CheckpointState.from_json(state.to_json()) == state
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"step": "4"}, r"state.json: state file does not match this trainer: step: Input should be a valid integer \(got '4'\)"),
+        ({"version": -1}, r"version: Input should be greater than or equal to 0"),
+        ({"lora": 5}, r"lora: Input should be (a valid dictionary|an object)"),
+        ({"settings": None}, r"settings: Input should be (a valid dictionary|an object)"),
+        ({"a_newer_field": 1}, r"a_newer_field: Extra inputs are not permitted"),
+        ({"format_version": 2}, r"not a rollstream-trainer-checkpoint v1 state file: format_version: Input should be 1"),
+        ({"format": "something-else"}, r"not a rollstream-trainer-checkpoint v1 state file: format:"),
+        ({"format": None, "step": None}, r"format: Field required.*step: Field required"),
+    ],
+)
+def test_a_corrupt_state_file_is_refused_naming_the_field(tmp_path: Path, change: dict, message: str) -> None:
+    state = {k: v for k, v in {**OLD_STATE, **change}.items() if v is not None or k == "settings"}
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.load_state(write_state(tmp_path / "bad", state))
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", '{"format": "rollstream-trainer-checkpoint", "format_version": 1, "version": 1}'])
+def test_a_state_file_that_is_not_one_is_refused(tmp_path: Path, text: str) -> None:
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: "):
+        checkpoint.load_state(write_state(tmp_path / "bad", text))
+
+
+def test_held_groups_is_accepted_and_dropped() -> None:
+    state = checkpoint.CheckpointState(version=1, step=1, optimizer_steps=1, held_groups=["g"])
+    assert "held_groups" not in json.loads(state.to_json())
+    with pytest.raises(ValueError, match="not_a_field"):
+        checkpoint.CheckpointState(version=1, step=1, optimizer_steps=1, not_a_field=1)
 
 
 def test_checkpoint_settings_are_validated(tmp_path: Path) -> None:

@@ -9,7 +9,22 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, make_asgi_app
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+class _Asgi:
+    """An ASGI app as a Starlette route's endpoint, served as it is. (Starlette wraps a plain
+    function endpoint, as make_asgi_app's app is, as a request handler; and `app.mount`
+    serves only /metrics/..., answering /metrics itself with a 307, which scrapers do not
+    follow: prometheus/client_python#1016.)"""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
 
 
 def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: CollectorRegistry) -> FastAPI:
@@ -26,9 +41,9 @@ def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: Col
             response.status_code = 503
         return {"status": "ready" if ok else "not ready", "detail": detail}
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    # prometheus_client's own exposition app: text format, or OpenMetrics when the scraper
+    # asks for it, gzip when it accepts it, `name[]=` filters.
+    app.router.routes.append(Route("/metrics", endpoint=_Asgi(make_asgi_app(registry)), methods=["GET", "HEAD"], include_in_schema=False))
 
     return app
 

@@ -1,4 +1,16 @@
-"""Structured log lines: `ts level service event key=value ...` or one JSON object a line."""
+"""Structured log lines: `ts level service event key=value ...` or one JSON object a line.
+
+Built on structlog's stdlib integration: one `structlog.stdlib.ProcessorFormatter` on the
+root handler renders every record, ours (`event(log, "step", step=3)`, a plain `logging`
+call carrying its fields in `record.fields`), third-party libraries' `logging` records and
+structlog loggers' (`structlog.get_logger()`), so they all come out in the same format:
+
+  text  2026-11-23T15:04:05.123 INFO    trainer step step=3 reward=0.5
+        (fields in logfmt: `str(value)`, quoted and escaped when it holds a space, `=`, a
+        quote or a newline; an exception's traceback on the lines after)
+  JSON  {"ts": "2026-11-23T15:04:05.123", "level": "INFO", "service": "trainer",
+         "event": "step", "step": 3, "reward": 0.5}   (one object a line; `exc`: the traceback)
+"""
 
 from __future__ import annotations
 
@@ -7,39 +19,79 @@ import logging
 import sys
 import time
 
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
-class _Formatter(logging.Formatter):
-    def __init__(self, service: str, as_json: bool):
-        super().__init__()
-        self.service = service
-        self.as_json = as_json
+_NOISY = ("httpx", "urllib3", "filelock", "transformers", "datasets")
+# Keys of the event dict that are not fields of the event.
+_META = {"event", "_record", "_from_structlog", "exc_info", "stack_info", "exception", "level", "logger", "timestamp"}
 
-    def format(self, record: logging.LogRecord) -> str:
-        fields = getattr(record, "fields", {})
+
+def _structure(service: str) -> Processor:
+    """The event dict -> {ts, level, service, event, **fields, exc?}, from the record it came in."""
+
+    def structure(_: WrappedLogger, __: str, ed: EventDict) -> EventDict:
+        record: logging.LogRecord = ed["_record"]
+        fields = {k: v for k, v in ed.items() if k not in _META}
+        if not ed.get("_from_structlog"):
+            fields.update(getattr(record, "fields", None) or {})
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
-        if self.as_json:
-            data = {"ts": ts, "level": record.levelname, "service": self.service, "event": record.getMessage(), **fields}
-            if record.exc_info:
-                data["exc"] = self.formatException(record.exc_info)
-            return json.dumps(data, default=str)
-        kv = " ".join(f"{k}={v}" for k, v in fields.items())
-        line = f"{ts} {record.levelname:<7} {self.service} {record.getMessage()} {kv}".rstrip()
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
+        out: EventDict = {"ts": ts, "level": record.levelname, "service": service, "event": str(ed.get("event", "")), **fields}
+        if "exception" in ed:  # set by format_exc_info
+            out["exc"] = str(ed["exception"]).rstrip("\n")
+        return out
+
+    return structure
+
+
+def _text(_: WrappedLogger, __: str, ed: EventDict) -> str:
+    exc = ed.pop("exc", None)
+    head = [ed.pop(k) for k in ("ts", "level", "service", "event")]
+    # str() first, as the hand-written formatter printed them (True, None); logfmt quotes
+    # and escapes what would otherwise run into the next field or line.
+    kv = _logfmt(None, "", {k: str(v) for k, v in ed.items()})
+    line = f"{head[0]} {head[1]:<7} {head[2]} {head[3]} {kv}".rstrip()
+    return f"{line}\n{exc}" if exc else line
+
+
+_logfmt = structlog.processors.LogfmtRenderer(bool_as_flag=False)
+
+
+def formatter(service: str, as_json: bool) -> structlog.stdlib.ProcessorFormatter:
+    """The `logging.Formatter` that renders every record in this service's format."""
+    render: Processor = structlog.processors.JSONRenderer(json.dumps, default=str) if as_json else _text
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[
+            structlog.processors.format_exc_info,
+            _structure(service),
+            render,
+        ],
+    )
 
 
 def setup(service: str, level: str = "INFO", as_json: bool = False) -> logging.Logger:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(service, as_json))
+    handler.setFormatter(formatter(service, as_json))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("httpx", "urllib3", "filelock", "transformers", "datasets"):
+    for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # structlog loggers hand their event dicts to the same handler and formatter.
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
     return logging.getLogger(f"rollstream.{service}")
 
 
 def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: object) -> None:
-    """Log one structured event: `event(log, "step", step=3, reward=0.5)`."""
+    """Log one structured event: `event(log, "step", step=3, reward=0.5)`. The fields ride on
+    the record as `record.fields` (tests read them there through caplog)."""
     logger.log(level, name, extra={"fields": fields})

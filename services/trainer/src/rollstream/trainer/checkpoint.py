@@ -14,7 +14,8 @@ sources own seeded generators; their position is `prompts_fed`).
 
 Atomic: everything is written into a hidden sibling folder, fsynced, and renamed into place,
 so a crash never leaves a partial checkpoint under a checkpoint's name, and `latest()` only
-ever sees complete ones. No pickle: tensors are safetensors, the rest JSON.
+ever sees complete ones. No pickle: tensors are safetensors, the rest JSON (state.json is a
+pydantic model, CheckpointState, validated field by field on load).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 from safetensors import safe_open
 
 FORMAT = "rollstream-trainer-checkpoint"
@@ -61,38 +62,71 @@ class CheckpointPathRefused(CheckpointError):
     """A checkpoint path asked for over gRPC that leads outside checkpoint_dir."""
 
 
-@dataclass
-class CheckpointState:
-    """Everything in state.json: the non-tensor state of a trainer."""
+class CheckpointState(BaseModel):
+    """Everything in state.json: the non-tensor state of a trainer. Typed and validated when
+    a file is read (`from_json`): a corrupt, foreign or too new file is a CheckpointError
+    naming the field."""
 
-    version: int
-    step: int
-    optimizer_steps: int
-    groups_trained: int = 0
-    groups_stale: int = 0
-    prompts_fed: int = 0  # prompts drawn from the prompt source so far
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["rollstream-trainer-checkpoint"] = FORMAT
+    format_version: Literal[1] = FORMAT_VERSION
+    version: NonNegativeInt
+    step: NonNegativeInt
+    optimizer_steps: NonNegativeInt
+    groups_trained: NonNegativeInt = 0
+    groups_stale: NonNegativeInt = 0
+    prompts_fed: NonNegativeInt = 0  # prompts drawn from the prompt source so far
     run: str = ""
     consumer: str = ""  # consumer name in the ready stream's group (its pending entries come back to it)
     consumer_group: str = ""
-    held_groups: list[str] = field(default_factory=list)  # read but not yet trained when saved (informational)
     model_fingerprint: str = ""
     base_weights_sha256: str = ""  # LoRA: the frozen base the adapters belong to
     lora: dict[str, Any] | None = None  # {rank, alpha, target_modules} or None
     moments_dtype: str = "float32"
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        """Keys older trainers wrote that nothing reads any more: accepted, dropped."""
+        if isinstance(data, dict) and any(k in data for k in _RETIRED):
+            data = {k: v for k, v in data.items() if k not in _RETIRED}
+        return data
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}, indent=2, sort_keys=True)
+        return self.model_dump_json(indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "CheckpointState":
-        raw = json.loads(text)
-        if raw.pop("format", None) != FORMAT or raw.pop("format_version", None) != FORMAT_VERSION:
-            raise CheckpointError(f"not a {FORMAT} v{FORMAT_VERSION} state file")
+    def from_json(cls, text: str | bytes) -> "CheckpointState":
         try:
-            return cls(**raw)
-        except TypeError as e:
-            raise CheckpointError(f"state file does not match this trainer: {e}") from None
+            read = _StateFile.model_validate_json(text)
+        except ValidationError as e:
+            problems = "; ".join(_problem(err) for err in e.errors(include_url=False))
+            if any(err["loc"][:1] in (("format",), ("format_version",)) for err in e.errors()):
+                raise CheckpointError(f"not a {FORMAT} v{FORMAT_VERSION} state file: {problems}") from None
+            raise CheckpointError(f"state file does not match this trainer: {problems}") from None
+        return CheckpointState.model_validate(dict(read))
+
+
+# held_groups: the ids of groups read but not trained when a checkpoint was written. Only
+# ever informational (a resumed trainer gets them back as its consumer's pending entries),
+# and never read on resume.
+_RETIRED = frozenset({"held_groups"})
+
+
+class _StateFile(CheckpointState):
+    """state.json as read: it must say what it is, and a number is a JSON number."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: Literal["rollstream-trainer-checkpoint"]
+    format_version: Literal[1]
+
+
+def _problem(err: Any) -> str:
+    where = ".".join(str(part) for part in err["loc"]) or "(the file)"
+    got = f" (got {err['input']!r:.80})" if err["type"] not in ("missing", "json_invalid") and "input" in err else ""
+    return f"{where}: {err['msg']}{got}"
 
 
 def step_dir_name(step: int) -> str:
@@ -206,9 +240,13 @@ def _fsync_dir(path: Path) -> None:
 def load_state(path: Path) -> CheckpointState:
     path = Path(path)
     try:
-        return CheckpointState.from_json((path / STATE_FILE).read_text())
+        text = (path / STATE_FILE).read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint (no {STATE_FILE})") from None
+    try:
+        return CheckpointState.from_json(text)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / STATE_FILE}: {e}") from None
 
 
 def optimizer_tensors(path: Path) -> SafetensorsReader:

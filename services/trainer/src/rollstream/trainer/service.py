@@ -227,11 +227,10 @@ class TrainerLoop:
         if not path and not s.checkpoint_dir:
             raise ValueError("no checkpoint path given and no checkpoint_dir configured")
         target = Path(path) if path else Path(s.checkpoint_dir) / checkpoint.step_dir_name(trainer.step)
-        held = [g.group_id for _, g in self.batch]
         # A step's default folder always holds this trainer's state at that step: after a
         # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
         # are never overwritten.
-        saved = trainer.save_checkpoint(target, prompts_fed=self.feeder.fed, consumer=self.stage.consumer, held_groups=held, replace=not path)
+        saved = trainer.save_checkpoint(target, prompts_fed=self.feeder.fed, consumer=self.stage.consumer, replace=not path)
         if not path:
             # `latest` now holds every logged step: the log starts over. Not after an explicit
             # path: `latest` does not see it, so the steps since the last step folder must

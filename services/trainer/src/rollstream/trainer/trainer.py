@@ -111,7 +111,7 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", held_groups: list[str] | None = None, replace: bool = False) -> Path:
+    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", replace: bool = False) -> Path:
         """Write everything a resume needs (call between steps)."""
         s = self.settings
         state = checkpoint.CheckpointState(
@@ -124,7 +124,6 @@ class Trainer:
             run=s.run,
             consumer=consumer,
             consumer_group=s.group,
-            held_groups=list(held_groups or []),
             model_fingerprint=self.publisher.fingerprint,
             base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
             lora=self.lora.spec.as_dict() if self.lora is not None else None,
