@@ -1,6 +1,7 @@
 """The reward stage calling a remote `Reward/Score` server: a real gRPC server started in the
 test, a real reward process, a real redis-server. Covers batching, the scorer being down
-(groups held pending, never zero-scored), recovery, the circuit breaker, and rejections."""
+(groups held pending, never zero-scored), recovery, the circuit breaker, and rejections;
+and, against the server alone, gRPC's own retries (the channel's retryPolicy)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import redis
 
 from procs import free_port  # tests/procs.py
 from rollstream.core.streams import RunKeys
+from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from tests.integration.test_reward_service import GROUP, groups_in, make_group, start_reward, wait_for, write_many
 
@@ -192,3 +194,84 @@ def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="rejected"}') >= 1
     finally:
         svc.kill()
+
+
+class FlakyScorer(LengthScorer):
+    """Answers `code` to the first `fail_first` attempts, then scores (attempts counted)."""
+
+    def __init__(self, fail_first: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__()
+        self.fail_first = fail_first
+        self.code = code
+        self.attempts = 0
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
+        with self.lock:
+            self.attempts += 1
+            fail = self.attempts <= self.fail_first
+        if fail:
+            context.abort(self.code, "not yet")
+        return super().Score(request, context)
+
+
+def remote_scorer(address: str, retries: int, outcomes: list[str]) -> RemoteScorer:
+    return RemoteScorer(
+        address, batch_size=8, deadline_s=10.0, retries=retries, backoff_s=0.01, backoff_max_s=0.02,
+        breaker=CircuitBreaker(failure_threshold=5, cooldown_s=10.0), on_call=outcomes.append,
+    )  # fmt: skip
+
+
+ITEMS = [reward_pb2.ScoreItem(group_id="g", task_kind="x", completion="abc")]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED])
+def test_grpc_retries_transient_failures_within_one_call(code: grpc.StatusCode) -> None:
+    server = ScorerServer(FlakyScorer(fail_first=2, code=code), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=2, outcomes=outcomes)
+    try:
+        (score,) = scorer.score(ITEMS)
+        assert score.reward == pytest.approx(0.3)
+        assert server.servicer.attempts == 3  # two retries, by gRPC's retryPolicy
+        assert outcomes == ["ok"] and scorer.breaker.failures == 0  # one call, as the metric and breaker see it
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_retries_used_up_is_unavailable_and_counts_one_failed_call() -> None:
+    server = ScorerServer(FlakyScorer(fail_first=10), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=1, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerUnavailable, match="UNAVAILABLE: not yet"):
+            scorer.score(ITEMS)
+        assert server.servicer.attempts == 2
+        assert outcomes == ["failed"] and scorer.breaker.failures == 1
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_a_refusal_is_not_retried() -> None:
+    server = ScorerServer(FlakyScorer(fail_first=1, code=grpc.StatusCode.INVALID_ARGUMENT), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=3, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerRejected, match="INVALID_ARGUMENT: not yet"):
+            scorer.score(ITEMS)
+        assert server.servicer.attempts == 1 and outcomes == ["rejected"] and scorer.breaker.failures == 0
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_nothing_listening_is_retried_then_unavailable() -> None:
+    outcomes: list[str] = []
+    scorer = remote_scorer(f"127.0.0.1:{free_port()}", retries=2, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerUnavailable, match="UNAVAILABLE"):
+            scorer.score(ITEMS)
+        assert outcomes == ["failed"]
+    finally:
+        scorer.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -359,7 +361,7 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
         assert stats == {"scored": 2, "reward_timeouts": 2}
 
-        # The Score RPC runs on the same main thread, so its time limit is as hard.
+        # The Score RPC scores in the same worker pool, so its time limit is as hard.
         grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
         with grpc_utils.channel(svc.grpc_address) as ch:
             reply = reward_pb2_grpc.RewardStub(ch).Score(
@@ -371,6 +373,46 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text.splitlines()
         assert 'rollstream_reward_timeouts_total{component="answer"} 2.0' in metrics
         assert 'rollstream_reward_timeouts_total{component="tests"} 1.0' in metrics
+    finally:
+        svc.kill()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def score_workers(service_pid: int) -> list[int]:
+    """The scoring pool's worker processes: the children of the service's forkserver."""
+    forkservers = [p for p in children(service_pid) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [w for f in forkservers for w in children(f)]
+
+
+def test_scoring_workers_killed_mid_batch_lose_nothing(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    recipes = {"math": [{"component": "math", "name": "answer", "weight": 1.0, "timeout_s": 3}]}
+    svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes), "--score-workers", "2")
+    try:
+        workers = score_workers(svc.proc.pid)
+        assert len(workers) == 2, workers
+        tower = r"\boxed{9^{9^{9^{9}}}}"  # busy until its 3 s limit: the batch is in flight meanwhile
+        streams.write(rclient, keys, "rollouts", make_group("k", [tower, r"\boxed{1}", r"\boxed{2}"], answer="1", task_kind="math"))
+        wait_for("the batch in flight", lambda: rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 1, svc)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        wait_for("the group scored", lambda: rclient.xlen(keys.stream("scored")) == 1, svc, timeout_s=60)
+        (g,) = groups_in(rclient, keys.stream("scored"))
+        assert [(c.reward, c.reward_components[0].status) for c in g.completions] == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0 and rclient.xlen(keys.dead) == 0
+        # New workers took over; the service is still up and scoring.
+        assert svc.proc.poll() is None and len(score_workers(svc.proc.pid)) == 2
+        assert not set(score_workers(svc.proc.pid)) & set(workers)
     finally:
         svc.kill()
 

@@ -1,15 +1,14 @@
 """The reward stage: rs:{<run>}:rollouts -> recipes (or a remote scorer) -> rs:{<run>}:scored (or :ready).
 
 Read it top to bottom: `main` loads settings and starts the servers, `run` starts the
-stream loop and then serves scoring work on the main thread, `stream_loop` is the loop,
+scoring pool and runs the stream loop on the main thread, `stream_loop` is the loop,
 `process_batch` is one read's worth of work. Every group written downstream is
 acknowledged in the same transaction (StreamStage.commit), so a crash at any point loses
 nothing; entries a dead consumer left pending are claimed after `claim_idle_ms`.
 
-Threads: component time limits are SIGALRM, which only the main thread receives
-(rollstream.reward.limits), so the main thread does all local scoring; the stream loop
-runs in its own thread and hands scoring to it, and so does the `Reward/Score` RPC, which
-serves the same recipes to anyone else (evaluation scripts, another reward stage).
+Scoring (rollstream.reward.scoring) runs every component in the worker processes of a
+rollstream.reward.limits.ScorePool, which kills a worker that runs past the component's
+time limit; the `Reward/Score` RPC, on the gRPC server's threads, uses the same pool.
 
 With `scorer_address` set, groups are scored by that remote `Reward/Score` server instead
 (rollstream.reward.remote); while it is unavailable the batch is held, pending, and tried
@@ -20,24 +19,19 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from rollstream.core import codec, grpc_utils, logs, redis_policy, streams, validation
 from rollstream.core.config import load_or_exit
-from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
-from rollstream.reward.limits import MainThreadRunner
-from rollstream.reward.recipes import OK, TIMEOUT, ComponentResult, Recipes, Sample, Score
-from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
-from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
+from rollstream.reward.limits import ScorePool
+from rollstream.reward.remote import RemoteScorer, ScorerUnavailable
+from rollstream.reward.scoring import Metrics, RewardServicer, Scored, Scorer
+from rollstream.v1 import reward_pb2_grpc, rollout_pb2
 
 SERVICE_NAME = "rollstream.v1.Reward"
 SOURCE_STAGE = "rollouts"
@@ -48,8 +42,6 @@ PROGRESS_EVERY_S = 30.0  # the periodic progress line
 INPUT_LIMITS = validation.Limits()
 # Groups written: rewards finite and bounded, whatever a remote scorer answered.
 OUTPUT_LIMITS = validation.Limits()
-# A Score RPC without a deadline still gets an answer or an error within this.
-RPC_DEFAULT_TIMEOUT_S = 300.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,56 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# -- metrics and readiness ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Metrics:
-    groups: Counter
-    completions: Counter
-    reward_mean: Gauge
-    verifier_errors: Counter
-    timeouts: Counter
-    unknown_kind: Counter
-    dead_lettered: Counter
-    batch_seconds: Histogram
-    redelivered: Counter
-    rpc_items: Counter
-    scorer_calls: Counter
-    scorer_circuit_open: Gauge
-    held_groups: Gauge
-
-    @classmethod
-    def register(cls, registry: CollectorRegistry) -> "Metrics":
-        p = "rollstream_reward_"
-        return cls(
-            groups=Counter(p + "groups", "groups written downstream, by outcome", ["outcome"], registry=registry),
-            completions=Counter(p + "completions", "completions scored from the stream", registry=registry),
-            reward_mean=Gauge(p + "batch_reward_mean", "mean reward of the completions in the last scored batch", registry=registry),
-            verifier_errors=Counter(p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry),
-            timeouts=Counter(p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry),
-            unknown_kind=Counter(p + "unknown_task_kind", "completions of a task kind no recipe knows", registry=registry),
-            dead_lettered=Counter(p + "dead_lettered", "entries moved to the dead-letter stream", registry=registry),
-            batch_seconds=Histogram(p + "batch_seconds", "time to score and commit one read's batch", registry=registry),
-            redelivered=Counter(
-                p + "redelivered", "entries read again: claimed from a dead consumer, or our own after a restart", registry=registry
-            ),
-            rpc_items=Counter(p + "rpc_items", "items scored through the Score RPC", registry=registry),
-            scorer_calls=Counter(p + "scorer_calls", "calls to the remote scorer, by outcome", ["outcome"], registry=registry),
-            scorer_circuit_open=Gauge(p + "scorer_circuit_open", "1 while the remote scorer's circuit breaker is open", registry=registry),
-            held_groups=Gauge(p + "held_groups", "groups held pending while the remote scorer is unavailable", registry=registry),
-        )
-
-    def count_scores(self, scores: Sequence[Score]) -> None:
-        for s in scores:
-            if s.unknown_kind:
-                self.unknown_kind.inc()
-                continue
-            for c in s.components:
-                if c.status == TIMEOUT:
-                    self.timeouts.labels(component=c.name).inc()
-                elif c.failed:
-                    self.verifier_errors.labels(component=c.name).inc()
+# -- readiness and totals ------------------------------------------------------------------
 
 
 @dataclass
@@ -134,133 +77,6 @@ class Totals:
     timeouts: int = 0
     unknown_kind: int = 0
     trimmed: int = 0
-
-
-# -- scoring ------------------------------------------------------------------------------
-
-
-def to_pb(component: ComponentResult) -> rollout_pb2.RewardComponent:
-    return rollout_pb2.RewardComponent(name=component.name, value=component.value, weight=component.weight, status=component.status)
-
-
-def from_pb(score: reward_pb2.ItemScore) -> Score:
-    """A remote scorer's answer in our terms (its statuses are counted like ours)."""
-    components = tuple(ComponentResult(name=c.name, value=c.value, weight=c.weight, status=c.status or OK) for c in score.components)
-    return Score(reward=score.reward, components=components)
-
-
-def samples(group: rollout_pb2.RolloutGroup) -> list[Sample]:
-    return [
-        Sample(completion=c.text, answer=group.answer, metadata_json=group.metadata_json, num_tokens=len(c.token_ids))
-        for c in group.completions
-    ]
-
-
-def apply_scores(group: rollout_pb2.RolloutGroup, scores: Sequence[Score]) -> None:
-    """Fill every completion's reward and breakdown in place (replacing stale ones); mark the group scored."""
-    for completion, s in zip(group.completions, scores, strict=True):
-        completion.reward = s.reward
-        del completion.reward_components[:]
-        completion.reward_components.extend(to_pb(c) for c in s.components)
-    group.scored = True
-
-
-def score_group(group: rollout_pb2.RolloutGroup, recipes: Recipes) -> list[Score]:
-    """Score every completion of `group` with its task kind's recipe, in place."""
-    scores = [recipes.score(group.task_kind, s) for s in samples(group)]
-    apply_scores(group, scores)
-    return scores
-
-
-def score_items(items: Sequence[reward_pb2.ScoreItem], recipes: Recipes) -> list[Score]:
-    return [
-        recipes.score(
-            item.task_kind,
-            Sample(
-                completion=item.completion, answer=item.answer, metadata_json=item.metadata_json,
-                num_tokens=item.num_tokens if item.HasField("num_tokens") else None,
-            ),
-        )
-        for item in items
-    ]
-
-
-class RewardServicer(reward_pb2_grpc.RewardServicer):
-    """`Score`: the recipes over gRPC, item by item, in request order (run on the main thread)."""
-
-    def __init__(self, recipes: Recipes, runner: MainThreadRunner, metrics: Metrics):
-        self.recipes = recipes
-        self.runner = runner
-        self.metrics = metrics
-
-    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
-        remaining = context.time_remaining()
-        timeout = RPC_DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
-        try:
-            scores = self.runner.call(lambda: score_items(request.items, self.recipes), timeout_s=timeout)
-        except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring did not finish before the deadline")
-        self.metrics.rpc_items.inc(len(scores))
-        self.metrics.count_scores(scores)
-        return reward_pb2.ScoreResponse(
-            scores=[reward_pb2.ItemScore(reward=s.reward, components=[to_pb(c) for c in s.components]) for s in scores]
-        )
-
-
-@dataclass
-class Scored:
-    """What scoring a batch gave: the scores of each group scored (by position in the
-    batch), and the reason for each group a remote scorer rejected."""
-
-    scores: dict[int, list[Score]]
-    rejected: dict[int, str]
-
-
-@dataclass
-class Scorer:
-    """How the stream loop scores: the recipes on the main thread, or a remote scorer."""
-
-    recipes: Recipes
-    runner: MainThreadRunner
-    remote: RemoteScorer | None
-
-    def score_groups(self, groups: dict[int, rollout_pb2.RolloutGroup]) -> Scored:
-        """Score `groups` (position in the batch -> group) in place. Raises
-        ScorerUnavailable when they must be held: nothing has been written then (a group
-        already scored in place is simply scored again on the retry)."""
-        if self.remote is None:
-            scores = self.runner.call(lambda: {i: score_group(g, self.recipes) for i, g in groups.items()})
-            return Scored(scores=scores, rejected={})
-        try:
-            return Scored(scores=self._score_remotely(groups), rejected={})
-        except ScorerRejected as e:
-            if len(groups) == 1:
-                return Scored(scores={}, rejected={i: f"remote scorer rejected the group: {e}" for i in groups})
-        # Which group does the scorer object to? Ask group by group.
-        result = Scored(scores={}, rejected={})
-        for i, g in groups.items():
-            try:
-                result.scores.update(self._score_remotely({i: g}))
-            except ScorerRejected as e:
-                result.rejected[i] = f"remote scorer rejected the group: {e}"
-        return result
-
-    def _score_remotely(self, groups: dict[int, rollout_pb2.RolloutGroup]) -> dict[int, list[Score]]:
-        assert self.remote is not None
-        items = [
-            reward_pb2.ScoreItem(
-                group_id=g.group_id, completion_index=k, task_kind=g.task_kind, completion=c.text, answer=g.answer,
-                metadata_json=g.metadata_json, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
-            )
-            for g in groups.values()
-            for k, c in enumerate(g.completions)
-        ]
-        replies = iter(self.remote.score(items))  # raises before any group is changed
-        out = {}
-        for i, g in groups.items():
-            out[i] = [from_pb(next(replies)) for _ in g.completions]
-            apply_scores(g, out[i])
-        return out
 
 
 # -- the stage ----------------------------------------------------------------------------
@@ -369,52 +185,22 @@ def process_batch(
     logs.event(log, "batch", logging.DEBUG, groups=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts)
 
 
-def make_remote(settings: RewardSettings, stop: threading.Event, metrics: Metrics) -> RemoteScorer | None:
-    if not settings.scorer_address:
-        return None
-    return RemoteScorer(
-        settings.scorer_address,
-        batch_size=settings.scorer_batch_size,
-        deadline_s=settings.scorer_deadline_s,
-        retries=settings.scorer_retries,
-        backoff_s=settings.scorer_backoff_s,
-        backoff_max_s=settings.scorer_backoff_max_s,
-        breaker=CircuitBreaker(settings.scorer_breaker_failures, settings.scorer_breaker_cooldown_s),
-        wait=stop.wait,
-        on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc(),
-        creds=ClientCredentials.from_settings(settings),
-    )
-
-
 def run(host: ServiceHost, settings: RewardSettings) -> None:
-    """Start the servers and the stream loop; serve scoring on this (the main) thread until the loop ends."""
+    """Start the scoring pool and the servers; run the stream loop on this (the main) thread until stopped."""
     metrics = Metrics.register(host.registry)
     readiness = Readiness()
-    runner = MainThreadRunner()
-    recipes = settings.build_recipes()
-    servicer = RewardServicer(recipes, runner, metrics)
-    host.start([grpc_utils.Service(SERVICE_NAME, servicer, reward_pb2_grpc.add_RewardServicer_to_server)], ready=readiness.get)
-    scorer = Scorer(recipes=recipes, runner=runner, remote=make_remote(settings, host.stop, metrics))
-    failure: list[BaseException] = []
-
-    def loop_thread() -> None:
-        try:
-            stream_loop(host, settings, scorer, metrics, readiness)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread below
-            failure.append(e)
-            host.stop.set()
-
-    thread = threading.Thread(target=loop_thread, name="stream-loop", daemon=True)
-    thread.start()
+    pool = ScorePool(settings.recipe_source(), settings.score_workers)
+    remote = None
     try:
-        runner.serve(until=lambda: not thread.is_alive())
+        host.start([grpc_utils.Service(SERVICE_NAME, RewardServicer(pool, metrics), reward_pb2_grpc.add_RewardServicer_to_server)], ready=readiness.get)
+        pool.warm_up()
+        if settings.scorer_address:
+            remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
+        stream_loop(host, settings, Scorer(local=pool, remote=remote), metrics, readiness)
     finally:
-        host.stop.set()
-        thread.join()
-        if scorer.remote is not None:
-            scorer.remote.close()
-    if failure:
-        raise failure[0]
+        if remote is not None:
+            remote.close()
+        pool.close()
 
 
 def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, metrics: Metrics, readiness: Readiness) -> None:
@@ -430,7 +216,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
             output=stage.keys.stream(settings.output_stage),
             group=stage.group,
             consumer=stage.consumer,
-            task_kinds=",".join(scorer.recipes.kinds),
+            task_kinds=",".join(scorer.local.recipes.kinds),
             weights=settings.weights(),
             remote_scorer=settings.scorer_address or "none",
         )
