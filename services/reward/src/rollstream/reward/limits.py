@@ -100,7 +100,7 @@ def _init_worker(source: RecipeSource) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    if parent == 1:
+    if os.getppid() != parent:
         os._exit(1)  # orphaned before the line above took effect
     _recipes = source()
 
@@ -144,6 +144,10 @@ class ScorePool:
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(PRELOAD)  # no effect once the forkserver runs
         self._pool = self._new_pool()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.recipes.kinds
 
     def _new_pool(self) -> pebble.ProcessPool:
         return pebble.ProcessPool(max_workers=self.workers, initializer=_init_worker, initargs=(self.source,), context=self._context)

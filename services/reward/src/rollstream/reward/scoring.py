@@ -19,7 +19,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.reward.limits import PoolFailed
-from rollstream.reward.recipes import OK, TIMEOUT, ComponentResult, Recipes, Sample, Score
+from rollstream.reward.recipes import OK, TIMEOUT, ComponentResult, Sample, Score
 from rollstream.reward.remote import RemoteScorer, ScorerRejected
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
@@ -30,7 +30,8 @@ RPC_DEFAULT_TIMEOUT_S = 300.0
 class ScoresItems(Protocol):
     """limits.ScorePool, or recipes.Recipes: scores of (task_kind, sample) items, in order."""
 
-    recipes: Recipes
+    @property
+    def kinds(self) -> tuple[str, ...]: ...
 
     def score_many(self, items: Sequence[tuple[str, Sample]], timeout_s: float | None = None) -> list[Score]: ...
 

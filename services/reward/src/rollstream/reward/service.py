@@ -216,7 +216,7 @@ def stream_loop(host: ServiceHost, settings: RewardSettings, scorer: Scorer, met
             output=stage.keys.stream(settings.output_stage),
             group=stage.group,
             consumer=stage.consumer,
-            task_kinds=",".join(scorer.local.recipes.kinds),
+            task_kinds=",".join(scorer.local.kinds),
             weights=settings.weights(),
             remote_scorer=settings.scorer_address or "none",
         )
