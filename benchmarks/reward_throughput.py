@@ -1,6 +1,6 @@
 """Reward stage throughput: groups/s of the `math` recipe (math-verify) with 1 and 2 workers.
 
-    .venv/bin/python benchmarks/reward_throughput.py [--groups 400] [--group-size 8] [--workers 1,2] [--repeats 3]
+    .venv/bin/python benchmarks/reward_throughput.py [--groups 400] [--group-size 8] [--workers 1,2] [--repeats 3] [--score-workers N]
 
 Starts an embedded redis-server, then for each worker count: that many real
 `python -m rollstream.reward` processes sharing one consumer group, all ready before any
@@ -8,7 +8,9 @@ group is written; writes every group in one pipeline and times until the last on
 in rs:<run>:scored. Completions are math answers of the kinds models write (boxed
 fractions, decimals, LaTeX, wrong answers, no answer). The worker counts alternate,
 `--repeats` rounds; each count reports its best and median round, and the workers' CPU
-seconds (from /proc), which other work on a shared machine disturbs less than wall time.
+seconds (from /proc: each service process and its scoring pool's worker processes), which
+other work on a shared machine disturbs less than wall time. `--score-workers`: each
+service's pool size (default: the service's own default).
 Prints one JSON object; results go to docs/benchmarks.md.
 """
 
@@ -70,12 +72,12 @@ def make_groups(n_groups: int, group_size: int, seed: int) -> list[rollout_pb2.R
     return groups
 
 
-def start_worker(redis_url: str, run: str, name: str, workdir: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_worker(redis_url: str, run: str, name: str, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
     state = workdir / f"{name}.json"
     log = (workdir / f"{name}.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollstream.reward", "--redis-url", redis_url, "--run", run, "--consumer", name,
-         "--state-file", str(state), "--block-ms", "50", "--log-level", "WARNING"],
+         "--state-file", str(state), "--block-ms", "50", "--log-level", "WARNING", *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     log.close()
@@ -109,17 +111,44 @@ def free_cores(n: int) -> float:
     return round(sum(float(p.communicate()[0]) for p in procs), 2)
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (a service's forkserver and its scoring workers)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(_stat(int(stat.parent.name))[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(c for c, parent in parents.items() if parent == p)
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (fields 14 and 15 of /proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time so far (fields 14 and 15 of /proc/<pid>/stat) of a process and
+    its descendants (those still alive)."""
+    total = 0
+    for p in descendants(pid):
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
-def measure(redis_url: str, workers: int, groups: list[rollout_pb2.RolloutGroup], workdir: Path, round_: int) -> dict[str, float]:
+def measure(redis_url: str, workers: int, groups: list[rollout_pb2.RolloutGroup], workdir: Path, round_: int, extra: list[str]) -> dict[str, float]:
     run = f"bench-reward-{workers}w-{round_}-{int(time.time())}"
     keys = RunKeys(run)
     client = connect(redis_url)
-    procs = [start_worker(redis_url, run, f"w{i}", workdir) for i in range(workers)]
+    procs = [start_worker(redis_url, run, f"w{i}", workdir, extra) for i in range(workers)]
     try:
         for proc, state in procs:
             wait_ready(proc, state)
@@ -161,14 +190,16 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--score-workers", type=int, default=0, help="each service's scoring pool size (0: the service's default)")
     args = parser.parse_args()
+    extra = ["--score-workers", str(args.score_workers)] if args.score_workers else []
     groups = make_groups(args.groups, args.group_size, args.seed)
     counts = [int(w) for w in args.workers.split(",")]
     rounds: dict[int, list[dict[str, float]]] = {w: [] for w in counts}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", appendonly=False) as server:
         for r in range(args.repeats):
             for w in counts:
-                rounds[w].append(measure(server.url, w, groups, Path(tmp), r))
+                rounds[w].append(measure(server.url, w, groups, Path(tmp), r, extra))
     probe = {f"{n}_spinners": free_cores(n) for n in counts}
     results = []
     for w in counts:
@@ -178,6 +209,7 @@ def main() -> None:
         "benchmark": "reward_throughput",
         "recipe": "math (math-verify)",
         "group_size": args.group_size,
+        "score_workers": args.score_workers or "default",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "load_average": [round(x, 2) for x in os.getloadavg()],  # other work on the machine skews the figures
         "free_cores_after": probe,

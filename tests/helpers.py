@@ -150,6 +150,18 @@ def groups_in(client: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup
     return [codec.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in client.xrange(stream)]
 
 
+REWARD_GROUP = "reward"  # the reward service's default consumer group
+
+
+def assert_scored_exactly_once(client: redis.Redis, keys: RunKeys, expected_ids: list[str], group: str = REWARD_GROUP) -> None:
+    """Every group in `scored` once, scored, nothing left pending on rollouts, nothing dead."""
+    out = groups_in(client, keys.stream("scored"))
+    assert sorted(g.group_id for g in out) == sorted(expected_ids), f"{len(out)} written for {len(expected_ids)} expected"
+    assert client.xpending(keys.stream("rollouts"), group)["pending"] == 0
+    assert client.xlen(keys.dead) == 0
+    assert all(g.scored for g in out)
+
+
 # --- the tiny test model ----------------------------------------------------------------
 
 # Its special tokens. ChatML like SmolLM2, so chat code paths match the

@@ -1,6 +1,7 @@
 """The reward stage calling a remote `Reward/Score` server: a real gRPC server started in the
 test, a real reward process, a real redis-server. Covers batching, the scorer being down
-(groups held pending, never zero-scored), recovery, the circuit breaker, and rejections."""
+(groups held pending, never zero-scored), recovery, the circuit breaker, and rejections;
+and, against the server alone, gRPC's own retries (the channel's retryPolicy)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import httpx
 import pytest
 import redis
 
-from procs import free_port  # tests/procs.py
 from rollstream.core.streams import RunKeys
+from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from tests.integration.test_reward_service import GROUP, groups_in, make_group, start_reward, wait_for, write_many
+from tests.helpers import REWARD_GROUP, groups_in, wait_for, write_many
+from tests.procs import free_port, start_reward
+from tests.synthetic import rollout_group
 
 FAST_RETRIES = (
     "--scorer-retries", "1", "--scorer-backoff-s", "0.05", "--scorer-backoff-max-s", "0.1",
@@ -111,8 +114,8 @@ def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, r
     svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--scorer-batch-size", "3", *FAST_RETRIES)
     try:
         ids = [f"r{i}" for i in range(6)]
-        write_many(rclient, keys, [make_group(i, ["8", "The answer is 8", "x" * 25, ""]) for i in ids])
-        wait_for("6 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 6, svc)
+        write_many(rclient, keys, [rollout_group(i, ["8", "The answer is 8", "x" * 25, ""]) for i in ids])
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 6, 15, "6 groups scored", [svc])
         for g in groups_in(rclient, keys.stream("scored")):
             assert g.scored
             assert [c.reward for c in g.completions] == pytest.approx([0.1, 1.5, 2.5, 0.0])
@@ -121,7 +124,7 @@ def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, r
         assert sum(scorer.servicer.batches) == 24 and max(scorer.servicer.batches) <= 3
         # What a grader gets besides the text: the token count and why sampling stopped.
         assert {(i.HasField("num_tokens"), i.num_tokens, i.finish_reason) for i in scorer.servicer.items} == {(True, 2, "stop")}
-        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="ok"}') == len(scorer.servicer.batches)
     finally:
         svc.kill()
@@ -130,7 +133,7 @@ def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, r
 def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
     # Written first, so that the stage's first read takes all five.
     ids = [f"d{i}" for i in range(5)]
-    write_many(rclient, keys, [make_group(i, ["8", "abc"]) for i in ids])
+    write_many(rclient, keys, [rollout_group(i, ["8", "abc"]) for i in ids])
     # Nothing listens at the scorer's address yet: every call fails with UNAVAILABLE.
     svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, *FAST_RETRIES, ready=False)
     try:
@@ -139,13 +142,13 @@ def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_ur
             code, detail = readyz(svc.http_port)
             return code == 503 and "remote scorer unavailable, holding 5 groups" in detail
 
-        wait_for("state file", svc.state_file.exists, svc)
+        wait_for(svc.state_file.exists, 15, "state file", [svc])
         svc.http_port = json.loads(svc.state_file.read_text())["http_port"]
-        wait_for("the stage to report it holds the groups", holding, svc)
-        wait_for("the circuit to open", lambda: metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 1.0, svc)
+        wait_for(holding, 15, "the stage to report it holds the groups", [svc])
+        wait_for(lambda: metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 1.0, 15, "the circuit to open", [svc])
         # Held: read but neither written downstream, nor acknowledged, nor dead-lettered.
         assert rclient.xlen(keys.stream("scored")) == 0
-        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 5
+        assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 5
         assert rclient.xlen(keys.dead) == 0
         assert metric(svc.http_port, "rollstream_reward_held_groups") == 5.0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="failed"}') >= 2
@@ -153,17 +156,17 @@ def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_ur
         # The grader comes up, but answers UNAVAILABLE for a while (a restart): still held.
         scorer.servicer.failing.set()
         scorer.start()
-        wait_for("calls reaching the restarting grader", lambda: scorer.servicer.failed_calls >= 2, svc)
+        wait_for(lambda: scorer.servicer.failed_calls >= 2, 15, "calls reaching the restarting grader", [svc])
         assert rclient.xlen(keys.stream("scored")) == 0
 
         scorer.servicer.failing.clear()  # recovered
-        wait_for("all groups scored", lambda: rclient.xlen(keys.stream("scored")) == 5, svc)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 5, 15, "all groups scored", [svc])
         out = groups_in(rclient, keys.stream("scored"))
         assert sorted(g.group_id for g in out) == sorted(ids)  # each exactly once
         assert all([c.reward for c in g.completions] == pytest.approx([0.1, 0.3]) for g in out)
-        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0
         assert rclient.xlen(keys.dead) == 0
-        wait_for("ready again", lambda: readyz(svc.http_port)[0] == 200, svc)
+        wait_for(lambda: readyz(svc.http_port)[0] == 200, 15, "ready again", [svc])
         assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
         assert metric(svc.http_port, "rollstream_reward_held_groups") == 0.0
         assert "scorer_unavailable" in svc.log() and "scorer_recovered" in svc.log()
@@ -177,18 +180,99 @@ def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis
     scorer.start()
     # Written before the stage starts, so they come in one read: the first call (all three)
     # is rejected, and the stage asks group by group to find the one the scorer refuses.
-    write_many(rclient, keys, [make_group("ok1", ["8"]), make_group("bad", ["8"]), make_group("ok2", ["8"])])
+    write_many(rclient, keys, [rollout_group("ok1", ["8"]), rollout_group("bad", ["8"]), rollout_group("ok2", ["8"])])
     svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES)
     try:
-        wait_for("two scored", lambda: rclient.xlen(keys.stream("scored")) == 2, svc)
-        wait_for("one dead letter", lambda: rclient.xlen(keys.dead) == 1, svc)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 15, "two scored", [svc])
+        wait_for(lambda: rclient.xlen(keys.dead) == 1, 15, "one dead letter", [svc])
         assert sorted(g.group_id for g in groups_in(rclient, keys.stream("scored"))) == ["ok1", "ok2"]
         ((_, fields),) = rclient.xrange(keys.dead)
         assert fields[b"reason"].decode() == "remote scorer rejected the group: INVALID_ARGUMENT: cannot grade bad"
-        assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
+        assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0
         assert int(rclient.hget(keys.stats, "dead_rollouts") or 0) == 1
         # A rejection is the scorer answering: it does not open the circuit.
         assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="rejected"}') >= 1
     finally:
         svc.kill()
+
+
+class FlakyScorer(LengthScorer):
+    """Answers `code` to the first `fail_first` attempts, then scores (attempts counted)."""
+
+    def __init__(self, fail_first: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__()
+        self.fail_first = fail_first
+        self.code = code
+        self.attempts = 0
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
+        with self.lock:
+            self.attempts += 1
+            fail = self.attempts <= self.fail_first
+        if fail:
+            context.abort(self.code, "not yet")
+        return super().Score(request, context)
+
+
+def remote_scorer(address: str, retries: int, outcomes: list[str]) -> RemoteScorer:
+    return RemoteScorer(
+        address, batch_size=8, deadline_s=10.0, retries=retries, backoff_s=0.01, backoff_max_s=0.02,
+        breaker=CircuitBreaker(failure_threshold=5, cooldown_s=10.0), on_call=outcomes.append,
+    )  # fmt: skip
+
+
+ITEMS = [reward_pb2.ScoreItem(group_id="g", task_kind="x", completion="abc")]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED])
+def test_grpc_retries_transient_failures_within_one_call(code: grpc.StatusCode) -> None:
+    server = ScorerServer(FlakyScorer(fail_first=2, code=code), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=2, outcomes=outcomes)
+    try:
+        (score,) = scorer.score(ITEMS)
+        assert score.reward == pytest.approx(0.3)
+        assert server.servicer.attempts == 3  # two retries, by gRPC's retryPolicy
+        assert outcomes == ["ok"] and scorer.breaker.failures == 0  # one call, as the metric and breaker see it
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_retries_used_up_is_unavailable_and_counts_one_failed_call() -> None:
+    server = ScorerServer(FlakyScorer(fail_first=10), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=1, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerUnavailable, match="UNAVAILABLE: not yet"):
+            scorer.score(ITEMS)
+        assert server.servicer.attempts == 2
+        assert outcomes == ["failed"] and scorer.breaker.failures == 1
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_a_refusal_is_not_retried() -> None:
+    server = ScorerServer(FlakyScorer(fail_first=1, code=grpc.StatusCode.INVALID_ARGUMENT), free_port()).start()
+    outcomes: list[str] = []
+    scorer = remote_scorer(server.address, retries=3, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerRejected, match="INVALID_ARGUMENT: not yet"):
+            scorer.score(ITEMS)
+        assert server.servicer.attempts == 1 and outcomes == ["rejected"] and scorer.breaker.failures == 0
+    finally:
+        scorer.close()
+        server.stop()
+
+
+def test_nothing_listening_is_retried_then_unavailable() -> None:
+    outcomes: list[str] = []
+    scorer = remote_scorer(f"127.0.0.1:{free_port()}", retries=2, outcomes=outcomes)
+    try:
+        with pytest.raises(ScorerUnavailable, match="UNAVAILABLE"):
+            scorer.score(ITEMS)
+        assert outcomes == ["failed"]
+    finally:
+        scorer.close()

@@ -10,7 +10,9 @@ import pytest
 import redis
 
 from rollstream.core.streams import RunKeys
-from tests.integration.test_reward_service import assert_exactly_once, groups_in, make_group, start_reward, wait_for, write_many
+from tests.helpers import assert_scored_exactly_once, groups_in, wait_for, write_many
+from tests.procs import start_reward
+from tests.synthetic import rollout_group
 
 N_GROUPS = 1200
 
@@ -26,9 +28,9 @@ def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, r
     workers = [start_reward(tmp_path, redis_url, keys.run, "--consumer", f"worker-{w}", tag=f"-{w}") for w in "ab"]
     try:
         ids = [f"s{i}" for i in range(N_GROUPS)]
-        write_many(rclient, keys, [make_group(i, ["8", "9", "The answer is 8", "eight"]) for i in ids])
-        wait_for(f"all {N_GROUPS} scored", lambda: rclient.xlen(keys.stream("scored")) >= N_GROUPS, workers[0], timeout_s=120)
-        assert_exactly_once(rclient, keys, ids)
+        write_many(rclient, keys, [rollout_group(i, ["8", "9", "The answer is 8", "eight"]) for i in ids])
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) >= N_GROUPS, 120, f"all {N_GROUPS} scored", [workers[0]])
+        assert_scored_exactly_once(rclient, keys, ids)
         for g in groups_in(rclient, keys.stream("scored")):
             assert [c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1, 0.0])
         # Each worker's own count of what it committed: together exactly the whole, both non-zero.

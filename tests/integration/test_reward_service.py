@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,93 +18,34 @@ from rollstream.core import codec, grpc_utils, streams
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from tests.procs import ServiceProc, start_service
-
-GROUP = "reward"  # the service's default consumer group
-
-
-def make_group(group_id: str, texts: list[str], answer: str = "8", task_kind: str = "arithmetic") -> rollout_pb2.RolloutGroup:
-    return rollout_pb2.RolloutGroup(
-        group_id=group_id,
-        task_id="task-" + group_id,
-        policy_version=3,
-        prompt_ids=[11, 12, 13],
-        answer=answer,
-        task_kind=task_kind,
-        generator_id="gen-0",
-        created_at=time.time(),
-        completions=[
-            rollout_pb2.Completion(
-                text=t,
-                token_ids=[5, 6],
-                behaviour_logprobs=[-0.5, -0.25],
-                versions=[rollout_pb2.VersionSpan(version=3, start=0, end=2)],
-                finish_reason="stop",
-            )
-            for t in texts
-        ],
-    )
-
-
-def start_reward(tmp_path: Path, redis_url: str, run: str, *args: str, tag: str = "", ready: bool = True) -> ServiceProc:
-    proc = start_service("reward", tmp_path, "--redis-url", redis_url, "--run", run, "--block-ms", "50", *args, tag=tag)
-    return proc.wait_ready(timeout_s=30) if ready else proc
-
-
-def wait_for(what: str, check: Callable[[], bool], proc: ServiceProc | None = None, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"service exited with {proc.proc.returncode} while waiting for {what}:\n{proc.log()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"\n{proc.log()[-4000:]}" if proc else ""))
-        time.sleep(0.02)
-
-
-def groups_in(rclient: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup]:
-    return [codec.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in rclient.xrange(stream)]
-
-
-def write_many(rclient: redis.Redis, keys: RunKeys, groups: list[rollout_pb2.RolloutGroup]) -> None:
-    pipe = rclient.pipeline(transaction=False)
-    for g in groups:
-        pipe.xadd(keys.stream("rollouts"), codec.encode(g))
-    pipe.execute()
-
-
-def assert_exactly_once(rclient: redis.Redis, keys: RunKeys, expected_ids: list[str]) -> None:
-    """Every group downstream once, nothing pending, nothing dead."""
-    out = [g.group_id for g in groups_in(rclient, keys.stream("scored"))]
-    assert sorted(out) == sorted(expected_ids), f"{len(out)} written for {len(expected_ids)} expected"
-    assert rclient.xpending(keys.stream("rollouts"), GROUP)["pending"] == 0
-    assert rclient.xlen(keys.dead) == 0
-    assert all(g.scored for g in groups_in(rclient, keys.stream("scored")))
-
+from tests.helpers import REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
+from tests.procs import start_reward
+from tests.synthetic import rollout_group
 
 def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
     svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2")
     try:
         rollouts = keys.stream("rollouts")
-        streams.write(rclient, keys, "rollouts", make_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]))
+        write(rclient, keys, "rollouts", rollout_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]))
         bad_ids = {
             "garbage type": rclient.xadd(rollouts, {"type": "garbage", "schema": "1", "data": b"x"}),
             "corrupt data": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff"}),
             "missing fields": rclient.xadd(rollouts, {"data": b""}),
             "future schema": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "99", "data": b""}),
-            "no completions": streams.write(rclient, keys, "rollouts", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1])),
+            "no completions": write(rclient, keys, "rollouts", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1])),
         }
         # The service must keep going after the bad entries.
-        streams.write(rclient, keys, "rollouts", make_group("g2", ["-3", "3"], answer="-3"))
-        prescored = make_group("pre", ["8"])
+        write(rclient, keys, "rollouts", rollout_group("g2", ["-3", "3"], answer="-3"))
+        prescored = rollout_group("pre", ["8"])
         prescored.scored = True
         prescored.completions[0].reward = 0.7
         prescored.completions[0].reward_components.add(name="custom", value=0.7, weight=1.0, status="ok")
-        streams.write(rclient, keys, "rollouts", prescored)
-        streams.write(rclient, keys, "rollouts", make_group("chess", ["e4"], answer="e4", task_kind="chess"))
-        streams.write(rclient, keys, "rollouts", make_group("badref", ["8"], answer="eight"))
+        write(rclient, keys, "rollouts", prescored)
+        write(rclient, keys, "rollouts", rollout_group("chess", ["e4"], answer="e4", task_kind="chess"))
+        write(rclient, keys, "rollouts", rollout_group("badref", ["8"], answer="eight"))
 
-        wait_for("5 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 5, svc)
-        wait_for("5 dead letters", lambda: rclient.xlen(keys.dead) == 5, svc)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 5, 15, "5 groups scored", [svc])
+        wait_for(lambda: rclient.xlen(keys.dead) == 5, 15, "5 dead letters", [svc])
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert list(out) == ["g1", "g2", "pre", "chess", "badref"]  # input order, bad ones left out
 
@@ -119,7 +61,7 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
             (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (0.0, 1.0),
         ]  # fmt: skip
         # Everything the generator wrote is still there.
-        original = make_group("g1", ["8"])
+        original = rollout_group("g1", ["8"])
         assert (g1.task_id, g1.policy_version, list(g1.prompt_ids), g1.generator_id) == ("task-g1", 3, [11, 12, 13], "gen-0")
         assert list(g1.completions[0].token_ids) == list(original.completions[0].token_ids)
         assert list(g1.completions[0].behaviour_logprobs) == [-0.5, -0.25]
@@ -148,9 +90,9 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert "has no completions" in reasons["no completions"]
         corrupt = dead[bad_ids["corrupt data"].decode()]
         assert corrupt.original_fields["data"] == b"\xff\xff"
-        assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, GROUP)
+        assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, REWARD_GROUP)
 
-        assert rclient.xpending(rollouts, GROUP)["pending"] == 0
+        assert rclient.xpending(rollouts, REWARD_GROUP)["pending"] == 0
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
         assert stats == {
             "scored": 4,
@@ -160,7 +102,7 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
             "dead_rollouts": 5,
         }
         # Every entry is acknowledged, so the periodic trim empties the input stream.
-        wait_for("rollouts trimmed", lambda: rclient.xlen(rollouts) == 0, svc)
+        wait_for(lambda: rclient.xlen(rollouts) == 0, 15, "rollouts trimmed", [svc])
 
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text
         for line in (
@@ -184,7 +126,7 @@ def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclie
     length_recipe = '{"short": [{"component": "length", "weight": 1.0, "params": {"max_length": 4, "cache_length": 2}}]}'
     svc = start_reward(tmp_path, redis_url, keys.run, "--output-stage", "ready", "--answer-weight", "2", "--format-weight", "0.5", "--recipes", length_recipe)
     try:
-        grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
+        wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
         request = reward_pb2.ScoreRequest(
             items=[
                 reward_pb2.ScoreItem(group_id="a", completion_index=0, task_kind="arithmetic", completion="8", answer="8"),
@@ -205,8 +147,8 @@ def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclie
         assert [c.status for s in reply.scores[4:] for c in s.components] == ["ok", "ok", "error: ValueError: the token count is unknown here (use unit = 'chars')"]
 
         # With --output-stage ready (beta = 0) the groups skip the reference stage.
-        streams.write(rclient, keys, "rollouts", make_group("r1", ["8", "7."]))
-        wait_for("group in ready", lambda: rclient.xlen(keys.stream("ready")) == 1, svc)
+        write(rclient, keys, "rollouts", rollout_group("r1", ["8", "7."]))
+        wait_for(lambda: rclient.xlen(keys.stream("ready")) == 1, 15, "group in ready", [svc])
         (group,) = groups_in(rclient, keys.stream("ready"))
         assert [c.reward for c in group.completions] == pytest.approx([2.5, 0.5])
         assert rclient.xlen(keys.stream("scored")) == 0
@@ -227,19 +169,19 @@ def test_bad_config_exits_2_naming_the_field(flags: list[str], field: str) -> No
 def test_claims_entries_a_dead_consumer_left_pending(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
     rollouts = keys.stream("rollouts")
     ids = [f"p{i}" for i in range(10)]
-    write_many(rclient, keys, [make_group(i, ["8"]) for i in ids])
+    write_many(rclient, keys, [rollout_group(i, ["8"]) for i in ids])
     # A consumer "reward-a" read six entries mid-batch and died before acknowledging them.
-    StreamStage.ensure_group(rclient, rollouts, GROUP)
-    taken = rclient.xreadgroup(GROUP, "reward-a", {rollouts: ">"}, count=6)
+    StreamStage.ensure_group(rclient, rollouts, REWARD_GROUP)
+    taken = rclient.xreadgroup(REWARD_GROUP, "reward-a", {rollouts: ">"}, count=6)
     assert len(taken[0][1]) == 6
-    assert rclient.xpending(rollouts, GROUP)["pending"] == 6
+    assert rclient.xpending(rollouts, REWARD_GROUP)["pending"] == 6
 
     svc = start_reward(tmp_path, redis_url, keys.run, "--claim-idle-ms", "500")
     try:
-        wait_for("all 10 scored", lambda: rclient.xlen(keys.stream("scored")) >= 10, svc)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) >= 10, 15, "all 10 scored", [svc])
         time.sleep(0.7)  # past another claim interval: a duplicate would show up now
-        assert_exactly_once(rclient, keys, ids)
-        consumers = {c["name"].decode(): c["pending"] for c in rclient.xinfo_consumers(rollouts, GROUP)}
+        assert_scored_exactly_once(rclient, keys, ids)
+        consumers = {c["name"].decode(): c["pending"] for c in rclient.xinfo_consumers(rollouts, REWARD_GROUP)}
         assert consumers["reward-a"] == 0
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text
         assert "rollstream_reward_redelivered_total 6.0" in metrics.splitlines()
@@ -252,16 +194,16 @@ def test_restart_under_same_consumer_name_finishes_its_own_pending(
 ) -> None:
     rollouts = keys.stream("rollouts")
     ids = [f"o{i}" for i in range(8)]
-    write_many(rclient, keys, [make_group(i, ["8"]) for i in ids])
+    write_many(rclient, keys, [rollout_group(i, ["8"]) for i in ids])
     # What a SIGKILLed "reward-x" leaves behind: five entries read, none acknowledged.
-    StreamStage.ensure_group(rclient, rollouts, GROUP)
-    rclient.xreadgroup(GROUP, "reward-x", {rollouts: ">"}, count=5)
+    StreamStage.ensure_group(rclient, rollouts, REWARD_GROUP)
+    rclient.xreadgroup(REWARD_GROUP, "reward-x", {rollouts: ">"}, count=5)
     # An idle timeout far beyond the test: only "read my own pending first" can recover them.
     svc = start_reward(tmp_path, redis_url, keys.run, "--consumer", "reward-x", "--claim-idle-ms", "600000")
     try:
-        wait_for("all 8 scored", lambda: rclient.xlen(keys.stream("scored")) >= 8, svc)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) >= 8, 15, "all 8 scored", [svc])
         time.sleep(0.2)
-        assert_exactly_once(rclient, keys, ids)
+        assert_scored_exactly_once(rclient, keys, ids)
     finally:
         svc.kill()
 
@@ -271,11 +213,11 @@ def test_sigkill_mid_stream_and_restart_loses_and_duplicates_nothing(
 ) -> None:
     n = 600
     ids = [f"k{i}" for i in range(n)]
-    write_many(rclient, keys, [make_group(i, ["8", "9", "The answer is 8"]) for i in ids])
+    write_many(rclient, keys, [rollout_group(i, ["8", "9", "The answer is 8"]) for i in ids])
     args = ("--consumer", "reward-k", "--read-count", "2", "--claim-idle-ms", "600000")
     first = start_reward(tmp_path, redis_url, keys.run, *args, tag="-1", ready=False)
     try:
-        wait_for("scoring under way", lambda: rclient.xlen(keys.stream("scored")) >= 40, first)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) >= 40, 15, "scoring under way", [first])
         first.kill()  # SIGKILL while it works through the backlog
     finally:
         first.kill()
@@ -284,9 +226,9 @@ def test_sigkill_mid_stream_and_restart_loses_and_duplicates_nothing(
 
     second = start_reward(tmp_path, redis_url, keys.run, *args, tag="-2")
     try:
-        wait_for(f"all {n} scored", lambda: rclient.xlen(keys.stream("scored")) >= n, second)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) >= n, 15, f"all {n} scored", [second])
         time.sleep(0.2)
-        assert_exactly_once(rclient, keys, ids)
+        assert_scored_exactly_once(rclient, keys, ids)
         assert all([c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1]) for g in groups_in(rclient, keys.stream("scored")))
     finally:
         second.kill()
@@ -299,7 +241,7 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
     client = None
     svc = start_reward(tmp_path, server.url, keys.run, "--claim-idle-ms", "500", ready=False)
     try:
-        wait_for("state file", svc.state_file.exists, svc)
+        wait_for(svc.state_file.exists, 15, "state file", [svc])
         http = f"http://127.0.0.1:{json.loads(svc.state_file.read_text())['http_port']}"
 
         def waiting_for_redis() -> bool:
@@ -310,27 +252,27 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
             assert reply.status_code == 503
             return "redis unavailable (connecting to" in reply.json()["detail"]
 
-        wait_for("readyz to say it waits for redis", waiting_for_redis, svc)
+        wait_for(waiting_for_redis, 15, "readyz to say it waits for redis", [svc])
         assert httpx.get(http + "/healthz", timeout=5).status_code == 200  # alive, just not ready
 
         server.start()
         svc.wait_ready(timeout_s=30)
         client = streams.connect(server.url)
-        streams.write(client, keys, "rollouts", make_group("before", ["8"]))
-        wait_for("first group scored", lambda: client.xlen(keys.stream("scored")) == 1, svc)
+        write(client, keys, "rollouts", rollout_group("before", ["8"]))
+        wait_for(lambda: client.xlen(keys.stream("scored")) == 1, 15, "first group scored", [svc])
 
         server.stop()
         readyz = f"http://127.0.0.1:{svc.http_port}/readyz"
-        wait_for("readyz to fail", lambda: httpx.get(readyz, timeout=5).status_code == 503, svc)
+        wait_for(lambda: httpx.get(readyz, timeout=5).status_code == 503, 15, "readyz to fail", [svc])
         assert svc.proc.poll() is None
 
         server.start()  # same port and data dir: the AOF brings the streams back
-        wait_for("readyz to recover", lambda: httpx.get(readyz, timeout=5).status_code == 200, svc)
-        streams.write(client, keys, "rollouts", make_group("after", ["8"]))
-        wait_for("second group scored", lambda: client.xlen(keys.stream("scored")) == 2, svc)
+        wait_for(lambda: httpx.get(readyz, timeout=5).status_code == 200, 15, "readyz to recover", [svc])
+        write(client, keys, "rollouts", rollout_group("after", ["8"]))
+        wait_for(lambda: client.xlen(keys.stream("scored")) == 2, 15, "second group scored", [svc])
         assert [g.group_id for g in groups_in(client, keys.stream("scored"))] == ["before", "after"]
         # One line when the outage starts, one when it ends (not one per retry).
-        assert svc.log().count("redis unavailable") <= 3 and "redis recovered" in svc.log()
+        assert svc.log().count("redis_unavailable") <= 3 and "redis_recovered" in svc.log()
     finally:
         svc.kill()
         if client is not None:
@@ -346,11 +288,11 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
     svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes))
     try:
         tower = r"\boxed{9^{9^{9^{9}}}}"  # math-verify would compute this for a very long time
-        streams.write(rclient, keys, "rollouts", make_group("m", [r"\boxed{\frac{1}{2}}", tower, r"\boxed{3}"], answer="0.5", task_kind="math"))
-        code_group = make_group("c", ["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return x + x", "while True:\n    pass"], task_kind="code")
+        write(rclient, keys, "rollouts", rollout_group("m", [r"\boxed{\frac{1}{2}}", tower, r"\boxed{3}"], answer="0.5", task_kind="math"))
+        code_group = rollout_group("c", ["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return x + x", "while True:\n    pass"], task_kind="code")
         code_group.metadata_json = json.dumps({"tests": ["assert sq(3) == 9", "assert sq(2) == 4"]})
-        streams.write(rclient, keys, "rollouts", code_group)
-        wait_for("2 groups scored", lambda: rclient.xlen(keys.stream("scored")) == 2, svc, timeout_s=60)
+        write(rclient, keys, "rollouts", code_group)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 60, "2 groups scored", [svc])
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert [(c.reward, c.reward_components[0].status) for c in out["m"].completions] == [(1.0, "ok"), (0.0, "timeout"), (0.0, "ok")]
         # sq = x + x passes sq(2) == 4 only; the endless loop runs past the per-test limit: a
@@ -359,8 +301,8 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
         assert stats == {"scored": 2, "reward_timeouts": 2}
 
-        # The Score RPC runs on the same main thread, so its time limit is as hard.
-        grpc_utils.wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
+        # The Score RPC scores in the same worker pool, so its time limit is as hard.
+        wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
         with grpc_utils.channel(svc.grpc_address) as ch:
             reply = reward_pb2_grpc.RewardStub(ch).Score(
                 reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(task_kind="math", completion=tower, answer="1"),
@@ -371,6 +313,46 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text.splitlines()
         assert 'rollstream_reward_timeouts_total{component="answer"} 2.0' in metrics
         assert 'rollstream_reward_timeouts_total{component="tests"} 1.0' in metrics
+    finally:
+        svc.kill()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def score_workers(service_pid: int) -> list[int]:
+    """The scoring pool's worker processes: the children of the service's forkserver."""
+    forkservers = [p for p in children(service_pid) if b"forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [w for f in forkservers for w in children(f)]
+
+
+def test_scoring_workers_killed_mid_batch_lose_nothing(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    recipes = {"math": [{"component": "math", "name": "answer", "weight": 1.0, "timeout_s": 3}]}
+    svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes), "--score-workers", "2")
+    try:
+        workers = score_workers(svc.proc.pid)
+        assert len(workers) == 2, workers
+        tower = r"\boxed{9^{9^{9^{9}}}}"  # busy until its 3 s limit: the batch is in flight meanwhile
+        write(rclient, keys, "rollouts", rollout_group("k", [tower, r"\boxed{1}", r"\boxed{2}"], answer="1", task_kind="math"))
+        wait_for(lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 1, 15, "the batch in flight", [svc])
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 1, 60, "the group scored", [svc])
+        (g,) = groups_in(rclient, keys.stream("scored"))
+        assert [(c.reward, c.reward_components[0].status) for c in g.completions] == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+        assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0 and rclient.xlen(keys.dead) == 0
+        # New workers took over; the service is still up and scoring.
+        assert svc.proc.poll() is None and len(score_workers(svc.proc.pid)) == 2
+        assert not set(score_workers(svc.proc.pid)) & set(workers)
     finally:
         svc.kill()
 

@@ -1,134 +1,229 @@
-"""Time limits (SIGALRM on the main thread) and the runner that brings work to the main thread;
-the remote scorer's circuit breaker and reply checks (with an injected clock: no sleeping)."""
+"""Time limits: the scoring pool (rollstream.reward.limits) runs every component in a worker
+process and kills one that overruns; a worker killed from outside is replaced and its task
+run again. Also the remote scorer's circuit breaker, reply checks and retry service config
+(with an injected clock: no sleeping).
+
+Real worker processes. No test depends on timing beyond "a limit of 0.5-1 s is hit by work
+that would take hours": the assertions are on statuses, never on durations."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from rollstream.reward.limits import ComponentTimeout, MainThreadRunner, time_limit
-from rollstream.reward.remote import CircuitBreaker, check_reply
+from rollstream.reward.limits import ScorePool, recipe_source
+from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, Sample, build_check, default_specs
+from rollstream.reward.remote import CircuitBreaker, check_reply, service_config
 from rollstream.v1 import reward_pb2
 
-
-def test_time_limit_interrupts_busy_python_code_on_the_main_thread() -> None:
-    spins = 0
-    before = signal.getsignal(signal.SIGALRM)
-    with pytest.raises(ComponentTimeout):
-        with time_limit(0.1):
-            while True:
-                spins += 1
-    assert spins > 0
-    # The alarm is disarmed and the previous handler is back.
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    assert signal.getsignal(signal.SIGALRM) is before
+# -- checks the test recipes are made of (module-level: the workers import them) ------------------
 
 
-def test_time_limit_is_not_swallowed_by_except_exception() -> None:
-    def library_code() -> str:
-        try:
-            while True:
-                pass
-        except Exception:  # noqa: BLE001 - what libraries do; the limit must get through it
-            return "swallowed"
-
-    with pytest.raises(ComponentTimeout):
-        with time_limit(0.1):
-            library_code()
-
-
-def test_time_limit_leaves_fast_work_alone_and_restores_the_handler() -> None:
-    calls: list[str] = []
-
-    def mine(*_: object) -> None:
-        calls.append("mine")
-
-    previous = signal.signal(signal.SIGALRM, mine)
+def spin(sample: Sample) -> float:
+    """Pure-Python work that never ends, behind the `except Exception` libraries have (a
+    completion that is a path: our pid is written there first)."""
+    if sample.completion.startswith("/"):
+        Path(sample.completion).write_text(str(os.getpid()))
     try:
-        with time_limit(5.0):
-            value = sum(range(1000))
-        assert value == 499500
-        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-        assert signal.getsignal(signal.SIGALRM) is mine and calls == []
-        with time_limit(None):  # no limit at all
+        while True:
             pass
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+    except Exception:  # noqa: BLE001 - what libraries do; the limit must get through it
+        return 1.0
 
 
-def test_off_the_main_thread_the_limit_is_checked_at_the_end() -> None:
-    outcome: list[str] = []
-
-    def worker() -> None:
-        try:
-            with time_limit(0.05):
-                time.sleep(0.2)
-            outcome.append("finished")
-        except ComponentTimeout:
-            outcome.append("timeout")
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert outcome == ["timeout"]
+def whoami(sample: Sample) -> float:
+    return float(os.getpid())
 
 
-def test_runner_runs_calls_from_other_threads_on_the_main_thread() -> None:
-    runner = MainThreadRunner()
-    results: dict[str, object] = {}
-
-    def worker() -> None:
-        results["thread"] = runner.call(lambda: threading.current_thread() is threading.main_thread())
-        try:
-            runner.call(lambda: 1 / 0)
-        except ZeroDivisionError as e:
-            results["error"] = e
-        results["limited"] = runner.call(lambda: _limited_spin())
-
-    t = threading.Thread(target=worker)
-    t.start()
-    runner.serve(until=lambda: not t.is_alive())
-    t.join()
-    assert results["thread"] is True
-    assert isinstance(results["error"], ZeroDivisionError)
-    assert results["limited"] == "timeout"  # SIGALRM works there
+def wait_for_kill(sample: Sample) -> float:
+    """First run: write our pid to the file named by the completion and sleep (the test
+    kills us). Any later run (on a fresh worker): answer 1."""
+    marker = Path(sample.completion)
+    if marker.exists():
+        return 1.0
+    marker.write_text(str(os.getpid()))
+    time.sleep(600)
+    return 0.0
 
 
-def _limited_spin() -> str:
+def suicide(sample: Sample) -> float:
+    os._exit(3)
+
+
+def nan(sample: Sample) -> float:
+    return float(sample.answer)
+
+
+def test_recipes(default_timeout_s: float = 0.5) -> Recipes:
+    fmt = build_check(ComponentSpec(component="arithmetic_format", weight=0.1))
+    no_limit = 120.0  # checks the test ends itself: the limit only stops a runaway
+    return Recipes(
+        {
+            "spin": (RecipeComponent("slow", 1.0, spin, default_timeout_s), RecipeComponent("format", 0.1, fmt, default_timeout_s)),
+            "pid": (RecipeComponent("pid", 1.0, whoami, no_limit),),
+            "kill": (RecipeComponent("answer", 1.0, wait_for_kill, no_limit),),
+            "die": (RecipeComponent("answer", 1.0, suicide, no_limit), RecipeComponent("format", 0.1, fmt, no_limit)),
+            "value": (RecipeComponent("value", 1.0, nan, no_limit),),
+            "format": (RecipeComponent("format", 0.1, fmt, no_limit),),
+        }
+    )
+
+
+test_recipes.__test__ = False  # type: ignore[attr-defined] - a factory, not a test
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ScorePool]:
+    p = ScorePool(functools.partial(test_recipes, 0.5), workers=2)
+    p.warm_up()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def builtin_pool() -> Iterator[ScorePool]:
+    specs = {
+        **default_specs(),
+        "math": [ComponentSpec(component="math", weight=1.0, timeout_s=1.0)],
+        # Catastrophic backtracking: one C call (re's matcher) for ever on 40 a's and a b.
+        "regex": [ComponentSpec(component="regex", weight=1.0, timeout_s=0.5, params={"pattern": "(a+)+$", "match": "search"})],
+    }
+    p = ScorePool(recipe_source(specs, 5.0), workers=2)
+    p.warm_up()
+    yield p
+    p.close()
+
+
+def statuses(score: object) -> list[tuple[str, float, str]]:
+    return [(c.name, c.value, c.status) for c in score.components]  # type: ignore[attr-defined]
+
+
+def worker_pids(pool: ScorePool) -> set[int]:
+    return {int(s.reward) for s in pool.score_many([("pid", Sample(""))] * 8)}
+
+
+def test_endless_python_loop_times_out_and_the_other_components_still_count(pool: ScorePool, tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    (s,) = pool.score_many([("spin", Sample(str(marker)))])
+    assert statuses(s) == [("slow", 0.0, "timeout"), ("format", 0.0, "ok")]
+    assert s.reward == 0.0 and s.timeouts == 1 and s.errors == 0
+    (s,) = pool.score_many([("spin", Sample("8"))])
+    assert statuses(s) == [("slow", 0.0, "timeout"), ("format", 1.0, "ok")] and s.reward == pytest.approx(0.1)
+    # The worker that ran it was killed, and replaced: the pool works, as big as before.
+    spinner = int(marker.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(spinner):
+        assert time.monotonic() < deadline, "the worker past its limit is still running"
+        time.sleep(0.05)
+    pids = worker_pids(pool)
+    assert spinner not in pids and 1 <= len(pids) <= 2
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, killed and not yet reaped, is not)."""
     try:
-        with time_limit(0.05):
-            while True:
-                pass
-    except ComponentTimeout:
-        return "timeout"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
 
 
-def test_runner_call_times_out_when_nobody_serves_and_the_job_is_dropped() -> None:
-    runner = MainThreadRunner()
-    ran: list[int] = []
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            runner.call(lambda: ran.append(1), timeout_s=0.05)
-        except TimeoutError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    runner.serve(until=lambda: True)  # nothing left to run: the cancelled job is skipped
-    stop = threading.Event()
-    threading.Timer(0.3, stop.set).start()
-    runner.serve(until=stop.is_set)
-    assert len(errors) == 1 and ran == []
+def test_one_timeout_leaves_the_other_completions_alone(pool: ScorePool) -> None:
+    scores = pool.score_many([("format", Sample("8")), ("spin", Sample("x")), ("format", Sample("The answer is 8")), ("chess", Sample("e4"))])
+    assert [s.reward for s in scores] == pytest.approx([0.1, 0.0, 0.1, 0.0])
+    assert statuses(scores[1])[0][2] == "timeout"
+    assert scores[3].unknown_kind  # answered here, without a worker
 
 
-def test_runner_call_on_the_main_thread_runs_directly() -> None:
-    assert MainThreadRunner().call(lambda: 42) == 42
+def test_math_verify_on_a_tower_of_powers_times_out(builtin_pool: ScorePool) -> None:
+    # math-verify would compute 9^(9^(9^9)); its `except Exception` blocks cannot swallow a kill.
+    tower, fine = builtin_pool.score_many([("math", Sample(r"\boxed{9^{9^{9^{9}}}}", "1")), ("math", Sample(r"\boxed{1}", "1"))])
+    assert statuses(tower) == [("math", 0.0, "timeout")]
+    assert statuses(fine) == [("math", 1.0, "ok")]
+
+
+def test_catastrophic_regex_stuck_in_one_c_call_times_out(builtin_pool: ScorePool) -> None:
+    stuck, matched = builtin_pool.score_many([("regex", Sample("a" * 40 + "b")), ("regex", Sample("aaa"))])
+    assert statuses(stuck) == [("regex", 0.0, "timeout")]  # SIGALRM could not stop this one
+    assert statuses(matched) == [("regex", 1.0, "ok")]
+    # And the builtin recipes still work on the replacement worker.
+    assert builtin_pool.score_many([("arithmetic", Sample("8", "8"))])[0].reward == pytest.approx(1.1)
+
+
+def test_a_worker_killed_mid_task_is_replaced_and_the_task_run_again(pool: ScorePool, tmp_path: Path) -> None:
+    marker = tmp_path / "pid"
+    result: list[object] = []
+    scoring = threading.Thread(target=lambda: result.append(pool.score_many([("kill", Sample(str(marker))), ("format", Sample("8"))])))
+    scoring.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the check never started"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    scoring.join(timeout=120)
+    assert not scoring.is_alive()
+    killed, other = result[0]  # type: ignore[misc]
+    assert statuses(killed) == [("answer", 1.0, "ok")]  # run again on a fresh worker, not lost
+    assert statuses(other) == [("format", 1.0, "ok")]
+
+
+def test_idle_workers_killed_are_replaced(pool: ScorePool) -> None:
+    # pebble gives up on the whole pool when a worker dies while no task runs: it is replaced.
+    for pid in worker_pids(pool):
+        os.kill(pid, signal.SIGKILL)
+    assert pool.score_many([("format", Sample("8"))])[0].reward == pytest.approx(0.1)
+    assert len(worker_pids(pool)) <= 2
+
+
+def test_a_check_that_kills_its_worker_every_time_is_an_error(pool: ScorePool) -> None:
+    (s,) = pool.score_many([("die", Sample("8"))])
+    (answer, fmt) = s.components
+    assert answer.value == 0.0 and answer.status.startswith("error: ProcessExpired: the scoring worker died 2 times")
+    assert (fmt.value, fmt.status) == (1.0, "ok")
+    assert s.errors == 1 and s.timeouts == 0
+
+
+def test_non_finite_values_are_errors_and_finite_ones_pass(pool: ScorePool) -> None:
+    scores = pool.score_many([("value", Sample("", "nan")), ("value", Sample("", "inf")), ("value", Sample("", "1e300")), ("value", Sample("", "x"))])
+    assert [c.status for s in scores for c in s.components] == [
+        "error: ValueError: the check gave a non-finite value (nan)",
+        "error: ValueError: the check gave a non-finite value (inf)",
+        "ok",  # huge but finite: the stage's output check (|reward| <= 1e4) dead-letters such a group
+        "error: ValueError: could not convert string to float: 'x'",
+    ]
+    assert [s.reward for s in scores] == [0.0, 0.0, 1e300, 0.0]
+
+
+def test_a_deadline_cancels_what_is_left(pool: ScorePool, tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError):
+        pool.score_many([("kill", Sample(str(tmp_path / "pid")))], timeout_s=0.3)  # would sleep 600 s
+    # The cancelled task's worker was killed; the pool carries on.
+    assert pool.score_many([("format", Sample("8"))])[0].reward == pytest.approx(0.1)
+
+
+def test_recipes_are_rebuilt_in_the_workers_from_plain_data() -> None:
+    spec = ComponentSpec(component="exact", weight=2.0, name="answer", timeout_s=3.0, params={"case_sensitive": False})
+    source = recipe_source({"exact": [spec]}, 5.0)
+    assert source.args[0] == {"exact": [spec.model_dump()]}  # type: ignore[attr-defined]
+    assert json.loads(json.dumps(source.args[0])) == source.args[0]  # type: ignore[attr-defined]
+    p = ScorePool(source, workers=1)
+    try:
+        (s,) = p.score_many([("exact", Sample("PARIS", "paris"))])
+        assert statuses(s) == [("answer", 1.0, "ok")] and s.reward == 2.0
+        assert p.recipes.table["exact"][0].timeout_s == 3.0
+    finally:
+        p.close()
+
+
+# -- the remote scorer's pieces ----------------------------------------------------------------------
 
 
 class FakeClock:
@@ -168,5 +263,20 @@ def test_check_reply() -> None:
     ok = reward_pb2.ScoreResponse(scores=[reward_pb2.ItemScore(reward=1.0), reward_pb2.ItemScore(reward=0.0)])
     assert check_reply(ok, 2) == ""
     assert check_reply(ok, 3) == "the scorer returned 2 scores for 3 items"
-    nan = reward_pb2.ScoreResponse(scores=[reward_pb2.ItemScore(reward=float("nan"))])
-    assert "non-finite reward" in check_reply(nan, 1)
+    nan_reply = reward_pb2.ScoreResponse(scores=[reward_pb2.ItemScore(reward=float("nan"))])
+    assert "non-finite reward" in check_reply(nan_reply, 1)
+
+
+def test_retry_settings_become_the_channels_retry_policy() -> None:
+    (method,) = json.loads(service_config(3, 0.5, 10.0))["methodConfig"]
+    assert method["name"] == [{"service": "rollstream.v1.Reward", "method": "Score"}]
+    assert method["retryPolicy"] == {
+        "maxAttempts": 4,
+        "initialBackoff": "0.500000s",
+        "maxBackoff": "10.000000s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED"],
+    }
+    # No retries: no policy (gRPC wants maxAttempts >= 2). A max below the first delay is raised to it.
+    assert "retryPolicy" not in json.loads(service_config(0, 0.5, 10.0))["methodConfig"][0]
+    assert json.loads(service_config(1, 2.0, 1.0))["methodConfig"][0]["retryPolicy"]["maxBackoff"] == "2.000000s"

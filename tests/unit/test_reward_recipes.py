@@ -1,9 +1,9 @@
-"""Reward recipes: composition with weights, statuses (ok / timeout / error), config, group scoring."""
+"""Reward recipes: composition with weights, statuses (ok / error), config, group scoring.
+Time limits (status timeout) need the worker pool: tests/unit/test_reward_limits.py."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ from rollstream.core.config import ConfigError, load_settings
 from rollstream.reward import recipes
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, Sample, build_recipes, default_specs
-from rollstream.reward.service import score_group
+from rollstream.reward.scoring import score_group
 from rollstream.v1 import rollout_pb2
 
 
@@ -87,29 +87,6 @@ def test_non_numeric_reference_answer_is_a_verifier_error(builtin: Recipes) -> N
     assert answer.status.startswith("error: ValueError: reference answer 'eight' is not a number")
     assert fmt.status == "ok"
     assert s.errors == 1
-
-
-def test_slow_check_times_out_and_the_others_still_run() -> None:
-    def spin(sample: Sample) -> float:
-        while True:
-            time.sleep(0.01)
-
-    fmt = recipes.build_check(ComponentSpec(component="arithmetic_format", weight=0.1))
-    recipe = (RecipeComponent("slow", 1.0, spin, 0.2), RecipeComponent("format", 0.1, fmt, 0.2))
-    s = recipes.score_with(recipe, Sample("8", "8"))
-    assert [(c.name, c.value, c.status) for c in s.components] == [("slow", 0.0, "timeout"), ("format", 1.0, "ok")]
-    assert s.timeouts == 1 and s.errors == 0
-    assert s.reward == pytest.approx(0.1)
-
-
-def test_math_verify_on_a_tower_of_powers_times_out() -> None:
-    # math-verify would compute 9^(9^(9^9)); its `except Exception` blocks must not swallow the limit.
-    table = build_recipes({"math": [ComponentSpec(component="math", weight=1.0, timeout_s=1.0)]}, default_timeout_s=None)
-    s = table.score("math", Sample(r"\boxed{9^{9^{9^{9}}}}", "1"))
-    (component,) = s.components
-    assert component.status == "timeout" and component.value == 0.0
-    # The stage goes on: the next completion is scored normally.
-    assert table.score("math", Sample(r"\boxed{1}", "1")).reward == 1.0
 
 
 def test_metadata_problems_are_errors_with_the_reason(builtin: Recipes) -> None:
@@ -223,6 +200,20 @@ def test_settings_defaults_and_validation() -> None:
         load_settings(RewardSettings, ["--trim-every-s", "0"])
     with pytest.raises(ConfigError, match="scorer_breaker_failures"):
         load_settings(RewardSettings, ["--scorer-breaker-failures", "0"])
+    assert s.score_workers == 2 and load_settings(RewardSettings, ["--score-workers", "3"]).score_workers == 3
+    with pytest.raises(ConfigError, match="score_workers"):
+        load_settings(RewardSettings, ["--score-workers", "0"])
+    with pytest.raises(ConfigError, match="scorer_retries"):  # gRPC makes at most 5 attempts
+        load_settings(RewardSettings, ["--scorer-retries", "5"])
+
+
+def test_the_workers_recipes_are_the_services() -> None:
+    s = load_settings(RewardSettings, ["--answer-weight", "2", "--recipes", json.dumps({"yes": [{"component": "exact", "weight": 3, "timeout_s": 1}]})])
+    mine, theirs = s.build_recipes(), s.recipe_source()()
+    assert {k: [(c.name, c.weight, c.timeout_s) for c in r] for k, r in mine.table.items()} == {
+        k: [(c.name, c.weight, c.timeout_s) for c in r] for k, r in theirs.table.items()
+    }
+    assert theirs.score("yes", Sample("ok", "ok")).reward == 3.0
 
 
 def test_score_group_fills_rewards_and_marks_scored(builtin: Recipes) -> None:

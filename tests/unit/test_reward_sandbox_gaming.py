@@ -21,7 +21,7 @@ import pytest
 from rollstream.reward import sandbox
 from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes
 from rollstream.reward.sandbox import SandboxLimits, run_tests
-from rollstream.reward.service import score_items
+from rollstream.reward.scoring import score_items
 from rollstream.v1 import reward_pb2
 
 LIMITS = SandboxLimits(wall_s=20.0, test_timeout_s=5.0)

@@ -93,25 +93,3 @@ def channel(address: str, creds: ClientCredentials | None = None, server_name: s
     if creds.token:
         ch = grpc.intercept_channel(ch, TokenInterceptor(creds.token))
     return ch
-
-
-# Only tests wait for health (tests/helpers.py: wait_healthy). This copy stays until
-# tests/integration/test_reward_service.py, its last caller, imports helpers.wait_healthy: then delete it.
-def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "", creds: ClientCredentials | None = None, server_name: str = "") -> None:
-    """Block until the server at `address` reports SERVING (raise TimeoutError otherwise).
-    Deprecated: use tests/helpers.py's wait_healthy."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    with channel(address, creds, server_name) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
-            time.sleep(0.2)

@@ -531,10 +531,3 @@ def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
         floor = needed if floor is None or needed < floor else floor
     assert floor is not None
     return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
-
-
-# Only tests write single messages (tests/helpers.py: write). This copy stays until
-# tests/integration/test_reward_service.py, its last caller, imports helpers.write: then delete it.
-def write(client: redis_policy.Client, keys: RunKeys, stage: str, message: Message) -> bytes:
-    """Append one message to a stage's stream. Deprecated: use tests/helpers.py's write."""
-    return client.xadd(keys.stream(stage), codec.encode(message))

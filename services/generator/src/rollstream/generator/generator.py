@@ -22,7 +22,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, validation, weight_transfer
+from rollstream.core import codec, deltas, logs, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rollstream.core.config import CommonSettings
+from rollstream.reward.limits import RecipeSource, recipe_source
 from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes, default_specs
 
 
@@ -28,13 +29,17 @@ class RewardSettings(CommonSettings):
         description="task_kind -> [{component, weight, name, timeout_s, params}], replacing/adding to the built-in recipes (TOML table, or JSON)",
     )
     component_timeout_s: float = Field(5.0, gt=0, description="time limit of one component on one completion (per component: timeout_s)")
+    score_workers: int = Field(
+        2, ge=1, description="worker processes that run the components (a worker past a component's time limit is killed and replaced)"
+    )
     trim_every_s: float = Field(1.0, gt=0, description="trim acknowledged rollouts this often")
     # Remote scorer: when set, every group is scored by this Reward/Score server instead.
     scorer_address: str = Field("", description="host:port of a rollstream.v1.Reward server to score with (empty: built-in recipes)")
     scorer_batch_size: int = Field(64, ge=1, description="completions per Score call")
     scorer_deadline_s: float = Field(30.0, gt=0, description="deadline of one Score call")
-    scorer_retries: int = Field(3, ge=0, description="retries of a call that failed for a transient reason")
-    scorer_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles per retry")
+    # gRPC retries the call itself (the channel's retryPolicy); gRPC caps attempts at 5.
+    scorer_retries: int = Field(3, ge=0, le=4, description="retries of a call that failed for a transient reason (gRPC allows at most 4)")
+    scorer_backoff_s: float = Field(0.5, gt=0, description="first retry delay (gRPC picks each delay at random up to this); doubles per retry")
     scorer_backoff_max_s: float = Field(10.0, gt=0, description="longest retry delay")
     scorer_breaker_failures: int = Field(5, ge=1, description="consecutive failed calls that open the circuit")
     scorer_breaker_cooldown_s: float = Field(15.0, gt=0, description="how long an open circuit refuses calls before trying one")
@@ -57,6 +62,10 @@ class RewardSettings(CommonSettings):
 
     def build_recipes(self) -> Recipes:
         return build_recipes(self.recipe_specs(), self.component_timeout_s)
+
+    def recipe_source(self) -> RecipeSource:
+        """How the scoring workers build the same recipes (plain data; rollstream.reward.limits)."""
+        return recipe_source(self.recipe_specs(), self.component_timeout_s)
 
     def weights(self) -> dict[str, float]:
         """Weights of the built-in components, for the start-up log line."""

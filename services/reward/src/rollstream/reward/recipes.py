@@ -7,10 +7,11 @@ weight * value over the components.
 
 Every component result carries a status, so a 0 always says why it is a 0:
 - "ok": the check ran; its value is the verdict (a wrong answer is "ok" with value 0);
-- "timeout": it ran out of time (see rollstream.reward.limits; for the code component
+- "timeout": it ran out of time (the service runs every component in a worker process
+  that is killed when it overruns, see rollstream.reward.limits; for the code component
   also a program that ran past its per-test or whole-run limit); value 0;
 - "error: <exception>": the check itself failed (say, a reference answer that does not
-  parse); value 0. One bad task never stops the stage.
+  parse, or a value that is not a finite number); value 0. One bad task never stops the stage.
 An unknown task kind gives a single "task_kind" component with a status naming the known
 kinds (never a silent 0 that would look like a wrong answer).
 
@@ -29,6 +30,7 @@ Configuration (TOML; a kind given here replaces the built-in recipe of that kind
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,13 +39,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollstream.reward import sandbox, verifiers
-from rollstream.reward.limits import ComponentTimeout, time_limit
 
 OK = "ok"
 TIMEOUT = "timeout"
 UNKNOWN_KIND_COMPONENT = "task_kind"
 # The think/answer template of R1-style prompts: reasoning in <think>, the answer in <answer>.
 THINK_ANSWER_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+class ComponentTimeout(Exception):
+    """A component ran out of its own time: the code sandbox's per-test or wall-clock limit.
+    (The generic per-component limit is enforced from outside, by rollstream.reward.limits.)"""
 
 
 @dataclass(frozen=True)
@@ -300,9 +306,13 @@ class Score:
 
 
 def run_component(component: RecipeComponent, sample: Sample) -> ComponentResult:
+    """Run one check here, in this process, with no time limit of its own: the service runs
+    this inside a worker of rollstream.reward.limits.ScorePool, which enforces timeout_s."""
     try:
-        with time_limit(component.timeout_s):
-            value = float(component.check(sample))
+        value = float(component.check(sample))
+        if not math.isfinite(value):
+            # A NaN or infinite value would poison the reward (and the training step).
+            raise ValueError(f"the check gave a non-finite value ({value})")
         status = OK
     except ComponentTimeout:
         value, status = 0.0, TIMEOUT
@@ -317,7 +327,11 @@ def score_with(recipe: Recipe, sample: Sample) -> Score:
 
 
 class Recipes:
-    """The recipe of every task kind the service knows."""
+    """The recipe of every task kind the service knows.
+
+    `score` and `score_many` run the checks here, in this process and without time limits
+    (tests, tools); the service scores through rollstream.reward.limits.ScorePool, which has
+    the same `score_many` and runs each check in a worker process under its time limit."""
 
     def __init__(self, table: Mapping[str, Recipe]):
         self.table = dict(table)
@@ -326,13 +340,21 @@ class Recipes:
     def kinds(self) -> tuple[str, ...]:
         return tuple(sorted(self.table))
 
+    def unknown(self, task_kind: str) -> Score:
+        """The score of a completion of a task kind no recipe knows: 0, saying so."""
+        status = f"unknown task_kind {task_kind!r} (known: {', '.join(self.kinds)})"
+        component = ComponentResult(name=UNKNOWN_KIND_COMPONENT, value=0.0, weight=0.0, status=status)
+        return Score(reward=0.0, components=(component,), unknown_kind=True)
+
     def score(self, task_kind: str, sample: Sample) -> Score:
         recipe = self.table.get(task_kind)
         if recipe is None:
-            status = f"unknown task_kind {task_kind!r} (known: {', '.join(self.kinds)})"
-            component = ComponentResult(name=UNKNOWN_KIND_COMPONENT, value=0.0, weight=0.0, status=status)
-            return Score(reward=0.0, components=(component,), unknown_kind=True)
+            return self.unknown(task_kind)
         return score_with(recipe, sample)
+
+    def score_many(self, items: Sequence[tuple[str, Sample]], timeout_s: float | None = None) -> list[Score]:
+        """`score` of every (task_kind, sample), in order (`timeout_s` is ignored here)."""
+        return [self.score(kind, sample) for kind, sample in items]
 
 
 def default_specs(answer_weight: float = 1.0, format_weight: float = 0.1) -> dict[str, list[ComponentSpec]]:
@@ -352,7 +374,9 @@ def default_specs(answer_weight: float = 1.0, format_weight: float = 0.1) -> dic
 
 def code_backstop_s(spec: ComponentSpec) -> float:
     """The code component has its own wall-clock limit; the generic limit is only a backstop
-    behind it (the sandbox is killed in a `finally` either way)."""
+    behind it. The sandbox is killed in a `finally`; a worker killed by this backstop (or by
+    kill -9) runs no `finally`, and leaves the sandbox to its own rlimits (CPU seconds) in
+    its own process group: one more reason the backstop comes well after wall_s."""
     return float(CodeParams.model_validate(spec.params).wall_s) + 5.0
 
 

@@ -1,16 +1,18 @@
 """A remote scorer: the reward stage calls someone else's `rollstream.v1.Reward/Score`.
 
 `RemoteScorer.score(items)` sends the items in batches of `batch_size`, each call with a
-deadline, and retries what failed for a transient reason (UNAVAILABLE, DEADLINE_EXCEEDED,
-...) with exponential back-off. A circuit breaker stops calling a scorer that keeps failing:
+deadline. gRPC itself retries an attempt that failed with UNAVAILABLE, RESOURCE_EXHAUSTED
+or ABORTED, with exponential back-off: the channel's service config carries a retryPolicy
+built from the scorer_retries/backoff settings (`service_config`). The deadline covers the
+call with all its attempts. A circuit breaker stops calling a scorer that keeps failing:
 after `failure_threshold` consecutive failed calls it opens, refuses calls for
 `cooldown_s`, then lets one call through (half-open): success closes it, failure opens
-it again.
+it again. It and the `on_call` metric count calls (each up to 1 + retries attempts).
 
 Two outcomes besides scores, and what the stage does with them:
-- `ScorerUnavailable` (transient: retries used up, or the circuit is open): the stage
-  keeps the groups pending, holds them and tries again later. They are neither
-  acknowledged nor zero-scored: a zero reward would train the policy on a fault.
+- `ScorerUnavailable` (transient: retries used up, deadline passed, or the circuit is
+  open): the stage keeps the groups pending, holds them and tries again later. They are
+  neither acknowledged nor zero-scored: a zero reward would train the policy on a fault.
 - `ScorerRejected` (the scorer answered, but with an error that retrying will not fix, or
   with scores that cannot be used): the stage retries group by group and dead-letters the
   groups that are still rejected, with the scorer's message.
@@ -18,19 +20,24 @@ Two outcomes besides scores, and what the stage does with them:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 
 from rollstream.core import grpc_utils
-from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
-# Failures worth retrying: the scorer is down, overloaded, restarting or slow.
+if TYPE_CHECKING:
+    from rollstream.reward.config import RewardSettings
+
+# Failures that say nothing about the items: the scorer is down, overloaded, restarting or
+# slow. A call that ends with one of these (after gRPC's retries) is ScorerUnavailable.
 TRANSIENT_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -40,6 +47,44 @@ TRANSIENT_CODES = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+# What gRPC retries within a call. Not DEADLINE_EXCEEDED (the deadline is the whole call's:
+# no time is left to retry in) nor CANCELLED (we cancelled it: the channel is closing).
+RETRYABLE_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED")
+MAX_ATTEMPTS = 5  # gRPC treats a larger maxAttempts as 5
+SCORE_METHOD = {"service": "rollstream.v1.Reward", "method": "Score"}
+
+
+def service_config(retries: int, backoff_s: float, backoff_max_s: float) -> str:
+    """The channel's service config (JSON): gRPC retries Score `retries` times, the n-th
+    after a random delay of up to min(backoff_s * 2**(n-1), backoff_max_s) (gRFC A6)."""
+    method: dict[str, object] = {"name": [SCORE_METHOD]}
+    if retries > 0:  # maxAttempts must be at least 2: no policy at all means no retries
+        method["retryPolicy"] = {
+            "maxAttempts": min(retries + 1, MAX_ATTEMPTS),
+            "initialBackoff": f"{backoff_s:.6f}s",
+            "maxBackoff": f"{max(backoff_s, backoff_max_s):.6f}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": list(RETRYABLE_CODES),
+        }
+    return json.dumps({"methodConfig": [method]})
+
+
+def scorer_channel(address: str, creds: ClientCredentials | None, config: str) -> grpc.Channel:
+    """grpc_utils.channel with the retry service config among the options. (channel() takes
+    no extra options; an `options` argument there would make this a one-line call.)"""
+    options = grpc_utils.CHANNEL_OPTIONS + [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", config),
+        # Ours, not one a DNS TXT record could substitute.
+        ("grpc.service_config_disable_resolution", 1),
+    ]
+    if creds is not None and creds.tls:
+        ch = grpc.secure_channel(address, creds.channel_credentials(), options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
+    if creds is not None and creds.token:
+        ch = grpc.intercept_channel(ch, TokenInterceptor(creds.token))
+    return ch
 
 
 class ScorerUnavailable(Exception):
@@ -98,25 +143,37 @@ class RemoteScorer:
         backoff_s: float,
         backoff_max_s: float,
         breaker: CircuitBreaker,
-        wait: Callable[[float], bool],
         on_call: Callable[[str], None] = lambda outcome: None,
         creds: ClientCredentials | None = None,
     ):
-        """`wait(seconds)` sleeps and returns True if the service is stopping meanwhile
-        (threading.Event.wait), so a back-off never delays a shutdown. `on_call(outcome)`
-        is told of every call: "ok", "failed" (transient) or "rejected". `creds`: the reward
-        stage's token and TLS material (a scorer with a role table wants them)."""
+        """`retries`, `backoff_s`, `backoff_max_s`: gRPC's retry policy (service_config).
+        `on_call(outcome)` is told of every call: "ok", "failed" (transient) or "rejected".
+        `creds`: the reward stage's token and TLS material (a scorer with a role table
+        wants them). A stop waits for a call in flight, at most `deadline_s` (its retries
+        and their back-off included)."""
         self.address = address
         self.batch_size = batch_size
         self.deadline_s = deadline_s
         self.retries = retries
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
         self.breaker = breaker
-        self.wait = wait
-        self.channel = grpc_utils.channel(address, creds)
+        self.channel = scorer_channel(address, creds, service_config(retries, backoff_s, backoff_max_s))
         self.stub = reward_pb2_grpc.RewardStub(self.channel)
         self.on_call = on_call
+
+    @classmethod
+    def from_settings(cls, settings: RewardSettings, on_call: Callable[[str], None]) -> "RemoteScorer":
+        """The scorer at settings.scorer_address, with the settings' batching, retries and breaker."""
+        return cls(
+            settings.scorer_address,
+            batch_size=settings.scorer_batch_size,
+            deadline_s=settings.scorer_deadline_s,
+            retries=settings.scorer_retries,
+            backoff_s=settings.scorer_backoff_s,
+            backoff_max_s=settings.scorer_backoff_max_s,
+            breaker=CircuitBreaker(settings.scorer_breaker_failures, settings.scorer_breaker_cooldown_s),
+            on_call=on_call,
+            creds=ClientCredentials.from_settings(settings),
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -129,34 +186,29 @@ class RemoteScorer:
         return out
 
     def _score_batch(self, batch: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ItemScore]:
-        last_error = ""
-        for attempt in range(self.retries + 1):
-            if not self.breaker.allow():
-                raise ScorerUnavailable(f"circuit open after {self.breaker.failures} failed calls ({last_error or 'earlier failures'}); next try in {self.breaker.retry_in_s():.1f}s")
-            try:
-                reply = self.stub.Score(reward_pb2.ScoreRequest(items=batch), timeout=self.deadline_s)
-            except grpc.RpcError as e:
-                code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
-                details = e.details() if isinstance(e, grpc.Call) else str(e)
-                if code not in TRANSIENT_CODES:
-                    # The scorer is up and said no: not its availability, so the breaker
-                    # does not count it.
-                    self.on_call("rejected")
-                    raise ScorerRejected(f"{code.name}: {details}") from None
-                self.on_call("failed")
-                self.breaker.record_failure()
-                last_error = f"{code.name}: {details}"
-                if attempt < self.retries and self.wait(min(self.backoff_s * 2**attempt, self.backoff_max_s)):
-                    raise ScorerUnavailable("stopping") from None
-                continue
-            self.breaker.record_success()
-            self.on_call("ok")
-            problem = check_reply(reply, len(batch))
-            if problem:
+        if not self.breaker.allow():
+            raise ScorerUnavailable(f"circuit open after {self.breaker.failures} failed calls; next try in {self.breaker.retry_in_s():.1f}s")
+        try:
+            # gRPC retries transient failures within this call (the channel's retryPolicy).
+            reply = self.stub.Score(reward_pb2.ScoreRequest(items=batch), timeout=self.deadline_s)
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+            details = e.details() if isinstance(e, grpc.Call) else str(e)
+            if code not in TRANSIENT_CODES:
+                # The scorer is up and said no: not its availability, so the breaker
+                # does not count it.
                 self.on_call("rejected")
-                raise ScorerRejected(problem)
-            return list(reply.scores)
-        raise ScorerUnavailable(f"{self.retries + 1} attempts failed, last: {last_error}")
+                raise ScorerRejected(f"{code.name}: {details}") from None
+            self.on_call("failed")
+            self.breaker.record_failure()
+            raise ScorerUnavailable(f"call failed after up to {min(self.retries + 1, MAX_ATTEMPTS)} attempts, last: {code.name}: {details}") from None
+        self.breaker.record_success()
+        self.on_call("ok")
+        problem = check_reply(reply, len(batch))
+        if problem:
+            self.on_call("rejected")
+            raise ScorerRejected(problem)
+        return list(reply.scores)
 
 
 def check_reply(reply: reward_pb2.ScoreResponse, n_items: int) -> str:

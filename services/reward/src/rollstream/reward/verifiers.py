@@ -93,9 +93,10 @@ def _math_verify() -> Any:
     """math_verify, imported on first use: it pulls in sympy and antlr (a second to import),
     which the other task kinds do not need.
 
-    Its own time limits are SIGALRM-based and would replace the recipe's (a process has one
-    ITIMER_REAL), so every call below switches them off and the recipe's time limit covers
-    the whole check; its warning that the limits are off is expected, hence silenced.
+    Its own time limits are SIGALRM-based: they cannot stop a long C call, and cover parts
+    of the check only. So every call below switches them off and the recipe's time limit
+    (rollstream.reward.limits: the worker process is killed) covers the whole check; its
+    warning that the limits are off is expected, hence silenced.
     """
     import math_verify
 
