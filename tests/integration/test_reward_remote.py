@@ -19,9 +19,9 @@ import redis
 from rollstream.core.streams import RunKeys
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from tests.helpers import REWARD_GROUP, groups_in, wait_for, write_many
-from tests.procs import free_port, start_reward
-from tests.synthetic import rollout_group
+from helpers import REWARD_GROUP, groups_in, wait_for, write_many
+from procs import free_port, start_reward
+from synthetic import rollout_group
 
 FAST_RETRIES = (
     "--scorer-retries", "1", "--scorer-backoff-s", "0.05", "--scorer-backoff-max-s", "0.1",

@@ -10,9 +10,9 @@ import pytest
 import redis
 
 from rollstream.core.streams import RunKeys
-from tests.helpers import assert_scored_exactly_once, groups_in, wait_for, write_many
-from tests.procs import start_reward
-from tests.synthetic import rollout_group
+from helpers import assert_scored_exactly_once, groups_in, wait_for, write_many
+from procs import start_reward
+from synthetic import rollout_group
 
 N_GROUPS = 1200
 

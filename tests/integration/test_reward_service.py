@@ -18,9 +18,9 @@ from rollstream.core import codec, grpc_utils, streams
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from tests.helpers import REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
-from tests.procs import start_reward
-from tests.synthetic import rollout_group
+from helpers import REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
+from procs import start_reward
+from synthetic import rollout_group
 
 def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
     svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2")

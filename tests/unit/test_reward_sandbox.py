@@ -10,15 +10,14 @@ import os
 import stat
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import wait_for
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, SandboxUnavailable, run_tests
@@ -35,15 +34,6 @@ REFUSAL = (
     "    except OSError as e:\n"
     "        return errno.errorcode.get(e.errno, str(e.errno))\n"
 )
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -114,10 +104,10 @@ def test_the_whole_run_is_killed_at_the_wall_limit_with_everything_it_started() 
     )
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_tests, code, ["assert True"], SandboxLimits(wall_s=1.0, test_timeout_s=10.0))
-        assert _wait_for(lambda: bool(_processes_with(marker)), 5.0), "the grandchild never started: the test proves nothing"
+        wait_for(lambda: _processes_with(marker), 5.0, "the grandchild to start (else the test proves nothing)")
         result = running.result()
     assert result.timed_out and result.passed == (False,)
-    assert _wait_for(lambda: not _processes_with(marker), 2.0), "a process the program started outlived the sandbox"
+    wait_for(lambda: not _processes_with(marker), 2.0, "every process the program started to end with the sandbox")
 
 
 def test_no_network(redis_server: EmbeddedRedis) -> None:
