@@ -71,7 +71,8 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams
         procs.append(gen_b)
         wait_for(lambda: generator_state(gen_b.grpc_address).policy_version >= 4, 120, "late generator to catch up", procs)
 
-        wait_for(lambda: trainer_state(trainer.grpc_address).step >= STEPS, 600, f"{STEPS} steps", procs)
+        # Committed steps (the trainer's own counter moves before its push and commit).
+        wait_for(lambda: int(rclient.hget(keys.stats, "step") or 0) >= STEPS, 600, f"{STEPS} steps committed", procs)
 
         # Exactness: every generator's engine weights equal the trainer's published bf16 weights.
         final = trainer_state(trainer.grpc_address, sha=True)
