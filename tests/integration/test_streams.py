@@ -169,6 +169,11 @@ def test_stale_entry_is_taken_over_by_another_consumer(rclient: redis.Redis, key
     # writes nothing (no duplicate downstream) and says so.
     assert a.commit(got, outputs=[(DST, _group(0))]) is False
     assert rclient.xlen(keys.stream(DST)) == 1
+    # Nor can it dead-letter what is no longer its own, and it is not told it did.
+    told: list[bytes] = []
+    a.on_dead_letter = lambda e, r: told.append(e.id)
+    a.dead_letter(got[0], "too late")
+    assert told == [] and rclient.xlen(keys.dead) == 0
 
 
 def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Redis, keys: RunKeys) -> None:
@@ -180,8 +185,11 @@ def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Re
     second = b.read(10, 10)
     assert _ids(second) == [eid] and second[0].deliveries == 2  # == max: still delivered
     _sleep_past_idle()
-    c = _stage(rclient, keys, "C", claim_idle_ms=IDLE, max_deliveries=max_deliveries)
+    told: list[tuple[bytes, str]] = []
+    c = _stage(rclient, keys, "C", claim_idle_ms=IDLE, max_deliveries=max_deliveries, on_dead_letter=lambda e, r: told.append((e.id, r)))
     assert c.read(10, 10) == []  # third delivery > max: dead-lettered instead
+    # ...and reported like every other dead letter (the service's counter and log line).
+    assert [(i, "delivered 3 times" in r) for i, r in told] == [(eid, True)]
 
     dead = rclient.xrange(keys.dead)
     assert len(dead) == 1
@@ -425,9 +433,9 @@ def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys
     good = _feed(rclient, keys, 1)
     rclient.xadd(keys.stream(SRC), {"type": "junk"})
     good += _feed(rclient, keys, 1, start=1)
-    stage = _stage(rclient, keys, "A")
     seen: list[str] = []
-    parsed = stage.read_valid(10, 10, lambda e: codec.decode(e.fields, rollout_pb2.RolloutGroup), on_dead=lambda e, r: seen.append(r))
+    stage = _stage(rclient, keys, "A", on_dead_letter=lambda e, r: seen.append(r))
+    parsed = stage.read_valid(10, 10, lambda e: codec.decode(e.fields, rollout_pb2.RolloutGroup))
     assert [e.id for e, _ in parsed] == good
     assert [g.group_id for _, g in parsed] == ["g0", "g1"]
     assert len(seen) == 1 and "missing field(s) schema, data" in seen[0]

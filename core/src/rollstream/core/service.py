@@ -183,9 +183,12 @@ class ServiceHost:
 
     def open_stage(self, client: redis_policy.Client, source: str, group: str) -> streams.StreamStage:
         """Join `group` on the run's `source` stream (waiting for Redis); commits retry through
-        this host's Redis policy."""
+        this host's Redis policy, and every entry the stage dead-letters is counted and logged
+        here (`stage.dead_letter`, for one that parsed but cannot be used: a scorer's NaN, a
+        failed sample, a refused step)."""
         return self.redis.call(
-            lambda: streams.StreamStage.for_service(client, self.settings, source, group, health=self.redis), f"joining {group} on {source}"
+            lambda: streams.StreamStage.for_service(client, self.settings, source, group, health=self.redis, on_dead_letter=self._count_dead_letter),
+            f"joining {group} on {source}",
         )
 
     # -- the stream stage: read, dead-letter, loop --------------------------------------
@@ -196,18 +199,12 @@ class ServiceHost:
         alone, counted and logged; entries read again (a dead consumer's, or ours before a
         restart) are counted and logged too."""
         s = self.settings
-        batch = stage.read_valid(count or s.read_count, s.block_ms, parse, on_dead=self._count_dead_letter)
+        batch = stage.read_valid(count or s.read_count, s.block_ms, parse)
         redelivered = [e.deliveries for e, _ in batch if e.deliveries > 1]
         if redelivered:
             self.metrics.redelivered.inc(len(redelivered))
             logs.event(self.log, "redelivered", entries=len(redelivered), max_deliveries_seen=max(redelivered))
         return batch
-
-    def dead_letter(self, stage: StreamStage, entry: Entry, reason: str) -> None:
-        """Move one entry that parsed but cannot be used (a scorer's NaN, a failed sample,
-        a refused step) to the dead letters with its reason; counted and logged."""
-        stage.dead_letter(entry, reason)
-        self._count_dead_letter(entry, reason)
 
     def _count_dead_letter(self, entry: Entry, reason: str) -> None:
         self.metrics.dead_lettered.inc()

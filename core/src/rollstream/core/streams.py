@@ -263,6 +263,7 @@ class StreamStage:
         claim_idle_ms: int = 30_000,
         max_deliveries: int = 5,
         health: redis_policy.RedisHealth | None = None,
+        on_dead_letter: Callable[[Entry, str], None] | None = None,
     ):
         self.client = client
         self.keys = keys
@@ -273,6 +274,9 @@ class StreamStage:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.health = health
+        # Told of every entry this stage moves to the dead letters, whichever path moved it
+        # (unparseable, over-delivered, unusable after the work): the service's counter and log.
+        self.on_dead_letter = on_dead_letter
         self._own_cursor: bytes | str = "0"
         self._own_pending_done = False
         # After a failed call in this process, our own pending entries are re-read without
@@ -292,12 +296,13 @@ class StreamStage:
 
     @classmethod
     def for_service(
-        cls, client: redis_policy.Client, settings: CommonSettings, source: str, group: str, health: redis_policy.RedisHealth | None = None
+        cls, client: redis_policy.Client, settings: CommonSettings, source: str, group: str, health: redis_policy.RedisHealth | None = None,
+        on_dead_letter: Callable[[Entry, str], None] | None = None,
     ) -> "StreamStage":
         """The stage a service reads: its run, consumer name and delivery settings."""
         return cls(
             client, RunKeys(settings.run), source, group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries, health=health,
+            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries, health=health, on_dead_letter=on_dead_letter,
         )
 
     # -- reading ---------------------------------------------------------------------
@@ -319,20 +324,16 @@ class StreamStage:
                 self.ensure_group(self.client, self.stream, self.group)
             raise
 
-    def read_valid(
-        self, count: int, block_ms: int, parse: Callable[[Entry], M], on_dead: Callable[[Entry, str], None] | None = None
-    ) -> list[tuple[Entry, M]]:
+    def read_valid(self, count: int, block_ms: int, parse: Callable[[Entry], M]) -> list[tuple[Entry, M]]:
         """`read`, then `parse` each entry (decode + validate, raising codec.EntryError with
         the reason); an entry that fails goes to the dead-letter stream alone, with its
-        reason (then `on_dead(entry, reason)`), and the others are returned."""
+        reason, and the others are returned."""
         good: list[tuple[Entry, M]] = []
         for entry in self.read(count, block_ms):
             try:
                 good.append((entry, parse(entry)))
             except codec.EntryError as e:
                 self.dead_letter(entry, str(e))
-                if on_dead is not None:
-                    on_dead(entry, str(e))
         return good
 
     def reread_own_pending(self) -> None:
@@ -484,7 +485,9 @@ class StreamStage:
         ops.xadd(self.keys.dead, fields, maxlen=100_000)
         ops.hincrby(self.keys.stats, f"dead_{self.source}", 1)
         ops.xack(self.stream, self.group, entry.id)
-        self._execute(ops, [entry.id])
+        # Not moved (False) when the entry was taken over meanwhile: its new owner decides.
+        if self._execute(ops, [entry.id]) and self.on_dead_letter is not None:
+            self.on_dead_letter(entry, reason)
 
     # -- housekeeping ----------------------------------------------------------------
 

@@ -119,7 +119,7 @@ def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken:
         return [(entry, group) for (entry, _), group in zip(taken, gen.generate([t for _, t in taken]))]
     except Exception as e:  # noqa: BLE001
         if len(taken) == 1:
-            host.dead_letter(stage, taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
+            stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
             return []
         logs.event(host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
     done = []
@@ -127,5 +127,5 @@ def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken:
         try:
             done.append((entry, gen.generate([task])[0]))
         except Exception as e:  # noqa: BLE001
-            host.dead_letter(stage, entry, f"sampling failed: {type(e).__name__}: {e}")
+            stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
     return done

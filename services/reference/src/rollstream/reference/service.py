@@ -150,7 +150,7 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
         try:
             validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
         except codec.EntryError as e:
-            host.dead_letter(stage, entry, f"reference log-probs unusable: {e}")
+            stage.dead_letter(entry, f"reference log-probs unusable: {e}")
             continue
         ok.append((entry, g))
     computed = {id(g) for g in todo}

@@ -175,13 +175,13 @@ class RewardLoop:
         outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
         for i, (entry, group) in enumerate(batch):
             if i in scored.rejected:
-                host.dead_letter(stage, entry, scored.rejected[i])
+                stage.dead_letter(entry, scored.rejected[i])
                 continue
             try:
                 # A scorer (a remote one above all) may answer NaN or 1e30: refused here, alone.
                 validation.check_group(group, OUTPUT_LIMITS, stage="scored")
             except codec.EntryError as e:
-                host.dead_letter(stage, entry, f"scoring gave an unusable group: {e}")
+                stage.dead_letter(entry, f"scoring gave an unusable group: {e}")
                 continue
             done.append(entry)
             outputs.append((self.settings.output_stage, group))

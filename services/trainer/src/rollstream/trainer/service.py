@@ -177,7 +177,7 @@ class TrainerLoop:
             # dead letters with the reason (validation let them in: their values were finite).
             reason = f"step {trainer.step + 1} refused: {e}; nothing applied or published"
             for entry, _ in taken:
-                host.dead_letter(self.stage, entry, reason)
+                self.stage.dead_letter(entry, reason)
             host.redis.call(lambda: self.client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
             logs.event(host.log, "step_refused", logging.ERROR, reason=str(e), groups=len(groups))
             return
