@@ -119,7 +119,8 @@ class RewardLoop:
     scorer_ok: bool = True
     trim: Every = field(init=False)
     progress: Every = field(default_factory=lambda: Every(PROGRESS_EVERY_S))
-    last_logged: dict[str, int] = field(default_factory=dict)
+    # What the last progress line said; it starts at the zero totals so an idle stage stays quiet.
+    last_logged: dict[str, int] = field(default_factory=lambda: asdict(Totals()))
 
     def __post_init__(self) -> None:
         self.trim = Every(self.settings.trim_every_s)
