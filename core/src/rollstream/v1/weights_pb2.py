@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollstream/v1/weights.proto\x12\rrollstream.v1\"\x83\x01\n\x0cWeightHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"H\n\x0bWeightChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rollstream.v1.WeightHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"T\n\nPushResult\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollstream/v1/weights.proto\x12\rrollstream.v1\"\x83\x01\n\x0cWeightHeader\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"H\n\x0bWeightChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rollstream.v1.WeightHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xb6\x01\n\nPushResult\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\x17\n\x0freceive_seconds\x18\x05 \x01(\x01\x12\x19\n\x11lock_wait_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x07 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x08 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTHEADER']._serialized_end=178
   _globals['_WEIGHTCHUNK']._serialized_start=180
   _globals['_WEIGHTCHUNK']._serialized_end=252
-  _globals['_PUSHRESULT']._serialized_start=254
-  _globals['_PUSHRESULT']._serialized_end=338
+  _globals['_PUSHRESULT']._serialized_start=255
+  _globals['_PUSHRESULT']._serialized_end=437
 # @@protoc_insertion_point(module_scope)

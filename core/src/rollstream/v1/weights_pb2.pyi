@@ -30,13 +30,21 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("applied", "version", "error", "apply_seconds")
+    __slots__ = ("applied", "version", "error", "apply_seconds", "receive_seconds", "lock_wait_seconds", "decode_seconds", "load_seconds")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCK_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     version: int
     error: str
     apply_seconds: float
-    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    receive_seconds: float
+    lock_wait_seconds: float
+    decode_seconds: float
+    load_seconds: float
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., apply_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., lock_wait_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...

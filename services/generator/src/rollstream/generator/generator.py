@@ -34,12 +34,24 @@ from rollstream.generator.host_weights import HostWeights
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 
+@dataclass
+class ApplyTimings:
+    """Where a weight stream's time went on this generator, seconds, summed over its payloads.
+    PushResult carries them back, so a pusher can split its round trip into transfer and apply."""
+
+    receive: float = 0.0  # reassembly + sha256 check (on a push: from the call's start)
+    lock_wait: float = 0.0  # waiting for the weights lock (a batch being sampled)
+    decode: float = 0.0  # checking + decoding against the host copy
+    load: float = 0.0  # the backend's engine load + commit of the host copy
+
+
 @dataclass(frozen=True)
 class Metrics:
     groups: Counter
     tokens: Counter
     policy_version: Gauge
     apply_seconds: Histogram
+    stage_seconds: Histogram
     payloads_refused: Counter
 
     @classmethod
@@ -50,6 +62,10 @@ class Metrics:
             tokens=Counter(p + "tokens", "completion tokens generated", registry=registry),
             policy_version=Gauge(p + "policy_version", "policy version served", registry=registry),
             apply_seconds=Histogram(p + "apply_seconds", "time to apply a weight payload", registry=registry),
+            stage_seconds=Histogram(
+                p + "weight_stage_seconds", "time per stage of receiving and applying a weight payload (receive, lock_wait, decode, load)",
+                ["stage"], registry=registry,
+            ),
             payloads_refused=Counter(p + "payloads_refused", "weight payloads refused", registry=registry),
         )
 
@@ -87,32 +103,52 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------
 
-    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False) -> float:
+    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False, timings: ApplyTimings | None = None) -> float:
         """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
         With `skip_held` a delta to a version already held is skipped, decided under the
         same lock as the apply: a push landing between a check and the apply would
-        otherwise make the catch-up's next delta look like a broken chain."""
+        otherwise make the catch-up's next delta look like a broken chain. `timings`, when
+        given, gets this payload's lock wait, decode and load added to it."""
+        timings = timings if timings is not None else ApplyTimings()
         start = time.perf_counter()
         with self.weights.lock:
+            locked = time.perf_counter()
             held = self.weights.version
             if skip_held and header.kind == "delta" and held is not None and header.version <= held:
                 return 0.0
             info, touched = self.weights.decode(payload)
+            decoded = time.perf_counter()
             self.backend.load_weights(touched, version=info.version)
             self.weights.commit(info, touched)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
+        timings.lock_wait += locked - start
+        timings.decode += decoded - locked
+        timings.load += end - decoded
         self.metrics.apply_seconds.observe(seconds)
+        for stage, value in (("lock_wait", locked - start), ("decode", decoded - locked), ("load", end - decoded)):
+            self.metrics.stage_seconds.labels(stage).observe(value)
         self.metrics.policy_version.set(info.version)
-        logs.event(self.log, "weights_applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3))
+        logs.event(
+            self.log, "weights_applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3),
+            lock_wait_s=round(locked - start, 3), decode_s=round(decoded - locked, 3), load_s=round(end - decoded, 3),
+        )
         return seconds
 
-    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False) -> generator_pb2.GeneratorState:
+    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False, timings: ApplyTimings | None = None) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
         the version already held are skipped: a push may have delivered them meanwhile.
         Raises weight_transfer.TransferRefused, having read no further, for a stream above
-        max_weight_bytes or longer than its header says."""
+        max_weight_bytes or longer than its header says. `timings`, when given, gets each
+        payload's stages added, receive counted from this call's start or the previous apply."""
+        timings = timings if timings is not None else ApplyTimings()
+        mark = time.perf_counter()
         for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
-            self.apply_payload(header, payload, skip_held=skip_held)
+            received = time.perf_counter() - mark
+            timings.receive += received
+            self.metrics.stage_seconds.labels("receive").observe(received)
+            self.apply_payload(header, payload, skip_held=skip_held, timings=timings)
+            mark = time.perf_counter()
         return self.state()
 
     def catch_up(self) -> bool:
@@ -262,8 +298,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         start = time.perf_counter()
+        timings = ApplyTimings()
         try:
-            state = self.gen.apply_stream(request_iterator)
+            state = self.gen.apply_stream(request_iterator, timings=timings)
         except weight_transfer.TransferRefused as e:
             # Not a sync outcome but a broken or hostile stream: an error status, at once
             # (the rest of the stream is not read), and no catch-up woken for it.
@@ -276,7 +313,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             logs.event(self.gen.log, "weights_refused", logging.WARNING, error=str(e), holding=self.gen.weights.version)
             self.gen.sync_wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
             return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
-        return weights_pb2.PushResult(applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start)
+        return weights_pb2.PushResult(
+            applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start,
+            receive_seconds=timings.receive, lock_wait_seconds=timings.lock_wait, decode_seconds=timings.decode, load_seconds=timings.load,
+        )
 
     def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
         return self.gen.state(with_sha=request.with_weights_sha256)

@@ -28,7 +28,13 @@ class PushOutcome:
     applied: bool
     version: int
     error: str
-    seconds: float
+    seconds: float  # the whole push, as this side saw it
+    # The generator's own account (PushResult), zero when it did not answer one: the stream
+    # reassembled and checked, waiting for its weights lock, decoding, the engine's load.
+    receive_s: float = 0.0
+    lock_wait_s: float = 0.0
+    decode_s: float = 0.0
+    load_s: float = 0.0
 
 
 @dataclass
@@ -103,6 +109,9 @@ def _push_one(address: str, published: Published, timeout_s: float, creds: Clien
         with channel(address, creds, server_name="generator") as ch:
             stub = generator_pb2_grpc.GeneratorStub(ch)
             result = stub.PushWeights(weight_transfer.to_chunks(published.payload, published.info), timeout=timeout_s)
-        return PushOutcome(address, result.applied, result.version, result.error, time.perf_counter() - start)
+        return PushOutcome(
+            address, result.applied, result.version, result.error, time.perf_counter() - start,
+            receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
+        )
     except grpc.RpcError as e:
         return PushOutcome(address, False, -1, f"{e.code().name}: {e.details()}", time.perf_counter() - start)  # type: ignore[attr-defined]
