@@ -19,8 +19,10 @@ CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_BYTES = 32 * 1024**3
 
 
-def to_chunks(payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES) -> Iterator[weights_pb2.WeightChunk]:
-    header = weights_pb2.WeightHeader(
+def make_header(payload: bytes, info: PayloadInfo) -> weights_pb2.WeightHeader:
+    """A payload's header: its kind, versions, size, fingerprint and sha256. A sender pushing
+    one payload to many receivers makes it once (the hash is the costly part: ~2 s per GB)."""
+    return weights_pb2.WeightHeader(
         kind=info.kind,
         base_version=info.base_version,
         version=info.version,
@@ -28,6 +30,14 @@ def to_chunks(payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES)
         sha256=hashlib.sha256(payload).hexdigest(),
         model_fingerprint=info.fingerprint,
     )
+
+
+def to_chunks(
+    payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
+) -> Iterator[weights_pb2.WeightChunk]:
+    """The payload as a stream of chunks, its header on the first; `header`: one made
+    earlier by make_header for this payload (else it is made here)."""
+    header = header if header is not None else make_header(payload, info)
     view = memoryview(payload)
     yield weights_pb2.WeightChunk(header=header, data=bytes(view[:chunk_bytes]))
     for start in range(chunk_bytes, len(payload), chunk_bytes):

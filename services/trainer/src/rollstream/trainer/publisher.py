@@ -3,13 +3,19 @@
 The publisher keeps the bits it last published (the base of the next delta), the latest
 anchor and every delta since it, so a generator holding any version from that anchor on
 (or nothing at all) can be brought to the current version by FetchWeights.
+
+Fan-out: nothing is done once per generator that can be done once per payload. A payload
+is encoded once and its header (with the sha256 of the whole payload) made once; every
+generator gets its own concurrent stream over a channel kept from one push to the next
+(no connection, HTTP/2 or TLS handshake per step); the pool has a thread per generator up
+to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,7 +25,7 @@ import numpy as np
 from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.v1 import generator_pb2_grpc
+from rollstream.v1 import generator_pb2_grpc, weights_pb2
 
 
 @dataclass
@@ -37,10 +43,27 @@ class PushOutcome:
     load_s: float = 0.0
 
 
-@dataclass
+MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
+
+
 class Published:
-    info: deltas.PayloadInfo
-    payload: bytes
+    """One encoded payload, as pushed and fetched. Its header (sha256 of the payload) is made
+    on first use, once, whatever the number of generators it goes to."""
+
+    def __init__(self, info: deltas.PayloadInfo, payload: bytes):
+        self.info = info
+        self.payload = payload
+        self._header: weights_pb2.WeightHeader | None = None
+        self._header_lock = threading.Lock()
+
+    def header(self) -> weights_pb2.WeightHeader:
+        with self._header_lock:  # concurrent pushes wait for one hash instead of each hashing
+            if self._header is None:
+                self._header = weight_transfer.make_header(self.payload, self.info)
+            return self._header
+
+    def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
+        return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
 
 
 class WeightPublisher:
@@ -51,7 +74,9 @@ class WeightPublisher:
         self.anchor_interval = anchor_interval
         self.creds = creds
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="push")
+        self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
+        self._channels: dict[str, grpc.Channel] = {}  # by address, kept between pushes
+        self._channels_lock = threading.Lock()
         self._set_anchor(dict(bits), version)
 
     @property
@@ -99,16 +124,35 @@ class WeightPublisher:
 
     def push(self, addresses: Sequence[str], published: Published, timeout_s: float) -> list[PushOutcome]:
         """Push one payload to every generator concurrently (each as a stream of chunks)."""
-        futures = [self._pool.submit(_push_one, a, published, timeout_s, self.creds) for a in addresses]
+        published.header()  # hashed here, once, not by the first of N threads while the others wait
+        stubs = self._stubs(addresses)
+        futures = [self._pool.submit(_push_one, stubs[a], a, published, timeout_s) for a in addresses]
         return [f.result() for f in futures]
 
+    def _stubs(self, addresses: Sequence[str]) -> dict[str, generator_pb2_grpc.GeneratorStub]:
+        """Stubs over the kept channels; channels to addresses no longer pushed to are closed
+        (generators come and go with discovery). A kept channel reconnects by itself when its
+        generator restarts at the same address."""
+        with self._channels_lock:
+            for gone in set(self._channels) - set(addresses):
+                self._channels.pop(gone).close()
+            for a in addresses:
+                if a not in self._channels:
+                    self._channels[a] = channel(a, self.creds, server_name="generator")
+            return {a: generator_pb2_grpc.GeneratorStub(self._channels[a]) for a in addresses}
 
-def _push_one(address: str, published: Published, timeout_s: float, creds: ClientCredentials | None) -> PushOutcome:
+    def close(self) -> None:
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+        self._pool.shutdown(wait=False)
+
+
+def _push_one(stub: generator_pb2_grpc.GeneratorStub, address: str, published: Published, timeout_s: float) -> PushOutcome:
     start = time.perf_counter()
     try:
-        with channel(address, creds, server_name="generator") as ch:
-            stub = generator_pb2_grpc.GeneratorStub(ch)
-            result = stub.PushWeights(weight_transfer.to_chunks(published.payload, published.info), timeout=timeout_s)
+        result = stub.PushWeights(published.chunks(), timeout=timeout_s)
         return PushOutcome(
             address, result.applied, result.version, result.error, time.perf_counter() - start,
             receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,

@@ -80,6 +80,7 @@ def run(settings: TrainerSettings) -> None:
             loop.run()
         finally:
             checkpoints.close()
+            trainer.publisher.close()
             client.close()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, deltas, logs, modeling, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, logs, modeling, streams, validation
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -217,7 +217,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except deltas.DeltaError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         for p in payloads:
-            yield from weight_transfer.to_chunks(p.payload, p.info)
+            yield from p.chunks()
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
         """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;

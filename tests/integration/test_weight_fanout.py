@@ -1,0 +1,79 @@
+"""The trainer's WeightPublisher pushing to several real generator processes: every one
+applies each version exactly, reports where its time went (PushResult's stages), and the
+publisher keeps one channel per generator it still pushes to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollstream.core import deltas, modeling
+from rollstream.core.grpc_utils import channel
+from rollstream.trainer.publisher import WeightPublisher
+from rollstream.v1 import generator_pb2, generator_pb2_grpc
+
+from procs import ServiceProc, start_service
+
+
+@pytest.fixture
+def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
+    procs = [
+        start_service(
+            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
+            "--threads", "1", "--generator-id", f"g{i}",
+        )
+        for i in range(3)
+    ]
+    try:
+        yield [p.wait_ready() for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def perturbed(bits: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: b + (rng.random(b.shape) < 0.05).astype(np.uint16) for name, b in bits.items()}
+
+
+def served_sha(gen: ServiceProc) -> tuple[int, str]:
+    with channel(gen.grpc_address) as ch:
+        s = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+    return s.policy_version, s.weights_sha256
+
+
+def test_one_encode_pushed_to_every_generator(generators: list[ServiceProc], tiny_model_dir: Path) -> None:
+    model, _ = modeling.load_model(tiny_model_dir)
+    bits = modeling.model_bits(model)
+    publisher = WeightPublisher(bits, anchor_interval=100)
+    addresses = [g.grpc_address for g in generators]
+    try:
+        for version in (1, 2):
+            bits = perturbed(bits, seed=version)
+            published, _ = publisher.publish(bits)
+            outcomes = publisher.push(addresses, published, timeout_s=120)
+            assert [o.address for o in outcomes] == addresses
+            for o in outcomes:
+                assert o.applied and o.version == version, o.error
+                # The generator's own account of the push: every stage ran, inside the round trip.
+                assert o.receive_s > 0 and o.decode_s > 0 and o.load_s > 0 and o.lock_wait_s >= 0
+                assert o.receive_s + o.lock_wait_s + o.decode_s + o.load_s <= o.seconds
+            for g in generators:
+                assert served_sha(g) == (version, deltas.weights_sha256(bits))
+        # One channel per generator, kept between pushes; a generator no longer pushed to
+        # loses its channel.
+        assert sorted(publisher._channels) == sorted(addresses)
+        bits = perturbed(bits, seed=3)
+        published, _ = publisher.publish(bits)
+        outcomes = publisher.push(addresses[:2], published, timeout_s=120)
+        assert all(o.applied for o in outcomes)
+        assert sorted(publisher._channels) == sorted(addresses[:2])
+        # The third generator missed version 3: it refuses version 4's delta (and would catch up).
+        bits = perturbed(bits, seed=4)
+        published, _ = publisher.publish(bits)
+        late = publisher.push(addresses[2:], published, timeout_s=120)[0]
+        assert not late.applied and "base is version 3" in late.error
+    finally:
+        publisher.close()
