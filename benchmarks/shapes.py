@@ -33,3 +33,62 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype = torch.bflo
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
     return model
+
+
+def byte_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+    """A tokenizer that can decode every id of a `vocab_size` vocabulary (a random model
+    samples all of them; a small trained BPE would leave most undecodable): ids 0-3 are
+    specials, 4-259 the 256 bytes (byte-level, so any text encodes, one token per byte),
+    the rest fillers <tN>. Built in-process: no files, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + alphabet)}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+        model_max_length=4096,
+    )
+
+
+# Small enough for a test, shaped like the real ones where kernels care: head_dim 64, GQA,
+# q/k/v biases (fused qkv_proj), gate/up (fused gate_up_proj); a separate lm_head (with a
+# tied one a random model only repeats its last token: its own embedding dominates).
+SIZES["tiny"] = (256, 512, 2, 4, 2, 4096, False)
+
+
+def save_model_folder(size: str, path: str, seed: int = 0, head_std: float = 0.2) -> str:
+    """A Hugging Face folder (config, bf16-valued fp32 safetensors, tokenizer) of a Qwen2
+    shape with random weights; built on the CPU, nothing downloaded. Norm gains are 1; an
+    untied lm_head gets std `head_std` so logits are peaked (std ~ head_std * sqrt(hidden)):
+    greedy tokens of two engines then agree despite rounding differences, as with a
+    trained model."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    model = build_model(size, torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)  # RMSNorm gains, as a real checkpoint has them (~1)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        if not model.config.tie_word_embeddings:
+            model.get_output_embeddings().weight.normal_(0.0, head_std, generator=gen)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))  # the values the trainer publishes at version 0
+    tokenizer = byte_tokenizer(model.config.vocab_size)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 3
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

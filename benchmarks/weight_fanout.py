@@ -16,7 +16,8 @@ Per round, seconds:
   encode_s      WeightPublisher.publish: the delta, encoded once for all generators
   push_s        WeightPublisher.push: until the last generator answered
   total_s       encode_s + push_s: trainer step end -> every generator serving
-and per generator (medians and maxima over the N): its round trip, and from its PushResult
+the CPU seconds the trainer process spent encoding and pushing and the receivers spent in
+all (from /proc), and per generator (medians and maxima over the N): its round trip, and from its PushResult
 receive (reassembly + sha256, from the call's start on the generator), lock wait, decode
 (core/deltas.decode against its host copy) and load (the backend's engine load); transfer =
 round trip - (lock wait + decode + load).
@@ -216,6 +217,7 @@ def main() -> None:
                 for n in counts:
                     bits = None if sink else step()
                     cpu_before = [cpu_seconds(pid) for pid in pids[:n]]
+                    own_before = cpu_seconds(os.getpid())
                     step_end = time.perf_counter()  # the trainer's bf16 weights for the new version exist
                     if fixed is None:
                         published, stats = publisher.publish(bits)
@@ -224,12 +226,15 @@ def main() -> None:
                     else:
                         published, nbytes, fraction, encode_s = fixed
                     encoded = time.perf_counter()
+                    push_cpu_before = cpu_seconds(os.getpid())
                     outcomes = push(addresses[:n], published)
                     done = time.perf_counter()
+                    push_cpu = cpu_seconds(os.getpid()) - push_cpu_before
+                    encode_cpu = push_cpu_before - own_before
                     cpu = sum(cpu_seconds(pid) for pid in pids[:n]) - sum(cpu_before)
                     if n < n_max and not sink:
                         push(addresses[n:], published)  # untimed: keep every generator on the chain
-                    rounds[n].append(summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu))
+                    rounds[n].append(summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu))
         finally:
             for proc, _ in procs:
                 proc.terminate()
@@ -258,7 +263,7 @@ def main() -> None:
     }, indent=2))
 
 
-def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_s: float, outcomes: list, cpu_s: float) -> dict:
+def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_s: float, outcomes: list, cpu_s: float, push_cpu_s: float, encode_cpu_s: float) -> dict:
     rtt = [o.seconds for o in outcomes]
     applying = [o.lock_wait_s + o.decode_s + o.load_s for o in outcomes]
     transfer = [r - a for r, a in zip(rtt, applying)]
@@ -280,6 +285,8 @@ def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_
         "decode_s": stat([o.decode_s for o in outcomes]),
         "load_s": stat([o.load_s for o in outcomes]),
         "receivers_cpu_s": round(cpu_s, 3),
+        "trainer_push_cpu_s": round(push_cpu_s, 3),
+        "trainer_encode_cpu_s": round(encode_cpu_s, 3),
     }
 
 

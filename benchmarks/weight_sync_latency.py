@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/weight_sync_latency.py --backend transformers
     .venv-vllm/bin/python benchmarks/weight_sync_latency.py --backend vllm [--enforce-eager]
+    python benchmarks/weight_sync_latency.py --backend vllm --device cuda --shape 0.5b   (GPU)
 
 A real generator process (python -m rollstream.generator, real Redis, real gRPC) on the
 demo model; this process plays the trainer: HostAdamW with fp32 masters takes a step,
@@ -17,6 +18,10 @@ decoded and applied the delta, i.e. serves the new version. Per push:
   decode_s        the same payload decoded in this process (core/deltas.decode), so
                   engine_load_s ~= apply_s - decode_s is the backend's share
   step_end_to_serving_s = encode_s + push_rpc_s
+
+`--shape 0.5b` (benchmarks/shapes.py) uses a Qwen2-0.5B-shaped folder with random weights
+built here instead of the demo model (nothing downloaded); `--device cuda` starts the
+generator on the GPU (bf16 engine) while this process stays the CPU trainer.
 
 The gradients are synthetic (a fixed random direction plus fresh noise per step, so that
 AdamW's moments build up as with a real, consistent gradient); benchmarks/delta_size.py
@@ -47,6 +52,8 @@ def start_generator(args: argparse.Namespace, redis_url: str, model_dir: str, wo
     ]
     if args.backend == "vllm" and args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.device == "cuda":
+        cmd += ["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     log = (workdir / "generator.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 900
@@ -81,6 +88,9 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast; no effect on weight loads)")
+    parser.add_argument("--shape", default=None, help="a random-weight Qwen2 folder of this size instead of --model (benchmarks/shapes.py)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the generator runs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args()
 
     import torch
@@ -92,8 +102,14 @@ def main() -> None:
     from rollstream.trainer.optimizer import HostAdamW
     from rollstream.v1 import generator_pb2, generator_pb2_grpc
 
-    model_dir = str(resolve_model(args.model))
     with tempfile.TemporaryDirectory(prefix="rs-sync-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis_server:
+        if args.shape:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import shapes
+
+            model_dir = shapes.save_model_folder(args.shape, str(Path(tmp) / args.shape))
+        else:
+            model_dir = str(resolve_model(args.model))
         proc, state = start_generator(args, redis_server.url, model_dir, Path(tmp))
         try:
             address = f"127.0.0.1:{state['grpc_port']}"
@@ -154,7 +170,8 @@ def main() -> None:
         "benchmark": "weight_sync_latency",
         "backend": args.backend,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": model_dir,
+        "model": args.shape or model_dir,
+        "generator_device": args.device,
         "lr": args.lr,
         "served_version": served,
         "pushes": pushes,

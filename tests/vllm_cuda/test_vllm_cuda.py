@@ -1,0 +1,152 @@
+"""VllmBackend's CUDA weight path on a GPU: the engine's weights equal the trainer's bf16
+bits, bit for bit, after every delta; greedy outputs equal transformers' on the same bits;
+versions are what the engine (or, without per-token versions, the service) records; the
+prefix cache does not serve KV of the old weights after an update.
+
+On a GPU nothing is prepacked, so every parameter is read back from the engine
+(VllmBackend.engine_bits) and compared with the bits the trainer published. Which engine
+path runs depends on the installed vLLM: "patch" (sparse in-place patches, vLLM with
+checkpoint weight patches) or "reload" (layerwise reload of the touched modules, vLLM 0.26);
+each test prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollstream.core import deltas, modeling
+from rollstream.generator.backends import SampleRequest, TransformersBackend
+from rollstream.generator.host_weights import HostWeights
+from tier_helpers import adamw_like_step
+
+pytestmark = pytest.mark.vllm_cuda
+
+# bf16 engines on both sides (vLLM's kernels vs transformers' SDPA): log-probs agree to
+# bf16 rounding of the logits, not to fp32's.
+ATOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_dir: Path) -> Iterator[object]:
+    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+
+    b = VllmBackend(str(qwen_dir), VllmOptions(device="cuda", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=1024))
+    b.load_weights(b.host_bits(), version=0)
+    print(f"vLLM transfer mode: {b.transfer_mode}; engine weight versions: {b.engine_versions}")
+    yield b
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_dir: Path) -> TransformersBackend:
+    return TransformersBackend(str(qwen_dir), dtype="bfloat16", device="cuda")
+
+
+def greedy(prompt: list[int], tokens: int = 16) -> list[SampleRequest]:
+    return [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=tokens, seed=1)]
+
+
+def assert_engine_holds(backend, bits: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+    readable, unreadable = backend.engine_bits()
+    assert not unreadable, f"CUDA keeps every parameter readable; these were not: {unreadable[:5]}"
+    assert set(readable) == set(bits)
+    wrong = [name for name in bits if not np.array_equal(readable[name], bits[name])]
+    assert not wrong, f"{len(wrong)} tensors differ from the trainer's bits, e.g. {wrong[:3]}"
+
+
+def apply_delta(backend, host: HostWeights, new: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+    """As the generator does: encode (trainer), decode against the host copy, load, commit."""
+    version = (host.version or 0) + 1
+    payload, _ = deltas.encode_delta(host.bits, new, host.version or 0, version, host.fingerprint)
+    info, touched = host.decode(payload)
+    backend.load_weights(touched, version=info.version)
+    host.commit(info, touched)
+
+
+def reference_logprobs(reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int], tokens: list[int]) -> np.ndarray:
+    reference.load_weights(bits)
+    batch = modeling.make_batch([(prompt, tokens)], pad_id=reference.pad_id, device="cuda")
+    with torch.no_grad():
+        logps, _ = modeling.completion_logprobs(reference.model, batch, temperature=1.0)
+    return logps.float().cpu().numpy()
+
+
+def check_greedy(backend, reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int]):  # type: ignore[no-untyped-def]
+    sample = backend.sample(greedy(prompt))[0][0]
+    reference.load_weights(bits)
+    expected = reference.sample(greedy(prompt, len(sample.token_ids)))[0][0]
+    assert sample.token_ids == expected.token_ids
+    # Greedy requests report log_softmax(logits) (T = 1) in vLLM.
+    np.testing.assert_allclose(sample.logprobs, reference_logprobs(reference, bits, prompt, sample.token_ids), atol=ATOL, rtol=0)
+    return sample
+
+
+def test_version0_is_the_checkpoint_bit_for_bit(engine, qwen_dir: Path) -> None:
+    model, _ = modeling.load_model(qwen_dir)
+    v0 = modeling.model_bits(model)
+    assert deltas.weights_sha256(engine.host_bits()) == deltas.weights_sha256(v0)
+    assert_engine_holds(engine, v0)
+
+
+def test_deltas_apply_bit_exact_over_several_steps(engine) -> None:
+    host = HostWeights(engine.host_bits(), version=0)
+    names = sorted(host.bits)
+    steps = [
+        adamw_like_step(host.bits, lr=1e-3, seed=1),  # Adam's first step: every tensor moves
+        None,  # a later step at an RL learning rate: a few ULPs, a small share of the values
+        None,  # one tensor only (a sparse delta)
+    ]
+    for i, new in enumerate(steps):
+        if i == 1:
+            new = adamw_like_step(host.bits, lr=2e-5, seed=2)
+        elif i == 2:
+            new = {**host.bits, **adamw_like_step({names[3]: host.bits[names[3]]}, lr=1e-3, seed=3)}
+        apply_delta(engine, host, new)
+        assert_engine_holds(engine, new)
+
+
+def test_one_shard_of_a_fused_module_changes_alone(engine) -> None:
+    """Only k_proj of one layer: q and v (same fused qkv_proj) must stay as they were."""
+    base = engine.host_bits()
+    name = "model.layers.1.self_attn.k_proj.weight"
+    changed = adamw_like_step({name: base[name]}, lr=1e-3, seed=4)
+    engine.load_weights(changed, version=100)
+    assert_engine_holds(engine, {**base, **changed})
+
+
+def test_greedy_outputs_match_transformers_on_the_same_bits(engine, reference: TransformersBackend) -> None:
+    bits = engine.host_bits()
+    for question in ("What is 4 + 5?", "Tell me a story about a lighthouse keeper and a storm."):
+        check_greedy(engine, reference, bits, engine.encode_chat([("user", question)]))
+
+
+def test_versions_are_recorded(engine) -> None:
+    engine.load_weights(engine.host_bits(), version=7)
+    sample = engine.sample(greedy(engine.encode_chat([("user", "What is 1 + 1?")])))[0][0]
+    if engine.engine_versions:
+        assert sample.versions == [(7, 0, len(sample.token_ids))]  # the engine's own spans
+    else:
+        assert sample.versions == []  # the service records the version it held (in_flight = finish)
+
+
+def test_the_prefix_cache_serves_no_kv_of_the_old_weights(engine, reference: TransformersBackend) -> None:
+    # A long shared prompt: several full KV blocks land in the prefix cache.
+    prompt = engine.encode_chat([("user", "Tell me a story about a lighthouse keeper and a storm. " * 6)])
+    old = check_greedy(engine, reference, engine.host_bits(), prompt)
+    new_bits = adamw_like_step(engine.host_bits(), lr=3e-3, seed=5)
+    engine.load_weights(new_bits, version=8)
+    new = check_greedy(engine, reference, new_bits, prompt)  # computed with the new weights throughout
+    assert new.logprobs != old.logprobs
+
+
+def test_interleave_without_engine_versions_is_refused(engine, qwen_dir: Path) -> None:
+    if engine.engine_versions:
+        pytest.skip("this vLLM records per-token versions: interleave is supported")
+    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+
+    with pytest.raises(RuntimeError, match="interleave"):
+        VllmBackend(str(qwen_dir), VllmOptions(device="cuda", dtype="bfloat16", interleave=True))
