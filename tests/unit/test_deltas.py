@@ -610,3 +610,20 @@ def test_refuses_a_malformed_delta_table_without_crashing() -> None:
         parts = {"w::pos": np.zeros(4, np.uint8), "w::val": np.zeros(2, np.uint8)}
         payload = safetensors_io.dumps(parts, dict(meta, tensors=table))
         _refused(payload, held, 1, fp, match)
+
+
+def test_a_published_payload_is_hashed_once_whatever_the_number_of_pushes() -> None:
+    """The publisher's fan-out: one header (sha256 of the payload) per payload, reused by
+    every generator's stream, and streams that reassemble to the payload."""
+    from rollstream.core import weight_transfer
+    from rollstream.trainer.publisher import Published
+
+    rng = np.random.default_rng(0)
+    payload = rng.integers(0, 256, 3 * weight_transfer.CHUNK_BYTES + 123, dtype=np.uint8).tobytes()
+    published = Published(deltas.PayloadInfo("delta", 4, 5, "fp"), payload)
+    first = published.header()
+    assert published.header() is first  # made once
+    assert first.sha256 == hashlib.sha256(payload).hexdigest() and first.total_bytes == len(payload)
+    for _ in range(3):  # three generators' streams
+        [(header, data)] = list(weight_transfer.from_chunks(published.chunks()))
+        assert header.version == 5 and data == payload

@@ -8,7 +8,9 @@ Fan-out: nothing is done once per generator that can be done once per payload. A
 is encoded once and its header (with the sha256 of the whole payload) made once; every
 generator gets its own concurrent stream over a channel kept from one push to the next
 (no connection, HTTP/2 or TLS handshake per step); the pool has a thread per generator up
-to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves.
+to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves; the chunks are
+serialized once per push and the same bytes go to every stream (gRPC is given them as they
+are), so a stream costs the trainer gRPC's own send and no copy or protobuf encode of ours.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.v1 import generator_pb2_grpc, weights_pb2
+from rollstream.v1 import weights_pb2
 
 
 @dataclass
@@ -44,6 +46,7 @@ class PushOutcome:
 
 
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
+PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 
 
 class Published:
@@ -64,6 +67,11 @@ class Published:
 
     def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
         return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
+
+    def wire_chunks(self) -> list[bytes]:
+        """The chunks as serialized WeightChunk messages: made once per push for every
+        generator (not kept: for an anchor that would hold the weights twice)."""
+        return [c.SerializeToString() for c in self.chunks()]
 
 
 class WeightPublisher:
@@ -124,22 +132,26 @@ class WeightPublisher:
 
     def push(self, addresses: Sequence[str], published: Published, timeout_s: float) -> list[PushOutcome]:
         """Push one payload to every generator concurrently (each as a stream of chunks)."""
-        published.header()  # hashed here, once, not by the first of N threads while the others wait
-        stubs = self._stubs(addresses)
-        futures = [self._pool.submit(_push_one, stubs[a], a, published, timeout_s) for a in addresses]
+        wire = published.wire_chunks()  # hashed and serialized here, once, for every stream
+        calls = self._calls(addresses)
+        futures = [self._pool.submit(_push_one, calls[a], a, wire, timeout_s) for a in addresses]
         return [f.result() for f in futures]
 
-    def _stubs(self, addresses: Sequence[str]) -> dict[str, generator_pb2_grpc.GeneratorStub]:
-        """Stubs over the kept channels; channels to addresses no longer pushed to are closed
-        (generators come and go with discovery). A kept channel reconnects by itself when its
-        generator restarts at the same address."""
+    def _calls(self, addresses: Sequence[str]) -> dict[str, grpc.StreamUnaryMultiCallable]:
+        """PushWeights over the kept channels, taking serialized chunks as they are (no
+        request serializer). Channels to addresses no longer pushed to are closed
+        (generators come and go with discovery); a kept channel reconnects by itself when
+        its generator restarts at the same address."""
         with self._channels_lock:
             for gone in set(self._channels) - set(addresses):
                 self._channels.pop(gone).close()
             for a in addresses:
                 if a not in self._channels:
                     self._channels[a] = channel(a, self.creds, server_name="generator")
-            return {a: generator_pb2_grpc.GeneratorStub(self._channels[a]) for a in addresses}
+            return {
+                a: self._channels[a].stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
+                for a in addresses
+            }
 
     def close(self) -> None:
         with self._channels_lock:
@@ -149,10 +161,10 @@ class WeightPublisher:
         self._pool.shutdown(wait=False)
 
 
-def _push_one(stub: generator_pb2_grpc.GeneratorStub, address: str, published: Published, timeout_s: float) -> PushOutcome:
+def _push_one(call: grpc.StreamUnaryMultiCallable, address: str, wire: list[bytes], timeout_s: float) -> PushOutcome:
     start = time.perf_counter()
     try:
-        result = stub.PushWeights(published.chunks(), timeout=timeout_s)
+        result = call(iter(wire), timeout=timeout_s)
         return PushOutcome(
             address, result.applied, result.version, result.error, time.perf_counter() - start,
             receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
