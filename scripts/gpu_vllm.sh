@@ -8,7 +8,8 @@
 # The machine: one NVIDIA GPU, Python 3.12 with torch 2.11.0 (CUDA) and the packages of
 # scripts/gpu_image_packages.txt, no vLLM, no network, and at most 64 MiB carried per call.
 # vLLM 0.26.0 is the release that pins torch==2.11.0; it and every package it and rollstream
-# need that the image lacks (~330 MiB, the vLLM wheel alone 290 MiB) travel as a wheelhouse
+# need that the image lacks (~340 MiB in 81 wheels, the vLLM wheel alone 290 MiB; protobuf and grpcio too, whose
+# versions the generated stubs check at import) travel as a wheelhouse
 # cut into parts:
 #
 #   1. Here (with network):  python scripts/gpu_wheelhouse.py .gpu-wheelhouse
@@ -44,7 +45,7 @@
 # Every step sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in the generator's process, as
 # the tests need to read weights back; an update crosses no process boundary).
 #
-# Expected time (an estimate, not measured): stash ~1 minute a part (6 parts); run: install
+# Expected time (an estimate, not measured): stash ~1 minute a part (7 parts); run: install
 # 1-2 minutes, vllm_cuda 2-4, sync_latency 3-5 (the CPU trainer's AdamW steps on 0.5B), generate
 # 3-5. Each step is cut at $STEP_TIMEOUT_S (default 900) seconds; keep the whole `run` inside
 # one device call's 10 minutes with NAME ... if needed (e.g. `run $OUT vllm_cuda sync_latency_0.5b`

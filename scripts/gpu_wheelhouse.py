@@ -46,6 +46,10 @@ ROLLSTREAM = [
     "peft>=0.17", "datasets>=2.19",
 ]
 PINNED_BY_IMAGE = {"torch", "torchvision", "torchaudio", "triton"}
+# Carried even though the image has them: rollstream's generated stubs check the runtime at
+# import (protobuf gencode 7.35 needs protobuf >= 7.35; the grpc stubs need grpcio >= the
+# grpcio-tools that made them), and the image's versions are not known here.
+FORCE = ["protobuf>=7.35", "grpcio>=1.85.1"]
 # Large CUDA kernel / media packages that vLLM 0.26 imports lazily, behind a feature or a
 # backend choice, not on `from vllm import LLM` with the default attention backend.
 OPTIONAL = {
@@ -103,7 +107,8 @@ def main() -> None:
     skip = PINNED_BY_IMAGE | (set() if args.with_optional else OPTIONAL)
     # vLLM's closure first: its pins (fastapi<0.137, ...) win over rollstream's looser floors,
     # which the versions taken for vLLM then have to meet (a warning says where they do not).
-    queue = [Requirement(VLLM)]
+    queue = [Requirement(r) for r in FORCE] + [Requirement(VLLM)]
+    forced = {canonicalize_name(Requirement(r).name) for r in FORCE}
     later = [Requirement(r) for r in ROLLSTREAM]
     taken: dict[str, tuple[Path, str]] = {}  # name -> (wheel, version)
     skipped: dict[str, str] = {}
@@ -117,7 +122,7 @@ def main() -> None:
             if req.specifier and not SpecifierSet(str(req.specifier)).contains(version, prereleases=True):
                 print(f"warning: {name} {version} taken, but {req} asks otherwise", file=sys.stderr)
             continue
-        if name in skip or (name in have and name != "vllm"):
+        if name in skip or (name in have and name != "vllm" and name not in forced):
             skipped.setdefault(name, "pinned by the image" if name in PINNED_BY_IMAGE else "optional" if name in skip else "in the image")
             continue
         wheel = download(req, wheels_dir)

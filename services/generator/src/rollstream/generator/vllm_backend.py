@@ -35,8 +35,8 @@ Versions. The engine labels each step's tokens with its current weight version, 
 finished completion carries `weight_versions` spans; we return those spans, so the version
 a completion claims is the engine's own account. A vLLM without them (0.26) gets no spans
 from us: the service, which samples under its weights lock (`finish`), records the one
-version it held; `interleave` needs the engine's spans and is refused there. Updates run only between engine steps,
-under the engine lock. With `interleave`, an update that arrives while a batch is sampled
+version it held; `interleave` needs the engine's spans and is refused there. Updates run
+only between engine steps, under the engine lock. With `interleave`, an update that arrives while a batch is sampled
 is applied at the next step boundary; running requests are preempted by
 `reset_prefix_cache(reset_running_requests=True)`, so they recompute their KV cache with
 the new weights and every later token is the new version's output on the whole context.
@@ -44,6 +44,7 @@ the new weights and every later token is the new version's output on the whole c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -307,14 +308,18 @@ class VllmBackend:
             self.llm.collective_rpc(method, kwargs={key: info} if info is not None else None)
 
     def _update(self, chunks: list[list[dict[str, Any]]], dense: bool) -> None:
-        """start_weight_update, one update_weights per chunk, finish_weight_update. A failed
-        update still finishes the session, so the next one can start."""
+        """start_weight_update, one update_weights per chunk, finish_weight_update."""
         self._weights_call("start_weight_update")
         try:
             for chunk in chunks:
                 self._weights_call("update_weights", {"patches": chunk, "dense": dense})
-        finally:
-            self._weights_call("finish_weight_update")
+        except BaseException:
+            # vLLM's worker ends the session itself when an update fails (and then refuses
+            # a finish); another caller's engine may not: try, without hiding this error.
+            with contextlib.suppress(Exception):
+                self._weights_call("finish_weight_update")
+            raise
+        self._weights_call("finish_weight_update")
 
     def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> None:
         """Reload every module a touched tensor belongs to, all its shards, from the host copy
