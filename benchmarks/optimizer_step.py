@@ -1,7 +1,7 @@
 """The trainer's optimizer step (HostAdamW: bucketed, fp32 masters and moments in host
 memory) against the physical limit and against a naive per-parameter offload.
 
-    .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU here, CUDA when present
+    .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU (the default)
     .venv/bin/python benchmarks/optimizer_step.py --size 1.5b --device cuda
 
 Builds a Qwen2-style model from a config (random bf16 weights, no download) and random bf16
@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
+import devices  # benchmarks/devices.py
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
 
@@ -119,7 +120,7 @@ def machine(device: torch.device) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="0.1b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    devices.add_argument(parser)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=3)
@@ -128,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = devices.resolve(args.device)
 
     model = build_model(args.size, device)
     named = dict(model.named_parameters())
@@ -154,7 +155,7 @@ def main() -> None:
     result = {
         "benchmark": "optimizer_step",
         "machine": machine(device),
-        "device": str(device),
+        **devices.info(device),
         "threads": torch.get_num_threads(),
         "load_average_1min": round(os.getloadavg()[0], 2),  # the machine may be shared
         "size": args.size,

@@ -3,6 +3,7 @@ of the parts it has to hold.
 
     .venv/bin/python benchmarks/trainer_memory.py [--steps 3] [--groups 8] [--group-size 8] [--new-tokens 16]
     MALLOC_ARENA_MAX=2 .venv/bin/python benchmarks/trainer_memory.py --malloc-trim   # glibc's share
+    python3 benchmarks/trainer_memory.py --device cuda   # host memory with the model on a GPU, and the GPU's
 
 What it does, as the trainer does it: builds a real `Trainer` (trainer.py, on a ServiceHost
 that serves nothing, as tests/unit/test_trainer_guards.py does) on the demo model and the
@@ -17,7 +18,7 @@ optimizer step, the publish). At each cut it reads /proc/self/status (VmRSS now,
 peak since the previous cut, which is then reset through /proc/self/clear_refs), glibc's
 mallinfo2 (bytes malloc holds free inside its heaps: freed but not returned to the OS) and,
 with --tracemalloc, the Python heap (numpy's buffers are in it, torch's CPU tensors are
-not). The parts: unique bytes (views deduplicated by their underlying buffer) of the model's
+not); with --device cuda, also the GPU memory allocated now and at its peak in the phase. The parts: unique bytes (views deduplicated by their underlying buffer) of the model's
 parameters, the gradients at the optimizer step, the fp32 masters, the moments, the
 optimizer's staging buffers and bits buffers, the publisher's anchor and delta payloads.
 
@@ -82,6 +83,7 @@ class Recorder:
         self.trim = trim
         self.trace = trace
         self.phases: list[dict[str, Any]] = []
+        self.cuda = None  # a CUDA device: also its allocated memory and peak per phase
         self.started = time.perf_counter()
         _reset_peak()
 
@@ -98,6 +100,14 @@ class Recorder:
         if self.trim and _libc is not None:
             _libc.malloc_trim(0)
             row["rss_after_trim_mb"] = round(_status()["VmRSS"] / MB)
+        if self.cuda is not None:
+            import torch
+
+            torch.cuda.synchronize(self.cuda)
+            row["cuda_allocated_mb"] = round(torch.cuda.memory_allocated(self.cuda) / MB)
+            row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(self.cuda) / MB)
+            row["cuda_reserved_mb"] = round(torch.cuda.memory_reserved(self.cuda) / MB)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         row["t_s"] = round(time.perf_counter() - self.started, 1)
         row.update(extra)
         self.phases.append(row)
@@ -123,6 +133,8 @@ def unique_bytes(*objs: Any) -> int:
             for v in o:
                 walk(v)
         elif isinstance(o, torch.Tensor):
+            if o.device.type != "cpu":
+                return  # host memory only: a GPU's tensors are not in RSS
             s = o.untyped_storage()
             seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
         elif isinstance(o, np.ndarray):
@@ -179,6 +191,7 @@ def main() -> None:
     parser.add_argument("--anchor-interval", type=int, default=20)
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (the optimizer state stays in host memory either way)")
     parser.add_argument("--tracemalloc", action="store_true", help="also trace the Python heap (slower; its own bookkeeping is counted in RSS)")
     args = parser.parse_args()
 
@@ -188,6 +201,8 @@ def main() -> None:
 
     import numpy as np
     import torch
+
+    import devices  # benchmarks/devices.py
     from rollstream.core import deltas, modeling
     from rollstream.core.config import load_settings
     from rollstream.core.service import ServiceHost
@@ -196,6 +211,9 @@ def main() -> None:
     from rollstream.trainer import trainer as trainer_mod
     from rollstream.trainer.config import TrainerSettings
 
+    device = devices.resolve(args.device)
+    if device.type == "cuda":
+        rec.cuda = device
     rec.mark("imports")
 
     # -- phase cuts: wrap what Trainer calls ------------------------------------------------
@@ -251,7 +269,7 @@ def main() -> None:
 
     ckpt_dir = tempfile.mkdtemp(prefix="trainer-memory-")
     settings = load_settings(
-        TrainerSettings, [], model=args.model, threads=args.threads, dtype=args.dtype, groups_per_step=args.groups,
+        TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
         group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,
         activation_checkpointing=args.activation_checkpointing, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
     )
@@ -298,6 +316,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "trainer_memory",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}",
+        **devices.info(device),
         "env": {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_") if k in os.environ},
         "model": trainer.model_dir,
         "parameters": n,
@@ -318,6 +337,7 @@ def main() -> None:
         "peak_rss_mb": peak,
         "peak_phase": max(rec.phases, key=lambda p: p["peak_mb"])["phase"],
         "peak_over_parts_plus_imports": round(peak / (sum_parts + imports_rss), 2),
+        **({"cuda_peak_mb": max(p["cuda_peak_mb"] for p in rec.phases), "cuda_peak_phase": max(rec.phases, key=lambda p: p["cuda_peak_mb"])["phase"]} if device.type == "cuda" else {}),
     }, indent=2))
 
 
