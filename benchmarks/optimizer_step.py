@@ -29,12 +29,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-from torch.optim.adamw import adamw as functional_adamw
-
 import devices  # benchmarks/devices.py
+import torch
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
+from torch.optim.adamw import adamw as functional_adamw
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":

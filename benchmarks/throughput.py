@@ -24,9 +24,8 @@ import shutil
 import tempfile
 import time
 
-import torch
-
 import devices  # benchmarks/devices.py
+import torch
 from demo_task import arithmetic_requests  # benchmarks/demo_task.py
 from rollstream.core import deltas, modeling
 from rollstream.core.models import resolve_model

@@ -199,10 +199,9 @@ def main() -> None:
         tracemalloc.start(1)
     rec = Recorder(trim=args.malloc_trim, trace=args.tracemalloc)
 
+    import devices  # benchmarks/devices.py
     import numpy as np
     import torch
-
-    import devices  # benchmarks/devices.py
     from rollstream.core import deltas, modeling
     from rollstream.core.config import load_settings
     from rollstream.core.service import ServiceHost
