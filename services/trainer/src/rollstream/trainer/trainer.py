@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, deltas, host_memory, logs, modeling, streams, validation, weight_transfer
+from rollstream.core import codec, cpu_runtime, deltas, logs, modeling, streams, validation, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.models import resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -54,8 +54,8 @@ class Trainer:
         s = self.settings = settings
         self.log = host.log
         # Large freed blocks (activations) back to the OS instead of held by glibc's heaps:
-        # far less resident between steps, and less at the peak (core/host_memory.py).
-        host_memory.fixed_mmap_threshold()
+        # far less resident between steps, and less at the peak (core/cpu_runtime.py).
+        cpu_runtime.fixed_mmap_threshold()
         if s.threads:
             torch.set_num_threads(s.threads)
         torch.manual_seed(s.seed)
