@@ -195,10 +195,11 @@ class RewardService {
     while (!this.stopping) {
       try {
         const entries = await this.read();
+        // A slow scorer, for the demo and the tests: the batch stays pending on us meanwhile.
+        if (entries.length && o.holdMs > 0) await this.sleep(o.holdMs);
         for (const e of entries) {
           await this.handle(e);
         }
-        if (entries.length && o.holdMs > 0) await this.sleep(o.holdMs); // a slow scorer, for the demo and the tests
         if (Date.now() >= nextTrim) {
           await this.trim();
           nextTrim = Date.now() + o.trimEveryMs;
