@@ -111,3 +111,16 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
         for pid in pids().values():  # whatever happened, leave nothing to the next test
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--reward", "external", "--scorer-address", "127.0.0.1:50061"], "--scorer-address"),
+        (["--reward-group", "two words"], "--reward-group"),
+    ],
+)
+def test_up_refuses_bad_reward_flags(flags: list[str], field: str, tmp_path: Path) -> None:
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and field in done.stderr, done.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything started

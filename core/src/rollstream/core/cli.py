@@ -460,10 +460,11 @@ class ExternalReward:
         group a second time, and it holds back trimming and the generators while it lags."""
         groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
         consumers = 0
+        created = False
         for g in groups:
             name = g["name"].decode(errors="replace") if isinstance(g["name"], bytes) else str(g["name"])
             if name == self.group:
-                consumers = int(g["consumers"])
+                created, consumers = True, int(g["consumers"])
             elif name not in self.warned_groups:
                 self.warned_groups.add(name)
                 console.print(
@@ -474,7 +475,11 @@ class ExternalReward:
         if consumers and not self.joined:
             self.joined = True
             console.print(f"[green]a reward consumer joined consumer group {self.group} on {self.source}[/]")
-        return "" if self.joined else self.waiting_line()
+        if self.joined:
+            return ""
+        # Redis 6.2 lists a consumer only once it has been handed an entry: a service blocked
+        # on an empty stream shows as its group alone until the first group is generated.
+        return self.waiting_line() + (": the group exists, no consumer has taken an entry yet" if created else "")
 
 
 def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
