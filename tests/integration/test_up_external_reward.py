@@ -11,7 +11,7 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
-from rollstream.core.cli import EXTERNAL_REWARD_FILE, ExternalReward
+from rollstream.core.cli import EXTERNAL_REWARD_FILE, ExternalReward, status_table
 from rollstream.core.streams import RunKeys, StreamStage
 
 
@@ -65,3 +65,18 @@ def test_the_file_names_everything_and_no_secret(tmp_path: Path) -> None:
         "claim_idle_ms": 30000,
     }
     assert "secret" not in w.instructions()
+
+
+def test_status_says_when_no_reward_consumer_reads_the_rollouts(rclient: redis.Redis, keys: RunKeys) -> None:
+    def shown() -> str:
+        out = io.StringIO()
+        Console(file=out, width=300).print(status_table(rclient, keys))
+        return " ".join(out.getvalue().split())  # the caption wraps at the table's width
+
+    source = keys.stream("rollouts")
+    assert f"waiting for a reward consumer on {source}" in shown()
+    StreamStage.ensure_group(rclient, source, "reward")
+    rclient.xadd(source, {"type": "x"})
+    assert f"waiting for a reward consumer on {source}" in shown()
+    rclient.xreadgroup("reward", "node-0", {source: ">"}, count=1)
+    assert "waiting for a reward consumer" not in shown()

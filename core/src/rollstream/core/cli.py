@@ -573,6 +573,13 @@ def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> Table:
             table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
         except codec.EntryError as e:
             table.caption += f"\nlast metrics entry unreadable: {e}"
+    rollouts = keys.stream("rollouts")
+    reward_groups, error = read(lambda: client.xinfo_groups(rollouts) if client.exists(rollouts) else [], [])
+    if not error and not any(int(g["consumers"]) for g in reward_groups):
+        # No reward stage has taken an entry yet: the built-in one is starting, or an outside
+        # one (`up --reward external`) has not joined (Redis 6.2 lists a consumer only once it
+        # has been handed an entry).
+        table.caption += f"\nwaiting for a reward consumer on {rollouts}"
     generators, error = read(lambda: registry.live(client, keys, forget=False), {})
     if generators or error:
         table.caption += "\ngenerators (live): " + (error or ", ".join(f"{k}@{v}" for k, v in generators.items()))
