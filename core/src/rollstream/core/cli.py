@@ -458,7 +458,11 @@ class ExternalReward:
         """The status line while no consumer of `group` reads the rollouts ("" once one has),
         and a warning, once each, for any other consumer group there: it would score every
         group a second time, and it holds back trimming and the generators while it lags."""
-        groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
+        try:
+            groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
+        except redis.ResponseError as e:  # WRONGTYPE: someone else's key; the display must not die of it
+            return f"{self.waiting_line()}: {redis_policy.short(e)}"
+
         consumers = 0
         created = False
         for g in groups:
