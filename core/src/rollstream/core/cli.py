@@ -462,7 +462,6 @@ class ExternalReward:
             groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
         except redis.ResponseError as e:  # WRONGTYPE: someone else's key; the display must not die of it
             return f"{self.waiting_line()}: {redis_policy.short(e)}"
-
         consumers = 0
         created = False
         for g in groups:
