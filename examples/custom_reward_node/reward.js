@@ -385,6 +385,7 @@ class RewardService {
       }
     }
     this.commitSha = (await this.raw.scriptLoad(COMMIT)).toString();
+    log("commit_script_loaded", { sha: this.commitSha });
     return (await this.r.evalSha(this.commitSha, { keys, arguments: args })) === 1;
   }
 

@@ -189,3 +189,46 @@ def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp
             assert "misconfigured" in wrong.log()
         finally:
             admin.close()
+
+
+def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[NodeReward]) -> None:
+    """kill -9 of redis-server while the service holds entries, then a restart on its AOF:
+    the service waits, loads its commit script again (NOSCRIPT), and commits everything once.
+    With --max-deliveries 1, an outage counted as a delivery would dead-letter the entries."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis-restart")).start()
+    try:
+        admin = server.admin_client()
+        write_many(admin, keys, [rollout_group(f"r{i}", ["ab"]) for i in range(6)])
+        proc = start_node_reward(
+            node_folder, tmp_path / "restart.log", "--redis-url", server.url, "--run", keys.run, "--consumer", "node-0",
+            "--output-stage", "ready", "--block-ms", "50", "--hold-ms", "3000", "--count", "3", "--max-deliveries", "1",
+        )  # fmt: skip
+        started.append(proc)
+        source = keys.stream("rollouts")
+
+        def holds() -> bool:
+            try:
+                return any(c["pending"] > 0 for c in admin.xinfo_consumers(source, GROUP))
+            except redis.ResponseError:  # NOGROUP: the service has not created its group yet
+                return False
+
+        # After its first commit (the script is loaded), while it holds the second batch.
+        wait_for(lambda: admin.xlen(keys.stream("ready")) == 3 and holds(), 60, "node-0 holding its second batch", procs=[proc], poll_s=0.02)
+        # Redis 6.2 replays SCRIPT LOAD from its AOF; Redis 7 (or a server without that AOF)
+        # forgets scripts on a restart: the service must answer NOSCRIPT by loading it again.
+        admin.script_flush()
+        admin.close()
+        assert server.proc is not None
+        server.proc.kill()  # kill -9: the pending entries list survives in the AOF (appendfsync always)
+        server.proc.wait()
+        server.proc = None
+        server.start(timeout_s=60)
+        admin = server.admin_client()
+        wait_for(lambda: admin.xlen(keys.stream("ready")) == 6, 60, "all 6 scored after the restart", procs=[proc])
+        assert sorted(g.group_id for g in groups_in(admin, keys.stream("ready"))) == [f"r{i}" for i in range(6)]
+        assert admin.xlen(keys.dead) == 0 and admin.xpending(source, GROUP)["pending"] == 0
+        assert proc.stop() == 0, proc.log()
+        assert proc.log().count('"event":"commit_script_loaded"') == 2, "the script was not loaded again after the restart"
+        admin.close()
+    finally:
+        server.stop()
