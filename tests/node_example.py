@@ -38,16 +38,29 @@ def install_node_example(work: Path) -> Path:
     root = npm_cache_root()
     installed = root / hashlib.sha256(lock).hexdigest()[:16]
     if not (installed / ".installed").exists():
-        installed.mkdir(parents=True, exist_ok=True)
+        # Installed beside, then renamed into place: a second test session installing at the
+        # same time (or one killed midway) never leaves a half-filled folder behind.
+        staging = root / f"{installed.name}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
         for name in ("package.json", "package-lock.json"):
-            shutil.copy2(NODE_EXAMPLE / name, installed / name)
+            shutil.copy2(NODE_EXAMPLE / name, staging / name)
         done = subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund", "--cache", str(root / "_npm-cache"), "--prefer-offline"],
-            cwd=installed, capture_output=True, text=True, timeout=600,
+            cwd=staging, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if done.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
             pytest.skip(f"npm ci for examples/custom_reward_node failed (is the npm registry reachable?): {(done.stderr or done.stdout)[-800:]}")
-        (installed / ".installed").write_text("ok\n")
+        (staging / ".installed").write_text("ok\n")
+        try:
+            staging.rename(installed)
+        except OSError:  # another session got there first (or a stale folder without the marker)
+            if not (installed / ".installed").exists():
+                shutil.rmtree(installed, ignore_errors=True)
+                staging.rename(installed)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     for source in NODE_EXAMPLE.glob("*.js"):
         shutil.copy2(source, work / source.name)
