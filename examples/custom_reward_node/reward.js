@@ -22,7 +22,7 @@
 //   npm ci
 //   node reward.js --from-up runs/demo/external-reward.json      # next to `rollstream up --reward external`
 //   node reward.js --redis-url redis://127.0.0.1:6379/0 --run demo --output-stage ready
-import { readFileSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { hostname } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -489,7 +489,13 @@ function settings(argv) {
 }
 
 async function loadTypes(protoDir) {
-  const root = await protobuf.load(path.join(protoDir, "rollstream", "v1", "rollout.proto"));
+  const file = path.join(protoDir, "rollstream", "v1", "rollout.proto");
+  if (!existsSync(file)) {
+    // The default is the repository's proto/ folder, two levels up: a copy of this example
+    // elsewhere must say where rollstream's proto/ is.
+    throw new Misconfigured(`--proto-dir: no rollstream/v1/rollout.proto under ${protoDir} (give --proto-dir or PROTO_DIR: rollstream's proto/ folder)`);
+  }
+  const root = await protobuf.load(file);
   return {
     RolloutGroup: root.lookupType("rollstream.v1.RolloutGroup"),
     RewardComponent: root.lookupType("rollstream.v1.RewardComponent"),
