@@ -1,14 +1,18 @@
 """The trainer's optimizer step (HostAdamW: bucketed, fp32 masters and moments in host
 memory) against the physical limit and against a naive per-parameter offload.
 
-    .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU here, CUDA when present
+    .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU (the default)
     .venv/bin/python benchmarks/optimizer_step.py --size 1.5b --device cuda
 
 Builds a Qwen2-style model from a config (random bf16 weights, no download) and random bf16
 gradients, then times, in one run:
   offloaded   HostAdamW.step(): gradient norm + clip, per bucket D2H of the gradients, fused CPU
-              AdamW on the fp32 masters, bf16 back H2D, the new published bits and their
-              changed counts (so it does more than the baseline: the delta's first half);
+              AdamW on the fp32 masters, bf16 back H2D, the new published bits;
+  + delta     the same step until the weight delta against the previous version is encoded,
+              two ways: after the step (deltas.encode_delta over every tensor, on the
+              caller's thread, as the trainer did) and on the way (each tensor handed to a
+              DeltaEncoder on `--encode-threads` threads as its last bucket is stepped, what
+              the trainer does now);
   limit       max(N / fused CPU AdamW rate, 2N bytes / pinned D2H rate, 2N bytes / pinned H2D
               rate), each rate measured here on large buffers: what perfect overlap could reach;
   baseline    LSRL-style: parameter by parameter, the gradient to a pageable fp32 copy, one
@@ -28,12 +32,15 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import devices  # benchmarks/devices.py
 import torch
-from torch.optim.adamw import adamw as functional_adamw
-
+from rollstream.core import deltas
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
+from torch.optim.adamw import adamw as functional_adamw
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -98,9 +105,35 @@ def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor],
             p.grad = None
 
 
-def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> tuple[list[float], int]:
+def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> dict[str, object]:
+    """The step alone, then the step with its delta encoded after it and on the way."""
     opt = HostAdamW(named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype)
-    return timed(lambda: opt.step(1.0), prepare, device, args.repeats), len(opt.buckets)
+    step_only = timed(lambda: opt.step(1.0), prepare, device, args.repeats)
+    prev = {n: b.copy() for n, b in opt.published_bits().items()}  # the base of each delta
+    stats: list[deltas.DeltaStats] = []
+
+    def step_then_delta() -> None:
+        _, bits = opt.step(1.0)
+        stats.append(deltas.encode_delta(prev, bits, 0, 1, "bench")[1])
+
+    def step_with_delta_on_the_way() -> None:
+        encoder = deltas.DeltaEncoder(prev, 0, 1, "bench", executor=pool)
+        opt.step(1.0, on_tensor=encoder.add)
+        stats.append(encoder.finish()[1])
+
+    def reset() -> None:
+        prepare()
+        for n, b in opt.published_bits().items():
+            prev[n][...] = b  # each delta is one step's, as in the trainer
+
+    after = timed(step_then_delta, reset, device, args.repeats)
+    with ThreadPoolExecutor(args.encode_threads) as pool:
+        on_the_way = timed(step_with_delta_on_the_way, reset, device, args.repeats)
+    last = stats[-1]
+    return {
+        "step_only": step_only, "step_then_delta": after, "step_with_delta_on_the_way": on_the_way, "buckets": len(opt.buckets),
+        "delta": {"bytes": last.nbytes, "fraction_of_dense": round(last.fraction_of_dense, 4), "changed_values": last.changed_values},
+    }
 
 
 def machine(device: torch.device) -> str:
@@ -119,8 +152,9 @@ def machine(device: torch.device) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="0.1b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    devices.add_argument(parser)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
+    parser.add_argument("--encode-threads", type=int, default=1, help="delta encoder threads (the trainer's delta_encode_threads)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -128,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = devices.resolve(args.device)
 
     model = build_model(args.size, device)
     named = dict(model.named_parameters())
@@ -148,23 +182,27 @@ def main() -> None:
     limit_s = max(bound.values())
     limit |= {"limit_s": round(limit_s, 4), "bound_by": max(bound, key=lambda k: bound[k])}
 
-    offloaded, buckets = time_offloaded(named, prepare, device, args)
+    timings = time_offloaded(named, prepare, device, args)
+    offloaded = timings["step_only"]
     gc.collect()  # its 12 bytes per parameter go before the baseline takes as much
 
     result = {
         "benchmark": "optimizer_step",
         "machine": machine(device),
-        "device": str(device),
+        **devices.info(device),
         "threads": torch.get_num_threads(),
         "load_average_1min": round(os.getloadavg()[0], 2),  # the machine may be shared
         "size": args.size,
         "parameters": n,
         "bucket_mb": args.bucket_mb,
-        "buckets": buckets,
+        "buckets": timings["buckets"],
         "moments_dtype": args.moments_dtype,
         "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
         "limit": limit,
         "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),
+        "encode_threads": args.encode_threads,
+        "delta": timings["delta"],
+        **{key: {"median_s": round(statistics.median(timings[key]), 4), "min_s": round(min(timings[key]), 4)} for key in ("step_then_delta", "step_with_delta_on_the_way")},
     }
     if not args.skip_baseline:
         masters = [p.detach().to(device="cpu", dtype=torch.float32) for p in params]

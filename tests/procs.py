@@ -22,36 +22,15 @@ from helpers import wait_for
 
 
 @dataclass
-class ServiceProc:
+class ChildProcess:
+    """A process a test started (helpers.wait_for can watch it): its log, kill -9, a clean stop."""
+
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
-    state_file: Path
-    grpc_port: int = 0
-    http_port: int = 0
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
-        """Wait for the state file, then for /readyz to answer 200 (fail if the process exits)."""
-
-        def ready() -> bool:
-            if not self.state_file.exists():
-                return False
-            state = json.loads(self.state_file.read_text())
-            self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
-            try:
-                return httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
-        return self
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, as a crash."""
@@ -69,6 +48,32 @@ class ServiceProc:
                 self.proc.wait()
         return self.proc.returncode
 
+
+@dataclass
+class ServiceProc(ChildProcess):
+    state_file: Path
+    grpc_port: int = 0
+    http_port: int = 0
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
+        """Wait for the state file, then for /readyz to answer 200 (fail if the process exits)."""
+
+        def ready() -> bool:
+            if not self.state_file.exists():
+                return False
+            state = json.loads(self.state_file.read_text())
+            self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
+        return self
 
 def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
     """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log."""

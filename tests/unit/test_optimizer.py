@@ -1,7 +1,7 @@
 """rollstream.trainer.optimizer.HostAdamW against torch.optim.AdamW (the for-each and the
 fused implementation) run on an fp32 copy of the same parameters with the same gradients;
-its buckets, bf16 moments, gradient offload, changed counts, state round trip, gradient
-norm and bits buffers."""
+its buckets, bf16 moments, gradient offload, the per-parameter hand-over of new bits (the
+delta built on the way), state round trip, gradient norm and bits buffers."""
 
 from __future__ import annotations
 
@@ -276,21 +276,53 @@ def test_gradient_offload_gives_the_same_step(max_grad_norm: float) -> None:
         assert torch.equal(runs[True][1][n], m), n
 
 
-def test_changed_counts_follow_the_bits() -> None:
+def test_on_tensor_hands_over_each_parameter_once_as_soon_as_it_is_final() -> None:
     model = _model()
-    # Adam's first step moves each entry with a gradient by lr = 0.01, more than a bf16 ulp
-    # (<= 2^-8 below 1); entries with zero gradient and no decay do not move at all.
+    # Buckets of 64 elements, 220 parameters in all: the first weight (16 x 8) is complete
+    # after bucket 1 of 4, so it is handed over before the later buckets are stepped.
     opt = HostAdamW(dict(model.named_parameters()), lr=1e-2, betas=BETAS, weight_decay=0.0, bucket_mb=0.0004)
     before = opt.sync_model()
+    names = list(before)
+    last = names[-1]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # Adam's first step moves every entry by lr: all change
+    calls: list[tuple[str, np.ndarray, bool]] = []
+
+    def on_tensor(name: str, bits: np.ndarray) -> None:
+        # Whether the last parameter was still at its old weights when `name` came.
+        last_untouched = bool(np.array_equal(modeling.model_bits(model)[last], before[last]))
+        calls.append((name, bits.copy(), last_untouched))
+
+    _, after = opt.step(max_grad_norm=0.0, on_tensor=on_tensor)
+    assert [c[0] for c in calls] == names  # each once, in layout order
+    for name, bits, _ in calls:
+        np.testing.assert_array_equal(bits, after[name])  # already final when handed over
+        assert not np.array_equal(bits, before[name])
+    assert calls[0][2], "the first parameter was handed over only after the last bucket"
+    assert not calls[-1][2]
+
+
+def test_delta_built_on_the_way_is_the_delta_after_the_step() -> None:
+    """The publisher's DeltaEncoder fed by on_tensor (on threads) gives the same payload bytes
+    as encode_delta over the whole weights after the step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollstream.core import deltas
+
+    model = _model()
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004)
+    base = opt.sync_model()
+    base = {n: b.copy() for n, b in base.items()}
+    grads = _grads(model, steps=1)[0]
     for n, p in model.named_parameters():
-        p.grad = torch.zeros_like(p)
-    first = next(iter(opt.changed))
-    model.get_parameter(first).grad[0, :3] = 1.0
-    _, after = opt.step(max_grad_norm=0.0)
-    for n in before:
-        assert opt.changed[n] == int(np.count_nonzero(before[n] != after[n])), n
-    assert opt.changed[first] == 3
-    assert sum(opt.changed.values()) == 3
+        p.grad = grads[n].clone()
+    with ThreadPoolExecutor(2) as pool:
+        encoder = deltas.DeltaEncoder(base, 0, 1, "fp", executor=pool)
+        _, after = opt.step(max_grad_norm=1.0, on_tensor=encoder.add)
+        on_the_way, stats = encoder.finish()
+    after_the_step, _ = deltas.encode_delta(base, after, 0, 1, "fp")
+    assert on_the_way == after_the_step
+    assert stats.changed_values > 0
 
 
 def test_state_round_trip_continues_identically() -> None:

@@ -3,6 +3,7 @@
 cli              the `rollstream` command: up, status, secrets
 codec            stream entries: protobuf message name, schema and bytes
 config           typed settings shared by the services
+cpu_runtime      process-wide C runtime settings under torch: OpenMP wait policy, malloc's mmap threshold
 credentials      secrets on disk: writing and reading the files that hold credentials
 deltas           weight sync payloads: anchors (all weights) and exact sparse deltas
 grpc_auth        who may call what over gRPC: a token per role; optional TLS/mTLS

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,7 +105,17 @@ def _maybe_zstd(raw: bytes, cctx: zstandard.ZstdCompressor) -> tuple[bytes, bool
     return (packed, True) if len(packed) < len(raw) else (raw, False)
 
 
-def _encode_tensor(base: np.ndarray, new: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[dict, bytes, bytes] | None:
+@dataclass(frozen=True)
+class _Encoded:
+    info: dict
+    pos: bytes
+    val: bytes
+
+
+def _encode_tensor(base: np.ndarray, new: np.ndarray) -> _Encoded | None:
+    """One tensor's part of a delta (None: unchanged). Safe to run on several threads at
+    once: numpy's comparisons and zstd release the GIL, and the compressor is its own."""
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
     flat_base = base.reshape(-1)
     flat_new = new.reshape(-1)
     changed = flat_base != flat_new
@@ -123,37 +134,74 @@ def _encode_tensor(base: np.ndarray, new: np.ndarray, cctx: zstandard.ZstdCompre
         "shape": list(base.shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z,
         "xxh3": _bits_hash(new),
     }
-    return info, pos_bytes, val_bytes
+    return _Encoded(info, pos_bytes, val_bytes)
+
+
+class DeltaEncoder:
+    """An exact delta from `base` built one tensor at a time, as each tensor's new bits
+    become final. The trainer's optimizer hands a tensor over as soon as the last bucket
+    holding it is stepped (HostAdamW.step's `on_tensor`), so the delta is encoded while the
+    step still runs, and on `executor`'s threads when one is given, instead of in one pass
+    over every tensor after the step. The payload is the same bytes whatever the order of
+    `add` calls or the number of threads (tensors go in by name).
+
+    The arrays given to `add` must not change until `finish` returns."""
+
+    def __init__(self, base: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str, executor: Executor | None = None):
+        self.base = base
+        self.base_version, self.version, self.fingerprint = base_version, version, fingerprint
+        self._executor = executor
+        self._parts: dict[str, Future[_Encoded | None] | _Encoded | None] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parts
+
+    def add(self, name: str, new: np.ndarray) -> None:
+        if name not in self.base:
+            raise DeltaError(f"{name} is not a tensor of the base weights")
+        if name in self._parts:
+            raise DeltaError(f"{name} was added twice")
+        base = self.base[name]
+        if base.shape != new.shape:
+            raise DeltaError(f"{name}: shape {base.shape} != {new.shape}")
+        self._parts[name] = self._executor.submit(_encode_tensor, base, new) if self._executor else _encode_tensor(base, new)
+
+    def finish(self) -> tuple[bytes, DeltaStats]:
+        """The payload, once every tensor of the base was added."""
+        if self._parts.keys() != self.base.keys():
+            raise DeltaError(f"weight names differ: {sorted(set(self.base) ^ set(self._parts))[:5]}")
+        stats = DeltaStats()
+        arrays: dict[str, np.ndarray] = {}
+        infos: dict[str, dict] = {}
+        for name in sorted(self.base):
+            part = self._parts[name]
+            encoded = part.result() if isinstance(part, Future) else part
+            size = self.base[name].size
+            stats.total_values += size
+            stats.dense_bytes += size * 2
+            if encoded is None:
+                continue
+            infos[name] = encoded.info
+            arrays[f"{name}::pos"] = np.frombuffer(encoded.pos, dtype=np.uint8)
+            arrays[f"{name}::val"] = np.frombuffer(encoded.val, dtype=np.uint8)
+            stats.changed_tensors += 1
+            stats.changed_values += encoded.info["count"]
+            key = f"{encoded.info['pos']}+{encoded.info['val']}"
+            stats.encodings[key] = stats.encodings.get(key, 0) + 1
+        meta = _meta("delta", self.base_version, self.version, self.fingerprint, tensors=json.dumps(infos, separators=(",", ":")))
+        payload = safetensors_io.dumps(arrays, meta)
+        stats.nbytes = len(payload)
+        return payload, stats
 
 
 def encode_delta(base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str) -> tuple[bytes, DeltaStats]:
     """Exact delta turning `base` into `new` (same names and shapes)."""
     if base.keys() != new.keys():
         raise DeltaError(f"weight names differ: {sorted(set(base) ^ set(new))[:5]}")
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
-    stats = DeltaStats()
-    parts: dict[str, np.ndarray] = {}
-    infos: dict[str, dict] = {}
+    encoder = DeltaEncoder(base, base_version, version, fingerprint)
     for name in sorted(base):
-        b, n = base[name], new[name]
-        if b.shape != n.shape:
-            raise DeltaError(f"{name}: shape {b.shape} != {n.shape}")
-        stats.total_values += b.size
-        stats.dense_bytes += b.size * 2
-        encoded = _encode_tensor(b, n, cctx)
-        if encoded is None:
-            continue
-        info, pos_bytes, val_bytes = encoded
-        infos[name] = info
-        parts[f"{name}::pos"] = np.frombuffer(pos_bytes, dtype=np.uint8)
-        parts[f"{name}::val"] = np.frombuffer(val_bytes, dtype=np.uint8)
-        stats.changed_tensors += 1
-        stats.changed_values += info["count"]
-        key = f"{info['pos']}+{info['val']}"
-        stats.encodings[key] = stats.encodings.get(key, 0) + 1
-    payload = safetensors_io.dumps(parts, _meta("delta", base_version, version, fingerprint, tensors=json.dumps(infos, separators=(",", ":"))))
-    stats.nbytes = len(payload)
-    return payload, stats
+        encoder.add(name, new[name])
+    return encoder.finish()
 
 
 def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str], dict[str, np.ndarray]]:

@@ -1,1 +1,7 @@
 """rollstream reference: adds the frozen reference model's per-token log-probs (for the KL term)."""
+
+from rollstream.core import cpu_runtime
+
+# Before anything here imports torch (which starts OpenMP): on shared cores spinning OpenMP
+# threads starve the other processes' (core/cpu_runtime.py).
+cpu_runtime.passive_openmp()

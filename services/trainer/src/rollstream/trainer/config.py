@@ -83,6 +83,11 @@ class TrainerSettings(TorchSettings):
         "e.g. gen-headless.ns.svc:50051); added to `generators`",
     )
     anchor_interval: int = Field(20, ge=1, description="publish a full anchor every N versions")
+    delta_encode_threads: int = Field(
+        1, ge=0, le=64,
+        description="threads that encode the weight delta tensor by tensor during the optimizer step (0: after the step, on the trainer's thread); "
+        "more only where cores are left over from AdamW (docs/benchmarks.md)",
+    )
     push_timeout_s: float = Field(120.0, gt=0)
     group: str = Field("trainer", description="consumer group on the ready stream")
 

@@ -13,9 +13,11 @@ bucket may start or end in the middle of a parameter. A step:
      on a side stream, the CPU scales them by the clip factor and runs fused AdamW on the
      bucket's masters and moments, rounds the result to bf16 into a second pinned buffer,
      which goes host-to-device into the parameters on another side stream; the bf16 bits of
-     the bucket are copied into the new published bits and compared with the previous ones
-     (`changed`) on the way. Staging buffers are double-buffered: while the CPU works on
-     bucket k, the gradients of bucket k+1 come down and the weights of bucket k-1 go up.
+     the bucket are copied into the new published bits, and each parameter whose last
+     bucket this was is handed to `on_tensor` (the publisher's delta encoder) right away,
+     so the delta is built on the way instead of by a pass over every tensor after the
+     step. Staging buffers are double-buffered: while the CPU works on bucket k, the
+     gradients of bucket k+1 come down and the weights of bucket k-1 go up.
 On a CPU-only machine the same code runs with plain synchronous copies and no streams.
 
 Why the masters and moments are not pinned: they never cross the bus (only gradients and
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +46,9 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 MomentsDtype = Literal["float32", "bfloat16"]
+# Called with a parameter's name and its new bf16 bits (final for this step) as soon as the
+# last bucket holding it is done; the array stays valid and unchanged after the step.
+OnTensor = Callable[[str, np.ndarray], None]
 _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Bucket boundaries on multiples of this many elements keep every bucket's vectors aligned
 # for the fused kernel's SIMD loop.
@@ -171,6 +176,10 @@ class HostAdamW:
 
         bucket_elems = max(_ALIGN, int(bucket_mb * 2**20) // 4 // _ALIGN * _ALIGN)
         self.buckets = self._cut(bucket_elems)
+        # The parameters whose last element is in bucket k: complete once k is stepped.
+        self._completed_by: list[list[str]] = [[] for _ in self.buckets]
+        for name, (off, n, _shape) in self.layout.items():
+            self._completed_by[(off + n - 1) // bucket_elems].append(name)
         width = max(b.size for b in self.buckets)
         pin = self.device.type == "cuda"
         # On a GPU gradients come down in the parameters' dtype (bf16: half the bytes over the
@@ -187,10 +196,9 @@ class HostAdamW:
             self._m32 = torch.empty(width, dtype=torch.float32)
             self._v32 = torch.empty(width, dtype=torch.float32)
         self._copier = _Copier(self.device)
-        # The bits last written into the model (the base of `changed`), and a spare buffer.
+        # The bits last written into the model, and a spare buffer (see _bits_buffer).
         self._bits = np.empty(0, dtype=np.uint16)
         self._spare_bits: np.ndarray | None = None
-        self.changed: dict[str, int] = {}
 
         self.host_grad: torch.Tensor | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -265,10 +273,12 @@ class HostAdamW:
             self.host_grad.zero_()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
         """One AdamW step from the accumulated gradients (then cleared). Returns (grad norm
-        before clipping, the new bf16 bits of every parameter). A non-finite gradient norm
-        applies nothing: the gradients are dropped and NonFiniteStep is raised."""
+        before clipping, the new bf16 bits of every parameter); `on_tensor` gets each
+        parameter's new bits during the step, as soon as they are final. A non-finite
+        gradient norm applies nothing (and calls nothing): the gradients are dropped and
+        NonFiniteStep is raised."""
         norm = self._grad_norm()
         if not math.isfinite(norm):
             self.discard_grads()
@@ -279,7 +289,7 @@ class HostAdamW:
             clip = float(torch.clamp(max_grad_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
         self.step_count += 1
         self._copier.begin()
-        bits = self._update_buckets(clip=clip, adam=True)
+        bits = self._update_buckets(clip=clip, adam=True, on_tensor=on_tensor)
         for p in self.params.values():
             p.grad = None  # every fetch was waited for: the device memory may go
         if self.host_grad is not None:
@@ -311,10 +321,8 @@ class HostAdamW:
             return spare
         return np.empty(self.numel, dtype=np.uint16)
 
-    def _update_buckets(self, clip: float, adam: bool) -> dict[str, np.ndarray]:
+    def _update_buckets(self, clip: float, adam: bool, on_tensor: OnTensor | None = None) -> dict[str, np.ndarray]:
         new_bits = self._bits_buffer()
-        old_bits = self._bits if self._bits.size == self.numel else None
-        changed = dict.fromkeys(self.layout, 0)
         fetch_grads = adam and self.host_grad is None
         fetched = self._fetch(0) if fetch_grads else None
         put: list[torch.cuda.Event | None] = [None, None]
@@ -341,21 +349,16 @@ class HostAdamW:
             put[k % 2] = self._copier.to_device(
                 [(out[pc.bucket_start : pc.bucket_start + pc.count], _flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
             )
-            new = new_bits[b.start : b.end]
-            new[:] = _bits_of(out)
-            if old_bits is not None:
-                diff = new != old_bits[b.start : b.end]
-                for pc in b.pieces:
-                    changed[pc.name] += int(np.count_nonzero(diff[pc.bucket_start : pc.bucket_start + pc.count]))
-            else:
-                for pc in b.pieces:
-                    changed[pc.name] += pc.count
+            new_bits[b.start : b.end] = _bits_of(out)
+            if on_tensor is not None:
+                for name in self._completed_by[k]:
+                    off, count, shape = self.layout[name]
+                    on_tensor(name, new_bits[off : off + count].reshape(shape))
         for event in put:
             self._copier.wait(event)
         self._copier.end()
         self._spare_bits = self._bits if self._bits.size == self.numel else None
         self._bits = new_bits
-        self.changed = changed
         return self._split_bits(new_bits)
 
     def _adamw_bucket(self, b: Bucket, grad: torch.Tensor) -> None:

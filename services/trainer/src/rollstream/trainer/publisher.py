@@ -75,9 +75,13 @@ class Published:
 
 
 class WeightPublisher:
-    def __init__(self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None):
+    def __init__(
+        self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
+        encode_threads: int = 0,
+    ):
         """`creds`: the trainer's token (generators accept PushWeights from the trainer role
-        only) and TLS material; None pushes without either."""
+        only) and TLS material; None pushes without either. `encode_threads`: threads that
+        encode a delta's tensors while the step still runs (0: on the caller's thread)."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
         self.creds = creds
@@ -85,6 +89,7 @@ class WeightPublisher:
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
         self._channels: dict[str, grpc.Channel] = {}  # by address, kept between pushes
         self._channels_lock = threading.Lock()
+        self._encode_pool = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="delta") if encode_threads else None
         self._set_anchor(dict(bits), version)
 
     @property
@@ -102,11 +107,24 @@ class WeightPublisher:
             self._anchor = Published(deltas.PayloadInfo("anchor", version, version, self.fingerprint), payload)
             self._deltas: list[Published] = []
 
-    def publish(self, new_bits: Mapping[str, np.ndarray]) -> tuple[Published, deltas.DeltaStats]:
-        """Encode the delta from the last published version; every anchor_interval versions
-        also start a new anchor (older deltas are then no longer needed)."""
+    def begin_delta(self) -> deltas.DeltaEncoder:
+        """An encoder for the next version's delta, to be fed tensor by tensor as the step
+        produces them (HostAdamW.step's on_tensor) and handed to publish()."""
+        return deltas.DeltaEncoder(self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool)
+
+    def publish(self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None) -> tuple[Published, deltas.DeltaStats]:
+        """Encode the delta from the last published version (the tensors not yet given to
+        `encoder`, from begin_delta, are added now); every anchor_interval versions also
+        start a new anchor (older deltas are then no longer needed)."""
         base = self._version
-        payload, stats = deltas.encode_delta(self._bits, new_bits, base, base + 1, self.fingerprint)
+        if encoder is None:
+            encoder = self.begin_delta()
+        elif encoder.base_version != base or encoder.base is not self._bits:
+            raise deltas.DeltaError(f"the encoder's base is version {encoder.base_version}, the last published is {base}")
+        for name in sorted(new_bits):
+            if name not in encoder:
+                encoder.add(name, new_bits[name])
+        payload, stats = encoder.finish()
         delta = Published(deltas.PayloadInfo("delta", base, base + 1, self.fingerprint), payload)
         if (base + 1) % self.anchor_interval == 0:
             self._set_anchor(dict(new_bits), base + 1)
