@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, streams, validation
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import NAME_PATTERN, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent, stop_process
 from rollstream.core.redis_server import EmbeddedRedis, free_port
@@ -379,7 +379,7 @@ REWARD_CHOICES = ("builtin", "external")
 REWARD_ROLE = "reward"  # the credentials role (gRPC token, Redis ACL user) of any reward stage
 # Written by `up --reward external` into the workdir: what the outside service needs, as JSON.
 EXTERNAL_REWARD_FILE = "external-reward.json"
-_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_GROUP_NAME = re.compile(NAME_PATTERN)
 
 
 def check_reward_args(args: argparse.Namespace) -> str:
