@@ -15,6 +15,7 @@ import httpx
 
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
+from rollstream.core.procs import stop_process
 from rollstream.core.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -39,14 +40,7 @@ class ChildProcess:
             self.proc.wait(timeout=30)
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_s)
 
 
 @dataclass
