@@ -4,7 +4,9 @@
                       --redis-url), trainer, generator(s), reward, reference (when
                       beta > 0 and the trainer is not its own reference), with a live
                       progress display; Ctrl-C stops it all cleanly
-  rollstream status   the pipeline of a run, read from Redis (--watch to follow)
+  rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
+                      line naming the bottleneck or the stuck stage (core/diagnose.py)
+  rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
   rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
                       and with --tls a CA and a certificate per role (docs/security.md)
 """
@@ -28,7 +30,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, streams, validation
+from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, steplog, streams, validation
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent
 from rollstream.core.redis_server import EmbeddedRedis, free_port
@@ -173,8 +175,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints = workdir / "checkpoints"
-    if args.fresh and checkpoints.exists():
-        shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
+    step_log = workdir / steplog.FILE_NAME
+    if args.fresh:
+        if checkpoints.exists():
+            shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
+        step_log.unlink(missing_ok=True)  # nor append to the last one's curve
     # Resolve (and on first use convert) the model once, before any service races to do it.
     from rollstream.core.models import resolve_model
 
@@ -232,6 +237,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
         "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.checkpoint_every), "--resume", "auto", "--linger",
+        "--metrics-file", str(step_log),
     ]
     # The reference service runs only where the KL needs it and the trainer is not its own
     # reference (LoRA with kl_reference = lora_base: the base under the adapters).
@@ -353,7 +359,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         elif stopping:
             console.print("stopped before the first step")
+        if step_log.exists():
+            _plot_curve(step_log, workdir / "curves.png", console)
     return 0
+
+
+def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
+    """The run's curves at the end of `up` (a plotting failure is reported, never fatal)."""
+    from rollstream.core import plot
+
+    try:
+        path, log = plot.render(step_log, out)
+    except plot.PlotError as e:
+        console.print(f"[yellow]no curve: {e}[/]")
+        return
+    console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""))
 
 
 def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
@@ -495,6 +515,24 @@ def cmd_status(args: argparse.Namespace) -> int:
             client.close()
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rollstream.core import plot
+
+    console = Console(stderr=True)
+    run = Path(args.run)
+    try:
+        log_path = plot.resolve_log(run)
+        out = Path(args.output) if args.output else (run if run.is_dir() else run.parent) / "curves.png"
+        path, log = plot.render(log_path, out, title=args.title)
+    except plot.PlotError as e:
+        console.print(f"[red]{e}[/]", soft_wrap=True)
+        return 1
+    for number, why in log.skipped:
+        console.print(f"[yellow]warning: {log_path}:{number} skipped: {why}[/]", soft_wrap=True)
+    print(path)
+    return 0
+
+
 def cmd_secrets(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if (args.namespace or args.dns) and not args.tls:
@@ -551,6 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
     st.set_defaults(func=cmd_status)
+    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG")
+    pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
+    pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
+    pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
+    pl.set_defaults(func=cmd_plot)
     se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment")
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
@@ -560,6 +603,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main_code(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status (for tests: main() exits with it)."""
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(main_code(argv))
