@@ -21,22 +21,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-import redis
 from rich.console import Console
-from rich.table import Table
+from rich.live import Live
+from rich.text import Text
 
-from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, steplog, streams, validation
+from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, status, steplog, streams, validation
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
-
-T = TypeVar("T")
 
 
 class ChildFailed(RuntimeError):
@@ -180,6 +176,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if checkpoints.exists():
             shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
         step_log.unlink(missing_ok=True)  # nor append to the last one's curve
+        (workdir / "restarts.json").unlink(missing_ok=True)
     # Resolve (and on first use convert) the model once, before any service races to do it.
     from rollstream.core.models import resolve_model
 
@@ -303,6 +300,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         # pending entries; the trainer from its latest checkpoint.
                         delay = child.restart_delay_s()
                         child.restarts += 1
+                        _write_restarts(workdir, children)  # `rollstream status --workdir` shows a crash loop
                         console.print(f"[yellow]{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s[/]\n{tail(child.log_path, 5)}")
                         time.sleep(delay)
                         child.start()
@@ -387,6 +385,14 @@ def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]
     return out
 
 
+def _write_restarts(workdir: Path, children: list[Child]) -> None:
+    """WORKDIR/restarts.json: service -> restarts so far (written whole, then renamed)."""
+    path = workdir / "restarts.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({c.name: c.restarts for c in children if c.restarts}))
+    tmp.replace(path)
+
+
 def _write_redis_state(workdir: Path, embedded: EmbeddedRedis) -> None:
     path = workdir / "state" / "redis.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,45 +440,6 @@ def settle_versions(trainer: Child, generators: list[Child], creds: ClientCreden
         time.sleep(1.0)
 
 
-def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> Table:
-    """The run's streams, counters, last step and live generators. A key holding something
-    else than rollstream wrote there is shown as such, not a crash."""
-
-    def read(what: Callable[[], T], default: T) -> tuple[T, str]:
-        try:
-            return what(), ""
-        except redis.ResponseError as e:  # WRONGTYPE and the like: someone else's key
-            return default, redis_policy.short(e)
-
-    table = Table(title=f"run {keys.run}: policy version {streams.current_version(client, keys) if client.type(keys.version) in (b'string', b'none') else '?'}")
-    table.add_column("stream")
-    table.add_column("length", justify="right")
-    table.add_column("groups (pending)")
-    for stage in (*streams.STAGES, "dead"):
-        key = keys.stream(stage)
-        length, error = read(lambda key=key: client.xlen(key), 0)
-        groups, _ = read(lambda key=key: client.xinfo_groups(key), [])
-        described = error or ", ".join(f"{g['name'].decode(errors='replace')} ({g['pending']})" for g in groups) or "-"
-        table.add_row(key, "?" if error else str(length), described)
-    raw, error = read(lambda: client.hgetall(keys.stats), {})
-    stats = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
-    table.caption = error or "  ".join(f"{k}={v}" for k, v in sorted(stats.items())) or "no counters yet"
-    last, error = read(lambda: client.xrevrange(keys.metrics, count=1), [])
-    if error:
-        table.caption += f"\nmetrics: {error}"
-    if last:
-        try:
-            m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
-            validation.check_metrics(m)
-            table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
-        except codec.EntryError as e:
-            table.caption += f"\nlast metrics entry unreadable: {e}"
-    generators, error = read(lambda: registry.live(client, keys, forget=False), {})
-    if generators or error:
-        table.caption += "\ngenerators (live): " + (error or ", ".join(f"{k}@{v}" for k, v in generators.items()))
-    return table
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     if args.workdir:  # the embedded Redis of an `up` run, as its admin user
@@ -495,22 +462,39 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(f"[red]{e}[/]")
         return 2
     keys = streams.RunKeys(args.run)
+    workdir = Path(args.workdir) if args.workdir else None
+    thresholds = diagnose.Thresholds(idle_s=args.idle_s, max_staleness=args.max_staleness)
+    if not console.is_terminal:
+        console.width = max(console.width, 180)  # piped: no wrapping of the stream names
     client = None
+    prev = None
+    live = Live(console=console, auto_refresh=False, transient=False) if args.watch and console.is_terminal else None
     try:
+        if live is not None:
+            live.start()
         while True:
             try:
                 client = client or redis_policy.connect(args.redis_url, username, password)
-                console.print(status_table(client, keys))
+                snap, extra = status.collect(client, keys, workdir)
+                view = status.render(keys, snap, extra, prev, thresholds)
+                prev = snap
             except redis_policy.ERRORS as e:
-                console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}[/]")
+                view = Text(f"Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}", style="yellow")
                 if not args.watch:
+                    console.print(view)
                     return 1
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
             if not args.watch:
                 return 0
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
     finally:
+        if live is not None:
+            live.stop()
         if client is not None:
             client.close()
 
@@ -587,7 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
         help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)",
     )
-    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
+    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes)")
+    st.add_argument("--idle-s", type=float, default=60.0, help="consumers idle this long with a backlog count as not reading")
+    st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
     st.set_defaults(func=cmd_status)
     pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG")
     pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")

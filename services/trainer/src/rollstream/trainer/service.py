@@ -75,6 +75,8 @@ def run(settings: TrainerSettings) -> None:
             loop.replay_trained_log()
             # After a resume this moves the version back; generators ahead of it get the anchor.
             host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
+            # For `rollstream status`: this many groups pending on the trainer is a step in progress.
+            host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
             host.set_ready(True, f"training from {stage.stream}")
             if restored is not None:
                 loop.push_anchor()
