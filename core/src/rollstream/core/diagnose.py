@@ -20,7 +20,8 @@ The rules, most serious first (`diagnose` returns every finding, the first is th
   deadlock          the trainer holds a partial batch and waits, while the generators are held back
                     by what waits downstream (that very batch): back-pressure below a step's groups
   not reading       a backlog, and every consumer of the group idle for `idle_s` (dead or hung);
-                    not for the generators while groups wait downstream (back-pressure holds them)
+                    not for the generators while groups wait downstream (back-pressure holds them),
+                    nor for the trainer during a step (it reads nothing until it commits)
   falling behind    a stage's backlog grew since the last look and it consumed nothing
   generator behind  a live generator more than `max_staleness` versions behind the trainer, or
                     with no weights; or no generator registered at all
@@ -186,6 +187,7 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
             f"{min(c.idle_s for c in gen_group.consumers):.0f}s) are held back by those very groups: max_inflight_groups below groups_per_step?",
         ))  # fmt: skip
 
+    training = ready is not None and per_step > 0 and ready.pending >= per_step
     for spec in stages:
         s = cur.stream(spec.stream)
         g = s.group(spec.group)
@@ -202,6 +204,8 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
         if idle >= t.idle_s:
             if spec is gen_spec and downstream > 0:
                 continue  # held back by back-pressure: the groups downstream are the story
+            if spec is trainer_spec and training:
+                continue  # a step in progress reads nothing until it commits
             found.append(Finding(
                 "stuck", spec.name,
                 f"not reading {spec.stream}: {backlog} waiting ({g.pending} pending), every consumer idle for {idle:.0f}s or more (dead or hung?)",
@@ -236,7 +240,6 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
     # where the flow stops: the stage nearest the trainer with a backlog. The trainer holds a
     # step's groups pending while it trains them: that many pending is a step in progress.
     r = {spec.name: rate(prev, cur, spec) for spec in stages}
-    training = ready is not None and per_step > 0 and ready.pending >= per_step
     if ready is None or (ready.lag == 0 and not training):
         waiting = [(spec, cur.backlog(spec.stream, spec.group)) for spec in stages if spec is not trainer_spec]
         holding = [(spec, n) for spec, n in waiting if n > 0]
@@ -249,7 +252,8 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
         else:
             found.append(Finding("ok", "", f"nothing waiting anywhere (trainer step {cur.trainer_step}, v{cur.trainer_version})"))
     else:
-        doing = f"training a step on {ready.pending} groups" if training else f"{ready.pending} groups pending on it"
+        since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
+        doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"
         found.append(Finding(
             "info", "trainer", f"{ready.lag} more groups wait in ready, {doing}{_rate_text(r['trainer'])}: the step is the long pole",
         ))
