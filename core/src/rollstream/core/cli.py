@@ -369,9 +369,9 @@ def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
     try:
         path, log = plot.render(step_log, out)
     except plot.PlotError as e:
-        console.print(f"[yellow]no curve: {e}[/]")
+        console.print(f"[yellow]no curve: {e}[/]", soft_wrap=True)
         return
-    console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""))
+    console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
 
 
 def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
