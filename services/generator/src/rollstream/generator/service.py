@@ -110,7 +110,7 @@ def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
         committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
     stage.trim()
     # Not committed: another consumer took these tasks over meanwhile and writes them itself.
-    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version)
+    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version, groups=logs.group_ids(groups))
 
 
 def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:

@@ -224,7 +224,7 @@ class TrainerLoop:
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
             pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
-            zero_var=metrics.zero_variance_groups,
+            zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
 
     def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float]) -> None:
