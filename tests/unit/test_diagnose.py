@@ -132,3 +132,12 @@ def test_an_empty_run_is_ok_and_rates_need_two_looks() -> None:
     cur = Snapshot(**healthy())
     assert rate(None, cur, PIPELINE[0]) is None
     assert rate(Snapshot(**healthy(at=90.0, counters={"generated": 20})), cur, PIPELINE[0]) == 2.0
+
+
+def test_a_slow_batch_is_not_a_stuck_stage() -> None:
+    """A consumer idle past the threshold whose stage consumed since the last look is slow, not stuck."""
+    s = healthy()
+    s["streams"] = {**s["streams"], "rollouts": stream(9, "reward", pending=6, lag=3, idle=(300.0,))}
+    prev = Snapshot(**{**s, "at": 50.0, "counters": {**s["counters"], "scored": 30}})
+    assert head(Snapshot(**s), prev).level != "stuck"
+    assert head(Snapshot(**s), Snapshot(**{**s, "at": 50.0})).level == "stuck"

@@ -572,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)",
     )
     st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes)")
-    st.add_argument("--idle-s", type=float, default=60.0, help="consumers idle this long with a backlog count as not reading")
+    st.add_argument("--idle-s", type=float, default=300.0, help="consumers idle this long with a backlog (and no progress) count as not reading")
     st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
     st.set_defaults(func=cmd_status)
     pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG")

@@ -19,7 +19,8 @@ The rules, most serious first (`diagnose` returns every finding, the first is th
   no consumer       a group with a backlog and no consumer in it
   deadlock          the trainer holds a partial batch and waits, while the generators are held back
                     by what waits downstream (that very batch): back-pressure below a step's groups
-  not reading       a backlog, and every consumer of the group idle for `idle_s` (dead or hung);
+  not reading       a backlog, every consumer of the group idle for `idle_s` (dead or hung), and
+                    nothing consumed since the last look (a slow batch idles its consumer too);
                     not for the generators while groups wait downstream (back-pressure holds them),
                     nor for the trainer during a step (it reads nothing until it commits)
   falling behind    a stage's backlog grew since the last look and it consumed nothing
@@ -126,7 +127,7 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Thresholds:
-    idle_s: float = 60.0  # consumers idle this long with a backlog are not reading
+    idle_s: float = 300.0  # consumers idle this long with a backlog, and no progress, are not reading
     max_staleness: int = 1  # generators further behind produce groups the trainer drops
     crash_restarts: int = 3  # restarts that make a crash loop
 
@@ -201,7 +202,10 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
             found.append(Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and group '{g.name}' has no consumer: is the {spec.name} running?"))
             continue
         idle = min(c.idle_s for c in g.consumers)
-        if idle >= t.idle_s:
+        # A batch slower than idle_s (CPU sampling) leaves its consumer idle too: with an
+        # earlier look, only a stage that consumed nothing since counts.
+        progressed = prev is not None and cur.consumed(spec) > prev.consumed(spec)
+        if idle >= t.idle_s and not progressed:
             if spec is gen_spec and downstream > 0:
                 continue  # held back by back-pressure: the groups downstream are the story
             if spec is trainer_spec and training:
