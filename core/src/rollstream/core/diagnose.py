@@ -258,8 +258,7 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
     else:
         since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
         doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"
-        found.append(Finding(
-            "info", "trainer", f"{ready.lag} more groups wait in ready, {doing}{_rate_text(r['trainer'])}: the step is the long pole",
-        ))
+        more = f", {ready.lag} more wait in ready" if ready.lag else ""
+        found.append(Finding("info", "trainer", f"{doing}{more}{_rate_text(r['trainer'])}: the step is the long pole"))
     found.sort(key=lambda f: _ORDER[f.level])
     return found
