@@ -29,15 +29,25 @@ import redis
 SCHEMA = b"1"  # the `schema` field this code reads and writes
 MAX_DELIVERIES = 5  # an entry read this often without being acknowledged goes to the dead letters
 
-# Write the output (or the dead letter), count it, acknowledge the input: one atomic step.
-# A script stops at the first error, so an output that cannot be written never gets its
-# input acknowledged (MULTI/EXEC would go on and ack it anyway).
-# KEYS: input stream, output stream, stats hash. ARGV: group, entry id, stats field, then
-# the output entry's field/value pairs.
+# Write the output (or the dead letter), acknowledge the input, count it: one atomic step,
+# the script of docs/custom-reward.md. It writes only while the entry is still pending on
+# this consumer, so a commit retried after a lost reply, or one whose entry was taken over
+# meanwhile, writes nothing (returns 0). A script stops at the first error, so an output
+# that cannot be written never gets its input acknowledged (MULTI/EXEC would go on).
+# KEYS: input stream, output stream, stats hash. ARGV: group, consumer, entry id, stats
+# field, output MAXLEN ("0": none), then the output entry's field/value pairs.
 COMMIT = """
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', 1000000, '*', unpack(ARGV, 4))
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then
+  return 0
+end
+if ARGV[5] == '0' then
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
+else
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 6))
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+return 1
 """
 
 
@@ -89,19 +99,28 @@ class ParityReward:
         return [(eid, fields) for _stream, items in reply or [] for eid, fields in items if fields]
 
     def claim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        reply = self.r.xautoclaim(self.source, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=16)
-        return [(eid, fields) for eid, fields in reply[1] if fields]
+        """Entries idle for claim_idle_ms on *another* consumer (XPENDING IDLE + XCLAIM, as the
+        built-in stages do: XAUTOCLAIM would also hand us back entries we still hold)."""
+        pending = self.r.xpending_range(self.source, self.group, min="-", max="+", count=128, idle=self.claim_idle_ms)
+        ids = [p["message_id"] for p in pending if p["consumer"].decode() != self.consumer][:16]
+        if not ids:
+            return []
+        claimed = [(eid, fields) for eid, fields in self.r.xclaim(self.source, self.group, self.consumer, self.claim_idle_ms, ids) if eid is not None]
+        gone = [i for i in ids if i not in {eid for eid, fields in claimed if fields}]
+        if gone:  # trimmed away while pending (Redis 6.2 hands them over empty): nothing to score
+            self.r.xack(self.source, self.group, *gone)
+        return [(eid, fields) for eid, fields in claimed if fields]
 
     def handle(self, entries: list[tuple[bytes, dict[bytes, bytes]]], check_deliveries: bool) -> None:
         deliveries = self.deliveries([eid for eid, _ in entries]) if check_deliveries else {}
         for eid, fields in entries:
             if deliveries.get(eid, 1) > MAX_DELIVERIES:
-                self.dead_letter(eid, fields, f"delivered {deliveries[eid]} times without being acknowledged")
+                self.dead_letter(eid, fields, f"delivered {deliveries[eid]} times without being acknowledged", deliveries[eid])
                 continue
             try:
                 group = self.decode(fields)
             except ValueError as e:
-                self.dead_letter(eid, fields, str(e))
+                self.dead_letter(eid, fields, str(e), deliveries.get(eid, 1))
                 continue
             if not group.scored:  # already scored upstream: forward as it is
                 for c in group.completions:
@@ -111,7 +130,7 @@ class ParityReward:
                     c.reward_components.add(name=name, value=reward, weight=1.0, status="ok")
                 group.scored = True
             out = [b"type", b"rollstream.v1.RolloutGroup", b"schema", SCHEMA, b"data", group.SerializeToString()]
-            self.commit(keys=[self.source, self.output, self.stats], args=[self.group, eid, "scored", *out])
+            self.commit(keys=[self.source, self.output, self.stats], args=[self.group, self.consumer, eid, "scored", "0", *out])
 
     def decode(self, fields: dict[bytes, bytes]):
         if fields.get(b"type") != b"rollstream.v1.RolloutGroup":
@@ -133,13 +152,14 @@ class ParityReward:
         pending = self.r.xpending_range(self.source, self.group, min="-", max="+", count=10_000, consumername=self.consumer)
         return {p["message_id"]: int(p["times_delivered"]) for p in pending if p["message_id"] in wanted}
 
-    def dead_letter(self, eid: bytes, fields: dict[bytes, bytes], reason: str) -> None:
+    def dead_letter(self, eid: bytes, fields: dict[bytes, bytes], reason: str, deliveries: int = 1) -> None:
         letter = self.pb.DeadLetter(
             source_stream=self.source, source_id=eid.decode(), consumer_group=self.group, consumer=self.consumer,
-            reason=reason, original_fields={k.decode(errors="replace"): v for k, v in fields.items()}, dead_at=time.time(),
+            reason=reason, deliveries=deliveries, original_fields={k.decode(errors="replace"): v for k, v in fields.items()},
+            dead_at=time.time(),  # seconds since the epoch
         )  # fmt: skip
         out = [b"type", b"rollstream.v1.DeadLetter", b"schema", SCHEMA, b"data", letter.SerializeToString(), b"reason", reason.encode()]
-        self.commit(keys=[self.source, self.dead, self.stats], args=[self.group, eid, "dead_rollouts", *out])
+        self.commit(keys=[self.source, self.dead, self.stats], args=[self.group, self.consumer, eid, "dead_rollouts", "100000", *out])
         print(f"dead letter {eid.decode()}: {reason}", file=sys.stderr, flush=True)
 
     def trim(self) -> None:

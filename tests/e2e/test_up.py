@@ -8,14 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
 from rollstream.core import codec, steplog
 from rollstream.core.streams import RunKeys
-from rollstream.v1 import rollout_pb2
+from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 from helpers import still_running, wait_for
 from procs import alive
@@ -119,3 +121,44 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
         for pid in pids().values():  # whatever happened, leave nothing to the next test
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--reward", "external", "--scorer-address", "127.0.0.1:50061"], "--scorer-address"),
+        (["--reward-group", "two words"], "--reward-group"),
+    ],
+)
+def test_up_refuses_bad_reward_flags(flags: list[str], field: str, tmp_path: Path) -> None:
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and field in done.stderr, done.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+class QuarterScorer(reward_pb2_grpc.RewardServicer):
+    """A remote grader that gives every completion 0.25."""
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
+        component = rollout_pb2.RewardComponent(name="quarter", value=0.25, weight=1.0, status="ok")
+        return reward_pb2.ScoreResponse(scores=[reward_pb2.ItemScore(reward=0.25, components=[component]) for _ in request.items])
+
+
+def test_up_scores_with_a_remote_scorer(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+    """`up --scorer-address`: the built-in reward stage scores every completion with it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    reward_pb2_grpc.add_RewardServicer_to_server(QuarterScorer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        cmd = [
+            rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "2", "--run", run_name, "--workdir", str(tmp_path),
+            "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+            "--scorer-address", f"127.0.0.1:{port}",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        server.stop(grace=None)
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(RunKeys(run_name).metrics)]
+    assert [m.reward_mean for m in metrics] == [0.25, 0.25]

@@ -63,6 +63,7 @@ class RunShape:
     beta: float = 0.05
     checkpoint_every: int = 1
     threads: int = 1
+    reward: str = "builtin"  # `up --reward`: "external" starts no reward service (the test brings one)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class FaultRun:
             str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(self.model_dir), "--workdir", str(self.workdir),
             "--run", self.run, "--steps", str(s.steps), "--group-size", str(s.group_size), "--groups-per-step", str(s.groups_per_step),
             "--max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--checkpoint-every", str(s.checkpoint_every),
-            "--beta", str(s.beta),
+            "--beta", str(s.beta), "--reward", s.reward,
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -207,7 +208,10 @@ class FaultRun:
 
     def services(self) -> tuple[str, ...]:
         """The services `up` starts for this shape (the reference only with beta > 0)."""
-        return SERVICES if self.shape.beta > 0 else tuple(s for s in SERVICES if s != "reference-0")
+        left_out = {"reference-0"} if self.shape.beta <= 0 else set()
+        if self.shape.reward == "external":
+            left_out.add("reward-0")
+        return tuple(s for s in SERVICES if s not in left_out)
 
     def wait_exit(self, timeout_s: float) -> int:
         assert self.proc is not None

@@ -4,6 +4,7 @@ encodes, decodes and refuses entries with a reason a dead-letter reader can act 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,17 @@ def test_committed_stubs_are_current() -> None:
     assert (gen.STUB_DIR / "rollout_pb2.py").is_file()
     assert sorted(p.name for p in gen.PROTO_ROOT.glob("rollstream/v1/*.proto"))
     assert gen.stale_files() == [], "run `python scripts/gen_protos.py` after editing proto/"
+
+
+def test_the_schema_number_is_stated_in_the_proto_and_the_doc() -> None:
+    """rollout.proto is where a reader in another language learns the `schema` number; it,
+    docs/custom-reward.md and the codec must say the same."""
+    root = Path(__file__).resolve().parents[2]
+    proto = (root / "proto" / "rollstream" / "v1" / "rollout.proto").read_text()
+    stated = re.search(r"schema\s+the ASCII integer (\d+)", proto)
+    assert stated is not None and int(stated.group(1)) == codec.SCHEMA_VERSION
+    doc = (root / "docs" / "custom-reward.md").read_text()
+    assert f"| `schema` | the ASCII integer `{codec.SCHEMA_VERSION}`" in doc
 
 
 # --- round trips ---------------------------------------------------------------------------

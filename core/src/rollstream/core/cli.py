@@ -3,7 +3,9 @@
   rollstream up       the whole system as local processes: embedded redis-server (or
                       --redis-url), trainer, generator(s), reward, reference (when
                       beta > 0 and the trainer is not its own reference), with a live
-                      progress display; Ctrl-C stops it all cleanly
+                      progress display; Ctrl-C stops it all cleanly. --reward external
+                      starts no reward process and waits for one of your own
+                      (docs/custom-reward.md)
   rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
                       line naming the bottleneck or the stuck stage (core/diagnose.py)
   rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,11 +27,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
 from rich.console import Console
+from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.text import Text
 
-from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, status, steplog, streams, validation
+from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import status as pipeline_status
+from rollstream.core.config import CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent
 from rollstream.core.redis_server import EmbeddedRedis, free_port
@@ -168,6 +175,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         except ValueError as e:
             console.print(f"[red]--redis-url: {e}[/]")
             return 2
+    problem = check_reward_args(args)
+    if problem:
+        console.print(f"[red]{problem}[/]")
+        return 2
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints = workdir / "checkpoints"
@@ -267,7 +278,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             generator_args = ["--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(2 * args.groups_per_step)]
             children.append(Child(f"generator-{i}", ["generator", *common, *own("generator"), *model_args, *generator_args], env, workdir))
         output_stage = "scored" if with_reference else "ready"
-        children.append(Child("reward-0", ["reward", *common, *own("reward"), "--output-stage", output_stage, "--consumer", "reward-0"], env, workdir))
+        external: ExternalReward | None = None
+        if args.reward == "external":
+            external = ExternalReward(
+                redis_url=redis_url, keys=keys, group=args.reward_group, output_stage=output_stage,
+                username=REWARD_ROLE if embedded is not None else "",
+                password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded is not None else None,
+            )
+        else:
+            reward_args = ["reward", *common, *own("reward"), "--output-stage", output_stage, "--consumer", "reward-0", "--group", args.reward_group]
+            if args.scorer_address:
+                reward_args += ["--scorer-address", args.scorer_address]
+            children.append(Child("reward-0", reward_args, env, workdir))
         if with_reference:
             children.append(Child("reference-0", ["reference", *common, *own("reference"), *model_args, "--consumer", "reference-0"], env, workdir))
         for child in children[1:]:
@@ -279,8 +301,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             console.print(f"[red]{e}[/]")
             return 2 if e.returncode == 2 else 1
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
+        if external is not None:
+            console.print(external.instructions())
+            external.write(workdir / EXTERNAL_REWARD_FILE)
+            console.print(external.waiting_line())  # a line in the log too: the spinner is not kept
         redis_down = False
-        with console.status("waiting for the first step...") as status:
+        with console.status(external.waiting_line() if external is not None else "waiting for the first step...") as status:
             while not stopping:
                 if embedded is not None and embedded.proc is not None and embedded.proc.poll() is not None:
                     console.print(f"[yellow]redis-server exited with {embedded.proc.returncode}; restarting it on its AOF[/]")
@@ -305,6 +331,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         time.sleep(delay)
                         child.start()
                 try:
+                    reward_line = external.poll(client, console) if external is not None else ""
                     for m in progress.poll(client, keys):
                         console.print(
                             f"step {m.step:>3}/{args.steps}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
@@ -325,7 +352,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                     finished = True
                     break
                 status.update(
-                    f"steps {len(progress.by_step)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
+                    reward_line
+                    or f"steps {len(progress.by_step)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
                     f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}"
                 )
                 time.sleep(0.5)
@@ -372,6 +400,110 @@ def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
         console.print(f"[yellow]no curve: {e}[/]", soft_wrap=True)
         return
     console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
+
+
+REWARD_CHOICES = ("builtin", "external")
+REWARD_ROLE = "reward"  # the credentials role (gRPC token, Redis ACL user) of any reward stage
+# Written by `up --reward external` into the workdir: what the outside service needs, as JSON.
+EXTERNAL_REWARD_FILE = "external-reward.json"
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def check_reward_args(args: argparse.Namespace) -> str:
+    """Why the reward flags cannot be used together ("" when they can), naming the flag."""
+    if not _GROUP_NAME.fullmatch(args.reward_group):
+        return f"--reward-group: {args.reward_group!r} is not a consumer group name (letters, digits, '_', '.', '-')"
+    if args.reward == "external" and args.scorer_address:
+        return "--scorer-address: only with --reward builtin (the built-in stage calls the scorer; an external reward service scores by itself)"
+    return ""
+
+
+@dataclass
+class ExternalReward:
+    """`up --reward external`: no built-in reward process. What an outside reward service must
+    use (printed, and written to WORKDIR/external-reward.json), and whether one has joined:
+    a consumer in `group` on the rollouts stream (docs/custom-reward.md)."""
+
+    redis_url: str
+    keys: streams.RunKeys
+    group: str
+    output_stage: str
+    username: str  # the Redis ACL user of the reward role ("" for an external Redis: its URL decides)
+    password_file: Path | None
+    joined: bool = False
+    warned_groups: set[str] = field(default_factory=set)
+
+    @property
+    def source(self) -> str:
+        return self.keys.stream("rollouts")
+
+    def waiting_line(self) -> str:
+        return f"waiting for a reward consumer on {self.source} (consumer group {self.group})"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "redis_url": redis_policy.redact(self.redis_url),
+            "redis_username": self.username,
+            "redis_password_file": str(self.password_file) if self.password_file else "",
+            "run": self.keys.run,
+            "input_stream": self.source,
+            "consumer_group": self.group,
+            "output_stream": self.keys.stream(self.output_stage),
+            "output_stage": self.output_stage,
+            "dead_stream": self.keys.dead,
+            "stats_hash": self.keys.stats,
+            "max_deliveries": CommonSettings.model_fields["max_deliveries"].default,
+            "claim_idle_ms": CommonSettings.model_fields["claim_idle_ms"].default,
+        }
+
+    def instructions(self) -> str:
+        d = self.as_dict()
+        auth = (
+            f"  redis user:     {d['redis_username']} (password in {d['redis_password_file']}: read the file, never put it on a command line)\n"
+            if self.username
+            else "  redis user:     whatever the URL above gives (an external Redis: its own ACL)\n"
+        )
+        return (
+            "[bold]reward: external[/] (no built-in reward process; docs/custom-reward.md is the contract)\n"
+            f"  redis:          {d['redis_url']}\n{auth}"
+            f"  read:           {d['input_stream']} as consumer group {d['consumer_group']} (one stable consumer name per process)\n"
+            f"  write:          {d['output_stream']} (dead letters: {d['dead_stream']}, counters: {d['stats_hash']})\n"
+            f"  max deliveries: {d['max_deliveries']}; take over entries idle {d['claim_idle_ms']} ms on another consumer\n"
+            f"  the same as JSON: {EXTERNAL_REWARD_FILE} in the workdir"
+        )
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+
+    def poll(self, client: redis_policy.Client, console: Console) -> str:
+        """The status line while no consumer of `group` reads the rollouts ("" once one has),
+        and a warning, once each, for any other consumer group there: it would score every
+        group a second time, and it holds back trimming and the generators while it lags."""
+        try:
+            groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
+        except redis.ResponseError as e:  # WRONGTYPE: someone else's key; the display must not die of it
+            return f"{self.waiting_line()}: {redis_policy.short(e)}"
+        consumers = 0
+        created = False
+        for g in groups:
+            name = g["name"].decode(errors="replace") if isinstance(g["name"], bytes) else str(g["name"])
+            if name == self.group:
+                created, consumers = True, int(g["consumers"])
+            elif name not in self.warned_groups:
+                self.warned_groups.add(name)
+                console.print(
+                    f"[yellow]consumer group {name!r} on {self.source} is not {self.group!r}: every group reads every entry, "
+                    f"so it scores them twice, and while it lags it holds back trimming and the generators "
+                    f"(XGROUP DESTROY {self.source} {name} if it is left over)[/]"
+                )
+        if consumers and not self.joined:
+            self.joined = True
+            console.print(f"[green]a reward consumer joined consumer group {self.group} on {self.source}[/]")
+        if self.joined:
+            return ""
+        # Redis 6.2 lists a consumer only once it has been handed an entry: a service blocked
+        # on an empty stream shows as its group alone until the first group is generated.
+        return self.waiting_line() + (": the group exists, no consumer has taken an entry yet" if created else "")
 
 
 def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
@@ -440,6 +572,12 @@ def settle_versions(trainer: Child, generators: list[Child], creds: ClientCreden
         time.sleep(1.0)
 
 
+def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGroup:
+    """The run's pipeline as `rollstream status` shows it once (core/status.py), no rates."""
+    snap, extra = pipeline_status.collect(client, keys)
+    return pipeline_status.render(keys, snap, extra)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     if args.workdir:  # the embedded Redis of an `up` run, as its admin user
@@ -475,8 +613,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         while True:
             try:
                 client = client or redis_policy.connect(args.redis_url, username, password)
-                snap, extra = status.collect(client, keys, workdir)
-                view = status.render(keys, snap, extra, prev, thresholds)
+                snap, extra = pipeline_status.collect(client, keys, workdir)
+                view = pipeline_status.render(keys, snap, extra, prev, thresholds)
                 prev = snap
             except redis_policy.ERRORS as e:
                 view = Text(f"Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}", style="yellow")
@@ -560,6 +698,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh", action=argparse.BooleanOptionalAction, default=True,
         help="delete the run's keys and checkpoints first; --no-fresh continues the run (the trainer resumes its latest checkpoint)",
     )
+    up.add_argument(
+        "--reward", choices=REWARD_CHOICES, default="builtin",
+        help="builtin: start the reward service; external: start none, print what an outside reward service must use "
+        "(docs/custom-reward.md) and wait for it",
+    )
+    up.add_argument("--reward-group", default="reward", help="the reward stage's consumer group on the rollouts stream")
+    up.add_argument("--scorer-address", default="", help="with --reward builtin: host:port of a Reward/Score server the built-in stage scores with")
     up.add_argument("--log-json", action="store_true")
     up.set_defaults(func=cmd_up)
     st = sub.add_parser("status", help="show a run's streams, consumer groups and counters")

@@ -159,6 +159,11 @@ def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: dia
     lines: list[Text | Table] = [table]
     gens = ", ".join(f"{g} v{'?' if v is None else v}" for g, v in sorted(cur.generators.items())) or "none registered"
     lines.append(Text(f"generators (live): {gens}"))
+    if not any(g.consumers for g in cur.stream("rollouts").groups):
+        # No reward stage has taken an entry yet: the built-in one is starting, or an outside
+        # one (`up --reward external`) has not joined (Redis 6.2 lists a consumer only once it
+        # has been handed an entry).
+        lines.append(Text(f"waiting for a reward consumer on {keys.stream('rollouts')}", style="yellow"))
     m = extra.get("last_step")
     if m is not None:
         lines.append(Text(f"last step {m.step}: reward {m.reward_mean:.3f} ±{m.reward_std:.3f}, loss {m.loss:+.4f}, kl {m.kl:.4f}, "
