@@ -146,3 +146,13 @@ def test_status_watch_refreshes_with_rates(redis_url: str, rclient: redis.Redis,
     views = out.read_text().split("run " + keys.run)
     assert "…" in views[1]  # the first look has no rate yet
     assert "0.00" in views[2]  # the second: per second since the first (nothing consumed)
+
+
+def test_a_crash_loop_recorded_by_up(rclient: redis.Redis, keys: RunKeys, tmp_path: Path) -> None:
+    (tmp_path / "restarts.json").write_text('{"reward-0": 4}')
+    snap, _ = status.collect(rclient, keys, tmp_path)
+    assert snap.restarts == {"reward-0": 4}
+    f = diagnose.diagnose(snap, None, HOUR)[0]
+    assert (f.level, f.stage) == ("stuck", "reward-0") and "restarted 4 times" in f.reason
+    (tmp_path / "restarts.json").write_text("garbage")
+    assert status.collect(rclient, keys, tmp_path)[0].restarts == {}
