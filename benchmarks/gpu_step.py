@@ -10,7 +10,8 @@ them prompt; random token ids, 0/1 rewards), one sequence per micro-batch (token
 seq-tokens), activation checkpointing on, for three optimizers:
   host          HostAdamW: fp32 masters and moments in host memory, per bucket gradients
                 down, fused CPU AdamW, bf16 weights up; the step's new bits on the host
-                (what the trainer publishes) and the delta encoded on the way;
+                (what the trainer publishes) and the delta encoded on the way, on one
+                thread (the trainer's default);
   host_offload  the same with grad_offload (gradients to the host during backward);
   resident      the baseline: fp32 masters and moments on the GPU, torch.optim.AdamW(fused=True)
                 there, bf16 weights copied from the masters; no host bits, no delta (which
@@ -43,6 +44,7 @@ import json
 import os
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import devices  # benchmarks/devices.py
@@ -120,47 +122,66 @@ def peak_host_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+class Marks:
+    """CUDA events on the compute stream at the first forward of a step and at its optimizer
+    call (after the last backward was queued); nothing off CUDA."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.events: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+
+    def first_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        if not self.events:
+            self.mark()
+
+    def busy_s(self) -> float | None:
+        return self.events[0].elapsed_time(self.events[1]) / 1e3 if len(self.events) == 2 else None
+
+
+class MarkedOptimizer:
+    """`opt` as train_step uses it, marking the optimizer call first."""
+
+    def __init__(self, opt: Any, marks: Marks):
+        self.opt, self.marks = opt, marks
+
+    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+        self.marks.mark()
+        return self.opt.step(max_grad_norm, on_tensor)
+
+    def discard_grads(self) -> None:
+        self.opt.discard_grads()
+
+
 def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.RolloutGroup], cfg: StepConfig, device: torch.device, repeats: int, pad_id: int, delta: bool) -> dict[str, Any]:
-    """One warm-up and `repeats` timed steps. On CUDA two events on the compute stream mark
-    the first forward's start and the optimizer step's call (after the last backward was
-    queued): the micro-batches run back to back between them, so their distance is the
-    GPU's busy span of the step (an upper bound: kernels do not fill it completely)."""
+    """One warm-up and `repeats` timed steps. On CUDA the distance between the Marks is the
+    GPU's busy span of the step (the micro-batches run back to back between them; an upper
+    bound: kernels do not fill it completely). With `delta`, each step's delta is encoded on
+    the way on one thread, as the trainer does by default (delta_encode_threads 1)."""
     cuda = device.type == "cuda"
     walls, idles, phases = [], [], []
     bits = None
     tokens = 0
-    real_step = opt.step
+    encode_pool = ThreadPoolExecutor(1, thread_name_prefix="delta")
     for i in range(repeats + 1):
-        marks: list[torch.cuda.Event] = []
-
-        def mark() -> None:
-            if cuda:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                marks.append(event)
-
-        def first_forward(_module: torch.nn.Module, _args: Any) -> None:
-            if not marks:
-                mark()
-
-        def step_with_mark(max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
-            mark()
-            return real_step(max_grad_norm, on_tensor)
-
-        encoder = deltas.DeltaEncoder(bits, i - 1, i, "bench") if delta and bits is not None else None
-        hook = model.get_decoder().register_forward_pre_hook(first_forward)
-        opt.step = step_with_mark
+        marks = Marks(cuda)
+        encoder = deltas.DeltaEncoder(bits, i - 1, i, "bench", executor=encode_pool) if delta and bits is not None else None
+        hook = model.get_decoder().register_forward_pre_hook(marks.first_forward)
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         try:
-            r = train_step(model, opt, groups, cfg, pad_id=pad_id, on_tensor=encoder.add if encoder else None)
+            r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_tensor=encoder.add if encoder else None)  # type: ignore[arg-type]
             if encoder is not None:
                 encoder.finish()
             if cuda:
                 torch.cuda.synchronize(device)
         finally:
-            opt.step = real_step
             hook.remove()
         wall = time.perf_counter() - start
         if delta and r.trained_bits:
@@ -170,8 +191,10 @@ def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.Rollo
         walls.append(wall)
         tokens = r.train_tokens
         phases.append({"forward_s": round(r.forward_s, 3), "backward_s": round(r.backward_s, 3), "optimizer_s": round(r.optimizer_s, 3)})
-        if len(marks) == 2:
-            idles.append(1.0 - marks[0].elapsed_time(marks[1]) / 1e3 / wall)
+        busy = marks.busy_s()
+        if busy is not None:
+            idles.append(1.0 - busy / wall)
+    encode_pool.shutdown()
     median = float(np.median(walls))
     out: dict[str, Any] = {"step_s": round(median, 3), "tokens_per_s": round(tokens / median, 1), "phases": phases}
     if idles:

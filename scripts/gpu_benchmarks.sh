@@ -88,22 +88,21 @@ ran=()
 failed=()
 skipped=()
 
-bench() {  # bench NAME SCRIPT ARGS...
-    local name=$1 script=$2
-    shift 2
+run() {  # run NAME COMMAND...: stdout to OUTDIR/NAME.json, stderr to OUTDIR/NAME.log
+    local name=$1
+    shift
     if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then
         skipped+=("$name")
         return
     fi
-    local cmd=("$py" "$repo/benchmarks/$script" "$@")
     if [ "$dry_run" = 1 ]; then
-        echo "$name: timeout $timeout_s ${cmd[*]} > $outdir/$name.json 2> $outdir/$name.log"
+        echo "$name: timeout $timeout_s $* > $outdir/$name.json 2> $outdir/$name.log"
         ran+=("$name")
         return
     fi
-    echo "== $name: ${cmd[*]}" >&2
+    echo "== $name: $*" >&2
     local start=$SECONDS rc=0
-    timeout "$timeout_s" "${cmd[@]}" > "$outdir/$name.json" 2> "$outdir/$name.log" || rc=$?
+    timeout "$timeout_s" "$@" > "$outdir/$name.json" 2> "$outdir/$name.log" || rc=$?
     echo "== $name: exit $rc after $((SECONDS - start)) s" >&2
     if [ "$rc" = 0 ]; then
         ran+=("$name ($((SECONDS - start)) s)")
@@ -112,30 +111,21 @@ bench() {  # bench NAME SCRIPT ARGS...
     fi
 }
 
+bench() {  # bench NAME SCRIPT ARGS...: one of benchmarks/
+    local name=$1 script=$2
+    shift 2
+    run "$name" "$py" "$repo/benchmarks/$script" "$@"
+}
+
 if [ "$dry_run" = 0 ]; then
     mkdir -p "$outdir" || exit 1
     "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
         || echo "warning: $py's torch sees no CUDA device: every run will fail" >&2
 fi
 
-tier() {  # the gpu test tier, through the same bookkeeping as a benchmark
-    if [ "$only" != "  " ] && [[ "$only" != *" gpu_tier "* ]]; then
-        skipped+=(gpu_tier)
-        return
-    fi
-    # addopts reset: pytest-timeout may be missing there; -p no:cacheprovider: nothing written to the tree.
-    local cmd=("$py" -m pytest -p no:cacheprovider -o addopts=-ra -m gpu "$repo/tests/gpu")
-    if [ "$dry_run" = 1 ]; then
-        echo "gpu_tier: ${cmd[*]} > $outdir/gpu_tier.json"
-        ran+=(gpu_tier)
-        return
-    fi
-    local rc=0
-    (cd "$repo" && timeout "$timeout_s" "${cmd[@]}") > "$outdir/gpu_tier.json" 2>&1 || rc=$?
-    if [ "$rc" = 0 ]; then ran+=(gpu_tier); else failed+=("gpu_tier (exit $rc, see $outdir/gpu_tier.json)"); fi
-}
-
-tier
+# The gpu test tier. addopts reset: pytest-timeout may be missing there; -p no:cacheprovider:
+# nothing written to the tree.
+run gpu_tier "$py" -m pytest -p no:cacheprovider -o addopts=-ra -m gpu "$repo/tests/gpu"
 bench optimizer_step_0.5b optimizer_step.py --size 0.5b --device cuda --encode-threads 4
 bench optimizer_step_1.5b optimizer_step.py --size 1.5b --device cuda --encode-threads 4
 bench optimizer_step_7b optimizer_step.py --size 7b --device cuda --skip-baseline --encode-threads 4

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from procs import ChildProcess
 
 NODE_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_reward_node"
 PROTO_DIR = Path(__file__).resolve().parents[1] / "proto"
@@ -71,34 +71,7 @@ def install_node_example(work: Path) -> Path:
     return work
 
 
-@dataclass
-class NodeReward:
-    """One `node reward.js` process (helpers.wait_for can watch it: name, proc, log())."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def kill9(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_node_reward(folder: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "node reward") -> NodeReward:
+def start_node_reward(folder: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "node reward") -> ChildProcess:
     """`node reward.js ARGS --proto-dir <repo>/proto`, output appended to `log_path`."""
     node = shutil.which("node")
     assert node is not None
@@ -107,4 +80,4 @@ def start_node_reward(folder: Path, log_path: Path, *args: str, env: dict[str, s
             [node, str(folder / "reward.js"), "--proto-dir", str(PROTO_DIR), *args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=folder,
         )  # fmt: skip
-    return NodeReward(name, proc, log_path)
+    return ChildProcess(name, proc, log_path)

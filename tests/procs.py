@@ -15,6 +15,7 @@ import httpx
 
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
+from rollstream.core.procs import stop_process
 from rollstream.core.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -22,10 +23,28 @@ from helpers import wait_for
 
 
 @dataclass
-class ServiceProc:
+class ChildProcess:
+    """A process a test started (helpers.wait_for can watch it): its log, kill -9, a clean stop."""
+
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        return stop_process(self.proc, timeout_s)
+
+
+@dataclass
+class ServiceProc(ChildProcess):
     state_file: Path
     grpc_port: int = 0
     http_port: int = 0
@@ -33,9 +52,6 @@ class ServiceProc:
     @property
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
         """Wait for the state file, then for /readyz to answer 200 (fail if the process exits)."""
@@ -52,23 +68,6 @@ class ServiceProc:
 
         wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
         return self
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as a crash."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
 
 def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
     """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log."""

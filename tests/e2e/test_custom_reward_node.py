@@ -26,7 +26,8 @@ from rollstream.core import codec
 from rollstream.v1 import rollout_pb2
 
 from helpers import wait_for
-from node_example import NodeReward, install_node_example, start_node_reward
+from node_example import install_node_example, start_node_reward
+from procs import ChildProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -41,7 +42,7 @@ def node_rule(n_tokens: int) -> float:
 
 def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir: Path, tmp_path: Path) -> None:
     folder = install_node_example(tmp_path / "node")
-    started: list[NodeReward] = []
+    started: list[ChildProcess] = []
     with FaultRun(tiny_model_dir, tmp_path / "run", seed=16, shape=SHAPE, run="node16") as run:
         try:
             run.start()
@@ -54,7 +55,7 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
             assert f"waiting for a reward consumer on {source}" in run.up_log.read_text()
             assert not (run.workdir / "state" / "reward-0.json").exists()
 
-            def node(consumer: str, *args: str) -> NodeReward:
+            def node(consumer: str, *args: str) -> ChildProcess:
                 # Slow on purpose (each batch held 0.5 s), so that a kill lands while it holds entries.
                 proc = start_node_reward(folder, tmp_path / f"{consumer}.log", "--from-up", str(info_path), "--consumer", consumer,
                                          "--hold-ms", "500", "--count", "2", *args, name=consumer)  # fmt: skip
@@ -65,12 +66,12 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
             try:
                 admin.acl_log_reset()
 
-                def kill_while_holding(proc: NodeReward) -> list[bytes]:
+                def kill_while_holding(proc: ChildProcess) -> list[bytes]:
                     def holds() -> bool:
                         return any(c["name"].decode() == proc.name and c["pending"] > 0 for c in admin.xinfo_consumers(source, "reward"))
 
                     wait_for(holds, STEP_S, f"{proc.name} holding entries", procs=[proc], details=run.logs_tail, poll_s=0.02)
-                    proc.kill9()
+                    proc.kill()
                     return [p["message_id"] for p in admin.xpending_range(source, "reward", "-", "+", 100, consumername=proc.name)]
 
                 first = node("node-0")

@@ -36,7 +36,7 @@ from synthetic import scored_groups  # noqa: E402  tests/synthetic.py
 from rollstream.core import deltas, modeling  # noqa: E402
 from rollstream.trainer import checkpoint  # noqa: E402
 from rollstream.trainer.grpo import LossConfig  # noqa: E402
-from rollstream.trainer.optimizer import HostAdamW  # noqa: E402
+from rollstream.trainer.optimizer import HostAdamW, OnTensor  # noqa: E402
 from rollstream.trainer.step import StepConfig, train_step  # noqa: E402
 
 DEVICE = os.environ.get("ROLLSTREAM_GPU_TIER_DEVICE", "cuda")
@@ -75,28 +75,42 @@ def gpu_bits(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return modeling.model_bits(model)
 
 
+class Capturing:
+    """`opt` as train_step uses it, keeping the gradients of the last step as HostAdamW is
+    about to read them (fp32, on the host) and every reported norm: a reference optimizer
+    then gets the very same gradients."""
+
+    def __init__(self, model: torch.nn.Module, opt: HostAdamW):
+        self.model, self.opt = model, opt
+        self.grads: dict[str, torch.Tensor] = {}
+        self.norms: list[float] = []
+
+    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+        self.grads = {n: p.grad.detach().to(device="cpu", dtype=torch.float32) for n, p in modeling.named_weights(self.model).items()}
+        norm, bits = self.opt.step(max_grad_norm, on_tensor)
+        self.norms.append(norm)
+        return norm, bits
+
+    def discard_grads(self) -> None:
+        self.opt.discard_grads()
+
+
+def fp32_reference(opt: HostAdamW) -> tuple[dict[str, torch.Tensor], torch.optim.AdamW]:
+    """Plain fp32-master AdamW: copies of HostAdamW's masters and torch's fused CPU AdamW."""
+    masters = {n: m.clone().requires_grad_(True) for n, m in opt.master.items()}
+    return masters, torch.optim.AdamW(list(masters.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=True)
+
+
 def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path) -> None:
     model, opt, pad = load(tiny_model_dir)
     assert opt._copier.cuda == (DEVICE == "cuda") and len(opt.buckets) > 4  # on CUDA: pinned staging, side streams
-    masters = {n: m.clone().requires_grad_(True) for n, m in opt.master.items()}
-    reference = torch.optim.AdamW(list(masters.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=True)
+    masters, reference = fp32_reference(opt)
+    capturing = Capturing(model, opt)
     cfg = step_config()
     for step in range(3):
-        # train_step's forward/backward, its gradients captured before HostAdamW reads them.
-        grads: dict[str, torch.Tensor] = {}
-
-        class Capture:
-            def step(self, max_grad_norm: float, on_tensor: object = None) -> tuple[float, dict[str, np.ndarray]]:
-                for n, p in modeling.named_weights(model).items():
-                    grads[n] = p.grad.detach().to(device="cpu", dtype=torch.float32)
-                return opt.step(max_grad_norm)
-
-            def discard_grads(self) -> None:
-                opt.discard_grads()
-
-        train_step(model, Capture(), scored_groups(step, 4), cfg, pad_id=pad)  # type: ignore[arg-type]
+        train_step(model, capturing, scored_groups(step, 4), cfg, pad_id=pad)  # type: ignore[arg-type]
         for n, m in masters.items():
-            m.grad = grads[n]
+            m.grad = capturing.grads[n]
         reference.step()
         got = gpu_bits(model)
         for n, m in masters.items():
@@ -109,29 +123,15 @@ def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model
     CPU clip_grad_norm_ in the reference: equal to ~1e-6 relative, so the masters agree to
     a few fp32 ulps of the update (stated: 1e-7 absolute at lr 1e-3, and the norm 1e-5 relative)."""
     model, opt, pad = load(tiny_model_dir)
-    masters = {n: m.clone().requires_grad_(True) for n, m in opt.master.items()}
-    reference = torch.optim.AdamW(list(masters.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=True)
-    grads: dict[str, torch.Tensor] = {}
-    norms: list[float] = []
-
-    class Capture:
-        def step(self, max_grad_norm: float, on_tensor: object = None) -> tuple[float, dict[str, np.ndarray]]:
-            for n, p in modeling.named_weights(model).items():
-                grads[n] = p.grad.detach().to(device="cpu", dtype=torch.float32)
-            norm, bits = opt.step(max_grad_norm)
-            norms.append(norm)
-            return norm, bits
-
-        def discard_grads(self) -> None:
-            opt.discard_grads()
-
+    masters, reference = fp32_reference(opt)
+    capturing = Capturing(model, opt)
     for step in range(3):
-        train_step(model, Capture(), scored_groups(step, 4), step_config(max_grad_norm=1e-3), pad_id=pad)  # type: ignore[arg-type]
+        train_step(model, capturing, scored_groups(step, 4), step_config(max_grad_norm=1e-3), pad_id=pad)  # type: ignore[arg-type]
         for n, m in masters.items():
-            m.grad = grads[n]
+            m.grad = capturing.grads[n]
         ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 1e-3))
         assert ref_norm > 1e-3, "clipping must be active for this test to mean anything"
-        assert norms[-1] == pytest.approx(ref_norm, rel=1e-5)
+        assert capturing.norms[-1] == pytest.approx(ref_norm, rel=1e-5)
         reference.step()
         for n, m in masters.items():
             torch.testing.assert_close(opt.master[n], m.detach(), rtol=0, atol=1e-7, msg=f"step {step}: master {n}")

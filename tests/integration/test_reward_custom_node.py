@@ -20,7 +20,8 @@ from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
 from helpers import groups_in, wait_for, write, write_many
-from node_example import NodeReward, install_node_example, start_node_reward
+from node_example import install_node_example, start_node_reward
+from procs import ChildProcess
 from synthetic import rollout_group
 
 GROUP = "reward"
@@ -39,9 +40,9 @@ def node_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def started(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path) -> Iterator[list[NodeReward]]:
+def started(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path) -> Iterator[list[ChildProcess]]:
     """Processes the test started (stopped at the end, whatever happened)."""
-    procs: list[NodeReward] = []
+    procs: list[ChildProcess] = []
     yield procs
     for p in procs:
         if p.proc.poll() is None:
@@ -49,14 +50,14 @@ def started(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path) ->
             p.proc.wait(timeout=30)
 
 
-def start(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path, *args: str, consumer: str = "node-0") -> NodeReward:
+def start(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path, *args: str, consumer: str = "node-0") -> ChildProcess:
     return start_node_reward(
         node_folder, tmp_path / f"{consumer}.log", "--redis-url", redis_url, "--run", keys.run, "--consumer", consumer,
         "--output-stage", "ready", "--block-ms", "50", "--trim-every-ms", "200", *args, name=consumer,
     )  # fmt: skip
 
 
-def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[NodeReward]) -> None:
+def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
     rollouts = keys.stream("rollouts")
     group = rollout_group("g1", ["a", "b", "c"])
     group.policy_version = 2**64 - 1  # a uint64 past JavaScript's 2^53: must travel exactly
@@ -118,7 +119,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
     assert '"event":"stopped"' in proc.log()
 
 
-def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[NodeReward]) -> None:
+def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
     rollouts = keys.stream("rollouts")
     streams.StreamStage.ensure_group(rclient, rollouts, GROUP)
     write_many(rclient, keys, [rollout_group(f"p{i}", ["ab"]) for i in range(12)])
@@ -135,7 +136,7 @@ def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url:
         return any(c["name"] == b"node-0" and c["pending"] > 0 for c in rclient.xinfo_consumers(rollouts, GROUP))
 
     wait_for(node0_holds, 60, "node-0 holding entries", procs=[first])
-    first.kill9()
+    first.kill()
     held_by_node0 = [p["message_id"] for p in rclient.xpending_range(rollouts, GROUP, "-", "+", 100, consumername="node-0")]
     assert held_by_node0, "the kill landed after node-0 committed everything it read"
 
@@ -156,7 +157,7 @@ def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url:
     assert again.stop() == 0, again.log()
 
 
-def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[NodeReward]) -> None:
+def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
     """The ACL line docs/custom-reward.md shows (redis_acl's `reward` user) is all the service
     needs: connect (HELLO, node-redis's first command), read, claim, commit, dead-letter, trim."""
     secrets = tmp_path_factory.mktemp("secrets")
@@ -191,7 +192,7 @@ def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp
             admin.close()
 
 
-def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[NodeReward]) -> None:
+def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
     """kill -9 of redis-server while the service holds entries, then a restart on its AOF:
     the service waits, loads its commit script again (NOSCRIPT), and commits everything once.
     With --max-deliveries 1, an outage counted as a delivery would dead-letter the entries."""

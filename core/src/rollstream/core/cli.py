@@ -35,9 +35,9 @@ from rich.text import Text
 
 from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, steplog, streams, validation
 from rollstream.core import status as pipeline_status
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import NAME_PATTERN, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.procs import die_with_parent
+from rollstream.core.procs import die_with_parent, stop_process
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
 
@@ -102,14 +102,8 @@ class Child:
         return f"127.0.0.1:{json.loads(self.state_file.read_text())['grpc_port']}"
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -406,7 +400,7 @@ REWARD_CHOICES = ("builtin", "external")
 REWARD_ROLE = "reward"  # the credentials role (gRPC token, Redis ACL user) of any reward stage
 # Written by `up --reward external` into the workdir: what the outside service needs, as JSON.
 EXTERNAL_REWARD_FILE = "external-reward.json"
-_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_GROUP_NAME = re.compile(NAME_PATTERN)
 
 
 def check_reward_args(args: argparse.Namespace) -> str:

@@ -35,6 +35,9 @@ from rollstream.core.redis_policy import check_url
 
 ENV_PREFIX = "ROLLSTREAM_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+# Run and consumer-group names: they become parts of Redis keys and group names, so no
+# spaces, braces or colons.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 
 class ConfigError(Exception):
@@ -74,7 +77,7 @@ class CommonSettings(BaseSettings):
         cli_show_env_vars=True,
     )
 
-    run: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run name: isolates experiments sharing one Redis")
+    run: str = Field("demo", pattern=NAME_PATTERN, description="run name: isolates experiments sharing one Redis")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
     host: str = Field("127.0.0.1", description="address the gRPC and HTTP servers bind to")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0: pick a free one)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.core.procs import die_with_parent
+from rollstream.core.procs import die_with_parent, stop_process
 from rollstream.core.redis_acl import ADMIN
 
 MIN_VERSION = (6, 2, 0)
@@ -133,13 +133,7 @@ class EmbeddedRedis:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s=10)
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None

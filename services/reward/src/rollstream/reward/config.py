@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from rollstream.core.config import CommonSettings
+from rollstream.core.config import NAME_PATTERN, CommonSettings
 from rollstream.reward.limits import RecipeSource, recipe_source
 from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes, default_specs
 
@@ -19,7 +19,7 @@ class RewardSettings(CommonSettings):
     output_stage: Literal["scored", "ready"] = Field(
         "scored", description="stream the scored groups go to: 'ready' when the reference stage is skipped (beta = 0)"
     )
-    group: str = Field("reward", pattern=r"^[A-Za-z0-9_.-]+$", description="consumer group on the rollouts stream")
+    group: str = Field("reward", pattern=NAME_PATTERN, description="consumer group on the rollouts stream")
     # allow_inf_nan=False: a NaN weight would silently poison every reward downstream.
     answer_weight: float = Field(1.0, allow_inf_nan=False, description="weight of the 'answer' component of the built-in recipes")
     format_weight: float = Field(0.1, allow_inf_nan=False, description="weight of the 'format' component (arithmetic)")
