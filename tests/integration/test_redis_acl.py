@@ -214,10 +214,11 @@ def test_generator_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     assert sum(streams.waiting(observer, keys.stream(name), limit=64) for name in ("rollouts", "scored", "ready")) == 3
     admin.set(keys.version, 7)
     assert streams.current_version(client, keys) == 7
-    registry.heartbeat(client, keys, "gen-0", "127.0.0.1:5000")
+    registry.heartbeat(client, keys, "gen-0", "127.0.0.1:5000", version=6)
     assert admin.hget(keys.generators, "gen-0") == b"127.0.0.1:5000"
+    assert registry.versions(admin, keys) == {"gen-0": 6}
     registry.leave(client, keys, "gen-0")
-    assert admin.hlen(keys.generators) == 0
+    assert admin.hlen(keys.generators) == 0 and admin.hlen(keys.generators_versions) == 0
     assert denials(admin) == []
 
 
@@ -279,7 +280,7 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -
     assert GeneratorDirectory([]).addresses(client, keys) == ["127.0.0.1:5001"]
     time.sleep(0.01)  # deliberate: the heartbeat must be older than the 1 ms ttl below
     assert registry.live(client, keys, ttl_s=0.001) == {}
-    assert admin.hlen(keys.generators) == 0
+    assert admin.hlen(keys.generators) == 0 and admin.hlen(keys.generators_versions) == 0
     assert denials(admin) == []
 
 

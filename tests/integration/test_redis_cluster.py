@@ -65,7 +65,7 @@ def run_on_node(cluster: RedisClusterNodes, node: int, prefix: str = "c") -> str
 def every_key(keys: streams.RunKeys) -> list[str]:
     return [
         *(keys.stream(s) for s in streams.STAGES), keys.dead, keys.metrics, keys.stats, keys.version, keys.fed, keys.trained_log,
-        keys.generators, keys.generators_seen, *(keys.groups(o) for o in ("generated", "trained", "stale")),
+        keys.generators, keys.generators_seen, keys.generators_versions, *(keys.groups(o) for o in ("generated", "trained", "stale")),
     ]  # fmt: skip
 
 

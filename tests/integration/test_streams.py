@@ -447,6 +447,7 @@ def test_keys_of_a_run_share_one_cluster_slot(keys: RunKeys) -> None:
     from redis.crc import key_slot
 
     names = [keys.stream(s) for s in streams.STAGES] + [keys.dead, keys.metrics, keys.stats, keys.version, keys.fed,
-                                                        keys.trained_log, keys.generators, keys.generators_seen, keys.groups("trained")]
+                                                        keys.trained_log, keys.generators, keys.generators_seen, keys.generators_versions,
+                                                        keys.groups("trained")]
     assert all(n.startswith(f"rs:{{{keys.run}}}:") for n in names)
     assert len({key_slot(n.encode()) for n in names}) == 1

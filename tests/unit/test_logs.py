@@ -131,3 +131,27 @@ def test_fields_ride_on_the_record(caplog: pytest.LogCaptureFixture) -> None:
     (record,) = [r for r in caplog.records if r.name == log.name]
     assert record.getMessage() == "refused" and record.levelno == logging.ERROR
     assert record.fields == {"user": "reward"}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_service_names_its_run_on_every_line_and_events_name_their_groups(capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+    """One grep of a group id follows it through the services: each event that moves groups
+    carries their ids, and every line its run."""
+
+    class G:
+        def __init__(self, group_id: str):
+            self.group_id = group_id
+
+    log = logs.setup("generator", "INFO", as_json=as_json, run="demo")
+    logs.event(log, "groups_written", n=2, version=4, groups=logs.group_ids([G("t-17"), G("t-18")]))
+    structlog.get_logger().info("from structlog")
+    out = lines(capsys)
+    assert len(out) == 2, out
+    if as_json:
+        rows = [json.loads(line) for line in out]
+        assert list(rows[0])[:5] == ["ts", "level", "service", "event", "run"]
+        assert (rows[0]["run"], rows[0]["groups"], rows[0]["version"]) == ("demo", "t-17,t-18", 4)
+        assert rows[1]["run"] == "demo"
+    else:
+        assert re.fullmatch(TS + r" INFO    generator groups_written run=demo n=2 version=4 groups=t-17,t-18", out[0]), out[0]
+        assert re.fullmatch(TS + r" INFO    generator from structlog run=demo", out[1]), out[1]

@@ -6,7 +6,9 @@
                       progress display; Ctrl-C stops it all cleanly. --reward external
                       starts no reward process and waits for one of your own
                       (docs/custom-reward.md)
-  rollstream status   the pipeline of a run, read from Redis (--watch to follow)
+  rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
+                      line naming the bottleneck or the stuck stage (core/diagnose.py)
+  rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
   rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
                       and with --tls a CA and a certificate per role (docs/security.md)
 """
@@ -22,23 +24,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import redis
 from rich.console import Console
-from rich.table import Table
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.text import Text
 
-from rollstream.core import codec, credentials, redis_acl, redis_policy, registry, streams, validation
+from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import status as pipeline_status
 from rollstream.core.config import NAME_PATTERN, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.procs import die_with_parent, stop_process
 from rollstream.core.redis_server import EmbeddedRedis, free_port
 from rollstream.v1 import rollout_pb2
-
-T = TypeVar("T")
 
 
 class ChildFailed(RuntimeError):
@@ -175,8 +176,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoints = workdir / "checkpoints"
-    if args.fresh and checkpoints.exists():
-        shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
+    step_log = workdir / steplog.FILE_NAME
+    if args.fresh:
+        if checkpoints.exists():
+            shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
+        step_log.unlink(missing_ok=True)  # nor append to the last one's curve
+        (workdir / "restarts.json").unlink(missing_ok=True)
     # Resolve (and on first use convert) the model once, before any service races to do it.
     from rollstream.core.models import resolve_model
 
@@ -234,6 +239,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
         "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.checkpoint_every), "--resume", "auto", "--linger",
+        "--metrics-file", str(step_log),
     ]
     # The reference service runs only where the KL needs it and the trainer is not its own
     # reference (LoRA with kl_reference = lora_base: the base under the adapters).
@@ -314,6 +320,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         # pending entries; the trainer from its latest checkpoint.
                         delay = child.restart_delay_s()
                         child.restarts += 1
+                        _write_restarts(workdir, children)  # `rollstream status --workdir` shows a crash loop
                         console.print(f"[yellow]{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s[/]\n{tail(child.log_path, 5)}")
                         time.sleep(delay)
                         child.start()
@@ -372,7 +379,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         elif stopping:
             console.print("stopped before the first step")
+        if step_log.exists():
+            _plot_curve(step_log, workdir / "curves.png", console)
     return 0
+
+
+def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
+    """The run's curves at the end of `up` (a plotting failure is reported, never fatal)."""
+    from rollstream.core import plot
+
+    try:
+        path, log = plot.render(step_log, out)
+    except plot.PlotError as e:
+        console.print(f"[yellow]no curve: {e}[/]", soft_wrap=True)
+        return
+    console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
 
 
 REWARD_CHOICES = ("builtin", "external")
@@ -490,6 +511,14 @@ def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]
     return out
 
 
+def _write_restarts(workdir: Path, children: list[Child]) -> None:
+    """WORKDIR/restarts.json: service -> restarts so far (written whole, then renamed)."""
+    path = workdir / "restarts.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({c.name: c.restarts for c in children if c.restarts}))
+    tmp.replace(path)
+
+
 def _write_redis_state(workdir: Path, embedded: EmbeddedRedis) -> None:
     path = workdir / "state" / "redis.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -537,50 +566,10 @@ def settle_versions(trainer: Child, generators: list[Child], creds: ClientCreden
         time.sleep(1.0)
 
 
-def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> Table:
-    """The run's streams, counters, last step and live generators. A key holding something
-    else than rollstream wrote there is shown as such, not a crash."""
-
-    def read(what: Callable[[], T], default: T) -> tuple[T, str]:
-        try:
-            return what(), ""
-        except redis.ResponseError as e:  # WRONGTYPE and the like: someone else's key
-            return default, redis_policy.short(e)
-
-    table = Table(title=f"run {keys.run}: policy version {streams.current_version(client, keys) if client.type(keys.version) in (b'string', b'none') else '?'}")
-    table.add_column("stream")
-    table.add_column("length", justify="right")
-    table.add_column("groups (pending)")
-    for stage in (*streams.STAGES, "dead"):
-        key = keys.stream(stage)
-        length, error = read(lambda key=key: client.xlen(key), 0)
-        groups, _ = read(lambda key=key: client.xinfo_groups(key), [])
-        described = error or ", ".join(f"{g['name'].decode(errors='replace')} ({g['pending']})" for g in groups) or "-"
-        table.add_row(key, "?" if error else str(length), described)
-    raw, error = read(lambda: client.hgetall(keys.stats), {})
-    stats = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
-    table.caption = error or "  ".join(f"{k}={v}" for k, v in sorted(stats.items())) or "no counters yet"
-    last, error = read(lambda: client.xrevrange(keys.metrics, count=1), [])
-    if error:
-        table.caption += f"\nmetrics: {error}"
-    if last:
-        try:
-            m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
-            validation.check_metrics(m)
-            table.caption += f"\nlast step {m.step}: reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {m.step_seconds:.1f}s"
-        except codec.EntryError as e:
-            table.caption += f"\nlast metrics entry unreadable: {e}"
-    rollouts = keys.stream("rollouts")
-    reward_groups, error = read(lambda: client.xinfo_groups(rollouts) if client.exists(rollouts) else [], [])
-    if not error and not any(int(g["consumers"]) for g in reward_groups):
-        # No reward stage has taken an entry yet: the built-in one is starting, or an outside
-        # one (`up --reward external`) has not joined (Redis 6.2 lists a consumer only once it
-        # has been handed an entry).
-        table.caption += f"\nwaiting for a reward consumer on {rollouts}"
-    generators, error = read(lambda: registry.live(client, keys, forget=False), {})
-    if generators or error:
-        table.caption += "\ngenerators (live): " + (error or ", ".join(f"{k}@{v}" for k, v in generators.items()))
-    return table
+def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGroup:
+    """The run's pipeline as `rollstream status` shows it once (core/status.py), no rates."""
+    snap, extra = pipeline_status.collect(client, keys)
+    return pipeline_status.render(keys, snap, extra)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -605,24 +594,59 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(f"[red]{e}[/]")
         return 2
     keys = streams.RunKeys(args.run)
+    workdir = Path(args.workdir) if args.workdir else None
+    thresholds = diagnose.Thresholds(idle_s=args.idle_s, max_staleness=args.max_staleness)
+    if not console.is_terminal:
+        console.width = max(console.width, 180)  # piped: no wrapping of the stream names
     client = None
+    prev = None
+    live = Live(console=console, auto_refresh=False, transient=False) if args.watch and console.is_terminal else None
     try:
+        if live is not None:
+            live.start()
         while True:
             try:
                 client = client or redis_policy.connect(args.redis_url, username, password)
-                console.print(status_table(client, keys))
+                snap, extra = pipeline_status.collect(client, keys, workdir)
+                view = pipeline_status.render(keys, snap, extra, prev, thresholds)
+                prev = snap
             except redis_policy.ERRORS as e:
-                console.print(f"[yellow]Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}[/]")
+                view = Text(f"Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}", style="yellow")
                 if not args.watch:
+                    console.print(view)
                     return 1
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
             if not args.watch:
                 return 0
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
     finally:
+        if live is not None:
+            live.stop()
         if client is not None:
             client.close()
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rollstream.core import plot
+
+    console = Console(stderr=True)
+    run = Path(args.run)
+    try:
+        log_path = plot.resolve_log(run)
+        out = Path(args.output) if args.output else (run if run.is_dir() else run.parent) / "curves.png"
+        path, log = plot.render(log_path, out, title=args.title)
+    except plot.PlotError as e:
+        console.print(f"[red]{e}[/]", soft_wrap=True)
+        return 1
+    for number, why in log.skipped:
+        console.print(f"[yellow]warning: {log_path}:{number} skipped: {why}[/]", soft_wrap=True)
+    print(path)
+    return 0
 
 
 def cmd_secrets(args: argparse.Namespace) -> int:
@@ -686,8 +710,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
         help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)",
     )
-    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
+    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes)")
+    st.add_argument("--idle-s", type=float, default=300.0, help="consumers idle this long with a backlog (and no progress) count as not reading")
+    st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
     st.set_defaults(func=cmd_status)
+    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG")
+    pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
+    pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
+    pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
+    pl.set_defaults(func=cmd_plot)
     se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment")
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
@@ -697,6 +728,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main_code(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status (for tests: main() exits with it)."""
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(main_code(argv))

@@ -10,6 +10,13 @@ structlog loggers' (`structlog.get_logger()`), so they all come out in the same 
         quote or a newline; an exception's traceback on the lines after)
   JSON  {"ts": "2026-11-23T15:04:05.123", "level": "INFO", "service": "trainer",
          "event": "step", "step": 3, "reward": 0.5}   (one object a line; `exc`: the traceback)
+
+A service started with its run's name (`setup(..., run="demo")`, as every ServiceHost does)
+puts `run=demo` first among every line's fields. The events that move groups name them
+(`groups=<id>,<id>,...` with the policy `version` they were sampled with: the generator's
+`groups_written`, the reward's `groups_scored`, the reference's `groups_referenced`, the
+trainer's `step`), so `grep <group id> WORKDIR/logs/*.log` follows one rollout through
+every service.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ _NOISY = ("httpx", "urllib3", "filelock", "transformers", "datasets")
 _META = {"event", "_record", "_from_structlog", "exc_info", "stack_info", "exception", "level", "logger", "timestamp"}
 
 
-def _structure(service: str) -> Processor:
-    """The event dict -> {ts, level, service, event, **fields, exc?}, from the record it came in."""
+def _structure(service: str, run: str = "") -> Processor:
+    """The event dict -> {ts, level, service, event, run?, **fields, exc?}, from the record it came in."""
+    first = {"run": run} if run else {}
 
     def structure(_: WrappedLogger, __: str, ed: EventDict) -> EventDict:
         record: logging.LogRecord = ed["_record"]
@@ -36,7 +44,7 @@ def _structure(service: str) -> Processor:
         if not ed.get("_from_structlog"):
             fields.update(getattr(record, "fields", None) or {})
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
-        out: EventDict = {"ts": ts, "level": record.levelname, "service": service, "event": str(ed.get("event", "")), **fields}
+        out: EventDict = {"ts": ts, "level": record.levelname, "service": service, "event": str(ed.get("event", "")), **first, **fields}
         if "exception" in ed:  # set by format_exc_info
             out["exc"] = str(ed["exception"]).rstrip("\n")
         return out
@@ -57,21 +65,21 @@ def _text(_: WrappedLogger, __: str, ed: EventDict) -> str:
 _logfmt = structlog.processors.LogfmtRenderer(bool_as_flag=False)
 
 
-def formatter(service: str, as_json: bool) -> structlog.stdlib.ProcessorFormatter:
+def formatter(service: str, as_json: bool, run: str = "") -> structlog.stdlib.ProcessorFormatter:
     """The `logging.Formatter` that renders every record in this service's format."""
     render: Processor = structlog.processors.JSONRenderer(json.dumps, default=str) if as_json else _text
     return structlog.stdlib.ProcessorFormatter(
         processors=[
             structlog.processors.format_exc_info,
-            _structure(service),
+            _structure(service, run),
             render,
         ],
     )
 
 
-def setup(service: str, level: str = "INFO", as_json: bool = False) -> logging.Logger:
+def setup(service: str, level: str = "INFO", as_json: bool = False, run: str = "") -> logging.Logger:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter(service, as_json))
+    handler.setFormatter(formatter(service, as_json, run))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -95,3 +103,9 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
     """Log one structured event: `event(log, "step", step=3, reward=0.5)`. The fields ride on
     the record as `record.fields` (tests read them there through caplog)."""
     logger.log(level, name, extra={"fields": fields})
+
+
+def group_ids(groups: object) -> str:
+    """The `groups=` field of an event that moves groups: their ids, comma-separated (anything
+    with a `group_id`)."""
+    return ",".join(str(g.group_id) for g in groups)  # type: ignore[attr-defined]

@@ -64,11 +64,12 @@ _WAITING = ("eval", "exists", "xlen", "xrange")
 # user -> (commands, keys under rs:{<run>}:). One table, the whole policy.
 ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # prompts -> rollouts; staleness against version; the ledger set of generated groups; the
-    # registry (heartbeat: TIME, HSET, ZADD; leave: HDEL, ZREM). Its back-pressure runs as
+    # registry (heartbeat: TIME, HSET, ZADD, with its version; leave: HDEL, ZREM). Its back-pressure runs as
     # the observer: neither `scored` nor `ready` is the generator's.
     "generator": (
         (*_CONNECTION, *_STAGE, "get", "sadd", "time", "hset", "zadd", "hdel", "zrem"),
-        ("prompts", "rollouts", "version", "dead", "stats", "groups:generated", "generators", "generators:seen"),
+        ("prompts", "rollouts", "version", "dead", "stats", "groups:generated", "generators", "generators:seen",
+         "generators:versions"),
     ),
     # rollouts -> scored, or ready when the run has no reference stage (--output-stage).
     # For a custom reward service (docs/custom-reward.md, which shows this line): XAUTOCLAIM
@@ -90,7 +91,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
          "time", "zrangebyscore", "hgetall", "hdel", "zrem"),
         ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
-         "generators", "generators:seen"),
+         "generators", "generators:seen", "generators:versions"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready): read
     # commands only, so neither it nor a script it runs writes anything anywhere.

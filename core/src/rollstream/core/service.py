@@ -90,7 +90,7 @@ class ServiceHost:
     def __init__(self, name: str, settings: CommonSettings):
         self.name = name
         self.settings = settings
-        self.log = logs.setup(name, settings.log_level, settings.log_json)
+        self.log = logs.setup(name, settings.log_level, settings.log_json, run=settings.run)
         self.registry = CollectorRegistry()
         self.stop = threading.Event()
         self.metrics = StageMetrics.register(name, self.registry)

@@ -91,6 +91,11 @@ class RunKeys:
         """Sorted set generator_id -> last heartbeat (ms, server clock): liveness of the registry."""
         return f"{self.prefix}generators:seen"
 
+    @property
+    def generators_versions(self) -> str:
+        """Hash generator_id -> the policy version it held at its last heartbeat (-1: none yet)."""
+        return f"{self.prefix}generators:versions"
+
     def groups(self, outcome: str) -> str:
         """Set of group ids per outcome: generated, trained, stale (the accounting ledger)."""
         return f"{self.prefix}groups:{outcome}"

@@ -47,7 +47,7 @@ def run(settings: GeneratorSettings) -> None:
             if settings.redis_observer_password_file:
                 observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
             stage = host.open_stage(client, "prompts", settings.group)
-            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen.generator_id, address, host), name="heartbeat", daemon=True)
+            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, address, host), name="heartbeat", daemon=True)
             beat.start()
             host.set_ready(True, f"sampling from {stage.stream}")
             logs.event(host.log, "started", id=gen.generator_id, address=address, backend=gen.backend.name, source=stage.stream)
@@ -69,11 +69,12 @@ def run(settings: GeneratorSettings) -> None:
                 observer.close()
 
 
-def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, generator_id: str, address: str, host: ServiceHost) -> None:
-    """Keep this generator in the registry; the trainer forgets generators that stop beating."""
+def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:
+    """Keep this generator in the registry, with the version it holds; the trainer forgets
+    generators that stop beating."""
     while not host.stop.is_set():
         try:
-            registry.heartbeat(client, keys, generator_id, address)
+            registry.heartbeat(client, keys, gen.generator_id, address, gen.weights.version)
         except redis_policy.ERRORS as e:
             # A refusal (the ACL lacks a registry command) will not pass by itself: say so loudly.
             level = logging.ERROR if redis_policy.is_denied(e) else logging.DEBUG
@@ -109,7 +110,7 @@ def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
         committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
     stage.trim()
     # Not committed: another consumer took these tasks over meanwhile and writes them itself.
-    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version)
+    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version, groups=logs.group_ids(groups))
 
 
 def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:

@@ -169,12 +169,14 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     logs.event(
         host.log,
         "groups_referenced",
-        groups=referenced,
+        referenced=referenced,
         passed_through=len(good) - referenced,
         completions=len(sequences),
         tokens=tokens,
         seconds=round(seconds, 3),
         tokens_per_s=round(tokens / seconds) if seconds > 0 else 0,
+        versions=",".join(sorted({str(g.policy_version) for _, g in good})),
+        groups=logs.group_ids(g for _, g in good),
     )
 
 

@@ -222,4 +222,9 @@ class RewardLoop:
         totals.verifier_errors += errors
         totals.timeouts += timeouts
         totals.unknown_kind += unknown
-        logs.event(host.log, "batch", logging.DEBUG, groups=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts)
+        groups = [g for _, g in outputs]
+        logs.event(
+            host.log, "groups_scored", n=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts,
+            reward=round(sum(s.reward for s in scores) / len(scores), 4) if scores else None,
+            versions=",".join(sorted({str(g.policy_version) for g in groups})), groups=logs.group_ids(groups),
+        )

@@ -74,6 +74,11 @@ class TrainerSettings(TorchSettings):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only on request)")
     keep_checkpoints: int = Field(2, ge=0, description="step checkpoints kept in checkpoint_dir, newest first (0: all)")
     resume: str = Field("", description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)")
+    # Observability
+    metrics_file: str = Field(
+        "", description="append one JSON line per step here (StepMetrics + phase times; `rollstream plot` reads it); empty: none. "
+        "`rollstream up` sets WORKDIR/steps.jsonl",
+    )
     # Weight sync
     # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
     generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)")

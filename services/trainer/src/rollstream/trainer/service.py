@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, logs, redis_policy, streams
+from rollstream.core import codec, logs, redis_policy, steplog, streams
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -74,6 +75,8 @@ def run(settings: TrainerSettings) -> None:
             loop.replay_trained_log()
             # After a resume this moves the version back; generators ahead of it get the anchor.
             host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
+            # For `rollstream status`: this many groups pending on the trainer is a step in progress.
+            host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
             host.set_ready(True, f"training from {stage.stream}")
             if restored is not None:
                 loop.push_anchor()
@@ -182,7 +185,9 @@ class TrainerLoop:
             host.redis.call(lambda: self.client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
             logs.event(host.log, "step_refused", logging.ERROR, reason=str(e), groups=len(groups))
             return
+        push_start = time.perf_counter()
         outcomes = trainer.publisher.push(self.push_targets(), published, trainer.settings.push_timeout_s)
+        push_s = time.perf_counter() - push_start
         for o in outcomes:
             if not o.applied:
                 logs.event(host.log, "push_not_applied", logging.WARNING, generator=o.address, error=o.error)
@@ -201,6 +206,7 @@ class TrainerLoop:
                 for entry, _ in taken:
                     ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
 
+        commit_start = time.perf_counter()
         try:
             self.stage.commit([e for e, _ in taken], extra=ledger)
         except redis_policy.ERRORS as e:
@@ -210,6 +216,7 @@ class TrainerLoop:
             # restart resumes from the checkpoint and trains them once.
             raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
         trainer.groups_trained += len(groups)
+        self.log_step(metrics, {**trainer.last_phases, "push_s": push_s, "commit_s": time.perf_counter() - commit_start})
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(
@@ -218,8 +225,19 @@ class TrainerLoop:
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
             pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
-            zero_var=metrics.zero_variance_groups,
+            zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
+
+    def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float]) -> None:
+        """Append the committed step's line to metrics_file (core/steplog.py). A disk that
+        refuses it costs the curve a point, never the run: logged, and training goes on."""
+        path = self.trainer.settings.metrics_file
+        if not path:
+            return
+        try:
+            steplog.append(path, steplog.record(metrics, run=self.keys.run, phases=phases))
+        except OSError as e:
+            logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, step=metrics.step, error=str(e))
 
     def save(self, path: str) -> tuple[Path, int]:
         """A checkpoint between steps. `path`: empty (checkpoint_dir/step-N), or one

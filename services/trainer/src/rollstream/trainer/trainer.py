@@ -89,6 +89,7 @@ class Trainer:
         self.groups_trained = 0
         self.groups_stale = 0
         self.last_truncated_fraction = 0.0
+        self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
@@ -182,7 +183,14 @@ class Trainer:
         # No update (dapo filtered every group): the version still advances, since the groups
         # were consumed, with an empty delta.
         new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
+        encode_start = time.perf_counter()
         published, stats = self.publisher.publish(new_bits, encoder)
+        # delta_encode_s: what encoding took after the optimizer step (with delta_encode_threads,
+        # most of it overlaps the step and is inside optimizer_s).
+        self.last_phases = {
+            "forward_s": r.forward_s, "backward_s": r.backward_s, "optimizer_s": r.optimizer_s,
+            "delta_encode_s": time.perf_counter() - encode_start,
+        }
         self.step += 1
         self.last_truncated_fraction = r.truncated_fraction
         step_seconds = time.perf_counter() - start

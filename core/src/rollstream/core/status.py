@@ -1,0 +1,182 @@
+"""`rollstream status`: a run's pipeline read from Redis (`collect` -> diagnose.Snapshot), and
+its rich view (`render`): per stage the rate between two looks, backlog, pending, consumers
+with their idle times and the last dead-letter reason; the trainer's step and version, each
+generator's version; and one line naming the bottleneck or the stuck stage (core/diagnose.py).
+
+Everything is read as the admin user (or any user allowed XINFO, XRANGE, HGETALL, GET, TIME
+on the run's keys); nothing is written. A key that holds something else than rollstream
+wrote there is reported as such, not a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import redis
+from rich.console import Group as RichGroup
+from rich.table import Table
+from rich.text import Text
+
+from rollstream.core import codec, diagnose, redis_policy, registry, streams, validation
+from rollstream.v1 import rollout_pb2
+
+T = TypeVar("T")
+_LAG_LIMIT = 10_000  # unread entries counted one by one (Redis 6.2 has no XINFO lag) up to this many
+
+
+def _text(v: object) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+class _Reader:
+    """Reads that turn a foreign key's error (WRONGTYPE and the like) into a note."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def __call__(self, what: Callable[[], T], default: T, label: str) -> T:
+        try:
+            return what()
+        except redis.ResponseError as e:
+            self.errors.append(f"{label}: {redis_policy.short(e)}")
+            return default
+
+
+def _lag(client: redis_policy.Client, key: str, info: dict) -> int:
+    lag = info.get("lag")
+    if isinstance(lag, int):
+        return lag
+    last = _text(info.get("last-delivered-id", b"0-0"))
+    return len(client.xrange(key, min="(" + last, max="+", count=_LAG_LIMIT))
+
+
+def _stream(client: redis_policy.Client, key: str, read: _Reader) -> diagnose.StreamState:
+    kind = _text(read(lambda: client.type(key), b"none", key))
+    if kind == "none":
+        return diagnose.StreamState()
+    if kind != "stream":
+        read.errors.append(f"{key}: holds a {kind}, not a stream")
+        return diagnose.StreamState()
+    groups = []
+    for info in read(lambda: client.xinfo_groups(key), [], key):
+        name = _text(info["name"])
+        consumers = tuple(
+            diagnose.Consumer(_text(c["name"]), int(c["pending"]), int(c["idle"]) / 1000)
+            for c in read(lambda name=name: client.xinfo_consumers(key, name), [], key)
+        )
+        groups.append(diagnose.Group(name, int(info["pending"]), _lag(client, key, info), consumers))
+    return diagnose.StreamState(length=int(client.xlen(key)), exists=True, groups=tuple(groups))
+
+
+def _last_dead(client: redis_policy.Client, keys: streams.RunKeys, read: _Reader) -> dict[str, str]:
+    """Source stage -> the reason of its latest dead letter (among the last 200)."""
+    out: dict[str, str] = {}
+    for _eid, fields in read(lambda: client.xrevrange(keys.dead, count=200), [], keys.dead):
+        try:
+            letter = codec.decode(fields, rollout_pb2.DeadLetter)
+            source, reason = letter.source_stream.rsplit(":", 1)[-1], letter.reason
+        except codec.EntryError:
+            source, reason = "?", _text(fields.get(b"reason", b"(unreadable entry)"))
+        out.setdefault(source, reason[:200])
+    return out
+
+
+def restarts(workdir: Path | None) -> dict[str, int]:
+    """Restarts `up` recorded in WORKDIR/restarts.json ({} without a workdir or the file)."""
+    if workdir is None:
+        return {}
+    try:
+        data = json.loads((workdir / "restarts.json").read_text())
+        return {str(k): int(v) for k, v in data.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def collect(client: redis_policy.Client, keys: streams.RunKeys, workdir: Path | None = None) -> tuple[diagnose.Snapshot, dict]:
+    """A snapshot of the run (its `at` is the Redis server's clock, in seconds), and what the
+    view shows besides: the last step's metrics, the live generators, errors met."""
+    read = _Reader()
+    seconds, micros = client.time()
+    at = int(seconds) + int(micros) / 1e6
+    states = {stage: _stream(client, keys.stream(stage), read) for stage in streams.STAGES}
+    counters = {}
+    for k, v in read(lambda: client.hgetall(keys.stats), {}, keys.stats).items():
+        try:
+            counters[_text(k)] = int(v)
+        except ValueError:
+            continue
+    version = read(lambda: streams.current_version(client, keys), 0, keys.version)
+    live = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
+    versions = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)
+    dead_kind = _text(read(lambda: client.type(keys.dead), b"none", keys.dead))
+    dead = int(client.xlen(keys.dead)) if dead_kind == "stream" else 0
+    extra: dict = {"generators": live, "errors": read.errors, "last_step": None}
+    last = read(lambda: client.xrevrange(keys.metrics, count=1), [], keys.metrics)
+    if last:
+        try:
+            m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
+            validation.check_metrics(m)
+            extra["last_step"] = m
+        except codec.EntryError as e:
+            read.errors.append(f"last metrics entry unreadable: {e}")
+    snap = diagnose.Snapshot(
+        at=at, streams=states, counters=counters, trainer_version=version, trainer_step=counters.get("step", 0),
+        generators={g: versions.get(g) for g in live}, dead=dead,
+        last_dead=_last_dead(client, keys, read) if dead else {}, restarts=restarts(workdir),
+    )
+    return snap, extra
+
+
+_STYLE = {"stuck": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
+
+
+def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None = None,
+           thresholds: diagnose.Thresholds = diagnose.Thresholds()) -> RichGroup:  # fmt: skip
+    """The view: the stage table, the trainer and generators, counters, and the diagnosis."""
+    table = Table(title=f"run {keys.run}: trainer step {cur.trainer_step}, policy version {cur.trainer_version}", title_justify="left")
+    for col, justify in (("stage", "left"), ("stream", "left"), ("rate/s", "right"), ("backlog", "right"), ("pending", "right"),
+                         ("length", "right"), ("consumers (idle)", "left"), ("last dead letter", "left")):  # fmt: skip
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for spec in diagnose.PIPELINE:
+        if not cur.active(spec):
+            continue
+        s = cur.stream(spec.stream)
+        g = s.group(spec.group)
+        r = diagnose.rate(prev, cur, spec)
+        if g is None:
+            consumers = "[red]no consumer group[/]" if s.length else "-"
+        elif not g.consumers:
+            consumers = f"{g.name}: [red]no consumer[/]"
+        else:
+            consumers = f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers)
+        table.add_row(
+            spec.name, keys.stream(spec.stream), "…" if r is None else f"{r:.2f}", str(cur.backlog(spec.stream, spec.group)),
+            str(g.pending) if g is not None else "-", str(s.length), consumers, cur.last_dead.get(spec.stream, ""),
+        )
+    lines: list[Text | Table] = [table]
+    gens = ", ".join(f"{g} v{'?' if v is None else v}" for g, v in sorted(cur.generators.items())) or "none registered"
+    lines.append(Text(f"generators (live): {gens}"))
+    if not any(g.consumers for g in cur.stream("rollouts").groups):
+        # No reward stage has taken an entry yet: the built-in one is starting, or an outside
+        # one (`up --reward external`) has not joined (Redis 6.2 lists a consumer only once it
+        # has been handed an entry).
+        lines.append(Text(f"waiting for a reward consumer on {keys.stream('rollouts')}", style="yellow"))
+    m = extra.get("last_step")
+    if m is not None:
+        lines.append(Text(f"last step {m.step}: reward {m.reward_mean:.3f} ±{m.reward_std:.3f}, loss {m.loss:+.4f}, kl {m.kl:.4f}, "
+                          f"{m.step_seconds:.1f}s, {m.train_tokens_per_s:.0f} tok/s, staleness {m.mean_staleness:.2f}"))  # fmt: skip
+    lines.append(Text(f"dead letters: {cur.dead}" + (f"  restarts by up: {cur.restarts}" if cur.restarts else "")))
+    counters = "  ".join(f"{k}={v}" for k, v in sorted(cur.counters.items())) or "no counters yet"
+    lines.append(Text(f"counters: {counters}", style="dim"))
+    for err in extra.get("errors", []):
+        lines.append(Text(f"unreadable: {err}", style="yellow"))
+    findings = diagnose.diagnose(cur, prev, thresholds)
+    head = findings[0]
+    lines.append(Text(head.line(), style=_STYLE[head.level]))
+    for f in findings[1:]:
+        if f.level in ("stuck", "warn"):
+            lines.append(Text("  also " + f.line(), style=_STYLE[f.level]))
+    return RichGroup(*lines)
