@@ -1,0 +1,212 @@
+"""rollstream against TRL's GRPOTrainer on the same box: time to reward, side by side.
+
+    bash scripts/install_trl.sh                      # once: TRL 1.16 in .venv-trl
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 2 [--steps 15] [--only trl|rollstream]
+
+Both sides train SmolLM2-135M-Instruct (fp32 compute) on the demo's task: the seed-0
+arithmetic prompt stream in order, 8 prompts x 8 completions of up to 16 tokens a step,
+lr 2e-5, beta 0, gradient clipping 1.0, 2 threads, the reward service's `arithmetic` recipe.
+TRL runs benchmarks/trl_grpo.py in .venv-trl; rollstream runs `rollstream up` as a user
+would (embedded Redis, trainer, generator, reward as processes), with `--seed` as the
+generators' sampling seed. Any `--up-arg` is passed on to `up` (for example
+`--up-arg=--max-new-tokens=16`); ROLLSTREAM_* environment variables reach every service.
+
+The systems run one after the other, alternating which goes first from seed to seed, so
+slow drift in the machine's load does not favour one side. Every process's resident memory
+is sampled every 0.25 s (psutil, the process and its descendants). Prints one JSON object:
+per system and seed the reward by step, the seconds from launch to the end of the first step
+with mean reward >= 0.85 and >= 0.95 (model load included), seconds per step, the wall time and
+the peak RSS of every process; then the medians over seeds. Not part of CI (minutes per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+LEVELS = (0.85, 0.95)
+
+
+@dataclass
+class MemoryWatch:
+    """Peak RSS by process (name + pid) of a process tree, sampled on a thread."""
+
+    root: int
+    period_s: float = 0.25
+    peaks: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                root = psutil.Process(self.root)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    key = f"{label(p)}[{p.pid}]"
+                    self.peaks[key] = max(self.peaks.get(key, 0), p.memory_info().rss)
+                except psutil.Error:
+                    pass
+
+
+def label(p: psutil.Process) -> str:
+    """A readable name: the rollstream service, redis-server, node, or the program."""
+    cmd = p.cmdline()
+    for service in ("trainer", "generator", "reward", "reference"):
+        if service in cmd[1:4] or any(a.endswith(f"rollstream.{service}") for a in cmd[:4]):
+            return service
+    if cmd and "redis-server" in cmd[0]:
+        return "redis-server"
+    if any(a.endswith("trl_grpo.py") for a in cmd[:3]):
+        return "trl"
+    if any(a == "up" for a in cmd[1:4]):
+        return "up"
+    return Path(cmd[0]).name if cmd else p.name()
+
+
+def first_time_at(steps: list[dict], level: float) -> float | None:
+    return next((s["t"] for s in steps if s["reward"] >= level), None)
+
+
+def first_step_at(steps: list[dict], level: float) -> int | None:
+    return next((s["step"] for s in steps if s["reward"] >= level), None)
+
+
+def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
+    python = REPO / args.trl_venv / "bin" / "python"
+    if not python.exists():
+        sys.exit(f"{python} is missing: run `bash scripts/install_trl.sh` first")
+    cmd = [str(python), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    with MemoryWatch(proc.pid) as watch:
+        lines = [json.loads(line) for line in proc.stdout or [] if line.startswith("{")]
+        proc.wait()
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL exited with {proc.returncode}: {' '.join(cmd)}")
+    steps = [{"step": s["step"], "reward": s["reward"], "t": s["t"], "step_s": s["step_s"]} for s in lines if "step" in s]
+    return result("trl", seed, steps, wall, watch.peaks)
+
+
+def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
+    python = REPO / args.venv / "bin" / "python"
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
+        cmd = [
+            str(python), "-m", "rollstream.core.cli", "up", "--model", model, "--steps", str(args.steps), "--seed", str(seed),
+            "--run", f"vs-trl-{seed}", "--workdir", workdir, *args.up_arg,
+        ]
+        started_wall = time.time()
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+        with MemoryWatch(proc.pid) as watch:
+            proc.wait()
+        wall = time.monotonic() - started
+        log = Path(workdir) / "steps.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        if proc.returncode != 0 or not records:
+            raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}")
+    # The step log's wall time is the step's end; a replayed step (trainer restart) keeps the last record.
+    by_step = {int(r["step"]): r for r in records}
+    steps, last = [], started_wall
+    for k in sorted(by_step):
+        r = by_step[k]
+        steps.append({"step": k, "reward": r["reward_mean"], "t": round(r["time"] - started_wall, 2), "step_s": round(r["time"] - last, 2), "staleness": r.get("mean_staleness")})
+        last = r["time"]
+    return result("rollstream", seed, steps, wall, watch.peaks)
+
+
+def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int]) -> dict:
+    out = {
+        "system": system, "seed": seed,
+        "reward_by_step": [round(s["reward"], 3) for s in steps],
+        "wall_s": round(wall, 1),
+        "step_s": [s["step_s"] for s in steps],
+        "peak_rss_gb": {k: round(v / 1e9, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])},
+        "steps": steps,
+    }
+    for level in LEVELS:
+        out[f"step_at_{level}"] = first_step_at(steps, level)
+        out[f"s_to_{level}"] = first_time_at(steps, level)
+    print(json.dumps({k: v for k, v in out.items() if k != "steps"}), file=sys.stderr, flush=True)
+    return out
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median, counting a run that never got there as slower than any that did."""
+    if not values or sum(v is None for v in values) * 2 >= len(values):
+        return None
+    return statistics.median([v if v is not None else float("inf") for v in values])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
+    parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
+    parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
+    parser.add_argument("--venv", default=".venv")
+    parser.add_argument("--trl-venv", default=".venv-trl")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "core" / "src"))
+    from rollstream.core.models import resolve_model
+
+    model = str(resolve_model(None))
+    runs = []
+    for i, seed in enumerate(args.seeds):
+        order = [run_trl, run_rollstream] if i % 2 == 0 else [run_rollstream, run_trl]
+        for fn in order:
+            if args.only and fn.__name__ != f"run_{args.only}":
+                continue
+            runs.append(fn(args, model, seed))
+    summary = {}
+    for system in ("trl", "rollstream"):
+        mine = [r for r in runs if r["system"] == system]
+        if not mine:
+            continue
+        summary[system] = {
+            **{f"median_s_to_{level}": median_or_none([r[f"s_to_{level}"] for r in mine]) for level in LEVELS},
+            **{f"median_step_at_{level}": median_or_none([r[f"step_at_{level}"] for r in mine]) for level in LEVELS},
+            "median_wall_s": statistics.median(r["wall_s"] for r in mine),
+            "median_step_s": statistics.median(s for r in mine for s in r["step_s"][1:]) if any(len(r["step_s"]) > 1 for r in mine) else None,
+            "peak_rss_gb_max_process": max(max(r["peak_rss_gb"].values(), default=0) for r in mine),
+        }
+    print(json.dumps({
+        "benchmark": "vs_trl",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "load_avg_at_end": os.getloadavg(),
+        "steps": args.steps, "seeds": args.seeds, "up_args": args.up_arg,
+        "summary": summary, "runs": runs,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
