@@ -121,4 +121,4 @@ def alive(pid: int) -> bool:
 def start_reward(tmp_path: Path, redis_url: str, run: str, *args: str, tag: str = "", ready: bool = True) -> ServiceProc:
     """The reward service on `run`, reading fast (50 ms blocks); waited for until ready unless `ready=False`."""
     proc = start_service("reward", tmp_path, "--redis-url", redis_url, "--run", run, "--block-ms", "50", *args, tag=tag)
-    return proc.wait_ready(timeout_s=30) if ready else proc
+    return proc.wait_ready() if ready else proc

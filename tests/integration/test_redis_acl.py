@@ -488,7 +488,7 @@ def test_reward_service_scores_as_reward(tmp_path: Path, server: EmbeddedRedis, 
     svc = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, "--block-ms", "50", "--trim-every-s", "0.2",
                         *role_flags(secrets_root, "reward"))  # fmt: skip
     try:
-        svc.wait_ready(timeout_s=60)
+        svc.wait_ready()
         for i in range(3):
             write(admin, keys, "rollouts", rollout_group(f"g{i}", ["8", "7"]))
         admin.xadd(keys.stream("rollouts"), {"type": b"garbage"})  # a dead letter too

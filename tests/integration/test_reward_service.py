@@ -256,7 +256,7 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
         assert httpx.get(http + "/healthz", timeout=5).status_code == 200  # alive, just not ready
 
         server.start()
-        svc.wait_ready(timeout_s=30)
+        svc.wait_ready()
         client = streams.connect(server.url)
         write(client, keys, "rollouts", rollout_group("before", ["8"]))
         wait_for(lambda: client.xlen(keys.stream("scored")) == 1, 15, "first group scored", [svc])
