@@ -15,6 +15,7 @@ groups tests/synthetic.py.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
 T = TypeVar("T")
+# wait_for never gives up sooner than this (ROLLSTREAM_TEST_MIN_WAIT_S overrides; see wait_for).
+MIN_WAIT_S = float(os.environ.get("ROLLSTREAM_TEST_MIN_WAIT_S", "120"))
 
 # The custom reward example (examples/custom_reward), run by several tests.
 CUSTOM_REWARD_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_reward"
@@ -81,6 +84,11 @@ def wait_for(
     the condition holds (it is checked once more first: a process may write the awaited
     state and exit, a trainer done with its --steps), or when `check()` raises.
     """
+    # The floor: on a loaded 2-core machine (load 10-40 is seen) a service takes tens of
+    # seconds to start and a Redis call seconds, so the short waits tests state would fail
+    # tests that are right. A wait ends as soon as its condition holds: the floor costs time
+    # only in a test that fails anyway.
+    timeout_s = max(timeout_s, MIN_WAIT_S)
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
