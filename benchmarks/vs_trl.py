@@ -90,6 +90,15 @@ def label(p: psutil.Process) -> str:
     return Path(cmd[0]).name if cmd else p.name()
 
 
+def json_object(line: str) -> dict | None:
+    """A JSON object line of trl_grpo.py, or None (transformers prints its own dicts, not JSON)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def first_time_at(steps: list[dict], level: float) -> float | None:
     return next((s["t"] for s in steps if s["reward"] >= level), None)
 
@@ -107,7 +116,7 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     with MemoryWatch(proc.pid) as watch:
-        lines = [json.loads(line) for line in proc.stdout or [] if line.startswith("{")]
+        lines = [record for line in proc.stdout or [] if (record := json_object(line)) is not None]
         proc.wait()
     wall = time.monotonic() - started
     if proc.returncode != 0:
@@ -168,6 +177,7 @@ def median_or_none(values: list[float | None]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
@@ -179,7 +189,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "core" / "src"))
     from rollstream.core.models import resolve_model
 
-    model = str(resolve_model(None))
+    model = str(resolve_model(args.model))
     runs = []
     for i, seed in enumerate(args.seeds):
         order = [run_trl, run_rollstream] if i % 2 == 0 else [run_rollstream, run_trl]
