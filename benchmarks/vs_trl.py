@@ -126,10 +126,10 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
 
 
 def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
-    python = REPO / args.venv / "bin" / "python"
+    python = sys.executable  # rollstream's side runs from the venv running this script
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
         cmd = [
-            str(python), "-m", "rollstream.core.cli", "up", "--model", model, "--steps", str(args.steps), "--seed", str(seed),
+            python, "-m", "rollstream.core.cli", "up", "--model", model, "--steps", str(args.steps), "--seed", str(seed),
             "--run", f"vs-trl-{seed}", "--workdir", workdir, *args.up_arg,
         ]
         started_wall = time.time()
@@ -183,7 +183,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
     parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
-    parser.add_argument("--venv", default=".venv")
     parser.add_argument("--trl-venv", default=".venv-trl")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "core" / "src"))
