@@ -26,7 +26,6 @@ from importlib import resources
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from google.protobuf.json_format import MessageToDict
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,7 +92,17 @@ class PipelineView(Collector):
             self._history.popleft()
         prev = self._history[0] if self._history else None
         self._history.append(snap)
-        return self.to_json(snap, extra, prev)
+        return self.scrubbed(self.to_json(snap, extra, prev))
+
+    def scrubbed(self, value: object) -> object:
+        """Every string in `value` (keys too) scrubbed: whatever a field comes to hold."""
+        if isinstance(value, str):
+            return self.scrub(value)
+        if isinstance(value, dict):
+            return {self.scrub(str(k)): self.scrubbed(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrubbed(v) for v in value]
+        return value
 
     def to_json(self, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None) -> dict:
         stages = []
@@ -118,7 +127,7 @@ class PipelineView(Collector):
             "generators": [{"id": self.scrub(k), "version": v} for k, v in sorted(cur.generators.items())],
             "dead": cur.dead,
             "counters": dict(sorted(cur.counters.items())),
-            "last_step": MessageToDict(last, preserving_proto_field_name=True) if last is not None else None,
+            "last_step": steplog.record(last, run=self.keys.run) if last is not None else None,  # as steps.jsonl holds it
             "findings": [{"level": f.level, "stage": f.stage, "reason": self.scrub(f.reason), "line": self.scrub(f.line())} for f in findings],
             "headline": self.scrub(findings[0].line()),
             "errors": [self.scrub(e) for e in extra.get("errors", [])],
