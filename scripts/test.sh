@@ -18,7 +18,9 @@ if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not browser" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
   # Debian's chromium for the browser tier; a failure (no network, no apt) leaves it to skip.
-  apt-get install -y --no-install-recommends chromium || echo "test.sh: chromium not installed; the browser tier will skip" >&2
+  apt-get install -y --no-install-recommends chromium \
+    || { apt-get update -qq && apt-get install -y --no-install-recommends chromium; } \
+    || echo "test.sh: chromium not installed; the browser tier will skip" >&2
 fi
 "$PY" -m pytest -m browser tests/browser "$@"
 if [ "$fast" = 0 ]; then

@@ -83,9 +83,11 @@ def test_manifests_pass_kubernetes_validate_strict() -> None:
 def test_folder_applies_as_it_is(k8s: K8s) -> None:
     """`kubectl apply -f k8s/`: no kustomization (kubectl would refuse the folder), only
     .yaml files, the namespace created first (files go in name order), everything in it."""
-    names = {p.name.lower() for p in K8S_DIR.iterdir()}
+    names = {p.name.lower() for p in K8S_DIR.iterdir() if p.is_file()}
     assert not names & {"kustomization.yaml", "kustomization.yml", "kustomization"}
     assert all(n.endswith(".yaml") for n in names), names
+    # One folder, applied on its own (`kubectl apply -f k8s/` does not recurse): k8s/monitoring.
+    assert {p.name for p in K8S_DIR.iterdir() if p.is_dir()} <= {"monitoring"}
     assert k8s.docs[0][1]["kind"] == "Namespace" and k8s.docs[0][1]["metadata"]["name"] == NAMESPACE
     for path, doc in k8s.docs[1:]:
         assert doc["metadata"].get("namespace") == NAMESPACE, f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
