@@ -42,3 +42,21 @@ def test_gpu_collector_is_silent_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU gauges are exported here")
     assert list(metrics.GpuMemoryCollector("trainer").collect()) == []
+
+
+def test_gpu_collector_reads_torch_cuda_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path without a GPU: a stand-in for the torch.cuda calls the collector makes
+    (tests/gpu runs the real trainer on a GPU)."""
+    import sys
+    import types
+
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, device_count=lambda: 2,
+        memory_allocated=lambda i: 1000.0 * (i + 1), max_memory_allocated=lambda i: 5000.0 * (i + 1),
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    families = {f.name: f for f in metrics.GpuMemoryCollector("trainer").collect()}
+    assert {s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_allocated_bytes"].samples} == {"0": 1000.0, "1": 2000.0}
+    assert {s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_max_allocated_bytes"].samples} == {"0": 5000.0, "1": 10000.0}
+    doc = documented()
+    assert all(doc[name][1] for name in families)  # documented as CUDA only
