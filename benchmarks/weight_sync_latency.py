@@ -13,7 +13,7 @@ decoded and applied the delta, i.e. serves the new version. Per push:
   encode_s        trainer: core/deltas.encode_delta
   push_rpc_s      trainer: PushWeights round trip (transfer + everything on the generator)
   apply_s         generator: decode + engine load + commit, from its own
-                  rollstream_generator_apply_seconds histogram (sum before/after)
+                  rollstream_generator_weight_apply_seconds histogram (sum before/after)
   transfer_s      push_rpc_s - apply_s: chunking, gRPC, reassembly, sha256 check
   decode_s        the same payload decoded in this process (core/deltas.decode), so
                   engine_load_s ~= apply_s - decode_s is the backend's share
@@ -76,9 +76,9 @@ def apply_seconds_sum(http_port: int) -> float:
     import httpx
 
     for line in httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text.splitlines():
-        if line.startswith("rollstream_generator_apply_seconds_sum"):
+        if line.startswith("rollstream_generator_weight_apply_seconds_sum"):
             return float(line.split()[-1])
-    raise RuntimeError("generator does not export rollstream_generator_apply_seconds")
+    raise RuntimeError("generator does not export rollstream_generator_weight_apply_seconds")
 
 
 def main() -> None:

@@ -11,8 +11,9 @@ One Secret per workload, holding only that workload's own files (docs/deploy.md,
         grpc-token          DIR/grpc/<service>.token      the token it sends on the calls it makes
         grpc-roles.json     DIR/grpc/roles.json           {role: sha256(token)}: the callers it accepts
         redis-password      DIR/redis/<service>.password  its Redis ACL user's password (user = <service>)
-        redis-observer-password  DIR/redis/observer.password  generator only: the read-only Redis
-                            user `observer`, which counts its back-pressure over scored and ready
+        redis-observer-password  DIR/redis/observer.password  generator and trainer: the read-only Redis
+                            user `observer`, which counts the generator's back-pressure over scored and ready
+                            and feeds the trainer's dashboard
         tls-cert.pem        DIR/tls/<service>.pem         its certificate (server, and client for mTLS)
         tls-key.pem         DIR/tls/<service>.key
         tls-ca.pem          DIR/tls/ca.pem                the CA that verifies peers
@@ -110,7 +111,7 @@ def build(folder: Path, namespace: str = "rollstream") -> list[dict]:
             "tls-key.pem": _read(tls / f"{service}.key"),
             "tls-ca.pem": ca,
         }
-        if service == "generator":  # back-pressure over stages the generator's own user may not touch
+        if service in ("generator", "trainer"):  # back-pressure over stages the generator's own user may not touch; the dashboard
             files["redis-observer-password"] = _read(folder / "redis/observer.password")
         docs.append(secret(f"{service}-credentials", namespace, service, files))
     redis_files = {"users.acl": _read(folder / "redis/users.acl"), "admin.password": _read(folder / "redis/admin.password")}

@@ -211,8 +211,9 @@ CREDENTIAL_ENV = {
     "ROLLSTREAM_GRPC_AUTH_FILE": "/run/secrets/grpc_roles.json",
     "ROLLSTREAM_REDIS_PASSWORD_FILE": "/run/secrets/redis_password",
 }
-# The generator alone also gets the read-only Redis user `observer` (its back-pressure over
-# scored and ready, which its own user may not touch: rollstream.core.redis_acl).
+# The generator and the trainer also get the read-only Redis user `observer` (the generator's
+# back-pressure over scored and ready, which its own user may not touch: rollstream.core.redis_acl;
+# the trainer's dashboard).
 OBSERVER_SECRET = {"/run/secrets/redis_observer_password": "redis/observer.password"}
 OBSERVER_ENV = {"ROLLSTREAM_REDIS_OBSERVER_PASSWORD_FILE": "/run/secrets/redis_observer_password"}
 
@@ -226,7 +227,7 @@ def credentials(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_service_mounts_exactly_its_own_secrets(combination: tuple[str, dict], credentials: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     label, compose = combination
     for name, service, svc in rollstream_services(compose):
-        observer = service == "generator"
+        observer = service in ("generator", "trainer")  # back-pressure; the dashboard
         own = {**OWN_SECRETS, **(OBSERVER_SECRET if observer else {})}
         expected = {path: "./secrets/" + rel.format(R=service) for path, rel in own.items()}
         assert compose_secret_mounts(compose, svc) == expected, f"{label} {name}"

@@ -83,9 +83,11 @@ def test_manifests_pass_kubernetes_validate_strict() -> None:
 def test_folder_applies_as_it_is(k8s: K8s) -> None:
     """`kubectl apply -f k8s/`: no kustomization (kubectl would refuse the folder), only
     .yaml files, the namespace created first (files go in name order), everything in it."""
-    names = {p.name.lower() for p in K8S_DIR.iterdir()}
+    names = {p.name.lower() for p in K8S_DIR.iterdir() if p.is_file()}
     assert not names & {"kustomization.yaml", "kustomization.yml", "kustomization"}
     assert all(n.endswith(".yaml") for n in names), names
+    # One folder, applied on its own (`kubectl apply -f k8s/` does not recurse): k8s/monitoring.
+    assert {p.name for p in K8S_DIR.iterdir() if p.is_dir()} <= {"monitoring"}
     assert k8s.docs[0][1]["kind"] == "Namespace" and k8s.docs[0][1]["metadata"]["name"] == NAMESPACE
     for path, doc in k8s.docs[1:]:
         assert doc["metadata"].get("namespace") == NAMESPACE, f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
@@ -224,8 +226,9 @@ CREDENTIAL_ENV = {  # setting -> key of the workload's own Secret
     "ROLLSTREAM_GRPC_TLS_KEY_FILE": "tls-key.pem",
     "ROLLSTREAM_GRPC_TLS_CA_FILE": "tls-ca.pem",
 }
-# The generator's alone: the read-only Redis user `observer` (its back-pressure over scored and
-# ready, which its own user may not touch: rollstream.core.redis_acl).
+# The generator's and the trainer's: the read-only Redis user `observer` (the generator's
+# back-pressure over scored and ready, which its own user may not touch: rollstream.core.redis_acl;
+# the trainer's dashboard).
 OBSERVER_ENV = {"ROLLSTREAM_REDIS_OBSERVER_PASSWORD_FILE": "redis-observer-password"}
 
 
@@ -309,7 +312,7 @@ def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials:
             "tls-cert.pem": read(f"tls/{service}.pem"),
             "tls-key.pem": read(f"tls/{service}.key"),
             "tls-ca.pem": read("tls/ca.pem"),
-            **({"redis-observer-password": read("redis/observer.password")} if service == "generator" else {}),
+            **({"redis-observer-password": read("redis/observer.password")} if service in ("generator", "trainer") else {}),
         }, service
     assert secret_files(secrets["redis-credentials"]) == {"users.acl": read("redis/users.acl"), "admin.password": read("redis/admin.password")}
     # No Secret holds another role's token, password or key, nor the admin token or a CA key.
@@ -320,7 +323,7 @@ def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials:
             foreign = [f"grpc/{role}.token", f"tls/{role}.key"] + ([f"redis/{role}.password"] if (role, own) != ("admin", "redis") else [])
             for rel in foreign if role != own else []:
                 assert read(rel).strip() not in values, f"{name} holds {rel}"
-        if own != "generator":  # the observer's password is the generator's alone
+        if own not in ("generator", "trainer"):  # the observer's password: the generator's and the trainer's (dashboard)
             assert read("redis/observer.password").strip() not in values, f"{name} holds redis/observer.password"
         for rel in ("tls/ca.key",):
             if (credentials / rel).exists():
@@ -356,7 +359,7 @@ def test_credential_settings_lead_to_the_roles_own_files(k8s: K8s, credentials: 
         s = k8s_settings(k8s, c, service, tmp_path, monkeypatch, files)
         for env, key in CREDENTIAL_ENV.items():
             assert c.env.get(env) == f"{SECRET_MOUNT}/{key}", f"{service}: {env}"
-        observer = service == "generator"
+        observer = service in ("generator", "trainer")
         for env, key in OBSERVER_ENV.items():
             assert c.env.get(env) == (f"{SECRET_MOUNT}/{key}" if observer else None), f"{service}: {env}"
         if observer:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import redis
 
@@ -124,6 +125,21 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         assert ok.returncode == 0 and keys.stream("ready") in ok.stdout, ok.stdout + ok.stderr
         refused = subprocess.run([rollstream_cmd(), "status", "--redis-url", url, "--run", run], capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower(), refused.stdout + refused.stderr
+
+        # The trainer's dashboard reads every stage as the read-only observer: nothing of its
+        # look is refused, and no password of any user is in what it serves.
+        admin.acl_log_reset()
+        http = f"http://127.0.0.1:{json.loads((tmp_path / 'state' / 'trainer.json').read_text())['http_port']}"
+        pipeline = httpx.get(f"{http}/api/pipeline", timeout=30)
+        view = pipeline.json()
+        assert view["ok"] and view["errors"] == [] and view["trainer"]["step"] >= steps_then + 2, view
+        assert {s["name"] for s in view["stages"] if s["active"]} == {"generator", "reward", "trainer"}  # beta 0: no reference stage
+        assert [s["consumers"] for s in view["stages"] if s["name"] == "trainer"][0], view
+        assert view["generators"] and view["last_step"] is not None
+        served = pipeline.text + httpx.get(f"{http}/api/steps", timeout=30).text + httpx.get(f"{http}/metrics", timeout=30).text
+        for user in ("admin", "trainer", "generator", "reward", "observer"):
+            assert credentials.read_secret(creds / "redis" / f"{user}.password", user) not in served, user
+        assert admin.acl_log() == []
         admin.close()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
@@ -131,3 +147,4 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    assert "dashboard: http://127.0.0.1:" in out, out

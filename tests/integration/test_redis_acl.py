@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import codec, redis_acl, redis_policy, registry, streams
+from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.core.redis_server import EmbeddedRedis, find_redis_server
@@ -140,9 +140,11 @@ def test_no_service_role_has_an_admin_command(role: str) -> None:
 
 def test_observer_has_read_commands_only() -> None:
     commands, keys = redis_acl.ROLE_RULES[redis_acl.OBSERVER]
-    assert keys == ("rollouts", "scored", "ready")
+    assert keys == ("rollouts", "scored", "ready", "prompts", "dead", "stats", "version", "metrics", "generators", "generators:seen",
+                    "generators:versions")  # fmt: skip
     assert set(commands) == {"ping", "info", "select", "cluster|slots", "command", "eval", "evalsha", "script|load", "exists",
-                             "xinfo|groups", "xlen", "xrange"}  # fmt: skip
+                             "xinfo|groups", "xlen", "xrange", "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall",
+                             "zrangebyscore"}  # fmt: skip
     assert redis_acl.OBSERVER not in ROLES  # a Redis user only: no gRPC token, no certificate
     # The generator's own user has neither stage downstream of it.
     assert not {"scored", "ready"} & set(redis_acl.ROLE_RULES["generator"][1])
@@ -360,6 +362,30 @@ def test_observer_counts_back_pressure(admin: redis.Redis, connect_as, keys: Run
     assert streams.waiting(observer, keys.stream("rollouts")) == 2  # one pending, one unread
     write(admin, keys, "ready", rollout_group("g0", ["8"]))
     assert streams.waiting(observer, keys.stream("ready"), limit=64) == 1
+    assert denials(admin) == []
+
+
+def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
+    """The trainer's dashboard looks as the observer (core/dashboard.py): every stage, its
+    consumers, the ledger's counters, the registry, the last step and dead letter; the
+    server refuses nothing and the snapshot notes no unreadable key."""
+    for stage, group in (("prompts", "generator"), ("rollouts", "reward"), ("scored", "reference"), ("ready", "trainer")):
+        write(admin, keys, stage, rollout_group(f"{stage}-0", ["8"]))
+        write(admin, keys, stage, rollout_group(f"{stage}-1", ["8"]))
+        admin.xgroup_create(keys.stream(stage), group, id="0")
+        admin.xreadgroup(group, f"{group}-0", {keys.stream(stage): ">"}, count=1)
+    admin.hset(keys.stats, mapping={"generated": 1, "step": 2})
+    admin.set(keys.version, 2)
+    admin.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
+    admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
+    registry.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
+    view = dashboard.PipelineView(lambda: connect_as("observer"), keys)
+    got = view.look()
+    assert got["ok"] and got["errors"] == [], got
+    assert {s["name"]: (s["lag"], s["pending"], len(s["consumers"])) for s in got["stages"]} == {
+        "generator": (1, 1, 1), "reward": (1, 1, 1), "reference": (1, 1, 1), "trainer": (1, 1, 1)}
+    assert got["generators"] == [{"id": "gen-0", "version": 2}] and got["dead"] == 1 and got["last_step"]["step"] == 2
+    assert got["trainer"]["version"] == 2
     assert denials(admin) == []
 
 

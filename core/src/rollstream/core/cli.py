@@ -101,6 +101,10 @@ class Child:
             time.sleep(0.2)
         return f"127.0.0.1:{json.loads(self.state_file.read_text())['grpc_port']}"
 
+    def http_port(self) -> int:
+        """The HTTP side's port (after grpc_address: the state file exists)."""
+        return int(json.loads(self.state_file.read_text())["http_port"])
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout_s)
@@ -298,6 +302,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             console.print(f"[red]{e}[/]")
             return 2 if e.returncode == 2 else 1
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
+        console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
         if external is not None:
             console.print(external.instructions())
             external.write(workdir / EXTERNAL_REWARD_FILE)

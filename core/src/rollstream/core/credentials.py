@@ -109,11 +109,11 @@ def service_flags(root: Path, role: str, tls: bool = False, redis_acl: bool = Tr
     """The flags that give a service of `role` its own credentials from `root` (and only its
     own: its token, its Redis password, the role table every server checks against; a
     generator also gets the read-only `observer` user's password, for its back-pressure over
-    stages it may not write: rollstream.core.redis_acl)."""
+    stages it may not write, and the trainer for its dashboard: rollstream.core.redis_acl)."""
     flags = ["--grpc-token-file", str(grpc_dir(root) / f"{role}.token"), "--grpc-auth-file", str(grpc_dir(root) / "roles.json")]
     if redis_acl:
         flags += ["--redis-username", role, "--redis-password-file", str(redis_dir(root) / f"{role}.password")]
-        if role == "generator":
+        if role in ("generator", "trainer"):  # back-pressure; the dashboard
             flags += ["--redis-observer-password-file", str(redis_dir(root) / "observer.password")]
     if tls:
         folder = tls_dir(root)

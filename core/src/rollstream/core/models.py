@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
@@ -74,12 +75,21 @@ def _find_smollm2_gguf() -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize `gguf_path` into a plain float32 Hugging Face folder at `out_dir`."""
+    """Dequantize `gguf_path` into a plain float32 Hugging Face folder at `out_dir` (with a
+    progress bar of its four phases on a terminal)."""
+    from rollstream.core import progress  # rich: only when converting
+
+    with progress.task(f"converting {gguf_path.name}", 4) as advance:
+        _convert_gguf_steps(gguf_path, out_dir, advance)
+
+
+def _convert_gguf_steps(gguf_path: Path, out_dir: Path, advance: Callable[[float], None]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    advance(1)
     # dequantize=True: always unpack to dense float32 tensors. (Newer transformers may
     # otherwise keep GGUF blocks packed for some architectures; those cannot be saved.)
     loaded = AutoModelForCausalLM.from_pretrained(
@@ -88,6 +98,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
     )
+    advance(1)
     # The GGUF-loaded model still carries its quantizer, and save_pretrained refuses to save
     # it ("not serializable"). So copy the dense weights into a fresh model built from the
     # same config minus `quantization_config`: the result is an ordinary checkpoint.
@@ -107,6 +118,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if config.tie_word_embeddings:
         model.tie_weights()
     del loaded
+    advance(1)
 
     # Generation defaults: stop at <|im_end|> (the chat turn end) and pad with it, as the
     # upstream SmolLM2-Instruct generation_config does.
@@ -121,6 +133,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     model.save_pretrained(out_dir)  # safetensors by default
     tokenizer.save_pretrained(out_dir)  # tokenizer.json + config + chat_template.jinja
+    advance(1)
 
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:

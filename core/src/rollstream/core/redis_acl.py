@@ -23,6 +23,9 @@ does each user's real work as that user and checks the server's ACL LOG stays em
   XTRIM).
 - back-pressure, streams.waiting: EVAL of a script running EXISTS, XINFO GROUPS, XLEN,
   XRANGE on the stream it measures.
+- the trainer's dashboard (core/dashboard.py, as `observer`): XINFO GROUPS/CONSUMERS, XLEN,
+  XRANGE, XREVRANGE, TYPE on every stage's stream and `dead`, HGETALL `stats` and the
+  registry, GET `version`, ZRANGEBYSCORE the heartbeats, TIME.
 
 What a key pattern cannot say: Redis 6.2 gives a user the same access to every key it may
 touch (read and write alike), and on 7 an EVAL's declared keys count as written too. A user
@@ -93,11 +96,15 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
          "generators", "generators:seen", "generators:versions"),
     ),
-    # The generator's back-pressure (streams.waiting on rollouts, scored, ready): read
-    # commands only, so neither it nor a script it runs writes anything anywhere.
+    # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the
+    # trainer's dashboard (status.collect over every stage, the ledger's counters, the
+    # registry, the last step): read commands only, so neither it nor a script it runs
+    # writes anything anywhere.
     OBSERVER: (
-        (*_CONNECTION, "eval", "evalsha", "script|load", "exists", "xinfo|groups", "xlen", "xrange"),
-        ("rollouts", "scored", "ready"),
+        (*_CONNECTION, "eval", "evalsha", "script|load", "exists", "xinfo|groups", "xlen", "xrange",
+         "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall", "zrangebyscore"),
+        ("rollouts", "scored", "ready", "prompts", "dead", "stats", "version", "metrics", "generators", "generators:seen",
+         "generators:versions"),
     ),
 }  # fmt: skip
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollstream.core import grpc_auth, grpc_utils, logs, redis_policy, streams
+from rollstream.core import grpc_auth, grpc_utils, logs, metrics, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.credentials import read_secret
 from rollstream.core.http_side import HttpSide, build_app
@@ -94,9 +95,12 @@ class ServiceHost:
         self.registry = CollectorRegistry()
         self.stop = threading.Event()
         self.metrics = StageMetrics.register(name, self.registry)
+        metrics.register_process(name, self.registry)
         self.grpc: grpc_utils.RunningServer | None = None
         self.http: HttpSide | None = None
         self._service_names: list[str] = []
+        # Routes a service adds to its HTTP side before start() (the trainer's dashboard).
+        self.http_extensions: list[Callable[[FastAPI], None]] = []
         # The service's own answer (model loaded, stage joined, a remote scorer reachable);
         # Redis's is self.redis. Both must be yes for /readyz and gRPC health to say SERVING.
         self._own_ready = False
@@ -126,7 +130,10 @@ class ServiceHost:
         self.grpc = grpc_utils.serve(
             services, self.settings.host, self.settings.grpc_port, interceptors=security.interceptors, credentials=security.credentials
         )
-        self.http = HttpSide(build_app(self.name, self.readiness, self.registry), self.settings.host, self.settings.http_port).start()
+        app = build_app(self.name, self.readiness, self.registry)
+        for extend in self.http_extensions:
+            extend(app)
+        self.http = HttpSide(app, self.settings.host, self.settings.http_port).start()
         if self.settings.state_file:
             path = Path(self.settings.state_file)
             path.parent.mkdir(parents=True, exist_ok=True)

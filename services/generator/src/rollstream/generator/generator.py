@@ -61,12 +61,12 @@ class Metrics:
             groups=Counter(p + "groups", "groups generated", registry=registry),
             tokens=Counter(p + "tokens", "completion tokens generated", registry=registry),
             policy_version=Gauge(p + "policy_version", "policy version served", registry=registry),
-            apply_seconds=Histogram(p + "apply_seconds", "time to apply a weight payload", registry=registry),
+            apply_seconds=Histogram(p + "weight_apply_seconds", "time to apply a weight payload (receive to loaded)", registry=registry),
             stage_seconds=Histogram(
                 p + "weight_stage_seconds", "time per stage of receiving and applying a weight payload (receive, lock_wait, decode, load)",
                 ["stage"], registry=registry,
             ),
-            payloads_refused=Counter(p + "payloads_refused", "weight payloads refused", registry=registry),
+            payloads_refused=Counter(p + "weight_payloads_refused", "weight payloads refused (base mismatch, bad payload)", registry=registry),
         )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.reward.limits import PoolFailed
 from rollstream.reward.recipes import OK, TIMEOUT, ComponentResult, Sample, Score
@@ -42,6 +42,8 @@ class Metrics:
 
     groups: Counter
     completions: Counter
+    tokens: Counter
+    reward: Histogram
     reward_mean: Gauge
     verifier_errors: Counter
     timeouts: Counter
@@ -57,6 +59,9 @@ class Metrics:
         return cls(
             groups=Counter(p + "groups", "groups written downstream, by outcome", ["outcome"], registry=registry),
             completions=Counter(p + "completions", "completions scored from the stream", registry=registry),
+            tokens=Counter(p + "tokens", "completion tokens of the groups scored from the stream", registry=registry),
+            reward=Histogram(p + "completion_reward", "reward of each scored completion (stream and Score RPC)",
+                             buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2, 5), registry=registry),
             reward_mean=Gauge(p + "batch_reward_mean", "mean reward of the completions in the last scored batch", registry=registry),
             verifier_errors=Counter(p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry),
             timeouts=Counter(p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry),
@@ -69,6 +74,8 @@ class Metrics:
 
     def count_scores(self, scores: Sequence[Score]) -> None:
         for s in scores:
+            if not s.unknown_kind:
+                self.reward.observe(s.reward)
             if s.unknown_kind:
                 self.unknown_kind.inc()
                 continue

@@ -174,6 +174,7 @@ class RewardLoop:
         scored = self.scorer.score_groups(to_score) if to_score else Scored(scores={}, rejected={})
         done: list[Entry] = []
         outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
+        tokens = 0  # completion tokens of the groups scored here
         for i, (entry, group) in enumerate(batch):
             if i in scored.rejected:
                 stage.dead_letter(entry, scored.rejected[i])
@@ -186,6 +187,8 @@ class RewardLoop:
                 continue
             done.append(entry)
             outputs.append((self.settings.output_stage, group))
+            if i in scored.scores:
+                tokens += sum(len(c.token_ids) for c in group.completions)
         if not done:
             return
 
@@ -214,6 +217,7 @@ class RewardLoop:
         metrics.groups.labels(outcome="scored").inc(newly_scored)
         metrics.groups.labels(outcome="passed_through").inc(passed_through)
         metrics.completions.inc(len(scores))
+        metrics.tokens.inc(tokens)
         metrics.count_scores(scores)
         if scores:
             metrics.reward_mean.set(sum(s.reward for s in scores) / len(scores))

@@ -36,6 +36,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 from safetensors import safe_open
 
+from rollstream.core import progress
+
 FORMAT = "rollstream-trainer-checkpoint"
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -149,12 +151,13 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, progress.task(f"saving {path.name}", offset, as_bytes=True) as advance:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
         for t in tensors.values():
             if t.numel():
                 f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                advance(t.numel() * t.element_size())
         f.flush()
         os.fsync(f.fileno())
 

@@ -79,6 +79,12 @@ class TrainerSettings(TorchSettings):
         "", description="append one JSON line per step here (StepMetrics + phase times; `rollstream plot` reads it); empty: none. "
         "`rollstream up` sets WORKDIR/steps.jsonl",
     )
+    dashboard: bool = Field(True, description="serve the run's dashboard on the HTTP side (/dashboard, /api/pipeline, /api/steps) and the pipeline gauges on /metrics")
+    # The dashboard reads every stage's stream, which the trainer's own Redis user may not.
+    redis_observer_password_file: str = Field(
+        "", description="the read-only `observer` Redis user's password file, for the dashboard's look at every stage "
+        "(empty: the trainer's own connection; with ACLs it then sees only its own keys)",
+    )
     # Weight sync
     # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
     generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)")

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
+from rollstream.core import progress
+
 MomentsDtype = Literal["float32", "bfloat16"]
 # Called with a parameter's name and its new bf16 bits (final for this step) as soon as the
 # last bucket holding it is done; the array stays valid and unchanged after the step.
@@ -403,7 +405,8 @@ class HostAdamW:
         if set(tensors) != expected:
             missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
             raise ValueError(f"optimizer state does not match the parameters (missing {missing}, unexpected {extra})")
-        for key, dst in self.state_tensors().items():
+        targets = self.state_tensors()
+        for key, dst in progress.track(targets.items(), "loading the optimizer state", total=len(targets)):
             src = tensors[key]
             if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
                 raise ValueError(f"{key}: saved {src.dtype}{tuple(src.shape)}, expected {dst.dtype}{tuple(dst.shape)}")

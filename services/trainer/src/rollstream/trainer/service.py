@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, logs, redis_policy, steplog, streams
+from rollstream.core import codec, dashboard, logs, redis_acl, redis_policy, steplog, streams
 from rollstream.core.config import load_or_exit
+from rollstream.core.credentials import read_secret
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint
@@ -63,6 +64,7 @@ def run(settings: TrainerSettings) -> None:
             settings = settings.model_copy(update={"consumer": restored.consumer})
         directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
         checkpoints = CheckpointRequests()
+        view = pipeline_view(settings, host) if settings.dashboard else None
         host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
         client = host.connect_redis()
         try:
@@ -85,6 +87,31 @@ def run(settings: TrainerSettings) -> None:
             checkpoints.close()
             trainer.publisher.close()
             client.close()
+            if view is not None:
+                view.close()
+
+
+def pipeline_view(settings: TrainerSettings, host: ServiceHost) -> dashboard.PipelineView:
+    """The dashboard's look at the pipeline (rollstream.core.dashboard): its own Redis
+    connection with short timeouts, as the read-only observer where a password file for it is
+    given; the pipeline gauges on /metrics and the dashboard's routes."""
+    s = settings
+    try:
+        if s.redis_observer_password_file:
+            username, password = redis_acl.OBSERVER, read_secret(s.redis_observer_password_file, "redis_observer_password_file")
+        else:
+            username, password = redis_policy.credentials(s.redis_url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
+    except ValueError as e:
+        raise host.redis.invalid(str(e)) from None
+    secrets = (password or "", redis_policy.url_credentials(s.redis_url)[1] or "", s.redis_password.get_secret_value())
+    timeout = dashboard.SOCKET_TIMEOUT_S
+    view = dashboard.PipelineView(
+        lambda: redis_policy.connect(s.redis_url, username, password, socket_timeout_s=timeout, connect_timeout_s=timeout),
+        streams.RunKeys(s.run), secrets=secrets,
+    )
+    host.registry.register(view)
+    host.http_extensions.append(lambda app: dashboard.install(app, view, s.metrics_file))
+    return view
 
 
 @dataclass
@@ -131,6 +158,7 @@ class TrainerLoop:
             seen = group.group_id in {g.group_id for _, g in self.batch}
             if seen or self.client.sismember(keys.groups("trained"), group.group_id) or self.client.sismember(keys.groups("stale"), group.group_id):
                 self.stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
+                self.trainer.metrics.groups.labels(outcome="duplicate").inc()
                 continue
             self.batch.append((entry, group))
         self.drop_stale()
@@ -166,7 +194,7 @@ class TrainerLoop:
         dropped = {e.id for e, _ in stale}
         self.batch[:] = [(e, g) for e, g in self.batch if e.id not in dropped]
         trainer.groups_stale += len(stale)
-        trainer.metrics.stale_groups.inc(len(stale))
+        trainer.metrics.groups.labels(outcome="stale").inc(len(stale))
 
     def train_and_commit(self, taken: Held) -> None:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in
@@ -216,7 +244,10 @@ class TrainerLoop:
             # restart resumes from the checkpoint and trains them once.
             raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
         trainer.groups_trained += len(groups)
-        self.log_step(metrics, {**trainer.last_phases, "push_s": push_s, "commit_s": time.perf_counter() - commit_start})
+        commit_s = time.perf_counter() - commit_start
+        trainer.metrics.phase_seconds.labels(phase="push").observe(push_s)
+        trainer.metrics.phase_seconds.labels(phase="commit").observe(commit_s)
+        self.log_step(metrics, {**trainer.last_phases, "push_s": push_s, "commit_s": commit_s})
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(

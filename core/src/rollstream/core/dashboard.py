@@ -1,0 +1,213 @@
+"""The run's dashboard on the trainer's HTTP side: `GET /dashboard` (one HTML page with its
+script, package data under rollstream/core/static, no build step), `GET /api/pipeline` (the
+snapshot `rollstream status` shows, as JSON: stages, backlog, consumers, versions, the
+diagnosis) and `GET /api/steps` (the step log's records, core/steplog.py).
+
+The same snapshot feeds the pipeline metrics on the trainer's /metrics (`PipelineView` is
+also a Prometheus collector): lag, pending, length and consumers per stage, dead letters,
+each live generator's policy version.
+
+Guards:
+- The trainer's loop is never held up: the view has its own Redis connection with short
+  socket timeouts, looks at most once a second (answers in between come from the last look),
+  and runs on the HTTP side's threads.
+- No secret leaves: nothing of the settings is served but the run name; every text that
+  comes from Redis or an error is scrubbed of the passwords the view knows.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from importlib import resources
+
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rollstream.core import diagnose, redis_policy, status, steplog, streams
+
+SOCKET_TIMEOUT_S = 1.0  # the view's own Redis calls: a stalled Redis costs a look, not a thread
+MIN_INTERVAL_S = 1.0  # looks closer together than this answer from the last one
+RATE_WINDOW_S = 30.0  # rates are taken against the oldest look within this window
+MAX_STEPS = 5000  # /api/steps serves at most this many (the latest)
+
+
+def static_text(name: str) -> str:
+    return resources.files("rollstream.core").joinpath("static", name).read_text(encoding="utf-8")
+
+
+class PipelineView(Collector):
+    """Cached looks at the run's pipeline in Redis, as JSON and as Prometheus gauges."""
+
+    def __init__(self, connect: Callable[[], redis_policy.Client], keys: streams.RunKeys, secrets: tuple[str, ...] = (),
+                 service: str = "trainer", clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self._connect = connect
+        self.keys = keys
+        self._secrets = tuple(s for s in secrets if s)
+        self.p = f"rollstream_{service}_"
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: redis_policy.Client | None = None
+        self._last: dict | None = None
+        self._last_at = -1e18
+        self._history: collections.deque[diagnose.Snapshot] = collections.deque()
+
+    # -- looking ----------------------------------------------------------------------------
+
+    def scrub(self, text: str) -> str:
+        for s in self._secrets:
+            text = text.replace(s, "***")
+        return text
+
+    def look(self) -> dict:
+        """The latest snapshot as a JSON-able dict (at most one Redis look a MIN_INTERVAL_S)."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last_at < MIN_INTERVAL_S:
+                return self._last
+            self._last = self._look()
+            self._last_at = now
+            return self._last
+
+    def _look(self) -> dict:
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            snap, extra = status.collect(self._client, self.keys)
+        except (*redis_policy.ERRORS, OSError, ValueError) as e:
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:  # noqa: BLE001 - closing a broken client
+                    pass
+            self._client = None
+            return {"ok": False, "run": self.keys.run, "error": self.scrub(redis_policy.short(e) if isinstance(e, redis_policy.ERRORS) else str(e)),
+                    "stages": [], "findings": [], "headline": "Redis unreachable from the dashboard"}  # fmt: skip
+        while self._history and snap.at - self._history[0].at > RATE_WINDOW_S:
+            self._history.popleft()
+        prev = self._history[0] if self._history else None
+        self._history.append(snap)
+        return self.scrubbed(self.to_json(snap, extra, prev))
+
+    def scrubbed(self, value: object) -> object:
+        """Every string in `value` (keys too) scrubbed: whatever a field comes to hold."""
+        if isinstance(value, str):
+            return self.scrub(value)
+        if isinstance(value, dict):
+            return {self.scrub(str(k)): self.scrubbed(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrubbed(v) for v in value]
+        return value
+
+    def to_json(self, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None) -> dict:
+        stages = []
+        for spec in diagnose.PIPELINE:
+            s = cur.stream(spec.stream)
+            g = s.group(spec.group)
+            stages.append({
+                "name": spec.name, "stream": spec.stream, "key": self.keys.stream(spec.stream), "active": cur.active(spec),
+                "rate": diagnose.rate(prev, cur, spec), "backlog": cur.backlog(spec.stream, spec.group),
+                "lag": g.lag if g else None, "pending": g.pending if g else None, "length": s.length, "group": g.name if g else None,
+                "consumers": [{"name": self.scrub(c.name), "pending": c.pending, "idle_s": c.idle_s} for c in (g.consumers if g else ())],
+                "last_dead": self.scrub(cur.last_dead.get(spec.stream, "")),
+            })  # fmt: skip
+        findings = diagnose.diagnose(cur, prev)
+        last = extra.get("last_step")
+        return {
+            "ok": True,
+            "run": self.keys.run,
+            "at": cur.at,
+            "trainer": {"step": cur.trainer_step, "version": cur.trainer_version, "groups_per_step": cur.counters.get("groups_per_step")},
+            "stages": stages,
+            "generators": [{"id": self.scrub(k), "version": v} for k, v in sorted(cur.generators.items())],
+            "dead": cur.dead,
+            "counters": dict(sorted(cur.counters.items())),
+            "last_step": steplog.record(last, run=self.keys.run) if last is not None else None,  # as steps.jsonl holds it
+            "findings": [{"level": f.level, "stage": f.stage, "reason": self.scrub(f.reason), "line": self.scrub(f.line())} for f in findings],
+            "headline": self.scrub(findings[0].line()),
+            "errors": [self.scrub(e) for e in extra.get("errors", [])],
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    # -- as Prometheus gauges -----------------------------------------------------------------
+
+    def describe(self) -> list:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families(self.look())
+
+    def _families(self, view: dict) -> Iterator[GaugeMetricFamily]:
+        p = self.p
+        up = GaugeMetricFamily(p + "pipeline_up", "1 when the trainer's last look at the pipeline in Redis succeeded")
+        up.add_metric([], 1.0 if view.get("ok") else 0.0)
+        yield up
+        families = {
+            "lag": GaugeMetricFamily(p + "stream_lag", "entries of a stage's input stream its consumer group has not read yet", labels=["stage", "stream"]),
+            "pending": GaugeMetricFamily(p + "stream_pending", "entries a stage has read and not acknowledged", labels=["stage", "stream"]),
+            "length": GaugeMetricFamily(p + "stream_length", "entries held in a stage's input stream (trimmed behind every group)", labels=["stage", "stream"]),
+            "consumers": GaugeMetricFamily(p + "stream_consumers", "consumers in a stage's consumer group", labels=["stage", "stream"]),
+        }
+        for st in view.get("stages", []):
+            if not st["active"]:
+                continue
+            labels = [st["name"], st["stream"]]
+            families["lag"].add_metric(labels, float(st["lag"] or 0))
+            families["pending"].add_metric(labels, float(st["pending"] or 0))
+            families["length"].add_metric(labels, float(st["length"]))
+            families["consumers"].add_metric(labels, float(len(st["consumers"])))
+        yield from families.values()
+        dead = GaugeMetricFamily(p + "dead_letters", "entries in the run's dead-letter stream")
+        if view.get("ok"):
+            dead.add_metric([], float(view["dead"]))
+        yield dead
+        gens = GaugeMetricFamily(p + "generator_policy_version", "policy version each live generator reported in its heartbeat (-1: no weights)", labels=["generator"])
+        for g in view.get("generators", []):
+            gens.add_metric([g["id"]], float(-1 if g["version"] is None else g["version"]))
+        yield gens
+
+
+def read_steps(path: str, since: int = 0) -> dict:
+    """The step log's records with step > since (at most MAX_STEPS, the latest)."""
+    if not path:
+        return {"steps": [], "skipped": 0, "note": "no metrics_file configured"}
+    try:
+        log = steplog.read(path)
+    except FileNotFoundError:
+        return {"steps": [], "skipped": 0, "note": "no step written yet"}
+    except OSError as e:
+        return {"steps": [], "skipped": 0, "note": f"unreadable: {e.strerror}"}
+    steps = [r for r in log.steps if r["step"] > since][-MAX_STEPS:]
+    return {"steps": steps, "skipped": len(log.skipped)}
+
+
+def install(app: FastAPI, view: PipelineView, steps_file: str) -> None:
+    """The dashboard's routes on an HTTP side app (plain `def`s: FastAPI runs them on its
+    thread pool, so a slow Redis holds one worker thread, never the event loop)."""
+
+    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse(static_text("dashboard.html"), headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard.js", include_in_schema=False)
+    def dashboard_js() -> Response:
+        return Response(static_text("dashboard.js"), media_type="text/javascript", headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/pipeline")
+    def pipeline() -> JSONResponse:
+        return JSONResponse(json.loads(json.dumps(view.look(), default=str)), headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/steps")
+    def steps(since: int = Query(0, ge=0)) -> JSONResponse:
+        return JSONResponse(read_steps(steps_file, since), headers={"Cache-Control": "no-store"})
+
