@@ -91,6 +91,16 @@ def project_version() -> str:
     return tomllib.loads((REPO / "core/pyproject.toml").read_text())["project"]["version"]
 
 
+# Images that run a service other than their name: the vLLM generator (docker/generator-vllm.Dockerfile).
+IMAGE_SERVICE = {"generator-vllm": "generator"}
+
+
+def image_service(image: str) -> str:
+    """'rollstream/generator-vllm:0.1.0' -> 'generator': the service (or 'redis') an image runs."""
+    name = image_name(image)
+    return IMAGE_SERVICE.get(name, name)
+
+
 def image_name(image: str) -> str:
     """'rollstream/trainer:0.1.0' -> 'trainer' (asserting the repository and the tag)."""
     m = re.fullmatch(r"rollstream/([a-z-]+):(.+)", image)
@@ -164,7 +174,7 @@ class K8s:
         return [d for _, d in self.docs if d["kind"] in ("Deployment", "StatefulSet")]
 
     def workload_of(self, service: str) -> dict:
-        found = [w for w in self.workloads() if image_name(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service]
+        found = [w for w in self.workloads() if image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service]
         assert len(found) == 1, f"expected one workload running rollstream/{service}, found {len(found)}"
         return found[0]
 
@@ -372,9 +382,9 @@ def rollstream_services(compose: dict) -> Iterator[tuple[str, str, dict]]:
     """(compose service name, rollstream service, definition) for the python services that
     `up` starts (not the tools behind a profile, such as `admin`)."""
     for name, svc in compose["services"].items():
-        image = image_name(svc["image"])
-        if image in SERVICES and not svc.get("profiles"):
-            yield name, image, svc
+        service = image_service(svc["image"])
+        if service in SERVICES and not svc.get("profiles"):
+            yield name, service, svc
 
 
 def compose_secret_mounts(compose: dict, svc: dict) -> dict[str, str]:

@@ -33,6 +33,7 @@ from deploy_files import (
     compose_secret_mounts,
     dockerfile_entrypoint,
     image_name,
+    image_service,
     load_compose,
     load_service_settings,
     make_credentials,
@@ -67,11 +68,11 @@ def settings(combination: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_services_run_real_modules_from_their_images(combination: tuple[str, dict]) -> None:
     label, compose = combination
-    names = {image_name(svc["image"]) for svc in compose["services"].values()}
+    names = {image_service(svc["image"]) for svc in compose["services"].values()}
     assert names == ({*SERVICES, "redis"} if "reference" in label else {"generator", "reward", "trainer", "redis"}), label
     for _, service, svc in rollstream_services(compose):
         expected = TRAINER_LAUNCHER if service == "trainer" else ["python", "-m", f"rollstream.{service}"]
-        assert svc["entrypoint"] == expected == dockerfile_entrypoint(service), service
+        assert svc["entrypoint"] == expected == dockerfile_entrypoint(image_name(svc["image"])), service
         assert importlib.util.find_spec(f"rollstream.{service}.__main__") is not None
 
 
