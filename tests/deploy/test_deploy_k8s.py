@@ -187,6 +187,13 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
             assert s.device.startswith("cuda"), f"{service} has a GPU but device = {s.device}"
         else:
             assert gpus == 0, service
+    # The generators run vLLM, sharded over exactly the pod's GPUs (which the device plugin picks).
+    c, gen = settings["generator"]
+    assert image_name(c.spec["image"]) == "generator-vllm" and gen.backend == "vllm"
+    assert c.spec["resources"]["limits"]["nvidia.com/gpu"] == gen.tensor_parallel_size and gen.gpu_ids == ""
+    assert 0 < gen.gpu_memory_utilization <= 1
+    _, shm = c.mount_of("/dev/shm")
+    assert shm["emptyDir"]["medium"] == "Memory", "vLLM's processes share memory through /dev/shm"
     c, trainer = settings["trainer"]
     assert k8s.workload_of("trainer")["kind"] == "StatefulSet" and k8s.workload_of("trainer")["spec"]["replicas"] == 1
     _, volume = c.mount_of(trainer.checkpoint_dir)
