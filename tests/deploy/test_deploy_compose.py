@@ -91,7 +91,7 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
         assert (url.hostname, url.port) == ("redis", redis_port), name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
         if svc.get("read_only"):
-            assert "/tmp" in svc["tmpfs"], f"{name}: a read-only root needs a writable /tmp"
+            assert "/tmp" in [t.split(":")[0] for t in svc["tmpfs"]], f"{name}: a read-only root needs a writable /tmp"
     for name, svc in compose["services"].items():
         if not svc.get("profiles"):  # `up` starts it
             assert svc["restart"] in ("unless-stopped", "on-failure", "always"), name
@@ -124,6 +124,8 @@ def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], se
     # shards over exactly the GPUs the container gets (device_ids: host ids, so gpu_ids unset).
     _, svc, gen = settings["generator"]
     assert image_name(svc["image"]) == "generator-vllm" and gen.backend == "vllm", label
+    assert svc["tmpfs"] == ["/tmp:exec"], "vLLM loads the kernels it compiles from /tmp: Docker's default tmpfs is noexec"
+    assert svc["shm_size"], "vLLM's processes share memory through /dev/shm (Docker's default: 64 MB)"
     assert gen.gpu_ids == "", "inside the container the GPUs are 0..n-1: device_ids picks them"
     if label.startswith("cpu"):
         assert gen.enforce_eager, "the CPU demo runs vLLM eager, as the vLLM test tier does"

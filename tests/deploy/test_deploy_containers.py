@@ -170,7 +170,7 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
     if VLLM:
         # vLLM and rollstream's backend for it import (and vLLM finds its CPU platform) offline, read-only.
         check = "import vllm, rollstream.generator.vllm_backend; from vllm.platforms import current_platform; print(current_platform.device_type)"
-        out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image(GENERATOR_IMAGE), "-c", check).stdout
+        out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp:exec", "--entrypoint", "python", image(GENERATOR_IMAGE), "-c", check).stdout
         assert out.strip().splitlines()[-1] == "cpu", out
 
 
