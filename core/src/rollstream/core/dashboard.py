@@ -18,7 +18,7 @@ Guards:
 from __future__ import annotations
 
 import collections
-import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -205,9 +205,24 @@ def install(app: FastAPI, view: PipelineView, steps_file: str) -> None:
 
     @app.get("/api/pipeline")
     def pipeline() -> JSONResponse:
-        return JSONResponse(json.loads(json.dumps(view.look(), default=str)), headers={"Cache-Control": "no-store"})
+        return JSONResponse(json_safe(view.look()), headers={"Cache-Control": "no-store"})
 
     @app.get("/api/steps")
     def steps(since: int = Query(0, ge=0)) -> JSONResponse:
-        return JSONResponse(read_steps(steps_file, since), headers={"Cache-Control": "no-store"})
+        return JSONResponse(json_safe(read_steps(steps_file, since)), headers={"Cache-Control": "no-store"})
+
+
+def json_safe(value: object) -> object:
+    """`value` as strict JSON can carry it: a NaN or infinite float (a diverged metric, a step
+    log line written by hand) becomes null, anything else unknown its text. JSONResponse
+    refuses non-finite floats, which would turn one bad number into a 500 for the whole view."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return str(value)
 
