@@ -44,6 +44,8 @@ containers_prerequisites() {
   return 0
 }
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
+# Before the default suite, so that its Compose parser checks (tests/deploy) run too.
+if [ "$fast" = 0 ]; then containers_prerequisites; fi
 "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not browser" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
   # Debian's chromium for the browser tier; a failure (no network, no apt) leaves it to skip.
@@ -56,7 +58,6 @@ if [ "$fast" = 0 ]; then
   # Images + the whole system in containers (docs/deploy.md); skips itself, saying why, where
   # no docker daemon and Compose v2 can be had (it needs dockerd and debootstrap, as root).
   # Early, so that the run's last summary is a tier that ran tests wherever this one skips.
-  containers_prerequisites
   "$PY" -m pytest -m containers tests/deploy "$@"
   "$PY" -m pytest -m faults tests/faults "$@"
   # The trainer's CUDA path: skips itself, saying why, where torch sees no GPU (CI).

