@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollstream.core import models
 from rollstream.core.models import (
     DEFAULT_MODEL_ALIAS,
     ModelNotFoundError,
@@ -243,3 +244,18 @@ def test_models_module_imports_no_heavy_dependencies() -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]"
+
+
+def test_models_py_converts_without_the_rollstream_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """docker/demo-model.Dockerfile runs models.py by path in a venv without rollstream: the
+    conversion must not need the package (the progress bar is skipped there)."""
+    models_py = Path(models.__file__)
+    monkeypatch.setitem(sys.modules, "rollstream", None)  # `import rollstream...` raises ImportError
+    monkeypatch.setitem(sys.modules, "rollstream.core", None)
+    spec = importlib.util.spec_from_file_location("standalone_models", models_py)
+    standalone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standalone)  # as the Dockerfile's runpy.run_path does: by path
+    calls = []
+    monkeypatch.setattr(standalone, "_convert_gguf_steps", lambda src, out, advance: (advance(1), calls.append((src, out))))
+    standalone._convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+    assert calls == [(tmp_path / "model.gguf", tmp_path / "out")]

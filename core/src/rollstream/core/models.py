@@ -77,8 +77,13 @@ def _find_smollm2_gguf() -> Path:
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize `gguf_path` into a plain float32 Hugging Face folder at `out_dir` (with a
     progress bar of its four phases on a terminal)."""
-    from rollstream.core import progress  # rich: only when converting
-
+    try:
+        from rollstream.core import progress  # rich: only when converting
+    except ImportError:
+        # docker/demo-model.Dockerfile runs this file by path, in a venv without rollstream:
+        # it converts without a bar (it has no terminal there anyway).
+        _convert_gguf_steps(gguf_path, out_dir, lambda _amount: None)
+        return
     with progress.task(f"converting {gguf_path.name}", 4) as advance:
         _convert_gguf_steps(gguf_path, out_dir, advance)
 
