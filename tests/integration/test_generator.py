@@ -83,8 +83,15 @@ def test_deltas_apply_exactly_and_bad_ones_are_refused(generator: ServiceProc, t
     assert result.applied and result.version == 1, result.error
     assert state(generator).weights_sha256 == deltas.weights_sha256(v1)
 
-    # The same delta again: its base (0) is not what the generator holds (1).
+    # The same delta again (a push that lost the race with the generator's own catch-up):
+    # that version is held already, so the push is done and nothing changes.
     result = push(generator, weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", 0, 1, fingerprint)))
+    assert result.applied and result.version == 1, result.error
+    assert state(generator).weights_sha256 == deltas.weights_sha256(v1)
+
+    # A delta to a newer version from a base the generator does not hold: a broken chain.
+    jump, _ = deltas.encode_delta(v0, perturbed(v1, seed=5), 0, 2, fingerprint)
+    result = push(generator, weight_transfer.to_chunks(jump, deltas.PayloadInfo("delta", 0, 2, fingerprint)))
     assert not result.applied and "base is version 0" in result.error
 
     # Corrupted in transit: the sha256 check refuses it before decoding.

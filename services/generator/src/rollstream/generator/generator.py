@@ -300,7 +300,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         start = time.perf_counter()
         timings = ApplyTimings()
         try:
-            state = self.gen.apply_stream(request_iterator, timings=timings)
+            # skip_held: the sync thread may have fetched this very version from the trainer
+            # just before the push arrived (it saw the trainer's new version first). The
+            # generator serves it already: the push is done, not refused as a broken chain.
+            state = self.gen.apply_stream(request_iterator, skip_held=True, timings=timings)
         except weight_transfer.TransferRefused as e:
             # Not a sync outcome but a broken or hostile stream: an error status, at once
             # (the rest of the stream is not read), and no catch-up woken for it.
