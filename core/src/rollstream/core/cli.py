@@ -609,6 +609,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     client = None
     prev = None
     live = Live(console=console, auto_refresh=False, transient=False) if args.watch and console.is_terminal else None
+    if args.watch:
+        # Ctrl-C and SIGTERM end the watch. Said explicitly: a process started from a
+        # non-interactive shell's background job inherits SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt handler (it watched on forever after a SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if live is not None:
             live.start()
