@@ -144,10 +144,15 @@ def test_pushed_deltas_change_outputs_exactly_and_refused_ones_change_nothing(ge
         np.testing.assert_allclose(list(c.behaviour_logprobs), lp.numpy(), atol=ATOL, rtol=0)
         assert outputs(g) != outputs(old)
 
-    # Refused: the same delta again (its base is 0, the generator holds 1), a corrupted
-    # transfer, a payload for another model. Each leaves the outputs bit for bit as they were.
-    assert not push(generator, delta_chunks(v0, v1, 0, 1, fingerprint)).applied
+    # The same delta again (a push that lost the race with the generator's own catch-up):
+    # version 1 is held already, so it is done, and nothing changes. Refused: a delta to a
+    # newer version from a base the generator does not hold, a corrupted transfer, a payload
+    # for another model. Each leaves the outputs bit for bit as they were.
+    again = push(generator, delta_chunks(v0, v1, 0, 1, fingerprint))
+    assert again.applied and again.version == 1, again.error
     v2 = adamw_like_step(v1, lr=1e-4, seed=6)
+    jump = push(generator, delta_chunks(v0, v2, 0, 2, fingerprint))
+    assert not jump.applied and "base is version 0" in jump.error
     corrupted = delta_chunks(v1, v2, 1, 2, fingerprint, chunk_bytes=1 << 20)
     corrupted[1] = weights_pb2.WeightChunk(data=bytes([corrupted[1].data[0] ^ 0xFF]) + corrupted[1].data[1:])
     result = push(generator, corrupted)
