@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import skip_folder
 
 
 
@@ -40,10 +41,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAVE_VLLM:
         return
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+    skip_folder(items, Path(__file__).parent, SKIP_REASON)
 
 
 @pytest.fixture(scope="session")

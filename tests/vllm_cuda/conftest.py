@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import skip_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # shapes.py: the model folder
@@ -42,10 +43,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not SKIP_REASON:
         return
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+    skip_folder(items, Path(__file__).parent, SKIP_REASON)
 
 
 @pytest.fixture(scope="session")
