@@ -87,6 +87,32 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
     assert f"curves: {tmp_path / 'curves.png'}" in done.stderr and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+    """--max-staleness 0: the generator samples a batch only once the last one is trained, so
+    every step trains groups of the version before it, and none is sampled only to be dropped."""
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "4", "--run", run_name, "--workdir", str(tmp_path),
+        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+        "--max-staleness", "0", "--tis-cap", "2", "--loss", "dapo", "--lr", "1e-3",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    keys = RunKeys(run_name)
+    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    assert [m.mean_staleness for m in metrics] == [0.0] * 4
+    assert [m.clip_fraction for m in metrics] == [0.0] * 4  # truncated IS replaces the clip
+    stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+    assert stats.get("stale", 0) == 0 and stats["trained"] == 8
+    # Never more than the next step's batch sampled ahead (it may have started after step 4).
+    assert stats["generated"] <= 8 + 2, stats
+
+
+def test_up_refuses_a_negative_max_staleness(tmp_path: Path) -> None:
+    done = subprocess.run([rollstream_cmd(), "up", "--max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--max-staleness" in done.stderr
+
+
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
     done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--lora-rank" in done.stderr

@@ -173,6 +173,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         except ValueError as e:
             console.print(f"[red]--redis-url: {e}[/]")
             return 2
+    if args.max_staleness < 0:
+        console.print(f"[red]--max-staleness: {args.max_staleness} is negative (0: synchronous, 1: the next batch sampled during the step)[/]")
+        return 2
     problem = check_reward_args(args)
     if problem:
         console.print(f"[red]{problem}[/]")
@@ -220,11 +223,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
         return 1
-    # The trainer's step is the long pole: it gets every core. Generation of the next batch
-    # overlaps with it, so the generators (and the reference) get half.
+    # The trainer's step is the long pole: it gets every core. With max_staleness >= 1 the
+    # next batch is sampled while the trainer trains, so the generators (and the reference)
+    # get half; synchronous (0), sampling and training take turns and both get every core.
     cores = os.cpu_count() or 2
     trainer_threads = str(args.threads or cores)
     side_threads = str(args.threads or max(1, cores // 2))
+    generator_threads = str(args.threads or (cores if args.max_staleness == 0 else max(1, cores // 2)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     common = ["--redis-url", redis_url, "--run", args.run, "--log-json" if args.log_json else "--no-log-json"]
     model_args = ["--model", model, "--threads", side_threads]
@@ -239,6 +244,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--token-budget", str(args.token_budget), "--consumer", "trainer-0",
+        "--max-staleness", str(args.max_staleness), "--loss", args.loss, "--tis-cap", str(args.tis_cap),
         "--lora-rank", str(args.lora_rank), "--kl-reference", args.kl_reference,
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
@@ -271,13 +277,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             console.print(f"[red]{e}[/]")
             return 2 if e.returncode == 2 else 1
         for i in range(args.generators):
-            # Two steps' worth of groups in flight: the next batch is sampled while the trainer
-            # trains on this one (staleness <= 1); more would only be dropped as stale.
+            # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
+            # sampled while the trainer trains on this one; with 0, a batch is sampled only
+            # once the last one is trained (the trainer acknowledges its groups with the new
+            # version, in one transaction). More would only be dropped as stale.
             generator_args = [
-                "--trainer-address", trainer_address, "--consumer", f"generator-{i}", "--max-inflight-groups", str(2 * args.groups_per_step),
-                "--seed", str(args.seed + i),
+                "--trainer-address", trainer_address, "--consumer", f"generator-{i}",
+                "--max-inflight-groups", str((args.max_staleness + 1) * args.groups_per_step), "--max-staleness", str(args.max_staleness),
+                "--seed", str(args.seed + i), "--model", model, "--threads", generator_threads,
             ]
-            children.append(Child(f"generator-{i}", ["generator", *common, *own("generator"), *model_args, *generator_args], env, workdir))
+            children.append(Child(f"generator-{i}", ["generator", *common, *own("generator"), *generator_args], env, workdir))
         output_stage = "scored" if with_reference else "ready"
         external: ExternalReward | None = None
         if args.reward == "external":
@@ -700,6 +709,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--token-budget", type=int, default=1024,
         help="the trainer's padded tokens per micro-batch: its activation memory (1024: a 5.7 GB trainer peak on the demo, 4096: 9.7 GB)",
+    )
+    up.add_argument(
+        "--max-staleness", type=int, default=1,
+        help="how many versions the generators may sample ahead of the trainer (0: synchronous, sampling and training take turns)",
+    )
+    up.add_argument("--loss", choices=["grpo", "dr_grpo", "dapo", "gspo"], default="grpo", help="the trainer's policy loss (rollstream/trainer/grpo.py)")
+    up.add_argument(
+        "--tis-cap", type=float, default=0.0,
+        help="truncated importance sampling against the generators' log-probs, weights capped here, instead of the ratio clip (0: the clip)",
     )
     up.add_argument("--seed", type=int, default=0, help="sampling seed of the generators (generator i gets seed + i); the prompt stream stays the same")
     up.add_argument("--threads", type=int, default=0, help="torch threads per service (default: all cores for the trainer, half for the others)")

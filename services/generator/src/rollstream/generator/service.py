@@ -94,7 +94,9 @@ def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
             gen.sync_wake.set()
         host.stop.wait(0.2)
         return
-    taken = host.read(stage, gen.parse_task, count=s.tasks_per_batch)
+    # No more tasks than the room left: a batch that overshoots max_inflight_groups is sampled
+    # ahead of the version that will train it, and with max_staleness 0 dropped as stale.
+    taken = host.read(stage, gen.parse_task, count=min(s.tasks_per_batch, s.max_inflight_groups - inflight))
     if not taken:
         return
     with host.metrics.batch_seconds.time():
