@@ -111,17 +111,27 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
-        # Expand to one row per completion; rows of one request share its settings.
+        # One row per completion; rows of one request share its settings and its prompt.
         rows = [(ri, k) for ri, r in enumerate(requests) for k in range(r.n)]
-        prompts = [requests[ri].prompt_ids for ri, _ in rows]
-        width = max(len(p) for p in prompts)
         batch = len(rows)
-        # Left padding so every row's next token sits in the last column.
-        ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((batch, width), dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
+        # Prefill each prompt once and copy its KV cache to its n rows: a group's 8
+        # completions share the prompt, and the prefill of 64 rows was most of a demo batch's
+        # FLOPs (docs/benchmarks.md, "The sampling loop"). Left padding, so every row's next
+        # token sits in the last column; only the last position's logits are computed.
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        row_of = torch.tensor([ri for ri, _ in rows], dtype=torch.long, device=self.device)
+        past = out.past_key_values
+        past.reorder_cache(row_of)  # request i's cache -> each of its rows (an index_select on the batch)
+        logits_last = out.logits[row_of, -1, :]
+        mask, positions = mask[row_of], positions[row_of, -1:]
+
         temps = torch.tensor([requests[ri].temperature for ri, _ in rows], dtype=torch.float32, device=self.device).unsqueeze(1)
         top_ps = [requests[ri].top_p for ri, _ in rows]
         top_ks = [requests[ri].top_k for ri, _ in rows]
@@ -135,13 +145,8 @@ class TransformersBackend:
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
-        past = None
-        step_ids = ids
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         for t in range(max_new):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / temps.clamp(min=1e-5)
+            logits = logits_last.float() / temps.clamp(min=1e-5)
             logp_all = torch.log_softmax(logits, dim=-1)
             tokens = torch.empty(batch, dtype=torch.long, device=self.device)
             for i in range(batch):
@@ -153,11 +158,12 @@ class TransformersBackend:
             is_eos = torch.isin(tokens, self.eos_ids) & live
             stopped |= is_eos
             done |= is_eos | (lengths >= limits)
-            if bool(done.all()):
+            if bool(done.all()) or t + 1 == max_new:
                 break
-            step_ids = tokens.unsqueeze(1)
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions + 1, past_key_values=past, use_cache=True)
+            past, positions = out.past_key_values, positions + 1
+            logits_last = out.logits[:, -1, :]
 
         results: list[list[Sample]] = [[] for _ in requests]
         for i, (ri, _) in enumerate(rows):
