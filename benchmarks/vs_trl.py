@@ -111,7 +111,8 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     python = REPO / args.trl_venv / "bin" / "python"
     if not python.exists():
         sys.exit(f"{python} is missing: run `bash scripts/install_trl.sh` first")
-    cmd = [str(python), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd = [str(python), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--max-new-tokens", str(args.max_new_tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -130,7 +131,7 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
         cmd = [
             python, "-m", "rollstream.core.cli", "up", "--model", model, "--steps", str(args.steps), "--seed", str(seed),
-            "--run", f"vs-trl-{seed}", "--workdir", workdir, *args.up_arg,
+            "--run", f"vs-trl-{seed}", "--workdir", workdir, "--max-new-tokens", str(args.max_new_tokens), *args.up_arg,
         ]
         started_wall = time.time()
         started = time.monotonic()
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="the generation budget of both sides (larger: generation outweighs training)")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
     parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
@@ -212,7 +214,7 @@ def main() -> None:
         "benchmark": "vs_trl",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_avg_at_end": os.getloadavg(),
-        "steps": args.steps, "seeds": args.seeds, "up_args": args.up_arg,
+        "steps": args.steps, "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "up_args": args.up_arg,
         "summary": summary, "runs": runs,
     }, indent=1))
 
