@@ -38,6 +38,7 @@ import random
 import tempfile
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 MB = 2**20
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
     parser.add_argument("--anchor-interval", type=int, default=20)
+    parser.add_argument("--anchor-file", action="store_true", help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (the optimizer state stays in host memory either way)")
@@ -271,6 +273,7 @@ def main() -> None:
         TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
         group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,
         activation_checkpointing=args.activation_checkpointing, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
+        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "",
     )
     host = ServiceHost("trainer", settings)
     t0 = time.perf_counter()
@@ -322,7 +325,7 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "settings": {k: getattr(settings, k) for k in ("activation_checkpointing", "token_budget", "chunk_tokens", "anchor_interval")},
+        "settings": {k: getattr(settings, k) for k in ("activation_checkpointing", "token_budget", "chunk_tokens", "anchor_interval", "anchor_dir")},
         "shape": {"groups": args.groups, "group_size": args.group_size, "new_tokens": args.new_tokens, "steps": args.steps},
         # Equal hashes across runs (same flags and threads) = bit-identical trained weights.
         "weights_sha256": deltas.weights_sha256(pub.bits()),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import torch
 
 from rollstream.core import deltas, safetensors_io, weight_transfer
 from rollstream.core.deltas import DeltaError
-from rollstream.trainer.publisher import WeightPublisher
+from rollstream.trainer.publisher import PayloadFile, WeightPublisher
 from rollstream.v1 import weights_pb2
 
 SHAPES = {
@@ -479,11 +481,12 @@ def _evolve(rng: np.random.Generator, bits: dict[str, np.ndarray], step: int) ->
     return new
 
 
-def test_publisher_catch_up_reproduces_current_bits_from_any_version() -> None:
+@pytest.mark.parametrize("anchor_in", ["memory", "file"])
+def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(7)
     shapes = {"emb": (97, 33), "ln": (33,), "head": (200, 33), "one": (1,)}
     history = [_random_bits(rng, shapes)]
-    pub = WeightPublisher(history[0], anchor_interval=3)
+    pub = WeightPublisher(history[0], anchor_interval=3, anchor_dir=tmp_path / "anchor" if anchor_in == "file" else None)
     assert pub.version == 0
     for step in range(8):
         history.append(_evolve(rng, history[-1], step))
@@ -501,7 +504,7 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version() -> None:
         if have == current:
             assert payloads == []
         for p in payloads:
-            info, replaced = deltas.decode(p.payload, held, held_version, pub.fingerprint)
+            info, replaced = deltas.decode(p.data(), held, held_version, pub.fingerprint)
             assert info.version == p.info.version
             held = _apply(held, replaced)
             held_version = info.version
@@ -513,6 +516,32 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version() -> None:
     from_nothing = pub.catch_up_payloads(-1, "")
     assert [p.info.kind for p in from_nothing] == ["anchor", "delta", "delta"]
     assert [p.info.version for p in from_nothing] == [6, 7, 8]
+
+
+def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_path: Path) -> None:
+    """anchor_dir: the anchor's bytes, header and chunks are those of the in-memory anchor; a
+    new anchor replaces the file (a reader already holding the old one reads on), and close()
+    removes it."""
+    rng = np.random.default_rng(11)
+    shapes = {"emb": (300, 40), "ln": (40,)}
+    bits = _random_bits(rng, shapes)
+    in_memory = WeightPublisher(bits, anchor_interval=2)
+    in_file = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
+    a, b = in_memory.catch_up_payloads(-1, "")[0], in_file.catch_up_payloads(-1, "")[0]
+    assert isinstance(b.payload, PayloadFile) and b.data() == a.payload
+    assert b.header() == a.header()
+    with mock.patch.object(weight_transfer, "CHUNK_BYTES", 4096):  # several chunks, the last one short
+        chunks = list(b.chunks())
+    assert len(chunks) > 2 and chunks[0].header == a.header() and b"".join(c.data for c in chunks) == a.payload
+    assert [f.name for f in tmp_path.iterdir()] == [b.payload.path.name]
+    for step in range(2):  # version 2 is the next anchor
+        bits = _evolve(rng, bits, step)
+        in_file.publish(bits)
+    newer = in_file.catch_up_payloads(-1, "")[0]
+    assert newer.info.version == 2 and [f.name for f in tmp_path.iterdir()] == [newer.payload.path.name]
+    assert b.data() == a.payload  # unlinked, still readable by whoever holds it
+    in_file.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_publisher_refuses_a_wrong_fingerprint() -> None:

@@ -249,6 +249,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
         "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(args.checkpoint_every), "--resume", "auto", "--linger",
+        # The anchor (the whole model in bf16, read when a generator catches up) on disk, not in the trainer's memory.
+        "--anchor-dir", str(workdir / "anchor"),
         "--metrics-file", str(step_log),
     ]
     # The reference service runs only where the KL needs it and the trainer is not its own

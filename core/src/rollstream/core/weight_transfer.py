@@ -22,12 +22,14 @@ DEFAULT_MAX_BYTES = 32 * 1024**3
 def make_header(payload: bytes, info: PayloadInfo) -> weights_pb2.WeightHeader:
     """A payload's header: its kind, versions, size, fingerprint and sha256. A sender pushing
     one payload to many receivers makes it once (the hash is the costly part: ~2 s per GB)."""
+    return header_for(info, len(payload), hashlib.sha256(payload).hexdigest())
+
+
+def header_for(info: PayloadInfo, total_bytes: int, sha256: str) -> weights_pb2.WeightHeader:
+    """The header of a payload whose size and sha256 are known (hashed elsewhere, e.g. read
+    from a file in chunks)."""
     return weights_pb2.WeightHeader(
-        kind=info.kind,
-        base_version=info.base_version,
-        version=info.version,
-        total_bytes=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
+        kind=info.kind, base_version=info.base_version, version=info.version, total_bytes=total_bytes, sha256=sha256,
         model_fingerprint=info.fingerprint,
     )
 

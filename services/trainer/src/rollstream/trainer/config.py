@@ -94,6 +94,9 @@ class TrainerSettings(TorchSettings):
         "e.g. gen-headless.ns.svc:50051); added to `generators`",
     )
     anchor_interval: int = Field(20, ge=1, description="publish a full anchor every N versions")
+    # The anchor is read only when a generator catches up, yet as large as the bf16 weights
+    # (257 MB at 135M, 14 GB at 7B): a file keeps it out of the trainer's resident memory.
+    anchor_dir: str = Field("", description="keep the latest anchor (served to generators catching up) in a file in this directory; empty: in memory")
     delta_encode_threads: int = Field(
         1, ge=0, le=64,
         description="threads that encode the weight delta tensor by tensor during the optimizer step (0: after the step, on the trainer's thread); "

@@ -15,11 +15,14 @@ are), so a stream costs the trainer gRPC's own send and no copy or protobuf enco
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -49,11 +52,40 @@ MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relay
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 
 
-class Published:
-    """One encoded payload, as pushed and fetched. Its header (sha256 of the payload) is made
-    on first use, once, whatever the number of generators it goes to."""
+class PayloadFile:
+    """A payload kept in a file instead of in memory: the anchor, which is read only when a
+    generator catches up (at its start) yet is as large as the bf16 weights. The file is
+    opened once and read with pread, so it is never mapped into the trainer's memory; it is
+    unlinked when the next anchor replaces it, and readers that already hold it read on."""
 
-    def __init__(self, info: deltas.PayloadInfo, payload: bytes):
+    def __init__(self, path: Path, data: bytes):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size = len(data)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, start: int, n: int) -> bytes:
+        return os.pread(self._fd, n, start)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __del__(self) -> None:
+        os.close(self._fd)
+
+
+class Published:
+    """One encoded payload, as pushed and fetched, in memory or in a PayloadFile. Its header
+    (sha256 of the payload) is made on first use, once, whatever the number of generators it
+    goes to."""
+
+    def __init__(self, info: deltas.PayloadInfo, payload: bytes | PayloadFile):
         self.info = info
         self.payload = payload
         self._header: weights_pb2.WeightHeader | None = None
@@ -62,11 +94,29 @@ class Published:
     def header(self) -> weights_pb2.WeightHeader:
         with self._header_lock:  # concurrent pushes wait for one hash instead of each hashing
             if self._header is None:
-                self._header = weight_transfer.make_header(self.payload, self.info)
+                if isinstance(self.payload, PayloadFile):
+                    digest = hashlib.sha256()
+                    for start in range(0, len(self.payload), weight_transfer.CHUNK_BYTES):
+                        digest.update(self.payload.read(start, weight_transfer.CHUNK_BYTES))
+                    self._header = weight_transfer.header_for(self.info, len(self.payload), digest.hexdigest())
+                else:
+                    self._header = weight_transfer.make_header(self.payload, self.info)
             return self._header
 
     def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
-        return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
+        if not isinstance(self.payload, PayloadFile):
+            return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
+        return self._file_chunks(self.payload)
+
+    def _file_chunks(self, payload: PayloadFile) -> Iterator[weights_pb2.WeightChunk]:
+        step = weight_transfer.CHUNK_BYTES
+        yield weights_pb2.WeightChunk(header=self.header(), data=payload.read(0, step))
+        for start in range(step, len(payload), step):
+            yield weights_pb2.WeightChunk(data=payload.read(start, step))
+
+    def data(self) -> bytes:
+        """The whole payload as bytes (read back from its file when spilled)."""
+        return self.payload if isinstance(self.payload, bytes) else self.payload.read(0, len(self.payload))
 
     def wire_chunks(self) -> list[bytes]:
         """The chunks as serialized WeightChunk messages: made once per push for every
@@ -77,13 +127,18 @@ class Published:
 class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
-        encode_threads: int = 0,
+        encode_threads: int = 0, anchor_dir: Path | None = None,
     ):
         """`creds`: the trainer's token (generators accept PushWeights from the trainer role
         only) and TLS material; None pushes without either. `encode_threads`: threads that
-        encode a delta's tensors while the step still runs (0: on the caller's thread)."""
+        encode a delta's tensors while the step still runs (0: on the caller's thread).
+        `anchor_dir`: keep the anchor in a file there (PayloadFile), not in memory."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
+        self.anchor_dir = anchor_dir
+        if anchor_dir is not None:
+            anchor_dir.mkdir(parents=True, exist_ok=True)
+        self._anchor: Published | None = None
         self.creds = creds
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
@@ -100,12 +155,17 @@ class WeightPublisher:
         return self._bits
 
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
-        payload = deltas.encode_anchor(bits, version, self.fingerprint)
+        payload: bytes | PayloadFile = deltas.encode_anchor(bits, version, self.fingerprint)
+        if self.anchor_dir is not None:
+            payload = PayloadFile(self.anchor_dir / f"anchor-{version:08d}-{os.getpid()}.safetensors", payload)
         with self._lock:
+            old = self._anchor
             self._bits = bits
             self._version = version
             self._anchor = Published(deltas.PayloadInfo("anchor", version, version, self.fingerprint), payload)
             self._deltas: list[Published] = []
+        if old is not None and isinstance(old.payload, PayloadFile) and old.payload.path != self._anchor.payload.path:  # type: ignore[union-attr]
+            old.payload.unlink()
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
@@ -172,6 +232,8 @@ class WeightPublisher:
             }
 
     def close(self) -> None:
+        if self._anchor is not None and isinstance(self._anchor.payload, PayloadFile):
+            self._anchor.payload.unlink()
         with self._channels_lock:
             for ch in self._channels.values():
                 ch.close()

@@ -148,7 +148,10 @@ class Trainer:
         else:
             # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
             bits = self._published_bits(self.optimizer.sync_model())
-        self.publisher = WeightPublisher(bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.delta_encode_threads)
+        self.publisher = WeightPublisher(
+            bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.delta_encode_threads,
+            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None,
+        )
         self.metrics = Metrics.register(host.registry)
         self.metrics.policy_version.set(version)
 
