@@ -542,6 +542,11 @@ def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_pa
     assert b.data() == a.payload  # unlinked, still readable by whoever holds it
     in_file.close()
     assert list(tmp_path.iterdir()) == []
+    # A write cut short (kill -9 mid-write) is cleared by the next publisher on the folder.
+    (tmp_path / ".anchor.safetensors.12345.tmp").write_bytes(b"half")
+    again = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
+    assert [f.name for f in tmp_path.iterdir()] == ["anchor.safetensors"]
+    again.close()
 
 
 def test_publisher_refuses_a_wrong_fingerprint() -> None:

@@ -48,23 +48,26 @@ class PushOutcome:
     load_s: float = 0.0
 
 
+ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 
 
 class PayloadFile:
     """A payload kept in a file instead of in memory: the anchor, which is read only when a
-    generator catches up (at its start) yet is as large as the bf16 weights. The file is
-    opened once and read with pread, so it is never mapped into the trainer's memory; it is
-    unlinked when the next anchor replaces it, and readers that already hold it read on."""
+    generator catches up (at its start) yet is as large as the bf16 weights. Written to a
+    temporary name, opened, then renamed over `path`: the file descriptor is always this
+    payload's, a newer anchor (or a restarted trainer's) replaces the name while readers
+    holding this one read on, and a trainer killed -9 leaves one file that its restart
+    overwrites. Read with pread, so it is never mapped into the trainer's memory."""
 
     def __init__(self, path: Path, data: bytes):
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
+        self._fd = os.open(tmp, os.O_RDONLY)
         os.replace(tmp, path)
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
         self._size = len(data)
 
     def __len__(self) -> int:
@@ -74,7 +77,12 @@ class PayloadFile:
         return os.pread(self._fd, n, start)
 
     def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+        """Remove the file if its name is still this payload's."""
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
 
     def __del__(self) -> None:
         os.close(self._fd)
@@ -138,6 +146,8 @@ class WeightPublisher:
         self.anchor_dir = anchor_dir
         if anchor_dir is not None:
             anchor_dir.mkdir(parents=True, exist_ok=True)
+            for stale in anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"):  # a write cut short by a kill
+                stale.unlink(missing_ok=True)
         self._anchor: Published | None = None
         self.creds = creds
         self._lock = threading.Lock()
@@ -157,15 +167,12 @@ class WeightPublisher:
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
         payload: bytes | PayloadFile = deltas.encode_anchor(bits, version, self.fingerprint)
         if self.anchor_dir is not None:
-            payload = PayloadFile(self.anchor_dir / f"anchor-{version:08d}-{os.getpid()}.safetensors", payload)
+            payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, payload)
         with self._lock:
-            old = self._anchor
             self._bits = bits
             self._version = version
             self._anchor = Published(deltas.PayloadInfo("anchor", version, version, self.fingerprint), payload)
             self._deltas: list[Published] = []
-        if old is not None and isinstance(old.payload, PayloadFile) and old.payload.path != self._anchor.payload.path:  # type: ignore[union-attr]
-            old.payload.unlink()
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
