@@ -244,7 +244,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--steps", str(args.steps), "--lr", str(args.lr), "--beta", str(args.beta),
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--token-budget", str(args.token_budget), "--consumer", "trainer-0",
-        "--max-staleness", str(args.max_staleness), "--loss", args.loss, "--tis-cap", str(args.tis_cap),
+        "--max-staleness", str(args.max_staleness), "--loss", args.loss, "--tis-cap", str(args.tis_cap), "--moments-dtype", args.moments_dtype,
         "--lora-rank", str(args.lora_rank), "--kl-reference", args.kl_reference,
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
@@ -712,9 +712,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-budget", type=int, default=512,
         help="the trainer's padded tokens per micro-batch, which sets its activation memory (demo peaks: 512: 4.7 GB, 1024: 5.7 GB, 4096: 9.7 GB)",
     )
+    # The demo's defaults below are measured on a 2-core box against TRL (docs/benchmarks.md,
+    # issue 18): where the generator and the trainer share the same cores, sampling ahead
+    # saves little time and costs learning per step, so `up` runs synchronous.
     up.add_argument(
-        "--max-staleness", type=int, default=1,
-        help="how many versions the generators may sample ahead of the trainer (0: synchronous, sampling and training take turns)",
+        "--max-staleness", type=int, default=0,
+        help="how many versions the generators may sample ahead of the trainer (0, the default here: synchronous, "
+        "sampling and training take turns on the same cores; 1: the next batch is sampled during the step)",
+    )
+    up.add_argument(
+        "--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+        help="the trainer's AdamW moments in host memory (bfloat16: half their memory, 0.5 GB less on the demo; "
+        "float32: exact AdamW, docs/benchmarks.md)",
     )
     up.add_argument("--loss", choices=["grpo", "dr_grpo", "dapo", "gspo"], default="grpo", help="the trainer's policy loss (rollstream/trainer/grpo.py)")
     up.add_argument(
