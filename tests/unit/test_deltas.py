@@ -549,6 +549,16 @@ def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_pa
     again.close()
 
 
+def test_an_anchor_that_cannot_be_written_stays_in_memory(tmp_path: Path) -> None:
+    """A full or read-only anchor_dir must not stop training: the anchor is kept in memory."""
+    rng = np.random.default_rng(12)
+    bits = _random_bits(rng, {"w": (64, 8)})
+    with mock.patch("builtins.open", side_effect=OSError(28, "No space left on device")):
+        pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
+    anchor = pub.catch_up_payloads(-1, "")[0]
+    assert isinstance(anchor.payload, bytes) and anchor.data() == WeightPublisher(bits, anchor_interval=2).catch_up_payloads(-1, "")[0].payload
+
+
 def test_publisher_refuses_a_wrong_fingerprint() -> None:
     rng = np.random.default_rng(8)
     pub = WeightPublisher(_random_bits(rng, {"w": (16, 16)}), anchor_interval=3)

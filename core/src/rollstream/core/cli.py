@@ -710,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-new-tokens", type=int, default=16)
     up.add_argument(
         "--token-budget", type=int, default=512,
-        help="the trainer's padded tokens per micro-batch, which sets its activation memory (demo peaks: 512: 4.7 GB, 1024: 5.7 GB, 4096: 9.7 GB)",
+        help="the trainer's padded tokens per micro-batch, which sets its activation memory (about 1.8 MiB a token on the demo model; docs/benchmarks.md)",
     )
     # The demo's defaults below are measured on a 2-core box against TRL (docs/benchmarks.md,
     # issue 18): where the generator and the trainer share the same cores, sampling ahead

@@ -116,7 +116,7 @@ class TransformersBackend:
         batch = len(rows)
         # Prefill each prompt once and copy its KV cache to its n rows: a group's 8
         # completions share the prompt, and the prefill of 64 rows was most of a demo batch's
-        # FLOPs (docs/benchmarks.md, "The sampling loop"). Left padding, so every row's next
+        # FLOPs (docs/benchmarks.md, "Side by side"). Left padding, so every row's next
         # token sits in the last column; only the last position's logits are computed.
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long, device=self.device)

@@ -16,6 +16,7 @@ are), so a stream costs the trainer gRPC's own send and no copy or protobuf enco
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,7 @@ class PushOutcome:
     load_s: float = 0.0
 
 
+log = logging.getLogger(__name__)
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
@@ -85,7 +87,9 @@ class PayloadFile:
             pass
 
     def __del__(self) -> None:
-        os.close(self._fd)
+        fd = getattr(self, "_fd", None)  # absent when __init__ failed
+        if fd is not None:
+            os.close(fd)
 
 
 class Published:
@@ -167,7 +171,10 @@ class WeightPublisher:
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
         payload: bytes | PayloadFile = deltas.encode_anchor(bits, version, self.fingerprint)
         if self.anchor_dir is not None:
-            payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, payload)
+            try:
+                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, payload)
+            except OSError as e:  # a full or failing disk must not stop training: keep it in memory
+                log.warning("anchor_in_memory: cannot write the anchor to %s (%s); keeping version %d in memory", self.anchor_dir, e, version)
         with self._lock:
             self._bits = bits
             self._version = version
