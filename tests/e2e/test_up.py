@@ -29,6 +29,23 @@ def rollstream_cmd() -> str:
     return str(Path(sys.executable).parent / "rollstream")
 
 
+def four_small_steps(model_dir: Path, redis_url: str, run_name: str, workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`up --steps 4` on the tiny model with small groups, to the end; its output."""
+    cmd = [
+        rollstream_cmd(), "up", "--model", str(model_dir), "--steps", "4", "--run", run_name, "--workdir", str(workdir),
+        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", *flags,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def step_metrics(rclient: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMetrics]:
+    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    return metrics
+
+
 def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     cmd = [
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", run_name, "--workdir", str(tmp_path),
@@ -65,17 +82,10 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
 def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     """LoRA with kl_reference = lora_base: the KL trains against the trainer's own base, the
     reward stage writes straight to `ready`, and no reference service is started."""
-    cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "4", "--run", run_name, "--workdir", str(tmp_path),
-        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
-        "--beta", "0.05", "--lr", "1e-2", "--lora-rank", "4", "--kl-reference", "lora_base",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--beta", "0.05", "--lr", "1e-2", "--lora-rank", "4", "--kl-reference", "lora_base")
     assert {p.stem for p in (tmp_path / "state").glob("*.json")} == {"trainer", "generator-0", "reward-0"}
     keys = RunKeys(run_name)
-    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
-    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    metrics = step_metrics(rclient, keys)
     # Version 0 is the base: no KL at the first step. (The tiny random model earns no reward,
     # so nothing moves it later; tests/unit/test_lora.py shows the KL growing under training.)
     assert metrics[0].kl == 0.0
@@ -90,16 +100,9 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
 def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     """--max-staleness 0: the generator samples a batch only once the last one is trained, so
     every step trains groups of the version before it, and none is sampled only to be dropped."""
-    cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "4", "--run", run_name, "--workdir", str(tmp_path),
-        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
-        "--max-staleness", "0", "--tis-cap", "2", "--loss", "dapo", "--lr", "1e-3",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--max-staleness", "0", "--tis-cap", "2", "--loss", "dapo", "--lr", "1e-3")
     keys = RunKeys(run_name)
-    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
-    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    metrics = step_metrics(rclient, keys)
     assert [m.mean_staleness for m in metrics] == [0.0] * 4
     assert [m.clip_fraction for m in metrics] == [0.0] * 4  # truncated IS replaces the clip
     stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
