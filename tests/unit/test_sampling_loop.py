@@ -13,11 +13,13 @@ import torch
 from rollstream.core import modeling
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread, restored after each test
+
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir: Path) -> TransformersBackend:
-    torch.set_num_threads(1)
     return TransformersBackend(str(tiny_model_dir))
+
 
 
 def request(prompt: list[int], n: int, seed: int, max_new_tokens: int = 8) -> SampleRequest:
