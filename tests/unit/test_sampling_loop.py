@@ -21,7 +21,6 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
     return TransformersBackend(str(tiny_model_dir))
 
 
-
 def request(prompt: list[int], n: int, seed: int, max_new_tokens: int = 8) -> SampleRequest:
     return SampleRequest(prompt_ids=prompt, n=n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed)
 
