@@ -557,6 +557,10 @@ def test_an_anchor_that_cannot_be_written_stays_in_memory(tmp_path: Path) -> Non
         pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
     anchor = pub.catch_up_payloads(-1, "")[0]
     assert isinstance(anchor.payload, bytes) and anchor.data() == WeightPublisher(bits, anchor_interval=2).catch_up_payloads(-1, "")[0].payload
+    # A directory that cannot be made (a file in the way) is the same: memory, no exception.
+    (tmp_path / "taken").write_bytes(b"")
+    pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path / "taken" / "anchor")
+    assert isinstance(pub.catch_up_payloads(-1, "")[0].payload, bytes)
 
 
 def test_publisher_refuses_a_wrong_fingerprint() -> None:

@@ -149,9 +149,12 @@ class WeightPublisher:
         self.anchor_interval = anchor_interval
         self.anchor_dir = anchor_dir
         if anchor_dir is not None:
-            anchor_dir.mkdir(parents=True, exist_ok=True)
-            for stale in anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"):  # a write cut short by a kill
-                stale.unlink(missing_ok=True)
+            try:
+                anchor_dir.mkdir(parents=True, exist_ok=True)
+                for stale in anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"):  # a write cut short by a kill
+                    stale.unlink(missing_ok=True)
+            except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
+                log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
         self._anchor: Published | None = None
         self.creds = creds
         self._lock = threading.Lock()
