@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from rollstream.core.deltas import DeltaError, PayloadInfo
 from rollstream.v1 import weights_pb2
@@ -19,28 +20,44 @@ CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_BYTES = 32 * 1024**3
 
 
-def make_header(payload: bytes, info: PayloadInfo) -> weights_pb2.WeightHeader:
+class Payload(Protocol):
+    """What a payload must offer to be chunked and hashed: bytes, or something sized whose
+    slices are bytes (the trainer's anchor kept in a file, read piece by piece)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, key: slice, /) -> bytes: ...
+
+
+def _view(payload: bytes | Payload) -> memoryview | Payload:
+    return memoryview(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+
+
+def make_header(payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES) -> weights_pb2.WeightHeader:
     """A payload's header: its kind, versions, size, fingerprint and sha256. A sender pushing
-    one payload to many receivers makes it once (the hash is the costly part: ~2 s per GB)."""
-    return header_for(info, len(payload), hashlib.sha256(payload).hexdigest())
-
-
-def header_for(info: PayloadInfo, total_bytes: int, sha256: str) -> weights_pb2.WeightHeader:
-    """The header of a payload whose size and sha256 are known (hashed elsewhere, e.g. read
-    from a file in chunks)."""
+    one payload to many receivers makes it once (the hash is the costly part: ~2 s per GB).
+    A payload that is not in memory is hashed `chunk_bytes` at a time."""
+    view = _view(payload)
+    digest = hashlib.sha256()
+    for start in range(0, len(payload), chunk_bytes):
+        digest.update(view[start : start + chunk_bytes])
     return weights_pb2.WeightHeader(
-        kind=info.kind, base_version=info.base_version, version=info.version, total_bytes=total_bytes, sha256=sha256,
+        kind=info.kind,
+        base_version=info.base_version,
+        version=info.version,
+        total_bytes=len(payload),
+        sha256=digest.hexdigest(),
         model_fingerprint=info.fingerprint,
     )
 
 
 def to_chunks(
-    payload: bytes, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
+    payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
 ) -> Iterator[weights_pb2.WeightChunk]:
     """The payload as a stream of chunks, its header on the first; `header`: one made
     earlier by make_header for this payload (else it is made here)."""
     header = header if header is not None else make_header(payload, info)
-    view = memoryview(payload)
+    view = _view(payload)
     yield weights_pb2.WeightChunk(header=header, data=bytes(view[:chunk_bytes]))
     for start in range(chunk_bytes, len(payload), chunk_bytes):
         yield weights_pb2.WeightChunk(data=bytes(view[start : start + chunk_bytes]))

@@ -15,7 +15,6 @@ are), so a stream costs the trainer gRPC's own send and no copy or protobuf enco
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -75,8 +74,11 @@ class PayloadFile:
     def __len__(self) -> int:
         return self._size
 
-    def read(self, start: int, n: int) -> bytes:
-        return os.pread(self._fd, n, start)
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self._size)
+        if step != 1:
+            raise ValueError("a PayloadFile is read in contiguous slices")
+        return os.pread(self._fd, max(0, stop - start), start)
 
     def unlink(self) -> None:
         """Remove the file if its name is still this payload's."""
@@ -106,29 +108,15 @@ class Published:
     def header(self) -> weights_pb2.WeightHeader:
         with self._header_lock:  # concurrent pushes wait for one hash instead of each hashing
             if self._header is None:
-                if isinstance(self.payload, PayloadFile):
-                    digest = hashlib.sha256()
-                    for start in range(0, len(self.payload), weight_transfer.CHUNK_BYTES):
-                        digest.update(self.payload.read(start, weight_transfer.CHUNK_BYTES))
-                    self._header = weight_transfer.header_for(self.info, len(self.payload), digest.hexdigest())
-                else:
-                    self._header = weight_transfer.make_header(self.payload, self.info)
+                self._header = weight_transfer.make_header(self.payload, self.info)
             return self._header
 
     def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
-        if not isinstance(self.payload, PayloadFile):
-            return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
-        return self._file_chunks(self.payload)
-
-    def _file_chunks(self, payload: PayloadFile) -> Iterator[weights_pb2.WeightChunk]:
-        step = weight_transfer.CHUNK_BYTES
-        yield weights_pb2.WeightChunk(header=self.header(), data=payload.read(0, step))
-        for start in range(step, len(payload), step):
-            yield weights_pb2.WeightChunk(data=payload.read(start, step))
+        return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
 
     def data(self) -> bytes:
-        """The whole payload as bytes (read back from its file when spilled)."""
-        return self.payload if isinstance(self.payload, bytes) else self.payload.read(0, len(self.payload))
+        """The whole payload as bytes (read back from its file when it is in one)."""
+        return self.payload if isinstance(self.payload, bytes) else self.payload[:]
 
     def wire_chunks(self) -> list[bytes]:
         """The chunks as serialized WeightChunk messages: made once per push for every
