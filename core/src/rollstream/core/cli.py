@@ -229,7 +229,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 2
     trainer_threads = str(args.threads or cores)
     side_threads = str(args.threads or max(1, cores // 2))
-    generator_threads = str(args.threads or (cores if args.max_staleness == 0 else max(1, cores // 2)))
+    generator_threads = trainer_threads if args.max_staleness == 0 else side_threads
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     common = ["--redis-url", redis_url, "--run", args.run, "--log-json" if args.log_json else "--no-log-json"]
     model_args = ["--model", model, "--threads", side_threads]

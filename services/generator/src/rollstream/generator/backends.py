@@ -161,9 +161,9 @@ class TransformersBackend:
             if bool(done.all()) or t + 1 == max_new:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions + 1, past_key_values=past, use_cache=True)
-            past, positions = out.past_key_values, positions + 1
-            logits_last = out.logits[:, -1, :]
+            positions = positions + 1
+            out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            past, logits_last = out.past_key_values, out.logits[:, -1, :]
 
         results: list[list[Sample]] = [[] for _ in requests]
         for i, (ri, _) in enumerate(rows):
