@@ -28,12 +28,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, dashboard, logs, redis_acl, redis_policy, steplog, streams
+from rollstream.core import codec, logs, redis_policy, steplog, streams
 from rollstream.core.config import load_or_exit
-from rollstream.core.credentials import read_secret
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint
+from rollstream.trainer import checkpoint, pipeline_view
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
@@ -64,7 +63,7 @@ def run(settings: TrainerSettings) -> None:
             settings = settings.model_copy(update={"consumer": restored.consumer})
         directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
         checkpoints = CheckpointRequests()
-        view = pipeline_view(settings, host) if settings.dashboard else None
+        view = pipeline_view.install(settings, host) if settings.dashboard else None
         host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
         client = host.connect_redis()
         try:
@@ -89,29 +88,6 @@ def run(settings: TrainerSettings) -> None:
             client.close()
             if view is not None:
                 view.close()
-
-
-def pipeline_view(settings: TrainerSettings, host: ServiceHost) -> dashboard.PipelineView:
-    """The dashboard's look at the pipeline (rollstream.core.dashboard): its own Redis
-    connection with short timeouts, as the read-only observer where a password file for it is
-    given; the pipeline gauges on /metrics and the dashboard's routes."""
-    s = settings
-    try:
-        if s.redis_observer_password_file:
-            username, password = redis_acl.OBSERVER, read_secret(s.redis_observer_password_file, "redis_observer_password_file")
-        else:
-            username, password = redis_policy.credentials(s.redis_url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
-    except ValueError as e:
-        raise host.redis.invalid(str(e)) from None
-    secrets = (password or "", redis_policy.url_credentials(s.redis_url)[1] or "", s.redis_password.get_secret_value())
-    timeout = dashboard.SOCKET_TIMEOUT_S
-    view = dashboard.PipelineView(
-        lambda: redis_policy.connect(s.redis_url, username, password, socket_timeout_s=timeout, connect_timeout_s=timeout),
-        streams.RunKeys(s.run), secrets=secrets,
-    )
-    host.registry.register(view)
-    host.http_extensions.append(lambda app: dashboard.install(app, view, s.metrics_file))
-    return view
 
 
 @dataclass
