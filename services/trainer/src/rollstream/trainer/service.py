@@ -11,7 +11,7 @@ One loop, top to bottom:
   4. encode the exact delta, push it to every generator, then in one transaction: ack the
      groups, record them as trained, set the version, append the step's metrics;
   5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
-`--resume` restores one, trains again the groups logged as trained after it (so a crash
+`--resume` restores one, trains again the groups logged as trained after it (replay.py: so a crash
 loses no trained work), moves the run's version to it and pushes its anchor.
 Redis trouble never ends the loop: it waits (rollstream.core.redis_policy), and from the
 step on it only retries, since the update exists and its groups must be acknowledged.
@@ -32,7 +32,7 @@ from rollstream.core import codec, logs, redis_policy, steplog, streams
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, pipeline_view
+from rollstream.trainer import checkpoint, pipeline_view, replay
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
@@ -73,7 +73,7 @@ def run(settings: TrainerSettings) -> None:
             loop = TrainerLoop(trainer, host, client, keys, stage, PromptFeeder(settings, client, stage, fed), directory, checkpoints)
             # Also without a checkpoint: a trainer killed before its first one starts from the
             # model again, and the steps it trained are replayed from there.
-            loop.replay_trained_log()
+            replay.replay_trained_log(trainer, host, client, keys)
             # After a resume this moves the version back; generators ahead of it get the anchor.
             host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
             # For `rollstream status`: this many groups pending on the trainer is a step in progress.
@@ -264,38 +264,6 @@ class TrainerLoop:
             self.host.redis.call(lambda: self.client.delete(self.keys.trained_log), "clearing the trained log")
             checkpoint.prune(Path(s.checkpoint_dir), s.keep_checkpoints)
         return saved, trainer.version
-
-    def replay_trained_log(self) -> None:
-        """Train again, step by step and in their order, the groups trained after the checkpoint
-        we resumed from (their acknowledgements outlived the update they fed, which died with
-        the process). Same groups, same optimizer state and RNG: the same weights, bit for bit."""
-        trainer, host, client, keys = self.trainer, self.host, self.client, self.keys
-        logged = host.redis.call(lambda: client.xrange(keys.trained_log), "reading the trained log")
-        steps: dict[int, list[rollout_pb2.RolloutGroup]] = {}
-        for eid, fields in logged:
-            try:
-                step = int(fields.get(b"step", b""))
-                if step > trainer.step:
-                    steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
-            except (ValueError, codec.EntryError) as e:  # not written by a trainer: say so, skip it
-                logs.event(host.log, "trained_log_entry_unreadable", logging.ERROR, entry=eid.decode(), error=str(e))
-        replayed = 0
-        for step in sorted(steps):
-            if step != trainer.step + 1:
-                logs.event(host.log, "trained_log_gap", logging.ERROR, expected=trainer.step + 1, found=step, note="replay stops here")
-                break
-            trainer.train_step(steps[step])
-            trainer.groups_trained += len(steps[step])
-            replayed += 1
-        last = host.redis.call(lambda: client.hget(keys.stats, "step"), "reading the run's step")
-        lost = int(last or 0) - trainer.step
-        if lost > 0:
-            # Resumed from an older checkpoint than the latest: those steps' groups stay counted
-            # as trained, but their updates are not in these weights. Say so, loudly.
-            host.redis.call(lambda: client.hincrby(keys.stats, "steps_lost_on_resume", lost), "counting lost steps")
-            logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=int(last or 0), resumed_step=trainer.step, lost=lost)
-        if replayed:
-            logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
 
     def push_anchor(self) -> None:
         """After a resume, every generator gets the restored version as an anchor: whatever it

@@ -1,0 +1,43 @@
+"""Replaying the trained log after a resume: the steps trained after the checkpoint the
+trainer restarted from, trained again in order (service.py calls it once, before the loop)."""
+
+from __future__ import annotations
+
+import logging
+
+from rollstream.core import codec, logs, redis_policy, streams
+from rollstream.core.service import ServiceHost
+from rollstream.trainer.trainer import Trainer
+from rollstream.v1 import rollout_pb2
+
+
+def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy.Client, keys: streams.RunKeys) -> None:
+    """Train again, step by step and in their order, the groups trained after the checkpoint
+    we resumed from (their acknowledgements outlived the update they fed, which died with
+    the process). Same groups, same optimizer state and RNG: the same weights, bit for bit."""
+    logged = host.redis.call(lambda: client.xrange(keys.trained_log), "reading the trained log")
+    steps: dict[int, list[rollout_pb2.RolloutGroup]] = {}
+    for eid, fields in logged:
+        try:
+            step = int(fields.get(b"step", b""))
+            if step > trainer.step:
+                steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
+        except (ValueError, codec.EntryError) as e:  # not written by a trainer: say so, skip it
+            logs.event(host.log, "trained_log_entry_unreadable", logging.ERROR, entry=eid.decode(), error=str(e))
+    replayed = 0
+    for step in sorted(steps):
+        if step != trainer.step + 1:
+            logs.event(host.log, "trained_log_gap", logging.ERROR, expected=trainer.step + 1, found=step, note="replay stops here")
+            break
+        trainer.train_step(steps[step])
+        trainer.groups_trained += len(steps[step])
+        replayed += 1
+    last = host.redis.call(lambda: client.hget(keys.stats, "step"), "reading the run's step")
+    lost = int(last or 0) - trainer.step
+    if lost > 0:
+        # Resumed from an older checkpoint than the latest: those steps' groups stay counted
+        # as trained, but their updates are not in these weights. Say so, loudly.
+        host.redis.call(lambda: client.hincrby(keys.stats, "steps_lost_on_resume", lost), "counting lost steps")
+        logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=int(last or 0), resumed_step=trainer.step, lost=lost)
+    if replayed:
+        logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
