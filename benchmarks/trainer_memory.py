@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward (the trainer's setting)")
     parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
+    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32", help="AdamW moments (the trainer's setting; `up` uses bfloat16)")
     parser.add_argument("--anchor-interval", type=int, default=20)
     parser.add_argument("--anchor-file", action="store_true", help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")
@@ -273,7 +274,7 @@ def main() -> None:
         TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
         group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,
         activation_checkpointing=args.activation_checkpointing, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
-        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "",
+        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "", moments_dtype=args.moments_dtype,
     )
     host = ServiceHost("trainer", settings)
     t0 = time.perf_counter()

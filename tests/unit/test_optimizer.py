@@ -370,7 +370,7 @@ def test_bits_handed_out_stay_valid_and_free_buffers_are_reused() -> None:
     """The bits buffer of two steps ago is reused only when nobody holds a view of it."""
     model = _model()
     grads = _grads(model, steps=6)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, spare_bits=True)
 
     def step(k: int) -> dict[str, np.ndarray]:
         for n, p in model.named_parameters():
@@ -395,3 +395,26 @@ def test_bits_handed_out_stay_valid_and_free_buffers_are_reused() -> None:
     bits = step(0)
     assert buffers[0]() is not None and buffers[0]() is not buffers[1]()
     assert next(iter(bits.values())).base is buffers[0]()
+
+
+def test_on_a_cpu_only_machine_the_previous_bits_are_freed_once_nobody_holds_them() -> None:
+    """Without a GPU the host peak is forward and backward: no spare bits buffer is kept
+    through them (the published base of the next delta is the only one)."""
+    model = _model()
+    grads = _grads(model, steps=3)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD)
+
+    def step(k: int) -> dict[str, np.ndarray]:
+        for n, p in model.named_parameters():
+            p.grad = grads[k][n].clone()
+        return opt.step(1.0)[1]
+
+    first = weakref.ref(next(iter(step(0).values())).base)
+    second = step(1)
+    assert first() is None  # freed by the step that replaced it: nothing held it
+    kept = weakref.ref(next(iter(second.values())).base)
+    snapshot = {n: b.copy() for n, b in second.items()}
+    latest = step(2)
+    # Held by the test: still there and unchanged; the newest bits are the masters' rounding.
+    assert kept() is not None and all(np.array_equal(second[n], snapshot[n]) for n in second)
+    assert all(np.array_equal(latest[n], b) for n, b in opt.published_bits().items())

@@ -145,7 +145,10 @@ class HostAdamW:
         bucket_mb: float = 32.0,
         moments_dtype: MomentsDtype = "float32",
         grad_offload: bool = False,
+        spare_bits: bool | None = None,
     ):
+        """`spare_bits`: keep the bits buffer of two steps ago between steps for reuse (see
+        _bits_buffer); None: only when the model is on a GPU."""
         self.params = dict(params)
         if not self.params:
             raise ValueError("HostAdamW needs at least one parameter")
@@ -201,6 +204,7 @@ class HostAdamW:
         # The bits last written into the model, and a spare buffer (see _bits_buffer).
         self._bits = np.empty(0, dtype=np.uint16)
         self._spare_bits: np.ndarray | None = None
+        self._keep_spare = self.device.type == "cuda" if spare_bits is None else spare_bits
 
         self.host_grad: torch.Tensor | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -317,7 +321,12 @@ class HostAdamW:
         every step costs its page faults (~1 s at 1.5B parameters), so the buffer of two
         steps ago is reused, but only while nothing holds a view of it any more (every numpy
         view keeps its base array referenced): bits handed out stay valid as long as anyone
-        keeps them."""
+        keeps them.
+        Not on a CPU-only machine: there the spare would sit in host memory through forward
+        and backward, beside the activations and gradients, which is where the trainer's
+        host peak is (+257 MiB at 135M, benchmarks/trainer_memory.py); a fresh buffer costs
+        ~0.03 s a step at that size. On a GPU the activations are not in host memory and the
+        host peak is the step itself, which needs two buffers either way."""
         spare, self._spare_bits = self._spare_bits, None
         if spare is not None and sys.getrefcount(spare) == 2:  # `spare` and getrefcount's argument
             return spare
@@ -359,7 +368,7 @@ class HostAdamW:
         for event in put:
             self._copier.wait(event)
         self._copier.end()
-        self._spare_bits = self._bits if self._bits.size == self.numel else None
+        self._spare_bits = self._bits if self._keep_spare and self._bits.size == self.numel else None
         self._bits = new_bits
         return self._split_bits(new_bits)
 
