@@ -12,7 +12,7 @@ from rollstream.core import codec, deltas, modeling, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
-from helpers import wait_for, write
+from helpers import groups_in, wait_for, write
 from procs import ServiceProc, start_service
 
 
@@ -183,3 +183,70 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
     assert "100000" in reasons["oov"] and "data does not parse" in reasons["garbage"]
     assert rclient.xpending(keys.stream("prompts"), "generator")["pending"] == 0
     assert state(generator).groups_generated == 2
+
+
+def _arithmetic_task(task_id: str) -> rollout_pb2.PromptTask:
+    return rollout_pb2.PromptTask(
+        task_id=task_id, prompt_ids=[5, 6, 7], group_size=2, task_kind="arithmetic",
+        sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
+    )
+
+
+def _peer_takes(rclient, keys: streams.RunKeys, tasks: int, held: int) -> list[bytes]:
+    """`tasks` prompt tasks on the stream, `held` of them taken by another generator ("peer")
+    that has not finished them: pending with it in the generators' group."""
+    for i in range(tasks):
+        write(rclient, keys, "prompts", _arithmetic_task(f"t{i}"))
+    rclient.xgroup_create(keys.stream("prompts"), "generator", id="0")
+    reply = rclient.xreadgroup("generator", "peer", {keys.stream("prompts"): ">"}, count=held)
+    return [eid for eid, _ in reply[0][1]]
+
+
+def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient) -> None:
+    """Generators share max_inflight_groups: the tasks a peer has taken and is sampling count
+    as in flight, so this one takes only the room left (with max_staleness 0, more would be
+    sampled only to be dropped as stale), and the rest once the peer is done."""
+    keys = streams.RunKeys(run_name)
+    rollouts = keys.stream("rollouts")
+    held = _peer_takes(rclient, keys, tasks=6, held=3)
+    gen = start_service(
+        "generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1",
+        "--max-inflight-groups", "4", "--tasks-per-batch", "4", "--claim-idle-ms", "600000",
+    ).wait_ready()
+    try:
+        wait_for(lambda: rclient.xlen(rollouts) >= 1, 120, "the first batch", procs=[gen], poll_s=0.1)
+        # A batch is committed whole, in one script: the stream holds exactly the first batch,
+        # which is the room it saw (4 - 3 held by the peer), and then nothing while full.
+        assert rclient.xlen(rollouts) == 1
+        rclient.xack(keys.stream("prompts"), "generator", *held)  # the peer is done with its tasks
+        wait_for(lambda: rclient.xlen(rollouts) >= 3, 120, "the two tasks left", procs=[gen], poll_s=0.1)
+        assert sorted(g.group_id for g in groups_in(rclient, rollouts)) == ["t3", "t4", "t5"]
+        assert rclient.xpending(keys.stream("prompts"), "generator")["pending"] == 0
+    finally:
+        gen.stop()
+
+
+def test_tasks_a_dead_peer_held_past_claim_idle_do_not_block_the_room(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient) -> None:
+    """A peer that died holding the whole room: its tasks, idle past claim_idle_ms, are not
+    counted as in flight; this generator claims them and samples every task."""
+    keys = streams.RunKeys(run_name)
+    _peer_takes(rclient, keys, tasks=6, held=4)
+    gen = start_service(
+        "generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1",
+        "--max-inflight-groups", "4", "--tasks-per-batch", "4", "--claim-idle-ms", "1000",
+    ).wait_ready()
+    try:
+        rollouts = keys.stream("rollouts")
+        # Room for all six: a reward stage takes each group as it comes.
+        streams.StreamStage.ensure_group(rclient, rollouts, "reward")
+
+        def drained() -> int:
+            reply = rclient.xreadgroup("reward", "reward-0", {rollouts: ">"}, count=10)
+            if reply and reply[0][1]:
+                rclient.xack(rollouts, "reward", *[eid for eid, _ in reply[0][1]])
+            return rclient.xlen(rollouts)
+
+        wait_for(lambda: drained() >= 6, 180, "all six tasks sampled", procs=[gen], poll_s=0.2)
+        assert sorted(g.group_id for g in groups_in(rclient, rollouts)) == [f"t{i}" for i in range(6)]
+    finally:
+        gen.stop()

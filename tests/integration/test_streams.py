@@ -406,6 +406,25 @@ def test_waiting_counts_unacknowledged_entries_not_stream_length(rclient: redis.
     assert streams.waiting(rclient, stream) == 5
 
 
+def test_held_by_others_counts_what_other_live_consumers_hold(rclient: redis.Redis, keys: RunKeys) -> None:
+    """What the generators' back-pressure adds to the room: entries pending with another
+    consumer of the group, not our own, not unread ones, not those idle past claim_idle_ms."""
+    a = _stage(rclient, keys, "A", claim_idle_ms=600_000)  # nobody looks dead, however loaded the machine
+    b = _stage(rclient, keys, "B", claim_idle_ms=600_000)
+    assert a.held_by_others() == 0  # no stream, no group yet: nothing held, no error
+    _feed(rclient, keys, 6)
+    StreamStage.ensure_group(rclient, keys.stream(SRC), GROUP)
+    got_b = b.read(count=3, block_ms=10)
+    a.read(count=2, block_ms=10)
+    assert (a.held_by_others(), b.held_by_others()) == (3, 2)  # one entry is still unread
+    b.commit(got_b[:1])
+    assert a.held_by_others() == 2
+    # With a short claim_idle_ms, B's entries, once idle past it, are up for claims (B looks dead).
+    a_quick = _stage(rclient, keys, "A", claim_idle_ms=IDLE)
+    _sleep_past_idle()
+    assert a_quick.held_by_others() == 0
+
+
 def test_a_commit_retried_after_a_lost_reply_writes_nothing_twice(rclient: redis.Redis, keys: RunKeys) -> None:
     _feed(rclient, keys, 1)
     stage = _stage(rclient, keys, "A")

@@ -374,6 +374,23 @@ class StreamStage:
             self._reread_quietly = False
         return entries
 
+    def held_by_others(self) -> int:
+        """Entries other consumers of this group hold and may still be working on: pending
+        with them, and not idle past claim_idle_ms (those are orphans, which this consumer's
+        own reads claim)."""
+        try:
+            summary = self.client.xpending(self.stream, self.group)
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):  # stream or group gone (a flushed Redis): nobody holds anything; read() makes it again
+                return 0
+            raise
+        mine = _as_bytes(self.consumer)
+        others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if _as_bytes(c["name"]) != mine)
+        if others == 0:
+            return 0
+        idle = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=int(summary["pending"]), idle=self.claim_idle_ms)
+        return others - sum(1 for p in idle if _as_bytes(p["consumer"]) != mine)
+
     def _claim_stale(self, count: int) -> list[Entry]:
         """Take over entries idle for claim_idle_ms on *other* consumers (XAUTOCLAIM would also
         hand us back entries we hold ourselves, e.g. a trainer filling its batch)."""

@@ -88,6 +88,10 @@ def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client
     # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths),
     # counted by `observer` (read-only; the generator's own client without one).
     inflight = sum(streams.waiting(observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+    # Tasks another generator has taken and is sampling now are in flight too: without them
+    # every generator would fill the same room (check, then read), and with max_staleness 0
+    # the extra groups come out stale.
+    inflight += stage.held_by_others()
     behind = streams.current_version(client, keys) - (gen.weights.version or 0)
     if inflight >= s.max_inflight_groups or behind > s.max_staleness:
         if behind > s.max_staleness:
