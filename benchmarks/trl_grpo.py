@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr-scheduler", default="linear", help="TRL's default (linear decay to 0 over --steps); 'constant' as rollstream")
     p.add_argument("--loss-type", default="dapo", help="TRL 1.16's default")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: TRL's own choice of the GPU (accelerate), fp32 as on the CPU")
     args = p.parse_args()
 
     import torch
@@ -98,7 +99,7 @@ def main() -> None:
             temperature=1.0,
             top_p=1.0,
             shuffle_dataset=False,
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
             bf16=False,
             logging_steps=1,
             save_strategy="no",

@@ -122,11 +122,11 @@ def first_step_at(steps: list[dict], level: float) -> int | None:
 
 
 def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
-    python = REPO / args.trl_venv / "bin" / "python"
+    python = Path(args.trl_python) if args.trl_python else REPO / args.trl_venv / "bin" / "python"
     if not python.exists():
         sys.exit(f"{python} is missing: run `bash scripts/install_trl.sh` first")
     cmd = [str(python), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--max-new-tokens", str(args.max_new_tokens)]
+           "--max-new-tokens", str(args.max_new_tokens), "--device", args.device]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -149,7 +149,7 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
         ]
         started_wall = time.time()
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "ROLLSTREAM_DEVICE": args.device})
         with MemoryWatch(proc.pid) as watch:
             proc.wait()
         wall = time.monotonic() - started
@@ -200,6 +200,11 @@ def main() -> None:
     parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
     parser.add_argument("--trl-venv", default=".venv-trl")
+    parser.add_argument("--trl-python", default="", help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: TRL on the GPU, and every rollstream service (ROLLSTREAM_DEVICE); peaks stay host memory",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "core" / "src"))
     from rollstream.core.models import resolve_model
@@ -228,7 +233,7 @@ def main() -> None:
         "benchmark": "vs_trl",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_avg_at_end": os.getloadavg(),
-        "steps": args.steps, "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "up_args": args.up_arg,
+        "steps": args.steps, "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "up_args": args.up_arg, "device": args.device,
         "summary": summary, "runs": runs,
     }, indent=1))
 

@@ -25,6 +25,13 @@
 #   largest_fp32_moments, largest_bf16_moments
 #                       benchmarks/gpu_step.py largest: one 4096-token step at growing sizes
 #                       until device or host memory runs out
+#   demo_sync_512, demo_async_512
+#                       issue 18's last part, where asynchrony wins: benchmarks/vs_trl.py
+#                       --device cuda on the demo task with 512 new tokens (generation slower
+#                       than training), 10 steps of `rollstream up` synchronous
+#                       (--max-staleness 0) and asynchronous (1), seed 0; each with TRL's
+#                       GRPOTrainer beside it where the Python has `trl` (the wheelhouse does
+#                       not carry it: pyarrow alone would take most of a call's 64 MiB)
 # then prints which ran and which failed. NAME ... runs only those (e.g. to fit a 10-minute
 # window: `scripts/gpu_benchmarks.sh out optimizer_step_7b`). --dry-run prints the commands
 # without running anything.
@@ -135,6 +142,12 @@ bench trainer_memory trainer_memory.py --device cuda "${model_args[@]}"
 bench gpu_step_1.5b gpu_step.py step --device cuda --size 1.5b
 bench largest_fp32_moments gpu_step.py largest --device cuda --moments-dtype float32 --sizes 1.5b,3b,7b,14b
 bench largest_bf16_moments gpu_step.py largest --device cuda --moments-dtype bfloat16 --sizes 7b,14b
+vs_trl_args=(--device cuda --seeds 0 --steps 10 --max-new-tokens 512 --only rollstream "${model_args[@]}")
+if [ "$dry_run" = 0 ] && "$py" -c 'import trl' 2>/dev/null; then
+    vs_trl_args=(--device cuda --seeds 0 --steps 10 --max-new-tokens 512 --trl-python "$py" "${model_args[@]}")
+fi
+bench demo_sync_512 vs_trl.py "${vs_trl_args[@]}" --up-arg=--max-staleness=0
+bench demo_async_512 vs_trl.py "${vs_trl_args[@]}" --up-arg=--max-staleness=1
 
 echo
 if [ "$dry_run" = 1 ]; then
