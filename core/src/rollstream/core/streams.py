@@ -384,18 +384,21 @@ class StreamStage:
             if "NOGROUP" in str(e):  # stream or group gone (a flushed Redis): nobody holds anything; read() makes it again
                 return 0
             raise
-        mine = _as_bytes(self.consumer)
-        others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if _as_bytes(c["name"]) != mine)
+        others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if _text(c["name"]) != self.consumer)
         if others == 0:
             return 0
-        idle = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=int(summary["pending"]), idle=self.claim_idle_ms)
-        return others - sum(1 for p in idle if _as_bytes(p["consumer"]) != mine)
+        return others - len(self._idle_on_others(int(summary["pending"])))
+
+    def _idle_on_others(self, count: int) -> list[bytes]:
+        """Ids of the entries idle past claim_idle_ms on *other* consumers, among the first
+        `count` pending entries idle that long: orphans, up for a take-over."""
+        pending = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms)
+        return [p["message_id"] for p in pending if _text(p["consumer"]) != self.consumer]
 
     def _claim_stale(self, count: int) -> list[Entry]:
         """Take over entries idle for claim_idle_ms on *other* consumers (XAUTOCLAIM would also
         hand us back entries we hold ourselves, e.g. a trainer filling its batch)."""
-        pending = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count * 8, idle=self.claim_idle_ms)
-        ids = [p["message_id"] for p in pending if _text(p["consumer"]) != self.consumer][:count]
+        ids = self._idle_on_others(count * 8)[:count]
         if not ids:
             return []
         claimed = self.client.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, ids)
