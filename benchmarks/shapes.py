@@ -44,6 +44,12 @@ def build_model(size: str, device: torch.device, dtype: torch.dtype = torch.bflo
     model.to(dtype)  # still on meta: free; then allocate once, in the target dtype
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives every module its own tensor: tie the embeddings again
+    # to_empty leaves the buffers as garbage too: the rotary inv_freq is computed, not loaded,
+    # so build those modules again (fp32, as from_pretrained leaves it). Garbage there made a
+    # step's loss NaN in 3 of 6 runs.
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "inv_freq"):
+            model.set_submodule(name, type(module)(model.config).to(device))
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -43,11 +43,15 @@ LEVELS = (0.85, 0.95)
 
 @dataclass
 class MemoryWatch:
-    """Peak RSS by process (name + pid) of a process tree, sampled on a thread."""
+    """Peak RSS by process (name + pid) of a process tree, sampled on a thread; with `gpu`,
+    also each process's GPU memory as nvidia-smi reports it (its own allocations plus its
+    CUDA context)."""
 
     root: int
     period_s: float = 0.25
+    gpu: bool = False
     peaks: dict[str, int] = field(default_factory=dict)
+    gpu_peaks: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -68,12 +72,30 @@ class MemoryWatch:
                 procs = [root, *root.children(recursive=True)]
             except psutil.Error:
                 continue
+            on_gpu = gpu_memory() if self.gpu else {}
             for p in procs:
                 try:
                     key = f"{label(p)}[{p.pid}]"
                     self.peaks[key] = max(self.peaks.get(key, 0), p.memory_info().rss, peak_rss(p.pid))
+                    if p.pid in on_gpu:
+                        self.gpu_peaks[key] = max(self.gpu_peaks.get(key, 0), on_gpu[p.pid])
                 except psutil.Error:
                     pass
+
+
+def gpu_memory() -> dict[int, int]:
+    """Bytes of GPU memory by pid, from nvidia-smi; empty where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    usage = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            usage[int(pid)] = int(mib) * 2**20
+    return usage
 
 
 def peak_rss(pid: int) -> int:
@@ -130,14 +152,14 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    with MemoryWatch(proc.pid) as watch:
+    with MemoryWatch(proc.pid, gpu=args.device == "cuda") as watch:
         lines = [record for line in proc.stdout or [] if (record := json_object(line)) is not None]
         proc.wait()
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"TRL exited with {proc.returncode}: {' '.join(cmd)}")
     steps = [{"step": s["step"], "reward": s["reward"], "t": s["t"], "step_s": s["step_s"]} for s in lines if "step" in s]
-    return result("trl", seed, steps, wall, watch.peaks)
+    return result("trl", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
 
 
 def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
@@ -149,14 +171,17 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
         ]
         started_wall = time.time()
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "ROLLSTREAM_DEVICE": args.device})
-        with MemoryWatch(proc.pid) as watch:
-            proc.wait()
+        up_log = Path(workdir) / "up.log"
+        with up_log.open("wb") as stderr:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "ROLLSTREAM_DEVICE": args.device})
+            with MemoryWatch(proc.pid, gpu=args.device == "cuda") as watch:
+                proc.wait()
         wall = time.monotonic() - started
         log = Path(workdir) / "steps.jsonl"
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
         if proc.returncode != 0 or not records:
-            raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}")
+            tail = "\n".join(up_log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}\n{tail}")
     # The step log's wall time is the step's end; a replayed step (trainer restart) keeps the last record.
     by_step = {int(r["step"]): r for r in records}
     steps, last = [], started_wall
@@ -164,10 +189,10 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
         r = by_step[k]
         steps.append({"step": k, "reward": r["reward_mean"], "t": round(r["time"] - started_wall, 2), "step_s": round(r["time"] - last, 2), "staleness": r.get("mean_staleness")})
         last = r["time"]
-    return result("rollstream", seed, steps, wall, watch.peaks)
+    return result("rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
 
 
-def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int]) -> dict:
+def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int], gpu_peaks: dict[str, int] | None = None) -> dict:
     out = {
         "system": system, "seed": seed,
         "reward_by_step": [round(s["reward"], 3) for s in steps],
@@ -176,6 +201,8 @@ def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[s
         "peak_rss_gb": {k: round(v / 1e9, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])},
         "steps": steps,
     }
+    if gpu_peaks is not None:
+        out["peak_gpu_gb"] = {k: round(v / 1e9, 2) for k, v in sorted(gpu_peaks.items(), key=lambda kv: -kv[1])}
     for level in LEVELS:
         out[f"step_at_{level}"] = first_step_at(steps, level)
         out[f"s_to_{level}"] = first_time_at(steps, level)
@@ -203,7 +230,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default="", help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
-        help="cuda: TRL on the GPU, and every rollstream service (ROLLSTREAM_DEVICE); peaks stay host memory",
+        help="cuda: TRL on the GPU, and every rollstream service (ROLLSTREAM_DEVICE); each process's GPU memory too (nvidia-smi)",
     )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "core" / "src"))

