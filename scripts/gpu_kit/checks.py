@@ -80,19 +80,22 @@ CHECKS: dict[str, list[Check]] = {
         Check("throughput_1.5b", ["benchmarks/throughput.py", "--device", "cuda", "--dtype", "bfloat16", "--size", "1.5b", "--model", "{kit}/tokenizer"],
               ["benchmarks/throughput.py", "--device", "cpu", "--dtype", "float32", "--size", "0.1b", "--model", "{kit}/tokenizer",
                "--completions", "8", "--max-new-tokens", "4", "--threads", "2"], 150),
-        Check("optimizer_step_7b", ["benchmarks/optimizer_step.py", "--size", "7b", "--device", "cuda", "--skip-baseline", "--encode-threads", "4", "--repeats", "1"],
-              None, 150),
     ],
     "system": [
         # `rollstream up` (embedded Redis, trainer, generator, reward) with every service on the
-        # device: the demo task, steps/s, each process's peak host and GPU memory.
-        Check("up_demo", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "6",
-                          "--max-new-tokens", "512", "--up-arg=--max-staleness=1"],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 240),
+        # device: the demo task, seconds a step and each step's phases, each process's peak host
+        # and GPU memory. On the H100 (2026-11-27): ~65 s to the first step (model conversion,
+        # loads), then ~17 s a step at 128 new tokens; 6 steps at 512 did not fit 185 s.
+        Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
+                              "--max-new-tokens", "128"],
+              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 185),
     ],
 }
 BUDGET_S = {"trainer": 450, "system": 200}
 MIN_CHECK_S = 15  # a check with less time than this left is skipped, not started
+# --device cpu (the CI tier, a loaded 2-core machine) stretches every cap and the budget: the
+# caps are sized for the GPU machine's 16 cores.
+CPU_SLACK = 4
 
 
 @dataclass
@@ -239,8 +242,8 @@ def run_check(run: Run, check: Check) -> Row:
     argv = check.cuda if run.device == "cuda" else check.cpu
     if argv is None:
         return Row(check.name, "skipped", error="GPU only")
-    timeout = min(check.cap_s, run.left_s())
-    if timeout < MIN_CHECK_S:
+    timeout = min(check.cap_s * (CPU_SLACK if run.device == "cpu" else 1), run.left_s())
+    if run.left_s() < MIN_CHECK_S:
         return Row(check.name, "skipped", cap_s=check.cap_s, error=f"no time left in the {run.budget_s:.0f} s budget")
     env = {**run.env(), **check.env, **(check.cpu_env if run.device == "cpu" else {})}
     rc, seconds = run.command(check.name, [sys.executable, *(a.replace("{kit}", str(run.kit)) for a in argv)], timeout, env)
@@ -289,7 +292,8 @@ def main() -> None:
     args = parser.parse_args()
     kit_name = json.loads((args.kit / "manifest.json").read_text()).get("kit", "") if (args.kit / "manifest.json").is_file() else ""
     out = args.out or Path(os.environ.get("OUT") or args.state / "out")
-    run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, args.budget_s or BUDGET_S.get(kit_name, 300))
+    budget_s = args.budget_s or BUDGET_S.get(kit_name, 300) * (CPU_SLACK if args.device == "cpu" else 1)
+    run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, budget_s)
     failed_setup = ""
     for step in (verify_checksums, install, model, machine):
         row = run.record(step(run))
@@ -304,7 +308,7 @@ def main() -> None:
         if failed_setup:
             run.record(Row(check.name, "not run", error=f"setup failed: {failed_setup}"))
             continue
-        print(f"== {check.name} (cap {min(check.cap_s, max(0, run.left_s())):.0f} s)", flush=True)
+        print(f"== {check.name}", flush=True)
         row = run.record(run_check(run, check))
         print(f"== {check.name}: {row.status} ({row.seconds} s)", flush=True)
         ok = ok and row.status in ("ok", "skipped")

@@ -120,8 +120,11 @@ def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path) -
 
 def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model_dir: Path) -> None:
     """The clip factor comes from the GPU's norm (fp32 tree reduction) here and from torch's
-    CPU clip_grad_norm_ in the reference: equal to ~1e-6 relative, so the masters agree to
-    a few fp32 ulps of the update (stated: 1e-7 absolute at lr 1e-3, and the norm 1e-5 relative)."""
+    CPU clip_grad_norm_ in the reference: equal to ~1e-6 relative, so the updates agree to a
+    few fp32 ulps of the update (1e-7 absolute at lr 1e-3), and a master can still round to
+    the neighbouring fp32 value: one ulp of the master itself, 1.19e-7 for a norm gain just
+    above 1.0 (the H100's first run failed there, 2026-11-27, on atol 1e-7 alone). Stated:
+    1e-7 absolute plus 2 ulps (2**-22) relative, and the norm 1e-5 relative."""
     model, opt, pad = load(tiny_model_dir)
     masters, reference = fp32_reference(opt)
     capturing = Capturing(model, opt)
@@ -134,7 +137,7 @@ def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model
         assert capturing.norms[-1] == pytest.approx(ref_norm, rel=1e-5)
         reference.step()
         for n, m in masters.items():
-            torch.testing.assert_close(opt.master[n], m.detach(), rtol=0, atol=1e-7, msg=f"step {step}: master {n}")
+            torch.testing.assert_close(opt.master[n], m.detach(), rtol=2**-22, atol=1e-7, msg=lambda text, n=n, step=step: f"step {step}: master {n}: {text}")
 
 
 def test_gradient_offload_matches_the_device_path(tiny_model_dir: Path) -> None:

@@ -1,0 +1,191 @@
+"""The GPU kits (scripts/gpu_kit, docs/gpu.md), proven on a machine shaped like the GPU one.
+
+The machine lends a GPU rarely and for minutes, with no network: the day one is lent, the kit
+must be one call that cannot fail for a reason findable here. So this tier builds the kits
+with their own script (for this Python), then runs each kit's run.sh end to end with the
+checks in CPU mode at their smallest sizes, under a `python3` that is itself a venv holding
+the GPU image's packages (device_python.py: protobuf 5.29, no pydantic or redis), and asserts
+on what comes back: at most 8 files in OUT, each under 16 MiB, every check in the summary
+with a status, none over its cap. Breaking the install fails it: a wheel missing from the
+kit, a changed file, a venv made from the machine's python3.
+
+Needs PyPI for the first build (the wheels are kept in ~/.cache/rollstream/gpu-kit-wheels).
+Run by scripts/test.sh (`-m gpu_kit`), not by the default suite: ~4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import device_python  # tests/gpu_kit/device_python.py
+
+pytestmark = pytest.mark.gpu_kit
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "gpu_kit"))
+import checks  # noqa: E402  scripts/gpu_kit/checks.py
+
+MIB = 2**20
+SETUP = ["checksums", "install", "model", "machine"]
+
+
+@pytest.fixture(scope="module")
+def device_python3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return device_python.make(tmp_path_factory.mktemp("device"))
+
+
+@pytest.fixture(scope="module")
+def kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("kits") / "kit"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_kit" / "build.py"), "--python-version", version, "--out", str(out)],
+                   check=True, cwd=REPO)
+    return out
+
+
+def run_kit(kit: Path, python: Path, state: Path, out: Path, *args: str) -> tuple[int, dict]:
+    """`bash KIT/run.sh --device cpu ARGS` from the repository root, as the device call runs it."""
+    env = {**os.environ, "ROLLSTREAM_PY": str(python), "ROLLSTREAM_KIT_STATE": str(state), "OUT": str(out)}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", str(kit / "run.sh"), "--device", "cpu", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    return proc.returncode, json.loads((out / "summary.json").read_text())
+
+
+def tracked_bytes() -> int:
+    """The working tree a device call sends besides the kit (tracked files)."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
+
+
+def statuses(summary: dict) -> dict[str, str]:
+    return {row["name"]: row["status"] for row in summary["checks"]}
+
+
+def assert_what_comes_back(out: Path) -> None:
+    """What the device tool brings back: at most 8 plain files, each at most 16 MiB, at most
+    2 folders down, named in letters, digits, '.', '_' and '-'."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["results.tar.gz", "summary.json"]
+    assert all(p.stat().st_size <= 16 * MIB for p in files)
+
+
+def test_the_device_python_is_shaped_like_the_machines(device_python3: Path) -> None:
+    probe = subprocess.run(
+        [str(device_python3), str(REPO / "scripts" / "gpu_kit" / "machine.py"), "--device", "cpu"], capture_output=True, text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    found = json.loads(probe.stdout)
+    assert found["prefix"] != found["base_prefix"], "python3 there is itself a venv"
+    assert found["packages"]["protobuf"]["version"].startswith("5.29.")
+    assert "torch" in found["packages"] and "transformers" in found["packages"]
+    for absent in ("pydantic", "redis", "structlog", "zstandard"):
+        assert absent not in found["packages"]
+    assert probe.returncode == 1  # rollstream's modules cannot import there without the kit
+
+
+def test_each_kit_fits_one_call(kits: Path) -> None:
+    for name in ("trainer", "system"):
+        kit = kits / name
+        size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
+        assert size <= 58 * MIB, f"{name}: {size / MIB:.1f} MiB"
+        assert size + tracked_bytes() <= 63 * MIB, f"{name}: {size / MIB:.1f} MiB and the tree: over what one call carries (64 MiB)"
+        manifest = json.loads((kit / "manifest.json").read_text())
+        assert manifest["kit"] == name and manifest["wheels"]
+        assert (kit / "run.sh").is_file() and (kit / "SHA256SUMS").is_file()
+    both = (kits / "trainer" / "model.part1").stat().st_size + (kits / "system" / "model.part2").stat().st_size
+    assert both == json.loads((kits / "system" / "manifest.json").read_text())["model_bytes"]
+
+
+def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    rc, summary = run_kit(kits / "trainer", device_python3, state, tmp_path / "out1")
+    assert_what_comes_back(tmp_path / "out1")
+    expected = SETUP + [c.name for c in checks.CHECKS["trainer"]]
+    assert [row["name"] for row in summary["checks"]] == expected
+    assert all(status == "ok" for status in statuses(summary).values()), summary
+    assert rc == 0
+    for row in summary["checks"]:
+        if row["cap_s"] is not None:
+            assert row["seconds"] <= row["cap_s"] + 5, row
+    machine = summary["machine"]
+    assert machine["packages"]["protobuf"]["version"].startswith("7."), "the carried protobuf leads PYTHONPATH"
+    assert machine["packages"]["protobuf"]["from"].startswith(str(state / "site"))
+    assert machine["packages"]["torch"]["from"].startswith(str(device_python3.parents[2]))  # the image's torch
+    assert (state / "model.part1").is_file(), "kit 1 keeps its part of the demo model for kit 2"
+    results = {row["name"]: row["result"] for row in summary["checks"]}
+    assert results["gpu_step_1.5b"]["host"]["tokens_per_s"] > 0
+    assert results["largest_bf16_moments"]["sizes"][0]["fits"] is True
+
+    rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2")
+    assert_what_comes_back(tmp_path / "out2")
+    assert statuses(summary) == dict.fromkeys(SETUP + [c.name for c in checks.CHECKS["system"]], "ok"), summary
+    assert rc == 0
+    run = summary["checks"][-1]["result"]["runs"][0]
+    assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
+    assert "trainer" in " ".join(run["peak_rss_gb"])
+
+
+def test_a_missing_wheel_fails_the_machine_row_and_runs_nothing(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    """A kit whose pydantic wheel is gone, consistently (sums and manifest rewritten, so that
+    only the install is short): the machine row names the failed import, every check is 'not
+    run', and the call exits non-zero."""
+    kit = tmp_path / "kit"
+    shutil.copytree(kits / "trainer", kit)
+    wheel = next((kit / "wheels").glob("pydantic-*.whl"))
+    wheel.unlink()
+    manifest = json.loads((kit / "manifest.json").read_text())
+    manifest["wheels"] = {n: w for n, w in manifest["wheels"].items() if w != wheel.name}
+    (kit / "manifest.json").write_text(json.dumps(manifest))
+    lines = (kit / "SHA256SUMS").read_text().splitlines()
+    kept = [line for line in lines if not line.endswith(wheel.name) and not line.endswith("manifest.json")]
+    (kit / "SHA256SUMS").write_text("\n".join(kept + [f"{checks.sha256(kit / 'manifest.json')}  manifest.json"]) + "\n")
+    rc, summary = run_kit(kit, device_python3, tmp_path / "state", tmp_path / "out")
+    assert rc != 0
+    found = statuses(summary)
+    assert found["machine"] == "failed" and "pydantic" in summary["checks"][3]["error"]
+    assert all(found[c.name] == "not run" for c in checks.CHECKS["trainer"])
+    assert_what_comes_back(tmp_path / "out")
+
+
+def test_a_changed_file_fails_the_checksums(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    kit = tmp_path / "kit"
+    shutil.copytree(kits / "trainer", kit)
+    wheel = next((kit / "wheels").glob("redis-*.whl"))
+    wheel.write_bytes(wheel.read_bytes()[:-1])
+    rc, summary = run_kit(kit, device_python3, tmp_path / "state", tmp_path / "out")
+    assert rc != 0
+    assert statuses(summary)["checksums"] == "failed" and wheel.name in summary["checks"][0]["error"]
+    assert "install" not in statuses(summary)
+
+
+def test_a_venv_made_from_the_machines_python_fails(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    """What scripts/gpu_benchmarks.sh used to do: a venv (even with --system-site-packages)
+    made from a python3 that is itself a venv does not see that venv's torch."""
+    subprocess.run([str(device_python3), "-m", "venv", "--system-site-packages", str(tmp_path / "nested")], check=True)
+    rc, summary = run_kit(kits / "trainer", tmp_path / "nested" / "bin" / "python3", tmp_path / "state", tmp_path / "out")
+    assert rc != 0
+    found = statuses(summary)
+    assert found["machine"] == "failed" and "torch" in summary["checks"][3]["error"]
+
+
+def test_a_check_over_its_cap_is_cut_and_reported(tmp_path: Path) -> None:
+    """A check that outlives its cap: its process group is killed, its row says timeout, and
+    the run goes on (the summary is written after every row)."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    run = checks.Run(kit, REPO, tmp_path / "state", tmp_path / "out", "cpu", budget_s=60)
+    # http.server serves until killed: a stand-in for a check that hangs.
+    hangs = checks.Check("hangs", [], ["-m", "http.server", "0", "--bind", "127.0.0.1"], cap_s=3, json_out=False)
+    row = run.record(checks.run_check(run, hangs))
+    assert row.status == "timeout" and row.rc is None and 3 <= row.seconds < 30
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["checks"][0]["status"] == "timeout"
+    short = checks.Run(kit, REPO, tmp_path / "state2", tmp_path / "out2", "cpu", budget_s=5)
+    assert checks.run_check(short, hangs).status == "skipped"  # under MIN_CHECK_S left: not started
