@@ -89,6 +89,10 @@ CHECKS: dict[str, list[Check]] = {
         Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
                               "--max-new-tokens", "128"],
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 185),
+        # The trainer's host and GPU memory by phase on the demo model with up's settings.
+        Check("trainer_memory", ["benchmarks/trainer_memory.py", "--device", "cuda", "--moments-dtype", "bfloat16", "--anchor-file", "--threads", "8"],
+              ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",
+               "--threads", "2"], 60),
     ],
 }
 BUDGET_S = {"trainer": 450, "system": 200}

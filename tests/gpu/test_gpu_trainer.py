@@ -11,7 +11,7 @@ fp32 masters and moments on the host, pinned double-buffered staging and side st
   - the published delta decodes to exactly the weights the model computes with on the GPU;
   - a checkpoint taken on the GPU resumes exactly.
 
-Skipped where torch sees no CUDA device (CI never has one); scripts/gpu_benchmarks.sh runs
+Skipped where torch sees no CUDA device (CI never has one); the GPU kit (docs/gpu.md) runs
 this tier first on a GPU machine. ROLLSTREAM_GPU_TIER_DEVICE=cpu runs the same checks on
 the CPU (bf16 weights there too, plain copies instead of pinned staging and streams): how
 the tier itself was checked on a machine without a GPU. Deterministic kernels are required

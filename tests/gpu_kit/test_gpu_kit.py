@@ -167,7 +167,7 @@ def test_a_changed_file_fails_the_checksums(kits: Path, device_python3: Path, tm
 
 
 def test_a_venv_made_from_the_machines_python_fails(kits: Path, device_python3: Path, tmp_path: Path) -> None:
-    """What scripts/gpu_benchmarks.sh used to do: a venv (even with --system-site-packages)
+    """What the kit's predecessor (scripts/gpu_benchmarks.sh) did: a venv (even with --system-site-packages)
     made from a python3 that is itself a venv does not see that venv's torch."""
     subprocess.run([str(device_python3), "-m", "venv", "--system-site-packages", str(tmp_path / "nested")], check=True)
     rc, summary = run_kit(kits / "trainer", tmp_path / "nested" / "bin" / "python3", tmp_path / "state", tmp_path / "out")
