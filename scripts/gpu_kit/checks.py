@@ -18,7 +18,7 @@ then the kit's checks (CHECKS below), each under min(its cap, the time left of -
 After every row it rewrites OUT/summary.json and OUT/results.tar.gz (each check's stdout as
 NAME.json, its stderr as NAME.log), so a call cut short still returns all that finished; at the
 end it prints the summary as a table. OUT is $OUT where the device tool sets it. A check's
-stdout must be one JSON object (the benchmarks'), else it fails. Exit status 0 only if
+stdout must be JSON values ending in one object (the benchmarks' result), else it fails. Exit status 0 only if
 every row is ok or skipped.
 
 --device cpu runs the same checks on the CPU at their smallest sizes: how the CI tier
@@ -258,14 +258,29 @@ def run_check(run: Run, check: Check) -> Row:
         row.status, row.error = "failed", run.log_tail(check.name)
     elif check.json_out:
         try:
-            row.result = json.loads((run.results / f"{check.name}.json").read_text())
-            row.status = "ok" if isinstance(row.result, dict) else "failed"
+            row.result = json_result((run.results / f"{check.name}.json").read_text())
+            row.status = "ok"
         except ValueError as e:
-            row.status, row.error = "failed", f"stdout is not one JSON object: {e}"
+            row.status, row.error = "failed", f"stdout is not JSON: {e}"
     else:
         row.status = "ok"
         row.result = {"tail": (run.results / f"{check.name}.json").read_text(errors="replace").splitlines()[-3:]}
     return row
+
+
+def json_result(text: str) -> dict:
+    """A benchmark's result: the last of the JSON values its stdout holds, one after another,
+    which must be an object (trainer_memory.py prints a line per phase before its result)."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while pos < len(text):
+        if text[pos].isspace():
+            pos += 1
+            continue
+        value, pos = decoder.raw_decode(text, pos)
+        values.append(value)
+    if not values or not isinstance(values[-1], dict):
+        raise ValueError("no JSON object")
+    return values[-1]
 
 
 def sha256(path: Path) -> str:

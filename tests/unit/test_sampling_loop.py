@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollstream.core import modeling
-from rollstream.generator.backends import SampleRequest, TransformersBackend
+from rollstream.generator.backends import SampleRequest, TransformersBackend, RowSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread, restored after each test
 
@@ -55,3 +55,36 @@ def test_lengths_stop_at_each_rows_own_limit(backend: TransformersBackend) -> No
     for s in groups[0] + groups[1]:
         assert len(s.logprobs) == len(s.token_ids)
         assert s.finish_reason in ("stop", "length")
+
+
+PROBS = torch.tensor([0.5, 0.3, 0.2, 0.0])
+
+
+def draws(rows: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> torch.Tensor:
+    """One draw from PROBS for each of `rows` rows with seeds seed, seed + 1, ... (fixed seeds:
+    the counts below are the same on every run)."""
+    sampler = RowSampler([temperature] * rows, [top_p] * rows, [top_k] * rows, [seed + i for i in range(rows)], torch.device("cpu"))
+    return sampler.draw(PROBS.log().expand(rows, -1))
+
+
+def test_the_batched_sampler_draws_each_token_with_its_probability() -> None:
+    counts = torch.bincount(draws(20_000), minlength=4).float() / 20_000
+    torch.testing.assert_close(counts, PROBS, atol=0.015, rtol=0)  # ~4 standard errors
+    assert counts[3] == 0  # a token of zero mass is never drawn
+
+
+def test_top_k_and_top_p_keep_the_most_probable_tokens() -> None:
+    top2 = torch.bincount(draws(20_000, top_k=2), minlength=4).float() / 20_000
+    torch.testing.assert_close(top2, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.015, rtol=0)
+    # top-p 0.6: token 1 starts below 0.6 of mass (0.5 before it), token 2 after it (0.8).
+    assert set(draws(2_000, top_p=0.6).tolist()) == {0, 1}
+    assert set(draws(2_000, top_p=0.45).tolist()) == {0}
+    assert set(draws(100, temperature=0.0).tolist()) == {0}  # greedy
+
+
+def test_a_rows_draws_depend_on_its_seed_alone() -> None:
+    sampler = RowSampler([1.0] * 3, [1.0] * 3, [0] * 3, [7, 8, 9], torch.device("cpu"))
+    alone = RowSampler([1.0], [1.0], [0], [8], torch.device("cpu"))
+    logp = torch.log_softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
+    for _ in range(5):
+        assert sampler.draw(logp)[1] == alone.draw(logp[1:2])[0]

@@ -133,10 +133,11 @@ class TransformersBackend:
         mask, positions = mask[row_of], positions[row_of, -1:]
 
         temps = torch.tensor([requests[ri].temperature for ri, _ in rows], dtype=torch.float32, device=self.device).unsqueeze(1)
-        top_ps = [requests[ri].top_p for ri, _ in rows]
-        top_ks = [requests[ri].top_k for ri, _ in rows]
+        sampler = RowSampler(
+            [requests[ri].temperature for ri, _ in rows], [requests[ri].top_p for ri, _ in rows], [requests[ri].top_k for ri, _ in rows],
+            [requests[ri].seed * 1_000_003 + k for ri, k in rows], self.device,
+        )
         limits = torch.tensor([requests[ri].max_new_tokens for ri, _ in rows], device=self.device)
-        generators = [torch.Generator(device=self.device).manual_seed(requests[ri].seed * 1_000_003 + k) for ri, k in rows]
         max_new = int(limits.max())
 
         out_tokens = torch.full((batch, max_new), self.pad_id, dtype=torch.long, device=self.device)
@@ -145,16 +146,16 @@ class TransformersBackend:
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
+        # Every row is sampled every step (a finished row's draws are discarded), so that the
+        # loop has no per-row work and no host synchronisation but one per token (done.all).
         for t in range(max_new):
             logits = logits_last.float() / temps.clamp(min=1e-5)
             logp_all = torch.log_softmax(logits, dim=-1)
-            tokens = torch.empty(batch, dtype=torch.long, device=self.device)
-            for i in range(batch):
-                tokens[i] = self._draw(logp_all[i], top_ps[i], top_ks[i], float(temps[i]), generators[i])
+            tokens = sampler.draw(logp_all)
             live = ~done
-            out_tokens[live, t] = tokens[live]
-            out_logps[live, t] = logp_all[live].gather(-1, tokens[live].unsqueeze(-1)).squeeze(-1)
-            lengths[live] += 1
+            out_tokens[:, t] = torch.where(live, tokens, out_tokens[:, t])
+            out_logps[:, t] = torch.where(live, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), out_logps[:, t])
+            lengths += live
             is_eos = torch.isin(tokens, self.eos_ids) & live
             stopped |= is_eos
             done |= is_eos | (lengths >= limits)
@@ -179,21 +180,46 @@ class TransformersBackend:
             )
         return results
 
-    @staticmethod
-    def _draw(logp: torch.Tensor, top_p: float, top_k: int, temperature: float, gen: torch.Generator) -> torch.Tensor:
-        if temperature <= 1e-5:
-            return logp.argmax()
+
+class RowSampler:
+    """One token per row and step, all rows at once, each row from its own seeded stream.
+
+    Row i draws u_i in (0, 1] from its own CPU generator (seeded by its request's seed and
+    its index in the group), so what it samples depends on its seed and its logits alone,
+    not on the batch, the device or the other rows; the tokens are then picked for the whole
+    batch by inverse CDF on the device: the first token whose cumulative probability reaches
+    u_i times the row's total. Top-k keeps the k most probable tokens, top-p (after top-k)
+    the most probable ones until their mass reaches p, both in one sort of the batch, done
+    only when some row asks for either; temperature <= 1e-5 is greedy. One draw per row and
+    step, and no per-row work on the device: on a GPU the per-row loop this replaced cost a
+    host synchronisation and ~10 kernel launches per row and token (docs/benchmarks.md,
+    "GPU: the first figures").
+    """
+
+    def __init__(self, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int], seeds: Sequence[int], device: torch.device):
+        self.device = device
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.greedy = torch.tensor([t <= 1e-5 for t in temperatures], device=device)
+        self.top_p = torch.tensor([p if 0.0 < p < 1.0 else 1.0 for p in top_ps], dtype=torch.float32, device=device).unsqueeze(1)
+        self.top_k = torch.tensor([k if k > 0 else 2**62 for k in top_ks], dtype=torch.long, device=device).unsqueeze(1)
+        self.filtered = any(0.0 < p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks)
+
+    def draw(self, logp: torch.Tensor) -> torch.Tensor:
+        """Tokens (batch,) from log-probs (batch, vocab)."""
+        u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in self.generators])  # (0, 1]: never a zero-mass token
+        u = u.to(self.device, non_blocking=True).unsqueeze(1)
         probs = logp.exp()
-        if top_k > 0 and top_k < probs.numel():
-            kth = torch.topk(probs, top_k).values[-1]
-            probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-        if 0.0 < top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < top_p
-            filtered = torch.zeros_like(probs)
-            filtered[order[keep]] = sorted_p[keep]
-            probs = filtered
-        return torch.multinomial(probs, 1, generator=gen).squeeze(0)
+        if self.filtered:
+            probs, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(probs.shape[-1], device=self.device).unsqueeze(0)
+            probs = probs * (rank < self.top_k)
+            before = probs.cumsum(-1) - probs  # mass of the more probable tokens
+            probs = probs * ((before < self.top_p) | (self.top_p >= 1.0))  # rounding never cuts a row without top-p
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=probs.shape[-1] - 1)
+        if self.filtered:
+            picked = order.gather(-1, picked)
+        return torch.where(self.greedy, logp.argmax(-1), picked.squeeze(-1))
 
 
 def make_backend(settings: "GeneratorSettings", model_dir: str) -> Backend:
