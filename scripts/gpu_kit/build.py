@@ -25,7 +25,6 @@ Prints each kit's size; fails where one is over --max-mib.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import subprocess
@@ -38,7 +37,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_wheelhouse import download, environment, image_packages, requirements_of  # noqa: E402  scripts/gpu_wheelhouse.py
+from gpu_wheelhouse import download, environment, image_packages, requirements_of, sha256  # noqa: E402  scripts/gpu_wheelhouse.py
 
 MIB = 2**20
 # Carried although the image has them: the generated stubs check the runtime's version at import
@@ -98,14 +97,6 @@ def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_ver
         taken[name] = wheel
         queue.extend(requirements_of(wheel, env))
     return taken
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def demo_tokenizer(dest: Path) -> None:

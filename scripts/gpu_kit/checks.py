@@ -270,8 +270,9 @@ def run_check(run: Run, check: Check) -> Row:
 
 def json_result(text: str) -> dict:
     """A benchmark's result: the last of the JSON values its stdout holds, one after another,
-    which must be an object (trainer_memory.py prints a line per phase before its result)."""
-    decoder, values, pos = json.JSONDecoder(), [], 0
+    which must be an object (trainer_memory.py prints a line per phase before its result).
+    A NaN or infinity anywhere fails it: a broken run is not a figure."""
+    decoder, values, pos = json.JSONDecoder(parse_constant=_refuse_nonfinite), [], 0
     while pos < len(text):
         if text[pos].isspace():
             pos += 1
@@ -283,12 +284,13 @@ def json_result(text: str) -> dict:
     return values[-1]
 
 
+def _refuse_nonfinite(constant: str) -> float:
+    raise ValueError(f"{constant} in the result")
+
+
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def print_table(run: Run) -> None:

@@ -189,3 +189,10 @@ def test_a_check_over_its_cap_is_cut_and_reported(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["checks"][0]["status"] == "timeout"
     short = checks.Run(kit, REPO, tmp_path / "state2", tmp_path / "out2", "cpu", budget_s=5)
     assert checks.run_check(short, hangs).status == "skipped"  # under MIN_CHECK_S left: not started
+
+
+def test_a_result_is_the_last_json_object_and_never_nan() -> None:
+    assert checks.json_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb": 3}\n') == {"peak_mb": 3}
+    for broken in ('{"tokens_per_s": NaN}', '{"loss": -Infinity}', "[1, 2]", "", "Traceback (most recent call last):"):
+        with pytest.raises(ValueError):
+            checks.json_result(broken)

@@ -206,7 +206,7 @@ class RowSampler:
 
     def draw(self, logp: torch.Tensor) -> torch.Tensor:
         """Tokens (batch,) from log-probs (batch, vocab)."""
-        u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in self.generators])  # (0, 1]: never a zero-mass token
+        u = 1.0 - torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators])  # (0, 1]: never a zero-mass token
         u = u.to(self.device, non_blocking=True).unsqueeze(1)
         probs = logp.exp()
         if self.filtered:
@@ -215,7 +215,9 @@ class RowSampler:
             probs = probs * (rank < self.top_k)
             before = probs.cumsum(-1) - probs  # mass of the more probable tokens
             probs = probs * ((before < self.top_p) | (self.top_p >= 1.0))  # rounding never cuts a row without top-p
-        cdf = probs.cumsum(-1)
+        # In float64: an fp32 running sum near 1.0 moves in steps of 6e-8, which would give a
+        # token of probability 1e-7 a share off by half from the one its log-prob states.
+        cdf = probs.double().cumsum(-1)
         picked = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=probs.shape[-1] - 1)
         if self.filtered:
             picked = order.gather(-1, picked)
