@@ -128,9 +128,12 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert_what_comes_back(tmp_path / "out2")
     assert statuses(summary) == dict.fromkeys(SETUP + [c.name for c in checks.CHECKS["system"]], "ok"), summary
     assert rc == 0
-    run = summary["checks"][-1]["result"]["runs"][0]
+    results = {row["name"]: row["result"] for row in summary["checks"]}
+    run = results["up_demo_128"]["runs"][0]
     assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
     assert "trainer" in " ".join(run["peak_rss_gb"])
+    assert run["steps"][0]["step_seconds"] > 0  # the update's own time, kept from the step log
+    assert results["trainer_memory"]["peak_rss_mb"] > 0
 
 
 def test_a_missing_wheel_fails_the_machine_row_and_runs_nothing(kits: Path, device_python3: Path, tmp_path: Path) -> None:
