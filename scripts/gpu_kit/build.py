@@ -125,8 +125,9 @@ def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, e
         shutil.copy2(wheel, kit / "wheels" / wheel.name)
     shutil.copy2(ROOT / "scripts" / "gpu_kit" / "run.sh", kit / "run.sh")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     manifest = {
-        "kit": name, "python_version": python_version, "commit": commit,
+        "kit": name, "python_version": python_version, "commit": commit, "uncommitted_changes": bool(changed),
         "wheels": {n: w.name for n, w in sorted(wheels.items())}, **extra,
     }
     (kit / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -144,9 +145,9 @@ def main() -> None:
     args = parser.parse_args()
     cache = args.cache / f"py{args.python_version}"
     cache.mkdir(parents=True, exist_ok=True)
-    if args.out.exists():
-        shutil.rmtree(args.out)
     trainer_kit, system_kit = args.out / "trainer", args.out / "system"
+    for kit in (trainer_kit, system_kit):
+        shutil.rmtree(kit, ignore_errors=True)
 
     trainer_wheels = closure(core_roots(), set(), cache, args.python_version)
     system_wheels = closure([Requirement(r) for r in SYSTEM_ROOTS], set(trainer_wheels), cache, args.python_version)
