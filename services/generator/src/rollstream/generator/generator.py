@@ -34,6 +34,21 @@ from rollstream.generator.host_weights import HostWeights
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 
+def task_seed(task: rollout_pb2.PromptTask, run: str, seed: int) -> int:
+    """The sampling seed of one task's group: the task's own seed if it carries one, else the
+    task id without the run's name, mixed with the generator's `seed`.
+
+    The trainer's feeder names tasks `<run>-<n>`, n the prompt's position in the run's seeded
+    prompt stream (kept in Redis across restarts), so the samples depend on the data, the
+    settings and `seed` only: two runs that differ only by name sample alike, and a resumed
+    run samples as it would have without the restart. A task id from elsewhere is used whole.
+    """
+    if task.sampling.seed:
+        return task.sampling.seed ^ seed
+    position = task.task_id.removeprefix(f"{run}-")
+    return zlib.crc32(position.encode()) ^ seed
+
+
 @dataclass
 class ApplyTimings:
     """Where a weight stream's time went on this generator, seconds, summed over its payloads.
@@ -215,7 +230,7 @@ class Generator:
                     top_p=s.top_p or 1.0,
                     top_k=s.top_k,
                     max_new_tokens=s.max_new_tokens,
-                    seed=(s.seed or zlib.crc32(task.task_id.encode())) ^ self.settings.seed,
+                    seed=task_seed(task, self.settings.run, self.settings.seed),
                 )
             )
         # finish: hold the weights still for the whole batch. interleave: the backend

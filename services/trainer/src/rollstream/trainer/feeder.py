@@ -44,6 +44,8 @@ class PromptFeeder:
         ops = streams.Ops()
         for n, p in zip(range(self.fed, self.fed + missing), itertools.islice(self.source, missing)):
             task = rollout_pb2.PromptTask(
+                # The generator seeds the group by what follows "<run>-" (generator.task_seed),
+                # so the samples do not depend on the run's name.
                 task_id=f"{self.keys.run}-{n:08d}",
                 messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages],
                 answer=p.answer,
