@@ -688,26 +688,39 @@ def cmd_secrets(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default after its help line, except an empty one (None, "",
+    False, []): there the help line says what empty means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        empty = action.default is None or action.default is False or action.default == "" or action.default == []  # 0 is a default
+        if not action.option_strings or "%(default)" in text or empty or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollstream", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="rollstream", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run the whole system locally (demo)")
-    up.add_argument("--model", default="smollm2-135m", help="local Hugging Face folder, or smollm2-135m (default)")
-    up.add_argument("--steps", type=int, default=15)
-    up.add_argument("--run", default="demo")
-    up.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server")
-    up.add_argument("--workdir", default="", help="logs, redis data and summary.json (default runs/<run>)")
-    up.add_argument("--generators", type=int, default=1)
-    up.add_argument("--lr", type=float, default=2e-5)
+    # The defaults below are written once, here; --help shows them (HelpFormatter).
+    up = sub.add_parser("up", help="run the whole system locally (demo)", formatter_class=HelpFormatter)
+    up.add_argument("--model", default="smollm2-135m", help="a local Hugging Face folder, or smollm2-135m (the demo model, converted once from its GGUF)")
+    up.add_argument("--steps", type=int, default=15, help="optimizer steps to train; `up` stops after the last")
+    up.add_argument("--run", default="demo", help="the run's name: its Redis keys (rs:{<run>}:...) and the default workdir; it does not change the samples")
+    up.add_argument("--redis-url", default="", help="use this Redis instead of an embedded redis-server (empty: embedded, in the workdir)")
+    up.add_argument("--workdir", default="", help="logs, redis data, checkpoints, steps.jsonl and summary.json (empty: runs/<run>)")
+    up.add_argument("--generators", type=int, default=1, help="generator processes (generator i samples with seed + i)")
+    up.add_argument("--lr", type=float, default=2e-5, help="the trainer's AdamW learning rate")
     up.add_argument("--beta", type=float, default=0.0, help="KL weight; > 0 also starts the reference service (unless --kl-reference lora_base)")
-    up.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
+    up.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank; 0: full fine-tuning")
     up.add_argument(
         "--kl-reference", choices=["service", "lora_base"], default="service",
         help="with --beta > 0: pi_ref from the reference service, or (LoRA only) from the trainer's base with the adapters off, with no reference service",
     )
-    up.add_argument("--group-size", type=int, default=8)
-    up.add_argument("--groups-per-step", type=int, default=8)
-    up.add_argument("--max-new-tokens", type=int, default=16)
+    up.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt (the group GRPO normalizes rewards in)")
+    up.add_argument("--groups-per-step", type=int, default=8, help="prompt groups trained per optimizer step")
+    up.add_argument("--max-new-tokens", type=int, default=16, help="the longest completion, in tokens")
     up.add_argument(
         "--token-budget", type=int, default=512,
         help="the trainer's padded tokens per micro-batch, which sets its activation memory (about 1.8 MiB a token on the demo model; docs/benchmarks.md)",
@@ -717,7 +730,7 @@ def build_parser() -> argparse.ArgumentParser:
     # saves little time and costs learning per step, so `up` runs synchronous.
     up.add_argument(
         "--max-staleness", type=int, default=0,
-        help="how many versions the generators may sample ahead of the trainer (0, the default here: synchronous, "
+        help="how many versions the generators may sample ahead of the trainer (0: synchronous, "
         "sampling and training take turns on the same cores; 1: the next batch is sampled during the step)",
     )
     up.add_argument(
@@ -728,10 +741,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--loss", choices=["grpo", "dr_grpo", "dapo", "gspo"], default="grpo", help="the trainer's policy loss (rollstream/trainer/grpo.py)")
     up.add_argument(
         "--tis-cap", type=float, default=0.0,
-        help="truncated importance sampling against the generators' log-probs, weights capped here, instead of the ratio clip (0: the clip)",
+        help="truncated importance sampling against the generators' log-probs, weights capped here, instead of the ratio clip; 0: the clip",
     )
-    up.add_argument("--seed", type=int, default=0, help="sampling seed of the generators (generator i gets seed + i); the prompt stream stays the same")
-    up.add_argument("--threads", type=int, default=0, help="torch threads per service (default: all cores for the trainer, half for the others)")
+    up.add_argument(
+        "--seed", type=int, default=0,
+        help="sampling seed of the generators (generator i gets seed + i): with the data and the settings it decides the samples, "
+        "whatever the run's name; the prompt stream stays the same",
+    )
+    up.add_argument("--threads", type=int, default=0, help="torch threads per service; 0: all cores for the trainer, half for the others")
     up.add_argument(
         "--checkpoint-every", type=int, default=5,
         help="trainer checkpoint every N steps (WORKDIR/checkpoints, newest 2 kept); steps after it are replayed on a restart",
@@ -747,27 +764,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--reward-group", default="reward", help="the reward stage's consumer group on the rollouts stream")
     up.add_argument("--scorer-address", default="", help="with --reward builtin: host:port of a Reward/Score server the built-in stage scores with")
-    up.add_argument("--log-json", action="store_true")
+    up.add_argument("--log-json", action="store_true", help="the services log JSON lines instead of text (in WORKDIR/logs)")
     up.set_defaults(func=cmd_up)
-    st = sub.add_parser("status", help="show a run's streams, consumer groups and counters")
-    st.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    st.add_argument("--run", default=os.environ.get("ROLLSTREAM_RUN", "demo"))
+    st = sub.add_parser("status", help="show a run's streams, consumer groups and counters", formatter_class=HelpFormatter)
+    st.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the run's Redis (env ROLLSTREAM_REDIS_URL)")
+    st.add_argument("--run", default=os.environ.get("ROLLSTREAM_RUN", "demo"), help="the run's name (env ROLLSTREAM_RUN)")
     st.add_argument("--workdir", default="", help="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
-    st.add_argument("--redis-username", default=os.environ.get("ROLLSTREAM_REDIS_USERNAME", ""), help="Redis ACL user (under `up`: admin)")
+    st.add_argument("--redis-username", default=os.environ.get("ROLLSTREAM_REDIS_USERNAME", ""), help="Redis ACL user (under `up`: admin; empty: the URL's or none)")
     st.add_argument(
         "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
-        help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)",
+        help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password; empty: env ROLLSTREAM_REDIS_PASSWORD or the URL's)",
     )
-    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes)")
+    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
     st.add_argument("--idle-s", type=float, default=300.0, help="consumers idle this long with a backlog (and no progress) count as not reading")
     st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
     st.set_defaults(func=cmd_status)
-    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG")
+    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG", formatter_class=HelpFormatter)
     pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
     pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
     pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
     pl.set_defaults(func=cmd_plot)
-    se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment")
+    se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment", formatter_class=HelpFormatter)
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
     se.add_argument("--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc")

@@ -1,0 +1,61 @@
+"""`rollstream <command> --help`: every option has a help line, and every default shows (a
+newcomer learns the demo's settings, 15 steps at lr 2e-5, from `up --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollstream.core.cli import build_parser
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in the help, by its long flag: its line and the indented lines after."""
+    out: dict[str, str] = {}
+    current = ""
+    for line in help_text.split("options:", 1)[1].splitlines():
+        if re.match(r"^  -", line):
+            current = re.findall(r"--[\w-]+", line)[0] if "--" in line else line.split()[0]
+            out[current] = line
+        elif current:
+            out[current] += " " + line.strip()
+    return {flag: " ".join(text.split()) for flag, text in out.items()}
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_every_option_has_help_and_shows_its_default(command: str) -> None:
+    parser = subcommands()[command]
+    rollstream = Path(sys.executable).parent / "rollstream"
+    shown = subprocess.run([str(rollstream), command, "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    assert shown.returncode == 0, shown.stderr
+    by_flag = entries(shown.stdout)
+    options = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    assert options
+    for action in options:
+        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        assert (action.help or "").strip(), f"{command} {flag} has no help"
+        entry = by_flag[flag]
+        empty = action.default is None or action.default is False or action.default in ("", [])
+        if not empty:
+            assert f"(default: {action.default})" in entry, f"{command} {flag}: no default shown in {entry!r}"
+
+
+def test_up_help_tells_the_demo_settings() -> None:
+    rollstream = Path(sys.executable).parent / "rollstream"
+    shown = subprocess.run([str(rollstream), "up", "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    by_flag = entries(shown.stdout)
+    up = subcommands()["up"]
+    assert f"(default: {up.get_default('steps')})" in by_flag["--steps"] and up.get_default("steps") == 15
+    assert f"(default: {up.get_default('lr')})" in by_flag["--lr"] and up.get_default("lr") == 2e-5
