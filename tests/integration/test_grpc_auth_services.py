@@ -13,7 +13,7 @@ import json
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +24,7 @@ import pytest
 
 from helpers import wait_for, wait_healthy
 from procs import ServiceProc, generator_state, start_service, trainer_state
-from rollstream.core import credentials, deltas, grpc_auth, modeling, weight_transfer
+from rollstream.core import credentials, deltas, grpc_auth, modeling, push_signing, weight_transfer
 from rollstream.core.credentials import ROLES
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
@@ -57,7 +57,7 @@ def write_secrets(root: Path) -> Secrets:
     tokens = {role: credentials.new_secret() for role in ROLES}
     for role, token in tokens.items():
         credentials.write_secret(root / "grpc" / f"{role}.token", token)
-    credentials.write_secret(root / "grpc" / "roles.json", json.dumps({r: credentials.digest(t) for r, t in tokens.items()}))
+    credentials.write_secret(root / "grpc" / "roles.json", json.dumps(credentials.roles_table(tokens)))
     return Secrets(root, tokens)
 
 
@@ -122,7 +122,8 @@ CALLS: dict[str, tuple[str, Callable[[grpc.Channel], object], set[str]]] = {
     "Generator/Generate": (
         "generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).Generate(generator_pb2.GenerateRequest(task=tiny_task()), timeout=120), {"admin", "trainer"},
     ),
-    "Generator/PushWeights": ("generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([]), timeout=30), {"trainer"}),
+    # No bearer token opens it, the trainer's included: the trainer signs its pushes (below).
+    "Generator/PushWeights": ("generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([]), timeout=30), set()),
     "Trainer/GetState": ("trainer", lambda ch: trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(), timeout=30), set(ROLES)),
     "Trainer/FetchWeights": (
         "trainer", lambda ch: list(trainer_pb2_grpc.TrainerStub(ch).FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), timeout=60)), {"generator", "admin"},
@@ -147,7 +148,8 @@ def test_each_method_is_allowed_or_refused_by_role(pair: Pair, who: str) -> None
         proc = pair.trainer if server == "trainer" else pair.generator
         with channel(proc.grpc_address, creds) as ch:
             got[method] = code_of(partial(call, ch))
-        want[method] = UNAUTHENTICATED if role is None else OK if role in allowed else DENIED
+        signed = f"/rollstream.v1.{method}" in grpc_auth.SIGNED_METHODS
+        want[method] = UNAUTHENTICATED if role is None or signed else OK if role in allowed else DENIED
     assert got == want
     # Health stays open: probes carry no token.
     wait_healthy(pair.generator.grpc_address, timeout_s=10)
@@ -170,21 +172,31 @@ def push(address: str, creds: ClientCredentials | None, chunks, server_name: str
         return generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(chunks), timeout=60)
 
 
+def push_as_trainer(pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader) -> weights_pb2.PushResult:
+    """What the trainer's publisher does: a nonce from the generator, signed with `header`
+    under the trainer's push key, and no token."""
+    with channel(pair.generator.grpc_address) as ch:
+        stub = generator_pb2_grpc.GeneratorStub(ch)
+        nonce = stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=30).nonce
+        metadata = push_signing.PushSigner(pair.secrets.tokens["trainer"]).metadata(nonce, header)
+        return stub.PushWeights(iter(chunks), timeout=60, metadata=metadata)
+
+
 def test_poisoned_anchor_from_anyone_but_the_trainer_is_refused(pair: Pair, tiny_model_dir: Path) -> None:
     admin = pair.secrets.tokens["admin"]
     before = generator_state(pair.generator.grpc_address, sha=True, token=admin)
     anchor = poisoned_anchor(version0_bits(tiny_model_dir), version=7)
-    for creds, code in [(None, UNAUTHENTICATED), (pair.secrets.creds(None), UNAUTHENTICATED), (pair.secrets.creds("generator"), DENIED), (pair.secrets.creds("admin"), DENIED)]:
+    for role in (None, "generator", "admin", "trainer"):  # a bearer token opens no push, the trainer's included
         with pytest.raises(grpc.RpcError) as e:
-            push(pair.generator.grpc_address, creds, anchor)
-        assert e.value.code() == code
+            push(pair.generator.grpc_address, pair.secrets.creds(role), anchor)
+        assert e.value.code() == UNAUTHENTICATED
     after = generator_state(pair.generator.grpc_address, sha=True, token=admin)
     assert (after.weights_sha256, after.policy_version) == (before.weights_sha256, before.policy_version)
     assert "weights_applied" not in pair.generator.log()
 
-    # The trainer's token is what a push needs: this one lands (a version the trainer never
+    # The trainer's signature is what a push needs: this one lands (a version the trainer never
     # published), and the generator, with its own token, catches up from the trainer again.
-    assert push(pair.generator.grpc_address, pair.secrets.creds("trainer"), anchor).applied
+    assert push_as_trainer(pair, anchor, anchor[0].header).applied
     want = trainer_state(pair.trainer.grpc_address, sha=True, token=admin)
     wait_for(
         lambda: generator_state(pair.generator.grpc_address, sha=True, token=admin).weights_sha256 == want.weights_sha256,
@@ -253,7 +265,7 @@ def test_a_push_sending_more_than_it_declares_is_cut_off(pair: Pair) -> None:
     stream = Counted(weights_pb2.WeightChunk(header=header, data=b"\x00" * (1 << 20)), then=360)  # 361 MiB behind a 1-byte header
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        push(pair.generator.grpc_address, pair.secrets.creds("trainer"), stream)
+        push_as_trainer(pair, stream, header)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sent more than the 1 bytes its header declares" in e.value.details()
     assert stream.taken < 20, f"{stream.taken} MiB were taken from the stream"  # what was in flight, not 361 MiB
     assert time.monotonic() - start < 30
@@ -265,7 +277,7 @@ def test_a_header_above_max_weight_bytes_is_refused_at_the_first_chunk(pair: Pai
     header = weights_pb2.WeightHeader(kind="anchor", version=9, total_bytes=10**12, sha256="0" * 64)
     stream = Counted(weights_pb2.WeightChunk(header=header, data=b"\x00" * 1024), then=360)
     with pytest.raises(grpc.RpcError) as e:
-        push(pair.generator.grpc_address, pair.secrets.creds("trainer"), stream)
+        push_as_trainer(pair, stream, header)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_weight_bytes" in e.value.details()
     assert stream.taken < 20, stream.taken
     assert_still_serving(pair, sha)

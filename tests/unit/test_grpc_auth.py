@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pydantic import ValidationError
 
-from rollstream.core import credentials, grpc_auth, grpc_utils, redis_policy
+from rollstream.core import credentials, grpc_auth, grpc_utils, push_signing, redis_policy, weight_transfer
 from rollstream.core.config import CommonSettings, ConfigError, load_settings
 from rollstream.core.credentials import ROLES
 from rollstream.core.service import ServiceHost
@@ -39,12 +39,15 @@ def proto_methods() -> set[str]:
 
 def test_table_covers_exactly_the_methods_of_our_protos() -> None:
     # A new RPC without an entry would be refused to everyone: this says so at once.
-    assert set(grpc_auth.PERMISSIONS) == proto_methods()
+    assert set(grpc_auth.PERMISSIONS) | grpc_auth.OPEN_METHODS == proto_methods()
+    assert not set(grpc_auth.PERMISSIONS) & grpc_auth.OPEN_METHODS
 
 
 def test_table_rules() -> None:
     allowed = grpc_auth.allowed_roles
-    assert allowed(GENERATOR_PUSH) == {"trainer"}
+    # No bearer token opens PushWeights, the trainer's included: it signs (push_signing).
+    assert allowed(GENERATOR_PUSH) == frozenset() and grpc_auth.SIGNED_METHODS[GENERATOR_PUSH] == "trainer"
+    assert grpc_auth.is_open("/rollstream.v1.Generator/PushNonce")
     assert allowed("/rollstream.v1.Generator/Generate") == {"admin", "trainer"}
     assert allowed("/rollstream.v1.Trainer/FetchWeights") == {"generator", "admin"}
     assert allowed("/rollstream.v1.Trainer/SaveCheckpoint") == {"admin"}
@@ -60,7 +63,7 @@ def test_table_rules() -> None:
 
 
 def table() -> grpc_auth.RoleTable:
-    return grpc_auth.parse_roles(json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}), "test")
+    return grpc_auth.parse_roles(json.dumps(credentials.roles_table(TOKENS)), "test")
 
 
 def test_role_of_finds_each_role_and_nothing_else() -> None:
@@ -190,16 +193,23 @@ def test_client_credentials_from_settings_do_not_show_secrets(tmp_path: Path, cl
 class Generator(generator_pb2_grpc.GeneratorServicer):
     """Counts what it reads: a refused push must have read nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, nonces: push_signing.PushNonces) -> None:
         self.chunks_read = 0
+        self.nonces = nonces
 
     def GetState(self, request, context):  # type: ignore[no-untyped-def]
         return generator_pb2.GeneratorState(generator_id="g")
 
     def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        for _ in request_iterator:
-            self.chunks_read += 1
+        try:
+            for _ in request_iterator:
+                self.chunks_read += 1
+        except weight_transfer.TransferRefused as e:  # as the real generator answers it
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return weights_pb2.PushResult(applied=True)
+
+    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+        return generator_pb2.PushNonceResponse(nonce=self.nonces.issue())
 
 
 class Trainer(trainer_pb2_grpc.TrainerServicer):
@@ -215,8 +225,9 @@ def _echo(request_iterator, context):  # type: ignore[no-untyped-def]
 
 
 class Server:
-    def __init__(self) -> None:
-        self.generator = Generator()
+    def __init__(self, roles: grpc_auth.RoleTable | None = None) -> None:
+        self.nonces = push_signing.PushNonces()
+        self.generator = Generator(self.nonces)
         services = [
             grpc_utils.Service("rollstream.v1.Generator", self.generator, generator_pb2_grpc.add_GeneratorServicer_to_server),
             grpc_utils.Service("rollstream.v1.Trainer", Trainer(), trainer_pb2_grpc.add_TrainerServicer_to_server),
@@ -227,7 +238,7 @@ class Server:
                 ),
             ),
         ]
-        self.running = grpc_utils.serve(services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(table())])
+        self.running = grpc_utils.serve(services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(roles or table(), nonces=self.nonces)])
         self.running.set_serving(True)
         self.address = f"127.0.0.1:{self.running.port}"
 
@@ -279,7 +290,8 @@ def test_each_kind_of_call_is_allowed_or_refused_by_role(server: Server, token: 
             "/test.Echo/Both": lambda: list(echo(iter([b"a", b"b"]), timeout=5)),  # stream-stream
         }
         for method, call in calls.items():
-            assert code_of(call) == expect(grpc_auth.allowed_roles(method)), (role, method)
+            want = grpc.StatusCode.UNAUTHENTICATED if method in grpc_auth.SIGNED_METHODS else expect(grpc_auth.allowed_roles(method))
+            assert code_of(call) == want, (role, method)
         # Not a method of this server: UNIMPLEMENTED for anyone (gRPC's own answer; the protos
         # are public, so it reveals nothing), and nothing of the request is read.
         missing = ch.unary_unary("/rollstream.v1.Reward/Score")
@@ -296,21 +308,97 @@ def test_refusals_say_why_and_read_nothing_of_the_stream(server: Server) -> None
             yield weights_pb2.WeightChunk(data=b"x" * (1 << 20))
 
     before = server.generator.chunks_read
-    for token, code, message in [
-        ("", grpc.StatusCode.UNAUTHENTICATED, "no bearer token"),
-        ("garbage", grpc.StatusCode.UNAUTHENTICATED, "unknown token"),
-        (TOKENS["generator"], grpc.StatusCode.PERMISSION_DENIED, f"role 'generator' may not call {GENERATOR_PUSH}"),
-    ]:
+    for token in ["", "garbage", TOKENS["generator"], TOKENS["trainer"]]:
         pulled = 0
         with server.channel(token) as ch, pytest.raises(grpc.RpcError) as e:
             generator_pb2_grpc.GeneratorStub(ch).PushWeights(chunks(), timeout=30)
-        assert e.value.code() == code and message in e.value.details()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert f"{GENERATOR_PUSH} takes the trainer's signature (rollstream-push-signature), not a bearer token" in e.value.details()
         # The client stops at the refusal: a few MiB in flight at most, never the 300 MiB.
         assert pulled < 20, pulled
     assert server.generator.chunks_read == before  # the servicer never saw a chunk
-    with server.channel(TOKENS["trainer"]) as ch:
-        assert generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([weights_pb2.WeightChunk(data=b"x")] * 4), timeout=30).applied
-    assert server.generator.chunks_read == before + 4
+    with grpc_utils.channel(server.address) as ch:
+        assert signed_push(ch, push_signing.PushSigner(TOKENS["trainer"]), header(), [b"x"] * 3).applied
+    assert server.generator.chunks_read == before + 3
+
+
+# -- signed pushes (S1 of issue 27: a registry address must not yield the trainer's token) --------
+
+
+def header(sha256: str = "ab" * 32) -> weights_pb2.WeightHeader:
+    return weights_pb2.WeightHeader(kind="delta", base_version=3, version=4, total_bytes=3, sha256=sha256, model_fingerprint="f")
+
+
+def signed_push(ch: grpc.Channel, signer: push_signing.PushSigner, head: weights_pb2.WeightHeader, data: list[bytes],
+                nonce: bytes | None = None, signed_header: weights_pb2.WeightHeader | None = None) -> weights_pb2.PushResult:  # fmt: skip
+    """What the trainer's publisher sends: a nonce from the server, a signature over it and
+    `signed_header` (default: the header sent), then the chunks."""
+    stub = generator_pb2_grpc.GeneratorStub(ch)
+    nonce = nonce if nonce is not None else stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=5).nonce
+    chunks = [weights_pb2.WeightChunk(header=head, data=data[0]), *(weights_pb2.WeightChunk(data=d) for d in data[1:])]
+    return stub.PushWeights(iter(chunks), timeout=30, metadata=signer.metadata(nonce, signed_header or head))
+
+
+def test_a_signed_push_lands_once_and_only_with_its_own_header(server: Server) -> None:
+    trainer = push_signing.PushSigner(TOKENS["trainer"])
+    with grpc_utils.channel(server.address) as ch:
+        stub = generator_pb2_grpc.GeneratorStub(ch)
+        nonce = stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=5).nonce
+        assert signed_push(ch, trainer, header(), [b"x"], nonce=nonce).applied
+        # What a fake generator holds after receiving that push: the same stream, replayed.
+        with pytest.raises(grpc.RpcError) as e:
+            signed_push(ch, trainer, header(), [b"x"], nonce=nonce)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "nonce already used" in e.value.details()
+        # Another payload under a signature made for the first one's header.
+        with pytest.raises(grpc.RpcError) as e:
+            signed_push(ch, trainer, header("cd" * 32), [b"y"], signed_header=header())
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "does not match this payload's header" in e.value.details()
+        # Signed with another role's key (a generator's token, derived the same way).
+        with pytest.raises(grpc.RpcError) as e:
+            signed_push(ch, push_signing.PushSigner(TOKENS["generator"]), header(), [b"x"])
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # A nonce another generator made (or this one before a restart).
+        with pytest.raises(grpc.RpcError) as e:
+            signed_push(ch, trainer, header(), [b"x"], nonce=push_signing.PushNonces().issue())
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not a nonce of this generator" in e.value.details()
+        # A genuine signed payload with a second, unsigned payload appended to its stream.
+        nonce = stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=5).nonce
+        chunks = [weights_pb2.WeightChunk(header=header(), data=b"x"), weights_pb2.WeightChunk(header=header("ee" * 32), data=b"evil")]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushWeights(iter(chunks), timeout=30, metadata=trainer.metadata(nonce, header()))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one payload" in e.value.details()
+
+
+def test_a_roles_file_without_the_push_key_refuses_every_push() -> None:
+    old = grpc_auth.parse_roles(json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}), "old roles.json")
+    assert old.push_key is None
+    s = Server(old)
+    try:
+        with grpc_utils.channel(s.address) as ch, pytest.raises(grpc.RpcError) as e:
+            signed_push(ch, push_signing.PushSigner(TOKENS["trainer"]), header(), [b"x"])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "no trainer_push_key" in e.value.details()
+    finally:
+        s.running.stop(0)
+
+
+def test_nonces_expire_and_are_spent_once() -> None:
+    nonces = push_signing.PushNonces()
+    nonce = nonces.issue()
+    assert nonces.check(nonce) is None and nonces.spend(nonce) is None and nonces.spend(nonce) == "nonce already used"
+    stale = push_signing.PushNonces(ttl_s=-1.0)
+    assert "expired" in (stale.check(stale.issue()) or "")
+    forged = bytearray(nonces.issue())
+    forged[0] ^= 1  # an older clock reading, to stretch its life: the MAC no longer matches
+    assert nonces.check(bytes(forged)) == "not a nonce of this generator (restarted since?)"
+    assert nonces.check(b"short") == "malformed nonce"
+
+
+def test_roles_json_push_key_is_checked() -> None:
+    roles = credentials.roles_table(TOKENS)
+    assert grpc_auth.parse_roles(json.dumps(roles), "t").push_key is not None
+    for bad in ("zz", "ab" * 31, 5):
+        with pytest.raises(ValueError, match="trainer_push_key"):
+            grpc_auth.parse_roles(json.dumps({**roles, "trainer_push_key": bad}), "t")
 
 
 def test_token_interceptor_replaces_a_token_set_by_hand(server: Server) -> None:

@@ -4,7 +4,8 @@ One layout, used by `rollstream up` (which generates everything under its state 
 the compose file (Docker secrets) and the k8s Secret (docs/security.md):
 
     <dir>/grpc/<role>.token      a role's gRPC token (sent in metadata; 0600)
-    <dir>/grpc/roles.json        {role: sha256(token)}: what a server checks calls against
+    <dir>/grpc/roles.json        {role: sha256(token)}, plus trainer_push_key (the public half
+                                 of the trainer's push key): what a server checks calls against
     <dir>/redis/<role>.password  a role's Redis ACL password (0600); also observer.password,
                                  the read-only Redis user of the generator's back-pressure
     <dir>/redis/users.acl        the ACL file the Redis server loads
@@ -81,9 +82,18 @@ def ensure_grpc_tokens(root: Path) -> dict[str, str]:
     credentials), and roles.json with their hashes. Deleting a token file and running this
     again rotates that role's token."""
     tokens = {role: ensure_secret(grpc_dir(root) / f"{role}.token", f"{role} token") for role in ROLES}
-    table = json.dumps({role: digest(token) for role, token in tokens.items()}, indent=2, sort_keys=True)
+    table = json.dumps(roles_table(tokens), indent=2, sort_keys=True)
     write_secret(grpc_dir(root) / "roles.json", table)  # hashes only, but no reason to share them
     return tokens
+
+
+def roles_table(tokens: dict[str, str]) -> dict[str, str]:
+    """roles.json's content: each role's token hash, and the public half of the trainer's push
+    key (derived from its token: rollstream.core.push_signing), which generators check pushes
+    against."""
+    from rollstream.core import push_signing
+
+    return {**{role: digest(token) for role, token in tokens.items()}, "trainer_push_key": push_signing.public_key_hex(tokens["trainer"])}
 
 
 def ensure_tls(root: Path, namespace: str = "", extra_names: tuple[str, ...] = ()) -> None:

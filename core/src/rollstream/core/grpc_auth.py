@@ -5,7 +5,10 @@ only the sha256 of each role's token (roles.json, see rollstream.core.credential
 caller's role by comparing hashes in constant time, and checks it against PERMISSIONS, the
 one table of who may call which method. A method missing from the table is refused to
 everyone (default deny); only health checking and reflection stay open, because probes and
-tooling call them without a token and they reveal nothing but service names.
+tooling call them without a token and they reveal nothing but service names, and a
+generator's PushNonce. PushWeights takes no token at all: the trainer signs each push for one
+generator's nonce (rollstream.core.push_signing), because the addresses it pushes to come
+from a registry a lesser role writes, and a token sent there could be replayed.
 
 The check runs in a server interceptor, before the servicer: a refused call runs none of our
 code, and a refused streaming call (PushWeights) has none of its request stream read.
@@ -29,15 +32,16 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import logs
+from rollstream.core import logs, push_signing, weight_transfer
 from rollstream.core.credentials import ROLES, read_secret
 
 GENERATOR = "rollstream.v1.Generator"
@@ -46,12 +50,14 @@ REWARD = "rollstream.v1.Reward"
 REFERENCE = "rollstream.v1.Reference"
 
 ANY_ROLE = frozenset(ROLES)
+PUSH_WEIGHTS = f"/{GENERATOR}/PushWeights"
 
-# Method full name -> the roles that may call it. Nothing else is allowed.
+# Method full name -> the roles whose bearer token may call it. Nothing else is allowed.
 PERMISSIONS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
-        # Weights a generator samples from, and so the trainer trains on: the trainer's only.
-        f"/{GENERATOR}/PushWeights": frozenset({"trainer"}),
+        # Weights a generator samples from, and so the trainer trains on: the trainer's only,
+        # and by signature (SIGNED_METHODS), never by a token its receiver could replay.
+        PUSH_WEIGHTS: frozenset(),
         f"/{GENERATOR}/Generate": frozenset({"admin", "trainer"}),
         f"/{GENERATOR}/GetState": ANY_ROLE,
         # Every weight of the policy: the generators (catch-up) and the operator.
@@ -67,6 +73,11 @@ PERMISSIONS: Mapping[str, frozenset[str]] = MappingProxyType(
 
 # Services any caller reaches without a token (health probes, grpcurl's reflection).
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"})
+# Methods any caller reaches without a token: a generator's one-time nonces reveal nothing.
+OPEN_METHODS = frozenset({f"/{GENERATOR}/PushNonce"})
+# Method -> the role that signs it (rollstream.core.push_signing) instead of sending a token.
+SIGNED_METHODS: Mapping[str, str] = MappingProxyType({PUSH_WEIGHTS: "trainer"})
+TRAINER_PUSH_KEY = "trainer_push_key"  # roles.json's entry for the trainer's public push key
 
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "
@@ -75,7 +86,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 def is_open(method: str) -> bool:
     """Whether `method` ("/package.Service/Method") is callable without a token."""
-    return method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES
+    return method in OPEN_METHODS or method.lstrip("/").split("/", 1)[0] in OPEN_SERVICES
 
 
 def allowed_roles(method: str) -> frozenset[str]:
@@ -88,9 +99,11 @@ def allowed_roles(method: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class RoleTable:
-    """role -> sha256 (hex) of its token: the callers a server accepts."""
+    """role -> sha256 (hex) of its token: the callers a server accepts; and the trainer's
+    public push key (None: roles.json from before signed pushes; every push is refused)."""
 
     digests: Mapping[str, str]
+    push_key: Ed25519PublicKey | None = None
 
     def role_of(self, token: str) -> str | None:
         """The role whose token this is, or None. Every entry is compared, with
@@ -111,6 +124,13 @@ def parse_roles(text: str, source: str) -> RoleTable:
         raise ValueError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object {{role: sha256 of its token}}, got {type(raw).__name__}")
+    push_key = None
+    if TRAINER_PUSH_KEY in raw:
+        value = raw.pop(TRAINER_PUSH_KEY)
+        try:
+            push_key = push_signing.load_public_key(value if isinstance(value, str) else "")
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
     if not raw:
         raise ValueError(f"{source}: no roles: every call would be refused")
     for role, value in raw.items():
@@ -124,7 +144,7 @@ def parse_roles(text: str, source: str) -> RoleTable:
         if value in by_digest:
             raise ValueError(f"{source}: roles {by_digest[value]!r} and {role!r} have the same token")
         by_digest[value] = role
-    return RoleTable(digests=MappingProxyType(dict(raw)))
+    return RoleTable(digests=MappingProxyType(dict(raw)), push_key=push_key)
 
 
 def load_roles(path: str | Path) -> RoleTable:
@@ -149,12 +169,17 @@ def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return values[0][len(_SCHEME) :].strip() or None
 
 
-def check_call(table: RoleTable, method: str, metadata: Iterable[tuple[str, Any]] | None) -> tuple[str | None, Refusal | None]:
+def check_call(
+    table: RoleTable, method: str, metadata: Iterable[tuple[str, Any]] | None, nonces: push_signing.PushNonces | None = None
+) -> tuple[str | None, Refusal | None]:
     """(caller's role, why the call is refused or None). Open methods pass without a token;
     the caller is authenticated before the method is looked at, so an outsider learns
-    nothing about the table."""
+    nothing about the table. A signed method passes here with a fresh nonce of this server's
+    (`nonces`); its signature is checked on the request's first message (AuthInterceptor)."""
     if is_open(method):
         return None, None
+    if method in SIGNED_METHODS:
+        return _check_signed(table, method, metadata, nonces)
     token = bearer_token(metadata)
     role = table.role_of(token) if token is not None else None
     if role is None:
@@ -163,6 +188,53 @@ def check_call(table: RoleTable, method: str, metadata: Iterable[tuple[str, Any]
     if role not in allowed_roles(method):
         return role, Refusal(grpc.StatusCode.PERMISSION_DENIED, f"role {role!r} may not call {method}")
     return role, None
+
+
+def _check_signed(
+    table: RoleTable, method: str, metadata: Iterable[tuple[str, Any]] | None, nonces: push_signing.PushNonces | None
+) -> tuple[str | None, Refusal | None]:
+    signer = SIGNED_METHODS[method]
+    signed = push_signing.parse_signature(metadata)
+    if signed is None:
+        how = f"{method} takes the {signer}'s signature ({push_signing.METADATA_KEY}), not a bearer token"
+        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, how)
+    if table.push_key is None:
+        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"this server's roles.json has no {TRAINER_PUSH_KEY}: run `rollstream secrets` again")
+    why = nonces.check(signed[0]) if nonces is not None else "this server issues no nonces"
+    if why is not None:
+        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"push signature refused: {why}")
+    return signer, None
+
+
+def _signature_checked(handler: grpc.RpcMethodHandler, table: RoleTable, nonces: push_signing.PushNonces, metadata: Any) -> grpc.RpcMethodHandler:
+    """PushWeights' handler, behind a check of its first chunk: the header must carry a
+    signature by the trainer's push key over this call's nonce, which is then spent; a second
+    payload in the same stream is refused (the signature covers one). The chunks themselves
+    are checked against the header's sha256 as they arrive (weight_transfer)."""
+    nonce, signature = push_signing.parse_signature(metadata) or (b"", b"")
+    assert table.push_key is not None  # _check_signed refused the call otherwise
+    key = table.push_key
+
+    def checked(chunks: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        first = next(chunks, None)
+        if first is None or not first.HasField("header") or not push_signing.verify(key, nonce, signature, first.header):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "push signature does not match this payload's header")
+        why = nonces.spend(nonce)
+        if why is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"push signature refused: {why}")
+
+        def one_payload() -> Iterator[Any]:
+            yield first
+            for chunk in chunks:
+                if chunk.HasField("header"):  # the servicer answers INVALID_ARGUMENT, reading no further
+                    raise weight_transfer.TransferRefused("a signed push carries one payload; this stream starts another")
+                yield chunk
+
+        return handler.stream_unary(one_payload(), context)
+
+    return grpc.stream_unary_rpc_method_handler(
+        checked, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 def _refusing(handler: grpc.RpcMethodHandler, refusal: Refusal) -> grpc.RpcMethodHandler:
@@ -184,18 +256,24 @@ def _refusing(handler: grpc.RpcMethodHandler, refusal: Refusal) -> grpc.RpcMetho
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call whose token or role does not match PERMISSIONS."""
 
-    def __init__(self, table: RoleTable, log: logging.Logger | None = None):
+    def __init__(self, table: RoleTable, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None):
         self.table = table
         self.log = log
+        self.nonces = nonces
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        role, refusal = check_call(self.table, method, handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        role, refusal = check_call(self.table, method, metadata, self.nonces)
         handler = continuation(handler_call_details)
         # No handler: not a method of this server; gRPC answers UNIMPLEMENTED, reading nothing.
-        if refusal is None or handler is None:
+        if handler is None:
+            return handler
+        if refusal is None:
+            if method in SIGNED_METHODS and self.nonces is not None:
+                return _signature_checked(handler, self.table, self.nonces, metadata)
             return handler
         if self.log is not None:
             logs.event(self.log, "grpc_call_refused", logging.WARNING, method=method, code=refusal.code.name, role=role or "-")
@@ -234,12 +312,14 @@ class ServerSecurity:
     tls: str  # "off", "tls" or "mtls"
 
 
-def server_security(settings: _Security, log: logging.Logger | None = None) -> ServerSecurity:
+def server_security(settings: _Security, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None) -> ServerSecurity:
     """The interceptor and TLS credentials a server is built with, from its settings. Reads
-    every file now (ValueError naming the field): a typo fails the start, not a call."""
+    every file now (ValueError naming the field): a typo fails the start, not a call.
+    `nonces`: the ones this server hands out (a generator's), against which signed pushes
+    are checked."""
     interceptors: tuple[grpc.ServerInterceptor, ...] = ()
     if settings.grpc_auth_file:
-        interceptors = (AuthInterceptor(load_roles(settings.grpc_auth_file), log),)
+        interceptors = (AuthInterceptor(load_roles(settings.grpc_auth_file), log, nonces),)
     credentials = None
     tls = "off"
     if settings.grpc_tls_cert_file:

@@ -39,7 +39,7 @@ from typing import TypeVar
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollstream.core import grpc_auth, grpc_utils, logs, metrics, redis_policy, streams
+from rollstream.core import grpc_auth, grpc_utils, logs, metrics, push_signing, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.credentials import read_secret
 from rollstream.core.http_side import HttpSide, build_app
@@ -106,6 +106,8 @@ class ServiceHost:
         self._own_ready = False
         self._own_detail = "starting"
         self.redis = RedisHealth(self.log, self.stop, on_change=lambda _ok: self._publish_ready())
+        # The one-time nonces this server hands out for signed pushes (a generator's PushNonce).
+        self.push_nonces = push_signing.PushNonces()
 
     def install_signal_handlers(self) -> None:
         def on_signal(signum: int, _frame: object) -> None:
@@ -123,7 +125,7 @@ class ServiceHost:
         # instead of the first call made or answered. The client side is built again where the
         # service makes its calls; this only checks it can be.
         try:
-            security = grpc_auth.server_security(self.settings, self.log)
+            security = grpc_auth.server_security(self.settings, self.log, self.push_nonces)
             grpc_auth.ClientCredentials.from_settings(self.settings)
         except ValueError as e:  # a file missing or unreadable: a configuration error (exit 2)
             raise self.redis.invalid(str(e)) from None

@@ -38,3 +38,13 @@ class GeneratorState(_message.Message):
     model_fingerprint: str
     weights_sha256: str
     def __init__(self, generator_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., groups_generated: _Optional[int] = ..., busy: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
+
+class PushNonceRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PushNonceResponse(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...

@@ -46,6 +46,11 @@ class GeneratorStub:
                 request_serializer=rollstream_dot_v1_dot_weights__pb2.WeightChunk.SerializeToString,
                 response_deserializer=rollstream_dot_v1_dot_weights__pb2.PushResult.FromString,
                 _registered_method=True)
+        self.PushNonce = channel.unary_unary(
+                '/rollstream.v1.Generator/PushNonce',
+                request_serializer=rollstream_dot_v1_dot_generator__pb2.PushNonceRequest.SerializeToString,
+                response_deserializer=rollstream_dot_v1_dot_generator__pb2.PushNonceResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/rollstream.v1.Generator/GetState',
                 request_serializer=rollstream_dot_v1_dot_generator__pb2.GetStateRequest.SerializeToString,
@@ -65,6 +70,15 @@ class GeneratorServicer:
 
     def PushWeights(self, request_iterator, context):
         """The trainer pushes a delta (or anchor) as chunks; refused if its base does not match.
+        Authenticated by the trainer's signature over a nonce from PushNonce and the payload's
+        header (metadata `rollstream-push-signature`), never by a bearer token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushNonce(self, request, context):
+        """A one-time nonce for the next PushWeights' signature (open: it reveals nothing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +102,11 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=rollstream_dot_v1_dot_weights__pb2.WeightChunk.FromString,
                     response_serializer=rollstream_dot_v1_dot_weights__pb2.PushResult.SerializeToString,
+            ),
+            'PushNonce': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushNonce,
+                    request_deserializer=rollstream_dot_v1_dot_generator__pb2.PushNonceRequest.FromString,
+                    response_serializer=rollstream_dot_v1_dot_generator__pb2.PushNonceResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -149,6 +168,33 @@ class Generator:
             '/rollstream.v1.Generator/PushWeights',
             rollstream_dot_v1_dot_weights__pb2.WeightChunk.SerializeToString,
             rollstream_dot_v1_dot_weights__pb2.PushResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushNonce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollstream.v1.Generator/PushNonce',
+            rollstream_dot_v1_dot_generator__pb2.PushNonceRequest.SerializeToString,
+            rollstream_dot_v1_dot_generator__pb2.PushNonceResponse.FromString,
             options,
             channel_credentials,
             insecure,

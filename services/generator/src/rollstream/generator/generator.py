@@ -336,6 +336,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             receive_seconds=timings.receive, lock_wait_seconds=timings.lock_wait, decode_seconds=timings.decode, load_seconds=timings.load,
         )
 
+    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+        return generator_pb2.PushNonceResponse(nonce=self.gen.host.push_nonces.issue())
+
     def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
         return self.gen.state(with_sha=request.with_weights_sha256)
 

@@ -11,10 +11,16 @@ generator gets its own concurrent stream over a channel kept from one push to th
 to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves; the chunks are
 serialized once per push and the same bytes go to every stream (gRPC is given them as they
 are), so a stream costs the trainer gRPC's own send and no copy or protobuf encode of ours.
+
+Authentication: no token goes to a generator (its address may come from a registry a lesser
+role writes). Each push asks that generator for a one-time nonce and carries the trainer's
+signature over it and the payload's header (rollstream.core.push_signing): one unary call and
+one Ed25519 signature per generator per push.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -30,7 +36,8 @@ import numpy as np
 from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.v1 import weights_pb2
+from rollstream.core.push_signing import PushSigner
+from rollstream.v1 import generator_pb2, weights_pb2
 
 
 @dataclass
@@ -52,6 +59,16 @@ log = logging.getLogger(__name__)
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
+NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
+
+
+@dataclass(frozen=True)
+class PushCall:
+    """One generator's PushWeights (taking serialized chunks as they are) and, when pushes are
+    signed, its PushNonce."""
+
+    push: grpc.StreamUnaryMultiCallable
+    nonce: grpc.UnaryUnaryMultiCallable
 
 
 class PayloadFile:
@@ -129,8 +146,9 @@ class WeightPublisher:
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
         encode_threads: int = 0, anchor_dir: Path | None = None,
     ):
-        """`creds`: the trainer's token (generators accept PushWeights from the trainer role
-        only) and TLS material; None pushes without either. `encode_threads`: threads that
+        """`creds`: the trainer's token, which signs pushes and is never sent (generators
+        accept PushWeights by the trainer's signature only), and TLS material; None pushes
+        unsigned in the clear (generators without grpc_auth_file). `encode_threads`: threads that
         encode a delta's tensors while the step still runs (0: on the caller's thread).
         `anchor_dir`: keep the anchor in a file there (PayloadFile), not in memory."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
@@ -144,7 +162,8 @@ class WeightPublisher:
             except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
         self._anchor: Published | None = None
-        self.creds = creds
+        self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
+        self.creds = dataclasses.replace(creds, token="") if creds is not None else None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
         self._channels: dict[str, grpc.Channel] = {}  # by address, kept between pushes
@@ -217,10 +236,11 @@ class WeightPublisher:
         """Push one payload to every generator concurrently (each as a stream of chunks)."""
         wire = published.wire_chunks()  # hashed and serialized here, once, for every stream
         calls = self._calls(addresses)
-        futures = [self._pool.submit(_push_one, calls[a], a, wire, timeout_s) for a in addresses]
+        header = published.header()
+        futures = [self._pool.submit(push_one, calls[a], a, wire, header, self.signer, timeout_s) for a in addresses]
         return [f.result() for f in futures]
 
-    def _calls(self, addresses: Sequence[str]) -> dict[str, grpc.StreamUnaryMultiCallable]:
+    def _calls(self, addresses: Sequence[str]) -> dict[str, PushCall]:
         """PushWeights over the kept channels, taking serialized chunks as they are (no
         request serializer). Channels to addresses no longer pushed to are closed
         (generators come and go with discovery); a kept channel reconnects by itself when
@@ -231,10 +251,7 @@ class WeightPublisher:
             for a in addresses:
                 if a not in self._channels:
                     self._channels[a] = channel(a, self.creds, server_name="generator")
-            return {
-                a: self._channels[a].stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
-                for a in addresses
-            }
+            return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
         if self._anchor is not None and isinstance(self._anchor.payload, PayloadFile):
@@ -246,10 +263,27 @@ class WeightPublisher:
         self._pool.shutdown(wait=False)
 
 
-def _push_one(call: grpc.StreamUnaryMultiCallable, address: str, wire: list[bytes], timeout_s: float) -> PushOutcome:
+def push_call(ch: grpc.Channel) -> PushCall:
+    return PushCall(
+        push=ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString),
+        nonce=ch.unary_unary(NONCE_METHOD, request_serializer=generator_pb2.PushNonceRequest.SerializeToString,
+                             response_deserializer=generator_pb2.PushNonceResponse.FromString),
+    )  # fmt: skip
+
+
+def push_one(
+    call: PushCall, address: str, wire: list[bytes], header: weights_pb2.WeightHeader, signer: PushSigner | None, timeout_s: float
+) -> PushOutcome:
+    """One payload to one generator: its nonce, signed with the header (when `signer`), then
+    the chunks. Every failure is an outcome, never an exception."""
     start = time.perf_counter()
     try:
-        result = call(iter(wire), timeout=timeout_s)
+        metadata: tuple[tuple[str, str], ...] = ()
+        if signer is not None:
+            nonce = call.nonce(generator_pb2.PushNonceRequest(), timeout=timeout_s).nonce
+            metadata = signer.metadata(nonce, header)
+        left_s = max(1.0, timeout_s - (time.perf_counter() - start))
+        result = call.push(iter(wire), timeout=left_s, metadata=metadata)
         return PushOutcome(
             address, result.applied, result.version, result.error, time.perf_counter() - start,
             receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,

@@ -1,0 +1,173 @@
+"""Signed pushes: how a generator knows a PushWeights comes from the trainer, without the
+trainer handing a replayable token to whatever address the generator registry names.
+
+The registry is written by the `generator` Redis user, so an address in it proves nothing;
+a bearer token sent there could be replayed by its receiver (docs/security.md, "Pushes are
+signed"). Instead:
+
+1. The generator hands out one-time nonces (Generator.PushNonce, open): its own monotonic
+   clock in ms (8 bytes) | 16 random bytes | HMAC-SHA256(process key, the first 24)[:16].
+   Stateless to issue; valid NONCE_TTL_S on the generator's own clock.
+2. The trainer signs `signed_text(nonce, header)` with an Ed25519 key derived from its token
+   (HKDF-SHA256, so no new secret file; rotating the token rotates the key) and sends
+   `rollstream-push-signature: <nonce b64>.<signature b64>`.
+3. The generator checks the nonce is its own and fresh when the call starts, and on the first
+   chunk the signature over that payload's header with the public key in roles.json
+   (`trainer_push_key`), then spends the nonce (once). The payload's sha256 is checked against
+   the header as it arrives (rollstream.core.weight_transfer), so the signature covers every
+   byte.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from rollstream.v1 import weights_pb2
+
+METADATA_KEY = "rollstream-push-signature"
+NONCE_TTL_S = 120.0
+_KDF_INFO = b"rollstream push signing v1"
+_STAMP = struct.Struct(">Q")
+_RANDOM_BYTES = 16
+_MAC_BYTES = 16
+NONCE_BYTES = _STAMP.size + _RANDOM_BYTES + _MAC_BYTES
+
+
+def signing_key(trainer_token: str) -> Ed25519PrivateKey:
+    """The trainer's push key, derived from its token (HKDF-SHA256, no salt: the token is 32
+    random bytes already)."""
+    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_KDF_INFO).derive(trainer_token.encode())
+    return Ed25519PrivateKey.from_private_bytes(seed)
+
+
+def public_key_hex(trainer_token: str) -> str:
+    """What roles.json's `trainer_push_key` holds: the raw Ed25519 public key, hex."""
+    return signing_key(trainer_token).public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def load_public_key(text: str) -> Ed25519PublicKey:
+    """roles.json's `trainer_push_key` -> the key; ValueError if it is not 32 bytes of hex."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError("trainer_push_key must be hex") from None
+    if len(raw) != 32:
+        raise ValueError(f"trainer_push_key must be 32 bytes (64 hex digits), got {len(raw)}")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
+    """What the signature covers: the method, the nonce and every field of the header, one
+    per line (a canonical text, not a protobuf encoding, so both sides agree byte for byte)."""
+    fields = [
+        "rollstream.v1.Generator/PushWeights",
+        nonce.hex(),
+        header.kind,
+        str(header.base_version),
+        str(header.version),
+        str(header.total_bytes),
+        header.sha256,
+        header.model_fingerprint,
+    ]
+    return "\n".join(fields).encode()
+
+
+class PushSigner:
+    """The trainer's side: signs one push for one generator's nonce."""
+
+    def __init__(self, trainer_token: str):
+        self._key = signing_key(trainer_token)
+
+    def metadata(self, nonce: bytes, header: weights_pb2.WeightHeader) -> tuple[tuple[str, str], ...]:
+        signature = self._key.sign(signed_text(nonce, header))
+        return ((METADATA_KEY, f"{_b64(nonce)}.{_b64(signature)}"),)
+
+
+def parse_signature(metadata: Iterable[tuple[str, Any]] | None) -> tuple[bytes, bytes] | None:
+    """(nonce, signature) from the one `rollstream-push-signature` entry; None if absent,
+    repeated or malformed."""
+    values = [v for k, v in (metadata or ()) if k == METADATA_KEY]
+    if len(values) != 1 or not isinstance(values[0], str) or values[0].count(".") != 1:
+        return None
+    nonce_text, signature_text = values[0].split(".")
+    try:
+        nonce, signature = base64.urlsafe_b64decode(nonce_text), base64.urlsafe_b64decode(signature_text)
+    except (binascii.Error, ValueError):
+        return None
+    if len(nonce) != NONCE_BYTES or len(signature) != 64:
+        return None
+    return nonce, signature
+
+
+def verify(key: Ed25519PublicKey, nonce: bytes, signature: bytes, header: weights_pb2.WeightHeader) -> bool:
+    try:
+        key.verify(signature, signed_text(nonce, header))
+    except InvalidSignature:
+        return False
+    return True
+
+
+class PushNonces:
+    """The generator's side: issues nonces and spends each at most once. The key lives only in
+    this process: a restarted generator refuses its predecessor's nonces (the trainer asks
+    for a new one at every push)."""
+
+    def __init__(self, ttl_s: float = NONCE_TTL_S):
+        self.ttl_s = ttl_s
+        self._key = os.urandom(32)
+        self._spent: dict[bytes, float] = {}  # nonce -> when it expires (monotonic)
+        self._lock = threading.Lock()
+
+    def issue(self) -> bytes:
+        body = _STAMP.pack(int(time.monotonic() * 1000)) + os.urandom(_RANDOM_BYTES)
+        return body + self._mac(body)
+
+    def check(self, nonce: bytes) -> str | None:
+        """Why `nonce` is not one of ours and fresh, or None. Stateless: a caller with no
+        signature cannot fill any table by calling."""
+        if len(nonce) != NONCE_BYTES:
+            return "malformed nonce"
+        body, mac = nonce[: -_MAC_BYTES], nonce[-_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(body)):
+            return "not a nonce of this generator (restarted since?)"
+        age_s = time.monotonic() - _STAMP.unpack_from(body)[0] / 1000
+        if not 0 <= age_s <= self.ttl_s:
+            return f"nonce expired ({age_s:.0f} s old, valid {self.ttl_s:.0f} s)"
+        return None
+
+    def spend(self, nonce: bytes) -> str | None:
+        """Check `nonce` and mark it used; why not, or None. Called only once a signature
+        over it verified, so only the trainer's pushes take room here (one entry per push,
+        kept until the nonce would have expired anyway)."""
+        why = self.check(nonce)
+        if why is not None:
+            return why
+        now = time.monotonic()
+        with self._lock:
+            for old in [n for n, expires in self._spent.items() if expires < now]:
+                del self._spent[old]
+            if nonce in self._spent:
+                return "nonce already used"
+            self._spent[nonce] = now + self.ttl_s
+        return None
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._key, body, hashlib.sha256).digest()[:_MAC_BYTES]
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode()
