@@ -495,7 +495,7 @@ def _write_tls(folder: Path, names: list[str]) -> None:
 def write_credentials_by_hand(folder: Path, tls: bool, dns: list[str]) -> None:
     """The layout of rollstream.core.credentials, written with its write_secret: what
     `rollstream secrets` makes (stands in for it while the CLI lacks the command)."""
-    from rollstream.core.credentials import digest, new_secret, write_secret
+    from rollstream.core.credentials import new_secret, roles_table, write_secret
 
     tokens = {role: new_secret() for role in ROLES}
     passwords = {user: new_secret() for user in REDIS_USERS}
@@ -503,7 +503,7 @@ def write_credentials_by_hand(folder: Path, tls: bool, dns: list[str]) -> None:
         write_secret(folder / f"grpc/{role}.token", tokens[role])
     for user in REDIS_USERS:
         write_secret(folder / f"redis/{user}.password", passwords[user])
-    write_secret(folder / "grpc/roles.json", json.dumps({role: digest(tokens[role]) for role in ROLES}, indent=2, sort_keys=True))
+    write_secret(folder / "grpc/roles.json", json.dumps(roles_table(tokens), indent=2, sort_keys=True))
     acl = ["user default off"] + [f"user {u} on #{hashlib.sha256(passwords[u].encode()).hexdigest()} ~* &* +@all" for u in REDIS_USERS]
     write_secret(folder / "redis/users.acl", "\n".join(acl))
     if tls:
