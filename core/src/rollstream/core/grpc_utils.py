@@ -2,11 +2,19 @@
 
 Who may call what, and TLS, are rollstream.core.grpc_auth's: `serve` mounts its interceptor
 and server credentials, `channel` sends a client's token (and speaks TLS) when given
-ClientCredentials."""
+ClientCredentials.
+
+Health and reflection answer without a token (grpc_auth.OPEN_SERVICES). A reflection stream
+holds a worker thread for as long as its client keeps it open, so streams of open services
+get their own few threads (OPEN_STREAMS): past that many they are refused with
+RESOURCE_EXHAUSTED, and the service's own methods keep all of `max_workers`. (Ten idle
+reflection streams from a process with no credentials held every thread of the generator
+and stopped training.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor
+from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor, is_open
 
 # Chunks are a few MiB; leave headroom for Generate responses with many completions.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -24,6 +32,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 ]
+# Threads (beyond max_workers) for request streams of open services (reflection): a few
+# grpcurl sessions at once.
+OPEN_STREAMS = 4
 
 
 @dataclass
@@ -51,6 +62,55 @@ class RunningServer:
         self.server.stop(grace_s).wait()
 
 
+class OpenStreamLimit(grpc.ServerInterceptor):
+    """At most `limit` request streams of open services at a time; one more is refused
+    (RESOURCE_EXHAUSTED) at once instead of waiting for, or holding, a worker thread.
+    Unary open calls (health Check, the probes') are not counted: they hold a thread only
+    while they run. Health Watch is not a request stream and holds no thread while it waits
+    (grpcio-health-checking answers it through a callback)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or not handler.request_streaming or not is_open(handler_call_details.method):
+            return handler
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._bounded_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_unary_rpc_method_handler(self._bounded_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+
+    def _refuse(self, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limit} streams of open services (reflection) are already open here; try again later")
+
+    def _bounded_stream(self, behaviour: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def bounded(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            if not self._slots.acquire(blocking=False):
+                self._refuse(context)
+            try:
+                yield from behaviour(requests, context)
+            finally:
+                self._slots.release()
+
+        return bounded
+
+    def _bounded_unary(self, behaviour: Callable[[Iterator[Any], grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        def bounded(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            if not self._slots.acquire(blocking=False):
+                self._refuse(context)
+            try:
+                return behaviour(requests, context)
+            finally:
+                self._slots.release()
+
+        return bounded
+
+
 def serve(
     services: Sequence[Service],
     host: str,
@@ -60,8 +120,10 @@ def serve(
     credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
     """Start a server for `services` plus health and reflection. `interceptors` see every
-    call first (grpc_auth.AuthInterceptor); with `credentials` the port speaks TLS only."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    call first (grpc_auth.AuthInterceptor); with `credentials` the port speaks TLS only.
+    `max_workers` threads are the services' own: open request streams get OPEN_STREAMS more."""
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers + OPEN_STREAMS, thread_name_prefix="grpc")
+    server = grpc.server(pool, options=CHANNEL_OPTIONS, interceptors=[*interceptors, OpenStreamLimit(OPEN_STREAMS)])
     for s in services:
         s.add(s.servicer, server)
     health_servicer = health.HealthServicer()
