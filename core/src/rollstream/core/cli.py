@@ -162,23 +162,30 @@ def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
     }
 
 
+def plain_console(**kwargs: object) -> Console:
+    """A console that prints text as it is, never as rich markup: what `rollstream` prints
+    holds what services, Redis streams and logs wrote (a rollout's group_id "evil[/]" in a
+    log line raised MarkupError and ended `up`). Styles go in `style=` or rich.text.Text."""
+    return Console(markup=False, **kwargs)  # type: ignore[arg-type]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
+    console = plain_console(stderr=True)
     if args.kl_reference == "lora_base" and not args.lora_rank:
-        console.print("[red]--kl-reference lora_base needs --lora-rank > 0: the reference is the base under the LoRA adapters[/]")
+        console.print("--kl-reference lora_base needs --lora-rank > 0: the reference is the base under the LoRA adapters", style="red")
         return 2
     if args.redis_url:
         try:
             redis_policy.check_url(args.redis_url)
         except ValueError as e:
-            console.print(f"[red]--redis-url: {e}[/]")
+            console.print(f"--redis-url: {e}", style="red")
             return 2
     if args.max_staleness < 0:
-        console.print(f"[red]--max-staleness: {args.max_staleness} is negative (0: synchronous, 1: the next batch sampled during the step)[/]")
+        console.print(f"--max-staleness: {args.max_staleness} is negative (0: synchronous, 1: the next batch sampled during the step)", style="red")
         return 2
     problem = check_reward_args(args)
     if problem:
-        console.print(f"[red]{problem}[/]")
+        console.print(problem, style="red")
         return 2
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -189,11 +196,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
         step_log.unlink(missing_ok=True)  # nor append to the last one's curve
         (workdir / "restarts.json").unlink(missing_ok=True)
-    # Resolve (and on first use convert) the model once, before any service races to do it.
-    from rollstream.core.models import resolve_model
+    # Resolve (and on first use convert) the model once, before any service races to do it;
+    # the conversion in a child process, so that `up` stays small for the whole run.
+    from rollstream.core.models import ModelNotFoundError, resolve_model_in_child
 
-    console.print(f"[bold]rollstream up[/] run={args.run} workdir={workdir}{'' if args.fresh else ' (continuing the run)'}")
-    model = str(resolve_model(args.model))
+    console.print(Text("rollstream up", style="bold"), f"run={args.run} workdir={workdir}{'' if args.fresh else ' (continuing the run)'}")
+    try:
+        model = str(resolve_model_in_child(args.model))
+    except ModelNotFoundError as e:
+        console.print(str(e), style="red")
+        return 2
     console.print(f"model: {model}")
     # Every service gets its own credentials (docs/security.md): a gRPC token per role, and
     # on the embedded server a Redis ACL user per role. Kept across runs in the workdir.
@@ -219,7 +231,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             if stale_keys:
                 client.delete(*stale_keys)
     except redis_policy.ERRORS as e:
-        console.print(f"[red]Redis at {redis_policy.redact(redis_url)} does not answer: {redis_policy.short(e)}[/]")
+        console.print(f"Redis at {redis_policy.redact(redis_url)} does not answer: {redis_policy.short(e)}", style="red")
         if embedded is not None:
             embedded.stop()
         return 1
@@ -276,7 +288,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         try:
             trainer_address = trainer.grpc_address()
         except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
-            console.print(f"[red]{e}[/]")
+            console.print(str(e), style="red")
             return 2 if e.returncode == 2 else 1
         for i in range(args.generators):
             # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
@@ -310,7 +322,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for child in children[1:]:
                 child.grpc_address()
         except ChildFailed as e:
-            console.print(f"[red]{e}[/]")
+            console.print(str(e), style="red")
             return 2 if e.returncode == 2 else 1
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
         console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
@@ -319,10 +331,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             external.write(workdir / EXTERNAL_REWARD_FILE)
             console.print(external.waiting_line())  # a line in the log too: the spinner is not kept
         redis_down = False
-        with console.status(external.waiting_line() if external is not None else "waiting for the first step...") as status:
+        # Text: a spinner's str is read as markup whatever the console says.
+        with console.status(Text(external.waiting_line() if external is not None else "waiting for the first step...")) as status:
             while not stopping:
                 if embedded is not None and embedded.proc is not None and embedded.proc.poll() is not None:
-                    console.print(f"[yellow]redis-server exited with {embedded.proc.returncode}; restarting it on its AOF[/]")
+                    console.print(f"redis-server exited with {embedded.proc.returncode}; restarting it on its AOF", style="yellow")
                     embedded.stop()
                     _restart_redis(embedded, console)
                     _write_redis_state(workdir, embedded)
@@ -330,17 +343,19 @@ def cmd_up(args: argparse.Namespace) -> int:
                     if child.exited():
                         code = child.proc.returncode if child.proc is not None else None
                         if child is trainer and code == 0:
-                            console.print(f"[red]the trainer exited before step {args.steps}[/]")
+                            console.print(f"the trainer exited before step {args.steps}", style="red")
                             return 1
                         if code == 2:  # a bad setting: restarting would fail the same way
-                            console.print(f"[red]{child.name} refused its configuration:[/]\n{tail(child.log_path, 10)}")
+                            console.print(Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n")
                             return 2
                         # Every service restarts under the same consumer name and resumes its own
                         # pending entries; the trainer from its latest checkpoint.
                         delay = child.restart_delay_s()
                         child.restarts += 1
                         _write_restarts(workdir, children)  # `rollstream status --workdir` shows a crash loop
-                        console.print(f"[yellow]{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s[/]\n{tail(child.log_path, 5)}")
+                        console.print(
+                            Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 5), sep="\n"
+                        )
                         time.sleep(delay)
                         child.start()
                 try:
@@ -353,11 +368,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                         )
                     stats = _stats(client, keys)
                     if redis_down:
-                        console.print("[green]Redis answers again[/]")
+                        console.print("Redis answers again", style="green")
                         redis_down = False
                 except redis_policy.ERRORS as e:
                     if not redis_down:
-                        console.print(f"[yellow]Redis unavailable ({redis_policy.short(e)}); the services wait and retry[/]")
+                        console.print(f"Redis unavailable ({redis_policy.short(e)}); the services wait and retry", style="yellow")
                         redis_down = True
                     time.sleep(1.0)
                     continue
@@ -365,9 +380,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                     finished = True
                     break
                 status.update(
-                    reward_line
-                    or f"steps {len(progress.by_step)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
-                    f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}"
+                    Text(
+                        reward_line
+                        or f"steps {len(progress.by_step)}/{args.steps}  elapsed {time.monotonic() - started:.0f}s  "
+                        f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}"
+                    )
                 )
                 time.sleep(0.5)
         if finished:
@@ -386,15 +403,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         try:
             result["stats"] = _stats(client, keys)
         except redis_policy.ERRORS as e:
-            console.print(f"[yellow]could not read the run's counters: {redis_policy.short(e)}[/]")
+            console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
         client.close()
         if embedded is not None:
             embedded.stop()
         (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
         if progress.steps:
             console.print(
-                f"[bold]done[/]: {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
-                f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})"
+                Text.assemble(("done", "bold"), f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
+                f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})")
             )
         elif stopping:
             console.print("stopped before the first step")
@@ -410,7 +427,7 @@ def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
     try:
         path, log = plot.render(step_log, out)
     except plot.PlotError as e:
-        console.print(f"[yellow]no curve: {e}[/]", soft_wrap=True)
+        console.print(f"no curve: {e}", style="yellow", soft_wrap=True)
         return
     console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
 
@@ -477,7 +494,7 @@ class ExternalReward:
             else "  redis user:     whatever the URL above gives (an external Redis: its own ACL)\n"
         )
         return (
-            "[bold]reward: external[/] (no built-in reward process; docs/custom-reward.md is the contract)\n"
+            "reward: external (no built-in reward process; docs/custom-reward.md is the contract)\n"
             f"  redis:          {d['redis_url']}\n{auth}"
             f"  read:           {d['input_stream']} as consumer group {d['consumer_group']} (one stable consumer name per process)\n"
             f"  write:          {d['output_stream']} (dead letters: {d['dead_stream']}, counters: {d['stats_hash']})\n"
@@ -505,13 +522,14 @@ class ExternalReward:
             elif name not in self.warned_groups:
                 self.warned_groups.add(name)
                 console.print(
-                    f"[yellow]consumer group {name!r} on {self.source} is not {self.group!r}: every group reads every entry, "
+                    f"consumer group {name!r} on {self.source} is not {self.group!r}: every group reads every entry, "
                     f"so it scores them twice, and while it lags it holds back trimming and the generators "
-                    f"(XGROUP DESTROY {self.source} {name} if it is left over)[/]"
+                    f"(XGROUP DESTROY {self.source} {name} if it is left over)",
+                    style="yellow",
                 )
         if consumers and not self.joined:
             self.joined = True
-            console.print(f"[green]a reward consumer joined consumer group {self.group} on {self.source}[/]")
+            console.print(f"a reward consumer joined consumer group {self.group} on {self.source}", style="green")
         if self.joined:
             return ""
         # Redis 6.2 lists a consumer only once it has been handed an entry: a service blocked
@@ -553,7 +571,7 @@ def _restart_redis(embedded: EmbeddedRedis, console: Console) -> None:
             embedded.start(timeout_s=60.0)
             return
         except RuntimeError as e:
-            console.print(f"[yellow]redis-server did not start again ({str(e).splitlines()[0]}); retrying in {delay:.0f}s[/]")
+            console.print(f"redis-server did not start again ({str(e).splitlines()[0]}); retrying in {delay:.0f}s", style="yellow")
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
@@ -592,25 +610,25 @@ def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGrou
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    console = Console()
+    console = plain_console()
     if args.workdir:  # the embedded Redis of an `up` run, as its admin user
         workdir = Path(args.workdir)
         try:
             args.redis_url = json.loads((workdir / "state" / "redis.json").read_text())["url"]
         except (OSError, ValueError, KeyError) as e:
-            console.print(f"[red]--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})[/]")
+            console.print(f"--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})", style="red")
             return 2
         args.redis_username = args.redis_username or redis_acl.ADMIN
         args.redis_password_file = args.redis_password_file or str(redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN))
     try:
         redis_policy.check_url(args.redis_url)
     except ValueError as e:
-        console.print(f"[red]--redis-url: {e}[/]")
+        console.print(f"--redis-url: {e}", style="red")
         return 2
     try:
         username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, os.environ.get("ROLLSTREAM_REDIS_PASSWORD", ""))
     except ValueError as e:
-        console.print(f"[red]{e}[/]")
+        console.print(str(e), style="red")
         return 2
     keys = streams.RunKeys(args.run)
     workdir = Path(args.workdir) if args.workdir else None
@@ -659,17 +677,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from rollstream.core import plot
 
-    console = Console(stderr=True)
+    console = plain_console(stderr=True)
     run = Path(args.run)
     try:
         log_path = plot.resolve_log(run)
         out = Path(args.output) if args.output else (run if run.is_dir() else run.parent) / "curves.png"
         path, log = plot.render(log_path, out, title=args.title)
     except plot.PlotError as e:
-        console.print(f"[red]{e}[/]", soft_wrap=True)
+        console.print(str(e), style="red", soft_wrap=True)
         return 1
     for number, why in log.skipped:
-        console.print(f"[yellow]warning: {log_path}:{number} skipped: {why}[/]", soft_wrap=True)
+        console.print(f"warning: {log_path}:{number} skipped: {why}", style="yellow", soft_wrap=True)
     print(path)
     return 0
 

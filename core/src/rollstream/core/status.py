@@ -146,15 +146,16 @@ def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: dia
         s = cur.stream(spec.stream)
         g = s.group(spec.group)
         r = diagnose.rate(prev, cur, spec)
+        # Text, never markup: consumer names and dead-letter reasons are whatever was written to Redis.
         if g is None:
-            consumers = "[red]no consumer group[/]" if s.length else "-"
+            consumers = Text("no consumer group", style="red") if s.length else Text("-")
         elif not g.consumers:
-            consumers = f"{g.name}: [red]no consumer[/]"
+            consumers = Text.assemble(f"{g.name}: ", ("no consumer", "red"))
         else:
-            consumers = f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers)
+            consumers = Text(f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers))
         table.add_row(
             spec.name, keys.stream(spec.stream), "…" if r is None else f"{r:.2f}", str(cur.backlog(spec.stream, spec.group)),
-            str(g.pending) if g is not None else "-", str(s.length), consumers, cur.last_dead.get(spec.stream, ""),
+            str(g.pending) if g is not None else "-", str(s.length), consumers, Text(cur.last_dead.get(spec.stream, "")),
         )
     lines: list[Text | Table] = [table]
     gens = ", ".join(f"{g} v{'?' if v is None else v}" for g, v in sorted(cur.generators.items())) or "none registered"
