@@ -33,7 +33,7 @@ from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.text import Text
 
-from rollstream.core import codec, credentials, diagnose, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import codec, credentials, diagnose, procs, redis_acl, redis_policy, steplog, streams, validation
 from rollstream.core import status as pipeline_status
 from rollstream.core.config import NAME_PATTERN, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
@@ -170,6 +170,13 @@ def plain_console(**kwargs: object) -> Console:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    # The run's data (the AOF's prompts and test answers, checkpoints, logs) is the owner's
+    # alone: `up` and every service it starts create files 0600 and folders 0700.
+    with procs.owner_only():
+        return _up(args)
+
+
+def _up(args: argparse.Namespace) -> int:
     console = plain_console(stderr=True)
     if args.kl_reference == "lora_base" and not args.lora_rank:
         console.print("--kl-reference lora_base needs --lora-rank > 0: the reference is the base under the LoRA adapters", style="red")
@@ -189,6 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     workdir = Path(args.workdir or f"runs/{args.run}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o700)  # also a workdir an older run left open to others
     checkpoints = workdir / "checkpoints"
     step_log = workdir / steplog.FILE_NAME
     if args.fresh:

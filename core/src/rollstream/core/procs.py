@@ -3,11 +3,17 @@ redis-server): they must not outlive whoever started them, and they are stopped 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
 import subprocess
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
+# Run data (the AOF's prompts, completions and test answers, checkpoints, logs) is its
+# owner's alone: files 0600, folders 0700, whatever the umask of the shell that started us.
+OWNER_ONLY_UMASK = 0o077
 
 
 def die_with_parent() -> None:
@@ -18,6 +24,25 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def owner_only() -> Iterator[None]:
+    """While inside: every file and folder this process (and any child it starts) creates is
+    its owner's only. The umask is the process's, so this is for whole runs (`up`, a
+    service's main), not for library code; the previous umask comes back on the way out."""
+    previous = os.umask(OWNER_ONLY_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def private_child() -> None:
+    """`preexec_fn` for a child that writes run data we do not create ourselves (the embedded
+    redis-server's AOF and RDB): owner-only files, and it dies with its parent."""
+    os.umask(OWNER_ONLY_UMASK)
+    die_with_parent()
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:

@@ -6,6 +6,8 @@ loopback only, with AOF on so a restart keeps the streams, fsynced on every writ
 (`appendfsync always`): with `everysec` a kill -9 can lose the last second of commits, and
 a trainer whose step commit is lost after it applied the update would train those groups
 again. The streams carry a few writes a second, so the fsyncs cost nothing that matters.
+Its data folder is 0700 and its files (AOF, RDB, log) 0600: they hold the run's prompts,
+completions and test answers.
 
 With `aclfile` (rollstream.core.redis_acl.ensure_redis_credentials writes one) the server
 loads its ACL users from it: the default user is off, and this class talks to the server
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.core.procs import die_with_parent, stop_process
+from rollstream.core.procs import private_child, stop_process
 from rollstream.core.redis_acl import ADMIN
 
 MIN_VERSION = (6, 2, 0)
@@ -78,7 +80,11 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # The AOF holds every prompt, completion and test answer: the data folder and what
+        # redis-server writes there (its umask, private_child) are the owner's only, also
+        # when an older run left the folder open.
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.data_dir.chmod(0o700)
         args = [
             find_redis_server(),
             "--bind", "127.0.0.1",
@@ -96,7 +102,7 @@ class EmbeddedRedis:
         # Own session: a Ctrl-C meant for `rollstream up` must not kill Redis before the
         # services have shut down cleanly (up stops Redis last).
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=private_child
         )
         client = self.admin_client()
         deadline = time.monotonic() + timeout_s

@@ -39,7 +39,7 @@ from typing import TypeVar
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollstream.core import grpc_auth, grpc_utils, logs, metrics, push_signing, redis_policy, streams
+from rollstream.core import grpc_auth, grpc_utils, logs, metrics, procs, push_signing, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.credentials import read_secret
 from rollstream.core.http_side import HttpSide, build_app
@@ -251,6 +251,9 @@ class ServiceHost:
         logs.event(self.log, "stopped")
 
     def __enter__(self) -> "ServiceHost":
+        # What a running service writes (checkpoints, anchors, its step log, its state file)
+        # is its owner's only: files 0600, folders 0700 (docs/security.md).
+        self._previous_umask = os.umask(procs.OWNER_ONLY_UMASK)
         return self
 
     def __exit__(self, *exc: object) -> bool:
@@ -258,6 +261,7 @@ class ServiceHost:
         if exc[0] is not None and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):  # type: ignore[arg-type]
             self.log.exception("service failed")
         self.close()
+        os.umask(self._previous_umask)
         # Stopped while waiting for Redis is a clean stop, not a failure.
         return exc[0] is redis_policy.Stopped
 
