@@ -21,6 +21,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -148,7 +150,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     The folder is built in a temp dir next to its final place and renamed into place, so a
     crash never leaves a half-written model where the next call would trust it.
     """
-    target = _cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    target = _default_target(cache_dir)
     if (target / "config.json").is_file():
         return target
     gguf_path = _find_smollm2_gguf()
@@ -178,13 +180,47 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def _default_target(cache_dir: Path | None) -> Path:
+    return _cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
+
+
+def _is_default(spec: str | os.PathLike[str] | None) -> bool:
+    return spec is None or str(spec).strip().lower() == DEFAULT_MODEL_ALIAS
+
+
+def resolve_model_in_child(spec: str | os.PathLike[str] | None, cache_dir: Path | None = None) -> Path:
+    """resolve_model, with the demo model's first-use conversion in a child process
+    (`python -m rollstream.core.models`): it imports torch and transformers, about 900 MiB
+    that would stay resident in the caller (`rollstream up`) for its whole run. The child
+    shares stderr, so its progress bar and its errors reach the terminal."""
+    if _is_default(spec) and not (_default_target(cache_dir) / "config.json").is_file():
+        argv = [sys.executable, "-m", "rollstream.core.models", DEFAULT_MODEL_ALIAS, *([str(cache_dir)] if cache_dir is not None else [])]
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, check=False)
+        if done.returncode != 0:
+            raise ModelNotFoundError(f"converting {DEFAULT_MODEL_NAME} failed (`{' '.join(argv[1:])}` exited with {done.returncode}; its error is above)")
+    return resolve_model(spec, cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rollstream.core.models [SPEC [CACHE_DIR]]`: resolve SPEC (the demo model by
+    default, converted on first use) and print its folder; 2 with the reason when it cannot."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        path = resolve_model(args[0] if args else None, Path(args[1]) if len(args) > 1 else None)
+    except ModelNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def resolve_model(spec: str | os.PathLike[str] | None, cache_dir: Path | None = None) -> Path:
     """Turn a `--model` value into a local model folder. Never downloads.
 
     None or "smollm2-135m" is the demo default; anything else must be a local folder with a
     config.json (a Hugging Face hub id like "org/name" is refused: there is no network).
     """
-    if spec is None or str(spec).strip().lower() == DEFAULT_MODEL_ALIAS:
+    if _is_default(spec):
         return default_model_dir(cache_dir)
     path = Path(spec).expanduser()
     if not path.is_dir():
@@ -204,3 +240,7 @@ def vocab_size(model_dir: str | os.PathLike[str]) -> int:
     stream must be below it, or it would index past the embedding. 0 when not stated."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
