@@ -617,12 +617,38 @@ def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGrou
     return pipeline_status.render(keys, snap, extra)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def redis_down_line(redis_url: str, error: Exception, workdir: Path | None, redis_pid: int) -> str:
+    """What `status` says when Redis does not answer. An `up` run's embedded Redis stops with
+    `up`: once its process is gone the run is over, and the line says where its results are
+    rather than showing a refused connection to a port nobody serves any more."""
+    if workdir is not None and redis_pid and not _pid_alive(redis_pid):
+        return (
+            f"this run's embedded Redis (pid {redis_pid}, {redis_policy.redact(redis_url)}) stopped with `rollstream up`: "
+            f"the run is not running. Its results: {workdir / steplog.FILE_NAME} (a line per step), {workdir / 'summary.json'}, "
+            f"{workdir / 'curves.png'} (`rollstream plot {workdir}` draws it again) and the services' logs in {workdir / 'logs'}; "
+            f"`rollstream up --no-fresh --workdir {workdir} --run <run>` continues the run."
+        )
+    return f"Redis at {redis_policy.redact(redis_url)}: {redis_policy.short(error)}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     console = plain_console()
+    redis_pid = 0  # the embedded Redis's, for an `up` run's --workdir
     if args.workdir:  # the embedded Redis of an `up` run, as its admin user
         workdir = Path(args.workdir)
         try:
-            args.redis_url = json.loads((workdir / "state" / "redis.json").read_text())["url"]
+            recorded = json.loads((workdir / "state" / "redis.json").read_text())
+            args.redis_url, redis_pid = recorded["url"], int(recorded.get("pid", 0))
         except (OSError, ValueError, KeyError) as e:
             console.print(f"--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})", style="red")
             return 2
@@ -662,7 +688,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 view = pipeline_status.render(keys, snap, extra, prev, thresholds)
                 prev = snap
             except redis_policy.ERRORS as e:
-                view = Text(f"Redis at {redis_policy.redact(args.redis_url)}: {redis_policy.short(e)}", style="yellow")
+                view = Text(redis_down_line(args.redis_url, e, workdir, redis_pid), style="yellow")
                 if not args.watch:
                     console.print(view)
                     return 1
