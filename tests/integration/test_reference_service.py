@@ -148,14 +148,22 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
     assert int(client.hget(keys.stats, "dead_scored") or 0) >= 4
 
 
-def test_group_that_already_has_ref_logprobs_passes_through(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+def test_ref_logprobs_written_upstream_are_replaced_by_the_references_own(
+    reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel
+) -> None:
+    """The reward's Redis user can write `scored`: a group claiming ref log-probs there (a
+    forged -9999 a token would make the KL term ~1e4 a token) gets this service's own."""
     sent = scored_group_in_vocab(in_process.vocab_size, n=2, seed=4)
     for c in sent.completions:
-        c.ref_logprobs.extend([-0.25] * len(c.token_ids))
+        c.ref_logprobs.extend([-9999.0] * len(c.token_ids))
     sent.has_ref_logprobs = True
     write(client, keys, "scored", sent)
 
-    assert wait_ready_group(client, keys, sent.group_id) == sent
+    got = wait_ready_group(client, keys, sent.group_id)
+    assert got.has_ref_logprobs
+    want = in_process.logprobs([(list(sent.prompt_ids), list(c.token_ids)) for c in sent.completions])
+    for c, w in zip(got.completions, want):
+        assert_close(list(c.ref_logprobs), w)
 
 
 def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel, tiny_model_dir: Path) -> None:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from rollstream.core import codec
 from rollstream.core.codec import EntryError
-from rollstream.core.validation import LOGPROB_SLACK, Limits, check_group, check_metrics, check_task
+from rollstream.core.validation import CHAT_ROLES, LOGPROB_SLACK, Limits, check_group, check_metrics, check_task
 from rollstream.v1 import rollout_pb2
 
 
@@ -90,7 +90,7 @@ def task_ok(t: rollout_pb2.PromptTask, limits: Limits) -> bool:
     return (
         t.task_id != ""
         and (len(t.messages) > 0 or len(t.prompt_ids) > 0)
-        and all(m.role != "" for m in t.messages)
+        and all(m.role in CHAT_ROLES for m in t.messages)
         and _ids_ok(list(t.prompt_ids), limits.max_prompt_tokens, limits.vocab_size)
         and 1 <= t.group_size <= limits.max_group_size
         and 1 <= s.max_new_tokens <= limits.max_new_tokens

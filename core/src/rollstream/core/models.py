@@ -242,5 +242,12 @@ def vocab_size(model_dir: str | os.PathLike[str]) -> int:
     return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
 
 
+def context_length(model_dir: str | os.PathLike[str]) -> int:
+    """The model's context (config.json `max_position_embeddings`): the most prompt +
+    completion tokens one sequence may hold. 0 when not stated."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 0)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,6 +33,26 @@ STAGES: tuple[str, ...] = ("rollouts", "scored", "ready")
 # above 0, so allow this much.
 LOGPROB_SLACK = 1e-3
 
+# The lowest log-prob accepted, behaviour and reference alike: ln of the smallest normal
+# float32, ln(2^-126) = -87.34, rounded toward 0 to -87 (which float32 holds exactly, so a
+# value at the floor reads back from the wire as the floor itself). Why this bound:
+# - a sampled token's probability is a float32 in every engine (softmax, then the sampler);
+#   below 2^-126 it is a denormal or 0, which no sampler draws, so an honest behaviour
+#   log-prob is above it;
+# - the arithmetic it feeds is float32: the policy ratio exp(logp - b) with logp <= 0 is at
+#   most exp(87) = 6.1e37 < FLT_MAX = 3.4e38 = exp(88.72): finite, where -200
+#   (exp(200)) or -9999 overflow to inf; and the KL term k3 = exp(ref - logp) - (ref - logp) - 1
+#   is then at most 87 - 1 = 86 a token where the trainer's logp is near 0, instead
+#   of the ~1e4 a token that ref = -9999 adds (a step loss of 319 instead of 0.1-0.5).
+# A finite ratio of 6e37 can still overflow what is multiplied with it (advantage,
+# gradients): the trainer's step guard finds the group that did it (trainer/step.py,
+# nonfinite_groups) and refuses that group alone.
+MIN_LOGPROB = -87.0
+
+# The roles a chat template knows. A role is pasted into the rendered prompt as it is, so
+# anything else ("user<|im_start|>system", a NUL) would write the template's own markup.
+CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -45,10 +65,18 @@ class Limits:
     max_reward_abs: float = 1e4  # |reward| above this is refused
     max_temperature: float = 10.0
     task_kinds: frozenset[str] | None = None  # known task kinds (None: any)
-    # Lowest log-prob accepted (behaviour and reference). A sampled token below e^-1e4 is
-    # not a sample but a corrupt value; finite but absurd values would otherwise overflow
-    # exp(logp - b) in the loss exactly as a NaN would.
-    min_logprob: float = -1e4
+    # Lowest log-prob accepted (behaviour and reference): MIN_LOGPROB says why.
+    min_logprob: float = MIN_LOGPROB
+    # The model's context (config.json max_position_embeddings): a completion's prompt +
+    # completion tokens must fit in it, or the model cannot run the sequence at all (0: unknown).
+    max_context_tokens: int = 0
+    # The run's group size: a group must hold exactly this many completions (0: any number up
+    # to max_group_size). The group's own group_size field is the writer's claim, not the run's.
+    group_size: int = 0
+    # Characters of a task's chat messages (roles and contents), counted before the prompt
+    # is rendered and tokenized, which costs memory in proportion (0: not checked). The
+    # generator sets it from the context and its tokenizer's longest token.
+    max_prompt_chars: int = 0
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -122,9 +150,13 @@ def check_task(task: rollout_pb2.PromptTask, limits: Limits) -> None:
     where = f"task {_short(task.task_id)}"
     if not task.messages and not task.prompt_ids:
         raise EntryError(f"{where} has neither messages nor prompt_ids")
+    chars = 0
     for i, m in enumerate(task.messages):
-        if not m.role:
-            raise EntryError(f"{where}: messages[{i}] has no role")
+        if m.role not in CHAT_ROLES:
+            raise EntryError(f"{where}: messages[{i}].role {_short(m.role)} is not one of {sorted(CHAT_ROLES)}")
+        chars += len(m.content)
+    if limits.max_prompt_chars and chars > limits.max_prompt_chars:
+        raise EntryError(f"{where}: messages hold {chars} characters, more than the limit {limits.max_prompt_chars} (the model's context in characters)")
     _check_ids(task.prompt_ids, f"{where}: prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
     if not 1 <= task.group_size <= limits.max_group_size:
         raise EntryError(f"{where}: group_size {task.group_size} is not in [1, {limits.max_group_size}]")
@@ -164,6 +196,8 @@ def check_group(group: rollout_pb2.RolloutGroup, limits: Limits, *, stage: Stage
         raise EntryError(f"{where} has no completions")
     if n > limits.max_group_size:
         raise EntryError(f"{where}: {n} completions, more than the limit {limits.max_group_size}")
+    if limits.group_size and n != limits.group_size:
+        raise EntryError(f"{where}: {n} completions, the run's group_size is {limits.group_size}")
     if group.group_size and n != group.group_size:
         raise EntryError(f"{where}: {n} completions, the task asked for {group.group_size}")
     if not group.prompt_ids:
@@ -180,6 +214,12 @@ def check_group(group: rollout_pb2.RolloutGroup, limits: Limits, *, stage: Stage
         n_tokens = len(c.token_ids)
         if not n_tokens:
             raise EntryError(f"{at} has no tokens")
+        total = len(group.prompt_ids) + n_tokens
+        if limits.max_context_tokens and total > limits.max_context_tokens:
+            raise EntryError(
+                f"{at}: prompt {len(group.prompt_ids)} + completion {n_tokens} = {total} tokens, "
+                f"longer than the model's context of {limits.max_context_tokens} (max_position_embeddings)"
+            )
         _check_ids(c.token_ids, f"{at}: token_ids", limits.max_new_tokens, limits.vocab_size)
         _check_logprobs(c.behaviour_logprobs, n_tokens, f"{at}: behaviour_logprobs", limits.min_logprob)
         if group.has_ref_logprobs:

@@ -3,7 +3,9 @@
 Loop (one thread): read scored groups; dead-letter what does not parse or cannot be
 scored; score every completion of every group read in one call (packed into micro-batches
 inside); write the groups to `ready` and acknowledge the inputs in one transaction; trim
-the scored stream now and then. Groups that already carry ref log-probs pass through.
+the scored stream now and then. Every group's ref log-probs are this service's own: whatever
+an upstream stage wrote in ref_logprobs is dropped and computed again (the reward's Redis
+user can write `scored`, so a value found there is only its claim).
 
 gRPC (server threads): ComputeLogprobs on the same frozen model, GetState.
 """
@@ -116,15 +118,18 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
 
 
 def parse_group(entry: streams.Entry, scorer: Scorer) -> rollout_pb2.RolloutGroup:
-    """Decode and check one scored entry (raises codec.EntryError with the reason)."""
+    """Decode and check one scored entry (raises codec.EntryError with the reason). Any
+    ref log-probs it carries are dropped first: they are computed here, never passed on."""
     group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
+    group.has_ref_logprobs = False
+    for c in group.completions:
+        del c.ref_logprobs[:]
     validation.check_group(group, scorer.limits, stage="scored")
-    if not group.has_ref_logprobs:
-        for i, c in enumerate(group.completions):
-            try:
-                scorer.model.check(group.prompt_ids, c.token_ids)
-            except ValueError as e:
-                raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
+    for i, c in enumerate(group.completions):
+        try:
+            scorer.model.check(group.prompt_ids, c.token_ids)
+        except ValueError as e:
+            raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
     return group
 
 
@@ -133,15 +138,13 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     if not good:
         return
 
-    # 1. Score every completion of every group that needs it, in one call.
-    todo = [g for _, g in good if not g.has_ref_logprobs]
-    sequences = [(list(g.prompt_ids), list(c.token_ids)) for g in todo for c in g.completions]
+    # 1. Score every completion of every group, in one call (parse_group emptied ref_logprobs).
+    sequences = [(list(g.prompt_ids), list(c.token_ids)) for _, g in good for c in g.completions]
     start = time.perf_counter()
-    values = iter(scorer.score(sequences) if sequences else [])
+    values = iter(scorer.score(sequences))
     seconds = time.perf_counter() - start
-    for g in todo:
+    for _, g in good:
         for c in g.completions:
-            del c.ref_logprobs[:]  # has_ref_logprobs was false: whatever is there is not ours
             c.ref_logprobs.extend(next(values))
         g.has_ref_logprobs = True
     # A non-finite log-prob must not reach the trainer's KL: refused here, group by group.
@@ -153,9 +156,8 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
             stage.dead_letter(entry, f"reference log-probs unusable: {e}")
             continue
         ok.append((entry, g))
-    computed = {id(g) for g in todo}
-    referenced = sum(1 for _, g in ok if id(g) in computed)
     good = ok
+    referenced = len(good)
 
     # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
     def ledger(ops: streams.Ops) -> None:
@@ -164,13 +166,11 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
     scorer.totals.add(referenced, 0)
     scorer.metrics.groups.labels("referenced").inc(referenced)
-    scorer.metrics.groups.labels("passed_through").inc(len(good) - referenced)
     tokens = sum(len(p) + len(c) for p, c in sequences)
     logs.event(
         host.log,
         "groups_referenced",
         referenced=referenced,
-        passed_through=len(good) - referenced,
         completions=len(sequences),
         tokens=tokens,
         seconds=round(seconds, 3),

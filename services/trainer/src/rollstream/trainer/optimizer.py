@@ -256,8 +256,8 @@ class HostAdamW:
 
     # -- the step -----------------------------------------------------------------------
 
-    def _grad_norm(self) -> float:
-        """Total 2-norm of the gradients (before clipping)."""
+    def grad_norm(self) -> float:
+        """Total 2-norm of the accumulated gradients (before clipping; also read by step.nonfinite_groups)."""
         if self.host_grad is not None:
             grads = [self.host_grad[off : off + n] for off, n, _ in self.layout.values()]
         else:
@@ -285,7 +285,7 @@ class HostAdamW:
         parameter's new bits during the step, as soon as they are final. A non-finite
         gradient norm applies nothing (and calls nothing): the gradients are dropped and
         NonFiniteStep is raised."""
-        norm = self._grad_norm()
+        norm = self.grad_norm()
         if not math.isfinite(norm):
             self.discard_grads()
             raise NonFiniteStep(f"gradient norm is {norm}")

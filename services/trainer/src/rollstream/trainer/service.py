@@ -15,8 +15,9 @@ One loop, top to bottom:
 loses no trained work), moves the run's version to it and pushes its anchor.
 Redis trouble never ends the loop: it waits (rollstream.core.redis_policy), and from the
 step on it only retries, since the update exists and its groups must be acknowledged.
-A non-finite loss or gradient norm applies and publishes nothing; the step's groups go to
-the dead letters with the reason.
+A non-finite loss or gradient norm applies and publishes nothing; the groups that make it
+non-finite on their own go to the dead letters with the reason, and the step's other groups
+stay in the batch for the next step.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ class TrainerLoop:
         # they are read again `turn` skips them.
         self.host.run_loop(self.stage, turn, "trainer loop", until=finished)
         logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
+        if finished() and s.checkpoint_dir:
+            # A finished run keeps its final state as a checkpoint, not only in the trained log.
+            newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
+            if newest is None or newest.state.step != self.trainer.step:
+                self.save_periodic()
         if s.linger:
             while not self.host.stop.wait(0.2):
                 self.checkpoints.serve(self.save)
@@ -143,15 +149,12 @@ class TrainerLoop:
             return
         taken = self.batch[: s.groups_per_step]
         with self.host.metrics.batch_seconds.time():
-            self.train_and_commit(taken)
+            trained = self.train_and_commit(taken)
+        if not trained:
+            return  # refused: its culprits left the batch; the others wait for the next step
         del self.batch[: s.groups_per_step]
         if s.checkpoint_every and self.trainer.step % s.checkpoint_every == 0:
-            try:
-                self.save("")
-            except OSError as e:
-                # A full or failing disk must not stop training: the trained log keeps every step
-                # since the last good checkpoint, so a restart still loses nothing. Say it loudly.
-                logs.event(self.host.log, "checkpoint_failed", logging.ERROR, step=self.trainer.step, error=str(e))
+            self.save_periodic()
 
     def drop_stale(self) -> None:
         """Acknowledge and count groups sampled more than max_staleness versions ago, and groups
@@ -172,23 +175,18 @@ class TrainerLoop:
         trainer.groups_stale += len(stale)
         trainer.metrics.groups.labels(outcome="stale").inc(len(stale))
 
-    def train_and_commit(self, taken: Held) -> None:
+    def train_and_commit(self, taken: Held) -> bool:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in
-        one script. From the step on, Redis trouble is waited out (host.redis.call, commit's
-        own retries), never raised: the update exists, so its groups must be acknowledged."""
+        one script; True once committed, False when the step was refused (refuse_step).
+        From the step on, Redis trouble is waited out (host.redis.call, commit's own
+        retries), never raised: the update exists, so its groups must be acknowledged."""
         trainer, host, keys = self.trainer, self.host, self.keys
         groups = [g for _, g in taken]
         try:
             metrics, published, stats = trainer.train_step(groups)
         except NonFiniteStep as e:
-            # Nothing applied, nothing published; the groups cannot be trained, so they go to the
-            # dead letters with the reason (validation let them in: their values were finite).
-            reason = f"step {trainer.step + 1} refused: {e}; nothing applied or published"
-            for entry, _ in taken:
-                self.stage.dead_letter(entry, reason)
-            host.redis.call(lambda: self.client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
-            logs.event(host.log, "step_refused", logging.ERROR, reason=str(e), groups=len(groups))
-            return
+            self.refuse_step(taken, e)
+            return False
         push_start = time.perf_counter()
         outcomes = trainer.publisher.push(self.push_targets(), published, trainer.settings.push_timeout_s)
         push_s = time.perf_counter() - push_start
@@ -234,6 +232,28 @@ class TrainerLoop:
             pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
             zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
+        return True
+
+    def refuse_step(self, taken: Held, error: NonFiniteStep) -> None:
+        """A step refused for a non-finite loss or gradient norm (nothing applied or
+        published): the groups that make it non-finite on their own go to the dead letters
+        with the reason and leave the batch; the others stay in it, pending on us, for the
+        next step. Values inside validation's bounds can still overflow together (a ratio
+        of 1e37 times an advantage); when no group does it alone, the step's groups all go."""
+        trainer, host, keys = self.trainer, self.host, self.keys
+        step = trainer.step + 1
+        culprits = trainer.nonfinite_groups([g for _, g in taken])
+        if culprits:
+            refused = {taken[k][0].id: f"step {step} refused: on its own this group's {why}; nothing applied or published" for k, why in culprits.items()}
+        else:
+            refused = {e.id: f"step {step} refused: {error}, and no group of it alone: all {len(taken)} refused; nothing applied or published" for e, _ in taken}
+        for entry, _ in taken:
+            if entry.id in refused:
+                self.stage.dead_letter(entry, refused[entry.id])
+        self.batch[:] = [(e, g) for e, g in self.batch if e.id not in refused]
+        host.redis.call(lambda: self.client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
+        logs.event(host.log, "step_refused", logging.ERROR, reason=str(error), groups=len(taken), refused=len(refused),
+                   refused_groups=logs.group_ids(g for e, g in taken if e.id in refused))
 
     def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float]) -> None:
         """Append the committed step's line to metrics_file (core/steplog.py). A disk that
@@ -247,23 +267,51 @@ class TrainerLoop:
             logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, step=metrics.step, error=str(e))
 
     def save(self, path: str) -> tuple[Path, int]:
-        """A checkpoint between steps. `path`: empty (checkpoint_dir/step-N), or one
-        SaveCheckpoint asked for, already confined to checkpoint_dir."""
+        """A checkpoint between steps. `path` empty: the trainer's own, checkpoint_dir/step-N,
+        what a restart resumes from: the folder is pruned to keep_checkpoints and the trained
+        log trimmed to what a resume may still replay. Else one SaveCheckpoint asked for,
+        already confined to checkpoint_dir and outside the trainer's names: the operator's,
+        written once, never pruned, never resumed from unless named."""
         trainer, s = self.trainer, self.trainer.settings
         if not path and not s.checkpoint_dir:
             raise ValueError("no checkpoint path given and no checkpoint_dir configured")
-        target = Path(path) if path else Path(s.checkpoint_dir) / checkpoint.step_dir_name(trainer.step)
-        # A step's default folder always holds this trainer's state at that step: after a
-        # resume from an earlier step it may hold the abandoned lineage's. Explicit paths
-        # are never overwritten.
-        saved = trainer.save_checkpoint(target, prompts_fed=self.feeder.fed, consumer=self.stage.consumer, replace=not path)
-        if not path:
-            # `latest` now holds every logged step: the log starts over. Not after an explicit
-            # path: `latest` does not see it, so the steps since the last step folder must
-            # stay replayable.
-            self.host.redis.call(lambda: self.client.delete(self.keys.trained_log), "clearing the trained log")
-            checkpoint.prune(Path(s.checkpoint_dir), s.keep_checkpoints)
+        log_end = self.host.redis.call(self.trained_log_end, "reading the trained log's end")
+        if path:
+            saved = trainer.save_checkpoint(Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end)
+            return saved, trainer.version
+        root, keep = Path(s.checkpoint_dir), s.keep_checkpoints
+        saved, removed = checkpoint.save_own(
+            root, trainer.step, keep,
+            lambda target: trainer.save_checkpoint(target, prompts_fed=self.feeder.fed, consumer=self.stage.consumer, replace=True, trained_log_id=log_end),
+        )
+        found = checkpoint.scan(root)
+        oldest = checkpoint.fallback(found, keep)
+        if oldest is not None and oldest.state.trained_log_id:
+            # The steps logged up to the oldest checkpoint a resume may need are in its weights.
+            ms, seq = streams.id_tuple(oldest.state.trained_log_id)
+            self.host.redis.call(
+                lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False), "trimming the trained log"
+            )
+        logs.event(
+            self.host.log, "checkpoints_kept", step=trainer.step, dir=str(root), kept=",".join(f.path.name for f in found.usable),
+            removed=",".join(p.name for p in removed), dir_mb=round(checkpoint.disk_bytes(root) / 1e6, 1), keep=keep,
+        )
+        for skipped, why in found.unusable:
+            logs.event(self.host.log, "checkpoint_unusable", logging.ERROR, path=str(skipped), reason=why)
         return saved, trainer.version
+
+    def save_periodic(self) -> None:
+        """The trainer's own checkpoint now. A full or failing disk must not stop training:
+        the trained log keeps every step since the last good checkpoint, so a restart still
+        loses nothing. Said loudly."""
+        try:
+            self.save("")
+        except OSError as e:
+            logs.event(self.host.log, "checkpoint_failed", logging.ERROR, step=self.trainer.step, error=str(e))
+
+    def trained_log_end(self) -> str:
+        last = self.client.xrevrange(self.keys.trained_log, count=1)
+        return last[0][0].decode() if last else ""
 
     def push_anchor(self) -> None:
         """After a resume, every generator gets the restored version as an anchor: whatever it

@@ -16,7 +16,9 @@
   5. metrics        the micro-batches' sums, per token
 
 A non-finite loss or gradient norm applies nothing: the gradients are dropped and
-NonFiniteStep is raised. Nothing here talks to Redis, gRPC or Prometheus, and nothing is
+NonFiniteStep is raised. `nonfinite_groups` then finds which groups did it (each group's
+loss and gradient alone, nothing applied), so the caller refuses those and trains the rest.
+Nothing here talks to Redis, gRPC or Prometheus, and nothing is
 published: the trainer service publishes the bits, records the metrics and acknowledges
 the groups. Benchmarks and tests call this very function, so what they measure and check
 is what the trainer does.
@@ -114,51 +116,46 @@ def base_logprobs(model: torch.nn.Module, adapters_off: AdaptersOff, batch: mode
     return logp.float()
 
 
-def train_step(
-    model: torch.nn.Module,
-    optimizer: HostAdamW,
-    groups: Sequence[rollout_pb2.RolloutGroup],
-    cfg: StepConfig,
-    *,
-    pad_id: int,
-    adapters_off: AdaptersOff | None = None,
-    on_tensor: OnTensor | None = None,
-) -> StepResult:
-    """One update of `model` (through `optimizer`, which holds its trained parameters) on
-    validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
-    given `adapters_off` (LoRA, kl_reference = lora_base), the model's base under it.
-    `on_tensor(name, bits)` gets each trained parameter's new bf16 bits during the optimizer
-    step (HostAdamW.step); it is not called when nothing is applied.
-    Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
-    if not groups:
-        raise ValueError("a step needs at least one group")
-    loss_cfg = cfg.loss
-    ref_from_groups = loss_cfg.beta > 0 and adapters_off is None
+@dataclass
+class _Sums:
+    """What the micro-batches add up: the loss and the metrics' sums."""
 
-    # 1. Advantages, group by group.
+    loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipped: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+def _rows(groups: Sequence[rollout_pb2.RolloutGroup], loss_cfg: grpo.LossConfig, ref_from_groups: bool) -> tuple[list[_Row], list[int]]:
+    """The completions to train on, and for each the index of its group in `groups`: the
+    group's advantages (dapo drops the groups whose rewards are all equal)."""
     rows: list[_Row] = []
-    rewards: list[float] = []
-    zero_variance = 0
-    for g in groups:
+    owner: list[int] = []
+    for k, g in enumerate(groups):
         r = [c.reward for c in g.completions]
-        rewards.extend(r)
-        if max(r) == min(r):
-            zero_variance += 1  # all its advantages are 0: no policy signal (dapo drops it)
         if not grpo.keeps_group(loss_cfg.kind, r):
             continue
         for c, a in zip(g.completions, grpo.advantages(loss_cfg.kind, r)):
             ref = list(c.ref_logprobs) if ref_from_groups else []
             rows.append(_Row(list(g.prompt_ids), list(c.token_ids), a, list(c.behaviour_logprobs), ref))
+            owner.append(k)
+    return rows, owner
 
-    # 2. The loss denominator of the whole step.
-    denom = grpo.normaliser(loss_cfg, [len(row.completion) for row in rows])
 
-    # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
+def _accumulate(
+    model: torch.nn.Module, optimizer: HostAdamW, rows: Sequence[_Row], denom: float, cfg: StepConfig, pad_id: int,
+    adapters_off: AdaptersOff | None, logprobs: list[torch.Tensor] | None = None,
+) -> _Sums:
+    """Forward, loss and backward of `rows` in token-budget micro-batches: the gradients
+    accumulate in the parameters. A non-finite micro-batch loss drops every gradient and
+    raises NonFiniteStep. `logprobs`, when given, gets each row's detached log pi."""
+    loss_cfg = cfg.loss
+    sums = _Sums()
     lengths = [len(row.prompt) + len(row.completion) for row in rows]
-    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # every row is in one micro-batch
-    loss_sum = kl_sum = entropy_sum = 0.0
-    clipped = truncated = tokens = 0
-    forward_s = backward_s = 0.0
     for micro in modeling.pack_by_tokens(lengths, cfg.token_budget):
         start = time.perf_counter()
         batch = modeling.make_batch([(rows[i].prompt, rows[i].completion) for i in micro], pad_id, cfg.device)
@@ -182,18 +179,56 @@ def train_step(
             # they would leak into the next step.
             optimizer.discard_grads()
             raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
-        forward_s += time.perf_counter() - start
+        sums.forward_s += time.perf_counter() - start
         start = time.perf_counter()
         parts.loss.backward()
-        backward_s += time.perf_counter() - start
-        for i, values in zip(micro, logp.detach().split(batch.lengths)):
-            logprobs[i] = values
-        loss_sum += loss
-        kl_sum += parts.kl_sum
-        entropy_sum += parts.entropy_sum
-        clipped += parts.clipped_tokens
-        truncated += parts.truncated_tokens
-        tokens += parts.tokens
+        sums.backward_s += time.perf_counter() - start
+        if logprobs is not None:
+            for i, values in zip(micro, logp.detach().split(batch.lengths)):
+                logprobs[i] = values
+        sums.loss += loss
+        sums.kl += parts.kl_sum
+        sums.entropy += parts.entropy_sum
+        sums.clipped += parts.clipped_tokens
+        sums.truncated += parts.truncated_tokens
+        sums.tokens += parts.tokens
+    return sums
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: HostAdamW,
+    groups: Sequence[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    *,
+    pad_id: int,
+    adapters_off: AdaptersOff | None = None,
+    on_tensor: OnTensor | None = None,
+) -> StepResult:
+    """One update of `model` (through `optimizer`, which holds its trained parameters) on
+    validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
+    given `adapters_off` (LoRA, kl_reference = lora_base), the model's base under it.
+    `on_tensor(name, bits)` gets each trained parameter's new bf16 bits during the optimizer
+    step (HostAdamW.step); it is not called when nothing is applied.
+    Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
+    if not groups:
+        raise ValueError("a step needs at least one group")
+    loss_cfg = cfg.loss
+    ref_from_groups = loss_cfg.beta > 0 and adapters_off is None
+
+    # 1. Advantages, group by group.
+    rows, _ = _rows(groups, loss_cfg, ref_from_groups)
+    rewards = [c.reward for g in groups for c in g.completions]
+    # All its advantages are 0: no policy signal (dapo drops it).
+    zero_variance = sum(1 for g in groups if len({c.reward for c in g.completions}) == 1)
+
+    # 2. The loss denominator of the whole step.
+    denom = grpo.normaliser(loss_cfg, [len(row.completion) for row in rows])
+
+    # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
+    lengths = [len(row.prompt) + len(row.completion) for row in rows]
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # every row is in one micro-batch
+    sums = _accumulate(model, optimizer, rows, denom, cfg, pad_id, adapters_off, logprobs)
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
@@ -203,24 +238,57 @@ def train_step(
     # 5. Metrics.
     mean = sum(rewards) / len(rewards)
     std = (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
-    per_token = max(tokens, 1)
+    per_token = max(sums.tokens, 1)
     return StepResult(
         groups=len(groups),
         completions=len(rewards),
         zero_variance_groups=zero_variance,
         reward_mean=mean,
         reward_std=std,
-        loss=loss_sum,
-        kl=kl_sum / per_token,
-        clip_fraction=clipped / per_token,
-        entropy=entropy_sum / per_token,
-        truncated_fraction=truncated / per_token,
-        tokens=tokens,
+        loss=sums.loss,
+        kl=sums.kl / per_token,
+        clip_fraction=sums.clipped / per_token,
+        entropy=sums.entropy / per_token,
+        truncated_fraction=sums.truncated / per_token,
+        tokens=sums.tokens,
         train_tokens=sum(lengths),
         grad_norm=grad_norm,
         trained_bits=trained_bits,
         logprobs=logprobs,
-        forward_s=forward_s,
-        backward_s=backward_s,
+        forward_s=sums.forward_s,
+        backward_s=sums.backward_s,
         optimizer_s=optimizer_s,
     )
+
+
+def nonfinite_groups(
+    model: torch.nn.Module,
+    optimizer: HostAdamW,
+    groups: Sequence[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    *,
+    pad_id: int,
+    adapters_off: AdaptersOff | None = None,
+) -> dict[int, str]:
+    """After a refused step: which of its groups make the loss or the gradient norm
+    non-finite on their own, index in `groups` -> why. Each group's completions run alone
+    (forward, loss over the whole step's denominator, backward), their gradient norm is
+    read and the gradients dropped: nothing is applied. Empty when none does alone (only
+    together: the caller decides). One extra forward and backward of the step, paid only
+    when a step was refused."""
+    loss_cfg = cfg.loss
+    rows, owner = _rows(groups, loss_cfg, loss_cfg.beta > 0 and adapters_off is None)
+    denom = grpo.normaliser(loss_cfg, [len(row.completion) for row in rows])
+    found: dict[int, str] = {}
+    for k in sorted(set(owner)):
+        mine = [row for row, o in zip(rows, owner) if o == k]
+        try:
+            _accumulate(model, optimizer, mine, denom, cfg, pad_id, adapters_off)
+        except NonFiniteStep as e:
+            found[k] = str(e)
+            continue
+        norm = optimizer.grad_norm()
+        optimizer.discard_grads()
+        if not math.isfinite(norm):
+            found[k] = f"gradient norm is {norm}"
+    return found

@@ -5,6 +5,7 @@ FetchWeights, SaveCheckpoint). The loop that feeds it lives in service.py."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, cpu_runtime, deltas, logs, modeling, streams, validation
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.models import resolve_model, vocab_size
+from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, lora
 from rollstream.trainer.checkpoint import CheckpointRequests
@@ -25,7 +26,7 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import Published, WeightPublisher
-from rollstream.trainer.step import StepConfig, train_step
+from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 
@@ -108,9 +109,14 @@ class Trainer:
         torch.manual_seed(s.seed)
         self.model_dir = str(resolve_model(s.model))
         # What a ready group may hold: ids inside the vocabulary, completions no longer than
-        # the tasks this trainer feeds ask for (dr_grpo normalises by that length), bounded
-        # rewards (rollstream.core.validation).
-        self.limits = validation.Limits(vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward)
+        # the tasks this trainer feeds ask for (dr_grpo normalises by that length), prompt +
+        # completion inside the model's context (a longer one cannot be run: checked here, at
+        # intake, not found by a failed allocation minutes into a step), exactly the run's
+        # group size, bounded rewards (rollstream.core.validation).
+        self.limits = validation.Limits(
+            vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward,
+            max_context_tokens=context_length(self.model_dir), group_size=s.group_size, max_group_size=s.group_size,
+        )
         self.need_ref = s.beta > 0 and s.kl_reference == "service"
         self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
         if s.activation_checkpointing:
@@ -140,6 +146,10 @@ class Trainer:
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
+        if s.resume in ("auto", "latest"):
+            # Skipped, never deleted: a torn copy, or a newer trainer's.
+            for skipped, why in checkpoint.scan(Path(s.checkpoint_dir)).unusable:
+                logs.event(self.log, "checkpoint_unusable", logging.ERROR, path=str(skipped), reason=why, resuming_from=str(path))
         if path is not None:
             self.restored = self._restore(path)
             version = self.restored.version
@@ -165,7 +175,7 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", replace: bool = False) -> Path:
+    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", replace: bool = False, trained_log_id: str = "") -> Path:
         """Write everything a resume needs (call between steps)."""
         s = self.settings
         state = checkpoint.CheckpointState(
@@ -182,11 +192,12 @@ class Trainer:
             base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
             lora=self.lora.spec.as_dict() if self.lora is not None else None,
             moments_dtype=s.moments_dtype,
+            trained_log_id=trained_log_id,
             # The Redis URL may carry a password: it stays out of the file.
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
         )
         saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
-        logs.event(self.log, "checkpoint_saved", path=str(saved), step=self.step, version=self.version)
+        logs.event(self.log, "checkpoint_saved", path=str(saved), step=self.step, version=self.version, mb=round(checkpoint.disk_bytes(saved) / 1e6, 1))
         return saved
 
     def _restore(self, path: Path) -> checkpoint.CheckpointState:
@@ -216,6 +227,12 @@ class Trainer:
         group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
         validation.check_group(group, self.limits, stage="ready", need_ref=self.need_ref)
         return group
+
+    def nonfinite_groups(self, groups: list[rollout_pb2.RolloutGroup]) -> dict[int, str]:
+        """After a refused step: the groups that make it non-finite alone, index -> why
+        (step.nonfinite_groups; nothing applied)."""
+        adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
+        return nonfinite_groups(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off)
 
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
         """One GRPO step (step.py), published as the next version. Raises NonFiniteStep
@@ -288,13 +305,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
         """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;
-        any other path must lie inside checkpoint_dir, and a relative one is taken there)."""
+        any other path must lie inside checkpoint_dir, a relative one is taken there, and it
+        may not be one of the trainer's own names: checkpoint.confine)."""
         target = ""
         if request.path:
             try:
                 target = str(checkpoint.confine(request.path, self.trainer.settings.checkpoint_dir))
             except checkpoint.CheckpointPathRefused as e:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            except checkpoint.CheckpointNameRefused as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except checkpoint.CheckpointError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
