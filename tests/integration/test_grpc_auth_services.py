@@ -172,14 +172,19 @@ def push(address: str, creds: ClientCredentials | None, chunks, server_name: str
         return generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(chunks), timeout=60)
 
 
-def push_as_trainer(pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader) -> weights_pb2.PushResult:
+def signed_push(address: str, trainer_token: str, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader,
+                tls: ClientCredentials | None = None, server_name: str = "") -> weights_pb2.PushResult:  # fmt: skip
     """What the trainer's publisher does: a nonce from the generator, signed with `header`
-    under the trainer's push key, and no token."""
-    with channel(pair.generator.grpc_address) as ch:
+    under the trainer's push key, and no token (`tls`: TLS material only)."""
+    with channel(address, tls, server_name) as ch:
         stub = generator_pb2_grpc.GeneratorStub(ch)
         nonce = stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=30).nonce
-        metadata = push_signing.PushSigner(pair.secrets.tokens["trainer"]).metadata(nonce, header)
+        metadata = push_signing.PushSigner(trainer_token).metadata(nonce, header)
         return stub.PushWeights(iter(chunks), timeout=60, metadata=metadata)
+
+
+def push_as_trainer(pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader) -> weights_pb2.PushResult:
+    return signed_push(pair.generator.grpc_address, pair.secrets.tokens["trainer"], chunks, header)
 
 
 def test_poisoned_anchor_from_anyone_but_the_trainer_is_refused(pair: Pair, tiny_model_dir: Path) -> None:
@@ -358,8 +363,9 @@ def test_mtls_refuses_clients_without_the_ca_or_a_certificate(redis_url: str, ru
 
         # Service to service over mTLS: the trainer's identity pushes an anchor the trainer never
         # published; the generator catches up from the trainer with its own certificate and token.
-        as_trainer = ClientCredentials(token=secrets.tokens["trainer"], tls=True, ca_pem=pem["ca"], cert_pem=pem["trainer"], key_pem=key["trainer"])
-        assert push(generator.grpc_address, as_trainer, poisoned_anchor(version0_bits(tiny_model_dir), version=7), server_name="generator").applied
+        trainer_tls = ClientCredentials(tls=True, ca_pem=pem["ca"], cert_pem=pem["trainer"], key_pem=key["trainer"])
+        anchor = poisoned_anchor(version0_bits(tiny_model_dir), version=7)
+        assert signed_push(generator.grpc_address, secrets.tokens["trainer"], anchor, anchor[0].header, trainer_tls, "generator").applied
 
         def generator_sha() -> str:
             with channel(generator.grpc_address, ClientCredentials(token=admin, **mtls), "generator") as ch:
