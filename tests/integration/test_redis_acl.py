@@ -276,7 +276,9 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -
     assert client.hget(keys.stats, "step") == b"1"
     client.hincrby(keys.stats, "steps_lost_on_resume", 0)
     assert client.sismember(keys.groups("trained"), "g-1") and not client.sismember(keys.groups("stale"), "g-9")
-    client.delete(keys.trained_log)  # after a checkpoint
+    # A checkpoint: the log's end recorded, then the log trimmed up to a kept checkpoint's end.
+    end = client.xrevrange(keys.trained_log, count=1)[0][0]
+    assert client.xtrim(keys.trained_log, minid=end, approximate=False) == 1
     # The generator registry: the live ones, and dead ones forgotten.
     registry.heartbeat(generator, keys, "gen-live", "127.0.0.1:5001")
     assert GeneratorDirectory([]).addresses(client, keys) == ["127.0.0.1:5001"]

@@ -88,11 +88,12 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # ready -> the step's ledger (groups sets, stats, version, metrics, trained_log); feeds
     # prompts (XADD + SET fed in the commit script, after waiting + trimming them); reads its
-    # position (GET fed), the trained log (XRANGE, DEL after a checkpoint), the run's step
-    # (HGET), duplicates (SISMEMBER); reads and prunes the generator registry.
+    # position (GET fed), the trained log (XRANGE; XREVRANGE for its end, XTRIM after a
+    # checkpoint), the run's step (HGET), duplicates (SISMEMBER); reads and prunes the
+    # generator registry.
     "trainer": (
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
-         "time", "zrangebyscore", "hgetall", "hdel", "zrem"),
+         "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem"),
         ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
          "generators", "generators:seen", "generators:versions"),
     ),

@@ -13,9 +13,16 @@ global generators are not stored because the trainer never draws from them (the 
 sources own seeded generators; their position is `prompts_fed`).
 
 Atomic: everything is written into a hidden sibling folder, fsynced, and renamed into place,
-so a crash never leaves a partial checkpoint under a checkpoint's name, and `latest()` only
-ever sees complete ones. No pickle: tensors are safetensors, the rest JSON (state.json is a
-pydantic model, CheckpointState, validated field by field on load).
+so a crash never leaves a partial checkpoint under a checkpoint's name. No pickle: tensors
+are safetensors, the rest JSON (state.json is a pydantic model, CheckpointState, validated
+field by field on load).
+
+Whose is what (docs/reliability.md, "Checkpoints"): the `step-NNNNNNNN` folders at the top of
+checkpoint_dir are the trainer's own, and only those are resumed from (`latest`) and pruned
+(`prune`); SaveCheckpoint may not use those names (`confine`), so an operator's checkpoint
+can neither shadow nor prune them. They are ranked by the step their state.json records,
+never by the number in the name, and only once verified (`verify`: state.json valid, each
+tensor file as long as its header says), so a torn one is skipped, never resumed from.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,6 +72,10 @@ class CheckpointPathRefused(CheckpointError):
     """A checkpoint path asked for over gRPC that leads outside checkpoint_dir."""
 
 
+class CheckpointNameRefused(CheckpointError):
+    """A checkpoint path asked for over gRPC under one of the trainer's own names."""
+
+
 class CheckpointState(BaseModel):
     """Everything in state.json: the non-tensor state of a trainer. Typed and validated when
     a file is read (`from_json`): a corrupt, foreign or too new file is a CheckpointError
@@ -86,6 +98,9 @@ class CheckpointState(BaseModel):
     base_weights_sha256: str = ""  # LoRA: the frozen base the adapters belong to
     lora: dict[str, Any] | None = None  # {rank, alpha, target_modules} or None
     moments_dtype: str = "float32"
+    # The trained log's last entry when this was written: the entries up to it are in these
+    # weights, so once this is the oldest checkpoint a resume may fall back to, they go.
+    trained_log_id: str = ""
     settings: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -260,56 +275,167 @@ def rng_tensors(path: Path) -> SafetensorsReader:
     return SafetensorsReader(Path(path) / RNG_FILE)
 
 
-def latest(checkpoint_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step in `checkpoint_dir`, if any."""
+def verify(path: Path) -> CheckpointState:
+    """The state of a whole checkpoint, or a CheckpointError saying what is missing: state.json
+    must be valid and each tensor file exactly as long as its header says. What this catches is
+    a torn folder (a copy cut short, a file lost); a bit flipped inside the tensor data it does
+    not (that would mean reading the whole optimizer state)."""
+    path = Path(path)
+    state = load_state(path)
+    for name in (OPTIMIZER_FILE, RNG_FILE):
+        _check_length(path / name)
+    return state
+
+
+def _check_length(path: Path) -> None:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise CheckpointError(f"{path}: {size} bytes, too short for its safetensors header")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if size != 8 + n + end:
+        raise CheckpointError(f"{path}: {size} bytes, its header says {8 + n + end}: torn")
+
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header
+
+
+@dataclass(frozen=True)
+class Found:
+    """A verified trainer checkpoint and what it records."""
+
+    path: Path
+    state: CheckpointState
+
+
+@dataclass
+class Scan:
+    """The trainer's own checkpoints in checkpoint_dir: `usable` (verified), oldest first by
+    recorded step; `unusable`, each with why (torn, or written by another trainer version)."""
+
+    usable: list[Found] = field(default_factory=list)
+    unusable: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def latest(self) -> Found | None:
+        return self.usable[-1] if self.usable else None
+
+
+def scan(checkpoint_dir: Path) -> Scan:
+    """Verify every `step-N` folder at the top of `checkpoint_dir` and rank the whole ones by
+    the step they record (the name's number is only a label: a rank taken from a name would
+    let one wrong name outrank every real checkpoint)."""
+    found = Scan()
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        return None
-    found = []
-    for child in checkpoint_dir.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / STATE_FILE).is_file():
-            found.append((int(m.group(1)), child))
-    return max(found)[1] if found else None
+        return found
+    for child in sorted(checkpoint_dir.iterdir()):
+        if not _STEP_DIR.match(child.name) or not child.is_dir():
+            continue
+        try:
+            found.usable.append(Found(child, verify(child)))
+        except CheckpointError as e:
+            found.unusable.append((child, str(e)))
+    found.usable.sort(key=lambda f: (f.state.step, f.path.name))
+    return found
+
+
+def latest(checkpoint_dir: Path) -> Path | None:
+    """The verified trainer checkpoint with the highest recorded step in `checkpoint_dir`, if any."""
+    newest = scan(checkpoint_dir).latest
+    return newest.path if newest is not None else None
 
 
 def prune(checkpoint_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest step checkpoints in `checkpoint_dir` (0: keep all).
-    A resume needs only the latest; the trained log covers the steps after it."""
-    if keep <= 0 or not Path(checkpoint_dir).is_dir():
+    """Delete all but the `keep` verified trainer checkpoints with the highest recorded steps
+    (0: keep all), and the hidden folders of saves killed half-way. Never anything else: not
+    an operator's checkpoint (another name), not a folder that does not verify (it may be a
+    newer trainer's; `scan` reports it, the trainer logs it)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
         return []
-    steps = sorted(
-        (int(m.group(1)), child) for child in Path(checkpoint_dir).iterdir() if (m := _STEP_DIR.match(child.name)) and (child / STATE_FILE).is_file()
-    )
-    gone = [path for _, path in steps[:-keep]]
+    gone = [f.path for f in scan(checkpoint_dir).usable[:-keep]] if keep > 0 else []
     # Half-written folders of a process killed mid-save (this process's own are in use).
-    gone += [p for p in Path(checkpoint_dir).glob(".step-*") if not p.name.endswith(f"-{os.getpid()}")]
+    gone += [p for p in checkpoint_dir.glob(".step-*") if not p.name.endswith(f"-{os.getpid()}")]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
 
 
+def save_own(checkpoint_dir: Path, step: int, keep: int, write: Callable[[Path], Path]) -> tuple[Path, list[Path]]:
+    """The trainer's own checkpoint at `step`, written by `write(folder)` (which must replace a
+    folder already there: after a resume from an earlier step it holds the abandoned
+    lineage's state). With keep >= 2 room is made first, so that the disk never holds more
+    than `keep` while the new one is written (the latest stays until the new one is whole);
+    then all but `keep` go. Returns the folder and what was removed."""
+    target = Path(checkpoint_dir) / step_dir_name(step)
+    removed = prune(checkpoint_dir, keep - 1) if keep >= 2 and not target.exists() else []
+    saved = write(target)
+    return saved, removed + prune(checkpoint_dir, keep)
+
+
+def fallback(found: Scan, keep: int) -> Found | None:
+    """The oldest checkpoint a resume may still need: the latest, or with a spare kept
+    (keep != 1) the one before it, which a torn latest falls back to. The trained log must
+    reach back to it; what is older is in its weights."""
+    if len(found.usable) >= 2 and keep != 1:
+        return found.usable[-2]
+    return found.latest
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (symbolic links not followed)."""
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in _walk(Path(path)))
+
+
+def _walk(path: Path) -> Iterator[os.DirEntry[str]]:
+    if not path.is_dir():
+        return
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _walk(Path(entry.path))
+            else:
+                yield entry
+
+
 def resolve(spec: str, checkpoint_dir: str) -> Path | None:
-    """`--resume` value -> checkpoint folder: a path, or 'latest' in checkpoint_dir; 'auto' is
-    'latest' when there is one, else None (start from the model)."""
-    if spec == "auto":
-        return latest(Path(checkpoint_dir)) if checkpoint_dir else None
-    if spec == "latest":
-        found = latest(Path(checkpoint_dir))
-        if found is None:
+    """`--resume` value -> checkpoint folder: a path (verified), or 'latest' in checkpoint_dir;
+    'auto' is 'latest' when there is one, else None (start from the model). 'latest' and
+    'auto' refuse a folder holding trainer checkpoints none of which verifies: starting over
+    would quietly drop the run."""
+    if spec in ("auto", "latest"):
+        found = scan(Path(checkpoint_dir)) if checkpoint_dir else Scan()
+        if found.latest is not None:
+            return found.latest.path
+        if found.unusable:
+            why = "; ".join(reason for _, reason in found.unusable)
+            raise CheckpointError(f"resume = {spec!r}: no checkpoint in {checkpoint_dir} is whole ({why}); move them away to start over")
+        if spec == "latest":
             raise CheckpointError(f"resume = 'latest' but {checkpoint_dir} holds no checkpoint")
-        return found
+        return None
     path = Path(spec)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a checkpoint (no {STATE_FILE})")
+    verify(path)
     return path
 
 
 def confine(path: str, checkpoint_dir: str) -> Path:
     """Where SaveCheckpoint may write `path`: inside checkpoint_dir, nowhere else (a caller
-    must not make the trainer write where it pleases). A relative path is taken inside
-    checkpoint_dir; any path is resolved (symlinks, `..`) before it is checked, and the
-    resolved one is returned, so what is checked is what is written."""
+    must not make the trainer write where it pleases), and not under the trainer's own names
+    (a top-level `step-*` folder or a hidden one: those are what resume and pruning act on).
+    A relative path is taken inside checkpoint_dir; any path is resolved (symlinks, `..`)
+    before it is checked, and the resolved one is returned, so what is checked is what is
+    written."""
     if not checkpoint_dir:
         raise CheckpointError("no checkpoint_dir configured: SaveCheckpoint writes only inside it")
     root = Path(checkpoint_dir).resolve()
@@ -317,6 +443,13 @@ def confine(path: str, checkpoint_dir: str) -> Path:
     target = (given if given.is_absolute() else root / given).resolve()
     if target == root or not target.is_relative_to(root):
         raise CheckpointPathRefused(f"checkpoint path {path!r} resolves to {target}, outside the checkpoint folder {root}")
+    top = target.relative_to(root).parts[0]
+    # casefold: on a case-insensitive file system STEP-00000007 is the trainer's step-00000007.
+    if top.casefold().startswith(("step-", ".")):
+        raise CheckpointNameRefused(
+            f"checkpoint path {path!r}: {top!r} at the top of the checkpoint folder is a name of the trainer's own checkpoints "
+            f"(step-* and hidden folders: resumed from and pruned); choose another, e.g. 'saved/{top.lstrip('.')}'"
+        )
     return target
 
 

@@ -70,9 +70,18 @@ class TrainerSettings(TorchSettings):
     # default, not a factory: pydantic copies it per instance, and --help can show it.
     lora_target_modules: Annotated[list[str], NoDecode] = Field(["all-linear"], description="module names, comma-separated, or all-linear")
     # Checkpoints
-    checkpoint_dir: str = Field("", description="where checkpoints go (step-NNNNNNNN folders)")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only on request)")
-    keep_checkpoints: int = Field(2, ge=0, description="step checkpoints kept in checkpoint_dir, newest first (0: all)")
+    checkpoint_dir: str = Field(
+        "", description="where checkpoints go: the trainer's own as step-NNNNNNNN folders (resumed from, pruned), "
+        "SaveCheckpoint's under any other name (kept)",
+    )
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps, and at the last step (0: only on request and at the last step)")
+    # A resume needs the latest checkpoint and the trained log after it; the spare is what a
+    # torn latest falls back to, losing nothing (the log reaches back to it). Each one is the
+    # optimizer state: 12 bytes a trained parameter (8 with bfloat16 moments).
+    keep_checkpoints: int = Field(
+        2, ge=0, description="the trainer's checkpoints kept, highest recorded step first: 2 = the latest + a spare in case it is torn, "
+        "1 = the latest only, 0 = all",
+    )
     resume: str = Field("", description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)")
     # Observability
     metrics_file: str = Field(
