@@ -41,13 +41,14 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         prescored.completions[0].reward = 0.7
         prescored.completions[0].reward_components.add(name="custom", value=0.7, weight=1.0, status="ok")
         write(rclient, keys, "rollouts", prescored)
-        write(rclient, keys, "rollouts", rollout_group("chess", ["e4"], answer="e4", task_kind="chess"))
+        # A kind no recipe knows: refused, not scored 0 and trained on (issue 27).
+        bad_ids["unknown kind"] = write(rclient, keys, "rollouts", rollout_group("chess", ["e4"], answer="e4", task_kind="chess"))
         write(rclient, keys, "rollouts", rollout_group("badref", ["8"], answer="eight"))
 
-        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 5, 15, "5 groups scored", [svc])
-        wait_for(lambda: rclient.xlen(keys.dead) == 5, 15, "5 dead letters", [svc])
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 4, 15, "4 groups scored", [svc])
+        wait_for(lambda: rclient.xlen(keys.dead) == 6, 15, "6 dead letters", [svc])
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
-        assert list(out) == ["g1", "g2", "pre", "chess", "badref"]  # input order, bad ones left out
+        assert list(out) == ["g1", "g2", "pre", "badref"]  # input order, bad ones left out
 
         g1 = out["g1"]
         assert g1.scored and not g1.has_ref_logprobs
@@ -69,9 +70,6 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
 
         assert [c.reward for c in out["g2"].completions] == pytest.approx([1.1, 0.1])
         assert out["pre"] == prescored  # passed through unchanged
-        (chess_component,) = out["chess"].completions[0].reward_components
-        assert out["chess"].completions[0].reward == 0.0
-        assert chess_component.status.startswith("unknown task_kind 'chess'")
         badref_answer, badref_format = out["badref"].completions[0].reward_components
         assert badref_answer.status.startswith("error: ValueError: reference answer 'eight' is not a number")
         assert badref_format.status == "ok"
@@ -88,6 +86,7 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert "missing field(s) type, schema" in reasons["missing fields"]
         assert "schema 99 is not supported" in reasons["future schema"]
         assert "has no completions" in reasons["no completions"]
+        assert reasons["unknown kind"] == "task_kind 'chess' has no verifier in this reward service (known: arithmetic, code, countdown, exact, math)"
         corrupt = dead[bad_ids["corrupt data"].decode()]
         assert corrupt.original_fields["data"] == b"\xff\xff"
         assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, REWARD_GROUP)
@@ -95,23 +94,21 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert rclient.xpending(rollouts, REWARD_GROUP)["pending"] == 0
         stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
         assert stats == {
-            "scored": 4,
+            "scored": 3,
             "reward_passthrough": 1,
-            "reward_unknown_kind": 1,
             "reward_verifier_errors": 1,
-            "dead_rollouts": 5,
+            "dead_rollouts": 6,
         }
         # Every entry is acknowledged, so the periodic trim empties the input stream.
         wait_for(lambda: rclient.xlen(rollouts) == 0, 15, "rollouts trimmed", [svc])
 
         metrics = httpx.get(f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).text
         for line in (
-            'rollstream_reward_groups_total{outcome="scored"} 4.0',
+            'rollstream_reward_groups_total{outcome="scored"} 3.0',
             'rollstream_reward_groups_total{outcome="passed_through"} 1.0',
-            "rollstream_reward_completions_total 10.0",
-            "rollstream_reward_dead_lettered_total 5.0",
+            "rollstream_reward_completions_total 9.0",
+            "rollstream_reward_dead_lettered_total 6.0",
             'rollstream_reward_verifier_errors_total{component="answer"} 1.0',
-            "rollstream_reward_unknown_task_kind_total 1.0",
         ):
             assert line in metrics.splitlines(), line
         assert svc.stop() == 0  # SIGTERM: a clean exit

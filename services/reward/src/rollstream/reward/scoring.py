@@ -196,7 +196,16 @@ class Scorer:
         ScorerUnavailable when they must be held: nothing has been written then (a group
         already scored in place is simply scored again on the retry)."""
         if self.remote is None:
-            return Scored(scores=score_groups(groups, self.local), rejected={})
+            # A kind no recipe knows has no verifier: its group is refused (dead letter), not
+            # scored 0 and trained on as if every completion were wrong. A remote scorer
+            # knows its own kinds and rejects what it cannot score.
+            known = self.local.kinds
+            rejected = {
+                i: f"task_kind {g.task_kind!r} has no verifier in this reward service (known: {', '.join(known)})"
+                for i, g in groups.items() if g.task_kind not in known
+            }
+            todo = {i: g for i, g in groups.items() if i not in rejected}
+            return Scored(scores=score_groups(todo, self.local) if todo else {}, rejected=rejected)
         try:
             return Scored(scores=self._score_remotely(groups), rejected={})
         except ScorerRejected as e:
