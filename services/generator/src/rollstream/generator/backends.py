@@ -19,6 +19,8 @@ import torch
 from rollstream.core import modeling
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from rollstream.generator.config import GeneratorSettings
 
 
@@ -51,6 +53,7 @@ class WeightsUnreadable(RuntimeError):
 
 class Backend(Protocol):
     name: str
+    tokenizer: "PreTrainedTokenizerBase"  # encode_chat's; the generator bounds raw prompts by its vocabulary
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
 

@@ -26,7 +26,7 @@ from rollstream.core import codec, deltas, logs, streams, validation, weight_tra
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.models import resolve_model, vocab_size
+from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.config import GeneratorSettings
@@ -85,6 +85,18 @@ class Metrics:
         )
 
 
+def prompt_chars_limit(prompt_tokens: int, vocab: Iterable[str]) -> int:
+    """The most characters the chat messages of a prompt of `prompt_tokens` tokens can hold:
+    2 x prompt_tokens x the vocabulary's longest token. Every character of the rendered
+    prompt belongs to one of its tokens, and none holds more characters than its string in
+    the vocabulary (byte-level BPE and SentencePiece spell a token with at least one
+    character a byte: 81 at most for SmolLM2, a newline and 80 spaces); the 2 covers
+    normalisers that drop characters. A message past it cannot fit, and is refused before
+    the template and the tokenizer spend memory on it (a 20 MB message once took 7.5 GB
+    and a SIGABRT, five times over)."""
+    return 2 * prompt_tokens * max(len(token) for token in vocab)
+
+
 class Generator:
     """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
 
@@ -97,12 +109,16 @@ class Generator:
         self.generator_id = settings.generator_id or consumer_name(settings)
         model_dir = str(resolve_model(settings.model))
         self.model_name = model_dir
-        # What a task may ask for: ids inside the vocabulary, sizes under the configured caps.
+        self.backend: Backend = make_backend(settings, model_dir)
+        # What a task may ask for: ids inside the vocabulary, sizes under the configured caps,
+        # a prompt no longer than the model's context, in tokens and, before rendering and
+        # tokenizing (which cost memory in proportion), in characters.
+        context = context_length(model_dir)
+        prompt_tokens = min(settings.max_prompt_tokens, context) if context else settings.max_prompt_tokens
         self.limits = validation.Limits(
             vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
-            max_prompt_tokens=settings.max_prompt_tokens,
+            max_prompt_tokens=prompt_tokens, max_prompt_chars=prompt_chars_limit(prompt_tokens, self.backend.tokenizer.get_vocab()),
         )
-        self.backend: Backend = make_backend(settings, model_dir)
         # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
         # as version 0; round the engine's weights to it before sampling anything.
         bits = self.backend.host_bits()
