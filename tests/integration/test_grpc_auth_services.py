@@ -187,6 +187,20 @@ def push_as_trainer(pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], heade
     return signed_push(pair.generator.grpc_address, pair.secrets.tokens["trainer"], chunks, header)
 
 
+def test_push_nonce_proves_the_generator_and_its_address_to_anyone_and_signs_nothing_large(pair: Pair) -> None:
+    table = grpc_auth.load_roles(pair.secrets.roles_file)
+    assert table.generator_key is not None
+    with channel(pair.generator.grpc_address) as ch:  # open: no token
+        stub = generator_pb2_grpc.GeneratorStub(ch)
+        answer = stub.PushNonce(generator_pb2.PushNonceRequest(challenge=b"c" * 16), timeout=30)
+        assert answer.address == pair.generator.grpc_address  # what it registers
+        assert push_signing.verify_proof(table.generator_key, b"c" * 16, answer.nonce, answer.address, answer.proof)
+        assert not push_signing.verify_proof(table.generator_key, b"d" * 16, answer.nonce, answer.address, answer.proof)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushNonce(generator_pb2.PushNonceRequest(challenge=b"c" * (push_signing.MAX_CHALLENGE_BYTES + 1)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_poisoned_anchor_from_anyone_but_the_trainer_is_refused(pair: Pair, tiny_model_dir: Path) -> None:
     admin = pair.secrets.tokens["admin"]
     before = generator_state(pair.generator.grpc_address, sha=True, token=admin)

@@ -4,8 +4,9 @@ One layout, used by `rollstream up` (which generates everything under its state 
 the compose file (Docker secrets) and the k8s Secret (docs/security.md):
 
     <dir>/grpc/<role>.token      a role's gRPC token (sent in metadata; 0600)
-    <dir>/grpc/roles.json        {role: sha256(token)}, plus trainer_push_key (the public half
-                                 of the trainer's push key): what a server checks calls against
+    <dir>/grpc/roles.json        {role: sha256(token)}, plus trainer_push_key and
+                                 generator_proof_key (public keys derived from those roles'
+                                 tokens): what a server checks calls against
     <dir>/redis/<role>.password  a role's Redis ACL password (0600); also observer.password,
                                  the read-only Redis user of the generator's back-pressure
     <dir>/redis/users.acl        the ACL file the Redis server loads
@@ -88,12 +89,17 @@ def ensure_grpc_tokens(root: Path) -> dict[str, str]:
 
 
 def roles_table(tokens: dict[str, str]) -> dict[str, str]:
-    """roles.json's content: each role's token hash, and the public half of the trainer's push
-    key (derived from its token: rollstream.core.push_signing), which generators check pushes
-    against."""
+    """roles.json's content: each role's token hash, and the public halves of the keys derived
+    from the trainer's and the generators' tokens (rollstream.core.push_signing): generators
+    check pushes against the first, the trainer a generator's PushNonce proof against the
+    second."""
     from rollstream.core import push_signing
 
-    return {**{role: digest(token) for role, token in tokens.items()}, "trainer_push_key": push_signing.public_key_hex(tokens["trainer"])}
+    return {
+        **{role: digest(token) for role, token in tokens.items()},
+        "trainer_push_key": push_signing.public_key_hex(tokens["trainer"], "trainer"),
+        "generator_proof_key": push_signing.public_key_hex(tokens["generator"], "generator"),
+    }
 
 
 def ensure_tls(root: Path, namespace: str = "", extra_names: tuple[str, ...] = ()) -> None:

@@ -77,7 +77,9 @@ OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.Ser
 OPEN_METHODS = frozenset({f"/{GENERATOR}/PushNonce"})
 # Method -> the role that signs it (rollstream.core.push_signing) instead of sending a token.
 SIGNED_METHODS: Mapping[str, str] = MappingProxyType({PUSH_WEIGHTS: "trainer"})
-TRAINER_PUSH_KEY = "trainer_push_key"  # roles.json's entry for the trainer's public push key
+# roles.json's entries for public keys (rollstream.core.push_signing) -> whose key it is: the
+# trainer signs pushes, a generator proves it is one before the trainer pushes to it.
+PUBLIC_KEYS: Mapping[str, str] = MappingProxyType({"trainer_push_key": "trainer", "generator_proof_key": "generator"})
 
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "
@@ -99,11 +101,19 @@ def allowed_roles(method: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class RoleTable:
-    """role -> sha256 (hex) of its token: the callers a server accepts; and the trainer's
-    public push key (None: roles.json from before signed pushes; every push is refused)."""
+    """role -> sha256 (hex) of its token: the callers a server accepts; and role -> its public
+    key (PUBLIC_KEYS; absent in a roles.json from before signed pushes: every push refused)."""
 
     digests: Mapping[str, str]
-    push_key: Ed25519PublicKey | None = None
+    public_keys: Mapping[str, Ed25519PublicKey] = field(default_factory=dict)
+
+    @property
+    def push_key(self) -> Ed25519PublicKey | None:
+        return self.public_keys.get("trainer")
+
+    @property
+    def generator_key(self) -> Ed25519PublicKey | None:
+        return self.public_keys.get("generator")
 
     def role_of(self, token: str) -> str | None:
         """The role whose token this is, or None. Every entry is compared, with
@@ -124,13 +134,14 @@ def parse_roles(text: str, source: str) -> RoleTable:
         raise ValueError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object {{role: sha256 of its token}}, got {type(raw).__name__}")
-    push_key = None
-    if TRAINER_PUSH_KEY in raw:
-        value = raw.pop(TRAINER_PUSH_KEY)
-        try:
-            push_key = push_signing.load_public_key(value if isinstance(value, str) else "")
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+    public_keys = {}
+    for entry, role in PUBLIC_KEYS.items():
+        if entry in raw:
+            value = raw.pop(entry)
+            try:
+                public_keys[role] = push_signing.load_public_key(value if isinstance(value, str) else "", entry)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
     if not raw:
         raise ValueError(f"{source}: no roles: every call would be refused")
     for role, value in raw.items():
@@ -144,7 +155,7 @@ def parse_roles(text: str, source: str) -> RoleTable:
         if value in by_digest:
             raise ValueError(f"{source}: roles {by_digest[value]!r} and {role!r} have the same token")
         by_digest[value] = role
-    return RoleTable(digests=MappingProxyType(dict(raw)), push_key=push_key)
+    return RoleTable(digests=MappingProxyType(dict(raw)), public_keys=MappingProxyType(public_keys))
 
 
 def load_roles(path: str | Path) -> RoleTable:
@@ -199,7 +210,7 @@ def _check_signed(
         how = f"{method} takes the {signer}'s signature ({push_signing.METADATA_KEY}), not a bearer token"
         return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, how)
     if table.push_key is None:
-        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"this server's roles.json has no {TRAINER_PUSH_KEY}: run `rollstream secrets` again")
+        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, "this server's roles.json has no trainer_push_key: run `rollstream secrets` again")
     why = nonces.check(signed[0]) if nonces is not None else "this server issues no nonces"
     if why is not None:
         return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"push signature refused: {why}")

@@ -1,13 +1,19 @@
-"""Signed pushes: how a generator knows a PushWeights comes from the trainer, without the
-trainer handing a replayable token to whatever address the generator registry names.
+"""Signed pushes: how a generator knows a PushWeights comes from the trainer, and the trainer
+that an address is a generator's, without either sending a token the other could replay.
 
 The registry is written by the `generator` Redis user, so an address in it proves nothing;
 a bearer token sent there could be replayed by its receiver (docs/security.md, "Pushes are
-signed"). Instead:
+signed"). Instead, with keys derived from each role's token (role_key; the public halves are
+in roles.json):
 
-1. The generator hands out one-time nonces (Generator.PushNonce, open): its own monotonic
-   clock in ms (8 bytes) | 16 random bytes | HMAC-SHA256(process key, the first 24)[:16].
-   Stateless to issue; valid NONCE_TTL_S on the generator's own clock.
+1. The trainer asks for a one-time nonce (Generator.PushNonce, open) with a challenge of its
+   own. The nonce is the generator's monotonic clock in ms (8 bytes) | 16 random bytes |
+   HMAC-SHA256(process key, the first 24)[:16]: stateless to issue, valid NONCE_TTL_S on the
+   generator's own clock. The generator answers with it its advertised address and a proof:
+   its signature over `proof_text(challenge, nonce, address)`. The trainer pushes only to a
+   generator whose proof verifies under `generator_proof_key`, and, for an address taken from
+   the registry, whose proven address is the one it dialed (a fake registered address that
+   relays a real generator's answer gets the real address back, and nothing is pushed).
 2. The trainer signs `signed_text(nonce, header)` with an Ed25519 key derived from its token
    (HKDF-SHA256, so no new secret file; rotating the token rotates the key) and sends
    `rollstream-push-signature: <nonce b64>.<signature b64>`.
@@ -40,34 +46,60 @@ from rollstream.v1 import weights_pb2
 
 METADATA_KEY = "rollstream-push-signature"
 NONCE_TTL_S = 120.0
-_KDF_INFO = b"rollstream push signing v1"
+CHALLENGE_BYTES = 16  # what the trainer sends
+MAX_CHALLENGE_BYTES = 64  # what a generator signs at most (PushNonce is open to anyone)
 _STAMP = struct.Struct(">Q")
 _RANDOM_BYTES = 16
 _MAC_BYTES = 16
 NONCE_BYTES = _STAMP.size + _RANDOM_BYTES + _MAC_BYTES
 
 
-def signing_key(trainer_token: str) -> Ed25519PrivateKey:
-    """The trainer's push key, derived from its token (HKDF-SHA256, no salt: the token is 32
-    random bytes already)."""
-    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_KDF_INFO).derive(trainer_token.encode())
+def role_key(token: str, role: str) -> Ed25519PrivateKey:
+    """A role's signing key, derived from its token (HKDF-SHA256, no salt: the token is 32
+    random bytes already; the role in `info`, so one token never makes two roles' keys)."""
+    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"rollstream {role} key v1".encode()).derive(token.encode())
     return Ed25519PrivateKey.from_private_bytes(seed)
 
 
-def public_key_hex(trainer_token: str) -> str:
-    """What roles.json's `trainer_push_key` holds: the raw Ed25519 public key, hex."""
-    return signing_key(trainer_token).public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+def public_key_hex(token: str, role: str) -> str:
+    """What roles.json holds for the role: its raw Ed25519 public key, hex."""
+    return role_key(token, role).public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
-def load_public_key(text: str) -> Ed25519PublicKey:
-    """roles.json's `trainer_push_key` -> the key; ValueError if it is not 32 bytes of hex."""
+def load_public_key(text: str, what: str) -> Ed25519PublicKey:
+    """A public key from roles.json (`what`: its entry) -> the key; ValueError if it is not 32
+    bytes of hex."""
     try:
         raw = bytes.fromhex(text)
     except ValueError:
-        raise ValueError("trainer_push_key must be hex") from None
+        raise ValueError(f"{what} must be hex") from None
     if len(raw) != 32:
-        raise ValueError(f"trainer_push_key must be 32 bytes (64 hex digits), got {len(raw)}")
+        raise ValueError(f"{what} must be 32 bytes (64 hex digits), got {len(raw)}")
     return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def proof_text(challenge: bytes, nonce: bytes, address: str) -> bytes:
+    """What a generator's PushNonce proof covers: the trainer's challenge, the nonce and the
+    address the generator advertises (the registry's entry)."""
+    return "\n".join(["rollstream.v1.Generator/PushNonce", challenge.hex(), nonce.hex(), address]).encode()
+
+
+class GeneratorProver:
+    """The generator's side of PushNonce: proves it holds the generator's token."""
+
+    def __init__(self, generator_token: str):
+        self._key = role_key(generator_token, "generator")
+
+    def prove(self, challenge: bytes, nonce: bytes, address: str) -> bytes:
+        return self._key.sign(proof_text(challenge, nonce, address))
+
+
+def verify_proof(key: Ed25519PublicKey, challenge: bytes, nonce: bytes, address: str, proof: bytes) -> bool:
+    try:
+        key.verify(proof, proof_text(challenge, nonce, address))
+    except InvalidSignature:
+        return False
+    return True
 
 
 def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
@@ -90,7 +122,7 @@ class PushSigner:
     """The trainer's side: signs one push for one generator's nonce."""
 
     def __init__(self, trainer_token: str):
-        self._key = signing_key(trainer_token)
+        self._key = role_key(trainer_token, "trainer")
 
     def metadata(self, nonce: bytes, header: weights_pb2.WeightHeader) -> tuple[tuple[str, str], ...]:
         signature = self._key.sign(signed_text(nonce, header))

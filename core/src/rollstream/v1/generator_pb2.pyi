@@ -40,11 +40,17 @@ class GeneratorState(_message.Message):
     def __init__(self, generator_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., groups_generated: _Optional[int] = ..., busy: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
 
 class PushNonceRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("challenge",)
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    def __init__(self, challenge: _Optional[bytes] = ...) -> None: ...
 
 class PushNonceResponse(_message.Message):
-    __slots__ = ("nonce",)
+    __slots__ = ("nonce", "address", "proof")
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
-    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+    address: str
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., address: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...

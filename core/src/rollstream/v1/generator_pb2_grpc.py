@@ -78,7 +78,8 @@ class GeneratorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushNonce(self, request, context):
-        """A one-time nonce for the next PushWeights' signature (open: it reveals nothing).
+        """A one-time nonce for the next PushWeights' signature, with the generator's proof that it
+        is one (open: it reveals nothing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

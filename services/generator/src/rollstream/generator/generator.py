@@ -22,7 +22,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
@@ -127,6 +127,10 @@ class Generator:
         self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in bits.values()))
         # Our token (as the generator role) and TLS material for calls to the trainer.
         self.creds = ClientCredentials.from_settings(settings)
+        # What PushNonce proves to the trainer: this holds the generator's token, at this address
+        # (set by the service once it serves, before it registers; rollstream.core.push_signing).
+        self.prover = push_signing.GeneratorProver(self.creds.token) if self.creds.token else None
+        self.advertised_address = ""
         self.groups_generated = 0
         self.busy = 0
         self.sync_wake = threading.Event()
@@ -353,7 +357,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         )
 
     def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
-        return generator_pb2.PushNonceResponse(nonce=self.gen.host.push_nonces.issue())
+        if len(request.challenge) > push_signing.MAX_CHALLENGE_BYTES:  # open to all: sign nothing large
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"challenge over {push_signing.MAX_CHALLENGE_BYTES} bytes")
+        nonce = self.gen.host.push_nonces.issue()
+        address = self.gen.advertised_address
+        proof = self.gen.prover.prove(request.challenge, nonce, address) if self.gen.prover is not None else b""
+        return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
     def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
         return self.gen.state(with_sha=request.with_weights_sha256)

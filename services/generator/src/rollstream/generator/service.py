@@ -36,6 +36,7 @@ def run(settings: GeneratorSettings) -> None:
         sync = threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True)
         sync.start()
         address = settings.advertise_address or host.grpc_address
+        gen.advertised_address = address  # what PushNonce proves, before the registry names it
         keys = streams.RunKeys(settings.run)
         client = observer = None
         beat = None

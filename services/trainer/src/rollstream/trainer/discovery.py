@@ -55,6 +55,12 @@ class GeneratorDirectory:
         self.dns_name = dns_name
         self.last: list[str] = list(configured)  # what GetState reports, without a Redis call
 
+    @property
+    def from_registry(self) -> bool:
+        """Whether the addresses come from the Redis registry, which the `generator` user
+        writes: then each generator must prove the address it is dialed at (publisher)."""
+        return not (self.configured or self.dns_name)
+
     def addresses(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[str]:
         if self.configured or self.dns_name:
             resolved = resolve_all(self.dns_name) if self.dns_name else []

@@ -13,9 +13,11 @@ serialized once per push and the same bytes go to every stream (gRPC is given th
 are), so a stream costs the trainer gRPC's own send and no copy or protobuf encode of ours.
 
 Authentication: no token goes to a generator (its address may come from a registry a lesser
-role writes). Each push asks that generator for a one-time nonce and carries the trainer's
-signature over it and the payload's header (rollstream.core.push_signing): one unary call and
-one Ed25519 signature per generator per push.
+role writes). Each push asks that generator for a one-time nonce, with a challenge; nothing is
+pushed unless the answer carries a generator's proof (and, for a registry address, proves
+that very address); the push then carries the trainer's signature over the nonce and the
+payload's header (rollstream.core.push_signing): one unary call, one signature and one
+verification per generator per push.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ import numpy as np
 from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from rollstream.core import push_signing
 from rollstream.core.push_signing import PushSigner
 from rollstream.v1 import generator_pb2, weights_pb2
 
@@ -144,13 +149,15 @@ class Published:
 class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
-        encode_threads: int = 0, anchor_dir: Path | None = None,
+        encode_threads: int = 0, anchor_dir: Path | None = None, generator_key: Ed25519PublicKey | None = None,
     ):
         """`creds`: the trainer's token, which signs pushes and is never sent (generators
         accept PushWeights by the trainer's signature only), and TLS material; None pushes
         unsigned in the clear (generators without grpc_auth_file). `encode_threads`: threads that
         encode a delta's tensors while the step still runs (0: on the caller's thread).
-        `anchor_dir`: keep the anchor in a file there (PayloadFile), not in memory."""
+        `anchor_dir`: keep the anchor in a file there (PayloadFile), not in memory.
+        `generator_key`: roles.json's generator_proof_key; with it, nothing is pushed to an
+        address whose PushNonce answer does not prove a generator's token."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
         self.anchor_dir = anchor_dir
@@ -164,6 +171,7 @@ class WeightPublisher:
         self._anchor: Published | None = None
         self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
+        self.generator_key = generator_key
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
         self._channels: dict[str, grpc.Channel] = {}  # by address, kept between pushes
@@ -232,12 +240,14 @@ class WeightPublisher:
         # run of a trainer that restarted from scratch): start over from the anchor.
         return [anchor, *chain]
 
-    def push(self, addresses: Sequence[str], published: Published, timeout_s: float) -> list[PushOutcome]:
-        """Push one payload to every generator concurrently (each as a stream of chunks)."""
+    def push(self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False) -> list[PushOutcome]:
+        """Push one payload to every generator concurrently (each as a stream of chunks).
+        `from_registry`: the addresses come from the generator registry, which a lesser role
+        writes, so each generator must prove the address it was dialed at."""
         wire = published.wire_chunks()  # hashed and serialized here, once, for every stream
         calls = self._calls(addresses)
-        header = published.header()
-        futures = [self._pool.submit(push_one, calls[a], a, wire, header, self.signer, timeout_s) for a in addresses]
+        gate = PushGate(self.signer, self.generator_key, from_registry)
+        futures = [self._pool.submit(push_one, calls[a], a, wire, published.header(), gate, timeout_s) for a in addresses]
         return [f.result() for f in futures]
 
     def _calls(self, addresses: Sequence[str]) -> dict[str, PushCall]:
@@ -271,17 +281,39 @@ def push_call(ch: grpc.Channel) -> PushCall:
     )  # fmt: skip
 
 
-def push_one(
-    call: PushCall, address: str, wire: list[bytes], header: weights_pb2.WeightHeader, signer: PushSigner | None, timeout_s: float
-) -> PushOutcome:
-    """One payload to one generator: its nonce, signed with the header (when `signer`), then
-    the chunks. Every failure is an outcome, never an exception."""
+class NotAGenerator(Exception):
+    """The address's PushNonce answer proves no generator (or another address): push nothing."""
+
+
+@dataclass(frozen=True)
+class PushGate:
+    """What a push checks and signs: `signer` (the trainer's key; None: unsigned, for
+    generators without auth), `generator_key` (None: no proof asked) and whether the address
+    itself must be proven (registry addresses)."""
+
+    signer: PushSigner | None
+    generator_key: Ed25519PublicKey | None = None
+    prove_address: bool = False
+
+    def metadata(self, call: PushCall, address: str, header: weights_pb2.WeightHeader, timeout_s: float) -> tuple[tuple[str, str], ...]:
+        if self.signer is None:
+            return ()
+        challenge = os.urandom(push_signing.CHALLENGE_BYTES)
+        answer = call.nonce(generator_pb2.PushNonceRequest(challenge=challenge), timeout=timeout_s)
+        if self.generator_key is not None:
+            if not push_signing.verify_proof(self.generator_key, challenge, answer.nonce, answer.address, answer.proof):
+                raise NotAGenerator(f"{address} gave no proof of the generator's key: not pushing there")
+            if self.prove_address and answer.address != address:
+                raise NotAGenerator(f"registered as {address}, but the generator answering there is {answer.address!r}: not pushing there")
+        return self.signer.metadata(answer.nonce, header)
+
+
+def push_one(call: PushCall, address: str, wire: list[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:
+    """One payload to one generator: its nonce and proof (PushGate), the signature, then the
+    chunks. Every failure is an outcome, never an exception."""
     start = time.perf_counter()
     try:
-        metadata: tuple[tuple[str, str], ...] = ()
-        if signer is not None:
-            nonce = call.nonce(generator_pb2.PushNonceRequest(), timeout=timeout_s).nonce
-            metadata = signer.metadata(nonce, header)
+        metadata = gate.metadata(call, address, header, timeout_s)
         left_s = max(1.0, timeout_s - (time.perf_counter() - start))
         result = call.push(iter(wire), timeout=left_s, metadata=metadata)
         return PushOutcome(
@@ -290,3 +322,6 @@ def push_one(
         )
     except grpc.RpcError as e:
         return PushOutcome(address, False, -1, f"{e.code().name}: {e.details()}", time.perf_counter() - start)  # type: ignore[attr-defined]
+    except NotAGenerator as e:
+        log.warning("push_refused_not_a_generator: %s", e)
+        return PushOutcome(address, False, -1, str(e), time.perf_counter() - start)

@@ -188,7 +188,7 @@ class TrainerLoop:
             self.refuse_step(taken, e)
             return False
         push_start = time.perf_counter()
-        outcomes = trainer.publisher.push(self.push_targets(), published, trainer.settings.push_timeout_s)
+        outcomes = trainer.publisher.push(self.push_targets(), published, trainer.settings.push_timeout_s, from_registry=self.directory.from_registry)
         push_s = time.perf_counter() - push_start
         for o in outcomes:
             if not o.applied:
@@ -319,7 +319,7 @@ class TrainerLoop:
         is replaced. Generators not reachable now catch up by themselves (hashes + anchor)."""
         trainer = self.trainer
         anchor = trainer.publisher.catch_up_payloads(-1, "")[0]
-        outcomes = trainer.publisher.push(self.push_targets(), anchor, trainer.settings.push_timeout_s)
+        outcomes = trainer.publisher.push(self.push_targets(), anchor, trainer.settings.push_timeout_s, from_registry=self.directory.from_registry)
         logs.event(self.host.log, "anchor_pushed", version=trainer.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
 
     def push_targets(self) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, cpu_runtime, deltas, logs, modeling, streams, validation
-from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_auth import ClientCredentials, load_roles
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, lora
@@ -161,6 +161,7 @@ class Trainer:
         self.publisher = WeightPublisher(
             bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.delta_encode_threads,
             anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None,
+            generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None,
         )
         self.metrics = Metrics.register(host.registry)
         self.metrics.policy_version.set(version)
