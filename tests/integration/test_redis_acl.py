@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams
+from rollstream.core import cli, codec, dashboard, redis_acl, redis_policy, registry, streams
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.core.redis_server import EmbeddedRedis, find_redis_server
@@ -238,6 +238,39 @@ def test_reward_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) ->
     assert client.xautoclaim(keys.stream("rollouts"), "reward", "consumer-c", 1000)[1] == []
     assert admin.xlen(keys.stream("ready")) == 1
     assert denials(admin) == []
+
+
+def test_with_a_reference_stage_reward_cannot_write_ready(tmp_path: Path, keys: RunKeys, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 27: where a reference stage runs, a stolen reward password cannot put a group
+    in `ready` past it (forged ref log-probs, no reference at all): not by XADD, not inside
+    a script, not through the commit script. `rollstream secrets --reference` writes that
+    users.acl (as `up` does when it starts a reference), and the reward still writes
+    `scored` and the reference `ready`."""
+    root = tmp_path / "secrets"
+    assert cli.main_code(["secrets", str(root), "--reference"]) == 0
+    capsys.readouterr()
+    passwords = {user: redis_acl.password_file(root, user).read_text().strip() for user in redis_acl.REDIS_USERS}
+    with EmbeddedRedis(tmp_path / "redis", aclfile=redis_acl.acl_file(root), admin_password=passwords[redis_acl.ADMIN]) as server:
+        admin = server.admin_client()
+        reward = redis_policy.connect(server.url, "reward", passwords["reward"])
+        reference = redis_policy.connect(server.url, "reference", passwords["reference"])
+        try:
+            forged = codec.encode(rollout_group("forged", ["8"]))
+            assert_denied(lambda: reward.xadd(keys.stream("ready"), forged))
+            assert_denied(lambda: reward.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream("ready")))
+            write(admin, keys, "rollouts", rollout_group("g", ["8"]))
+            stage = StreamStage(reward, keys, "rollouts", "reward", "c")
+            taken = stage.read(1, 10)
+            assert_denied(lambda: stage.commit(taken, outputs=[("ready", rollout_group("g", ["8"]))]))
+            assert stage.commit(taken, outputs=[("scored", rollout_group("g", ["8"]))])
+            assert reference.xadd(keys.stream("ready"), forged)
+            assert (admin.xlen(keys.stream("scored")), admin.xlen(keys.stream("ready"))) == (1, 1)
+        finally:
+            reward.close()
+            reference.close()
+            admin.close()
+    # Without --reference (no reference stage: the reward's output is `ready`) it may.
+    assert "~rs:{*}:ready" in redis_acl.acl_rules("reward") and "~rs:{*}:ready" not in redis_acl.acl_rules("reward", reference_stage=True)
 
 
 def test_reference_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -> None:

@@ -215,6 +215,9 @@ def _up(args: argparse.Namespace) -> int:
         console.print(str(e), style="red")
         return 2
     console.print(f"model: {model}")
+    # The reference service runs only where the KL needs it and the trainer is not its own
+    # reference (LoRA with kl_reference = lora_base: the base under the adapters).
+    with_reference = args.beta > 0 and args.kl_reference == "service"
     # Every service gets its own credentials (docs/security.md): a gRPC token per role, and
     # on the embedded server a Redis ACL user per role. Kept across runs in the workdir.
     creds = workdir / "credentials"
@@ -225,7 +228,8 @@ def _up(args: argparse.Namespace) -> int:
     if args.redis_url:
         redis_url = args.redis_url
     else:
-        passwords = redis_acl.ensure_redis_credentials(creds)
+        # With a reference stage, `ready` is the reference's alone: the reward user cannot write it.
+        passwords = redis_acl.ensure_redis_credentials(creds, reference_stage=with_reference)
         admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
         embedded = EmbeddedRedis(workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN]).start()
         redis_url = embedded.url
@@ -273,9 +277,6 @@ def _up(args: argparse.Namespace) -> int:
         "--anchor-dir", str(workdir / "anchor"),
         "--metrics-file", str(step_log),
     ]
-    # The reference service runs only where the KL needs it and the trainer is not its own
-    # reference (LoRA with kl_reference = lora_base: the base under the adapters).
-    with_reference = args.beta > 0 and args.kl_reference == "service"
     trainer = Child("trainer", trainer_args, env, workdir)
     children: list[Child] = [trainer]
     started = time.monotonic()
@@ -732,7 +733,7 @@ def cmd_secrets(args: argparse.Namespace) -> int:
         print("--namespace and --dns name certificates: add --tls", file=sys.stderr)
         return 2
     credentials.ensure_grpc_tokens(root)
-    redis_acl.ensure_redis_credentials(root)
+    redis_acl.ensure_redis_credentials(root, reference_stage=args.reference)
     if args.tls:
         credentials.ensure_tls(root, namespace=args.namespace, extra_names=tuple(args.dns))
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
@@ -839,6 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
     se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment", formatter_class=HelpFormatter)
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
+    se.add_argument(
+        "--reference", action="store_true",
+        help="the deployment runs a reference stage (beta > 0): the reward's Redis user may not write ready (run it again without to drop one)",
+    )
     se.add_argument("--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc")
     se.add_argument("--dns", action="append", default=[], help="with --tls: another name every certificate carries (repeatable)")
     se.set_defaults(func=cmd_secrets)

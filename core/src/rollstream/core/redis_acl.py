@@ -1,10 +1,11 @@
 """Least privilege on Redis: one ACL user per service role, and a read-only `observer`.
 
 `ROLE_RULES` below is the whole policy: for each user, the commands it may send and the keys
-it may touch (by name under `rs:{<run>}:`, for every run). `render_acl_file(passwords)`
-turns it into a `users.acl` for `redis-server --aclfile` (passwords only as sha256 hashes),
-and `ensure_redis_credentials(root)` writes each user's password file (kept when it exists)
-and that ACL file into the layout of rollstream.core.credentials. The users are the roles of
+it may touch (by name under `rs:{<run>}:`, for every run). `render_acl_file(passwords,
+reference_stage)` turns it into a `users.acl` for `redis-server --aclfile` (passwords only as
+sha256 hashes), and `ensure_redis_credentials(root, reference_stage)` writes each user's
+password file (kept when it exists) and that ACL file into the layout of
+rollstream.core.credentials. The users are the roles of
 credentials.ROLES and `observer` (`REDIS_USERS`): a Redis user only, with no gRPC token.
 
 Where the lists come from (keep them in step with the code; tests/integration/test_redis_acl.py
@@ -42,6 +43,12 @@ CLIENT, ...): those are the `admin` user's alone (the operator: `rollstream stat
 own reads). A script may still busy the server (a loop) until the admin's SCRIPT KILL: EVAL
 is the price of the atomic commit.
 
+A deployment with a reference stage (beta > 0) gets a reward user without `ready`
+(`reference_stage=True`: `rollstream up` decides it from its flags, `rollstream secrets
+--reference` for compose and Kubernetes): there `ready` is the reference's alone, so a stolen
+reward password cannot write a group straight where the trainer reads, past the reference
+and its own ref log-probs. Without a reference stage the reward writes `ready` itself.
+
 Key patterns are Redis globs, in which `{` and `}` are plain characters: `rs:{*}:ready`
 matches `rs:{<any run>}:ready` and not a key without the braces.
 """
@@ -74,7 +81,8 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("prompts", "rollouts", "version", "dead", "stats", "groups:generated", "generators", "generators:seen",
          "generators:versions"),
     ),
-    # rollouts -> scored, or ready when the run has no reference stage (--output-stage).
+    # rollouts -> scored, or ready when the run has no reference stage (--output-stage); with
+    # one, `ready` is taken off this list (rules(), reference_stage).
     # For a custom reward service (docs/custom-reward.md, which shows this line): XAUTOCLAIM
     # to take over, and EVAL for its commit script (no more than EVALSHA + SCRIPT LOAD allow).
     "reward": (
@@ -115,18 +123,28 @@ def key_pattern(name: str) -> str:
     return f"rs:{{*}}:{name}"
 
 
-def acl_rules(role: str) -> str:
+def rules(role: str, reference_stage: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A role's (commands, keys) in a deployment with or without a reference stage: with
+    one, `ready` is the reference's alone and the reward user loses it."""
+    commands, keys = ROLE_RULES[role]
+    if reference_stage and role == "reward":
+        keys = tuple(k for k in keys if k != "ready")
+    return commands, keys
+
+
+def acl_rules(role: str, reference_stage: bool = False) -> str:
     """A user's rules, as on its `user` line after the password (no password)."""
     if role == ADMIN:
         return "~* &* +@all"
-    commands, keys = ROLE_RULES[role]
+    commands, keys = rules(role, reference_stage)
     # resetchannels: no pub/sub for anyone (6.2's default would allow every channel).
     return " ".join(["resetchannels", *(f"~{key_pattern(k)}" for k in keys), "-@all", *(f"+{c}" for c in commands)])
 
 
-def render_acl_file(passwords: dict[str, str]) -> str:
+def render_acl_file(passwords: dict[str, str], reference_stage: bool = False) -> str:
     """users.acl for every user of REDIS_USERS, each password stored as `#<sha256>`.
-    The default user is off: a client that does not authenticate can do nothing."""
+    The default user is off: a client that does not authenticate can do nothing. With
+    `reference_stage` the reward user may not write `ready` (rules)."""
     missing = [r for r in REDIS_USERS if not passwords.get(r)]
     unknown = sorted(set(passwords) - set(REDIS_USERS))
     if missing or unknown:
@@ -134,7 +152,7 @@ def render_acl_file(passwords: dict[str, str]) -> str:
     # Nothing but `user` lines: redis-server refuses comments and blank lines in an ACL file.
     lines = ["user default reset resetchannels"]
     # `reset` first: off, no password, no keys, no commands; then exactly what the user gets.
-    lines += [f"user {user} reset on #{digest(passwords[user])} {acl_rules(user)}" for user in REDIS_USERS]
+    lines += [f"user {user} reset on #{digest(passwords[user])} {acl_rules(user, reference_stage)}" for user in REDIS_USERS]
     return "\n".join(lines) + "\n"
 
 
@@ -146,12 +164,13 @@ def password_file(root: Path, role: str) -> Path:
     return redis_dir(root) / f"{role}.password"
 
 
-def ensure_redis_credentials(root: Path) -> dict[str, str]:
+def ensure_redis_credentials(root: Path, reference_stage: bool = False) -> dict[str, str]:
     """A password per user of REDIS_USERS under `<root>/redis/` (kept if its file exists,
     so a restarted `rollstream up` and its running services keep working; delete a file to
     rotate that user's password) and users.acl rendered from them, written now (a changed
-    table takes effect at the next server start). Returns user -> password."""
+    table takes effect at the next server start). `reference_stage`: the deployment runs a
+    reference stage, so the reward user may not write `ready`. Returns user -> password."""
     passwords = {user: ensure_secret(password_file(root, user), f"{user} redis password") for user in REDIS_USERS}
     # Hashes only, but the server is its only reader: 0600 like the rest.
-    write_secret(acl_file(root), render_acl_file(passwords).rstrip("\n"))
+    write_secret(acl_file(root), render_acl_file(passwords, reference_stage).rstrip("\n"))
     return passwords
