@@ -110,6 +110,15 @@ def wait_for(
         time.sleep(poll_s)
 
 
+def code_of(call: Callable[[], object]) -> grpc.StatusCode:
+    """The status a gRPC call ends with (OK when it returns)."""
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code()  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK
+
+
 def still_running(proc: subprocess.Popen, name: str) -> Callable[[], None]:
     """A wait_for `check`: fail when `proc` has exited, with what it printed (when its stdout is a pipe)."""
 

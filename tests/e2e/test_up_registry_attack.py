@@ -31,7 +31,7 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
-from helpers import still_running, wait_for
+from helpers import code_of, still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -60,14 +60,6 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
 
     def GetState(self, request, context):  # type: ignore[no-untyped-def]
         return generator_pb2.GeneratorState(generator_id="fake")
-
-
-def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
 
 
 def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -22,21 +22,13 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
-from helpers import still_running, wait_for
+from helpers import code_of, still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def rollstream_cmd() -> str:
     return str(Path(sys.executable).parent / "rollstream")
-
-
-def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
 
 
 def forged_group(keys: RunKeys) -> dict[bytes, bytes]:

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from helpers import wait_for, wait_healthy
+from helpers import code_of, wait_for, wait_healthy
 from procs import ServiceProc, generator_state, start_service, trainer_state
 from rollstream.core import credentials, deltas, grpc_auth, modeling, push_signing, weight_transfer
 from rollstream.core.credentials import ROLES
@@ -97,14 +97,6 @@ def pair(redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path_factory: py
         for p in (trainer, generator):
             if p is not None:
                 p.stop()
-
-
-def code_of(call: Callable[[], object]) -> grpc.StatusCode:
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()  # type: ignore[attr-defined]
-    return OK
 
 
 def tiny_task() -> rollout_pb2.PromptTask:

@@ -20,7 +20,7 @@ from rollstream.core.credentials import ROLES
 from rollstream.core.service import ServiceHost
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
-from helpers import wait_healthy
+from helpers import code_of, wait_healthy
 
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
 GENERATOR_PUSH = "/rollstream.v1.Generator/PushWeights"
@@ -251,14 +251,6 @@ def server() -> Iterator[Server]:
     s = Server()
     yield s
     s.running.stop(0)
-
-
-def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()  # type: ignore[attr-defined]
-    return grpc.StatusCode.OK
 
 
 def test_health_and_reflection_need_no_token(server: Server) -> None:
