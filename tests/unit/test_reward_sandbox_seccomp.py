@@ -27,7 +27,7 @@ from rollstream.reward import sandbox
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "docker" / "seccomp" / "reward.json"
 # What the harness calls that Docker's default profile allows only with CAP_SYS_ADMIN.
-ADDED = {"mount", "mount_setattr", "unshare"}
+ADDED = {"chroot", "mount", "mount_setattr", "unshare"}
 # The rest of what the sandbox needs; Docker's default allows these to every container.
 ALSO_NEEDED = {
     "capset", "prctl", "execve", "setpgid", "memfd_create", "pidfd_open", "setrlimit", "prlimit64",
@@ -86,6 +86,7 @@ def test_the_added_syscalls_are_the_ones_the_harness_makes() -> None:
     assert calls == {"unshare", "mount", "prctl", "capset", "syscall"}, calls
     assert "SYS_MOUNT_SETATTR = 442" in sandbox.HARNESS
     assert {"unshare", "mount"} <= ADDED and "mount_setattr" in ADDED
+    assert "os.chroot(root)" in sandbox.HARNESS and "chroot" in ADDED  # into the minimal root
 
 
 # --- applying the profile -------------------------------------------------------------------
@@ -187,4 +188,4 @@ def test_under_the_profile_the_sandbox_runs_and_under_dockers_default_it_cannot(
     refused = _apply(default)
     assert "unshare failed with errno 1" in refused.get("unavailable", ""), refused
     report = _apply(profile)
-    assert report.get("passed") == [True, True, True, False] and report["isolated"] is True, report
+    assert report == {"passed": [True, True, True, False], "isolated": True, "private_fs": True}, report

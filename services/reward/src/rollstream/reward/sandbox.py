@@ -83,14 +83,22 @@ Not guaranteed:
   namespace whose init is the harness, so every process the program starts dies with it,
   and a new IPC namespace (System V objects and POSIX message queues die with the run);
   as root these come from unshare(2), otherwise from an unprivileged user namespace;
-- file system: a new mount namespace, cut off from the host's (private propagation), in
-  which every mount is read-only and nosuid; /tmp, /var/tmp and /dev/shm are fresh tmpfs
-  (each at most twice `max_file_mb`, 4096 files) that vanish with the run, and /tmp is
-  the program's work dir (its files stay there from one test to the next); /proc is the
-  new PID namespace's, so other processes (and, through /proc/PID/root, their file
-  systems) are out of sight. The program cannot undo this: as `nobody` it has no
-  capabilities, in a user namespace the harness drops them all, and a namespace of its own
-  gets the mounts locked. `RunResult.private_fs` says whether all of it held;
+- file system: a new mount namespace, cut off from the host's (private propagation), and
+  in it a minimal root the harness chroots into (an allow-list, not a deny-list): /usr,
+  /bin, /sbin, /lib* (links stay links), the interpreter's own prefix where /usr does not
+  hold it (pyenv under a home folder), a few /etc files (the loader's cache, passwd,
+  group, localtime, ...) and /dev/null, zero, full, random, urandom, all bound from the
+  host; and, where one of those trees holds the service's work dir or home (a checkout
+  under /usr/src), an empty folder over it. Nothing else of the host is there: no home,
+  no work dir, no run data (the rollout buffer's AOF holds every test's expected output,
+  and the service's user may read it whatever its mode). Every mount is read-only and
+  nosuid; /tmp, /var/tmp and /dev/shm are fresh tmpfs (each at most twice `max_file_mb`,
+  4096 files) that vanish with the run, and /tmp is the program's work dir (its files
+  stay there from one test to the next); /proc is the new PID namespace's, so other
+  processes (and, through /proc/PID/root, their file systems) are out of sight. The
+  program cannot undo this: as `nobody` it has no capabilities, in a user namespace the
+  harness drops them all, and a chrooted process may not make a user namespace of its
+  own (EPERM). `RunResult.private_fs` says whether all of it held;
 - user: as root it drops to `nobody` (65534): root's files are off limits and RLIMIT_NPROC
   (which root ignores) caps the processes, so a fork bomb stops at `max_processes`;
   without root the program runs as the service's own user (mapped to itself);
@@ -105,17 +113,18 @@ docker/seccomp/reward.json is that profile plus what the harness needs (see its 
 The private file system is best effort, because `require_isolation` promises the
 network and PID namespaces only, and a kernel that allows those but not the mounts
 should not stop runs that worked before. Where a step fails, the run goes on with what
-held and `private_fs` is False: no mount namespace at all; a kernel before 5.12 (no
-mount_setattr: nothing is read-only, the temp dirs are still private); a /proc the
-kernel will not mount again in a user namespace (as in many containers, whose /proc is
-partly covered). What did not hold is then guarded by the user alone, as before (as
-`nobody`, world-writable places stay writable; without root, all of the service user's
-files are). A /tmp mount that fails after the tree became read-only ends the run (no
-writable work dir). Not isolated even with `private_fs`: the program reads what its
-user may read (world-readable files under /etc, /home, ...); it writes the service's
-stderr file through fd 2 (bounded by the file-size limit); it can connect to Unix
-sockets on the file system (the network namespace does not cover those, nor does
-read-only stop connect). Without root and without user namespaces there is no
+held and `private_fs` is False: no mount namespace at all; no minimal root (a mount or
+chroot refused, as under a seccomp profile without chroot: then the host's whole tree,
+read-only, with private temp dirs, and the program reads whatever its user may read,
+run data included); a kernel before 5.12 (no mount_setattr: nothing is read-only, the
+temp dirs are still private); a /proc the kernel will not mount again in a user
+namespace (as in many containers, whose /proc is partly covered). What did not hold is
+then guarded by the user alone, as before (as `nobody`, world-writable places stay
+writable; without root, all of the service user's files are). A /tmp mount that fails
+after the tree became read-only ends the run (no writable work dir). Not isolated even
+with `private_fs`: the program reads what its user may read under the allowed trees
+(/usr, the interpreter's prefix, the /etc files above); it writes the service's stderr
+file through fd 2 (bounded by the file-size limit). Without root and without user namespaces there is no
 isolation, and with `require_isolation` (the default) nothing runs. The per-test
 interpreter must be reachable inside the fence (not under /tmp, which the private /tmp
 hides): if it cannot start, run_tests raises SandboxUnavailable.
@@ -254,7 +263,11 @@ def run_tests(code: str, tests: list[str | dict[str, str]], limits: SandboxLimit
             "require_isolation": limits.require_isolation,
             "drop_to": NOBODY if os.geteuid() == 0 else -1,
             "runner": RUNNER,
+            # The harness mounts the program's root here (in its own mount namespace).
+            "root": str(workdir / "root"),
+            "hide": sorted({os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))}),
         }
+        (workdir / "root").mkdir()
         (workdir / "job.json").write_text(json.dumps(job))
         if os.geteuid() == 0:
             os.chown(workdir, NOBODY, NOBODY)  # the harness writes test inputs/outputs here as nobody
@@ -368,7 +381,7 @@ os.set_inheritable(results_fd, False)  # never passed on to a test's interpreter
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x40000000, 0x20000000, 0x10000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x4000, 0x40000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442  # Linux 5.12; new system calls have one number on x86-64 and arm64 alike
@@ -409,31 +422,110 @@ def make_mounts_private(in_user_ns, uid, gid):
     return ""
 
 
+# The minimal root (tmpfs) the program sees instead of the host's tree: these, read-only, and
+# nothing else of the host (no home, no work dir, no run data: the rollout buffer's AOF,
+# checkpoints, credentials). Top-level entries that are links (merged /usr) stay links.
+ALLOWED_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ALLOWED_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "os-release", "passwd", "group", "nsswitch.conf")
+ALLOWED_DEV = ("null", "zero", "full", "random", "urandom")
+ROOT_OPTIONS = b"size=1m,nr_inodes=1024,mode=755"
+
+
+def bind(source, target):
+    """`source` (a folder or a file) at `target` (made here: a folder or an empty file)."""
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "w").close()
+    mount(source.encode(), target, None, MS_BIND | MS_REC, None)
+
+
+def copy_entry(source, root):
+    """Link, folder or file `source` into `root` (under the same path)."""
+    target = root + source
+    if os.path.islink(source):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.readlink(source), target)
+    elif os.path.exists(source):
+        bind(source, target)
+
+
+def python_trees():
+    """The folders the interpreter needs (its prefix: binary and standard library) that the
+    allowed trees do not hold already (pyenv under a home folder)."""
+    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))}
+    held = [os.path.realpath(t) for t in ALLOWED_TREES if os.path.isdir(t)]
+    return sorted(p for p in needed if not any(p == h or p.startswith(h + "/") for h in held))
+
+
+def build_root(root):
+    """A read-only tree at `root` with only what a Python program needs; private temp dirs."""
+    mount(b"tmpfs", root, b"tmpfs", MS_NOSUID | MS_NODEV, ROOT_OPTIONS)
+    trees = python_trees()
+    for entry in ALLOWED_TREES + tuple("/etc/" + name for name in ALLOWED_ETC):
+        copy_entry(entry, root)
+    for tree in trees:
+        bind(tree, root + tree)
+    for name in ALLOWED_DEV:
+        if os.path.exists("/dev/" + name):
+            bind("/dev/" + name, root + "/dev/" + name)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.makedirs(root + "/dev", exist_ok=True)
+        os.symlink(target, root + "/dev/" + name)
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/proc"):
+        os.makedirs(root + folder, exist_ok=True)
+    # The service's own folders (its work dir, its home) hidden where an allowed tree holds
+    # them (a checkout under /usr/src), unless the interpreter lives there.
+    for folder in job["hide"]:
+        if folder != "/" and os.path.isdir(root + folder) and not any(t == folder or t.startswith(folder + "/") for t in trees):
+            mount(b"tmpfs", root + folder, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=4k,nr_inodes=1,mode=555")
+
+
 def private_fs():
-    """Every mount read-only and nosuid, fresh tmpfs over the shared temp dirs, and /tmp
-    as the work dir. Returns "" when all that is in place, else what failed. A failure
-    before the tree is read-only leaves the harness where it was, in the service's
-    (writable) work dir; after it, only a failed /tmp mount would leave no writable work
-    dir, and then nothing can run (exit)."""
+    """The program's file system: the minimal root (build_root) where it can be made, else
+    the host's tree; either read-only and nosuid, with fresh tmpfs temp dirs and /tmp as the
+    work dir. Returns "" when the minimal root and all the rest are in place, else what
+    failed. Only a failed /tmp mount after the tree became read-only would leave no
+    writable work dir, and then nothing can run (exit)."""
     if not os.path.isdir("/tmp"):
         return "no /tmp to hold the work dir"
+    root = os.path.abspath(job["root"])
+    try:
+        build_root(root)
+        why = enclose(root)
+        # The host's tree stays mounted but out of reach: the program has no capabilities,
+        # and a chrooted process may not make a user namespace to get some back.
+        os.chroot(root)
+    except OSError as e:
+        # Not here (no chroot under a container's seccomp profile, a mount refused): the
+        # host's tree, read-only, as on kernels without the minimal root.
+        return "minimal root: %s; %s" % (e, enclose("/") or "the host's tree read-only instead")
+    os.chdir("/tmp")
+    return why
+
+
+def enclose(root):
+    """The tree at `root` read-only and nosuid, fresh tmpfs over its temp dirs, /tmp the
+    work dir (chdir). What failed, or ""."""
     why = ""
     attr = MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, root.encode(), AT_RECURSIVE, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
         why = "mount_setattr (read-only tree): %s" % os.strerror(ctypes.get_errno())
+    top = root.rstrip("/")
     try:
-        mount_tmpfs("/tmp")
+        mount_tmpfs(top + "/tmp")
     except OSError as e:
         if not why:
             sys.stderr.write("private file system: %s after the tree became read-only; no writable work dir\n" % e)
             sys.stderr.flush()
             os._exit(1)
         return "%s; %s" % (why, e)
-    os.chdir("/tmp")
+    os.chdir(top + "/tmp")
     for target in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(target):
+        if os.path.isdir(top + target):
             try:
-                mount_tmpfs(target)
+                mount_tmpfs(top + target)
             except OSError as e:
                 why = why or str(e)  # read-only (if the tree is) but the host's files stay visible
     return why
@@ -517,7 +609,8 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 # kill the harness; the tests' processes get the default back before they exec.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 code = job["code"]
-PYTHON = sys.executable
+# By its real path: a venv's link is outside the minimal root (-I -S: no site-packages anyway).
+PYTHON = os.path.realpath(sys.executable)
 RUNNER = job["runner"]
 OPEN_FILES = job["open_files"]
 # Names the expected side of a judged assertion may use (pure functions of their arguments).
