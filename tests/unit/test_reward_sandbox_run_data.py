@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rollstream.core.redis_server import EmbeddedRedis
+from test_reward_sandbox import NOT_ROOT, _readable_by_others, _run_script
 from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, run_tests
 
@@ -90,26 +89,8 @@ def test_a_program_run_by_a_root_service_cannot_read_the_runs_data(run_dir: Path
     assert run_tests(add, ["assert add(1, 2) == 3", {"input": "20 22\n", "output": "42"}], LIMITS).passed == (True, True)
 
 
-# The sandbox run by a service that is not root, as the user that owns the run's files (the
-# sandbox module loaded by path into the system's interpreter, which `nobody` can run).
-NOT_ROOT = r"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sandbox_under_test", sys.argv[1])
-sandbox = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = sandbox
-spec.loader.exec_module(sandbox)
-result = sandbox.run_tests(sys.argv[2], json.loads(sys.argv[3]), sandbox.SandboxLimits(wall_s=20.0))
-print(json.dumps({"passed": result.passed, "private_fs": result.private_fs, "detail": result.detail}))
-"""
-
-
-def _others_reach(path: Path) -> bool:
-    """`nobody` can read `path` and search every folder above it (and so the run dir beside the checkout)."""
-    return bool(path.stat().st_mode & stat.S_IROTH) and all(folder.stat().st_mode & stat.S_IXOTH for folder in path.parents)
-
-
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _others_reach(Path(sandbox.__file__).resolve()),
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _readable_by_others(Path(sandbox.__file__).resolve()),
     reason="needs root (to start the service as nobody, owning the run's files), /usr/bin/python3 and the sandbox module readable by others",
 )
 def test_a_program_run_by_the_files_owner_cannot_read_the_runs_data(run_dir: Path) -> None:
@@ -117,12 +98,11 @@ def test_a_program_run_by_the_files_owner_cannot_read_the_runs_data(run_dir: Pat
     for path in [run_dir, *run_dir.rglob("*")]:
         os.chown(path, 65534, 65534)  # the service's user owns the run: 0600 is no obstacle to it
     code, tests = thief_tests(paths)
-    done = subprocess.run(
+    # The sandbox module run by a service that is not root, as the user that owns the run's
+    # files, from the run's folder.
+    report = _run_script(
         ["/usr/bin/python3", "-I", "-c", NOT_ROOT, str(Path(sandbox.__file__).resolve()), code, json.dumps(tests)],
         user=65534, group=65534, extra_groups=[], cwd=run_dir, env={"PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert report["private_fs"], report
     assert report["passed"] == [False, False] + [True] * (len(tests) - 2), report
