@@ -2,9 +2,11 @@
 that is ahead of it (on the abandoned lineage) back to the restored version.
 
 Trainer A trains 4 steps on scored groups written straight into the ready stream (the test
-plays the upstream stages), checkpointing every 2 steps; a real generator follows it by
-pushes. Trainer B, on the same run and port, resumes from A's step-2 checkpoint: it moves
-the run's version back to 2, pushes an anchor that the generator (at version 4) takes, drops
+plays the upstream stages), checkpointing every step (the trained log then reaches back to
+step 3, the spare), and the operator saves a checkpoint at step 2; a real generator follows
+it by pushes. Trainer B, on the same run and port, resumes from the operator's step-2
+checkpoint, older than the log reaches (so steps 3 and 4 are not replayed): it moves the
+run's version back to 2, pushes an anchor that the generator (at version 4) takes, drops
 a group sampled by the abandoned lineage, and trained on the same groups it reaches A's
 step-4 weights bit for bit, with the same losses.
 """
@@ -31,7 +33,7 @@ GROUPS_PER_STEP = 2
 def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
     """The same content for a step whatever the tag (group ids must differ: the trainer
     deduplicates by group id, and A trained the first copies)."""
-    return scored_groups(step, GROUPS_PER_STEP, tag)
+    return scored_groups(step, GROUPS_PER_STEP, tag, group_size=2)  # the run's --group-size
 
 
 def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:
@@ -51,7 +53,7 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
         "--grpc-port", str(port), "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP),
         "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2", "--lr", "1e-3",
-        "--max-staleness", "100", "--block-ms", "100", "--steps", "4", "--checkpoint-every", "2", "--linger",
+        "--max-staleness", "100", "--block-ms", "100", "--steps", "4", "--checkpoint-every", "1", "--linger",
     ]
     a = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_a), tag="-a").wait_ready()
     gen = start_service(
@@ -63,7 +65,18 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
     b: ServiceProc | None = None
     try:
         wait_for(lambda: generator_state(gen.grpc_address).policy_version == 0, 60, "generator at version 0", procs)
-        for step in range(1, 5):
+        for step in range(1, 3):
+            for g in groups_for(step, "first"):
+                rclient.xadd(keys.stream("ready"), codec.encode(g))
+        wait_for(lambda: trainer_state(address).step == 2, 120, "trainer A at step 2", procs)
+        # An explicit path (inside the checkpoint folder: anywhere else is refused,
+        # tests/integration/test_grpc_auth_services.py) is the operator's: written once, never
+        # overwritten, never pruned.
+        manual = dir_a / "manual"
+        result = save_checkpoint(address, str(manual))
+        assert (result.path, result.version) == (str(manual), 2)
+        assert checkpoint.load_state(manual).step == 2
+        for step in range(3, 5):
             for g in groups_for(step, "first"):
                 rclient.xadd(keys.stream("ready"), codec.encode(g))
         wait_for(lambda: trainer_state(address).step == 4, 120, "trainer A at step 4", procs)
@@ -72,18 +85,12 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         assert generator_state(gen.grpc_address, sha=True).weights_sha256 == final_a.weights_sha256
 
         # SaveCheckpoint: the default path is the step's folder (written by checkpoint_every
-        # already, and written again), an explicit path (inside the checkpoint folder: anywhere
-        # else is refused, tests/integration/test_grpc_auth_services.py) is written once and
-        # never overwritten.
-        assert (dir_a / "step-00000002" / "state.json").is_file()
+        # already, and written again); the latest two of the trainer's own are kept.
+        assert (dir_a / "step-00000004" / "state.json").is_file()
         result = save_checkpoint(address, "")
         assert (result.path, result.version) == (str(dir_a / "step-00000004"), 4)
         assert checkpoint.load_state(dir_a / "step-00000004").version == 4
-        assert sorted(p.name for p in dir_a.iterdir()) == ["step-00000002", "step-00000004"]  # no leftovers
-        manual = dir_a / "manual"
-        result = save_checkpoint(address, str(manual))
-        assert (result.path, result.version) == (str(manual), 4)
-        assert checkpoint.load_state(manual).step == 4
+        assert sorted(p.name for p in dir_a.iterdir()) == ["manual", "step-00000003", "step-00000004"]  # no leftovers
         with pytest.raises(grpc.RpcError) as err:
             save_checkpoint(address, str(manual))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -91,8 +98,8 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         metrics_a = step_metrics(rclient, keys)
         assert [m.step for m in metrics_a] == [1, 2, 3, 4]
 
-        # B resumes from A's step-2 checkpoint, same run, same address.
-        b = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_b), "--resume", str(dir_a / "step-00000002"), tag="-b").wait_ready()
+        # B resumes from the operator's step-2 checkpoint, same run, same address.
+        b = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_b), "--resume", str(manual), tag="-b").wait_ready()
         procs = [b, gen]
         assert int(rclient.get(keys.version)) == 2  # the run's version moved back
         restored = trainer_state(address, sha=True)

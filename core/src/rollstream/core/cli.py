@@ -424,6 +424,10 @@ def _up(args: argparse.Namespace) -> int:
             )
         elif stopping:
             console.print("stopped before the first step")
+        if checkpoints.is_dir():
+            # What resume needs (docs/reliability.md, "Checkpoints"): the trainer prunes the rest.
+            held = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file())
+            console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
         if step_log.exists():
             _plot_curve(step_log, workdir / "curves.png", console)
     return 0
