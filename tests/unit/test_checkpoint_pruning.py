@@ -80,6 +80,17 @@ def test_after_n_saves_the_newest_keep_remain_and_never_more_on_disk(tmp_path: P
     assert checkpoint.fallback(found, keep).state.step == (8 if keep == 1 else 7)  # the trained log reaches back to it
 
 
+@pytest.mark.parametrize(("keep", "back_to"), [(1, 3), (2, None), (0, None)])
+def test_with_one_checkpoint_the_log_reaches_back_to_the_start_unless_keep_is_1(tmp_path: Path, keep: int, back_to: int | None) -> None:
+    """The first checkpoint has no spare but the model itself: with a spare wanted, the
+    trained log is kept whole until there are two (a run that checkpoints only at its end
+    keeps its whole log)."""
+    root = tmp_path / "ckpt"
+    own(root, 3, keep)
+    found = checkpoint.fallback(checkpoint.scan(root), keep)
+    assert (found.state.step if found is not None else None) == back_to
+
+
 def test_an_operators_checkpoint_is_neither_resumed_nor_pruned(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     own(root, 2, keep=1)

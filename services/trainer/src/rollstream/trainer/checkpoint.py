@@ -385,10 +385,11 @@ def save_own(checkpoint_dir: Path, step: int, keep: int, write: Callable[[Path],
 def fallback(found: Scan, keep: int) -> Found | None:
     """The oldest checkpoint a resume may still need: the latest, or with a spare kept
     (keep != 1) the one before it, which a torn latest falls back to. The trained log must
-    reach back to it; what is older is in its weights."""
-    if len(found.usable) >= 2 and keep != 1:
-        return found.usable[-2]
-    return found.latest
+    reach back to it; what is older is in its weights. None: back to the start (a spare is
+    wanted and there is none yet, so the model itself is the spare)."""
+    if keep == 1:
+        return found.latest
+    return found.usable[-2] if len(found.usable) >= 2 else None
 
 
 def disk_bytes(path: Path) -> int:
