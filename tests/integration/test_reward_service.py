@@ -23,7 +23,7 @@ from procs import start_reward
 from synthetic import rollout_group
 
 def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
-    svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2")
+    svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2", "--trust-scored-rollouts")
     try:
         rollouts = keys.stream("rollouts")
         write(rclient, keys, "rollouts", rollout_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]))
@@ -115,6 +115,27 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert "dead_lettered" in svc.log() and "stopped" in svc.log()
     finally:
         svc.kill()
+
+
+def test_a_group_claiming_its_own_rewards_is_scored_again_by_default(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+    """Issue 27: the generator's Redis user writes `rollouts`; a group it marks scored, with
+    reward 100, must not reach the trainer as such unless the operator trusts that stream."""
+    svc = start_reward(tmp_path, redis_url, keys.run)
+    try:
+        forged = rollout_group("forged", ["7", "8"])  # the answer is 8
+        forged.scored = True
+        for c in forged.completions:
+            c.reward = 100.0
+            c.reward_components.add(name="custom", value=100.0, weight=1.0, status="ok")
+        write(rclient, keys, "rollouts", forged)
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 1, 60, "the forged group scored", [svc])
+        (out,) = groups_in(rclient, keys.stream("scored"))
+        assert [c.reward for c in out.completions] == pytest.approx([0.1, 1.1])  # its own answers, scored here
+        assert all(comp.name != "custom" for c in out.completions for comp in c.reward_components)
+        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        assert stats.get("reward_passthrough", 0) == 0 and stats["scored"] == 1
+    finally:
+        svc.stop()
 
 
 def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:

@@ -20,6 +20,11 @@ class RewardSettings(CommonSettings):
         "scored", description="stream the scored groups go to: 'ready' when the reference stage is skipped (beta = 0)"
     )
     group: str = Field("reward", pattern=NAME_PATTERN, description="consumer group on the rollouts stream")
+    # Off by default: `rollouts` is written by the generator user, so a group that says it is
+    # scored may be a stolen generator password rewarding itself (issue 27).
+    trust_scored_rollouts: bool = Field(
+        False, description="forward groups that arrive already scored as they are (a trusted scorer upstream); off: score every group"
+    )
     # allow_inf_nan=False: a NaN weight would silently poison every reward downstream.
     answer_weight: float = Field(1.0, allow_inf_nan=False, description="weight of the 'answer' component of the built-in recipes")
     format_weight: float = Field(0.1, allow_inf_nan=False, description="weight of the 'format' component (arithmetic)")

@@ -169,8 +169,10 @@ class RewardLoop:
 
         Raises ScorerUnavailable before anything is written: the caller holds the batch."""
         host, stage, metrics, totals = self.host, self.stage, self.metrics, self.totals
-        # A group already scored upstream (by a custom scorer) is forwarded as it is.
-        to_score = {i: group for i, (_, group) in enumerate(batch) if not group.scored}
+        # A group already scored upstream is forwarded as it is only where the operator trusts
+        # what writes `rollouts` (trust_scored_rollouts); else its rewards are replaced.
+        trusted = self.settings.trust_scored_rollouts
+        to_score = {i: group for i, (_, group) in enumerate(batch) if not (group.scored and trusted)}
         scored = self.scorer.score_groups(to_score) if to_score else Scored(scores={}, rejected={})
         done: list[Entry] = []
         outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
