@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollstream.core import modeling
+from rollstream.core import modeling, validation
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reference.scoring import ReferenceModel, TokenPair
@@ -75,6 +75,18 @@ def test_logprobs_equal_full_logits_computation(tiny_model_dir: Path, bf16_round
     # Log-probs of a few-hundred-token vocabulary under random weights: negative and not degenerate.
     flat = torch.tensor([v for g in got for v in g])
     assert (flat < 0).all() and flat.std() > 0
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_logprobs_below_what_float32_carries_are_floored_not_refused(tiny_model_dir: Path, share_prompts: bool) -> None:
+    """At temperature 0.001 the tiny model puts many tokens far below ln(2^-126): the values
+    come out at validation.MIN_LOGPROB, where the trainer's intake accepts them (issue 27)."""
+    ref = ReferenceModel.load(tiny_model_dir, temperature=0.001, share_prompts=share_prompts)
+    sequences = make_sequences(ref.vocab_size)
+    sequences += [(sequences[0][0], c) for _, c in sequences[1:4]]  # a shared prompt
+    flat = torch.tensor([v for g in ref.logprobs(sequences) for v in g])
+    assert (flat == validation.MIN_LOGPROB).sum() > len(flat) // 4, "the setup must reach the floor"
+    assert (flat >= validation.MIN_LOGPROB).all() and (flat <= 0).all()
 
 
 def grouped_sequences(vocab: int) -> list[TokenPair]:

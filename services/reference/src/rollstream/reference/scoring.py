@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rollstream.core import modeling
+from rollstream.core import modeling, validation
 
 # (prompt token ids, completion token ids)
 TokenPair = tuple[Sequence[int], Sequence[int]]
@@ -129,7 +129,10 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def logprobs(self, sequences: Sequence[TokenPair]) -> list[list[float]]:
-        """log pi_ref of each completion token given everything before it, per sequence.
+        """log pi_ref of each completion token given everything before it, per sequence,
+        floored at validation.MIN_LOGPROB: a token the reference finds less likely than
+        float32 carries (a long run's policy far from it, a low temperature) bounds its KL
+        term there instead of getting its group refused downstream. NaN stays NaN (refused).
 
         Callers check pairs with `check` first; an invalid pair raises from torch here.
         """
@@ -157,7 +160,7 @@ class ReferenceModel:
             batch = modeling.make_batch([sequences[i] for i in batch_indices], self.pad_id, self.device)
             flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
             for i, values in zip(batch_indices, flat.float().cpu().split(batch.lengths)):
-                out[i] = values.tolist()
+                out[i] = values.clamp(min=validation.MIN_LOGPROB).tolist()
 
     def _shared_prompt(self, prompt: tuple[int, ...], indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]]) -> None:
         """Completions of one prompt: the prompt once per micro-batch, its KV cache for all.
@@ -168,4 +171,4 @@ class ReferenceModel:
             completions = [sequences[i][1] for i in batch_indices]
             flat = shared_prompt_logprobs(self.model, prompt, completions, self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
             for i, values in zip(batch_indices, flat.float().cpu().split([len(c) for c in completions])):
-                out[i] = values.tolist()
+                out[i] = values.clamp(min=validation.MIN_LOGPROB).tolist()
