@@ -187,6 +187,8 @@ def test_reward_image_dependencies_have_no_torch() -> None:
 
 
 def test_trainer_launcher_resumes_only_from_a_complete_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
     from rollstream.trainer import checkpoint
 
     for name in [n for n in __import__("os").environ if n.startswith("ROLLSTREAM_")]:
@@ -198,7 +200,11 @@ def test_trainer_launcher_resumes_only_from_a_complete_checkpoint(tmp_path: Path
     ckpt.mkdir()
     (ckpt / "step-00000003").mkdir()  # a checkpoint being written (no state file yet) does not count
     assert launcher.start_args(argv) == argv
-    (ckpt / "step-00000003" / checkpoint.STATE_FILE).write_text("{}")
+    (ckpt / "step-00000003" / checkpoint.STATE_FILE).write_text("{}")  # nor one that does not verify
+    assert launcher.start_args(argv) == argv
+    state = checkpoint.CheckpointState(version=3, step=3, optimizer_steps=3)
+    tensors = {f"{kind}/w": torch.zeros(4) for kind in ("master", "exp_avg", "exp_avg_sq")}
+    checkpoint.save(ckpt / "step-00000003", state, tensors, checkpoint.rng_state(), replace=True)
     assert launcher.start_args(argv) == [*argv, "--resume", "latest"]
     assert checkpoint.resolve("latest", str(ckpt)) == ckpt / "step-00000003"  # what the trainer will then load
     explicit = [*argv, "--resume", str(ckpt / "step-00000003")]
