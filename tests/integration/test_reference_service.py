@@ -18,9 +18,12 @@ import pytest
 import redis
 
 from rollstream.core import codec, streams
-from rollstream.core.grpc_utils import channel
+from rollstream.core.grpc_utils import Service, channel
 from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.core.service import ServiceHost
+from rollstream.reference.config import ReferenceSettings
 from rollstream.reference.scoring import ReferenceModel
+from rollstream.reference.service import Metrics, ReferenceServicer, Scorer, Totals, parse_group, reference_entries
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
 
 from helpers import wait_for, wait_healthy, write
@@ -195,13 +198,68 @@ def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.R
     assert after.tokens_processed == before.tokens_processed + sum(len(c) for _, c in sequences) + group_tokens
 
 
+def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: EmbeddedRedis, in_process: ReferenceModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream loop's pieces in this process (real Redis, real gRPC server, the real
+    commit), so that GetState can be asked at the moment the commit has made a group
+    visible in ready: what a client polling ready, then GetState, would see. A commit that
+    fails leaves the count as it was."""
+    keys = streams.RunKeys("refstate" + uuid.uuid4().hex[:8])
+    settings = ReferenceSettings(redis_url=redis_server.url, run=keys.run, block_ms=10)
+    client = streams.connect(redis_server.url)
+    with ServiceHost("reference", settings) as host:
+        totals = Totals()
+        servicer = ReferenceServicer("tiny", totals)
+        host.start([Service("rollstream.v1.Reference", servicer, reference_pb2_grpc.add_ReferenceServicer_to_server)])
+        assert host.grpc is not None
+        scorer = Scorer(in_process, Metrics.register(host.registry), totals)
+        servicer.scorer = scorer
+        stage = host.open_stage(client, "scored", settings.group)
+        with channel(f"127.0.0.1:{host.grpc.port}") as ch:
+            stub = reference_pb2_grpc.ReferenceStub(ch)
+            counted_at_commit: list[int] = []
+            commit = stage.commit
+
+            def commit_then_ask(*args: object, **kwargs: object) -> bool:
+                done = commit(*args, **kwargs)  # type: ignore[arg-type]
+                counted_at_commit.append(stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed)
+                return done
+
+            monkeypatch.setattr(stage, "commit", commit_then_ask)
+
+            # A commit refused by Redis (ready is not a stream): nothing written, nothing counted.
+            client.set(keys.stream("ready"), "not a stream")
+            write(client, keys, "scored", scored_group_in_vocab(in_process.vocab_size, n=2, seed=7))
+            batch = wait_for(lambda: host.read(stage, lambda e: parse_group(e, scorer)), 30, "the group read")
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                reference_entries(batch, stage, scorer, host)
+            assert stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed == 0
+
+            # The same entry, read again once ready is a stream: counted by the time it is there.
+            client.delete(keys.stream("ready"))
+            batch = wait_for(lambda: host.read(stage, lambda e: parse_group(e, scorer)), 30, "the group read again")
+            reference_entries(batch, stage, scorer, host)
+            assert client.xlen(keys.stream("ready")) == 1
+            assert counted_at_commit == [1]
+    client.close()
+
+
 def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+    def metrics() -> str:
+        return httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=30).text
+
+    def referenced() -> float:
+        prefix = 'rollstream_reference_groups_total{outcome="referenced"} '
+        return next((float(line[len(prefix):]) for line in metrics().splitlines() if line.startswith(prefix)), 0.0)
+
+    before = referenced()
     group = scored_group_in_vocab(in_process.vocab_size, seed=6)
     write(client, keys, "scored", group)
     wait_ready_group(client, keys, group.group_id)
 
-    text = httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=5).text
-    assert 'rollstream_reference_groups_total{outcome="referenced"}' in text
+    # The counter moves just after the commit (a counter cannot take back a failed one), so
+    # a scrape right after the group shows in ready may not have it yet: waited for.
+    wait_for(lambda: referenced() >= before + 1, 20, "the referenced-groups metric to count the group")
+    text = metrics()
     assert 'rollstream_reference_tokens_total{kind="completion"}' in text
     assert "rollstream_reference_tokens_per_second" in text
     # Acknowledged entries are trimmed from the scored stream (every 0.5 s here).

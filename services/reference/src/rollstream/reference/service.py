@@ -163,8 +163,15 @@ def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGro
     def ledger(ops: streams.Ops) -> None:
         ops.hincrby(stage.keys.stats, "referenced", referenced)
 
-    stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
+    # GetState counts the groups before they show in ready, so whoever sees one there and
+    # then asks GetState finds it counted; a commit that fails takes the count back (the
+    # entries stay pending and are read again).
     scorer.totals.add(referenced, 0)
+    try:
+        stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
+    except BaseException:
+        scorer.totals.add(-referenced, 0)
+        raise
     scorer.metrics.groups.labels("referenced").inc(referenced)
     tokens = sum(len(p) + len(c) for p, c in sequences)
     logs.event(
