@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -16,8 +16,14 @@ import httpx
 import pytest
 import redis
 
+from rollstream.core import streams
+from rollstream.core.service import ServiceHost
 from rollstream.core.streams import RunKeys
+from rollstream.reward.config import RewardSettings
+from rollstream.reward.limits import ScorePool
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
+from rollstream.reward.scoring import Metrics, Scorer
+from rollstream.reward.service import RewardLoop
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from helpers import REWARD_GROUP, groups_in, wait_for, write_many
 from procs import free_port, start_reward
@@ -173,6 +179,53 @@ def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_ur
         assert rclient.hget(keys.stats, "scored") == b"5"
     finally:
         svc.kill()
+
+
+def test_ready_again_only_once_the_circuit_gauge_says_closed(
+    redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's turns in this process (real Redis, real scoring pool, real grader), so that
+    the gauge can be read at the moment /readyz turns ready again: a dashboard or a test that
+    sees ready must not see the circuit still open."""
+    settings = RewardSettings(
+        redis_url=redis_url, run=keys.run, scorer_address=scorer.address, block_ms=10, scorer_retries=1, scorer_backoff_s=0.05,
+        scorer_backoff_max_s=0.1, scorer_breaker_failures=2, scorer_breaker_cooldown_s=0.3, scorer_deadline_s=5,
+    )
+    write_many(rclient, keys, [rollout_group("c0", ["8"])])
+    client = streams.connect(redis_url)
+    with ServiceHost("reward", settings) as host:
+        metrics = Metrics.register(host.registry)
+        pool = ScorePool(settings.recipe_source(), settings.score_workers)
+        remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: None)
+        try:
+            stage = host.open_stage(client, "rollouts", settings.group)
+            loop = RewardLoop(host, settings, stage, Scorer(local=pool, remote=remote), metrics)
+
+            def circuit_open() -> float | None:
+                return host.registry.get_sample_value("rollstream_reward_scorer_circuit_open")
+
+            def turned(until: Callable[[], bool]) -> bool:
+                loop.turn()
+                return until()
+
+            # Nothing listens at the grader's address: the batch is held and the circuit opens.
+            wait_for(lambda: turned(lambda: circuit_open() == 1.0), 30, "the circuit to open")
+            seen_at_ready: list[tuple[bool, float | None]] = []
+            set_ready = host.set_ready
+
+            def record(ready: bool, detail: str) -> None:
+                seen_at_ready.append((ready, circuit_open()))
+                set_ready(ready, detail)
+
+            monkeypatch.setattr(host, "set_ready", record)
+            scorer.start()
+            wait_for(lambda: turned(lambda: loop.scorer_ok), 30, "the loop to recover")
+            assert rclient.xlen(keys.stream("scored")) == 1
+            assert [seen for seen in seen_at_ready if seen[0]] == [(True, 0.0)]
+        finally:
+            remote.close()
+            pool.close()
+    client.close()
 
 
 def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:

@@ -127,6 +127,7 @@ class RewardLoop:
 
     def turn(self) -> None:
         host = self.host
+        recovered = False
         if not self.held:
             self.held.extend(host.read(self.stage, parse_group))
         if self.held:
@@ -138,12 +139,14 @@ class RewardLoop:
                 return
             self.held.clear()
             self.metrics.held_groups.set(0)
-            if not self.scorer_ok:
-                self.scorer_ok = True
-                host.set_ready(True, f"reading {self.stage.stream}")
-                logs.event(host.log, "scorer_recovered")
+            recovered = not self.scorer_ok
         if self.scorer.remote is not None:
             self.metrics.scorer_circuit_open.set(1 if self.scorer.remote.breaker.state == "open" else 0)
+        # After the gauges: whoever sees /readyz say ready again sees the circuit closed too.
+        if recovered:
+            self.scorer_ok = True
+            host.set_ready(True, f"reading {self.stage.stream}")
+            logs.event(host.log, "scorer_recovered")
         if self.trim.due():
             self.totals.trimmed += self.stage.trim()
         if self.progress.due() and asdict(self.totals) != self.last_logged:  # quiet while idle
