@@ -18,7 +18,7 @@ N_GROUPS = 1200
 
 
 def scored_by(http_port: int) -> int:
-    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30).text
     line = next(x for x in text.splitlines() if x.startswith('rollstream_reward_groups_total{outcome="scored"}'))
     return int(float(line.split()[-1]))
 
@@ -34,7 +34,12 @@ def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, r
         for g in groups_in(rclient, keys.stream("scored")):
             assert [c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1, 0.0])
         # Each worker's own count of what it committed: together exactly the whole, both non-zero.
-        counts = [scored_by(w.http_port) for w in workers]
+        # A worker counts a batch just after committing it (its counter cannot take back a
+        # failed commit), so the last batch's count may trail the stream by a moment: waited for.
+        counts = wait_for(
+            lambda: c if sum(c := [scored_by(w.http_port) for w in workers]) >= N_GROUPS else None,
+            120, "both workers' counts to reach the stream", workers,
+        )
         assert sum(counts) == N_GROUPS and min(counts) > 0, counts
         assert int(rclient.hget(keys.stats, "scored") or 0) == N_GROUPS
     finally:
