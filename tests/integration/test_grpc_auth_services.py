@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -274,12 +273,10 @@ def test_a_push_sending_more_than_it_declares_is_cut_off(pair: Pair) -> None:
     sha = generator_state(pair.generator.grpc_address, sha=True, token=pair.secrets.tokens["admin"]).weights_sha256
     header = weights_pb2.WeightHeader(kind="anchor", version=9, total_bytes=1, sha256="0" * 64)
     stream = Counted(weights_pb2.WeightChunk(header=header, data=b"\x00" * (1 << 20)), then=360)  # 361 MiB behind a 1-byte header
-    start = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         push_as_trainer(pair, stream, header)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sent more than the 1 bytes its header declares" in e.value.details()
     assert stream.taken < 20, f"{stream.taken} MiB were taken from the stream"  # what was in flight, not 361 MiB
-    assert time.monotonic() - start < 30
     assert_still_serving(pair, sha)
 
 
