@@ -19,7 +19,7 @@ from rollstream.core.procs import stop_process
 from rollstream.core.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
-from helpers import wait_for
+from helpers import MIN_WAIT_S, wait_for
 
 
 @dataclass
@@ -39,7 +39,9 @@ class ChildProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
 
-    def stop(self, timeout_s: float = 30.0) -> int:
+    def stop(self, timeout_s: float = MIN_WAIT_S) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s`: a clean stop finishes the work in hand,
+        which on a loaded machine can take far longer than it does idle."""
         return stop_process(self.proc, timeout_s)
 
 

@@ -19,7 +19,7 @@ from rollstream.core import codec, steplog
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
-from helpers import still_running, wait_for
+from helpers import MIN_WAIT_S, still_running, wait_for
 from procs import alive
 
 pytestmark = pytest.mark.e2e
@@ -58,7 +58,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
         assert set(pids) == {"trainer", "generator-0", "reward-0", "reference-0"}
 
-        status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=60)
+        status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=MIN_WAIT_S)
         assert status.returncode == 0, status.stderr
         assert keys.stream("ready") in status.stdout and "trained=" in status.stdout
         # every stage has its consumer, the generator its version, and one diagnosis line
@@ -66,7 +66,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         assert any(line.startswith(("bottleneck: ", "ok: ", "warning: ", "STUCK: ")) for line in status.stdout.splitlines()), status.stdout
 
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=MIN_WAIT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -112,12 +112,12 @@ def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_m
 
 
 def test_up_refuses_a_negative_max_staleness(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([rollstream_cmd(), "up", "--max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=MIN_WAIT_S)
     assert done.returncode == 2 and "--max-staleness" in done.stderr
 
 
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=MIN_WAIT_S)
     assert done.returncode == 2 and "--lora-rank" in done.stderr
 
 
@@ -160,7 +160,7 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     ],
 )
 def test_up_refuses_bad_reward_flags(flags: list[str], field: str, tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=MIN_WAIT_S)
     assert done.returncode == 2 and field in done.stderr, done.stderr
     assert not (tmp_path / "state").exists()  # refused before anything started
 

@@ -22,7 +22,7 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
-from helpers import code_of, still_running, wait_for
+from helpers import MIN_WAIT_S, code_of, still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -113,10 +113,10 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         ok = subprocess.run(
             [rollstream_cmd(), "status", "--redis-url", url, "--run", run, "--redis-username", "admin",
              "--redis-password-file", str(creds / "redis" / "admin.password")],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=MIN_WAIT_S,
         )
         assert ok.returncode == 0 and keys.stream("ready") in ok.stdout, ok.stdout + ok.stderr
-        refused = subprocess.run([rollstream_cmd(), "status", "--redis-url", url, "--run", run], capture_output=True, text=True, timeout=60)
+        refused = subprocess.run([rollstream_cmd(), "status", "--redis-url", url, "--run", run], capture_output=True, text=True, timeout=MIN_WAIT_S)
         assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower(), refused.stdout + refused.stderr
 
         # The trainer's dashboard reads every stage as the read-only observer: nothing of its
@@ -135,7 +135,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         assert admin.acl_log() == []
         admin.close()
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=180)
+        out, _ = proc.communicate(timeout=MIN_WAIT_S)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,7 +16,7 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
-from helpers import LoggedProc, groups_in, wait_for, wait_healthy, write_many
+from helpers import MIN_WAIT_S, LoggedProc, groups_in, wait_for, wait_healthy, write_many
 from procs import start_reward
 from synthetic import rollout_group
 
@@ -57,5 +57,5 @@ def test_reward_stage_scores_with_the_model_scorer(tiny_model_dir: Path, redis_u
         if reward is not None:
             assert reward.stop() == 0, reward.log()
         scorer.terminate()
-        scorer.wait(timeout=60)
+        scorer.wait(timeout=MIN_WAIT_S)
     assert scorer.returncode == 0, watched.log()

@@ -38,7 +38,7 @@ from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
 from rollstream.v1 import rollout_pb2
 
-from helpers import CUSTOM_REWARD_EXAMPLE, LoggedProc, wait_for, write
+from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
 from procs import start_service, trainer_state
 from synthetic import rollout_group, scored_group_in_vocab
 
@@ -631,7 +631,7 @@ def test_service_with_wrong_credentials_exits_2_saying_why(tmp_path: Path, serve
     for tag, (flags, expected) in cases.items():
         svc = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, *flags, tag=tag)
         try:
-            rc = svc.proc.wait(timeout=60)
+            rc = svc.proc.wait(timeout=MIN_WAIT_S)
         finally:
             svc.stop()
         log = svc.log()
@@ -655,7 +655,7 @@ def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, se
         svc = start_service("generator", tmp_path, "--model", str(tiny_model_dir), "--threads", "1", "--redis-url", server.url,
                             "--run", keys.run, *own, "--redis-observer-password-file", file, tag=tag)  # fmt: skip
         try:
-            rc = svc.proc.wait(timeout=120)
+            rc = svc.proc.wait(timeout=MIN_WAIT_S)
         finally:
             svc.stop()
         log = svc.log()
@@ -684,6 +684,6 @@ def test_custom_reward_example_runs_as_reward(
         wait_for(lambda: admin.xlen(keys.stream("scored")) >= 1, 30, "the example to score a group", procs=[LoggedProc("parity_reward.py", proc, log)])
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=MIN_WAIT_S)
     # A plain redis-py client sends CLIENT SETINFO on connect, refused and ignored: nothing else.
     assert [d for d in denials(admin) if not d.endswith(" client")] == []

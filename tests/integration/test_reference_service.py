@@ -26,7 +26,7 @@ from rollstream.reference.scoring import ReferenceModel
 from rollstream.reference.service import Metrics, ReferenceServicer, Scorer, Totals, parse_group, reference_entries
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
 
-from helpers import wait_for, wait_healthy, write
+from helpers import MIN_WAIT_S, wait_for, wait_healthy, write
 from procs import ServiceProc, start_service
 from synthetic import scored_group_in_vocab
 
@@ -268,7 +268,7 @@ def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: str
 
 def test_bad_settings_exit_2_naming_the_field() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "rollstream.reference", "--dtype", "float16"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rollstream.reference", "--dtype", "float16"], capture_output=True, text=True, timeout=MIN_WAIT_S
     )
     assert result.returncode == 2
     assert "field 'dtype'" in result.stderr
@@ -278,7 +278,7 @@ def test_missing_model_folder_exits_2(tmp_path: Path, redis_server: EmbeddedRedi
     missing = tmp_path / "no-such-model"
     result = subprocess.run(
         [sys.executable, "-m", "rollstream.reference", "--model", str(missing), "--redis-url", redis_server.url],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=MIN_WAIT_S,
     )
     assert result.returncode == 2
     assert "does not exist" in result.stderr

@@ -16,7 +16,7 @@ from rollstream.core import codec, streams
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
-from helpers import CUSTOM_REWARD_EXAMPLE, LoggedProc, groups_in, wait_for, write, write_many
+from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many
 from synthetic import rollout_group
 
 GROUP = "custom-reward"
@@ -74,7 +74,7 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
         wait_for(lambda: rclient.xlen(rollouts) == 0, 20, "rollouts trimmed behind the acks", procs=example(proc, log))
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=MIN_WAIT_S)
     assert proc.returncode == 0, log.read_text()
 
 
@@ -99,4 +99,4 @@ def test_resumes_its_own_pending_and_dead_letters_over_delivered(custom_reward_s
         assert rclient.xpending(rollouts, GROUP)["pending"] == 0
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=MIN_WAIT_S)

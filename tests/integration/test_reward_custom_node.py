@@ -19,7 +19,7 @@ from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
-from helpers import groups_in, wait_for, write, write_many
+from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
 from synthetic import rollout_group
@@ -186,7 +186,7 @@ def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp
                 "--redis-password-file", str(bad_file), "--run", keys.run,
             )  # fmt: skip
             started.append(wrong)
-            assert wrong.proc.wait(timeout=60) == 2, wrong.log()
+            assert wrong.proc.wait(timeout=MIN_WAIT_S) == 2, wrong.log()
             assert "misconfigured" in wrong.log()
         finally:
             admin.close()

@@ -18,7 +18,7 @@ from rollstream.core import codec, grpc_utils, streams
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from helpers import REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
+from helpers import MIN_WAIT_S, REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
 from procs import start_reward
 from synthetic import rollout_group
 
@@ -179,7 +179,7 @@ def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclie
     [(["--answer-weight", "abc"], "answer_weight"), (["--grpc-port", "99999"], "grpc_port"), (["--output-stage", "trainer"], "output_stage")],
 )
 def test_bad_config_exits_2_naming_the_field(flags: list[str], field: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "rollstream.reward", *flags], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "rollstream.reward", *flags], capture_output=True, text=True, timeout=MIN_WAIT_S)
     assert done.returncode == 2, done.stderr
     assert f"field '{field}'" in done.stderr
 
@@ -377,6 +377,6 @@ def test_scoring_workers_killed_mid_batch_lose_nothing(tmp_path: Path, redis_url
 
 def test_bad_recipe_config_exits_2_naming_it() -> None:
     bad = json.dumps({"math": [{"component": "regex", "weight": 1, "params": {"pattern": "("}}]})
-    done = subprocess.run([sys.executable, "-m", "rollstream.reward", "--recipes", bad], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "rollstream.reward", "--recipes", bad], capture_output=True, text=True, timeout=MIN_WAIT_S)
     assert done.returncode == 2, done.stderr
     assert "recipes.math[0]" in done.stderr and "pattern does not compile" in done.stderr
