@@ -16,7 +16,7 @@ from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE as EXAMPLE
-from helpers import LoggedProc, wait_for
+from helpers import MIN_WAIT_S, LoggedProc, wait_for
 from procs import start_service
 
 pytestmark = pytest.mark.e2e
@@ -112,7 +112,7 @@ def test_trainer_trains_on_the_custom_services_scores(
     finally:
         custom.terminate()
         try:
-            custom.wait(timeout=30)
+            custom.wait(timeout=MIN_WAIT_S)
         except subprocess.TimeoutExpired:
             custom.kill()
         for p in reversed(procs):
