@@ -24,6 +24,8 @@ from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, S
 from rollstream.reward.remote import CircuitBreaker, check_reply, service_config
 from rollstream.v1 import reward_pb2
 
+from helpers import MIN_WAIT_S, wait_for
+
 # -- checks the test recipes are made of (module-level: the workers import them) ------------------
 
 
@@ -119,10 +121,7 @@ def test_endless_python_loop_times_out_and_the_other_components_still_count(pool
     assert statuses(s) == [("slow", 0.0, "timeout"), ("format", 1.0, "ok")] and s.reward == pytest.approx(0.1)
     # The worker that ran it was killed, and replaced: the pool works, as big as before.
     spinner = int(marker.read_text())
-    deadline = time.monotonic() + 30
-    while _alive(spinner):
-        assert time.monotonic() < deadline, "the worker past its limit is still running"
-        time.sleep(0.05)
+    wait_for(lambda: not _alive(spinner), 30, "the worker past its limit to be gone")
     pids = worker_pids(pool)
     assert spinner not in pids and 1 <= len(pids) <= 2
 
@@ -163,12 +162,9 @@ def test_a_worker_killed_mid_task_is_replaced_and_the_task_run_again(pool: Score
     result: list[object] = []
     scoring = threading.Thread(target=lambda: result.append(pool.score_many([("kill", Sample(str(marker))), ("format", Sample("8"))])))
     scoring.start()
-    deadline = time.monotonic() + 60
-    while not marker.exists() or not marker.read_text():
-        assert time.monotonic() < deadline, "the check never started"
-        time.sleep(0.05)
+    wait_for(lambda: marker.exists() and marker.read_text(), 60, "the check to start")
     os.kill(int(marker.read_text()), signal.SIGKILL)
-    scoring.join(timeout=120)
+    scoring.join(timeout=MIN_WAIT_S)
     assert not scoring.is_alive()
     killed, other = result[0]  # type: ignore[misc]
     assert statuses(killed) == [("answer", 1.0, "ok")]  # run again on a fresh worker, not lost
