@@ -42,7 +42,7 @@ def start_trained_run(tmp_path: Path, redis_url: str, client: redis.Redis, keys:
     steps_file = tmp_path / "steps.jsonl"
     trainer = start_service(
         "trainer", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(model_dir), "--threads", "1",
-        "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
+        "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "4", "--max-new-tokens", "6", "--prompt-buffer", "2",
         "--lr", "1e-3", "--max-staleness", "100", "--block-ms", "100", "--steps", str(STEPS), "--linger",
         "--metrics-file", str(steps_file),
     ).wait_ready()

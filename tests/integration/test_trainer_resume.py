@@ -86,7 +86,8 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
 
         # SaveCheckpoint: the default path is the step's folder (written by checkpoint_every
         # already, and written again); the latest two of the trainer's own are kept.
-        assert (dir_a / "step-00000004" / "state.json").is_file()
+        # Written after the step is committed (and GetState says 4): waited for, not read at once.
+        wait_for(lambda: (dir_a / "step-00000004" / "state.json").is_file(), 120, "step 4's checkpoint", procs)
         result = save_checkpoint(address, "")
         assert (result.path, result.version) == (str(dir_a / "step-00000004"), 4)
         assert checkpoint.load_state(dir_a / "step-00000004").version == 4

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import logs, push_signing, weight_transfer
+from rollstream.core import logs, push_signing
 from rollstream.core.credentials import ROLES, read_secret
 
 GENERATOR = "rollstream.v1.Generator"
@@ -235,10 +235,14 @@ def _signature_checked(handler: grpc.RpcMethodHandler, table: RoleTable, nonces:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"push signature refused: {why}")
 
         def one_payload() -> Iterator[Any]:
+            # Imported here: weight_transfer brings numpy (deltas), which servers that never
+            # take weights (the reward service) must not load.
+            from rollstream.core.weight_transfer import TransferRefused
+
             yield first
             for chunk in chunks:
                 if chunk.HasField("header"):  # the servicer answers INVALID_ARGUMENT, reading no further
-                    raise weight_transfer.TransferRefused("a signed push carries one payload; this stream starts another")
+                    raise TransferRefused("a signed push carries one payload; this stream starts another")
                 yield chunk
 
         return handler.stream_unary(one_payload(), context)
