@@ -269,6 +269,7 @@ def _up(args: argparse.Namespace) -> int:
         "--group-size", str(args.group_size), "--groups-per-step", str(args.groups_per_step),
         "--max-new-tokens", str(args.max_new_tokens), "--token-budget", str(args.token_budget), "--consumer", "trainer-0",
         "--max-staleness", str(args.max_staleness), "--loss", args.loss, "--tis-cap", str(args.tis_cap), "--moments-dtype", args.moments_dtype,
+        "--master-layout", args.master_layout,
         "--lora-rank", str(args.lora_rank), "--kl-reference", args.kl_reference,
         # Checkpoints by default; a restarted trainer resumes from the latest and replays the
         # steps trained after it. It lingers after the last step so generators can catch up.
@@ -794,6 +795,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16",
         help="the trainer's AdamW moments in host memory (bfloat16: half their memory, 0.5 GB less on the demo; "
         "float32: exact AdamW, docs/benchmarks.md)",
+    )
+    up.add_argument(
+        "--master-layout", choices=["split", "fp32"], default="split",
+        help="the trainer's fp32 masters in host memory (split: the served bf16 bits plus a 16-bit remainder, exact, "
+        "4 bytes a parameter; fp32: 8 bytes; rollstream/trainer/optimizer.py)",
     )
     up.add_argument("--loss", choices=["grpo", "dr_grpo", "dapo", "gspo"], default="grpo", help="the trainer's policy loss (rollstream/trainer/grpo.py)")
     up.add_argument(

@@ -17,6 +17,7 @@ from scratch), is refused instead of silently producing wrong weights.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 from collections.abc import Mapping
@@ -112,62 +113,167 @@ class _Encoded:
     val: bytes
 
 
-def _encode_tensor(base: np.ndarray, new: np.ndarray) -> _Encoded | None:
-    """One tensor's part of a delta (None: unchanged). Safe to run on several threads at
-    once: numpy's comparisons and zstd release the GIL, and the compressor is its own."""
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
-    flat_base = base.reshape(-1)
-    flat_new = new.reshape(-1)
-    changed = flat_base != flat_new
-    idx = np.flatnonzero(changed)
-    if idx.size == 0:
-        return None
-    mask_raw = np.packbits(changed).tobytes()
-    gaps_raw = np.diff(idx, prepend=0).astype("<u4").tobytes()
-    pos_options = [("mask", *_maybe_zstd(mask_raw, cctx)), ("idx", *_maybe_zstd(gaps_raw, cctx))]
-    pos_kind, pos_bytes, pos_z = min(pos_options, key=lambda o: len(o[1]))
+@dataclass(frozen=True)
+class _Changes:
+    """What changed in one piece of a tensor: positions in the whole (flattened) tensor, the
+    new bits there and their ULP steps from the base, and the piece's new bits (a view, for
+    the tensor's hash)."""
+
+    start: int
+    idx: np.ndarray
+    values: np.ndarray
+    steps: np.ndarray
+    new: np.ndarray
+
+
+def _changes(start: int, base: np.ndarray, new: np.ndarray) -> _Changes:
+    """Safe to run on several threads at once: numpy's comparisons release the GIL."""
+    flat_base, flat_new = base.reshape(-1), new.reshape(-1)
+    idx = np.flatnonzero(flat_base != flat_new)
     values = flat_new[idx]
     steps = values - flat_base[idx]  # uint16 arithmetic wraps: exactly invertible
-    val_options = [("bf16", *_maybe_zstd(values.astype("<u2").tobytes(), cctx)), ("ulp", *_maybe_zstd(steps.astype("<u2").tobytes(), cctx))]
+    return _Changes(start, idx + start, values, steps, flat_new)
+
+
+_MASK_CHUNK = 1 << 23  # positions per packbits call (a multiple of 8): 8 MB of bools at most
+
+
+def _packed_mask(idx: np.ndarray, size: int) -> bytes:
+    """np.packbits of the bool vector that is True at the sorted positions `idx`, without
+    making the whole vector (for a 778M-value embedding that would be 778 MB)."""
+    out = bytearray()
+    chunk = np.zeros(min(size, _MASK_CHUNK), dtype=bool)
+    for start in range(0, size, _MASK_CHUNK):
+        end = min(size, start + _MASK_CHUNK)
+        lo, hi = np.searchsorted(idx, [start, end])
+        part = chunk[: end - start]
+        part[:] = False
+        part[idx[lo:hi] - start] = True
+        out += np.packbits(part).tobytes()
+    return bytes(out)
+
+
+def _encode_changes(shape: tuple[int, ...], size: int, pieces: list[_Changes]) -> _Encoded | None:
+    """One tensor's part of a delta from the changes of its pieces, which cover it exactly
+    (None: unchanged). Safe to run on several threads at once (zstd releases the GIL too, and
+    the compressor is this call's own)."""
+    pieces = sorted(pieces, key=lambda c: c.start)
+    idx = np.concatenate([c.idx for c in pieces])
+    if idx.size == 0:
+        return None
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+    gaps_raw = np.diff(idx, prepend=0).astype("<u4").tobytes()
+    pos_options = [("mask", *_maybe_zstd(_packed_mask(idx, size), cctx)), ("idx", *_maybe_zstd(gaps_raw, cctx))]
+    pos_kind, pos_bytes, pos_z = min(pos_options, key=lambda o: len(o[1]))
+    values = np.concatenate([c.values for c in pieces]).astype("<u2").tobytes()
+    steps = np.concatenate([c.steps for c in pieces]).astype("<u2").tobytes()
+    val_options = [("bf16", *_maybe_zstd(values, cctx)), ("ulp", *_maybe_zstd(steps, cctx))]
     val_kind, val_bytes, val_z = min(val_options, key=lambda o: len(o[1]))
-    info = {
-        "shape": list(base.shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z,
-        "xxh3": _bits_hash(new),
-    }
+    hasher = xxhash.xxh3_64()
+    for c in pieces:
+        hasher.update(np.ascontiguousarray(c.new).data)
+    info = {"shape": list(shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z, "xxh3": hasher.hexdigest()}
     return _Encoded(info, pos_bytes, val_bytes)
 
 
+def _encode_tensor(base: np.ndarray, new: np.ndarray) -> _Encoded | None:
+    """One tensor's part of a delta, from its base and new bits (None: unchanged)."""
+    return _encode_changes(base.shape, base.size, [_changes(0, base, new)])
+
+
+def _finish_pieces(shape: tuple[int, ...], size: int, pieces: list[Future[_Changes] | _Changes]) -> _Encoded | None:
+    # On the encoder's pool, each piece's future was submitted before this call: it is
+    # running or done, never queued behind this one.
+    return _encode_changes(shape, size, [p.result() if isinstance(p, Future) else p for p in pieces])
+
+
+@dataclass
+class _Partial:
+    """A tensor of which some pieces were added (DeltaEncoder.add_piece)."""
+
+    pieces: list[Future[_Changes] | _Changes] = field(default_factory=list)
+    covered: int = 0
+
+
 class DeltaEncoder:
-    """An exact delta from `base` built one tensor at a time, as each tensor's new bits
-    become final. The trainer's optimizer hands a tensor over as soon as the last bucket
-    holding it is stepped (HostAdamW.step's `on_tensor`), so the delta is encoded while the
-    step still runs, and on `executor`'s threads when one is given, instead of in one pass
-    over every tensor after the step. The payload is the same bytes whatever the order of
-    `add` calls or the number of threads (tensors go in by name).
+    """An exact delta from `base` built as the new bits become final: a tensor at a time
+    (`add`), or a piece of a tensor at a time with that piece's base bits (`add_piece`, which
+    the trainer's optimizer calls as it steps each bucket: HostAdamW.step's `on_piece`). So
+    the delta is encoded while the step still runs, on `executor`'s threads when one is
+    given, instead of in one pass over every tensor after the step; and a layout that
+    overwrites the previous version in place hands over each piece's old bits just before.
+    The payload is the same bytes whatever the order of the calls, the pieces or the number
+    of threads (tensors go in by name).
 
-    The arrays given to `add` must not change until `finish` returns."""
+    The `new` arrays given must not change until `finish` returns. Old bits given to
+    add_piece are the encoder's: at most `max_pending_bytes` of them wait for a thread
+    (add_piece then waits), so a slow encoder holds back the step instead of memory."""
 
-    def __init__(self, base: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str, executor: Executor | None = None):
+    def __init__(
+        self, base: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str, executor: Executor | None = None,
+        max_pending_bytes: int = 256 << 20,
+    ):
         self.base = base
         self.base_version, self.version, self.fingerprint = base_version, version, fingerprint
         self._executor = executor
         self._parts: dict[str, Future[_Encoded | None] | _Encoded | None] = {}
+        self._partial: dict[str, _Partial] = {}
+        self._max_pending = max_pending_bytes
+        self._pending: collections.deque[tuple[Future[_Changes], int]] = collections.deque()
+        self._pending_bytes = 0
 
     def __contains__(self, name: str) -> bool:
-        return name in self._parts
+        return name in self._parts or name in self._partial
 
-    def add(self, name: str, new: np.ndarray) -> None:
+    def _base_of(self, name: str) -> np.ndarray:
         if name not in self.base:
             raise DeltaError(f"{name} is not a tensor of the base weights")
         if name in self._parts:
             raise DeltaError(f"{name} was added twice")
-        base = self.base[name]
+        return self.base[name]
+
+    def add(self, name: str, new: np.ndarray) -> None:
+        base = self._base_of(name)
+        if name in self._partial:
+            raise DeltaError(f"{name} was added twice")
         if base.shape != new.shape:
             raise DeltaError(f"{name}: shape {base.shape} != {new.shape}")
         self._parts[name] = self._executor.submit(_encode_tensor, base, new) if self._executor else _encode_tensor(base, new)
 
+    def add_piece(self, name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
+        """The flattened elements [start, start + new.size) of tensor `name`: `old` are their
+        bits in the base, `new` now. The tensor is encoded once its pieces cover it."""
+        size = self._base_of(name).size
+        if old.shape != new.shape or start < 0 or start + new.size > size:
+            raise DeltaError(f"{name}: piece [{start}, {start + new.size}) of {size} values with {old.size} old bits")
+        partial = self._partial.setdefault(name, _Partial())
+        partial.covered += new.size
+        if partial.covered > size:
+            raise DeltaError(f"{name}: pieces cover {partial.covered} of {size} values (one added twice)")
+        if self._executor is None:
+            partial.pieces.append(_changes(start, old, new))
+        else:
+            self._wait_for_room(old.nbytes)
+            future = self._executor.submit(_changes, start, old, new)
+            self._pending.append((future, old.nbytes))
+            self._pending_bytes += old.nbytes
+            partial.pieces.append(future)
+        if partial.covered == size:
+            del self._partial[name]
+            shape = self.base[name].shape
+            self._parts[name] = self._executor.submit(_finish_pieces, shape, size, partial.pieces) if self._executor else _finish_pieces(shape, size, partial.pieces)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        while self._pending and (self._pending_bytes + nbytes > self._max_pending or self._pending[0][0].done()):
+            future, held = self._pending.popleft()
+            future.result()
+            self._pending_bytes -= held
+
     def finish(self) -> tuple[bytes, DeltaStats]:
         """The payload, once every tensor of the base was added."""
+        if self._partial:
+            name, partial = next(iter(self._partial.items()))
+            raise DeltaError(f"{name}: pieces cover {partial.covered} of {self.base[name].size} values")
         if self._parts.keys() != self.base.keys():
             raise DeltaError(f"weight names differ: {sorted(set(self.base) ^ set(self._parts))[:5]}")
         stats = DeltaStats()

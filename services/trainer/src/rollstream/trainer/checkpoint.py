@@ -4,11 +4,14 @@ A checkpoint is one folder, `step-NNNNNNNN` by default:
   state.json             format, policy version, step, counters, the prompt feeder's position,
                          the stream consumer, model fingerprint, LoRA config, the settings
                          it was written with (minus the Redis URL, which may hold a password)
-  optimizer.safetensors  master/<name> (fp32), exp_avg/<name>, exp_avg_sq/<name> (the moments'
+  optimizer.safetensors  the masters as the optimizer lays them out (HostAdamW.state_tensors):
+                         master/<name> (fp32), or master_hi/<name> (bf16: the served weights)
+                         and master_lo/<name> (int16) in the split layout, which load exactly
+                         into either layout; exp_avg/<name>, exp_avg_sq/<name> (the moments'
                          dtype), for every trained parameter (LoRA: the adapters only)
   rng.safetensors        torch_cpu: torch's CPU generator state (uint8); cuda/<i> per GPU
-The published bf16 weights are not stored: they are bf16(master) (or, with LoRA, the merge
-of the base model and the adapters), so they are derived on load. Python's and numpy's
+The published bf16 weights are not stored apart: they are the masters' bf16 rounding (or,
+with LoRA, the merge of the base model and the adapters), so they are derived on load. Python's and numpy's
 global generators are not stored because the trainer never draws from them (the prompt
 sources own seeded generators; their position is `prompts_fed`).
 
@@ -59,6 +62,7 @@ _ST_DTYPES = {
     torch.float16: "F16",
     torch.float64: "F64",
     torch.uint8: "U8",
+    torch.int16: "I16",
     torch.int32: "I32",
     torch.int64: "I64",
 }
@@ -98,6 +102,7 @@ class CheckpointState(BaseModel):
     base_weights_sha256: str = ""  # LoRA: the frozen base the adapters belong to
     lora: dict[str, Any] | None = None  # {rank, alpha, target_modules} or None
     moments_dtype: str = "float32"
+    master_layout: str = "fp32"  # informational: load_state reads either layout
     # The trained log's last entry when this was written: the entries up to it are in these
     # weights, so once this is the oldest checkpoint a resume may fall back to, they go.
     trained_log_id: str = ""

@@ -61,7 +61,12 @@ class TrainerSettings(TorchSettings):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in backward")
     # Optimizer memory (see rollstream/trainer/optimizer.py)
     bucket_mb: float = Field(32.0, gt=0, description="optimizer step bucket size, MB of fp32 masters")
-    moments_dtype: Literal["float32", "bfloat16"] = Field("float32", description="AdamW moments in host memory")
+    moments_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="AdamW moments in host memory (bfloat16: 4 bytes a parameter less)")
+    master_layout: Literal["split", "fp32"] = Field(
+        "split",
+        description="fp32 masters in host memory: split = their served bf16 bits plus a 16-bit remainder, exact, 4 bytes a parameter "
+        "(8 in all with bfloat16 moments); fp32 = an fp32 vector plus the served bits twice, 8 bytes",
+    )
     grad_offload: bool = Field(False, description="move gradients to host memory as backward produces them")
     # LoRA (peft); the published weights are the merged ones
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning)")

@@ -4,40 +4,59 @@ The model on the compute device holds bf16-valued weights (in its compute dtype)
 accumulates gradients there; this optimizer holds the fp32 masters and the AdamW moments on
 the CPU (moments optionally in bf16, half the memory) and runs torch's fused CPU AdamW.
 
-Layout: every parameter is flattened into one fp32 master vector (and one vector per
-moment), cut into equal buckets of `bucket_mb` MB of masters. AdamW is elementwise, so a
-bucket may start or end in the middle of a parameter. A step:
+Master layouts (`master_layout`); host bytes a parameter with fp32 / bf16 moments:
+  split  12 / 8. Each fp32 master is kept as two 16-bit planes: `hi`, its bf16 rounding,
+         which *is* the served weight (published, and what the model computes with), and
+         `lo`, the low half of the fp32 bit pattern. With w the master's bits as an int32:
+             hi = (w + 0x8000) >> 16      (bf16 rounding, ties away from zero)
+             lo = w mod 2^16, as an int16
+             w  = (hi << 16) + lo         (exact: w - (hi << 16) lies in [-2^15, 2^15))
+         AdamW runs on the exact fp32 master (joined per bucket into scratch, split back
+         after), so the step is fp32-master AdamW bit for bit, and the served bits and the
+         master are one buffer. The served rounding differs from torch's round-to-nearest-
+         even only on exact ties (low half 0x8000, about one value in 2^17): nearest-even
+         cannot be inverted from 16 more bits (an even bf16 value has 2^16 + 1 fp32 values
+         rounding to it), ties-away can.
+  fp32   16 / 12. An fp32 master vector, and the served bits twice: the version just made
+         and the previous one (the base of the next delta).
+
+Every parameter is flattened into one master vector (and one vector per moment), cut into
+equal buckets of `bucket_mb` MB of fp32 masters. AdamW is elementwise, so a bucket may start
+or end in the middle of a parameter. A step:
   1. the total gradient norm, on the compute device (the clip factor must be known before
      any bucket is updated);
   2. per bucket: the bucket's gradient slices go device-to-host into a pinned staging buffer
      on a side stream, the CPU scales them by the clip factor and runs fused AdamW on the
      bucket's masters and moments, rounds the result to bf16 into a second pinned buffer,
-     which goes host-to-device into the parameters on another side stream; the bf16 bits of
-     the bucket are copied into the new published bits, and each parameter whose last
-     bucket this was is handed to `on_tensor` (the publisher's delta encoder) right away,
-     so the delta is built on the way instead of by a pass over every tensor after the
-     step. Staging buffers are double-buffered: while the CPU works on bucket k, the
-     gradients of bucket k+1 come down and the weights of bucket k-1 go up.
+     which goes host-to-device into the parameters on another side stream; each piece of a
+     parameter in the bucket is handed to `on_piece` (the publisher's delta encoder) with its
+     bits before and after, so the delta is built on the way instead of by a pass over every
+     tensor after the step, and the split layout keeps no copy of the previous version: the
+     bucket's old bits are copied just before AdamW overwrites them. Staging buffers are
+     double-buffered: while the CPU works on bucket k, the gradients of bucket k+1 come down
+     and the weights of bucket k-1 go up.
 On a CPU-only machine the same code runs with plain synchronous copies and no streams.
 
 Why the masters and moments are not pinned: they never cross the bus (only gradients and
-bf16 weights do), and pinning 12 bytes per parameter of page-locked memory would be a large,
-slow allocation for nothing; only the staging buffers are pinned.
+bf16 weights do), and pinning 8-12 bytes per parameter of page-locked memory would be a
+large, slow allocation for nothing; only the staging buffers are pinned.
 
 Gradient offload (`grad_offload`): each parameter's gradient is moved into an fp32 host
 accumulator as soon as backward has produced it (a post-accumulate-grad hook) and freed on
 the device, so the device never holds the full gradient; the step then reads the host
-accumulator. The hook's copy is synchronous: it trades step time for device memory.
+accumulator (4 more bytes a parameter). The hook's copy is synchronous: it trades step time
+for device memory.
 
 step() returns the bf16 bits of every parameter: they are what gets published, and the
-model computes with exactly these values.
+model computes with exactly these values. In the split layout they are views of `hi`: they
+change in place at the next step.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,10 +67,20 @@ from torch.optim.adamw import adamw as functional_adamw
 from rollstream.core import progress
 
 MomentsDtype = Literal["float32", "bfloat16"]
-# Called with a parameter's name and its new bf16 bits (final for this step) as soon as the
-# last bucket holding it is done; the array stays valid and unchanged after the step.
-OnTensor = Callable[[str, np.ndarray], None]
+MasterLayout = Literal["split", "fp32"]
+# Called for every piece of a parameter once its bucket is stepped, as
+# on_piece(name, start, old, new): `start` is the piece's offset in the flattened parameter,
+# `old` its bits before the step (the receiver may keep them) and `new` its bits now (a view
+# that stays unchanged until the next step).
+OnPiece = Callable[[str, int, np.ndarray, np.ndarray], None]
 _MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def host_bytes_per_parameter(master_layout: MasterLayout, moments_dtype: MomentsDtype, grad_offload: bool = False) -> int:
+    """What the layout holds a parameter in host memory (staging buffers and deltas aside)."""
+    master = 4 if master_layout == "split" else 4 + 2 + 2  # fp32: the served bits, twice
+    moments = 2 * (4 if moments_dtype == "float32" else 2)
+    return master + moments + (4 if grad_offload else 0)
 # Bucket boundaries on multiples of this many elements keep every bucket's vectors aligned
 # for the fused kernel's SIMD loop.
 _ALIGN = 64
@@ -144,20 +173,24 @@ class HostAdamW:
         *,
         bucket_mb: float = 32.0,
         moments_dtype: MomentsDtype = "float32",
+        master_layout: MasterLayout = "split",
         grad_offload: bool = False,
         spare_bits: bool | None = None,
     ):
-        """`spare_bits`: keep the bits buffer of two steps ago between steps for reuse (see
-        _bits_buffer); None: only when the model is on a GPU."""
+        """`spare_bits` (fp32 layout): keep the bits buffer of two steps ago between steps for
+        reuse (see _bits_buffer); None: only when the model is on a GPU."""
         self.params = dict(params)
         if not self.params:
             raise ValueError("HostAdamW needs at least one parameter")
         devices = {p.device for p in self.params.values()}
         if len(devices) != 1:
             raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
+        if master_layout not in ("split", "fp32"):
+            raise ValueError(f"master_layout must be 'split' or 'fp32', not {master_layout!r}")
         self.device = devices.pop()
         self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.moments_dtype = moments_dtype
+        self.master_layout = master_layout
         self.grad_offload = grad_offload
         self.step_count = 0
 
@@ -168,24 +201,30 @@ class HostAdamW:
             self.layout[name] = (total, p.numel(), tuple(p.shape))
             total += p.numel()
         self.numel = total
-        self.flat_master = torch.empty(total, dtype=torch.float32)
-        self.master: dict[str, torch.Tensor] = {}
-        for name, p in self.params.items():
-            off, n, shape = self.layout[name]
-            view = self.flat_master[off : off + n].view(shape)
-            view.copy_(p.detach().to(device="cpu", dtype=torch.float32))
-            self.master[name] = view
+        bucket_elems = max(_ALIGN, int(bucket_mb * 2**20) // 4 // _ALIGN * _ALIGN)
+        self.buckets = self._cut(bucket_elems)
+        width = max(b.size for b in self.buckets)
+
+        # The masters: one fp32 vector, or the served bits (hi) and the low halves (lo).
+        self.split = master_layout == "split"
+        self.flat_master = torch.empty(0 if self.split else total, dtype=torch.float32)
+        self.hi = torch.empty(total if self.split else 0, dtype=torch.int16)
+        self.lo = torch.empty(total if self.split else 0, dtype=torch.int16)
+        # Split layout: each bucket's fp32 masters are joined here for AdamW (int32 scratch
+        # for the split back).
+        self._master32 = torch.empty(width if self.split else 0, dtype=torch.float32)
+        self._int32 = torch.empty(width if self.split else 0, dtype=torch.int32)
+        with torch.no_grad():
+            for b in self.buckets:  # bucket by bucket: no whole-parameter fp32 copy
+                m32 = self._scratch_or_view(b)
+                for pc in b.pieces:
+                    src = _flat(self.params[pc.name].detach())[pc.param_start : pc.param_start + pc.count]
+                    m32[pc.bucket_start : pc.bucket_start + pc.count].copy_(src)
+                self._store_master(b.start, m32)
         moments = _MOMENT_DTYPES[moments_dtype]
         self.exp_avg = torch.zeros(total, dtype=moments)
         self.exp_avg_sq = torch.zeros(total, dtype=moments)
 
-        bucket_elems = max(_ALIGN, int(bucket_mb * 2**20) // 4 // _ALIGN * _ALIGN)
-        self.buckets = self._cut(bucket_elems)
-        # The parameters whose last element is in bucket k: complete once k is stepped.
-        self._completed_by: list[list[str]] = [[] for _ in self.buckets]
-        for name, (off, n, _shape) in self.layout.items():
-            self._completed_by[(off + n - 1) // bucket_elems].append(name)
-        width = max(b.size for b in self.buckets)
         pin = self.device.type == "cuda"
         # On a GPU gradients come down in the parameters' dtype (bf16: half the bytes over the
         # bus; fp32 when the dtypes are mixed, so that none loses precision) into pinned
@@ -201,7 +240,7 @@ class HostAdamW:
             self._m32 = torch.empty(width, dtype=torch.float32)
             self._v32 = torch.empty(width, dtype=torch.float32)
         self._copier = _Copier(self.device)
-        # The bits last written into the model, and a spare buffer (see _bits_buffer).
+        # fp32 layout: the bits last written into the model, and a spare buffer (see _bits_buffer).
         self._bits = np.empty(0, dtype=np.uint16)
         self._spare_bits: np.ndarray | None = None
         self._keep_spare = self.device.type == "cuda" if spare_bits is None else spare_bits
@@ -236,10 +275,55 @@ class HostAdamW:
 
         return hook
 
+    # -- the masters ------------------------------------------------------------------
+
+    def _scratch_or_view(self, b: Bucket) -> torch.Tensor:
+        """Where bucket b's fp32 masters are worked on: the split layout's scratch (not yet
+        joined), or the fp32 layout's masters themselves."""
+        return self._master32[: b.size] if self.split else self.flat_master[b.start : b.end]
+
+    def _load_master(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        """The fp32 masters [start, end) in `out` (split layout: joined from hi and lo)."""
+        if not self.split:
+            return out.copy_(self.flat_master[start:end])
+        w = out.view(torch.int32)
+        w.copy_(self.hi[start:end])  # sign-extended; those high bits are shifted out below
+        w.bitwise_left_shift_(16)
+        w.add_(self.lo[start:end])  # the int16 low half, sign-extended: w - (hi << 16)
+        return out
+
+    def _store_master(self, start: int, m32: torch.Tensor) -> None:
+        """Make `m32` the fp32 masters from `start` on (a view of them already: nothing to do)."""
+        end = start + m32.numel()
+        if not self.split:
+            if m32.data_ptr() != self.flat_master[start:end].data_ptr():
+                self.flat_master[start:end].copy_(m32)
+            return
+        w = m32.view(torch.int32)
+        self.lo[start:end].copy_(w)  # int32 -> int16 keeps the low half
+        high = torch.add(w, 0x8000, out=self._int32[: m32.numel()])  # m32 is at most a bucket
+        high.bitwise_right_shift_(16)
+        self.hi[start:end].copy_(high)  # the high half of w + 0x8000: bf16 rounding, ties away
+
+    @property
+    def master(self) -> Mapping[str, torch.Tensor]:
+        """The fp32 master of every parameter by name: views of the fp32 layout's vector, or
+        (split layout) joined on each access, a copy."""
+        return _Masters(self)
+
+    def master_of(self, name: str) -> torch.Tensor:
+        off, n, shape = self.layout[name]
+        if not self.split:
+            return self.flat_master[off : off + n].view(shape)
+        return self._load_master(off, off + n, torch.empty(n, dtype=torch.float32)).view(shape)
+
     # -- published weights ------------------------------------------------------------
 
     def published_bits(self) -> dict[str, np.ndarray]:
-        """bf16 rounding of the masters: the weights the model computes with and publishes."""
+        """The bf16 rounding of the masters: the weights the model computes with and
+        publishes (split layout: views of hi, no copy)."""
+        if self.split:
+            return self._split_bits(_bits_of(self.hi))
         out = np.empty(self.numel, dtype=np.uint16)
         for b in self.buckets:
             out[b.start : b.end] = _bits_of(self.flat_master[b.start : b.end].to(torch.bfloat16))
@@ -250,7 +334,7 @@ class HostAdamW:
 
     @torch.no_grad()
     def sync_model(self) -> dict[str, np.ndarray]:
-        """Write bf16(master) into the model's parameters; return those bits."""
+        """Write the served bits into the model's parameters; return those bits."""
         self._copier.begin()
         return self._update_buckets(clip=1.0, adam=False)
 
@@ -279,12 +363,12 @@ class HostAdamW:
             self.host_grad.zero_()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
         """One AdamW step from the accumulated gradients (then cleared). Returns (grad norm
-        before clipping, the new bf16 bits of every parameter); `on_tensor` gets each
-        parameter's new bits during the step, as soon as they are final. A non-finite
-        gradient norm applies nothing (and calls nothing): the gradients are dropped and
-        NonFiniteStep is raised."""
+        before clipping, the new bf16 bits of every parameter); `on_piece` gets each piece
+        of each parameter, old and new bits, during the step. A non-finite gradient norm
+        applies nothing (and calls nothing): the gradients are dropped and NonFiniteStep is
+        raised."""
         norm = self.grad_norm()
         if not math.isfinite(norm):
             self.discard_grads()
@@ -295,7 +379,7 @@ class HostAdamW:
             clip = float(torch.clamp(max_grad_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
         self.step_count += 1
         self._copier.begin()
-        bits = self._update_buckets(clip=clip, adam=True, on_tensor=on_tensor)
+        bits = self._update_buckets(clip=clip, adam=True, on_piece=on_piece)
         for p in self.params.values():
             p.grad = None  # every fetch was waited for: the device memory may go
         if self.host_grad is not None:
@@ -316,12 +400,12 @@ class HostAdamW:
         return self._copier.to_host(pairs)
 
     def _bits_buffer(self) -> np.ndarray:
-        """Where the new bits go. Steady state needs two buffers (the previous version stays
-        the base of the publisher's next delta), and a fresh 2-bytes-per-parameter allocation
-        every step costs its page faults (~1 s at 1.5B parameters), so the buffer of two
-        steps ago is reused, but only while nothing holds a view of it any more (every numpy
-        view keeps its base array referenced): bits handed out stay valid as long as anyone
-        keeps them.
+        """fp32 layout: where the new bits go. Steady state needs two buffers (the previous
+        version stays the base of the publisher's next delta), and a fresh 2-bytes-per-parameter
+        allocation every step costs its page faults (~1 s at 1.5B parameters), so the buffer of
+        two steps ago is reused, but only while nothing holds a view of it any more (every
+        numpy view keeps its base array referenced): bits handed out stay valid as long as
+        anyone keeps them.
         Not on a CPU-only machine: there the spare would sit in host memory through forward
         and backward, beside the activations and gradients, which is where the trainer's
         host peak is (+257 MiB at 135M, benchmarks/trainer_memory.py); a fresh buffer costs
@@ -332,8 +416,12 @@ class HostAdamW:
             return spare
         return np.empty(self.numel, dtype=np.uint16)
 
-    def _update_buckets(self, clip: float, adam: bool, on_tensor: OnTensor | None = None) -> dict[str, np.ndarray]:
-        new_bits = self._bits_buffer()
+    def _update_buckets(self, clip: float, adam: bool, on_piece: OnPiece | None = None) -> dict[str, np.ndarray]:
+        new_bits = _bits_of(self.hi) if self.split else self._bits_buffer()
+        old_bits = self._bits if not self.split and self._bits.size == self.numel else None
+        if on_piece is not None and not self.split and old_bits is None:
+            raise RuntimeError("no previous bits to encode a delta from: sync_model() or load_state() first")
+        bucket_old = np.empty(0, dtype=np.uint16)
         fetch_grads = adam and self.host_grad is None
         fetched = self._fetch(0) if fetch_grads else None
         put: list[torch.cuda.Event | None] = [None, None]
@@ -352,29 +440,37 @@ class HostAdamW:
                     grad = self.host_grad[b.start : b.end]
                 if clip < 1.0:
                     grad.mul_(clip)
+                if self.split and on_piece is not None:
+                    # The only copy of the previous version: this bucket's, about to be overwritten.
+                    bucket_old = new_bits[b.start : b.end].copy()
                 self._adamw_bucket(b, grad)
             # The H2D copy that last read this output slot (bucket k-2) must be done.
             self._copier.wait(put[k % 2])
             out = self._bf16_out[k % 2][:n]
-            out.copy_(self.flat_master[b.start : b.end])  # round to nearest even: the bf16 weights
+            if self.split:
+                out.view(torch.int16).copy_(self.hi[b.start : b.end])
+            else:
+                out.copy_(self.flat_master[b.start : b.end])  # round to nearest even: the bf16 weights
+                new_bits[b.start : b.end] = _bits_of(out)
             put[k % 2] = self._copier.to_device(
                 [(out[pc.bucket_start : pc.bucket_start + pc.count], _flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
             )
-            new_bits[b.start : b.end] = _bits_of(out)
-            if on_tensor is not None:
-                for name in self._completed_by[k]:
-                    off, count, shape = self.layout[name]
-                    on_tensor(name, new_bits[off : off + count].reshape(shape))
+            if on_piece is not None and adam:
+                for pc in b.pieces:
+                    at = b.start + pc.bucket_start
+                    old = bucket_old[pc.bucket_start : pc.bucket_start + pc.count] if old_bits is None else old_bits[at : at + pc.count]
+                    on_piece(pc.name, pc.param_start, old, new_bits[at : at + pc.count])
         for event in put:
             self._copier.wait(event)
         self._copier.end()
-        self._spare_bits = self._bits if self._keep_spare and self._bits.size == self.numel else None
-        self._bits = new_bits
+        if not self.split:
+            self._spare_bits = self._bits if self._keep_spare and self._bits.size == self.numel else None
+            self._bits = new_bits
         return self._split_bits(new_bits)
 
     def _adamw_bucket(self, b: Bucket, grad: torch.Tensor) -> None:
         n = b.size
-        master = self.flat_master[b.start : b.end]
+        master = self._load_master(b.start, b.end, self._master32[:n]) if self.split else self.flat_master[b.start : b.end]
         m, v = self.exp_avg[b.start : b.end], self.exp_avg_sq[b.start : b.end]
         if self.moments_dtype != "float32":
             m32, v32 = self._m32[:n], self._v32[:n]
@@ -393,36 +489,108 @@ class HostAdamW:
         if self.moments_dtype != "float32":
             m.copy_(m32)
             v.copy_(v32)
+        if self.split:
+            self._store_master(b.start, master)
 
     # -- state (checkpoints) --------------------------------------------------------------
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Masters and moments by parameter name (views, no copies): master/<name>,
-        exp_avg/<name>, exp_avg_sq/<name>."""
+        """Masters and moments by parameter name (views, no copies): master/<name> (fp32
+        layout) or master_hi/<name> (bf16: the served weights) and master_lo/<name> (int16)
+        (split layout), exp_avg/<name>, exp_avg_sq/<name>."""
         out: dict[str, torch.Tensor] = {}
         for name, (off, n, shape) in self.layout.items():
-            out[f"master/{name}"] = self.master[name]
+            if self.split:
+                out[f"master_hi/{name}"] = self.hi[off : off + n].view(torch.bfloat16).view(shape)
+                out[f"master_lo/{name}"] = self.lo[off : off + n].view(shape)
+            else:
+                out[f"master/{name}"] = self.flat_master[off : off + n].view(shape)
             out[f"exp_avg/{name}"] = self.exp_avg[off : off + n].view(shape)
             out[f"exp_avg_sq/{name}"] = self.exp_avg_sq[off : off + n].view(shape)
         return out
 
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, torch.Tensor], step_count: int) -> dict[str, np.ndarray]:
-        """Restore masters, moments and the step count (as saved by state_tensors), write
-        bf16(master) into the model, and return those bits."""
-        expected = set(self.state_tensors())
-        if set(tensors) != expected:
+        """Restore masters, moments and the step count (as saved by state_tensors, in either
+        master layout: a checkpoint of the other one is converted exactly), write the served
+        bits into the model, and return them."""
+        split_keys = {f"{kind}/{n}" for kind in ("master_hi", "master_lo", "exp_avg", "exp_avg_sq") for n in self.layout}
+        fp32_keys = {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in self.layout}
+        saved_split = set(tensors) == split_keys
+        if not saved_split and set(tensors) != fp32_keys:
+            expected = split_keys if self.split else fp32_keys
             missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
             raise ValueError(f"optimizer state does not match the parameters (missing {missing}, unexpected {extra})")
-        targets = self.state_tensors()
-        for key, dst in progress.track(targets.items(), "loading the optimizer state", total=len(targets)):
-            src = tensors[key]
-            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
-                raise ValueError(f"{key}: saved {src.dtype}{tuple(src.shape)}, expected {dst.dtype}{tuple(dst.shape)}")
-            dst.copy_(src)
+        moments = _MOMENT_DTYPES[self.moments_dtype]
+        for name in progress.track(self.layout, "loading the optimizer state", total=len(self.layout)):
+            off, n, shape = self.layout[name]
+            if saved_split:
+                hi = _checked(tensors, f"master_hi/{name}", torch.bfloat16, shape).view(torch.int16).reshape(-1)
+                lo = _checked(tensors, f"master_lo/{name}", torch.int16, shape).reshape(-1)
+                self._load_master_pieces(off, n, hi=hi, lo=lo)
+            else:
+                self._load_master_pieces(off, n, m32=_checked(tensors, f"master/{name}", torch.float32, shape).reshape(-1))
+            self.exp_avg[off : off + n].copy_(_checked(tensors, f"exp_avg/{name}", moments, shape).reshape(-1))
+            self.exp_avg_sq[off : off + n].copy_(_checked(tensors, f"exp_avg_sq/{name}", moments, shape).reshape(-1))
         self.step_count = step_count
         self._bits = np.empty(0, dtype=np.uint16)
         return self.sync_model()
+
+    def _load_master_pieces(self, off: int, n: int, *, m32: torch.Tensor | None = None, hi: torch.Tensor | None = None, lo: torch.Tensor | None = None) -> None:
+        """One parameter's saved masters into this layout, a bucket's width at a time."""
+        if self.split and hi is not None and lo is not None:
+            self.hi[off : off + n].copy_(hi)
+            self.lo[off : off + n].copy_(lo)
+            return
+        width = self.buckets[0].size
+        for start in range(0, n, width):
+            end = min(n, start + width)
+            if m32 is not None:
+                chunk = m32[start:end]
+            else:
+                assert hi is not None and lo is not None
+                chunk = torch.empty(end - start, dtype=torch.float32).view(torch.int32)
+                chunk.copy_(hi[start:end]).bitwise_left_shift_(16).add_(lo[start:end])
+                chunk = chunk.view(torch.float32)
+            if self.split:
+                self._store_master(off + start, self._master32[: end - start].copy_(chunk))
+            else:
+                self.flat_master[off + start : off + end].copy_(chunk)
+
+
+def served_bits(master: torch.Tensor, master_layout: MasterLayout) -> np.ndarray:
+    """The bf16 bits a layout serves for fp32 masters: round to nearest even (fp32 layout,
+    torch's rounding) or ties away from zero (split layout; see the module's docstring)."""
+    m = master.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if master_layout == "fp32":
+        return _bits_of(m.to(torch.bfloat16))
+    high = m.view(torch.int32) + 0x8000
+    return high.bitwise_right_shift_(16).to(torch.int16).numpy().view(np.uint16)
+
+
+class _Masters(Mapping[str, torch.Tensor]):
+    """HostAdamW.master: the fp32 masters by name, joined on access in the split layout."""
+
+    def __init__(self, optimizer: HostAdamW):
+        self._optimizer = optimizer
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._optimizer.layout:
+            raise KeyError(name)
+        return self._optimizer.master_of(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._optimizer.layout)
+
+    def __len__(self) -> int:
+        return len(self._optimizer.layout)
+
+
+def _checked(tensors: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    src = tensors[key]
+    if tuple(src.shape) != tuple(shape) or src.dtype != dtype:
+        raise ValueError(f"{key}: saved {src.dtype}{tuple(src.shape)}, expected {dtype}{tuple(shape)}")
+    return src
 
 
 _NORM_ROW = 4096

@@ -11,8 +11,9 @@
        loss         grpo.policy_loss (the formulas are in grpo.py)
        backward     gradients accumulate over the micro-batches
   4. optimizer      one HostAdamW step: grad-norm clip, AdamW on the fp32 masters, new bf16
-                    weights in the model and returned as bits (each parameter's also handed
-                    to `on_tensor` once final: the publisher encodes the delta on the way)
+                    weights in the model and returned as bits (each bucket's pieces, old and
+                    new bits, also handed to `on_piece`: the publisher encodes the delta on
+                    the way)
   5. metrics        the micro-batches' sums, per token
 
 A non-finite loss or gradient norm applies nothing: the gradients are dropped and
@@ -38,7 +39,7 @@ import torch
 from rollstream.core import modeling
 from rollstream.trainer import grpo
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep, OnTensor
+from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep, OnPiece
 from rollstream.v1 import rollout_pb2
 
 # peft's `disable_adapter`: inside it the model computes with its frozen base weights.
@@ -203,13 +204,14 @@ def train_step(
     *,
     pad_id: int,
     adapters_off: AdaptersOff | None = None,
-    on_tensor: OnTensor | None = None,
+    on_piece: OnPiece | None = None,
 ) -> StepResult:
     """One update of `model` (through `optimizer`, which holds its trained parameters) on
     validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
     given `adapters_off` (LoRA, kl_reference = lora_base), the model's base under it.
-    `on_tensor(name, bits)` gets each trained parameter's new bf16 bits during the optimizer
-    step (HostAdamW.step); it is not called when nothing is applied.
+    `on_piece(name, start, old, new)` gets each piece of each trained parameter, its bf16 bits
+    before and after, during the optimizer step (HostAdamW.step); it is not called when
+    nothing is applied.
     Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
     if not groups:
         raise ValueError("a step needs at least one group")
@@ -232,7 +234,7 @@ def train_step(
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
-    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm, on_tensor) if rows else (0.0, None)
+    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm, on_piece) if rows else (0.0, None)
     optimizer_s = time.perf_counter() - start
 
     # 5. Metrics.

@@ -136,7 +136,7 @@ class Trainer:
         self.step_config = StepConfig.from_settings(s)
         self.optimizer = HostAdamW(
             self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
-            bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, grad_offload=s.grad_offload,
+            bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, master_layout=s.master_layout, grad_offload=s.grad_offload,
         )
         self.step = 0
         self.groups_trained = 0
@@ -193,6 +193,7 @@ class Trainer:
             base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
             lora=self.lora.spec.as_dict() if self.lora is not None else None,
             moments_dtype=s.moments_dtype,
+            master_layout=s.master_layout,
             trained_log_id=trained_log_id,
             # The Redis URL may carry a password: it stays out of the file.
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
@@ -246,7 +247,7 @@ class Trainer:
         encoder = self.publisher.begin_delta() if self.lora is None else None
         r = train_step(
             self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off,
-            on_tensor=encoder.add if encoder is not None else None,
+            on_piece=encoder.add_piece if encoder is not None else None,
         )
         # No update (dapo filtered every group): the version still advances, since the groups
         # were consumed, with an empty delta.
