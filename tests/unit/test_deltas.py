@@ -676,3 +676,59 @@ def test_a_published_payload_is_hashed_once_whatever_the_number_of_pushes() -> N
     for _ in range(3):  # three generators' streams
         [(header, data)] = list(weight_transfer.from_chunks(published.chunks()))
         assert header.version == 5 and data == payload
+
+
+# --- a delta built piece by piece (the optimizer's on_piece) ---------------------------------
+
+
+def _pieces(rng: np.random.Generator, size: int) -> list[tuple[int, int]]:
+    """Random contiguous pieces covering [0, size), starts not aligned to anything."""
+    cuts = sorted({0, size, *rng.integers(1, size, size=min(size - 1, 5)).tolist()}) if size > 1 else [0, size]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_a_delta_added_piece_by_piece_in_any_order_is_the_same_bytes(scenario, threads: int) -> None:
+    """Each piece brings its own old bits, as the split layout's optimizer hands them over
+    (the base given to the encoder may already hold the new bits: it is not read for pieces)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, new, fp = scenario
+    expected, _ = deltas.encode_delta(base, new, 3, 4, fp)
+    rng = np.random.default_rng(7)
+    work = [(name, lo, hi) for name in base for lo, hi in _pieces(rng, base[name].size)]
+    rng.shuffle(work)
+    pool = ThreadPoolExecutor(threads) if threads else None
+    try:
+        encoder = deltas.DeltaEncoder(new, 3, 4, fp, executor=pool, max_pending_bytes=4096)  # `new` as the base: in-place layout
+        for name, lo, hi in work:
+            old = base[name].reshape(-1)[lo:hi].copy()
+            encoder.add_piece(name, lo, old, new[name].reshape(-1)[lo:hi])
+        payload, stats = encoder.finish()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    assert payload == expected
+    assert stats.changed_values > 0
+
+
+def test_pieces_that_overlap_or_leave_a_gap_are_refused(scenario) -> None:
+    base, new, fp = scenario
+    name = "model.layers.0.mlp.down_proj.weight"
+    old, now = base[name].reshape(-1), new[name].reshape(-1)
+    encoder = deltas.DeltaEncoder(base, 0, 1, fp)
+    encoder.add_piece(name, 0, old[:100], now[:100])
+    with pytest.raises(DeltaError, match="piece"):
+        encoder.add_piece(name, now.size - 10, old[:20], now[:20])  # past the end
+    with pytest.raises(DeltaError, match="piece"):
+        encoder.add_piece(name, 0, old[:10], now[:11])  # old and new differ in size
+    for other in base:
+        if other != name:
+            encoder.add(other, new[other])
+    with pytest.raises(DeltaError, match=f"{name}: pieces cover 100 of"):
+        encoder.finish()
+    with pytest.raises(DeltaError, match="added twice"):
+        encoder.add_piece(name, 0, old, now)  # all of it: the first 100 values twice
+    encoder.add_piece(name, 100, old[100:], now[100:])
+    payload, _ = encoder.finish()
+    assert payload == deltas.encode_delta(base, new, 0, 1, fp)[0]

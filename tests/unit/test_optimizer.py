@@ -1,7 +1,8 @@
 """rollstream.trainer.optimizer.HostAdamW against torch.optim.AdamW (the for-each and the
-fused implementation) run on an fp32 copy of the same parameters with the same gradients;
-its buckets, bf16 moments, gradient offload, the per-parameter hand-over of new bits (the
-delta built on the way), state round trip, gradient norm and bits buffers."""
+fused implementation) run on an fp32 copy of the same parameters with the same gradients, in
+both master layouts; its buckets, bf16 moments, gradient offload, the per-piece hand-over of
+old and new bits (the delta built on the way), state round trip across layouts, gradient norm
+and bits buffers. The split layout's own exactness: tests/unit/test_split_masters.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from rollstream.core import modeling
-from rollstream.trainer.optimizer import HostAdamW
+from rollstream.trainer.optimizer import HostAdamW, MasterLayout, served_bits
 
 LR, BETAS, WD = 1e-2, (0.9, 0.99), 0.05
+LAYOUTS: list[MasterLayout] = ["split", "fp32"]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -48,36 +50,39 @@ def _reference(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max
     return history, norms
 
 
-def _run_host(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max_grad_norm: float):
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD)
+def _run_host(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max_grad_norm: float, layout: MasterLayout):
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout)
     history = []
     for step in grads:
         for n, p in model.named_parameters():
             p.grad = step[n].clone()
         norm, bits = opt.step(max_grad_norm)
-        history.append((norm, bits, {n: m.clone() for n, m in opt.master.items()}, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        # Copies: the split layout's bits are views of its masters, changed by the next step.
+        history.append((norm, {n: b.copy() for n, b in bits.items()}, {n: m.clone() for n, m in opt.master.items()}, {n: p.detach().clone() for n, p in model.named_parameters()}))
         # The model's gradients were consumed.
         assert all(p.grad is None for p in model.parameters())
     return opt, history
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
-def test_masters_match_torch_adamw_and_model_holds_bf16_of_master(max_grad_norm: float) -> None:
+def test_masters_match_torch_adamw_and_model_holds_bf16_of_master(max_grad_norm: float, layout: MasterLayout) -> None:
     model = _model()
     grads = _grads(model, steps=3)
     ref_history, ref_norms = _reference(model, grads, max_grad_norm)
-    _, history = _run_host(model, grads, max_grad_norm)
+    _, history = _run_host(model, grads, max_grad_norm, layout)
 
     for k, ((norm, bits, masters, params), ref) in enumerate(zip(history, ref_history, strict=True)):
         assert norm == pytest.approx(ref_norms[k], rel=1e-6), f"step {k}"
         for name, m in masters.items():
             assert m.dtype == torch.float32 and m.device.type == "cpu"
             torch.testing.assert_close(m, ref[name], rtol=0, atol=1e-6, msg=f"step {k} {name}")
-            # The model computes with exactly bf16(master), and that is what step() returns.
-            expected = m.to(torch.bfloat16).float()
+            # The model computes with exactly the served bf16 rounding of the master, and that
+            # is what step() returns.
+            expected = served_bits(m, layout)
             assert params[name].dtype == torch.float32
-            assert torch.equal(params[name], expected), f"step {k} {name}"
-            assert np.array_equal(bits[name], modeling.tensor_to_bits(m)), f"step {k} {name}"
+            assert np.array_equal(modeling.tensor_to_bits(params[name]), expected), f"step {k} {name}"
+            assert np.array_equal(bits[name], expected), f"step {k} {name}"
 
 
 def test_clipping_is_active_and_changes_the_result() -> None:
@@ -113,14 +118,15 @@ def test_missing_gradients_count_as_zero() -> None:
         assert torch.equal(m, before[n])  # zero grad, zero decay: AdamW leaves the masters alone
 
 
-def test_sync_model_writes_bf16_of_master() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sync_model_writes_bf16_of_master(layout: MasterLayout) -> None:
     model = _model()
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout)
     # At construction the masters are the model's fp32 weights, not yet rounded to bf16.
     assert all(torch.equal(opt.master[n], p.detach()) for n, p in model.named_parameters())
     bits = opt.sync_model()
     for n, p in model.named_parameters():
-        assert torch.equal(p.detach(), opt.master[n].to(torch.bfloat16).float())
+        assert np.array_equal(modeling.tensor_to_bits(p), served_bits(opt.master[n], layout))
         assert np.array_equal(bits[n], modeling.tensor_to_bits(p))
     assert bits.keys() == opt.published_bits().keys()
 
@@ -147,8 +153,9 @@ def _fused_reference(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]
     return history, opt, params
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
-def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float) -> None:
+def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float, layout: MasterLayout) -> None:
     """Bucket boundaries cut through parameters; AdamW is elementwise, so every bucket size
     gives the same fused kernel's result. Against torch's fused AdamW run per parameter, the
     masters and moments agree to the last bit or one: the CPU kernel runs SIMD lanes and a
@@ -160,7 +167,7 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float) -> None:
     results = []
     for bucket_mb in BUCKET_SIZES:
         m = _model()
-        opt = HostAdamW(dict(m.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=bucket_mb)
+        opt = HostAdamW(dict(m.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=bucket_mb, master_layout=layout)
         if bucket_mb < 1:
             assert len(opt.buckets) > 1
             assert any(len(b.pieces) > 1 for b in opt.buckets)  # a bucket holds several parameters
@@ -183,7 +190,7 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float) -> None:
             # Most of it is bit-identical to torch's run.
             same = sum(int((opt.master[n] == ref_history[-1][n]).sum()) for n in opt.master)
             assert same >= 0.99 * opt.numel
-        results.append({k: v.clone() for k, v in state.items()})
+        results.append({k: v.clone() for k, v in state.items()} | {f"joined/{n}": m for n, m in opt.master.items()})
     for other in results[1:]:
         for key, value in results[0].items():
             assert torch.equal(other[key], value), key  # bucket size changes nothing, bit for bit
@@ -224,12 +231,15 @@ def _bf16_moment_reference(model: torch.nn.Module, grads: list[dict[str, torch.T
     return params, m, v
 
 
-def test_bf16_moments() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_moments(layout: MasterLayout) -> None:
     model = _model()
     grads = _grads(model, steps=3)
     ref_params, ref_m, ref_v = _bf16_moment_reference(model, grads)
     fp32_history, _ = _reference(model, grads, max_grad_norm=0.0)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype="bfloat16", bucket_mb=0.0004)
+    opt = HostAdamW(
+        dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype="bfloat16", bucket_mb=0.0004, master_layout=layout,
+    )
     assert opt.exp_avg.dtype == torch.bfloat16 and opt.exp_avg_sq.dtype == torch.bfloat16
     assert opt.exp_avg.element_size() * opt.numel * 2 == 4 * opt.numel  # 4 bytes per parameter for both moments
     for step in grads:
@@ -276,67 +286,81 @@ def test_gradient_offload_gives_the_same_step(max_grad_norm: float) -> None:
         assert torch.equal(runs[True][1][n], m), n
 
 
-def test_on_tensor_hands_over_each_parameter_once_as_soon_as_it_is_final() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_on_piece_hands_over_every_piece_once_with_its_old_and_new_bits_as_its_bucket_is_stepped(layout: MasterLayout) -> None:
     model = _model()
     # Buckets of 64 elements, 220 parameters in all: the first weight (16 x 8) is complete
-    # after bucket 1 of 4, so it is handed over before the later buckets are stepped.
-    opt = HostAdamW(dict(model.named_parameters()), lr=1e-2, betas=BETAS, weight_decay=0.0, bucket_mb=0.0004)
-    before = opt.sync_model()
+    # after bucket 1 of 4, so its pieces are handed over before the later buckets are stepped.
+    opt = HostAdamW(dict(model.named_parameters()), lr=1e-2, betas=BETAS, weight_decay=0.0, bucket_mb=0.0004, master_layout=layout)
+    before = {n: b.copy() for n, b in opt.sync_model().items()}
     names = list(before)
     last = names[-1]
     for p in model.parameters():
         p.grad = torch.ones_like(p)  # Adam's first step moves every entry by lr: all change
-    calls: list[tuple[str, np.ndarray, bool]] = []
+    calls: list[tuple[str, int, np.ndarray, np.ndarray, bool]] = []
 
-    def on_tensor(name: str, bits: np.ndarray) -> None:
-        # Whether the last parameter was still at its old weights when `name` came.
+    def on_piece(name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
+        # Whether the last parameter was still at its old weights when this piece came.
         last_untouched = bool(np.array_equal(modeling.model_bits(model)[last], before[last]))
-        calls.append((name, bits.copy(), last_untouched))
+        calls.append((name, start, old, new.copy(), last_untouched))
 
-    _, after = opt.step(max_grad_norm=0.0, on_tensor=on_tensor)
-    assert [c[0] for c in calls] == names  # each once, in layout order
-    for name, bits, _ in calls:
-        np.testing.assert_array_equal(bits, after[name])  # already final when handed over
-        assert not np.array_equal(bits, before[name])
-    assert calls[0][2], "the first parameter was handed over only after the last bucket"
-    assert not calls[-1][2]
+    _, after = opt.step(max_grad_norm=0.0, on_piece=on_piece)
+    assert list(dict.fromkeys(c[0] for c in calls)) == names  # in layout order
+    for name in names:
+        pieces = sorted((start, old, new) for n, start, old, new, _ in calls if n == name)
+        assert [s for s, _, _ in pieces] == list(np.cumsum([0] + [len(o) for _, o, _ in pieces[:-1]]))  # contiguous
+        np.testing.assert_array_equal(np.concatenate([o for _, o, _ in pieces]), before[name].reshape(-1))
+        np.testing.assert_array_equal(np.concatenate([n for _, _, n in pieces]), after[name].reshape(-1))  # final when handed over
+    assert calls[0][4], "the first parameter was handed over only after the last bucket"
+    assert not calls[-1][4]
 
 
-def test_delta_built_on_the_way_is_the_delta_after_the_step() -> None:
-    """The publisher's DeltaEncoder fed by on_tensor (on threads) gives the same payload bytes
-    as encode_delta over the whole weights after the step."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_delta_built_on_the_way_is_the_delta_after_the_step(layout: MasterLayout) -> None:
+    """The publisher's DeltaEncoder fed by on_piece (on threads) gives the same payload bytes
+    as encode_delta over the whole weights after the step: in the split layout from each
+    bucket's old bits, copied just before AdamW overwrote them."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rollstream.core import deltas
 
     model = _model()
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, master_layout=layout)
     base = opt.sync_model()
-    base = {n: b.copy() for n, b in base.items()}
+    kept = {n: b.copy() for n, b in base.items()}
     grads = _grads(model, steps=1)[0]
     for n, p in model.named_parameters():
         p.grad = grads[n].clone()
     with ThreadPoolExecutor(2) as pool:
-        encoder = deltas.DeltaEncoder(base, 0, 1, "fp", executor=pool)
-        _, after = opt.step(max_grad_norm=1.0, on_tensor=encoder.add)
+        encoder = deltas.DeltaEncoder(base, 0, 1, "fp", executor=pool, max_pending_bytes=64)
+        _, after = opt.step(max_grad_norm=1.0, on_piece=encoder.add_piece)
         on_the_way, stats = encoder.finish()
-    after_the_step, _ = deltas.encode_delta(base, after, 0, 1, "fp")
+    after_the_step, _ = deltas.encode_delta(kept, after, 0, 1, "fp")
     assert on_the_way == after_the_step
     assert stats.changed_values > 0
+    _, decoded = deltas.decode(on_the_way, kept, 0, "fp")
+    assert all(np.array_equal(decoded[n], after[n]) for n in decoded)
 
 
-def test_state_round_trip_continues_identically() -> None:
+@pytest.mark.parametrize(("saved", "loaded"), [(a, b) for a in LAYOUTS for b in LAYOUTS])
+def test_state_round_trip_continues_identically(saved: MasterLayout, loaded: MasterLayout) -> None:
+    """A state saved in either layout loads exactly into either: the masters are the same
+    fp32 values, so the runs go on bit for bit (the served bits differ only on exact ties
+    between layouts, so those are compared within a layout)."""
     model_a, model_b = _model(), _model(seed=5)  # b starts elsewhere: everything comes from the state
     grads = _grads(model_a, steps=4)
-    a = HostAdamW(dict(model_a.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004)
+    a = HostAdamW(dict(model_a.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, master_layout=saved)
     for step in grads[:2]:
         for n, p in model_a.named_parameters():
             p.grad = step[n].clone()
         a.step(1.0)
-    b = HostAdamW(dict(model_b.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.002)
+    b = HostAdamW(dict(model_b.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.002, master_layout=loaded)
     bits = b.load_state({k: v.clone() for k, v in a.state_tensors().items()}, a.step_count)
-    assert all(np.array_equal(bits[n], x) for n, x in a.published_bits().items())
-    assert all(torch.equal(p.detach(), dict(model_a.named_parameters())[n].detach()) for n, p in model_b.named_parameters())
+    assert all(torch.equal(b.master[n], m) for n, m in a.master.items())
+    assert all(np.array_equal(bits[n], served_bits(m, loaded)) for n, m in a.master.items())
+    if saved == loaded:
+        assert all(np.array_equal(bits[n], x) for n, x in a.published_bits().items())
+        assert all(torch.equal(p.detach(), dict(model_a.named_parameters())[n].detach()) for n, p in model_b.named_parameters())
     for step in grads[2:]:
         for model, opt in ((model_a, a), (model_b, b)):
             for n, p in model.named_parameters():
@@ -370,7 +394,7 @@ def test_bits_handed_out_stay_valid_and_free_buffers_are_reused() -> None:
     """The bits buffer of two steps ago is reused only when nobody holds a view of it."""
     model = _model()
     grads = _grads(model, steps=6)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, spare_bits=True)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, spare_bits=True, master_layout="fp32")
 
     def step(k: int) -> dict[str, np.ndarray]:
         for n, p in model.named_parameters():
@@ -399,10 +423,11 @@ def test_bits_handed_out_stay_valid_and_free_buffers_are_reused() -> None:
 
 def test_on_a_cpu_only_machine_the_previous_bits_are_freed_once_nobody_holds_them() -> None:
     """Without a GPU the host peak is forward and backward: no spare bits buffer is kept
-    through them (the published base of the next delta is the only one)."""
+    through them (the published base of the next delta is the only one). fp32 layout: the
+    split layout keeps no bits buffer at all."""
     model = _model()
     grads = _grads(model, steps=3)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout="fp32")
 
     def step(k: int) -> dict[str, np.ndarray]:
         for n, p in model.named_parameters():

@@ -247,9 +247,9 @@ class DeltaEncoder:
         if old.shape != new.shape or start < 0 or start + new.size > size:
             raise DeltaError(f"{name}: piece [{start}, {start + new.size}) of {size} values with {old.size} old bits")
         partial = self._partial.setdefault(name, _Partial())
+        if partial.covered + new.size > size:
+            raise DeltaError(f"{name}: pieces would cover {partial.covered + new.size} of {size} values (one added twice)")
         partial.covered += new.size
-        if partial.covered > size:
-            raise DeltaError(f"{name}: pieces cover {partial.covered} of {size} values (one added twice)")
         if self._executor is None:
             partial.pieces.append(_changes(start, old, new))
         else:

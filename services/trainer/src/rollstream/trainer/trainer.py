@@ -6,6 +6,7 @@ FetchWeights, SaveCheckpoint). The loop that feeds it lives in service.py."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -143,6 +144,10 @@ class Trainer:
         self.groups_stale = 0
         self.last_truncated_fraction = 0.0
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
+        # Held through each step: in the split master layout the published bits are the
+        # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
+        # sha256) waits for the step and its version to be published.
+        self.weights_lock = threading.Lock()
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
@@ -245,15 +250,16 @@ class Trainer:
         # encoded tensor by tensor during the optimizer step. With LoRA the published weights
         # are merged after it.
         encoder = self.publisher.begin_delta() if self.lora is None else None
-        r = train_step(
-            self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off,
-            on_piece=encoder.add_piece if encoder is not None else None,
-        )
-        # No update (dapo filtered every group): the version still advances, since the groups
-        # were consumed, with an empty delta.
-        new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
-        encode_start = time.perf_counter()
-        published, stats = self.publisher.publish(new_bits, encoder)
+        with self.weights_lock:
+            r = train_step(
+                self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off,
+                on_piece=encoder.add_piece if encoder is not None else None,
+            )
+            # No update (dapo filtered every group): the version still advances, since the groups
+            # were consumed, with an empty delta.
+            new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
+            encode_start = time.perf_counter()
+            published, stats = self.publisher.publish(new_bits, encoder)
         # delta_encode_s: what encoding took after the optimizer step (with delta_encode_threads,
         # most of it overlaps the step and is inside optimizer_s).
         self.last_phases = {
@@ -285,9 +291,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
         t = self.trainer
-        sha = deltas.weights_sha256(t.publisher.bits()) if request.with_weights_sha256 else ""
+        sha, version = "", t.version
+        if request.with_weights_sha256:
+            with t.weights_lock:  # the bits and the version of one published step
+                sha, version = deltas.weights_sha256(t.publisher.bits()), t.version
         return trainer_pb2.TrainerState(
-            version=t.version,
+            version=version,
             step=t.step,
             model=t.model_dir,
             model_fingerprint=t.publisher.fingerprint,
