@@ -47,7 +47,7 @@ class KeepGrads:
         self.params = params
         self.grads: dict[str, torch.Tensor] = {}
 
-    def step(self, max_grad_norm: float, on_tensor: object = None) -> tuple[float, None]:
+    def step(self, max_grad_norm: float, on_piece: object = None) -> tuple[float, None]:
         self.grads = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in self.grads.values()])))
         for p in self.params.values():
@@ -86,7 +86,8 @@ def main() -> None:
     settings = TrainerSettings(lr=args.lr, max_new_tokens=16)
     model, tokenizer = modeling.load_model(model_dir, dtype="float32", device="cpu")
     params = modeling.named_weights(model)
-    opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb)
+    opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
+                    master_layout="fp32")  # reads flat_master
     opt.sync_model()
     batch = modeling.make_batch(sequences, tokenizer.pad_token_id)
     adv = torch.tensor([a for a, n in zip(advantages, batch.lengths, strict=True) for _ in range(n)], dtype=torch.float32)

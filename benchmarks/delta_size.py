@@ -79,8 +79,10 @@ def main() -> None:
         model, _ = modeling.load_model(model_dir)
         model.train()
         params = modeling.named_weights(model)
-        opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb, moments_dtype=settings.moments_dtype)
-        prev = opt.sync_model()
+        opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb, moments_dtype=settings.moments_dtype,
+                        master_layout=settings.master_layout)
+        # Copies: in the split layout the bits are views of the masters, which each step rewrites.
+        prev = {k: v.copy() for k, v in opt.sync_model().items()}
         fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})
         steps = []
         for step in range(1, args.steps + 1):
@@ -103,7 +105,7 @@ def main() -> None:
                 "encode_s": round(encode_s, 2),
             })
             print(json.dumps({"lr": lr, **steps[-1]}), flush=True)  # progress (stdout: JSON lines, then the result)
-            prev = bits
+            prev = {k: v.copy() for k, v in bits.items()}
         fractions = [s["fraction_of_dense"] for s in steps]
         curves.append({
             "lr": lr,

@@ -92,9 +92,10 @@ def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     params = modeling.named_weights(model)
     opt = HostAdamW(
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
-        moments_dtype=settings.moments_dtype, grad_offload=settings.grad_offload,
+        moments_dtype=settings.moments_dtype, master_layout=settings.master_layout, grad_offload=settings.grad_offload,
     )
-    bits0 = opt.sync_model()
+    # A copy: in the split layout the bits are views of the masters, which the step rewrites.
+    bits0 = {k: v.copy() for k, v in opt.sync_model().items()}
     fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits0.items()})
     rng = torch.Generator().manual_seed(0)
     groups = []

@@ -189,7 +189,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward (the trainer's setting)")
     parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
-    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32", help="AdamW moments (the trainer's setting; `up` uses bfloat16)")
+    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="AdamW moments (the trainer's setting)")
+    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="the trainer's master layout (optimizer.py)")
     parser.add_argument("--anchor-interval", type=int, default=20)
     parser.add_argument("--anchor-file", action="store_true", help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")
@@ -274,7 +275,7 @@ def main() -> None:
         TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
         group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,
         activation_checkpointing=args.activation_checkpointing, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
-        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "", moments_dtype=args.moments_dtype,
+        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "", moments_dtype=args.moments_dtype, master_layout=args.master_layout,
     )
     host = ServiceHost("trainer", settings)
     t0 = time.perf_counter()
@@ -304,10 +305,11 @@ def main() -> None:
     parts = {
         "model_params": model_params,
         "grads": grads_at_step.get("grads", 0),
-        "masters_fp32": unique_bytes(opt.flat_master),
+        "masters_fp32": unique_bytes(opt.flat_master, opt.hi, opt.lo),  # split layout: hi + lo are the fp32 masters
         "moments": unique_bytes(opt.exp_avg, opt.exp_avg_sq),
-        "optimizer_staging": unique_bytes(opt._grad_in, opt._bf16_out, opt._grad32, getattr(opt, "_m32", None), getattr(opt, "_v32", None), opt.host_grad),
-        "bits_buffers": unique_bytes(opt._bits, opt._spare_bits, pub._bits),
+        "optimizer_staging": unique_bytes(opt._grad_in, opt._bf16_out, opt._grad32, getattr(opt, "_m32", None), getattr(opt, "_v32", None), opt._master32, opt._int32, opt.host_grad),
+        # Split layout: the published bits are the masters' hi plane, counted above.
+        "bits_buffers": unique_bytes(opt._bits, opt._spare_bits, pub._bits) if not opt.split else unique_bytes(opt._bits, opt._spare_bits),
         "anchor_payload": unique_bytes(pub._anchor),
         "delta_payloads": unique_bytes(pub._deltas),
     }
@@ -326,7 +328,7 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "settings": {k: getattr(settings, k) for k in ("activation_checkpointing", "token_budget", "chunk_tokens", "anchor_interval", "anchor_dir")},
+        "settings": {k: getattr(settings, k) for k in ("activation_checkpointing", "token_budget", "chunk_tokens", "anchor_interval", "anchor_dir", "moments_dtype", "master_layout")},
         "shape": {"groups": args.groups, "group_size": args.group_size, "new_tokens": args.new_tokens, "steps": args.steps},
         # Equal hashes across runs (same flags and threads) = bit-identical trained weights.
         "weights_sha256": deltas.weights_sha256(pub.bits()),

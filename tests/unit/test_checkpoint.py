@@ -43,6 +43,7 @@ def make_trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
 VARIANTS = {
     "full-grpo": {},
     "lora-gspo": {"lora_rank": 4, "lora_alpha": 8.0, "loss": "gspo", "clip_eps_low": 0.02, "clip_eps_high": 0.03},
+    "fp32-layout-fp32-moments": {"master_layout": "fp32", "moments_dtype": "float32"},
     "bf16-moments-dapo-tis-offload": {"moments_dtype": "bfloat16", "loss": "dapo", "clip_eps_high": 0.28, "tis_cap": 2.0, "grad_offload": True, "bucket_mb": 0.01},
 }
 
@@ -106,10 +107,14 @@ def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_pat
     assert "held_groups" not in state  # retired: nothing read it back
     tensors = load_file(str(path / "optimizer.safetensors"))  # safetensors' own reader
     names = set(t.params)
-    assert set(tensors) == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in names}
+    # The default split layout: each fp32 master as its served bf16 bits and the int16 low half.
+    assert state["master_layout"] == "split"
+    assert set(tensors) == {f"{kind}/{n}" for kind in ("master_hi", "master_lo", "exp_avg", "exp_avg_sq") for n in names}
     for n in names:
-        assert tensors[f"master/{n}"].dtype == torch.float32
-        assert torch.equal(tensors[f"master/{n}"], t.optimizer.master[n])
+        assert tensors[f"master_hi/{n}"].dtype == torch.bfloat16 and tensors[f"master_lo/{n}"].dtype == torch.int16
+        joined = (tensors[f"master_hi/{n}"].view(torch.int16).int() << 16) + tensors[f"master_lo/{n}"].int()
+        assert torch.equal(joined.view(torch.float32), t.optimizer.master[n])
+        assert torch.equal(tensors[f"master_hi/{n}"], t.params[n].detach().to(torch.bfloat16))  # the served weights
         assert tensors[f"exp_avg/{n}"].dtype == torch.bfloat16
         assert tuple(tensors[f"exp_avg_sq/{n}"].shape) == tuple(t.params[n].shape)
     rng = load_file(str(path / "rng.safetensors"))
@@ -166,7 +171,7 @@ def test_mismatched_checkpoints_are_refused(tiny_model_dir: Path, tmp_path: Path
     full_path = full.save_checkpoint(tmp_path / "full")
     host.close()
     with pytest.raises(checkpoint.CheckpointError, match="moments_dtype"):
-        make_trainer(tiny_model_dir, resume=str(full_path), moments_dtype="bfloat16")
+        make_trainer(tiny_model_dir, resume=str(full_path), moments_dtype="float32")
 
 
 # state.json as trainers before the pydantic model wrote it (json.dumps(sort_keys=True) of the
@@ -207,7 +212,7 @@ def test_an_old_state_file_still_loads(tmp_path: Path) -> None:
     # Written back: the same keys, less the retired one, plus the newer one at its default;
     # and it loads again to the same state.
     again = json.loads(state.to_json())
-    assert again == {**{k: v for k, v in OLD_STATE.items() if k != "held_groups"}, "trained_log_id": ""}
+    assert again == {**{k: v for k, v in OLD_STATE.items() if k != "held_groups"}, "trained_log_id": "", "master_layout": "fp32"}
     assert checkpoint.CheckpointState.from_json(state.to_json()) == state
 
 

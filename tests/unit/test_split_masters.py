@@ -29,11 +29,14 @@ def _finite_patterns() -> torch.Tensor:
 
 
 def test_every_finite_master_is_kept_exactly_and_served_as_its_bf16_rounding() -> None:
+    """Loaded from fp32 masters (a checkpoint of the fp32 layout), every finite value comes
+    back bit for bit and is served as its bf16 rounding, ties away from zero."""
     values = _finite_patterns()
-    param = torch.nn.Parameter(values.clone())
+    param = torch.nn.Parameter(torch.zeros_like(values))
     opt = HostAdamW({"w": param}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5)
+    zeros = torch.zeros_like(values)
+    served = opt.load_state({"master/w": values, "exp_avg/w": zeros, "exp_avg_sq/w": zeros}, 0)["w"]
     assert torch.equal(opt.master["w"].view(torch.int32), values.view(torch.int32))
-    served = opt.sync_model()["w"]
     assert np.array_equal(served, served_bits(values, "split"))
     assert torch.equal(param.detach(), torch.from_numpy(served.view(np.int16).copy()).view(torch.bfloat16).float())
     nearest_even = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -42,6 +45,22 @@ def test_every_finite_master_is_kept_exactly_and_served_as_its_bf16_rounding() -
     assert ties.sum() > 0 and (served[ties] != nearest_even[ties]).sum() > 0  # which this sample has
     # Ties go away from zero: the magnitude's bits round up.
     np.testing.assert_array_equal(served[ties] & 0x7FFF, ((values.view(torch.int32)[torch.from_numpy(ties)] >> 16) + 1).numpy() & 0x7FFF)
+
+
+def test_version_0_is_torchs_rounding_of_the_model() -> None:
+    """Read from the model, masters on a tie that nearest-even rounds down start one ulp
+    lower, so the served bits are torch's bf16 rounding of every weight; the others are
+    the model's values exactly."""
+    values = _finite_patterns()
+    opt = HostAdamW({"w": torch.nn.Parameter(values.clone())}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5)
+    served = opt.sync_model()["w"]
+    assert np.array_equal(served, values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    w = values.view(torch.int32)
+    nudged = (w & 0x1FFFF) == 0x8000
+    assert int(nudged.sum()) > 0
+    master = opt.master["w"].view(torch.int32)
+    assert torch.equal(master[~nudged], w[~nudged])
+    assert torch.equal(master[nudged], w[nudged] - 1)
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -59,8 +78,10 @@ def test_fifty_steps_equal_fp32_master_adamw_bit_for_bit(moments: MomentsDtype) 
         opt = HostAdamW(
             dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments, master_layout=layout, bucket_mb=0.004,
         )
-        opt.sync_model()
         runs[layout] = (model, opt)
+    # The same starting masters (the split layout nudges exact ties when it reads a model).
+    runs["fp32"][1].load_state(runs["split"][1].state_tensors(), 0)
+    runs["split"][1].sync_model()
     assert len(runs["split"][1].buckets) > 1
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 48, generator=g)

@@ -16,7 +16,10 @@ Master layouts (`master_layout`); host bytes a parameter with fp32 / bf16 moment
          master are one buffer. The served rounding differs from torch's round-to-nearest-
          even only on exact ties (low half 0x8000, about one value in 2^17): nearest-even
          cannot be inverted from 16 more bits (an even bf16 value has 2^16 + 1 fp32 values
-         rounding to it), ties-away can.
+         rounding to it), ties-away can. So that version 0 is torch's rounding of the model
+         all the same (what the reference service and a LoRA base compute with), a master
+         read from the model that sits exactly on such a tie, with nearest-even rounding
+         down, starts one fp32 ulp lower (2^-24 relative; a bf16 checkpoint has no ties).
   fp32   16 / 12. An fp32 master vector, and the served bits twice: the version just made
          and the previous one (the base of the next delta).
 
@@ -220,6 +223,8 @@ class HostAdamW:
                 for pc in b.pieces:
                     src = _flat(self.params[pc.name].detach())[pc.param_start : pc.param_start + pc.count]
                     m32[pc.bucket_start : pc.bucket_start + pc.count].copy_(src)
+                if self.split:
+                    _nearest_even_ties_down(m32)
                 self._store_master(b.start, m32)
         moments = _MOMENT_DTYPES[moments_dtype]
         self.exp_avg = torch.zeros(total, dtype=moments)
@@ -556,6 +561,14 @@ class HostAdamW:
                 self._store_master(off + start, self._master32[: end - start].copy_(chunk))
             else:
                 self.flat_master[off + start : off + end].copy_(chunk)
+
+
+def _nearest_even_ties_down(m32: torch.Tensor) -> None:
+    """In place: each fp32 value exactly halfway between two bf16 values whose lower
+    neighbour is even (low half 0x8000, bit 16 clear) moves one ulp down, so that rounding
+    ties away from zero gives what nearest-even gives for the original value."""
+    w = m32.view(torch.int32)
+    w.sub_(((w & 0x1FFFF) == 0x8000).to(torch.int32))  # a borrow never passes bit 15 here
 
 
 def served_bits(master: torch.Tensor, master_layout: MasterLayout) -> np.ndarray:
