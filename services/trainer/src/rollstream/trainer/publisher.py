@@ -11,6 +11,10 @@ generator gets its own concurrent stream over a channel kept from one push to th
 to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves; the chunks are
 serialized once per push and the same bytes go to every stream (gRPC is given them as they
 are), so a stream costs the trainer gRPC's own send and no copy or protobuf encode of ours.
+An anchor kept in a file (anchor_dir) is the exception: it is as large as the bf16 weights,
+so it is written to its file tensor by tensor and each stream reads its chunks from the
+file as it sends them (the page cache serves the other streams); it is never whole in the
+trainer's memory.
 
 Authentication: no token goes to a generator (its address may come from a registry a lesser
 role writes). Each push asks that generator for a one-time nonce, with a challenge; nothing is
@@ -27,15 +31,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 import numpy as np
 
-from rollstream.core import deltas, weight_transfer
+from rollstream.core import deltas, safetensors_io, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -82,16 +87,23 @@ class PayloadFile:
     temporary name, opened, then renamed over `path`: the file descriptor is always this
     payload's, a newer anchor (or a restarted trainer's) replaces the name while readers
     holding this one read on, and a trainer killed -9 leaves one file that its restart
-    overwrites. Read with pread, so it is never mapped into the trainer's memory."""
+    overwrites. Read with pread, so it is never mapped into the trainer's memory.
 
-    def __init__(self, path: Path, data: bytes):
+    `write` writes the payload into the open file, so that it need never be whole in memory
+    (write_anchor)."""
+
+    def __init__(self, path: Path, write: Callable[[BinaryIO], object]):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        self._fd = os.open(tmp, os.O_RDONLY)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            self._fd = os.open(tmp, os.O_RDONLY)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not keep a partial anchor's space
+            raise
         os.replace(tmp, path)
         self.path = path
-        self._size = len(data)
+        self._size = os.fstat(self._fd).st_size
 
     def __len__(self) -> int:
         return self._size
@@ -140,10 +152,29 @@ class Published:
         """The whole payload as bytes (read back from its file when it is in one)."""
         return self.payload if isinstance(self.payload, bytes) else self.payload[:]
 
-    def wire_chunks(self) -> list[bytes]:
-        """The chunks as serialized WeightChunk messages: made once per push for every
-        generator (not kept: for an anchor that would hold the weights twice)."""
+    def wire_chunks(self) -> Iterable[bytes]:
+        """The chunks as serialized WeightChunk messages, iterated once per stream. In memory:
+        a list made once per push for every generator (not kept between pushes). In a file:
+        read and serialized as each stream goes (FileWire), as a list would hold the weights."""
+        if isinstance(self.payload, PayloadFile):
+            return FileWire(self)
         return [c.SerializeToString() for c in self.chunks()]
+
+
+class FileWire:
+    """A file-held payload's serialized chunks: each iteration reads the file afresh, chunk by
+    chunk (pread), so a stream holds only the chunks gRPC has not sent yet."""
+
+    def __init__(self, published: Published):
+        self._published = published
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (c.SerializeToString() for c in self._published.chunks())
+
+
+def write_anchor(f: BinaryIO, weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> int:
+    """deltas.encode_anchor's bytes, written to `f` tensor by tensor instead of returned whole."""
+    return safetensors_io.dump_to(f, weights, deltas._meta("anchor", version, version, fingerprint), bf16=set(weights))
 
 
 class WeightPublisher:
@@ -187,12 +218,14 @@ class WeightPublisher:
         return self._bits
 
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
-        payload: bytes | PayloadFile = deltas.encode_anchor(bits, version, self.fingerprint)
-        if self.anchor_dir is not None:
+        payload: bytes | PayloadFile | None = None
+        if self.anchor_dir is not None:  # streamed to its file: no anchor bytes in memory
             try:
-                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, payload)
+                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: write_anchor(f, bits, version, self.fingerprint))
             except OSError as e:  # a full or failing disk must not stop training: keep it in memory
                 log.warning("anchor_in_memory: cannot write the anchor to %s (%s); keeping version %d in memory", self.anchor_dir, e, version)
+        if payload is None:
+            payload = deltas.encode_anchor(bits, version, self.fingerprint)
         with self._lock:
             self._bits = bits
             self._version = version
@@ -201,7 +234,7 @@ class WeightPublisher:
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
-        produces them (HostAdamW.step's on_tensor) and handed to publish()."""
+        produces them (HostAdamW.step's on_piece) and handed to publish()."""
         return deltas.DeltaEncoder(self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool)
 
     def publish(self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None) -> tuple[Published, deltas.DeltaStats]:
@@ -244,7 +277,7 @@ class WeightPublisher:
         """Push one payload to every generator concurrently (each as a stream of chunks).
         `from_registry`: the addresses come from the generator registry, which a lesser role
         writes, so each generator must prove the address it was dialed at."""
-        wire = published.wire_chunks()  # hashed and serialized here, once, for every stream
+        wire = published.wire_chunks()  # hashed here, once; serialized once too unless in a file
         calls = self._calls(addresses)
         gate = PushGate(self.signer, self.generator_key, from_registry)
         futures = [self._pool.submit(push_one, calls[a], a, wire, published.header(), gate, timeout_s) for a in addresses]
@@ -308,9 +341,10 @@ class PushGate:
         return self.signer.metadata(answer.nonce, header)
 
 
-def push_one(call: PushCall, address: str, wire: list[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:
+def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:
     """One payload to one generator: its nonce and proof (PushGate), the signature, then the
-    chunks. Every failure is an outcome, never an exception."""
+    chunks (`wire`, iterated afresh by each stream). Every failure is an outcome, never an
+    exception."""
     start = time.perf_counter()
     try:
         metadata = gate.metadata(call, address, header, timeout_s)
