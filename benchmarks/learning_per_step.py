@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/learning_per_step.py --weights bf16 --loss grpo --staleness 1 --seed 0
     .venv/bin/python benchmarks/learning_per_step.py --weights fp32 --loss dapo --staleness 0 --seed 0
+    .venv/bin/python benchmarks/learning_per_step.py --master-layout fp32 --moments-dtype float32 --seed 0
 
 The pipeline's learning rule without the pipeline: the trainer's own `train_step` (losses,
-clipping against the behaviour log-probs, host AdamW with fp32 masters) and the generator's
+clipping against the behaviour log-probs, host AdamW with fp32-exact masters) and the generator's
 own transformers sampling loop, on a second copy of the model as in a real generator, the
 demo's task (the seed-0 arithmetic stream, in order) and the reward service's `arithmetic`
 recipe. No Redis, no gRPC, no timing: what changes between runs is only the factor named on
@@ -18,6 +19,10 @@ Factors:
   --loss           the trainer's policy loss (TRL 1.16's default is dapo's token mean)
   --staleness K    train each batch K versions after the weights that sampled it (the
                    pipeline's steady state at max_staleness K; 0 is the synchronous control)
+  --master-layout  HostAdamW's master layout: split (the trainer's default: the served bf16
+                   bits, rounded ties away from zero, plus a 16-bit remainder) or fp32 (an fp32
+                   vector, served bits rounded to nearest even); the update is fp32 either way
+  --moments-dtype  HostAdamW's moments: bfloat16 (the trainer's default) or float32
 
 The sampling seed of group g of step s is a function of (--seed, s, g), the same for every
 factor, so curves differ by the factor, not by luck of the draw (common random numbers).
@@ -57,6 +62,8 @@ def main() -> None:
     parser.add_argument("--weights", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--loss", choices=["grpo", "dr_grpo", "dapo", "gspo"], default="grpo")
     parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split")
+    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--tis-cap", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=15)
@@ -79,7 +86,10 @@ def main() -> None:
     model, tokenizer = modeling.load_model(model_dir, dtype="float32", device="cpu")
     model.train()
     params = modeling.named_weights(model)
-    opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb)
+    opt = HostAdamW(
+        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
+        moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+    )
     generator = TransformersBackend(model_dir)
     gen_params = modeling.named_weights(generator.model)
 
@@ -100,6 +110,7 @@ def main() -> None:
     queue: collections.deque[list[rollout_pb2.RolloutGroup]] = collections.deque()
     history = []
     started = time.monotonic()
+    load_start = os.getloadavg()
     for step in range(1, args.steps + 1):
         # Sample until the batch to train is `staleness` versions old (the pipeline's steady state).
         while len(queue) <= args.staleness:
@@ -135,12 +146,16 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "learning_per_step",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "factors": {"weights": args.weights, "loss": args.loss, "staleness": args.staleness, "tis_cap": args.tis_cap},
-        "seed": args.seed, "lr": args.lr, "steps": args.steps,
+        "factors": {
+            "weights": args.weights, "loss": args.loss, "staleness": args.staleness, "tis_cap": args.tis_cap,
+            "master_layout": args.master_layout, "moments_dtype": args.moments_dtype,
+        },
+        "seed": args.seed, "lr": args.lr, "steps": args.steps, "threads": args.threads,
         "reward_by_step": rewards,
         "first_step_at_0.85": first_step_at(rewards, 0.85), "first_step_at_0.95": first_step_at(rewards, 0.95),
         "mean_reward_last5": round(float(np.mean(rewards[-5:])), 4),
         "wall_s": round(time.monotonic() - started, 1),
+        "loadavg_1_5_15": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
         "steps_detail": history,
     }), flush=True)
 
