@@ -3,15 +3,17 @@ the largest model one step fits.
 
     python3 benchmarks/gpu_step.py step --size 1.5b --device cuda                 # tokens/s
     python3 benchmarks/gpu_step.py largest --device cuda --moments-dtype bfloat16  # what fits
+    python3 benchmarks/gpu_step.py largest --device cuda --moments-dtype bfloat16 --sizes 14b  # 14B, 8 bytes a parameter
 
 `step`: one warm-up and `--repeats` timed GRPO steps (the trainer's own step.train_step) on
 synthetic groups of `--sequences` sequences of `--seq-tokens` tokens (`--prompt-tokens` of
 them prompt; random token ids, 0/1 rewards), one sequence per micro-batch (token_budget =
 seq-tokens), activation checkpointing on, for three optimizers:
-  host          HostAdamW: fp32 masters and moments in host memory, per bucket gradients
-                down, fused CPU AdamW, bf16 weights up; the step's new bits on the host
-                (what the trainer publishes) and the delta encoded on the way, on one
-                thread (the trainer's default);
+  host          HostAdamW: masters (`--master-layout`, split by default) and moments in host
+                memory, per bucket gradients down, fused CPU AdamW, bf16 weights up; the
+                step's new bits on the host (what the trainer publishes) and the delta encoded
+                on the way (on_piece: DeltaEncoder.add_piece), on one thread (the trainer's
+                default);
   host_offload  the same with grad_offload (gradients to the host during backward);
   resident      the baseline: fp32 masters and moments on the GPU, torch.optim.AdamW(fused=True)
                 there, bf16 weights copied from the masters; no host bits, no delta (which
@@ -22,18 +24,27 @@ on the compute stream) / step wall time. The optimizer phase is where a host ste
 the GPU idle but for its copies; the events bracket whole phases, so the busy time is an
 upper bound and the idle fraction a lower bound.
 
-`largest`: for each size in `--sizes` (ascending) builds the model on the device and runs
-one host step as above (two sequences of seq-tokens, one per micro-batch), stops at the first that runs out of
-device or host memory, and reports for each: parameters, fit or why not, step time, peak
-device memory (torch.cuda.max_memory_allocated) and peak resident host memory. Host memory
-per parameter: fp32 master 4 + moments 8 (fp32) or 4 (bf16) + the published bits 2 and the
-previous version's 2 (the delta's base), so 16 or 12 bytes; a 128 GiB machine holds at most
-~8.5B parameters with fp32 moments and ~11B with bf16 moments (the trainer service also keeps
-an anchor payload, 2 more bytes per parameter).
+`largest`: for each size in `--sizes` (ascending) decides from the arithmetic whether the
+host holds the optimizer: optimizer.host_bytes_per_parameter(--master-layout, --moments-dtype,
+--grad-offload) a parameter, plus what the process will still take (on a GPU up to
+HOST_OVERHEAD_BYTES in all), within HOST_FRACTION of MemAvailable (running out of host memory
+is a kill, not an exception). Then it builds the model straight on the device in --dtype
+(random, nothing of it on the host), the host optimizer over it (which reads the parameters
+a bucket at a time), and runs one GRPO step of 2 sequences of --seq-tokens (one per
+micro-batch, activation checkpointing); it stops at the first size that does not fit. Host
+bytes a parameter (split / fp32 master layout): 8 / 12 with bf16 moments, 12 / 16 with fp32
+ones (+4 with gradient offload): with the 123 GiB the GPU machines had available, ~15.4B
+parameters (Qwen2.5-14B has 14.77B) in the split layout with bf16 moments, ~10B in the fp32
+one. Reports for each size: parameters, host GiB needed and available, fits or why not, the
+phases' times (model init, optimizer init, the step and its forward / backward / optimizer),
+tokens/s, peak host resident set (VmHWM, reset before each size) and peak device memory
+(torch.cuda.max_memory_allocated), and a timeline: seconds since the process started at the
+end of each phase. The result so far is printed (one JSON line) after every phase, so a run
+cut at its time limit still says where it was; the last object printed is the result.
 
 On a CPU device everything runs the same way (no resident baseline: there is no GPU), to
-check the script at small sizes (--size 0.1b --seq-tokens 256 --dtype float32). Prints one
-JSON object.
+check the script at small sizes (--size tiny --seq-tokens 128 --dtype float32). Prints JSON
+(`largest`: a line per phase, then the result).
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import gc
 import json
 import os
 import resource
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,7 +64,7 @@ import numpy as np
 import torch
 from rollstream.core import deltas
 from rollstream.trainer.grpo import LossConfig
-from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep, OnTensor
+from rollstream.trainer.optimizer import HostAdamW, MasterLayout, NonFiniteStep, OnPiece, host_bytes_per_parameter
 from rollstream.trainer.step import StepConfig, train_step
 from rollstream.v1 import rollout_pb2
 from shapes import SIZES, build_model, parameter_count  # benchmarks/shapes.py
@@ -75,7 +87,7 @@ class ResidentAdamW:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
         for n, p in self.params.items():
             self.master[n].grad = None if p.grad is None else p.grad.float()
             p.grad = None
@@ -150,33 +162,41 @@ class MarkedOptimizer:
     def __init__(self, opt: Any, marks: Marks):
         self.opt, self.marks = opt, marks
 
-    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
         self.marks.mark()
-        return self.opt.step(max_grad_norm, on_tensor)
+        return self.opt.step(max_grad_norm, on_piece)
 
     def discard_grads(self) -> None:
         self.opt.discard_grads()
+
+
+def delta_base(opt: HostAdamW) -> dict[str, np.ndarray]:
+    """The delta encoder's base. With on_piece the optimizer hands over each piece's old bits
+    (HostAdamW.step), so the encoder reads only the base's names and shapes: zero-byte
+    stand-ins of the right shapes, not a 2-bytes-a-parameter copy of the previous version."""
+    return {name: np.broadcast_to(np.uint16(0), shape) for name, (_off, _n, shape) in opt.layout.items()}
 
 
 def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.RolloutGroup], cfg: StepConfig, device: torch.device, repeats: int, pad_id: int, delta: bool) -> dict[str, Any]:
     """One warm-up and `repeats` timed steps. On CUDA the distance between the Marks is the
     GPU's busy span of the step (the micro-batches run back to back between them; an upper
     bound: kernels do not fill it completely). With `delta`, each step's delta is encoded on
-    the way on one thread, as the trainer does by default (delta_encode_threads 1)."""
+    the way (on_piece: DeltaEncoder.add_piece) on one thread, as the trainer does by default
+    (delta_encode_threads 1)."""
     cuda = device.type == "cuda"
     walls, idles, phases = [], [], []
-    bits = None
+    base = delta_base(opt) if delta else None
     tokens = 0
     encode_pool = ThreadPoolExecutor(1, thread_name_prefix="delta")
     for i in range(repeats + 1):
         marks = Marks(cuda)
-        encoder = deltas.DeltaEncoder(bits, i - 1, i, "bench", executor=encode_pool) if delta and bits is not None else None
+        encoder = deltas.DeltaEncoder(base, i, i + 1, "bench", executor=encode_pool) if base is not None else None
         hook = model.get_decoder().register_forward_pre_hook(marks.first_forward)
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         try:
-            r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_tensor=encoder.add if encoder else None)  # type: ignore[arg-type]
+            r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_piece=encoder.add_piece if encoder else None)  # type: ignore[arg-type]
             if encoder is not None:
                 encoder.finish()
             if cuda:
@@ -184,8 +204,6 @@ def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.Rollo
         finally:
             hook.remove()
         wall = time.perf_counter() - start
-        if delta and r.trained_bits:
-            bits = {n: b.copy() for n, b in r.trained_bits.items()}  # the next delta's base
         if i == 0:
             continue  # warm-up
         walls.append(wall)
@@ -202,17 +220,34 @@ def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.Rollo
     return out
 
 
-def build(size: str, device: torch.device, dtype: torch.dtype, grad_offload: bool, moments_dtype: str, resident: bool) -> tuple[torch.nn.Module, Any]:
+def build_model_for_step(size: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model, random, allocated once on `device` in `dtype` (shapes.build_model: built on
+    meta, then N(0, 0.02) drawn on the device; no host copy), set up to train with activation
+    checkpointing."""
     model = build_model(size, device, dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    params = dict(model.named_parameters())
+    return model
+
+
+def host_optimizer(model: torch.nn.Module, grad_offload: bool, moments_dtype: str, master_layout: MasterLayout, sync: bool = True) -> HostAdamW:
+    """HostAdamW over the model's parameters (it reads them a bucket at a time: no whole fp32
+    copy of the model on the host). `sync`: write the served bits into the model. Not needed
+    where the parameters are bf16 already: the masters are then exactly the weights, whose bf16
+    rounding in either layout is the weights themselves."""
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments_dtype,  # type: ignore[arg-type]
+                    master_layout=master_layout, grad_offload=grad_offload)
+    if sync:
+        opt.sync_model()
+    return opt
+
+
+def build(size: str, device: torch.device, dtype: torch.dtype, grad_offload: bool, moments_dtype: str, resident: bool, master_layout: MasterLayout = "split") -> tuple[torch.nn.Module, Any]:
+    model = build_model_for_step(size, device, dtype)
     if resident:
-        return model, ResidentAdamW(params)
-    opt = HostAdamW(params, lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments_dtype, grad_offload=grad_offload)  # type: ignore[arg-type]
-    opt.sync_model()
-    return model, opt
+        return model, ResidentAdamW(dict(model.named_parameters()))
+    return model, host_optimizer(model, grad_offload, moments_dtype, master_layout)
 
 
 def release(device: torch.device) -> None:
@@ -233,7 +268,7 @@ def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     for name, offload, resident in variants:
         release(device)
         try:
-            model, opt = build(args.size, device, DTYPES[args.dtype], offload, args.moments_dtype, resident)
+            model, opt = build(args.size, device, DTYPES[args.dtype], offload, args.moments_dtype, resident, args.master_layout)
             results[name] = timed_steps(model, opt, groups, cfg, device, args.repeats, pad_id=0, delta=not resident)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of device memory: {str(e).splitlines()[0]}"}
@@ -243,12 +278,35 @@ def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         for name in ("host", "host_offload"):
             if "tokens_per_s" in results.get(name, {}):
                 results[f"{name}_over_resident"] = round(results[name]["tokens_per_s"] / results["resident"]["tokens_per_s"], 3)
-    return {"size": args.size, "sequences": args.sequences, "seq_tokens": args.seq_tokens, **results}
+    return {"size": args.size, "sequences": args.sequences, "seq_tokens": args.seq_tokens, "master_layout": args.master_layout,
+            "moments_dtype": args.moments_dtype, **results}
 
 
-def host_bytes_needed(parameters: int, moments_dtype: str) -> int:
-    """HostAdamW's host memory: fp32 master, two moments, the new and the previous bits."""
-    return parameters * (4 + (8 if moments_dtype == "float32" else 4) + 4)
+# What `largest` adds to the optimizer's arithmetic before deciding a size fits, on a GPU: the
+# process itself (CUDA context, torch and its libraries, staging buffers, the step's host
+# tensors), measured at 7B on the H200 (87.1 GiB peak against 85.1 GiB of optimizer state;
+# docs/benchmarks.md); and at most this fraction of MemAvailable (the rest is for the kernel
+# and page cache).
+HOST_OVERHEAD_BYTES = 2 * 2**30
+HOST_FRACTION = 0.95
+
+
+def host_overhead_bytes(device: torch.device, parameters: int, dtype: torch.dtype) -> int:
+    """What the process will still take beside the optimizer (MemAvailable leaves out what it
+    holds already): on a GPU the rest of the measured HOST_OVERHEAD_BYTES; on the CPU the
+    model's weights and gradients, which are in host memory there."""
+    if device.type == "cuda":
+        return max(0, HOST_OVERHEAD_BYTES - resident_bytes())
+    return 2 * parameters * torch.finfo(dtype).bits // 8
+
+
+def resident_bytes() -> int:
+    """VmRSS: this process's resident set now."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def available_host_bytes() -> int:
@@ -256,41 +314,127 @@ def available_host_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
+def since_start_s() -> float:
+    """Seconds since this process started (interpreter start and imports included), from
+    /proc/self/stat; since this module was imported where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+
+
+def reset_peak_host() -> bool:
+    """Reset this process's VmHWM to its current resident set (Linux: clear_refs 5), so that
+    each size's peak is its own; False where that is not possible (the peak is then the
+    process's so far)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_host_rss_gib() -> float:
+    """VmHWM: the peak resident set (since the last reset_peak_host)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return peak_host_gib()
+
+
+def progress(result: dict[str, Any], what: str) -> None:
+    """The result so far as one JSON line on stdout (a kit check cut at its cap keeps the last
+    such line: scripts/gpu_kit/checks.py partial_result), and a line on stderr."""
+    print(json.dumps({"progress": what, **result}), flush=True)
+    print(f"[{since_start_s():7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    rows = []
+    """For each size, ascending, until one does not fit: decide from the arithmetic whether the
+    host holds the optimizer (running out of host memory is a kill by the OOM killer, not an
+    exception), then build the model on the device, the host optimizer, and run one step.
+    Each row's `timeline` holds the seconds since the process started at the end of each phase
+    (model, optimizer, step), and the result so far is printed after each: a run cut short
+    still says where it was."""
+    cuda = device.type == "cuda"
+    dtype = DTYPES[args.dtype]
+    per_parameter = host_bytes_per_parameter(args.master_layout, args.moments_dtype, args.grad_offload)
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "master_layout": args.master_layout, "moments_dtype": args.moments_dtype, "grad_offload": args.grad_offload,
+        "host_bytes_per_parameter": per_parameter, "host_fraction": HOST_FRACTION, "dtype": args.dtype,
+        "sequences": 2, "seq_tokens": args.seq_tokens, "activation_checkpointing": True, "sizes": rows,
+    }
     for size in args.sizes.split(","):
         release(device)
         row: dict[str, Any] = {"size": size}
-        vocab = SIZES[size][5]
-        # Running out of host memory is a kill by the OOM killer, not an exception: decide
-        # from the arithmetic first.
-        need, have = host_bytes_needed(parameter_count(size), args.moments_dtype), available_host_bytes()
-        row["host_gib_needed"] = round(need / 2**30, 1)
-        if need > 0.95 * have:
-            rows.append(row | {"fits": False, "why": f"host memory: the optimizer needs {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"})
+        timeline: dict[str, float] = {"start": round(since_start_s(), 1)}
+        row["timeline"] = timeline
+        rows.append(row)
+        parameters = parameter_count(size)  # on meta: nothing allocated
+        timeline["counted"] = round(since_start_s(), 1)
+        optimizer_bytes = parameters * per_parameter
+        overhead = host_overhead_bytes(device, parameters, dtype)
+        need, have = optimizer_bytes + overhead, available_host_bytes()
+        row |= {"parameters": parameters, "host_gib_optimizer": round(optimizer_bytes / 2**30, 2), "host_gib_needed": round(need / 2**30, 2),
+                "host_gib_available": round(have / 2**30, 1)}
+        if need > HOST_FRACTION * have:
+            row |= {"fits": False, "why": f"host memory: {need / 2**30:.1f} GiB more needed ({per_parameter} bytes a parameter and "
+                    f"{overhead / 2**30:.1f} GiB for the process), {have / 2**30:.1f} GiB available"}
+            progress(result, f"{size}: does not fit the host")
             break
+        row["peak_host_is"] = "this size" if reset_peak_host() else "the process so far"
+        model = opt = r = None
         try:
-            model, opt = build(size, device, DTYPES[args.dtype], grad_offload=args.grad_offload, moments_dtype=args.moments_dtype, resident=False)
-            row["parameters"] = sum(p.numel() for p in model.parameters())
-            groups = synthetic_groups(2, args.seq_tokens, args.prompt_tokens, vocab, seed=0)  # one group of two: a signal
             start = time.perf_counter()
-            train_step(model, opt, groups, step_config(args.seq_tokens, device), pad_id=0)
-            if device.type == "cuda":
+            model = build_model_for_step(size, device, dtype)
+            if cuda:
                 torch.cuda.synchronize(device)
-            row |= {"fits": True, "step_s": round(time.perf_counter() - start, 2)}
+            row["model_init_s"] = round(time.perf_counter() - start, 2)
+            timeline["model"] = round(since_start_s(), 1)
+            progress(result, f"{size}: model built on {device}")
+            start = time.perf_counter()
+            opt = host_optimizer(model, args.grad_offload, args.moments_dtype, args.master_layout, sync=dtype != torch.bfloat16)
+            row["optimizer_init_s"] = round(time.perf_counter() - start, 2)
+            row["buckets"] = len(opt.buckets)
+            timeline["optimizer"] = round(since_start_s(), 1)
+            progress(result, f"{size}: host optimizer built")
+            groups = synthetic_groups(2, args.seq_tokens, args.prompt_tokens, SIZES[size][5], seed=0)  # one group of two: a signal
+            start = time.perf_counter()
+            r = train_step(model, opt, groups, step_config(args.seq_tokens, device), pad_id=0)
+            if cuda:
+                torch.cuda.synchronize(device)
+            step_s = time.perf_counter() - start
+            timeline["step"] = round(since_start_s(), 1)
+            row |= {
+                "fits": True, "step_s": round(step_s, 2), "train_tokens": r.train_tokens, "tokens_per_s": round(r.train_tokens / step_s, 1),
+                "phases": {"forward_s": round(r.forward_s, 2), "backward_s": round(r.backward_s, 2), "optimizer_s": round(r.optimizer_s, 2)},
+                "grad_norm": round(r.grad_norm, 4),
+            }
         except torch.OutOfMemoryError as e:
             row |= {"fits": False, "why": f"device memory: {str(e).splitlines()[0]}"}
         except MemoryError as e:
             row |= {"fits": False, "why": f"host memory: {e}"}
-        finally:
-            model = opt = None  # noqa: F841
-        if device.type == "cuda":
+        row["peak_host_gib"] = round(peak_host_rss_gib(), 2)
+        if cuda:
             row["peak_device_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        row["peak_host_gib_so_far"] = round(peak_host_gib(), 2)
-        rows.append(row)
+            row["peak_device_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        progress(result, f"{size}: {'stepped' if row['fits'] else 'does not fit: ' + row['why']}")
+        # Freeing ~100 GiB of host memory takes seconds: after the row is out. The step's bits
+        # are views of the optimizer's (split layout): they go too.
+        model = opt = r = None  # noqa: F841
         if not row["fits"]:
             break
-    return {"moments_dtype": args.moments_dtype, "grad_offload": args.grad_offload, "seq_tokens": args.seq_tokens, "sizes": rows}
+    return result
 
 
 def main() -> None:
@@ -304,6 +448,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (float32 to check the script on a CPU without fast bf16)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split",
+                        help="HostAdamW's masters: split (the served bf16 bits and a 16-bit remainder) or fp32 (a vector, and the bits twice)")
     parser.add_argument("--grad-offload", action="store_true", help="largest: with gradient offload")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -3,6 +3,8 @@
 #
 #   bash .gpu-kit/trainer/run.sh        (carry [".gpu-kit/trainer"])  kit 1, ~8 minutes
 #   bash .gpu-kit/system/run.sh         (carry [".gpu-kit/system"])   kit 2, right after kit 1
+#   bash .gpu-kit/trainer/run.sh --only largest_split_14b --budget-s 225
+#                                       (carry [".gpu-kit/trainer"])  14B alone, ~4 minutes
 #
 # scripts/gpu_kit/build.py copies this file into each kit. Everything else is
 # scripts/gpu_kit/checks.py (standard library only, so that it reports even an install

@@ -3,12 +3,17 @@ fp32 masters and moments on the host, pinned double-buffered staging and side st
 
   - the offloaded step gives the same weights as a plain fp32-master AdamW (torch's fused CPU
     AdamW on fp32 copies) on the same gradients: bit for bit without clipping (the arithmetic
-    is the same: the same fused kernel, elementwise); with clipping the norm is taken on the
-    GPU (a tree reduction) and on the CPU (chunked) differently, so within a stated tolerance;
+    is the same: the same fused kernel, elementwise), in both master layouts (split: the
+    masters as their served bf16 bits and a 16-bit remainder; fp32), the GPU's weights being
+    the layout's served rounding of the masters (optimizer.served_bits); with clipping the
+    norm is taken on the GPU (a tree reduction) and on the CPU (chunked) differently, so
+    within a stated tolerance;
   - gradient offload gives the same result as without: bit for bit with one backward per
     step; with gradient accumulation the device path adds bf16 gradients in bf16 and the
     offload path in fp32 on the host, so within a stated tolerance;
-  - the published delta decodes to exactly the weights the model computes with on the GPU;
+  - the published delta, built on the way from each bucket's old and new bits (on_piece:
+    DeltaEncoder.add_piece), decodes to exactly the weights the model computes with on the
+    GPU, in both layouts;
   - a checkpoint taken on the GPU resumes exactly.
 
 Skipped where torch sees no CUDA device (CI never has one); the GPU kit (docs/gpu.md) runs
@@ -36,7 +41,7 @@ from synthetic import scored_groups  # noqa: E402  tests/synthetic.py
 from rollstream.core import deltas, modeling  # noqa: E402
 from rollstream.trainer import checkpoint  # noqa: E402
 from rollstream.trainer.grpo import LossConfig  # noqa: E402
-from rollstream.trainer.optimizer import HostAdamW, OnTensor  # noqa: E402
+from rollstream.trainer.optimizer import HostAdamW, MasterLayout, OnPiece, served_bits  # noqa: E402
 from rollstream.trainer.step import StepConfig, train_step  # noqa: E402
 
 DEVICE = os.environ.get("ROLLSTREAM_GPU_TIER_DEVICE", "cuda")
@@ -61,11 +66,12 @@ def step_config(token_budget: int = 4096, max_grad_norm: float = 0.0) -> StepCon
     return StepConfig(loss, token_budget=token_budget, chunk_tokens=64, temperature=1.0, max_grad_norm=max_grad_norm, device=DEVICE)
 
 
-def load(model_dir: Path, grad_offload: bool = False) -> tuple[torch.nn.Module, HostAdamW, int]:
+def load(model_dir: Path, grad_offload: bool = False, master_layout: MasterLayout = "split") -> tuple[torch.nn.Module, HostAdamW, int]:
     """The tiny model on the GPU in bf16 at version 0, and its host optimizer."""
     model, tokenizer = modeling.load_model(model_dir, dtype="bfloat16", device=DEVICE)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=BUCKET_MB, grad_offload=grad_offload)
+    opt = HostAdamW(modeling.named_weights(model), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=BUCKET_MB, grad_offload=grad_offload,
+                    master_layout=master_layout)
     opt.sync_model()
     return model, opt, tokenizer.pad_token_id
 
@@ -85,9 +91,9 @@ class Capturing:
         self.grads: dict[str, torch.Tensor] = {}
         self.norms: list[float] = []
 
-    def step(self, max_grad_norm: float, on_tensor: OnTensor | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
         self.grads = {n: p.grad.detach().to(device="cpu", dtype=torch.float32) for n, p in modeling.named_weights(self.model).items()}
-        norm, bits = self.opt.step(max_grad_norm, on_tensor)
+        norm, bits = self.opt.step(max_grad_norm, on_piece)
         self.norms.append(norm)
         return norm, bits
 
@@ -101,8 +107,9 @@ def fp32_reference(opt: HostAdamW) -> tuple[dict[str, torch.Tensor], torch.optim
     return masters, torch.optim.AdamW(list(masters.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=True)
 
 
-def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path) -> None:
-    model, opt, pad = load(tiny_model_dir)
+@pytest.mark.parametrize("layout", ["split", "fp32"])
+def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path, layout: MasterLayout) -> None:
+    model, opt, pad = load(tiny_model_dir, master_layout=layout)
     assert opt._copier.cuda == (DEVICE == "cuda") and len(opt.buckets) > 4  # on CUDA: pinned staging, side streams
     masters, reference = fp32_reference(opt)
     capturing = Capturing(model, opt)
@@ -115,7 +122,7 @@ def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path) -
         got = gpu_bits(model)
         for n, m in masters.items():
             assert torch.equal(opt.master[n], m.detach()), f"step {step}: master {n}"
-            assert np.array_equal(got[n], modeling.tensor_to_bits(m)), f"step {step}: GPU weights {n}"
+            assert np.array_equal(got[n], served_bits(m, layout)), f"step {step}: GPU weights {n}"
 
 
 def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model_dir: Path) -> None:
@@ -167,13 +174,14 @@ def test_gradient_offload_matches_the_device_path(tiny_model_dir: Path) -> None:
             assert float(diff.max()) <= 2 * LR * 3 * 1.01
 
 
-def test_delta_built_on_the_way_decodes_to_the_gpu_weights(tiny_model_dir: Path) -> None:
-    model, opt, pad = load(tiny_model_dir)
+@pytest.mark.parametrize("layout", ["split", "fp32"])
+def test_delta_built_on_the_way_decodes_to_the_gpu_weights(tiny_model_dir: Path, layout: MasterLayout) -> None:
+    model, opt, pad = load(tiny_model_dir, master_layout=layout)
     held = {n: b.copy() for n, b in gpu_bits(model).items()}
     fingerprint = deltas.model_fingerprint({n: b.shape for n, b in held.items()})
     for step in range(3):
         encoder = deltas.DeltaEncoder(held, step, step + 1, fingerprint)
-        r = train_step(model, opt, scored_groups(step, 4), step_config(), pad_id=pad, on_tensor=encoder.add)
+        r = train_step(model, opt, scored_groups(step, 4), step_config(), pad_id=pad, on_piece=encoder.add_piece)
         payload, stats = encoder.finish()
         assert stats.changed_values > 0
         info, changed = deltas.decode(payload, held, step, fingerprint)

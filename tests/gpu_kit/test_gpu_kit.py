@@ -128,6 +128,8 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     results = {row["name"]: row["result"] for row in summary["checks"]}
     assert results["gpu_step_1.5b"]["host"]["tokens_per_s"] > 0
     assert results["largest_bf16_moments"]["sizes"][0]["fits"] is True
+    assert results["largest_bf16_moments"]["host_bytes_per_parameter"] == 12  # fp32 masters, bf16 moments
+    assert_largest_split(results["largest_split_14b"])
 
     rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2")
     assert_what_comes_back(tmp_path / "out2")
@@ -139,6 +141,44 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert "trainer" in " ".join(run["peak_rss_gb"])
     assert run["steps"][0]["step_seconds"] > 0  # the update's own time, kept from the step log
     assert results["trainer_memory"]["peak_rss_mb"] > 0
+
+
+def assert_largest_split(result: dict) -> None:
+    """gpu_step.py largest in the split layout with bf16 moments (tiny, float32, on the CPU)."""
+    assert result["master_layout"] == "split" and result["moments_dtype"] == "bfloat16"
+    assert result["host_bytes_per_parameter"] == 8
+    (row,) = result["sizes"]
+    assert row["fits"] is True and row["parameters"] > 0
+    assert row["host_gib_needed"] >= row["host_gib_optimizer"] > 0
+    assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["train_tokens"] == 2 * 128
+    assert set(row["phases"]) == {"forward_s", "backward_s", "optimizer_s"}
+    assert list(row["timeline"]) == ["start", "counted", "model", "optimizer", "step"]
+    assert row["peak_host_gib"] > 0 and row["peak_host_is"] == "this size"
+
+
+# The install and one check on the CPU: a few minutes on a loaded 2-core machine.
+@pytest.mark.timeout(1800)
+def test_the_14b_check_runs_alone(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    """docs/gpu.md's one-off call, `run.sh --only largest_split_14b --budget-s 225`, at its CPU
+    size: the setup rows and that one check, nothing else (the budget x CPU_SLACK here)."""
+    budget = str(225 * checks.CPU_SLACK)
+    rc, summary = run_kit(kits / "trainer", device_python3, tmp_path / "state", tmp_path / "out", "--only", "largest_split_14b", "--budget-s", budget)
+    assert_what_comes_back(tmp_path / "out")
+    assert statuses(summary) == dict.fromkeys([*SETUP, "largest_split_14b"], "ok"), summary
+    assert rc == 0
+    row = summary["checks"][-1]
+    assert row["seconds"] <= row["cap_s"] + 5, row
+    assert_largest_split(row["result"])
+
+
+def test_only_a_check_the_kit_has(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    """A misspelt --only stops the call before the install, naming the kit's checks."""
+    env = {**os.environ, "ROLLSTREAM_PY": str(device_python3), "ROLLSTREAM_KIT_STATE": str(tmp_path / "state"), "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(kits / "trainer" / "run.sh"), "--device", "cpu", "--only", "largest_14b"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "no check largest_14b" in proc.stderr and "largest_split_14b" in proc.stderr
+    assert not (tmp_path / "state").exists()
 
 
 def test_a_missing_wheel_fails_the_machine_row_and_runs_nothing(kits: Path, device_python3: Path, tmp_path: Path) -> None:
@@ -193,14 +233,46 @@ def test_a_check_over_its_cap_is_cut_and_reported(tmp_path: Path) -> None:
     # http.server serves until killed: a stand-in for a check that hangs.
     hangs = checks.Check("hangs", [], ["-m", "http.server", "0", "--bind", "127.0.0.1"], cap_s=3, json_out=False)
     row = run.record(checks.run_check(run, hangs))
-    assert row.status == "timeout" and row.rc is None and 3 <= row.seconds < 30
+    assert row.status == "timeout" and row.rc is None and 3 <= row.seconds < 30 and row.result is None
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["checks"][0]["status"] == "timeout"
     short = checks.Run(kit, REPO, tmp_path / "state2", tmp_path / "out2", "cpu", budget_s=5)
     assert checks.run_check(short, hangs).status == "skipped"  # under MIN_CHECK_S left: not started
+    # A check that needs more than is left is skipped too, and says how to run it alone.
+    needs = checks.Check("needs", [], ["-c", "pass"], cap_s=200, min_s=20, json_out=False)
+    row = checks.run_check(checks.Run(kit, REPO, tmp_path / "state3", tmp_path / "out3", "cpu", budget_s=60), needs)
+    assert row.status == "skipped" and "--only needs" in row.error
+
+
+def test_a_check_cut_at_its_cap_keeps_what_it_printed(tmp_path: Path) -> None:
+    """gpu_step.py largest prints its result so far as a line after each phase: a run cut at
+    its cap returns the last of them."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    run = checks.Run(kit, REPO, tmp_path / "state", tmp_path / "out", "cpu", budget_s=60)
+    script = 'import json, time; print(json.dumps({"progress": "model built", "sizes": [{"size": "14b"}]}), flush=True); time.sleep(60)'
+    row = checks.run_check(run, checks.Check("cut", [], ["-c", script], cap_s=3))
+    assert row.status == "timeout" and row.result == {"progress": "model built", "sizes": [{"size": "14b"}]}
+
+
+def test_a_running_check_is_in_the_summary_while_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SNAPSHOT_S the summary holds the running check's row with what it printed so far:
+    what comes back if the device call itself ends first (here: the row is never recorded)."""
+    monkeypatch.setattr(checks, "SNAPSHOT_S", 0.5)
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    run = checks.Run(kit, REPO, tmp_path / "state", tmp_path / "out", "cpu", budget_s=60)
+    script = 'import json, time; print(json.dumps({"progress": "optimizer built"}), flush=True); time.sleep(3); print(json.dumps({"done": 1}))'
+    row = checks.run_check(run, checks.Check("slow", [], ["-c", script], cap_s=30))
+    assert row.status == "ok" and row.result == {"done": 1}
+    (running,) = json.loads((tmp_path / "out" / "summary.json").read_text())["checks"]
+    assert running["name"] == "slow" and running["status"] == "running" and running["result"] == {"progress": "optimizer built"}
+    assert 0 < running["seconds"] <= 3.5
 
 
 def test_a_result_is_the_last_json_object_and_never_nan() -> None:
     assert checks.json_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb": 3}\n') == {"peak_mb": 3}
+    assert checks.partial_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb":') == {"phase": "step"}  # cut mid-print
+    assert checks.partial_result('{"loss": NaN}\nTraceback') is None
     for broken in ('{"tokens_per_s": NaN}', '{"loss": -Infinity}', "[1, 2]", "", "Traceback (most recent call last):"):
         with pytest.raises(ValueError):
             checks.json_result(broken)
