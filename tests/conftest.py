@@ -16,7 +16,15 @@ import redis
 from rollstream.core.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, connect
 
+import procs
 from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _no_service_outlives_its_test() -> Iterator[None]:
+    yield
+    while procs.STARTED:
+        procs.STARTED.pop().kill()  # a no-op for one that stopped
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,12 @@ class ServiceProc(ChildProcess):
         wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
         return self
 
+# Every service a test started: conftest kills what is still running when the test ends (a
+# service whose wait_ready failed was never handed to the test's own cleanup, and one left
+# running took a core from every later test).
+STARTED: list[ChildProcess] = []
+
+
 def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
     """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +93,9 @@ def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | No
         env=full_env,
     )
     log.close()
-    return ServiceProc(name=label, proc=proc, log_path=log_path, state_file=state_file)
+    service = ServiceProc(name=label, proc=proc, log_path=log_path, state_file=state_file)
+    STARTED.append(service)
+    return service
 
 
 def _creds(token: str) -> ClientCredentials | None:
