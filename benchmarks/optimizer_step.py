@@ -3,6 +3,7 @@ memory) against the physical limit and against a naive per-parameter offload.
 
     .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU (the default)
     .venv/bin/python benchmarks/optimizer_step.py --size 1.5b --device cuda
+    .venv/bin/python benchmarks/optimizer_step.py --size 0.5b --master-layout fp32 --moments-dtype float32 --skip-baseline
 
 Builds a Qwen2-style model from a config (random bf16 weights, no download) and random bf16
 gradients, then times, in one run:
@@ -10,9 +11,10 @@ gradients, then times, in one run:
               AdamW on the fp32 masters, bf16 back H2D, the new published bits;
   + delta     the same step until the weight delta against the previous version is encoded,
               two ways: after the step (deltas.encode_delta over every tensor, on the
-              caller's thread, as the trainer did) and on the way (each tensor handed to a
-              DeltaEncoder on `--encode-threads` threads as its last bucket is stepped, what
-              the trainer does now);
+              caller's thread, as the trainer did) and on the way (each bucket's piece of
+              each tensor handed to a DeltaEncoder, with its old bits, on `--encode-threads`
+              threads as the bucket is stepped: HostAdamW.step's on_piece, what the trainer
+              does now);
   limit       max(N / fused CPU AdamW rate, 2N bytes / pinned D2H rate, 2N bytes / pinned H2D
               rate), each rate measured here on large buffers: what perfect overlap could reach;
   baseline    LSRL-style: parameter by parameter, the gradient to a pageable fp32 copy, one
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets OpenMP's passive wait policy, as in the trainer
 import devices  # benchmarks/devices.py
 import torch
 from rollstream.core import deltas
@@ -89,7 +92,8 @@ def make_grads(params: list[torch.nn.Parameter], seed: int) -> Callable[[], None
 
     def prepare() -> None:
         for p in params:
-            p.grad = torch.randn(p.shape, dtype=p.dtype, device=p.device, generator=gen) * 1e-3
+            # In place: no second gradient-sized temporary per parameter.
+            p.grad = torch.empty_like(p).normal_(0.0, 1e-3, generator=gen)
 
     return prepare
 
@@ -107,9 +111,15 @@ def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor],
 
 def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> dict[str, object]:
     """The step alone, then the step with its delta encoded after it and on the way."""
-    opt = HostAdamW(named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype)
+    opt = HostAdamW(
+        named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
+        bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+    )
     step_only = timed(lambda: opt.step(1.0), prepare, device, args.repeats)
-    prev = {n: b.copy() for n, b in opt.published_bits().items()}  # the base of each delta
+    # The base of each delta. A copy: in the split layout the published bits are views of the
+    # masters, which the step overwrites (the on-the-way encoder gets each piece's old bits
+    # from the step itself and reads only names and shapes from its base).
+    prev = {n: b.copy() for n, b in opt.published_bits().items()}
     stats: list[deltas.DeltaStats] = []
 
     def step_then_delta() -> None:
@@ -118,7 +128,7 @@ def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], N
 
     def step_with_delta_on_the_way() -> None:
         encoder = deltas.DeltaEncoder(prev, 0, 1, "bench", executor=pool)
-        opt.step(1.0, on_tensor=encoder.add)
+        opt.step(1.0, on_piece=encoder.add_piece)
         stats.append(encoder.finish()[1])
 
     def reset() -> None:
@@ -156,6 +166,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=32.0)
     parser.add_argument("--encode-threads", type=int, default=1, help="delta encoder threads (the trainer's delta_encode_threads)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="HostAdamW's master_layout (the trainer's default: split)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory")
@@ -197,6 +208,7 @@ def main() -> None:
         "bucket_mb": args.bucket_mb,
         "buckets": timings["buckets"],
         "moments_dtype": args.moments_dtype,
+        "master_layout": args.master_layout,
         "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
         "limit": limit,
         "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),
