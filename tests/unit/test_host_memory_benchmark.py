@@ -27,7 +27,7 @@ def test_host_memory_benchmark_at_the_tiny_shape() -> None:
     for layout, run in runs.items():
         assert "error" not in run and "skipped" not in run, run
         assert run["size"] == "tiny" and run["parameters"] == 3279104
-        assert run["peak_reset"] is True
+        assert isinstance(run["peak_reset"], bool)  # False where /proc/self/clear_refs is refused: then the baseline is the peak so far
         assert set(run["peak_by_phase_bytes_per_param"]) == {"init", "sync_model+publisher", "step1", "step2"}
         # The layout's own buffers are there, at least its nominal bytes.
         assert run["measured_bytes_per_param"] >= run["nominal_bytes_per_param"], run
