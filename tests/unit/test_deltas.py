@@ -516,6 +516,17 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
     from_nothing = pub.catch_up_payloads(-1, "")
     assert [p.info.kind for p in from_nothing] == ["anchor", "delta", "delta"]
     assert [p.info.version for p in from_nothing] == [6, 7, 8]
+    if anchor_in == "file":
+        # Only the latest delta (the one being pushed) stays in memory; the others are files,
+        # and the chain before the anchor left none behind.
+        assert [type(p.payload).__name__ for p in from_nothing] == ["PayloadFile", "PayloadFile", "bytes"]
+        assert sorted(f.name for f in (tmp_path / "anchor").iterdir()) == ["anchor.safetensors", "delta-00000007.safetensors"]
+        pub.close()
+        assert list((tmp_path / "anchor").iterdir()) == []
+        # A trainer killed -9 leaves its chain; its restart removes it.
+        (tmp_path / "anchor" / "delta-00000004.safetensors").write_bytes(b"stale")
+        WeightPublisher(history[0], anchor_interval=3, anchor_dir=tmp_path / "anchor").close()
+        assert list((tmp_path / "anchor").iterdir()) == []
 
 
 def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ class PushOutcome:
 
 log = logging.getLogger(__name__)
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
+DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor, but the latest
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
@@ -133,11 +134,16 @@ class Published:
     (sha256 of the payload) is made on first use, once, whatever the number of generators it
     goes to."""
 
-    def __init__(self, info: deltas.PayloadInfo, payload: bytes | PayloadFile):
+    def __init__(self, info: deltas.PayloadInfo, payload: bytes | PayloadFile, header: weights_pb2.WeightHeader | None = None):
+        """`header`: the payload's, when it was made already (the same bytes moved to a file)."""
         self.info = info
         self.payload = payload
-        self._header: weights_pb2.WeightHeader | None = None
+        self._header = header
         self._header_lock = threading.Lock()
+
+    def cached_header(self) -> weights_pb2.WeightHeader | None:
+        with self._header_lock:
+            return self._header
 
     def header(self) -> weights_pb2.WeightHeader:
         with self._header_lock:  # concurrent pushes wait for one hash instead of each hashing
@@ -195,11 +201,13 @@ class WeightPublisher:
         if anchor_dir is not None:
             try:
                 anchor_dir.mkdir(parents=True, exist_ok=True)
-                for stale in anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"):  # a write cut short by a kill
+                # A write cut short by a kill; the chain of a trainer that was killed.
+                for stale in [*anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"), *anchor_dir.glob(f".{DELTA_FILES}.*.tmp"), *anchor_dir.glob(DELTA_FILES)]:
                     stale.unlink(missing_ok=True)
             except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
         self._anchor: Published | None = None
+        self._deltas: list[Published] = []  # since the anchor
         self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
         self.generator_key = generator_key
@@ -230,7 +238,8 @@ class WeightPublisher:
             self._bits = bits
             self._version = version
             self._anchor = Published(deltas.PayloadInfo("anchor", version, version, self.fingerprint), payload)
-            self._deltas: list[Published] = []
+            replaced, self._deltas = self._deltas, []
+        _unlink_files(replaced)
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
@@ -258,7 +267,27 @@ class WeightPublisher:
                 self._bits = dict(new_bits)
                 self._version = base + 1
                 self._deltas.append(delta)
+            self._file_older_deltas()
         return delta, stats
+
+    def _file_older_deltas(self) -> None:
+        """With anchor_dir, every delta but the latest goes to a file there: they are read
+        only by a generator catching up, yet up to anchor_interval - 1 of them (2-6 % of the
+        bf16 weights each) would otherwise sit in the trainer's memory (issue 28)."""
+        if self.anchor_dir is None:
+            return
+        with self._lock:
+            older = [(i, d) for i, d in enumerate(self._deltas[:-1]) if isinstance(d.payload, bytes)]
+        for i, delta in older:
+            data = delta.payload
+            try:
+                filed = PayloadFile(self.anchor_dir / f"delta-{delta.info.version:08d}.safetensors", lambda f, data=data: f.write(data))
+            except OSError as e:  # a full disk keeps it in memory, as for the anchor
+                log.warning("delta_in_memory: cannot write version %d's delta to %s (%s)", delta.info.version, self.anchor_dir, e)
+                return
+            with self._lock:
+                if i < len(self._deltas) and self._deltas[i] is delta:
+                    self._deltas[i] = Published(delta.info, filed, header=delta.cached_header())
 
     def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
         """What a generator holding `have_version` (-1: nothing) needs, in order."""
@@ -299,11 +328,20 @@ class WeightPublisher:
     def close(self) -> None:
         if self._anchor is not None and isinstance(self._anchor.payload, PayloadFile):
             self._anchor.payload.unlink()
+        _unlink_files(self._deltas)
         with self._channels_lock:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
         self._pool.shutdown(wait=False)
+
+
+def _unlink_files(payloads: Sequence[Published]) -> None:
+    """Remove the files of payloads no longer served (a fetch in progress reads on: it holds
+    the file open)."""
+    for p in payloads:
+        if isinstance(p.payload, PayloadFile):
+            p.payload.unlink()
 
 
 def push_call(ch: grpc.Channel) -> PushCall:
