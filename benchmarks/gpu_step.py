@@ -60,6 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import devices  # benchmarks/devices.py
+from host_memory import reset_peak_host  # benchmarks/host_memory.py
 import numpy as np
 import torch
 from rollstream.core import deltas
@@ -328,18 +329,6 @@ def since_start_s() -> float:
 
 
 _IMPORTED = time.monotonic()
-
-
-def reset_peak_host() -> bool:
-    """Reset this process's VmHWM to its current resident set (Linux: clear_refs 5), so that
-    each size's peak is its own; False where that is not possible (the peak is then the
-    process's so far)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def peak_host_rss_gib() -> float:

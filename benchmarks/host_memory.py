@@ -65,8 +65,10 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is refused."""
+def reset_peak_host() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux >= 4.0: clear_refs 5), so that a
+    peak read after is its own; False where that is refused (the peak is then the process's
+    so far). Also used by gpu_step.py."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -83,7 +85,7 @@ class _Peak:
         self.folded = 0
 
     def start(self) -> bool:
-        ok = _reset_peak()
+        ok = reset_peak_host()
         self.baseline = _status_kib("VmHWM")
         return ok
 
@@ -93,7 +95,7 @@ class _Peak:
     def reset(self) -> int:
         """Fold the peak in and reset it; returns the resident memory now."""
         self.folded = self.now()
-        _reset_peak()
+        reset_peak_host()
         return _status_kib("VmRSS")
 
 
