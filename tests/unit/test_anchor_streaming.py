@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from rollstream.core import deltas, grpc_utils, safetensors_io, weight_transfer
-from rollstream.trainer.publisher import ANCHOR_FILE, FileWire, PayloadFile, WeightPublisher, write_anchor
+from rollstream.trainer.publisher import ANCHOR_FILE, FileWire, PayloadFile, WeightPublisher
 from rollstream.v1 import generator_pb2_grpc, weights_pb2
 
 MEMORY_TENSORS = 8
@@ -75,7 +75,7 @@ def test_the_anchor_file_is_encode_anchors_bytes(tmp_path: Path) -> None:
     pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
     expected = deltas.encode_anchor(bits, 0, pub.fingerprint)
     buf = io.BytesIO()
-    assert write_anchor(buf, bits, 0, pub.fingerprint) == len(expected) and buf.getvalue() == expected
+    assert deltas.write_anchor(buf, bits, 0, pub.fingerprint) == len(expected) and buf.getvalue() == expected
     anchor = pub.catch_up_payloads(-1, "")[0]
     assert isinstance(anchor.payload, PayloadFile) and len(anchor.payload) == len(expected)
     assert (tmp_path / ANCHOR_FILE).read_bytes() == expected and anchor.data() == expected

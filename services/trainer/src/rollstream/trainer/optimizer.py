@@ -291,14 +291,7 @@ class HostAdamW:
         """The fp32 masters [start, end) in `out` (split layout: joined from hi and lo)."""
         if not self.split:
             return out.copy_(self.flat_master[start:end])
-        w = out.view(torch.int32)
-        w.copy_(self.hi[start:end])  # sign-extended; those high bits are shifted out below
-        w.bitwise_left_shift_(16)
-        # The int16 low half, sign-extended: w - (hi << 16). Widened into scratch first: an
-        # int32 += int16 add is ~3x slower than widening plus an int32 add (benchmarks/
-        # optimizer_step.py, 8M-element buckets on 2 threads).
-        w.add_(self._int32[: end - start].copy_(self.lo[start:end]))
-        return out
+        return _join(self.hi[start:end], self.lo[start:end], out, self._int32[: end - start])
 
     def _store_master(self, start: int, m32: torch.Tensor) -> None:
         """Make `m32` the fp32 masters from `start` on (a view of them already: nothing to do)."""
@@ -561,13 +554,23 @@ class HostAdamW:
                 chunk = m32[start:end]
             else:
                 assert hi is not None and lo is not None
-                chunk = torch.empty(end - start, dtype=torch.float32).view(torch.int32)
-                chunk.copy_(hi[start:end]).bitwise_left_shift_(16).add_(lo[start:end])
-                chunk = chunk.view(torch.float32)
+                chunk = _join(hi[start:end], lo[start:end], torch.empty(end - start), torch.empty(end - start, dtype=torch.int32))
             if self.split:
                 self._store_master(off + start, self._master32[: end - start].copy_(chunk))
             else:
                 self.flat_master[off + start : off + end].copy_(chunk)
+
+
+def _join(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The fp32 masters (hi << 16) + lo into `out` (fp32), with `scratch` (int32, as long)."""
+    w = out.view(torch.int32)
+    w.copy_(hi)  # sign-extended; those high bits are shifted out below
+    w.bitwise_left_shift_(16)
+    # The int16 low half, sign-extended: w - (hi << 16). Widened into scratch first: an
+    # int32 += int16 add is ~3x slower than widening plus an int32 add (8M-element buckets
+    # on 2 threads).
+    w.add_(scratch.copy_(lo))
+    return out
 
 
 def _nearest_even_ties_down(m32: torch.Tensor) -> None:

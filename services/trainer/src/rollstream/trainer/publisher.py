@@ -40,7 +40,7 @@ from typing import BinaryIO
 import grpc
 import numpy as np
 
-from rollstream.core import deltas, safetensors_io, weight_transfer
+from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -91,7 +91,7 @@ class PayloadFile:
     overwrites. Read with pread, so it is never mapped into the trainer's memory.
 
     `write` writes the payload into the open file, so that it need never be whole in memory
-    (write_anchor)."""
+    (deltas.write_anchor)."""
 
     def __init__(self, path: Path, write: Callable[[BinaryIO], object]):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -178,11 +178,6 @@ class FileWire:
         return (c.SerializeToString() for c in self._published.chunks())
 
 
-def write_anchor(f: BinaryIO, weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> int:
-    """deltas.encode_anchor's bytes, written to `f` tensor by tensor instead of returned whole."""
-    return safetensors_io.dump_to(f, weights, deltas._meta("anchor", version, version, fingerprint), bf16=set(weights))
-
-
 class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
@@ -229,7 +224,7 @@ class WeightPublisher:
         payload: bytes | PayloadFile | None = None
         if self.anchor_dir is not None:  # streamed to its file: no anchor bytes in memory
             try:
-                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: write_anchor(f, bits, version, self.fingerprint))
+                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: deltas.write_anchor(f, bits, version, self.fingerprint))
             except OSError as e:  # a full or failing disk must not stop training: keep it in memory
                 log.warning("anchor_in_memory: cannot write the anchor to %s (%s); keeping version %d in memory", self.anchor_dir, e, version)
         if payload is None:
@@ -326,9 +321,7 @@ class WeightPublisher:
             return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
-        if self._anchor is not None and isinstance(self._anchor.payload, PayloadFile):
-            self._anchor.payload.unlink()
-        _unlink_files(self._deltas)
+        _unlink_files([*([self._anchor] if self._anchor is not None else []), *self._deltas])
         with self._channels_lock:
             for ch in self._channels.values():
                 ch.close()
