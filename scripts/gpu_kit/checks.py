@@ -74,6 +74,11 @@ CHECKS: dict[str, list[Check]] = {
         Check("gpu_tier", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "gpu", "tests/gpu"],
               ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "gpu", "tests/gpu"], 150,
               cpu_env={"ROLLSTREAM_GPU_TIER_DEVICE": "cpu"}, json_out=False),
+        # The split layout's compiled AdamW against torch's fused kernel on this machine's CPU
+        # and torch, bit for bit (CPU only; a difference fails here and names the step).
+        Check("split_kernel_exact", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "tests/unit/test_split_kernel.py",
+                                     "tests/unit/test_split_masters.py"],
+              ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "tests/unit/test_split_kernel.py"], 60, json_out=False),
         # The offloaded step against its physical limit (AdamW rate, pinned copy rates).
         Check("optimizer_step_1.5b", ["benchmarks/optimizer_step.py", "--size", "1.5b", "--device", "cuda", "--encode-threads", "4", "--repeats", "1"],
               ["benchmarks/optimizer_step.py", "--size", "tiny", "--device", "cpu", "--repeats", "1", "--threads", "2"], 150),
@@ -250,6 +255,13 @@ def install(run: Run) -> Row:
     missing = sorted(expected - {w.name for w in wheels})
     if missing:
         return Row("install", "failed", error=f"wheels named in manifest.json are missing: {', '.join(missing)}")
+    for lib in sorted((run.kit / "lib").glob("*.so")):
+        # The compiled kernel goes where `pip install -e` builds it: in the trainer's package.
+        # A new file renamed into place: a process may have the old one mapped.
+        dest = run.repo / "services" / "trainer" / "src" / "rollstream" / "trainer" / lib.name
+        if not dest.exists() or sha256(dest) != sha256(lib):
+            shutil.copy2(lib, dest.with_suffix(".tmp"))
+            os.replace(dest.with_suffix(".tmp"), dest)
     return pip_install(run, "install", wheels) if wheels else Row("install", "ok")
 
 

@@ -68,6 +68,8 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 from rollstream.core import progress
+from rollstream.trainer import split_kernel as split_kernel_module
+from rollstream.trainer.split_kernel import TORCH_VECTOR_WIDTH, AdamWStep
 
 MomentsDtype = Literal["float32", "bfloat16"]
 MasterLayout = Literal["split", "fp32"]
@@ -179,9 +181,12 @@ class HostAdamW:
         master_layout: MasterLayout = "split",
         grad_offload: bool = False,
         spare_bits: bool | None = None,
+        split_kernel: bool | None = None,
     ):
         """`spare_bits` (fp32 layout): keep the bits buffer of two steps ago between steps for
-        reuse (see _bits_buffer); None: only when the model is on a GPU."""
+        reuse (see _bits_buffer); None: only when the model is on a GPU. `split_kernel`
+        (split layout): step with the compiled one-pass kernel (split_kernel.py); None: where
+        it was built, False: with torch operations (the same bits, slower)."""
         self.params = dict(params)
         if not self.params:
             raise ValueError("HostAdamW needs at least one parameter")
@@ -245,6 +250,11 @@ class HostAdamW:
             self._m32 = torch.empty(width, dtype=torch.float32)
             self._v32 = torch.empty(width, dtype=torch.float32)
         self._copier = _Copier(self.device)
+        self._kernel = split_kernel_module.load() if self.split and split_kernel is not False else None
+        if split_kernel and self._kernel is None:
+            raise RuntimeError("the split layout's compiled kernel was not built (services/trainer/setup.py needs a C compiler at install)")
+        # Split layout: where a bucket's served bits before the step go when no delta wants them.
+        self._old_scratch = np.empty(width if self.split else 0, dtype=np.uint16)
         # fp32 layout: the bits last written into the model, and a spare buffer (see _bits_buffer).
         self._bits = np.empty(0, dtype=np.uint16)
         self._spare_bits: np.ndarray | None = None
@@ -305,6 +315,11 @@ class HostAdamW:
         high = torch.add(w, 0x8000, out=self._int32[: m32.numel()])  # m32 is at most a bucket
         high.bitwise_right_shift_(16)
         self.hi[start:end].copy_(high)  # the high half of w + 0x8000: bf16 rounding, ties away
+
+    @property
+    def uses_split_kernel(self) -> bool:
+        """Whether steps run the compiled one-pass kernel (split layout, where it was built)."""
+        return self._kernel is not None
 
     @property
     def master(self) -> Mapping[str, torch.Tensor]:
@@ -426,12 +441,15 @@ class HostAdamW:
         old_bits = self._bits if not self.split and self._bits.size == self.numel else None
         if on_piece is not None and not self.split and old_bits is None:
             raise RuntimeError("no previous bits to encode a delta from: sync_model() or load_state() first")
-        bucket_old = np.empty(0, dtype=np.uint16)
         fetch_grads = adam and self.host_grad is None
         fetched = self._fetch(0) if fetch_grads else None
         put: list[torch.cuda.Event | None] = [None, None]
         for k, b in enumerate(self.buckets):
             n = b.size
+            # The H2D copy that last read this output slot (bucket k-2) must be done.
+            self._copier.wait(put[k % 2])
+            out = self._bf16_out[k % 2][:n]
+            bucket_old = np.empty(0, dtype=np.uint16)
             if adam:
                 if fetch_grads:
                     next_fetch = self._fetch(k + 1) if k + 1 < len(self.buckets) else None
@@ -443,18 +461,17 @@ class HostAdamW:
                 else:
                     assert self.host_grad is not None
                     grad = self.host_grad[b.start : b.end]
-                if clip < 1.0:
-                    grad.mul_(clip)
-                if self.split and on_piece is not None:
+                if self.split:
                     # The only copy of the previous version: this bucket's, about to be overwritten.
-                    bucket_old = new_bits[b.start : b.end].copy()
-                self._adamw_bucket(b, grad)
-            # The H2D copy that last read this output slot (bucket k-2) must be done.
-            self._copier.wait(put[k % 2])
-            out = self._bf16_out[k % 2][:n]
-            if self.split:
+                    bucket_old = np.empty(n, dtype=np.uint16) if on_piece is not None else self._old_scratch[:n]
+                    self._step_split_bucket(b, grad, clip, bucket_old, out)
+                else:
+                    if clip < 1.0:
+                        grad.mul_(clip)
+                    self._adamw(b.start, b.end, grad)
+            if self.split and not adam:  # (a step wrote `out` above)
                 out.view(torch.int16).copy_(self.hi[b.start : b.end])
-            else:
+            elif not self.split:
                 out.copy_(self.flat_master[b.start : b.end])  # round to nearest even: the bf16 weights
                 new_bits[b.start : b.end] = _bits_of(out)
             put[k % 2] = self._copier.to_device(
@@ -473,10 +490,30 @@ class HostAdamW:
             self._bits = new_bits
         return self._split_bits(new_bits)
 
-    def _adamw_bucket(self, b: Bucket, grad: torch.Tensor) -> None:
-        n = b.size
-        master = self._load_master(b.start, b.end, self._master32[:n]) if self.split else self.flat_master[b.start : b.end]
-        m, v = self.exp_avg[b.start : b.end], self.exp_avg_sq[b.start : b.end]
+    def _step_split_bucket(self, b: Bucket, grad: torch.Tensor, clip: float, old: np.ndarray, out: torch.Tensor) -> None:
+        """Split layout: AdamW on bucket b's masters and moments, its served bits before the
+        step into `old` and after it into `out`. The compiled kernel does what torch's fused
+        kernel does with vector code, in one pass; the bucket's last n % 16 values (only the
+        last bucket has any) go through torch, whose scalar code rounds them differently."""
+        n, out16 = b.size, out.view(torch.int16)
+        body = n - n % TORCH_VECTOR_WIDTH if self._kernel is not None else 0
+        if body:
+            at = slice(b.start, b.start + body)
+            settings = AdamWStep(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay, step=self.step_count, clip=clip)
+            self._kernel.step(self.hi[at], self.lo[at], self.exp_avg[at], self.exp_avg_sq[at], grad[:body], old[:body], out16[:body], settings)
+        if body < n:
+            old[body:] = _bits_of(self.hi[b.start + body : b.end])
+            rest = grad[body:]
+            if clip < 1.0:
+                rest.mul_(clip)
+            self._adamw(b.start + body, b.end, rest)
+            out16[body:].copy_(self.hi[b.start + body : b.end])
+
+    def _adamw(self, start: int, end: int, grad: torch.Tensor) -> None:
+        """torch's fused AdamW on the masters and moments [start, end)."""
+        n = end - start
+        master = self._load_master(start, end, self._master32[:n]) if self.split else self.flat_master[start:end]
+        m, v = self.exp_avg[start:end], self.exp_avg_sq[start:end]
         if self.moments_dtype != "float32":
             m32, v32 = self._m32[:n], self._v32[:n]
             m32.copy_(m)
@@ -495,7 +532,7 @@ class HostAdamW:
             m.copy_(m32)
             v.copy_(v32)
         if self.split:
-            self._store_master(b.start, master)
+            self._store_master(start, master)
 
     # -- state (checkpoints) --------------------------------------------------------------
 
