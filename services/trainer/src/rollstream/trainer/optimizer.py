@@ -253,6 +253,9 @@ class HostAdamW:
         self._kernel = split_kernel_module.load() if self.split and split_kernel is not False else None
         if split_kernel and self._kernel is None:
             raise RuntimeError("the split layout's compiled kernel was not built (services/trainer/setup.py needs a C compiler at install)")
+        # Gradients that come down in bf16 or fp16 are widened into fp32 scratch, except bf16
+        # ones for the kernel, which widens them as it reads them.
+        self._widen_grads = self._grad32 is not None and not (self._kernel is not None and grad_dtype == torch.bfloat16)
         # Split layout: where a bucket's served bits before the step go when no delta wants them.
         self._old_scratch = np.empty(width if self.split else 0, dtype=np.uint16)
         # fp32 layout: the bits last written into the model, and a spare buffer (see _bits_buffer).
@@ -456,7 +459,7 @@ class HostAdamW:
                     self._copier.wait(fetched)
                     fetched = next_fetch
                     grad = self._grad_in[k % 2][:n]
-                    if self._grad32 is not None:
+                    if self._widen_grads:
                         grad = self._grad32[:n].copy_(grad)
                 else:
                     assert self.host_grad is not None
@@ -503,7 +506,7 @@ class HostAdamW:
             self._kernel.step(self.hi[at], self.lo[at], self.exp_avg[at], self.exp_avg_sq[at], grad[:body], old[:body], out16[:body], settings)
         if body < n:
             old[body:] = _bits_of(self.hi[b.start + body : b.end])
-            rest = grad[body:]
+            rest = grad[body:] if grad.dtype == torch.float32 else self._grad32[body:n].copy_(grad[body:])
             if clip < 1.0:
                 rest.mul_(clip)
             self._adamw(b.start + body, b.end, rest)

@@ -28,6 +28,7 @@ import torch
 # (no fused multiply-add). The kernel matches the vector code; the optimizer steps a bucket's
 # last numel % 16 values with torch, so that both layouts round every value alike.
 TORCH_VECTOR_WIDTH = 16
+_C_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Ranges handed to one thread are multiples of this many values (a cache line of fp32).
 _ALIGN = 64
 
@@ -87,7 +88,11 @@ class SplitKernel:
     """The compiled kernel and the threads that run it."""
 
     def __init__(self, lib: ctypes.CDLL, threads: int):
-        self._functions = {torch.bfloat16: lib.split_adamw_bf16_moments, torch.float32: lib.split_adamw_f32_moments}
+        # By (moments dtype, gradients dtype).
+        self._functions = {
+            (moments, grads): getattr(lib, f"split_adamw_m{_C_NAMES[moments]}_g{_C_NAMES[grads]}")
+            for moments in _C_NAMES for grads in _C_NAMES
+        }
         for fn in self._functions.values():
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.POINTER(_Hyper)]
@@ -97,17 +102,17 @@ class SplitKernel:
     def step(self, hi: torch.Tensor, lo: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
              old: np.ndarray, out: torch.Tensor, settings: AdamWStep) -> None:
         """In place on hi, lo (int16), exp_avg, exp_avg_sq (bf16 or fp32, one dtype); reads
-        grad (fp32); writes hi's bits before the step into `old` (uint16) and after it into
+        grad (fp32 or bf16); writes hi's bits before the step into `old` (uint16) and after it into
         `out` (16-bit). All contiguous, of one length."""
         n = hi.numel()
         tensors = (hi, lo, exp_avg, exp_avg_sq, grad, out)
         if any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors) or old.size != n or not old.flags.c_contiguous:
             raise ValueError("split kernel: every buffer must be a contiguous CPU buffer of one length")
-        if (hi.dtype, lo.dtype, grad.dtype, out.element_size(), old.dtype) != (torch.int16, torch.int16, torch.float32, 2, np.uint16) or exp_avg_sq.dtype != exp_avg.dtype:
+        fn = self._functions.get((exp_avg.dtype, grad.dtype))
+        if fn is None or (hi.dtype, lo.dtype, out.element_size(), old.dtype) != (torch.int16, torch.int16, 2, np.uint16) or exp_avg_sq.dtype != exp_avg.dtype:
             raise ValueError("split kernel: wrong dtypes")
-        fn = self._functions[exp_avg.dtype]
         hyper = settings.hyper()
-        sizes = (hi.element_size(), lo.element_size(), exp_avg.element_size(), exp_avg_sq.element_size(), 4, 2, 2)
+        sizes = (2, 2, exp_avg.element_size(), exp_avg_sq.element_size(), grad.element_size(), 2, 2)
         bases = (hi.data_ptr(), lo.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), old.ctypes.data, out.data_ptr())
 
         def run(start: int, end: int) -> None:

@@ -53,13 +53,13 @@ static inline float adamw_one(float w, float g, float *m, float *v, const adamw_
 
 /* The master's bits are (hi << 16) + lo with lo sign-extended; the split back rounds ties
  * away from zero, which lo can undo (optimizer.py's docstring). */
-#define SPLIT_ADAMW_LOOP(LOAD_M, LOAD_V, STORE_M, STORE_V)                                  \
+#define SPLIT_ADAMW_LOOP(LOAD_G, LOAD_M, LOAD_V, STORE_M, STORE_V)                          \
     const adamw_params p = *params;                                                         \
     for (int64_t i = 0; i < n; i++) {                                                       \
         uint16_t h = (uint16_t)hi[i];                                                       \
         old[i] = h;                                                                         \
         float mi = LOAD_M, vi = LOAD_V;                                                     \
-        float w = adamw_one(f32_of(((uint32_t)h << 16) + (uint32_t)(int32_t)lo[i]), grad[i], &mi, &vi, p); \
+        float w = adamw_one(f32_of(((uint32_t)h << 16) + (uint32_t)(int32_t)lo[i]), LOAD_G, &mi, &vi, p); \
         STORE_M;                                                                            \
         STORE_V;                                                                            \
         uint32_t u = u32_of(w);                                                             \
@@ -69,16 +69,20 @@ static inline float adamw_one(float w, float g, float *m, float *v, const adamw_
         out[i] = h;                                                                         \
     }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void split_adamw_bf16_moments(int16_t *restrict hi, int16_t *restrict lo, uint16_t *restrict m, uint16_t *restrict v,
-                              const float *restrict grad, uint16_t *restrict old, uint16_t *restrict out, int64_t n,
-                              const adamw_params *params) {
-    SPLIT_ADAMW_LOOP(f32_of((uint32_t)m[i] << 16), f32_of((uint32_t)v[i] << 16), m[i] = bf16_bits(mi), v[i] = bf16_bits(vi))
-}
+/* One function per moments dtype (bf16 bits or fp32) and gradients dtype (bf16 bits, as a GPU
+ * sends them down, or fp32): widening bf16 is exact, so either gives what torch computes on
+ * the gradients widened first. */
+#define SPLIT_ADAMW(NAME, MOMENT_T, GRAD_T, LOAD_G, LOAD_M, LOAD_V, STORE_M, STORE_V)                                 \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))                                   \
+    void NAME(int16_t *restrict hi, int16_t *restrict lo, MOMENT_T *restrict m, MOMENT_T *restrict v,               \
+              const GRAD_T *restrict grad, uint16_t *restrict old, uint16_t *restrict out, int64_t n,               \
+              const adamw_params *params) {                                                                         \
+        SPLIT_ADAMW_LOOP(LOAD_G, LOAD_M, LOAD_V, STORE_M, STORE_V)                                                  \
+    }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void split_adamw_f32_moments(int16_t *restrict hi, int16_t *restrict lo, float *restrict m, float *restrict v,
-                             const float *restrict grad, uint16_t *restrict old, uint16_t *restrict out, int64_t n,
-                             const adamw_params *params) {
-    SPLIT_ADAMW_LOOP(m[i], v[i], m[i] = mi, v[i] = vi)
-}
+#define WIDEN(bits) f32_of((uint32_t)(bits) << 16)
+
+SPLIT_ADAMW(split_adamw_mbf16_gf32, uint16_t, float, grad[i], WIDEN(m[i]), WIDEN(v[i]), m[i] = bf16_bits(mi), v[i] = bf16_bits(vi))
+SPLIT_ADAMW(split_adamw_mbf16_gbf16, uint16_t, uint16_t, WIDEN(grad[i]), WIDEN(m[i]), WIDEN(v[i]), m[i] = bf16_bits(mi), v[i] = bf16_bits(vi))
+SPLIT_ADAMW(split_adamw_mf32_gf32, float, float, grad[i], m[i], v[i], m[i] = mi, v[i] = vi)
+SPLIT_ADAMW(split_adamw_mf32_gbf16, float, uint16_t, WIDEN(grad[i]), m[i], v[i], m[i] = mi, v[i] = vi)
