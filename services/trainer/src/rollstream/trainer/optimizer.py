@@ -11,12 +11,14 @@ Master layouts (`master_layout`); host bytes a parameter with fp32 / bf16 moment
              hi = (w + 0x8000) >> 16      (bf16 rounding, ties away from zero)
              lo = w mod 2^16, as an int16
              w  = (hi << 16) + lo         (exact: w - (hi << 16) lies in [-2^15, 2^15))
-         AdamW runs on the exact fp32 master (joined per bucket into scratch, split back
-         after), so the step is fp32-master AdamW bit for bit, and the served bits and the
-         master are one buffer. The served rounding differs from torch's round-to-nearest-
-         even only on exact ties (low half 0x8000, about one value in 2^17): nearest-even
-         cannot be inverted from 16 more bits (an even bf16 value has 2^16 + 1 fp32 values
-         rounding to it), ties-away can. So that version 0 is torch's rounding of the model
+         AdamW runs on the exact fp32 master, so the step is fp32-master AdamW bit for bit,
+         and the served bits and the master are one buffer. A bucket is stepped in one pass
+         by a compiled kernel (split_kernel.py: join, AdamW, split, old and new bits out),
+         or, where it was not built, with torch operations (joined into fp32 scratch, torch's
+         fused AdamW, split back): the same bits. The served rounding differs from torch's
+         round-to-nearest-even only on exact ties (low half 0x8000, about one value in
+         2^17): nearest-even cannot be inverted from 16 more bits (an even bf16 value has
+         2^16 + 1 fp32 values rounding to it), ties-away can. So that version 0 is torch's rounding of the model
          all the same (what the reference service and a LoRA base compute with), a master
          read from the model that sits exactly on such a tie, with nearest-even rounding
          down, starts one fp32 ulp lower (2^-24 relative; a bf16 checkpoint has no ties).
