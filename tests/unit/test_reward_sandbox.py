@@ -5,6 +5,7 @@ raised OSError"), so a pass means the sandbox did its job from the inside."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import stat
@@ -398,6 +399,15 @@ def test_a_report_without_the_file_system_field_means_not_private() -> None:
     assert sandbox._parse_report(b'{"passed": [true], "isolated": true, "fs_private": true}', 1, False, "").private_fs
     assert not sandbox._parse_report(b"", 1, True, "killed").private_fs
 
+
+def test_the_harness_and_the_runner_use_the_standard_library_only() -> None:
+    # They run with -I -S (no site-packages), the runner inside the fence: another import fails there.
+    for path in (sandbox.HARNESS_PATH, sandbox.RUNNER_PATH):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        outside = {name for name in names if name.split(".")[0] not in sys.stdlib_module_names}
+        assert not outside, (path.name, outside)
 
 def test_output_flood_is_bounded() -> None:
     code = "import sys\nfor _ in range(10**6):\n    sys.stdout.write('x' * 1000)\n"
