@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 import torch
+import xxhash
+import zstandard
 
 from rollstream.core import deltas, safetensors_io, weight_transfer
 from rollstream.core.deltas import DeltaError
@@ -743,3 +745,75 @@ def test_pieces_that_overlap_or_leave_a_gap_are_refused(scenario) -> None:
     encoder.add_piece(name, 100, old[100:], now[100:])
     payload, _ = encoder.finish()
     assert payload == deltas.encode_delta(base, new, 0, 1, fp)[0]
+
+
+def _reference_delta(base: dict[str, np.ndarray], new: dict[str, np.ndarray], base_version: int, version: int, fp: str) -> bytes:
+    """The delta format spelled out a whole tensor at a time (int64 positions, every candidate
+    made at once, the smallest kept, the first of equals): the bytes the encoder's chunked,
+    piece-by-piece path must reproduce exactly."""
+    cctx = zstandard.ZstdCompressor(level=deltas.ZSTD_LEVEL, write_checksum=True)
+
+    def smallest(options: list[tuple[str, bytes]]) -> tuple[str, bytes, bool]:
+        candidates = []
+        for kind, raw in options:
+            packed = cctx.compress(raw)
+            candidates.append((kind, packed, True) if len(packed) < len(raw) else (kind, raw, False))
+        return min(candidates, key=lambda c: len(c[1]))
+
+    arrays: dict[str, np.ndarray] = {}
+    infos: dict[str, dict] = {}
+    for name in sorted(base):
+        b, n = base[name].reshape(-1), new[name].reshape(-1)
+        idx = np.flatnonzero(b != n)
+        if idx.size == 0:
+            continue
+        pos_kind, pos, pos_z = smallest([("mask", np.packbits(b != n).tobytes()), ("idx", np.diff(idx, prepend=0).astype("<u4").tobytes())])
+        val_kind, val, val_z = smallest([("bf16", n[idx].astype("<u2").tobytes()), ("ulp", (n[idx] - b[idx]).astype("<u2").tobytes())])
+        infos[name] = {"shape": list(base[name].shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z,
+                       "xxh3": xxhash.xxh3_64_hexdigest(np.ascontiguousarray(new[name]).data)}
+        arrays[f"{name}::pos"] = np.frombuffer(pos, np.uint8)
+        arrays[f"{name}::val"] = np.frombuffer(val, np.uint8)
+    meta = deltas._meta("delta", base_version, version, fp, tensors=json.dumps(infos, separators=(",", ":")))
+    return safetensors_io.dumps(arrays, meta)
+
+
+@pytest.mark.parametrize("chunk", [64, 1 << 23])
+def test_the_encoder_makes_the_reference_bytes_whole_or_piece_by_piece(scenario, monkeypatch, chunk: int) -> None:
+    """At every density, whole tensors and pieces (cut inside mask bytes) in any order; with
+    chunks of 8 mask bytes too, so that tensors and pieces span many, some without a change."""
+    monkeypatch.setattr(deltas, "_CHUNK", chunk)
+    base, new, fp = scenario
+    rng = np.random.default_rng(chunk)
+    cases = [new]
+    for density in (1e-4, 0.03, 0.3, 1.0):
+        other = _copy(base)
+        for flat in (a.reshape(-1) for a in other.values()):
+            pos = np.flatnonzero(rng.random(flat.size) < density)
+            _bump(flat, pos, rng.integers(1, 4, size=pos.size) * rng.choice([-1, 1], size=pos.size))
+        cases.append(other)
+    for case in cases:
+        expected = _reference_delta(base, case, 3, 4, fp)
+        assert deltas.encode_delta(base, case, 3, 4, fp)[0] == expected
+        work = [(name, lo, hi) for name in base for lo, hi in _pieces(rng, base[name].size)]
+        rng.shuffle(work)
+        encoder = deltas.DeltaEncoder(case, 3, 4, fp)
+        for name, lo, hi in work:
+            encoder.add_piece(name, lo, base[name].reshape(-1)[lo:hi].copy(), case[name].reshape(-1)[lo:hi])
+        assert encoder.finish()[0] == expected
+
+
+def test_a_tensor_too_large_for_uint32_positions_is_refused() -> None:
+    huge = np.broadcast_to(np.uint16(0), (deltas.MAX_TENSOR_VALUES + 1,))  # no memory behind it
+    encoder = deltas.DeltaEncoder({"huge": huge}, 0, 1, "fp")
+    with pytest.raises(DeltaError, match="uint32"):
+        encoder.add("huge", huge)
+    with pytest.raises(DeltaError, match="uint32"):
+        encoder.add_piece("huge", 0, huge[:8], huge[:8])
+
+
+def test_dumps_taking_is_dumps_and_lets_go_of_the_tensors() -> None:
+    tensors = {"a::pos": np.arange(7, dtype=np.uint8), "b": np.array([0x3F80, 0xBF80], np.uint16), "c::val": np.zeros(0, np.uint8)}
+    expected = safetensors_io.dumps(tensors, {"k": "v"}, bf16={"b"})
+    taken = dict(tensors)
+    assert safetensors_io.dumps_taking(taken, {"k": "v"}, bf16={"b"}) == expected
+    assert taken == {}

@@ -8,6 +8,7 @@ format: 8-byte little-endian header length, a JSON header, then the tensor bytes
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 from collections.abc import Mapping
@@ -43,6 +44,18 @@ def dumps(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None 
     # Byte views of the arrays, not .tobytes() copies: the join is then the only copy, so an
     # in-memory anchor (2 bytes per parameter) peaks at the payload once, not twice.
     return b"".join([_header(tensors, metadata, bf16), *(_data(array) for array in tensors.values())])
+
+
+def dumps_taking(tensors: dict[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> bytes:
+    """What `dumps` returns, taking each tensor out of `tensors` once its bytes are copied: one
+    that nothing else holds is freed then, so the payload and its tensors are never both whole
+    in memory (a delta's encoded parts are as large as the payload they make). `tensors` is
+    empty after."""
+    out = io.BytesIO()  # grows in place as it is written; getvalue() hands over that buffer, no copy
+    out.write(_header(tensors, metadata, bf16))
+    while tensors:
+        out.write(_data(tensors.pop(next(iter(tensors)))))
+    return out.getvalue()
 
 
 def dump_to(f: BinaryIO, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> int:
