@@ -16,9 +16,12 @@ gradients stay referenced by this script throughout (step() drops p.grad; re-ass
 the same tensors means no memory is freed that later allocations could hide under the
 peak). Measured bytes a parameter = (VmHWM at the end - baseline) / parameters: the
 optimizer, the scratch of its steps, the delta encoder's work and the publisher's kept
-deltas (payload sizes reported beside it). Random gradients change 8-23% of the bf16
-weights a step, where real RL steps change 2-5% (docs/benchmarks.md): the encoder's share is
-an upper end.
+deltas (payload sizes reported beside it). At the trainer's default lr (1e-5, --lr) random
+gradients change 8-23% of the bf16 weights a step, where real RL steps change 2-6%
+(docs/benchmarks.md): the same gradients every step make each an Adam first step (every
+master moves by the full lr, m/sqrt(v) = sign(g)), and N(0, 0.02) weights have finer bf16
+ULPs than trained ones. So the encoder's share is an upper end; --lr 1e-6 changes 2-3% a
+step (measured at 1.5B), in the range of real steps.
 
 --trace-encoder adds, per run, the largest per-tensor delta encodes: what the tensor's
 pieces' changes hold and the peak its encode adds (the overall peak is kept). --shared-storage
@@ -103,14 +106,16 @@ def _trace_encoder(peak: _Peak, records: list[dict[str, object]]) -> None:
     """--trace-encoder: wrap deltas._encode_changes (each tensor's encode, once its pieces are
     in) to record what its pieces' changes hold and the peak it adds over the memory at its
     start. With one encode thread the calls do not overlap; the step's own thread runs on
-    meanwhile (a bucket's old bits, 2 bytes an element, come and go)."""
+    meanwhile (a bucket's old bits, 2 bytes an element, come and go), and queues up to the
+    encoder's max_pending_bytes (256 MB) of old bits for the thread this encode holds: that
+    is in the peak added too."""
     from rollstream.core import deltas
 
     original = deltas._encode_changes
 
     def traced(shape: tuple[int, ...], size: int, pieces: list) -> object:
-        held = sum(c.idx.nbytes + c.values.nbytes + c.steps.nbytes for c in pieces)
-        changed = sum(c.idx.size for c in pieces)
+        held = sum(c.mask.nbytes + c.steps.nbytes for c in pieces)
+        changed = sum(c.steps.size for c in pieces)
         rss = peak.reset()
         out = original(shape, size, pieces)
         added = _status_kib("VmHWM") - rss
@@ -172,7 +177,7 @@ def _optimizer_buffers(opt: object) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, encode_threads: int, anchor_interval: int, trace: bool, encoder_only: bool, shared_storage: bool) -> dict[str, object]:
+def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, encode_threads: int, anchor_interval: int, trace: bool, encoder_only: bool, shared_storage: bool, lr: float) -> dict[str, object]:
     """One (layout, size) measurement, in this (fresh) process."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -223,7 +228,7 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
 
     with tempfile.TemporaryDirectory(prefix="host_memory_") as anchor_dir:
         opt = optimizer.HostAdamW(
-            params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
+            params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
             bucket_mb=bucket_mb, master_layout=master_layout, moments_dtype=moments_dtype,  # type: ignore[arg-type]
         )
         mark("init")
@@ -267,7 +272,7 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
         else:
             kept_deltas = sum(len(k) for k in kept)
     return {
-        "size": size, "layout": layout, "parameters": n, "publisher": not encoder_only, "shared_storage": shared_storage,
+        "size": size, "layout": layout, "parameters": n, "publisher": not encoder_only, "shared_storage": shared_storage, "lr": lr,
         "nominal_bytes_per_param": optimizer.host_bytes_per_parameter(master_layout, moments_dtype),  # type: ignore[arg-type]
         "measured_bytes_per_param": round((hwm_kib - peak.baseline) * 1024 / n, 3),
         "resident_after_bytes_per_param": round((rss_kib - peak.baseline) * 1024 / n, 3),
@@ -292,11 +297,12 @@ def main() -> None:
     parser.add_argument("--trace-encoder", action="store_true", help="record the peak each tensor's delta encode adds (the 4 largest per run)")
     parser.add_argument("--encoder-only", action="store_true", help="a DeltaEncoder on its own pool instead of the WeightPublisher (no gRPC stack needed)")
     parser.add_argument("--shared-storage", action="store_true", help="weights and gradients as views of one buffer each: a smaller baseline, the same optimizer")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW's lr (the trainer's default); lower, fewer bf16 values change a step (1e-6: real GRPO densities)")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes.py
     if args.child:
-        result = child(args.child[0], args.child[1], args.steps, args.bucket_mb, args.threads, args.encode_threads, args.anchor_interval, args.trace_encoder, args.encoder_only, args.shared_storage)
+        result = child(args.child[0], args.child[1], args.steps, args.bucket_mb, args.threads, args.encode_threads, args.anchor_interval, args.trace_encoder, args.encoder_only, args.shared_storage, args.lr)
         print(json.dumps(result))
         return
 
@@ -323,7 +329,7 @@ def main() -> None:
                              "skipped": f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available here"})
                 continue
             cmd = [sys.executable, __file__, "--child", size, layout, "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb),
-                   "--threads", str(args.threads), "--encode-threads", str(args.encode_threads), "--anchor-interval", str(args.anchor_interval)] + (["--trace-encoder"] if args.trace_encoder else []) + (["--encoder-only"] if args.encoder_only else []) + (["--shared-storage"] if args.shared_storage else [])
+                   "--threads", str(args.threads), "--encode-threads", str(args.encode_threads), "--anchor-interval", str(args.anchor_interval), "--lr", str(args.lr)] + (["--trace-encoder"] if args.trace_encoder else []) + (["--encoder-only"] if args.encoder_only else []) + (["--shared-storage"] if args.shared_storage else [])
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:  # -9: most likely the OOM killer
                 runs.append({"size": size, "layout": layout, "parameters": n, "error": f"exit {done.returncode}: {done.stderr.strip()[-2000:]}"})
@@ -347,7 +353,7 @@ def main() -> None:
                                      "fits_128_gib": gib + PROCESS_GIB <= HOST_GIB}
     print(json.dumps({
         "benchmark": "host_memory", "load_average_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        "steps": args.steps, "bucket_mb": args.bucket_mb, "encode_threads": args.encode_threads, "anchor_interval": args.anchor_interval,
+        "steps": args.steps, "lr": args.lr, "bucket_mb": args.bucket_mb, "encode_threads": args.encode_threads, "anchor_interval": args.anchor_interval,
         "runs": runs,
         "arithmetic": {"host_gib": HOST_GIB, "process_gib": PROCESS_GIB,
                        "note": "GPU path: weights and gradients on the GPU; host = measured bytes/param (largest size measured) x parameters + the process", "layouts": arithmetic},
