@@ -523,6 +523,10 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
         # and the chain before the anchor left none behind.
         assert [type(p.payload).__name__ for p in from_nothing] == ["PayloadFile", "PayloadFile", "bytes"]
         assert sorted(f.name for f in (tmp_path / "anchor").iterdir()) == ["anchor.safetensors", "delta-00000007.safetensors"]
+        # Once the next step begins (its pushes are done), the latest goes to its file too.
+        pub.begin_delta()
+        assert [type(p.payload).__name__ for p in pub.catch_up_payloads(-1, "")] == ["PayloadFile"] * 3
+        assert (tmp_path / "anchor" / "delta-00000008.safetensors").read_bytes() == from_nothing[2].data()
         pub.close()
         assert list((tmp_path / "anchor").iterdir()) == []
         # A trainer killed -9 leaves its chain; its restart removes it.

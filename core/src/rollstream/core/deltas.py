@@ -276,11 +276,13 @@ class DeltaEncoder:
 
     The `new` arrays given must not change until `finish` returns. Old bits given to
     add_piece are the encoder's: at most `max_pending_bytes` of them wait for a thread
-    (add_piece then waits), so a slow encoder holds back the step instead of memory."""
+    (add_piece then waits), so a slow encoder holds back the step instead of memory. The
+    bound only absorbs bursts: once the encoder is the slower side the step goes at its pace
+    whatever the bound, so it is small (64 MiB: 4 buckets of 32 MB fp32 masters' old bits)."""
 
     def __init__(
         self, base: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str, executor: Executor | None = None,
-        max_pending_bytes: int = 256 << 20,
+        max_pending_bytes: int = 64 << 20,
     ):
         self.base = base
         self.base_version, self.version, self.fingerprint = base_version, version, fingerprint
