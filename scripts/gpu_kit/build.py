@@ -119,20 +119,26 @@ def demo_tokenizer(dest: Path) -> None:
             shutil.copy2(model_dir / name, dest / name)
 
 
-def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, extra: dict[str, object]) -> int:
-    """Copy the wheels and run.sh in, write manifest.json and SHA256SUMS; the kit's bytes."""
+def kernel_library() -> Path:
+    """The split layout's compiled AdamW as built here by `pip install -e services/trainer`
+    (plain C, no Python ABI: the 3.11 build serves 3.12); checks.py puts it beside the
+    trainer's source on the machine."""
+    built = sorted((ROOT / "services" / "trainer" / "src" / "rollstream" / "trainer").glob(f"{KERNEL}*.so"))
+    if not built:
+        sys.exit(f"{KERNEL} is not built: .venv/bin/pip install -e services/trainer (needs a C compiler)")
+    return built[0]
+
+
+def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, extra: dict[str, object], libs: tuple[Path, ...] = ()) -> int:
+    """Copy the wheels, the libraries (lib/) and run.sh in, write manifest.json and SHA256SUMS;
+    the kit's bytes."""
     (kit / "wheels").mkdir(parents=True, exist_ok=True)
     for wheel in wheels.values():
         shutil.copy2(wheel, kit / "wheels" / wheel.name)
     shutil.copy2(ROOT / "scripts" / "gpu_kit" / "run.sh", kit / "run.sh")
-    if name == "trainer":
-        # The split layout's compiled AdamW (plain C, no Python ABI: the 3.11 build serves 3.12);
-        # checks.py puts it beside the trainer's source on the machine.
-        built = sorted((ROOT / "services" / "trainer" / "src" / "rollstream" / "trainer").glob(f"{KERNEL}*.so"))
-        if not built:
-            sys.exit(f"{KERNEL} is not built: .venv/bin/pip install -e services/trainer (needs a C compiler)")
+    for lib in libs:
         (kit / "lib").mkdir(exist_ok=True)
-        shutil.copy2(built[0], kit / "lib" / built[0].name)
+        shutil.copy2(lib, kit / "lib" / lib.name)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     manifest = {
@@ -166,8 +172,9 @@ def main() -> None:
     # kit 1, the rest with kit 2 (the machine keeps kit 1's part between the two calls).
     model = fetch(Requirement(DEMO_MODEL), pins().get(DEMO_MODEL), cache, args.python_version)
     data = model.read_bytes()
+    kernel = kernel_library()
     room = int(args.max_mib * MIB) - sum(w.stat().st_size for w in trainer_wheels.values()) - sum(
-        p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir()) - 64 * 1024  # run.sh, manifest, sums
+        p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir()) - kernel.stat().st_size - 64 * 1024  # run.sh, manifest, sums
     cut = max(0, min(len(data), room))
     (trainer_kit / "model.part1").write_bytes(data[:cut])
     system_kit.mkdir(parents=True)
@@ -175,7 +182,7 @@ def main() -> None:
     model_info = {"model_wheel": model.name, "model_sha256": sha256(model), "model_bytes": len(data), "model_parts": ["model.part1", "model.part2"]}
 
     sizes = {
-        "trainer": finish(trainer_kit, "trainer", trainer_wheels, args.python_version, {"tokenizer": "tokenizer", **model_info}),
+        "trainer": finish(trainer_kit, "trainer", trainer_wheels, args.python_version, {"tokenizer": "tokenizer", **model_info}, libs=(kernel,)),
         "system": finish(system_kit, "system", system_wheels, args.python_version, model_info),
     }
     over = []
