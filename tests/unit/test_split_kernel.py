@@ -5,7 +5,10 @@ compiler runs the torch path, which test_split_masters.py covers."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +129,15 @@ def test_refuses_mismatched_buffers(kernel: split_kernel.SplitKernel) -> None:
         kernel.step(hi, lo, m, v, torch.zeros(64, dtype=torch.float16), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
     with pytest.raises(ValueError, match="one length"):
         kernel.step(hi[::2], lo[::2], m[::2], v[::2], torch.zeros(32), np.empty(32, dtype=np.uint16), torch.empty(32, dtype=torch.int16), settings)
+
+
+def test_a_library_that_does_not_load_falls_back_to_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel file built for another machine (here: not a library at all) is reported and
+    skipped; the optimizer then steps with torch operations."""
+    broken = tmp_path / "_split_adamw.abi3.so"
+    broken.write_bytes(b"not an ELF file")
+    spec = importlib.util.spec_from_file_location("rollstream.trainer._split_adamw", broken)
+    monkeypatch.setattr(split_kernel.importlib.util, "find_spec", lambda name: spec)
+    with caplog.at_level(logging.WARNING, logger=split_kernel.__name__):
+        assert split_kernel.load() is None
+    assert "split_kernel_unusable" in caplog.text

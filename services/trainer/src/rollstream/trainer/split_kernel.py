@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 # (no fused multiply-add). The kernel matches the vector code; the optimizer steps a bucket's
 # last numel % 16 values with torch, so that both layouts round every value alike.
 TORCH_VECTOR_WIDTH = 16
+log = logging.getLogger(__name__)
 _C_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # Ranges handed to one thread are multiples of this many values (a cache line of fp32).
 _ALIGN = 64
@@ -129,8 +131,15 @@ class SplitKernel:
 
 
 def load(threads: int | None = None) -> SplitKernel | None:
-    """The kernel, or None where it was not built (no C compiler at install time)."""
+    """The kernel, or None where it was not built (no C compiler at install time) or does not
+    load here (built for another machine): the optimizer then runs torch operations, the same
+    bits, slower."""
     spec = importlib.util.find_spec("rollstream.trainer._split_adamw")
     if spec is None or spec.origin is None:
         return None
-    return SplitKernel(ctypes.CDLL(spec.origin), torch.get_num_threads() if threads is None else threads)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        return SplitKernel(lib, torch.get_num_threads() if threads is None else threads)
+    except (OSError, AttributeError) as e:  # not loadable here, or built from an older source
+        log.warning("split_kernel_unusable: %s (%s): stepping with torch operations", spec.origin, e)
+        return None
