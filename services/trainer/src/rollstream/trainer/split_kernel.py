@@ -4,7 +4,7 @@ HostAdamW's split layout can step with torch operations alone: join each bucket'
 into fp32 scratch, widen bf16 moments, run torch's fused AdamW, round the moments back,
 split the masters, copy the served bits out: about thirteen passes over the bucket. The C
 kernel does all of it in one pass, with the same arithmetic as torch's fused CPU kernel
-(bit for bit: tests/unit/test_split_kernel.py), 3-4x faster on 2 cores. It is built at
+(bit for bit: tests/unit/test_split_kernel.py): the step at 0.5B on 2 cores is 3x faster. It is built at
 install time (services/trainer/setup.py) and optional: `load()` returns None where it was
 not built, and the optimizer then runs the torch operations.
 
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# torch's fused kernel steps every vector of 16 fp32 lanes (AVX-512; AVX2 uses 8) with its
-# vector code and a call's last numel % 16 values with scalar code, which rounds differently
-# (no fused multiply-add). The kernel matches the vector code; the optimizer steps a bucket's
-# last numel % 16 values with torch, so that both layouts round every value alike.
+# torch's fused kernel steps whole vectors (16 fp32 lanes with AVX-512, 8 with AVX2) with its
+# vector code and a call's last few values with scalar code, which rounds differently (no
+# fused multiply-add). The kernel matches the vector code; the optimizer hands a bucket's last
+# numel % 16 values to torch. They start on a multiple of 16, so torch splits them into vector
+# and scalar code as it splits the whole bucket, with either width: both layouts round alike.
 TORCH_VECTOR_WIDTH = 16
 log = logging.getLogger(__name__)
 _C_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
