@@ -113,6 +113,18 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
     assert seen == {*SERVICES, "redis"}
 
 
+def test_every_image_a_manifest_names_is_built_and_pushed(k8s: K8s) -> None:
+    """A manifest's image that build_images.sh does not build, or that deploy.md's push loop
+    leaves out, is one the cluster cannot pull (the loop once omitted generator-vllm)."""
+    named = {image_name(k8s_container(k8s, w).spec["image"]) for w in k8s.workloads()}
+    script = (K8S_DIR.parent / "scripts/build_images.sh").read_text()
+    built = set(re.search(r"^ALL_IMAGES=\(([^)]*)\)", script, re.M).group(1).split())
+    loop = re.search(r"^for n in ([^;]+); do\n  docker tag rollstream/\$n", (K8S_DIR.parent / "docs/deploy.md").read_text(), re.M)
+    assert loop, "docs/deploy.md: the image push loop is gone"
+    assert named <= built, f"not built by build_images.sh: {sorted(named - built)}"
+    assert named <= set(loop.group(1).split()), f"not pushed by docs/deploy.md's loop: {sorted(named - set(loop.group(1).split()))}"
+
+
 def test_env_and_toml_keys_are_settings_fields(k8s: K8s) -> None:
     for service in SERVICES:
         c = k8s_container(k8s, k8s.workload_of(service))
