@@ -201,6 +201,12 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
             assert s.device.startswith("cuda"), f"{service} has a GPU but device = {s.device}"
         else:
             assert gpus == 0, service
+    # A GPU pod may land on tainted GPU nodes; a generator rollout needs no spare GPU.
+    for service in ("generator", "trainer"):
+        pod = k8s.workload_of(service)["spec"]["template"]["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod.get("tolerations", []), service
+    rollout = k8s.workload_of("generator")["spec"]["strategy"]
+    assert rollout["rollingUpdate"]["maxSurge"] == 0 and rollout["rollingUpdate"]["maxUnavailable"] >= 1
     # The generators run vLLM, sharded over exactly the pod's GPUs (which the device plugin picks).
     c, gen = settings["generator"]
     assert image_name(c.spec["image"]) == "generator-vllm" and gen.backend == "vllm"
