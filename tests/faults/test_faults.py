@@ -1,5 +1,5 @@
 """The fault suite: `rollstream up` on the tiny model (with the reference service: beta > 0)
-survives each fault, and the accounting holds afterwards (DESIGN.md, "Failure and trust model").
+survives each fault, and the accounting holds afterwards (docs/design.md, "Failure and trust model").
 
 One fault per run (three kills of seeded services in `kill9-random-x3`), fired at a seeded
 random point chosen from observed progress (after step k appears in the metrics stream, or

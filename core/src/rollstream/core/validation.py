@@ -1,6 +1,6 @@
 """What a stream entry must satisfy before a stage uses it: one checker per message type.
 
-DESIGN.md, "Failure and trust model": a bad entry is refused where it is read, with a
+docs/design.md, "Failure and trust model": a bad entry is refused where it is read, with a
 specific reason, alone; no value that is not finite, out of range or inconsistent reaches a
 loss, a sampler or the weights. Each checker raises codec.EntryError whose text (one line,
 long values truncated) becomes the dead-letter reason, and returns None for a good message.
