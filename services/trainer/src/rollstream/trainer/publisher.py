@@ -242,7 +242,7 @@ class WeightPublisher:
         latest delta goes to its file now: the trainer pushes a version before it starts the
         next step, so from here on only a generator catching up reads it, and the step's
         peak (the optimizer and the encoder at work) does not hold it too."""
-        self._file_deltas(keep_latest=False)
+        self._file_deltas()
         return deltas.DeltaEncoder(self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool)
 
     def publish(self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None) -> tuple[Published, deltas.DeltaStats]:
@@ -266,19 +266,17 @@ class WeightPublisher:
                 self._bits = dict(new_bits)
                 self._version = base + 1
                 self._deltas.append(delta)
-            self._file_deltas(keep_latest=True)
         return delta, stats
 
-    def _file_deltas(self, keep_latest: bool) -> None:
-        """With anchor_dir, the deltas held in memory go to files there (all, or all but the
-        latest, which is about to be pushed): they are read only by a generator catching up,
-        yet up to anchor_interval of them (2-6 % of the bf16 weights each) would otherwise sit
-        in the trainer's memory (issue 28)."""
+    def _file_deltas(self) -> None:
+        """With anchor_dir, the deltas held in memory go to files there (begin_delta: the
+        latest one's pushes are done): they are read only by a generator catching up, yet up
+        to anchor_interval of them (2-6 % of the bf16 weights each) would otherwise sit in the
+        trainer's memory (issue 28)."""
         if self.anchor_dir is None:
             return
         with self._lock:
-            held = self._deltas[:-1] if keep_latest else self._deltas
-            older = [(i, d) for i, d in enumerate(held) if isinstance(d.payload, bytes)]
+            older = [(i, d) for i, d in enumerate(self._deltas) if isinstance(d.payload, bytes)]
         for i, delta in older:
             data = delta.payload
             try:
