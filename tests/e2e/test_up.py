@@ -48,7 +48,7 @@ def step_metrics(rclient: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMe
 
 def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", run_name, "--workdir", str(tmp_path),
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", run_name, "--workdir", str(tmp_path),
         "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", "--beta", "0.05",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -71,7 +71,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "step   1/1000" in out and "done" in out
+    assert "step   1/1000000" in out and "done" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] >= 3 and len(summary["reward_curve"]) == summary["steps"]
     assert not [name for name, pid in pids.items() if alive(pid)], "services left running after Ctrl-C"
@@ -125,7 +125,7 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     """kill -9 of `up` itself (no cleanup runs) leaves no service and no redis-server behind:
     each child gets SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG)."""
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", "orphans", "--workdir", str(tmp_path),
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", "orphans", "--workdir", str(tmp_path),
         "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -43,7 +43,7 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
     workdir.mkdir(mode=0o755)
     workdir.chmod(0o755)  # as an older run, or a shell, may have left it
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000", "--run", run, "--workdir", str(workdir),
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", run, "--workdir", str(workdir),
         "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", "--checkpoint-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "1000"}  # no wrapped lines
