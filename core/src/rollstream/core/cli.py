@@ -364,7 +364,7 @@ def _up(args: argparse.Namespace) -> int:
                         child.restarts += 1
                         _write_restarts(workdir, children)  # `rollstream status --workdir` shows a crash loop
                         console.print(
-                            Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 5), sep="\n"
+                            Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 10), sep="\n"
                         )
                         time.sleep(delay)
                         child.start()
