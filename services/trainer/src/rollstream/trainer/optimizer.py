@@ -18,10 +18,11 @@ Master layouts (`master_layout`); host bytes a parameter with fp32 / bf16 moment
          fused AdamW, split back): the same bits. The served rounding differs from torch's
          round-to-nearest-even only on exact ties (low half 0x8000, about one value in
          2^17): nearest-even cannot be inverted from 16 more bits (an even bf16 value has
-         2^16 + 1 fp32 values rounding to it), ties-away can. So that version 0 is torch's rounding of the model
-         all the same (what the reference service and a LoRA base compute with), a master
-         read from the model that sits exactly on such a tie, with nearest-even rounding
-         down, starts one fp32 ulp lower (2^-24 relative; a bf16 checkpoint has no ties).
+         2^16 + 1 fp32 values rounding to it), ties-away can. So that version 0 is torch's
+         rounding of the model all the same (what the reference service and a LoRA base
+         compute with), a master read from the model that sits exactly on such a tie, with
+         nearest-even rounding down, starts one fp32 ulp lower (2^-24 relative; a bf16
+         checkpoint has no ties).
   fp32   16 / 12. An fp32 master vector, and the served bits twice: the version just made
          and the previous one (the base of the next delta).
 
