@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from rollstream.core import codec
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, connect
 from rollstream.v1 import rollout_pb2
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import redis
 
 from rollstream.core import codec
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import STAGES, Ops, RunKeys, StreamStage, connect
 from rollstream.v1 import rollout_pb2
 

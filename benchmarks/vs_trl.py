@@ -9,7 +9,7 @@ lr 2e-5, beta 0, gradient clipping 1.0, 2 threads, the reward service's `arithme
 TRL runs benchmarks/trl_grpo.py in .venv-trl; rollstream runs `rollstream up` as a user
 would (embedded Redis, trainer, generator, reward as processes), with `--seed` as the
 generators' sampling seed. Any `--up-arg` is passed on to `up` (for example
-`--up-arg=--max-new-tokens=16`); ROLLSTREAM_* environment variables reach every service.
+`--up-arg=--trainer.token-budget=384`); `rollstream config` shows what a run uses.
 
 The systems run one after the other, alternating which goes first from seed to seed, so
 slow drift in the machine's load does not favour one side. Every process's resident memory
@@ -168,14 +168,15 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
     python = sys.executable  # rollstream's side runs from the venv running this script
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
         cmd = [
-            python, "-m", "rollstream.core.cli", "up", "--model", model, "--steps", str(args.steps), "--seed", str(seed),
-            "--run", f"vs-trl-{seed}", "--workdir", workdir, "--max-new-tokens", str(args.max_new_tokens), *args.up_arg,
+            python, "-m", "rollstream.launcher.cli", "up", "--model", model, "--trainer.steps", str(args.steps), "--generator.seed", str(seed),
+            "--run", f"vs-trl-{seed}", "--workdir", workdir, "--trainer.max-new-tokens", str(args.max_new_tokens),
+            *(f"--{service}.device={args.device}" for service in ("trainer", "generator", "reference")), *args.up_arg,
         ]
         started_wall = time.time()
         started = time.monotonic()
         up_log = Path(workdir) / "up.log"
         with up_log.open("wb") as stderr:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "ROLLSTREAM_DEVICE": args.device})
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=os.environ)
             with MemoryWatch(proc.pid, gpu=args.device == "cuda") as watch:
                 proc.wait()
         wall = time.monotonic() - started
@@ -227,8 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="the generation budget of both sides (larger: generation outweighs training)")
+    parser.add_argument("--trainer.steps", type=int, default=15)
+    parser.add_argument("--trainer.max-new-tokens", type=int, default=16, help="the generation budget of both sides (larger: generation outweighs training)")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
     parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
@@ -236,7 +237,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default="", help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu",
-        help="cuda: TRL on the GPU, and every rollstream service (ROLLSTREAM_DEVICE); each process's GPU memory too (nvidia-smi)",
+        help="cuda: TRL on the GPU, and every rollstream service (--<service>.device); each process's GPU memory too (nvidia-smi)",
     )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "core" / "src"))

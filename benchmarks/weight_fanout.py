@@ -154,7 +154,7 @@ def main() -> None:
 
     from rollstream.core import deltas, modeling
     from rollstream.core.models import resolve_model
-    from rollstream.core.redis_server import EmbeddedRedis
+    from rollstream.launcher.redis_server import EmbeddedRedis
     from rollstream.trainer.optimizer import HostAdamW
     from rollstream.trainer.publisher import Published, WeightPublisher
 

@@ -98,7 +98,7 @@ def main() -> None:
     from rollstream.core import deltas, modeling, weight_transfer
     from rollstream.core.grpc_utils import channel
     from rollstream.core.models import resolve_model
-    from rollstream.core.redis_server import EmbeddedRedis
+    from rollstream.launcher.redis_server import EmbeddedRedis
     from rollstream.trainer.optimizer import HostAdamW
     from rollstream.v1 import generator_pb2, generator_pb2_grpc
 

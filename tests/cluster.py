@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.core.redis_server import find_redis_server, free_port
+from rollstream.launcher.redis_server import find_redis_server, free_port
 
 from helpers import wait_for
 

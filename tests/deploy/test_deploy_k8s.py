@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from deploy_files import (
+    differs_from_profile,
     K8S_DIR,
     NON_FIELD_ENV,
     SERVICES,
@@ -542,3 +543,10 @@ def test_network_policy_edges_match_the_services_settings(k8s: K8s, settings: di
     for service, (c, s) in settings.items():
         annotations = c.workload["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/port") == str(s.http_port), service
+
+
+def test_the_trainer_trains_as_the_gpu_profile_says(settings: dict) -> None:
+    """k8s/ is `rollstream up --profile gpu`'s run: every trainer setting that is not placement
+    (what `up` sets per child) is the profile's."""
+    assert differs_from_profile(settings["trainer"][1], "gpu", "trainer") == {}
+    assert settings["generator"][1].max_staleness == settings["trainer"][1].max_staleness

@@ -24,7 +24,7 @@ LIMIT_S = 30 * 60
 @pytest.mark.timeout(LIMIT_S + 120)
 def test_demo_raises_mean_reward(tmp_path: Path) -> None:
     rollstream = Path(sys.executable).parent / "rollstream"
-    cmd = [str(rollstream), "up", "--steps", str(STEPS), "--run", "learning", "--workdir", str(tmp_path)]
+    cmd = [str(rollstream), "up", "--trainer.steps", str(STEPS), "--run", "learning", "--workdir", str(tmp_path)]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # one core kept busy throughout
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S)

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.e2e
 
 def test_status_of_a_finished_up_run_says_its_redis_stopped(tiny_model_dir: Path, tmp_path: Path) -> None:
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1", "--run", "ended", "--workdir", str(tmp_path),
-        "--group-size", "2", "--groups-per-step", "1", "--max-new-tokens", "4", "--threads", "1",
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1", "--run", "ended", "--workdir", str(tmp_path),
+        "--trainer.group-size", "2", "--trainer.groups-per-step", "1", "--trainer.max-new-tokens", "4", "--threads", "1",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

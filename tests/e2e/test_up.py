@@ -32,8 +32,8 @@ def rollstream_cmd() -> str:
 def four_small_steps(model_dir: Path, redis_url: str, run_name: str, workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     """`up --steps 4` on the tiny model with small groups, to the end; its output."""
     cmd = [
-        rollstream_cmd(), "up", "--model", str(model_dir), "--steps", "4", "--run", run_name, "--workdir", str(workdir),
-        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", *flags,
+        rollstream_cmd(), "up", "--model", str(model_dir), "--trainer.steps", "4", "--run", run_name, "--workdir", str(workdir),
+        "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", *flags,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -48,8 +48,8 @@ def step_metrics(rclient: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMe
 
 def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", run_name, "--workdir", str(tmp_path),
-        "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", "--beta", "0.05",
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run_name, "--workdir", str(tmp_path),
+        "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--trainer.beta", "0.05",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     keys = RunKeys(run_name)
@@ -82,7 +82,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
 def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     """LoRA with kl_reference = lora_base: the KL trains against the trainer's own base, the
     reward stage writes straight to `ready`, and no reference service is started."""
-    done = four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--beta", "0.05", "--lr", "1e-2", "--lora-rank", "4", "--kl-reference", "lora_base")
+    done = four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--trainer.beta", "0.05", "--trainer.lr", "1e-2", "--trainer.lora-rank", "4", "--trainer.kl-reference", "lora_base")
     assert {p.stem for p in (tmp_path / "state").glob("*.json")} == {"trainer", "generator-0", "reward-0"}
     keys = RunKeys(run_name)
     metrics = step_metrics(rclient, keys)
@@ -100,7 +100,7 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
 def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     """--max-staleness 0: the generator samples a batch only once the last one is trained, so
     every step trains groups of the version before it, and none is sampled only to be dropped."""
-    four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--max-staleness", "0", "--tis-cap", "2", "--loss", "dapo", "--lr", "1e-3")
+    four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--trainer.max-staleness", "0", "--trainer.tis-cap", "2", "--trainer.loss", "dapo", "--trainer.lr", "1e-3")
     keys = RunKeys(run_name)
     metrics = step_metrics(rclient, keys)
     assert [m.mean_staleness for m in metrics] == [0.0] * 4
@@ -112,21 +112,21 @@ def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_m
 
 
 def test_up_refuses_a_negative_max_staleness(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=MIN_WAIT_S)
-    assert done.returncode == 2 and "--max-staleness" in done.stderr
+    done = subprocess.run([rollstream_cmd(), "up", "--trainer.max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    assert done.returncode == 2 and "trainer.max_staleness" in done.stderr
 
 
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--beta", "0.1", "--kl-reference", "lora_base"], capture_output=True, text=True, timeout=MIN_WAIT_S)
-    assert done.returncode == 2 and "--lora-rank" in done.stderr
+    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--trainer.beta", "0.1", "--trainer.kl-reference", "lora_base"], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    assert done.returncode == 2 and "lora_rank" in done.stderr
 
 
 def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> None:
     """kill -9 of `up` itself (no cleanup runs) leaves no service and no redis-server behind:
     each child gets SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG)."""
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", "orphans", "--workdir", str(tmp_path),
-        "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", "orphans", "--workdir", str(tmp_path),
+        "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     expected = {"redis", "trainer", "generator-0", "reward-0"}
@@ -155,8 +155,8 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("flags", "field"),
     [
-        (["--reward", "external", "--scorer-address", "127.0.0.1:50061"], "--scorer-address"),
-        (["--reward-group", "two words"], "--reward-group"),
+        (["--external-reward", "--reward.scorer-address", "127.0.0.1:50061"], "reward.scorer_address"),
+        (["--reward.group", "two words"], "reward.group"),
     ],
 )
 def test_up_refuses_bad_reward_flags(flags: list[str], field: str, tmp_path: Path) -> None:
@@ -181,9 +181,9 @@ def test_up_scores_with_a_remote_scorer(tiny_model_dir: Path, redis_url: str, rc
     server.start()
     try:
         cmd = [
-            rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "2", "--run", run_name, "--workdir", str(tmp_path),
-            "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
-            "--scorer-address", f"127.0.0.1:{port}",
+            rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "2", "--run", run_name, "--workdir", str(tmp_path),
+            "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
+            "--reward.scorer-address", f"127.0.0.1:{port}",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     finally:

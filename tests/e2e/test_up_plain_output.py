@@ -20,7 +20,7 @@ import redis
 from helpers import still_running, wait_for
 from procs import alive
 from rollstream.core import codec, credentials
-from rollstream.core.cli import tail
+from rollstream.launcher.procs import tail
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
@@ -43,8 +43,8 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
     workdir.mkdir(mode=0o755)
     workdir.chmod(0o755)  # as an older run, or a shell, may have left it
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", run, "--workdir", str(workdir),
-        "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1", "--checkpoint-every", "1",
+        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run, "--workdir", str(workdir),
+        "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--trainer.checkpoint-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "1000"}  # no wrapped lines
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=0o022, env=env)

@@ -66,8 +66,8 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
     run = "registry-attack"
     keys = RunKeys(run)
     cmd = [
-        str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--steps", "1000000", "--run", run,
-        "--workdir", str(tmp_path), "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
+        str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run,
+        "--workdir", str(tmp_path), "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds, state = tmp_path / "credentials", tmp_path / "state"

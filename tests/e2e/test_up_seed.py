@@ -54,9 +54,9 @@ def test_two_run_names_with_one_seed_sample_alike(tiny_model_dir: Path, redis_ur
             scorer.run, scorer.seen = run, {}
             workdir = tmp_path / run
             cmd = [
-                rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--steps", "3", "--run", run, "--workdir", str(workdir),
-                "--redis-url", redis_url, "--group-size", "4", "--groups-per-step", "2", "--max-new-tokens", "6", "--threads", "1",
-                "--seed", "7", "--lr", "1e-2", "--scorer-address", f"127.0.0.1:{port}",
+                rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "3", "--run", run, "--workdir", str(workdir),
+                "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
+                "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", f"127.0.0.1:{port}",
             ]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout + done.stderr

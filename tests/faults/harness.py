@@ -35,7 +35,7 @@ import redis
 from helpers import wait_for
 from procs import alive
 from rollstream.core import codec, credentials, redis_acl
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, id_tuple
 from rollstream.v1 import rollout_pb2
 
@@ -105,9 +105,9 @@ class FaultRun:
         s = self.shape
         cmd = [
             str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(self.model_dir), "--workdir", str(self.workdir),
-            "--run", self.run, "--steps", str(s.steps), "--group-size", str(s.group_size), "--groups-per-step", str(s.groups_per_step),
-            "--max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--checkpoint-every", str(s.checkpoint_every),
-            "--beta", str(s.beta), "--reward", s.reward,
+            "--run", self.run, "--trainer.steps", str(s.steps), "--trainer.group-size", str(s.group_size), "--trainer.groups-per-step", str(s.groups_per_step),
+            "--trainer.max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--trainer.checkpoint-every", str(s.checkpoint_every),
+            "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}

@@ -15,7 +15,7 @@ import redis
 
 from dashboard_run import STEPS, TrainedRun, start_trained_run
 from rollstream.core import dashboard, redis_policy, registry, streams
-from rollstream.core.redis_server import free_port
+from rollstream.launcher.redis_server import free_port
 from rollstream.core.streams import RunKeys
 
 from metric_names import documented_trainer_names

@@ -27,7 +27,7 @@ from rollstream.core import credentials, deltas, grpc_auth, modeling, push_signi
 from rollstream.core.credentials import ROLES
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer import checkpoint
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 

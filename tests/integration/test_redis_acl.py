@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import cli, codec, dashboard, redis_acl, redis_policy, registry, streams
+from rollstream.launcher import cli
+from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
-from rollstream.core.redis_server import EmbeddedRedis, find_redis_server
+from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory

@@ -24,7 +24,7 @@ import redis
 from redis.cluster import RedisCluster, key_slot
 
 from rollstream.core import codec, redis_policy, registry, streams
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
 
 from cluster import RedisClusterNodes

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, redis_acl, streams
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 

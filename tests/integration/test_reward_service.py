@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, grpc_utils, streams
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from helpers import MIN_WAIT_S, REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many

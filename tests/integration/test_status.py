@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import cli, diagnose, registry, status, streams
+from rollstream.launcher import cli
+from rollstream.core import diagnose, registry, status, streams
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 

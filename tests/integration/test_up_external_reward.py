@@ -1,4 +1,4 @@
-"""`rollstream up --reward external`'s watch on the rollouts stream (cli.ExternalReward),
+"""`rollstream up --external-reward`'s watch on the rollouts stream (up.ExternalReward),
 against a real redis-server: waiting until a consumer of the expected group appears, a
 warning for any other consumer group, and the file an outside service reads."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
-from rollstream.core.cli import EXTERNAL_REWARD_FILE, ExternalReward, status_table
+from rollstream.launcher.cli import status_table
+from rollstream.launcher.up import EXTERNAL_REWARD_FILE, ExternalReward
 from rollstream.core.streams import RunKeys, StreamStage
 
 

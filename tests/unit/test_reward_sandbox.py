@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import wait_for
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, SandboxUnavailable, run_tests
 

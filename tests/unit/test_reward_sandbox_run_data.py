@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from test_reward_sandbox import NOT_ROOT, _readable_by_others, _run_script
 from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, run_tests

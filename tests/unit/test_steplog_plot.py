@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core import cli, plot, steplog
+from rollstream.core import steplog
+from rollstream.launcher import cli, plot
 from rollstream.v1 import rollout_pb2
 
 

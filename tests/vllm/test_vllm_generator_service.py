@@ -19,7 +19,7 @@ from helpers import wait_for, write
 from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, streams, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
-from rollstream.core.redis_server import EmbeddedRedis
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 from tier_helpers import adamw_like_step

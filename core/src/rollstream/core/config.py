@@ -66,6 +66,9 @@ class CommonSettings(BaseSettings):
         env_prefix=ENV_PREFIX,
         extra="forbid",
         validate_default=True,
+        # No setting means NaN or infinity: a learning rate of 1e400 parsed as inf and passed
+        # `gt=0`, and would have trained on NaN from the first step.
+        allow_inf_nan=False,
         # How CliSettingsSource (built in load_settings) spells the flags: --field-name, and a
         # --field / --no-field pair for booleans (so a flag can turn off what TOML or the
         # environment turned on). A parse error is raised (SettingsError -> ConfigError)

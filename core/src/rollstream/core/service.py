@@ -39,12 +39,16 @@ from typing import TypeVar
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from rollstream.core import grpc_auth, grpc_utils, logs, metrics, procs, push_signing, redis_policy, streams
+from rollstream.core import grpc_auth, grpc_utils, logs, metrics, push_signing, redis_policy, streams
 from rollstream.core.config import CommonSettings
 from rollstream.core.credentials import read_secret
 from rollstream.core.http_side import HttpSide, build_app
 from rollstream.core.redis_policy import RedisHealth
 from rollstream.core.streams import Entry, StreamStage
+
+# Run data (the AOF's prompts, completions and test answers, checkpoints, logs) is its
+# owner's alone: files 0600, folders 0700, whatever the umask of the shell that started us.
+OWNER_ONLY_UMASK = 0o077
 
 M = TypeVar("M")
 
@@ -253,7 +257,7 @@ class ServiceHost:
     def __enter__(self) -> "ServiceHost":
         # What a running service writes (checkpoints, anchors, its step log, its state file)
         # is its owner's only: files 0600, folders 0700 (docs/security.md).
-        self._previous_umask = os.umask(procs.OWNER_ONLY_UMASK)
+        self._previous_umask = os.umask(OWNER_ONLY_UMASK)
         return self
 
     def __exit__(self, *exc: object) -> bool:

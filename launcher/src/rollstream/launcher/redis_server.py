@@ -26,7 +26,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.core.procs import private_child, stop_process
+from rollstream.launcher.procs import private_child, stop_process
 from rollstream.core.redis_acl import ADMIN
 
 MIN_VERSION = (6, 2, 0)

@@ -1,0 +1,283 @@
+"""The `rollstream` command.
+
+  rollstream up       the whole system as local processes: embedded redis-server (or
+                      --redis-url), trainer, generator(s), reward, reference (when
+                      beta > 0 and the trainer is not its own reference), with a live
+                      progress display; Ctrl-C stops it all cleanly (up.py). Configured by a
+                      profile (--profile, default demo), ROLLSTREAM_* variables and flags,
+                      all generated from the services' settings classes (run_config.py):
+                      `rollstream up --help` lists them
+  rollstream config   the run configuration `up` would use, every value with its source
+  rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
+                      line naming the bottleneck or the stuck stage (core/diagnose.py)
+  rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
+  rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
+                      and with --tls a CA and a certificate per role (docs/security.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.console import Group as RichGroup
+from rich.live import Live
+from rich.text import Text
+
+from rollstream.core import credentials, diagnose, redis_acl, redis_policy, steplog, streams
+from rollstream.core import status as pipeline_status
+from rollstream.core.config import ConfigError
+
+
+def plain_console(**kwargs: object) -> Console:
+    """A console that prints text as it is, never as rich markup: what `rollstream` prints
+    holds what services, Redis streams and logs wrote (a rollout's group_id "evil[/]" in a
+    log line raised MarkupError and ended `up`). Styles go in `style=` or rich.text.Text."""
+    return Console(markup=False, **kwargs)  # type: ignore[arg-type]
+
+
+def cmd_up(argv: list[str]) -> int:
+    # Imported here: `up` and `config` need the four services' settings classes (the
+    # launcher's [up] extra); status, plot and secrets do not.
+    from rollstream.launcher import run_config, up
+
+    try:
+        cfg = run_config.load(argv)
+    except ConfigError as e:
+        plain_console(stderr=True).print(str(e), style="red")
+        return 2
+    return up.cmd_up(cfg)
+
+
+def cmd_config(argv: list[str]) -> int:
+    """Print the run configuration as TOML, each value with where it came from."""
+    from rollstream.launcher import run_config
+
+    try:
+        found = run_config.layers(argv)
+        rows = list(run_config.sources(found))
+    except ConfigError as e:
+        plain_console(stderr=True).print(str(e), style="red")
+        return 2
+    print(f"# rollstream up --profile {found.profile}: each value and its source (default, profile, environment, flags, set by up)")
+    section = ""
+    for key, value, came in rows:
+        head, _, name = key.rpartition(".")
+        if head != section:
+            section = head
+            print(f"\n[{head}]")
+        line = f"{name} = {_inline_toml(value)}" if value is not None else f"# {name} = (none)"
+        print(f"{line}  # {came}")
+    return 0
+
+
+def _inline_toml(value: object) -> str:
+    """A value as TOML on one line (tables and arrays inline)."""
+    import tomli_w
+
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_inline_toml(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value})[4:].strip()
+
+
+def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGroup:
+    """The run's pipeline as `rollstream status` shows it once (core/status.py), no rates."""
+    snap, extra = pipeline_status.collect(client, keys)
+    return pipeline_status.render(keys, snap, extra)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def redis_down_line(redis_url: str, error: Exception, workdir: Path | None, redis_pid: int) -> str:
+    """What `status` says when Redis does not answer. An `up` run's embedded Redis stops with
+    `up`: once its process is gone the run is over, and the line says where its results are
+    rather than showing a refused connection to a port nobody serves any more."""
+    if workdir is not None and redis_pid and not _pid_alive(redis_pid):
+        return (
+            f"this run's embedded Redis (pid {redis_pid}, {redis_policy.redact(redis_url)}) stopped with `rollstream up`: "
+            f"the run is not running. Its results: {workdir / steplog.FILE_NAME} (a line per step), {workdir / 'summary.json'}, "
+            f"{workdir / 'curves.png'} (`rollstream plot {workdir}` draws it again) and the services' logs in {workdir / 'logs'}; "
+            f"`rollstream up --no-fresh --workdir {workdir} --run <run>` continues the run."
+        )
+    return f"Redis at {redis_policy.redact(redis_url)}: {redis_policy.short(error)}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    console = plain_console()
+    redis_pid = 0  # the embedded Redis's, for an `up` run's --workdir
+    if args.workdir:  # the embedded Redis of an `up` run, as its admin user
+        workdir = Path(args.workdir)
+        try:
+            recorded = json.loads((workdir / "state" / "redis.json").read_text())
+            args.redis_url, redis_pid = recorded["url"], int(recorded.get("pid", 0))
+        except (OSError, ValueError, KeyError) as e:
+            console.print(f"--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})", style="red")
+            return 2
+        args.redis_username = args.redis_username or redis_acl.ADMIN
+        args.redis_password_file = args.redis_password_file or str(redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN))
+    try:
+        redis_policy.check_url(args.redis_url)
+    except ValueError as e:
+        console.print(f"--redis-url: {e}", style="red")
+        return 2
+    try:
+        username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, os.environ.get("ROLLSTREAM_REDIS_PASSWORD", ""))
+    except ValueError as e:
+        console.print(str(e), style="red")
+        return 2
+    keys = streams.RunKeys(args.run)
+    workdir = Path(args.workdir) if args.workdir else None
+    thresholds = diagnose.Thresholds(idle_s=args.idle_s, max_staleness=args.max_staleness)
+    if not console.is_terminal:
+        console.width = max(console.width, 180)  # piped: no wrapping of the stream names
+    client = None
+    prev = None
+    live = Live(console=console, auto_refresh=False, transient=False) if args.watch and console.is_terminal else None
+    if args.watch:
+        # Ctrl-C and SIGTERM end the watch. Said explicitly: a process started from a
+        # non-interactive shell's background job inherits SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt handler (it watched on forever after a SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            try:
+                client = client or redis_policy.connect(args.redis_url, username, password)
+                snap, extra = pipeline_status.collect(client, keys, workdir)
+                view = pipeline_status.render(keys, snap, extra, prev, thresholds)
+                prev = snap
+            except redis_policy.ERRORS as e:
+                view = Text(redis_down_line(args.redis_url, e, workdir, redis_pid), style="yellow")
+                if not args.watch:
+                    console.print(view)
+                    return 1
+            if live is not None:
+                live.update(view, refresh=True)
+            else:
+                console.print(view)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if live is not None:
+            live.stop()
+        if client is not None:
+            client.close()
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rollstream.launcher import plot
+
+    console = plain_console(stderr=True)
+    run = Path(args.run)
+    try:
+        log_path = plot.resolve_log(run)
+        out = Path(args.output) if args.output else (run if run.is_dir() else run.parent) / "curves.png"
+        path, log = plot.render(log_path, out, title=args.title)
+    except plot.PlotError as e:
+        console.print(str(e), style="red", soft_wrap=True)
+        return 1
+    for number, why in log.skipped:
+        console.print(f"warning: {log_path}:{number} skipped: {why}", style="yellow", soft_wrap=True)
+    print(path)
+    return 0
+
+
+def cmd_secrets(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if (args.namespace or args.dns) and not args.tls:
+        print("--namespace and --dns name certificates: add --tls", file=sys.stderr)
+        return 2
+    credentials.ensure_grpc_tokens(root)
+    redis_acl.ensure_redis_credentials(root, reference_stage=args.reference)
+    if args.tls:
+        credentials.ensure_tls(root, namespace=args.namespace, extra_names=tuple(args.dns))
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        print(path)
+    return 0
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default after its help line, except an empty one (None, "",
+    False, []): there the help line says what empty means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        empty = action.default is None or action.default is False or action.default == "" or action.default == []  # 0 is a default
+        if not action.option_strings or "%(default)" in text or empty or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollstream", description=__doc__, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help; their flags are generated from the run configuration (main_code).
+    sub.add_parser("up", help="run the whole system locally (flags: rollstream up --help)", add_help=False)
+    sub.add_parser("config", help="print the run configuration `up` would use, with each value's source", add_help=False)
+    st = sub.add_parser("status", help="show a run's streams, consumer groups and counters", formatter_class=HelpFormatter)
+    st.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the run's Redis (env ROLLSTREAM_REDIS_URL)")
+    st.add_argument("--run", default=os.environ.get("ROLLSTREAM_RUN", "demo"), help="the run's name (env ROLLSTREAM_RUN)")
+    st.add_argument("--workdir", default="", help="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
+    st.add_argument("--redis-username", default=os.environ.get("ROLLSTREAM_REDIS_USERNAME", ""), help="Redis ACL user (under `up`: admin; empty: the URL's or none)")
+    st.add_argument(
+        "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
+        help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password; empty: env ROLLSTREAM_REDIS_PASSWORD or the URL's)",
+    )
+    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
+    st.add_argument("--idle-s", type=float, default=300.0, help="consumers idle this long with a backlog (and no progress) count as not reading")
+    st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
+    st.set_defaults(func=cmd_status)
+    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG", formatter_class=HelpFormatter)
+    pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
+    pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
+    pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
+    pl.set_defaults(func=cmd_plot)
+    se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment", formatter_class=HelpFormatter)
+    se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
+    se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
+    se.add_argument(
+        "--reference", action="store_true",
+        help="the deployment runs a reference stage (beta > 0): the reward's Redis user may not write ready (run it again without to drop one)",
+    )
+    se.add_argument("--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc")
+    se.add_argument("--dns", action="append", default=[], help="with --tls: another name every certificate carries (repeatable)")
+    se.set_defaults(func=cmd_secrets)
+    return parser
+
+
+def main_code(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status (for tests: main() exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("up", "config"):
+        return (cmd_up if argv[0] == "up" else cmd_config)(argv[1:])
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(main_code(argv))
+
+
+if __name__ == "__main__":
+    main()
