@@ -20,7 +20,7 @@
 // mod 3) / 2, so 0, 0.5 or 1. Replace score() with yours.
 //
 //   npm ci
-//   node reward.js --from-up runs/demo/external-reward.json      # next to `rollstream up --reward external`
+//   node reward.js --from-up runs/demo/external-reward.json      # next to `rollstream up --external-reward`
 //   node reward.js --redis-url redis://127.0.0.1:6379/0 --run demo --output-stage ready
 import { existsSync, readFileSync } from "node:fs";
 import { hostname } from "node:os";
@@ -440,7 +440,7 @@ function settings(argv) {
   const { values } = parseArgs({
     args: argv,
     options: {
-      "from-up": { type: "string" }, // WORKDIR/external-reward.json written by `rollstream up --reward external`
+      "from-up": { type: "string" }, // WORKDIR/external-reward.json written by `rollstream up --external-reward`
       "redis-url": { type: "string" },
       "redis-username": { type: "string" },
       "redis-password-file": { type: "string" },

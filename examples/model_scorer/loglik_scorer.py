@@ -1,6 +1,6 @@
 """A model-based reward served over `rollstream.v1.Reward/Score`: the built-in reward stage
 calls it as its remote scorer (`python -m rollstream.reward --scorer-address host:port`, or
-`rollstream up --scorer-address host:port`).
+`rollstream up --reward.scorer-address host:port`).
 
 It scores every completion with a causal language model: reward = exp(mean log-prob of the
 completion's tokens under the model), in (0, 1], a fluency score. The same shape serves a
