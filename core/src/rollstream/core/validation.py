@@ -7,7 +7,7 @@ long values truncated) becomes the dead-letter reason, and returns None for a go
 
 Use after codec.decode:
     task = codec.decode(fields, rollout_pb2.PromptTask); check_task(task, limits)
-    group = codec.decode(fields, rollout_pb2.RolloutGroup); check_group(group, limits, stage="scored")
+    group = parse_group(entry, limits, stage="scored")  # a RolloutGroup entry: decode + check_group
 
 These run on every entry, so the per-token checks use numpy over the repeated fields
 (np.asarray on a upb repeated scalar field is a copy in C, ~3 us for 2048 values) and
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 
-from rollstream.core.codec import EntryError
+from rollstream.core.codec import EntryError, decode
+from rollstream.core.streams import Entry
 from rollstream.v1 import rollout_pb2
 
 Stage = Literal["rollouts", "scored", "ready"]
+Groups = list[tuple[Entry, rollout_pb2.RolloutGroup]]  # what a stage reads with parse_group
 STAGES: tuple[str, ...] = ("rollouts", "scored", "ready")
 
 # A log-prob is <= 0; engines computing in bf16/fp32 can round a near-certain token a hair
@@ -234,6 +236,18 @@ def check_group(group: rollout_pb2.RolloutGroup, limits: Limits, *, stage: Stage
             for j, rc in enumerate(c.reward_components):
                 if not (math.isfinite(rc.value) and math.isfinite(rc.weight)):
                     raise EntryError(f"{at}: reward_components[{j}] {_short(rc.name)} has value {rc.value!r}, weight {rc.weight!r}")
+
+
+def parse_group(entry: Entry, limits: Limits, *, stage: Stage, need_ref: bool = False, drop_ref: bool = False) -> rollout_pb2.RolloutGroup:
+    """The RolloutGroup of an entry read from rs:{<run>}:<stage>, decoded and checked (raises EntryError
+    with the dead-letter reason). drop_ref: its ref log-probs dropped first (the reference computes them)."""
+    group = decode(entry.fields, rollout_pb2.RolloutGroup)
+    if drop_ref:
+        group.has_ref_logprobs = False
+        for c in group.completions:
+            del c.ref_logprobs[:]
+    check_group(group, limits, stage=stage, need_ref=need_ref)
+    return group
 
 
 def check_metrics(m: rollout_pb2.StepMetrics) -> None:
