@@ -48,7 +48,7 @@ def test_a_refused_step_blames_only_the_group_that_overflows(trainer: Trainer) -
     for c in bad.completions:
         c.behaviour_logprobs[:] = [validation.MIN_LOGPROB] * len(c.token_ids)
     entry = Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(bad).items()}, deliveries=1)
-    trainer.parse_group(entry)  # inside every bound
+    validation.parse_group(entry, trainer.limits, stage="ready", need_ref=trainer.need_ref)  # inside every bound
     before = deltas.weights_sha256(trainer.publisher.bits())
     with pytest.raises(NonFiniteStep):
         trainer.train_step([good, bad])
@@ -112,7 +112,12 @@ def _grown_to(n: int):
 def test_ready_entries_that_would_crash_the_trainer_are_refused(trainer: Trainer, poison, reason: str) -> None:
     group = scored_groups(1, 1)[0]
     group.group_size = 4
-    trainer.parse_group(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
+
+    def parse() -> None:  # what the trainer's loop reads a ready entry with
+        entry = Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1)
+        validation.parse_group(entry, trainer.limits, stage="ready", need_ref=trainer.need_ref)
+
+    parse()
     poison(group)
     with pytest.raises(codec.EntryError, match=reason):
-        trainer.parse_group(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
+        parse()

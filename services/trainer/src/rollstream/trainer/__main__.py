@@ -1,3 +1,3 @@
 from rollstream.trainer.service import main
 
-main()
+raise SystemExit(main())

@@ -29,8 +29,7 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
         if step != trainer.step + 1:
             logs.event(host.log, "trained_log_gap", logging.ERROR, expected=trainer.step + 1, found=step, note="replay stops here")
             break
-        trainer.train_step(steps[step])
-        trainer.groups_trained += len(steps[step])
+        trainer.replay_step(steps[step])
         replayed += 1
     last = host.redis.call(lambda: client.hget(keys.stats, "step"), "reading the run's step")
     lost = int(last or 0) - trainer.step

@@ -25,11 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, logs, redis_policy, steplog, streams
+from rollstream.core import codec, logs, redis_policy, steplog, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -39,10 +38,9 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
 from rollstream.trainer.optimizer import NonFiniteStep
+from rollstream.trainer.publisher import PushOutcome
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
-
-Held = list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]
 
 
 class StepNotRecorded(RuntimeError):
@@ -50,11 +48,11 @@ class StepNotRecorded(RuntimeError):
     Redis error, so no loop catches it)."""
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(load_or_exit(TrainerSettings, sys.argv[1:] if argv is None else argv))
+def main(argv: list[str] | None = None) -> int:
+    return run(load_or_exit(TrainerSettings, sys.argv[1:] if argv is None else argv))
 
 
-def run(settings: TrainerSettings) -> None:
+def run(settings: TrainerSettings) -> int:
     with ServiceHost("trainer", settings) as host:
         host.install_signal_handlers()
         trainer = Trainer(settings, host)
@@ -81,14 +79,18 @@ def run(settings: TrainerSettings) -> None:
             host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
             host.set_ready(True, f"training from {stage.stream}")
             if restored is not None:
-                loop.push_anchor()
-            loop.run()
+                trainer.push_anchor(loop.push_targets(), directory.from_registry)
+            # After Redis trouble the batch is kept: its entries are still pending on us, and
+            # when they are read again `turn` skips them.
+            host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
+            loop.finish()
         finally:
             checkpoints.close()
-            trainer.publisher.close()
+            trainer.close()
             client.close()
             if view is not None:
                 view.close()
+    return 0
 
 
 @dataclass
@@ -104,43 +106,22 @@ class TrainerLoop:
     feeder: PromptFeeder
     directory: GeneratorDirectory
     checkpoints: CheckpointRequests
-    batch: Held = field(default_factory=list)
-
-    def run(self) -> None:
-        s = self.trainer.settings
-
-        def turn() -> None:
-            self.checkpoints.serve(self.save)
-            self.turn()
-
-        def finished() -> bool:
-            return s.steps > 0 and self.trainer.step >= s.steps
-
-        # After Redis trouble the batch is kept: its entries are still pending on us, and when
-        # they are read again `turn` skips them.
-        self.host.run_loop(self.stage, turn, "trainer loop", until=finished)
-        logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
-        if finished() and s.checkpoint_dir:
-            # A finished run keeps its final state as a checkpoint, not only in the trained log.
-            newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
-            if newest is None or newest.state.step != self.trainer.step:
-                self.save_periodic()
-        if s.linger:
-            while not self.host.stop.wait(0.2):
-                self.checkpoints.serve(self.save)
+    batch: validation.Groups = field(default_factory=list)
 
     def turn(self) -> None:
-        """Feed prompts, read ready groups into the batch, and train once it holds a step's worth."""
-        s, keys = self.trainer.settings, self.keys
-        self.feeder.top_up(self.trainer.version)
+        """Serve checkpoint requests, feed prompts, read ready groups into the batch, and train
+        once it holds a step's worth."""
+        trainer, s, keys = self.trainer, self.trainer.settings, self.keys
+        self.checkpoints.serve(self.save)
+        self.feeder.top_up(trainer.version)
         held_ids = {e.id for e, _ in self.batch}
-        for entry, group in self.host.read(self.stage, self.trainer.parse_group):
+        for entry, group in self.host.read(self.stage, lambda e: validation.parse_group(e, trainer.limits, stage="ready", need_ref=trainer.need_ref)):
             if entry.id in held_ids:
                 continue  # already held (re-read after a failed call): not a duplicate group
             seen = group.group_id in {g.group_id for _, g in self.batch}
             if seen or self.client.sismember(keys.groups("trained"), group.group_id) or self.client.sismember(keys.groups("stale"), group.group_id):
                 self.stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
-                self.trainer.metrics.groups.labels(outcome="duplicate").inc()
+                trainer.count_dropped("duplicate", 1)
                 continue
             self.batch.append((entry, group))
         self.drop_stale()
@@ -155,6 +136,23 @@ class TrainerLoop:
         del self.batch[: s.groups_per_step]
         if s.checkpoint_every and self.trainer.step % s.checkpoint_every == 0:
             self.save_periodic()
+
+    def finished(self) -> bool:
+        s = self.trainer.settings
+        return s.steps > 0 and self.trainer.step >= s.steps
+
+    def finish(self) -> None:
+        """After the loop: the final checkpoint of a finished run; with linger, checkpoints still served."""
+        s = self.trainer.settings
+        logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
+        if self.finished() and s.checkpoint_dir:
+            # A finished run keeps its final state as a checkpoint, not only in the trained log.
+            newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
+            if newest is None or newest.state.step != self.trainer.step:
+                self.save_periodic()
+        if s.linger:
+            while not self.host.stop.wait(0.2):
+                self.checkpoints.serve(self.save)
 
     def drop_stale(self) -> None:
         """Acknowledge and count groups sampled more than max_staleness versions ago, and groups
@@ -172,69 +170,59 @@ class TrainerLoop:
         self.stage.commit([e for e, _ in stale], extra=ledger)
         dropped = {e.id for e, _ in stale}
         self.batch[:] = [(e, g) for e, g in self.batch if e.id not in dropped]
-        trainer.groups_stale += len(stale)
-        trainer.metrics.groups.labels(outcome="stale").inc(len(stale))
+        trainer.count_dropped("stale", len(stale))
 
-    def train_and_commit(self, taken: Held) -> bool:
-        """One step on `taken`, pushed to the generators, then acknowledged with the ledger in
-        one script; True once committed, False when the step was refused (refuse_step).
-        From the step on, Redis trouble is waited out (host.redis.call, commit's own
-        retries), never raised: the update exists, so its groups must be acknowledged."""
-        trainer, host, keys = self.trainer, self.host, self.keys
+    def train_and_commit(self, taken: validation.Groups) -> bool:
+        """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;
+        True once committed, False when the step was refused (refuse_step). From the step on, Redis trouble
+        is waited out (host.redis.call, commit's own retries), never raised: the update exists, so its groups must be acknowledged."""
+        trainer, keys = self.trainer, self.keys
         groups = [g for _, g in taken]
+        log_trained = bool(trainer.settings.checkpoint_dir)  # replayed on resume; without checkpoints nothing resumes
+
+        def record(metrics: rollout_pb2.StepMetrics, outcomes: list[PushOutcome]) -> None:
+            applied = sum(o.applied for o in outcomes)
+
+            def ledger(ops: streams.Ops) -> None:
+                ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
+                ops.hincrby(keys.stats, "trained", len(groups))
+                ops.hincrby(keys.stats, "pushes_applied", applied)
+                ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
+                ops.hset(keys.stats, "step", trainer.step)
+                ops.set(keys.version, trainer.version)
+                ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
+                if log_trained:
+                    for entry, _ in taken:
+                        ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
+
+            try:
+                self.stage.commit([e for e, _ in taken], extra=ledger)
+            except redis_policy.ERRORS as e:
+                # Not a transient error (those are retried inside commit): Redis refuses the record
+                # (a key of the wrong type, say). The update must not live on without it, or its
+                # groups, still pending, would be trained a second time: end the process; the
+                # restart resumes from the checkpoint and trains them once.
+                raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
+
         try:
-            metrics, published, stats = trainer.train_step(groups)
+            metrics, stats, outcomes = trainer.train_and_push(groups, self.push_targets, self.directory.from_registry, record)
         except NonFiniteStep as e:
             self.refuse_step(taken, e)
             return False
-        push_start = time.perf_counter()
-        outcomes = trainer.publisher.push(self.push_targets(), published, trainer.settings.push_timeout_s, from_registry=self.directory.from_registry)
-        push_s = time.perf_counter() - push_start
-        for o in outcomes:
-            if not o.applied:
-                logs.event(host.log, "push_not_applied", logging.WARNING, generator=o.address, error=o.error)
-        applied = sum(o.applied for o in outcomes)
-        log_trained = bool(trainer.settings.checkpoint_dir)  # replayed on resume; without checkpoints nothing resumes
-
-        def ledger(ops: streams.Ops) -> None:
-            ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
-            ops.hincrby(keys.stats, "trained", len(groups))
-            ops.hincrby(keys.stats, "pushes_applied", applied)
-            ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
-            ops.hset(keys.stats, "step", trainer.step)
-            ops.set(keys.version, trainer.version)
-            ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
-            if log_trained:
-                for entry, _ in taken:
-                    ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
-
-        commit_start = time.perf_counter()
-        try:
-            self.stage.commit([e for e, _ in taken], extra=ledger)
-        except redis_policy.ERRORS as e:
-            # Not a transient error (those are retried inside commit): Redis refuses the record
-            # (a key of the wrong type, say). The update must not live on without it, or its
-            # groups, still pending, would be trained a second time: end the process; the
-            # restart resumes from the checkpoint and trains them once.
-            raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
-        trainer.groups_trained += len(groups)
-        commit_s = time.perf_counter() - commit_start
-        trainer.metrics.phase_seconds.labels(phase="push").observe(push_s)
-        trainer.metrics.phase_seconds.labels(phase="commit").observe(commit_s)
-        self.log_step(metrics, {**trainer.last_phases, "push_s": push_s, "commit_s": commit_s})
+        self.log_step(metrics, trainer.last_phases)
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(
-            host.log, "step",
+            self.host.log, "step",
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            pushed=applied, generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
+            pushed=sum(o.applied for o in outcomes), generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
             zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
         return True
 
-    def refuse_step(self, taken: Held, error: NonFiniteStep) -> None:
+    def refuse_step(self, taken: validation.Groups, error: NonFiniteStep) -> None:
         """A step refused for a non-finite loss or gradient norm (nothing applied or
         published): the groups that make it non-finite on their own go to the dead letters
         with the reason and leave the batch; the others stay in it, pending on us, for the
@@ -312,15 +300,6 @@ class TrainerLoop:
     def trained_log_end(self) -> str:
         last = self.client.xrevrange(self.keys.trained_log, count=1)
         return last[0][0].decode() if last else ""
-
-    def push_anchor(self) -> None:
-        """After a resume, every generator gets the restored version as an anchor: whatever it
-        holds (a later version of the abandoned run, or the same number from another lineage)
-        is replaced. Generators not reachable now catch up by themselves (hashes + anchor)."""
-        trainer = self.trainer
-        anchor = trainer.publisher.catch_up_payloads(-1, "")[0]
-        outcomes = trainer.publisher.push(self.push_targets(), anchor, trainer.settings.push_timeout_s, from_registry=self.directory.from_registry)
-        logs.event(self.host.log, "anchor_pushed", version=trainer.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
 
     def push_targets(self) -> list[str]:
         """The generators to push to, waiting out Redis trouble; a registry key someone

@@ -1,14 +1,14 @@
 """The trainer's state and its gRPC face: the model, the host-memory optimizer and the weight
-publisher (`Trainer`), one step on them (`Trainer.train_step`: step.train_step, then the
-new version published), checkpoints of all of it, and `TrainerServicer` (GetState,
-FetchWeights, SaveCheckpoint). The loop that feeds it lives in service.py."""
+publisher (`Trainer`), one step on them (`train_step`: step.train_step, then the new version
+published; `train_and_push`: also pushed, recorded by the loop, counted), checkpoints of all of
+it, and `TrainerServicer` (GetState, FetchWeights, SaveCheckpoint). The loop is in service.py."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, cpu_runtime, deltas, logs, modeling, streams, validation
+from rollstream.core import cpu_runtime, deltas, logs, modeling, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -26,7 +26,7 @@ from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.optimizer import HostAdamW
-from rollstream.trainer.publisher import Published, WeightPublisher
+from rollstream.trainer.publisher import Published, PushOutcome, WeightPublisher
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -134,6 +134,7 @@ class Trainer:
         self.model.train()
         # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
         self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
+        self.adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
         self.step_config = StepConfig.from_settings(s)
         self.optimizer = HostAdamW(
             self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
@@ -185,21 +186,11 @@ class Trainer:
         """Write everything a resume needs (call between steps)."""
         s = self.settings
         state = checkpoint.CheckpointState(
-            version=self.version,
-            step=self.step,
-            optimizer_steps=self.optimizer.step_count,
-            groups_trained=self.groups_trained,
-            groups_stale=self.groups_stale,
-            prompts_fed=prompts_fed,
-            run=s.run,
-            consumer=consumer,
-            consumer_group=s.group,
-            model_fingerprint=self.publisher.fingerprint,
+            version=self.version, step=self.step, optimizer_steps=self.optimizer.step_count, groups_trained=self.groups_trained,
+            groups_stale=self.groups_stale, prompts_fed=prompts_fed, run=s.run, consumer=consumer, consumer_group=s.group,
+            model_fingerprint=self.publisher.fingerprint, moments_dtype=s.moments_dtype, master_layout=s.master_layout, trained_log_id=trained_log_id,
             base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
             lora=self.lora.spec.as_dict() if self.lora is not None else None,
-            moments_dtype=s.moments_dtype,
-            master_layout=s.master_layout,
-            trained_log_id=trained_log_id,
             # The Redis URL may carry a password: it stays out of the file.
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
         )
@@ -229,30 +220,22 @@ class Trainer:
 
     # -- the step -----------------------------------------------------------------------
 
-    def parse_group(self, entry: streams.Entry) -> rollout_pb2.RolloutGroup:
-        """Decode and check one ready entry (raises codec.EntryError with the reason)."""
-        group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-        validation.check_group(group, self.limits, stage="ready", need_ref=self.need_ref)
-        return group
-
     def nonfinite_groups(self, groups: list[rollout_pb2.RolloutGroup]) -> dict[int, str]:
         """After a refused step: the groups that make it non-finite alone, index -> why
         (step.nonfinite_groups; nothing applied)."""
-        adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
-        return nonfinite_groups(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off)
+        return nonfinite_groups(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off)
 
     def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
         """One GRPO step (step.py), published as the next version. Raises NonFiniteStep
         with nothing applied or published."""
         start = time.perf_counter()
-        adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
         # Full fine-tuning: the trained parameters are the published weights, so the delta is
         # encoded tensor by tensor during the optimizer step. With LoRA the published weights
         # are merged after it.
         encoder = self.publisher.begin_delta() if self.lora is None else None
         with self.weights_lock:
             r = train_step(
-                self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=adapters_off,
+                self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off,
                 on_piece=encoder.add_piece if encoder is not None else None,
             )
             # No update (dapo filtered every group): the version still advances, since the groups
@@ -282,6 +265,50 @@ class Trainer:
             self.metrics.phase_seconds.labels(phase=phase.removesuffix("_s")).observe(seconds)
         return metrics, published, stats
 
+    # -- what the loop calls: a step trained and pushed, a resume's replay and anchor, drops ----
+
+    def train_and_push(self, groups: list[rollout_pb2.RolloutGroup], targets: Callable[[], list[str]], from_registry: bool,
+                       record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
+        """The loop's step: train_step, the new version pushed to `targets()`, `record` (the loop's
+        commit of the groups and ledger), and only then the groups counted as trained (last_phases
+        gains push_s and commit_s). Raises NonFiniteStep with nothing applied, published or pushed."""
+        metrics, published, stats = self.train_step(groups)
+        start = time.perf_counter()
+        outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry)
+        push_s = time.perf_counter() - start
+        for o in outcomes:
+            if not o.applied:
+                logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, error=o.error)
+        start = time.perf_counter()
+        record(metrics, outcomes)
+        self.groups_trained += len(groups)
+        self.last_phases.update(push_s=push_s, commit_s=time.perf_counter() - start)
+        for phase in ("push", "commit"):
+            self.metrics.phase_seconds.labels(phase=phase).observe(self.last_phases[phase + "_s"])
+        return metrics, stats, outcomes
+
+    def replay_step(self, groups: list[rollout_pb2.RolloutGroup]) -> None:
+        """A step of the trained log trained again after a resume (replay.py), and counted;
+        pushed to no one: the anchor pushed after the resume carries it."""
+        self.train_step(groups)
+        self.groups_trained += len(groups)
+
+    def push_anchor(self, targets: list[str], from_registry: bool) -> None:
+        """After a resume, every generator gets the restored version as an anchor, whatever it holds (a later
+        version of the abandoned run, or the same number from another lineage); unreachable ones catch up later."""
+        anchor = self.publisher.catch_up_payloads(-1, "")[0]
+        outcomes = self.publisher.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry)
+        logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
+
+    def count_dropped(self, outcome: str, n: int) -> None:
+        """Groups the loop acknowledged without training them: "stale" or "duplicate"."""
+        if outcome == "stale":
+            self.groups_stale += n
+        self.metrics.groups.labels(outcome=outcome).inc(n)
+
+    def close(self) -> None:
+        self.publisher.close()
+
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: CheckpointRequests):
@@ -296,14 +323,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             with t.weights_lock:  # the bits and the version of one published step
                 sha, version = deltas.weights_sha256(t.publisher.bits()), t.version
         return trainer_pb2.TrainerState(
-            version=version,
-            step=t.step,
-            model=t.model_dir,
-            model_fingerprint=t.publisher.fingerprint,
-            groups_trained=t.groups_trained,
-            groups_stale=t.groups_stale,
-            generators=self.generators.last,
-            weights_sha256=sha,
+            version=version, step=t.step, model=t.model_dir, model_fingerprint=t.publisher.fingerprint, groups_trained=t.groups_trained,
+            groups_stale=t.groups_stale, generators=self.generators.last, weights_sha256=sha,
         )
 
     def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
