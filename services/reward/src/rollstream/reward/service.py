@@ -1,7 +1,7 @@
 """The reward stage: rs:{<run>}:rollouts -> recipes (or a remote scorer) -> rs:{<run>}:scored (or :ready).
 
-Read it top to bottom: `main` loads settings, `run` starts the scoring pool and the
-servers and runs the loop on the main thread (rollstream.core.service), `RewardLoop.turn`
+Read it top to bottom: `main` loads settings, `run` builds the ServiceHost, starts the scoring
+pool and the servers and runs the loop on the main thread (rollstream.core.service), `RewardLoop.turn`
 is one turn of it and `RewardLoop.process_batch` one read's worth of work. Every group written downstream is
 acknowledged in the same transaction (StreamStage.commit), so a crash at any point loses
 nothing; entries a dead consumer left pending are claimed after `claim_idle_ms`.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from rollstream.core import codec, grpc_utils, logs, streams, validation
@@ -36,52 +35,46 @@ SERVICE_NAME = "rollstream.v1.Reward"
 SOURCE_STAGE = "rollouts"
 PROGRESS_EVERY_S = 30.0  # the periodic progress line
 # Groups read: the structure every stage checks (finite log-probs, lengths that match, the
-# completion count the task asked for). Vocabulary bounds are the trainer's and
-# generator's business: this service has no model (and no torch).
-INPUT_LIMITS = validation.Limits()
-# Groups written: rewards finite and bounded, whatever a remote scorer answered.
-OUTPUT_LIMITS = validation.Limits()
-
-Held = list[tuple[Entry, rollout_pb2.RolloutGroup]]
+# completion count the task asked for); written: also rewards finite and bounded, whatever a remote
+# scorer answered. Vocabulary bounds are the trainer's and generator's: this service has no model.
+LIMITS = validation.Limits()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings = load_or_exit(RewardSettings, list(argv) if argv is not None else sys.argv[1:])
+def main(argv: list[str] | None = None) -> int:
+    return run(load_or_exit(RewardSettings, sys.argv[1:] if argv is None else argv))
+
+
+def run(settings: RewardSettings) -> int:
     with ServiceHost("reward", settings) as host:
         host.install_signal_handlers()
-        run(host, settings)
-    return 0
-
-
-def run(host: ServiceHost, settings: RewardSettings) -> None:
-    """Start the scoring pool and the servers; run the stream loop on this (the main) thread until stopped."""
-    metrics = Metrics.register(host.registry)
-    pool = ScorePool(settings.recipe_source(), settings.score_workers)
-    remote = None
-    try:
-        host.start([grpc_utils.Service(SERVICE_NAME, RewardServicer(pool, metrics), reward_pb2_grpc.add_RewardServicer_to_server)])
-        host.set_ready(False, "starting the scoring workers")
-        pool.warm_up()
-        if settings.scorer_address:
-            remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
-        client = host.connect_redis()
+        metrics = Metrics.register(host.registry)
+        pool = ScorePool(settings.recipe_source(), settings.score_workers)
+        remote = None
         try:
-            stage = host.open_stage(client, SOURCE_STAGE, settings.group)
-            loop = RewardLoop(host, settings, stage, Scorer(local=pool, remote=remote), metrics)
-            host.set_ready(True, f"reading {stage.stream}")
-            logs.event(
-                host.log, "started", source=stage.stream, output=stage.keys.stream(settings.output_stage), group=stage.group,
-                consumer=stage.consumer, task_kinds=",".join(pool.kinds), weights=settings.weights(), remote_scorer=settings.scorer_address or "none",
-            )
-            # After Redis trouble the held batch is dropped: its entries are still pending on
-            # us and are read again first.
-            host.run_loop(stage, loop.turn, "reward loop", on_redis_error=loop.held.clear)
+            host.start([grpc_utils.Service(SERVICE_NAME, RewardServicer(pool, metrics), reward_pb2_grpc.add_RewardServicer_to_server)])
+            host.set_ready(False, "starting the scoring workers")
+            pool.warm_up()
+            if settings.scorer_address:
+                remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
+            client = host.connect_redis()
+            try:
+                stage = host.open_stage(client, SOURCE_STAGE, settings.group)
+                loop = RewardLoop(host, settings, stage, Scorer(local=pool, remote=remote), metrics)
+                host.set_ready(True, f"reading {stage.stream}")
+                logs.event(
+                    host.log, "started", source=stage.stream, output=stage.keys.stream(settings.output_stage), group=stage.group,
+                    consumer=stage.consumer, task_kinds=",".join(pool.kinds), weights=settings.weights(), remote_scorer=settings.scorer_address or "none",
+                )
+                # After Redis trouble the held batch is dropped: its entries are still pending on
+                # us and are read again first.
+                host.run_loop(stage, loop.turn, "reward loop", on_redis_error=loop.held.clear)
+            finally:
+                client.close()
         finally:
-            client.close()
-    finally:
-        if remote is not None:
-            remote.close()
-        pool.close()
+            if remote is not None:
+                remote.close()
+            pool.close()
+    return 0
 
 
 @dataclass
@@ -96,13 +89,6 @@ class Totals:
     trimmed: int = 0
 
 
-def parse_group(entry: Entry) -> rollout_pb2.RolloutGroup:
-    """Decode and check one rollouts entry (raises codec.EntryError with the reason)."""
-    group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-    validation.check_group(group, INPUT_LIMITS, stage="rollouts")
-    return group
-
-
 @dataclass
 class RewardLoop:
     """What the loop holds between turns. `held`: groups read but not committed because the
@@ -114,7 +100,7 @@ class RewardLoop:
     stage: StreamStage
     scorer: Scorer
     metrics: Metrics
-    held: Held = field(default_factory=list)
+    held: validation.Groups = field(default_factory=list)
     totals: Totals = field(default_factory=Totals)
     scorer_ok: bool = True
     trim: Every = field(init=False)
@@ -129,7 +115,7 @@ class RewardLoop:
         host = self.host
         recovered = False
         if not self.held:
-            self.held.extend(host.read(self.stage, parse_group))
+            self.held.extend(host.read(self.stage, lambda e: validation.parse_group(e, LIMITS, stage="rollouts")))
         if self.held:
             try:
                 with host.metrics.batch_seconds.time():
@@ -167,7 +153,7 @@ class RewardLoop:
         self.stage.touch([entry for entry, _ in self.held])
         self.host.stop.wait(max(remote.breaker.retry_in_s(), self.settings.scorer_backoff_s))
 
-    def process_batch(self, batch: Held) -> None:
+    def process_batch(self, batch: validation.Groups) -> None:
         """Score the decoded groups and commit them (output + ack) in one transaction.
 
         Raises ScorerUnavailable before anything is written: the caller holds the batch."""
@@ -186,7 +172,7 @@ class RewardLoop:
                 continue
             try:
                 # A scorer (a remote one above all) may answer NaN or 1e30: refused here, alone.
-                validation.check_group(group, OUTPUT_LIMITS, stage="scored")
+                validation.check_group(group, LIMITS, stage="scored")
             except codec.EntryError as e:
                 stage.dead_letter(entry, f"scoring gave an unusable group: {e}")
                 continue
@@ -204,10 +190,7 @@ class RewardLoop:
         timeouts = sum(s.timeouts for s in scores)
         unknown = sum(1 for s in scores if s.unknown_kind)
         stats = {
-            "scored": newly_scored,
-            "reward_passthrough": passed_through,
-            "reward_verifier_errors": errors,
-            "reward_timeouts": timeouts,
+            "scored": newly_scored, "reward_passthrough": passed_through, "reward_verifier_errors": errors, "reward_timeouts": timeouts,
             "reward_unknown_kind": unknown,
         }
 
