@@ -1,3 +1,3 @@
 from rollstream.generator.service import main
 
-main()
+raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The generator service: rs:{<run>}:prompts -> sampled rollout groups -> rs:{<run>}:rollouts,
 plus the weight path from the trainer.
 
-Loop (one thread, `turn`): wait while downstream is full or we are too many versions
+Loop (one thread, `GeneratorLoop.turn`): wait while downstream is full or we are too many versions
 behind, read PromptTasks, sample `group_size` completions each (generator.py), write the
 RolloutGroups and ack the tasks in one transaction. Beside it: gRPC threads (PushWeights
 applies payloads between batches), the weight-sync thread (catches up from the trainer)
@@ -14,8 +14,9 @@ import contextlib
 import logging
 import sys
 import threading
+from dataclasses import dataclass
 
-from rollstream.core import logs, redis_acl, redis_policy, registry, streams
+from rollstream.core import logs, redis_acl, redis_policy, registry, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -24,11 +25,11 @@ from rollstream.generator.generator import Generator, GeneratorServicer
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(load_or_exit(GeneratorSettings, sys.argv[1:] if argv is None else argv))
+def main(argv: list[str] | None = None) -> int:
+    return run(load_or_exit(GeneratorSettings, sys.argv[1:] if argv is None else argv))
 
 
-def run(settings: GeneratorSettings) -> None:
+def run(settings: GeneratorSettings) -> int:
     with ServiceHost("generator", settings) as host:
         host.install_signal_handlers()
         gen = Generator(settings, host)
@@ -52,7 +53,7 @@ def run(settings: GeneratorSettings) -> None:
             beat.start()
             host.set_ready(True, f"sampling from {stage.stream}")
             logs.event(host.log, "started", id=gen.generator_id, address=address, backend=gen.backend.name, source=stage.stream)
-            host.run_loop(stage, lambda: turn(gen, stage, client, observer, keys, host), "generator loop")
+            host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
         finally:
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
@@ -68,6 +69,7 @@ def run(settings: GeneratorSettings) -> None:
                 client.close()
             if observer is not None and observer is not client:
                 observer.close()
+    return 0
 
 
 def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:
@@ -83,57 +85,64 @@ def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: G
         host.stop.wait(registry.BEAT_EVERY_S)
 
 
-def turn(gen: Generator, stage: streams.StreamStage, client: redis_policy.Client, observer: redis_policy.Client, keys: streams.RunKeys,
-         host: ServiceHost) -> None:  # fmt: skip
-    s = gen.settings
-    # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths),
-    # counted by `observer` (read-only; the generator's own client without one).
-    inflight = sum(streams.waiting(observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
-    # Tasks another generator has taken and is sampling now are in flight too: without them
-    # every generator would fill the same room (check, then read), and with max_staleness 0
-    # the extra groups come out stale.
-    inflight += stage.held_by_others()
-    behind = streams.current_version(client, keys) - (gen.weights.version or 0)
-    if inflight >= s.max_inflight_groups or behind > s.max_staleness:
-        if behind > s.max_staleness:
-            gen.sync_wake.set()
-        host.stop.wait(0.2)
-        return
-    # No more tasks than the room left: a batch that overshoots max_inflight_groups is sampled
-    # ahead of the version that will train it, and with max_staleness 0 dropped as stale.
-    taken = host.read(stage, gen.parse_task, count=min(s.tasks_per_batch, s.max_inflight_groups - inflight))
-    if not taken:
-        return
-    with host.metrics.batch_seconds.time():
-        done = sample(gen, stage, host, taken)
-        if not done:
+@dataclass
+class GeneratorLoop:
+    """What a turn uses: the generator, its stage, its Redis clients (`observer` counts what waits downstream)."""
+
+    gen: Generator
+    host: ServiceHost
+    stage: streams.StreamStage
+    client: redis_policy.Client
+    observer: redis_policy.Client
+
+    def turn(self) -> None:
+        gen, stage, host, keys, s = self.gen, self.stage, self.host, self.stage.keys, self.gen.settings
+        # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
+        inflight = sum(streams.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+        # Tasks another generator has taken and is sampling now are in flight too: without them
+        # every generator would fill the same room (check, then read), and with max_staleness 0
+        # the extra groups come out stale.
+        inflight += stage.held_by_others()
+        behind = streams.current_version(self.client, keys) - (gen.weights.version or 0)
+        if inflight >= s.max_inflight_groups or behind > s.max_staleness:
+            if behind > s.max_staleness:
+                gen.sync_wake.set()
+            host.stop.wait(0.2)
             return
-        groups = [g for _, g in done]
+        # No more tasks than the room left: a batch that overshoots max_inflight_groups is sampled
+        # ahead of the version that will train it, and with max_staleness 0 dropped as stale.
+        taken = host.read(stage, gen.parse_task, count=min(s.tasks_per_batch, s.max_inflight_groups - inflight))
+        if not taken:
+            return
+        with host.metrics.batch_seconds.time():
+            done = self.sample(taken)
+            if not done:
+                return
+            groups = [g for _, g in done]
 
-        def ledger(ops: streams.Ops) -> None:
-            ops.hincrby(keys.stats, "generated", len(groups))
-            ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
+            def ledger(ops: streams.Ops) -> None:
+                ops.hincrby(keys.stats, "generated", len(groups))
+                ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
 
-        committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
-    stage.trim()
-    # Not committed: another consumer took these tasks over meanwhile and writes them itself.
-    logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version, groups=logs.group_ids(groups))
+            committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
+        stage.trim()
+        # Not committed: another consumer took these tasks over meanwhile and writes them itself.
+        logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version, groups=logs.group_ids(groups))
 
-
-def sample(gen: Generator, stage: streams.StreamStage, host: ServiceHost, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> list[tuple[streams.Entry, rollout_pb2.RolloutGroup]]:
-    """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
-    a task that fails alone goes to the dead letters (it must not take its batch with it)."""
-    try:
-        return [(entry, group) for (entry, _), group in zip(taken, gen.generate([t for _, t in taken]))]
-    except Exception as e:  # noqa: BLE001
-        if len(taken) == 1:
-            stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
-            return []
-        logs.event(host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
-    done = []
-    for entry, task in taken:
+    def sample(self, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> validation.Groups:
+        """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
+        a task that fails alone goes to the dead letters (it must not take its batch with it)."""
         try:
-            done.append((entry, gen.generate([task])[0]))
+            return [(entry, group) for (entry, _), group in zip(taken, self.gen.generate([t for _, t in taken]))]
         except Exception as e:  # noqa: BLE001
-            stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
-    return done
+            if len(taken) == 1:
+                self.stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
+                return []
+            logs.event(self.host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
+        done = []
+        for entry, task in taken:
+            try:
+                done.append((entry, self.gen.generate([task])[0]))
+            except Exception as e:  # noqa: BLE001
+                self.stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
+        return done
