@@ -19,11 +19,11 @@ import redis
 
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import Service, channel
-from rollstream.core.redis_server import EmbeddedRedis
-from rollstream.core.service import ServiceHost
+from rollstream.launcher.redis_server import EmbeddedRedis
+from rollstream.core.service import Every, ServiceHost
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reference.scoring import ReferenceModel
-from rollstream.reference.service import Metrics, ReferenceServicer, Scorer, Totals, parse_group, reference_entries
+from rollstream.reference.service import Metrics, ReferenceLoop, ReferenceServicer, Scorer, Totals
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
 
 from helpers import MIN_WAIT_S, wait_for, wait_healthy, write
@@ -214,6 +214,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
         scorer = Scorer(in_process, Metrics.register(host.registry), totals)
         servicer.scorer = scorer
         stage = host.open_stage(client, "scored", settings.group)
+        loop = ReferenceLoop(host, stage, scorer, Every(settings.trim_every_s))
         with channel(f"127.0.0.1:{host.grpc.port}") as ch:
             stub = reference_pb2_grpc.ReferenceStub(ch)
             counted_at_commit: list[int] = []
@@ -229,15 +230,15 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
             # A commit refused by Redis (ready is not a stream): nothing written, nothing counted.
             client.set(keys.stream("ready"), "not a stream")
             write(client, keys, "scored", scored_group_in_vocab(in_process.vocab_size, n=2, seed=7))
-            batch = wait_for(lambda: host.read(stage, lambda e: parse_group(e, scorer)), 30, "the group read")
+            batch = wait_for(lambda: host.read(stage, loop.parse), 30, "the group read")
             with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-                reference_entries(batch, stage, scorer, host)
+                loop.reference(batch)
             assert stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed == 0
 
             # The same entry, read again once ready is a stream: counted by the time it is there.
             client.delete(keys.stream("ready"))
-            batch = wait_for(lambda: host.read(stage, lambda e: parse_group(e, scorer)), 30, "the group read again")
-            reference_entries(batch, stage, scorer, host)
+            batch = wait_for(lambda: host.read(stage, loop.parse), 30, "the group read again")
+            loop.reference(batch)
             assert client.xlen(keys.stream("ready")) == 1
             assert counted_at_commit == [1]
     client.close()

@@ -117,76 +117,6 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
             return reference_pb2.ReferenceState(model=self.model_name, groups_processed=self.totals.groups, tokens_processed=self.totals.tokens)
 
 
-def parse_group(entry: streams.Entry, scorer: Scorer) -> rollout_pb2.RolloutGroup:
-    """Decode and check one scored entry (raises codec.EntryError with the reason). Any
-    ref log-probs it carries are dropped first: they are computed here, never passed on."""
-    group = codec.decode(entry.fields, rollout_pb2.RolloutGroup)
-    group.has_ref_logprobs = False
-    for c in group.completions:
-        del c.ref_logprobs[:]
-    validation.check_group(group, scorer.limits, stage="scored")
-    for i, c in enumerate(group.completions):
-        try:
-            scorer.model.check(group.prompt_ids, c.token_ids)
-        except ValueError as e:
-            raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
-    return group
-
-
-def reference_entries(good: Sequence[tuple[streams.Entry, rollout_pb2.RolloutGroup]], stage: streams.StreamStage, scorer: Scorer, host: ServiceHost) -> None:
-    """Add ref log-probs to the (checked) groups, write them to ready, ack the inputs."""
-    if not good:
-        return
-
-    # 1. Score every completion of every group, in one call (parse_group emptied ref_logprobs).
-    sequences = [(list(g.prompt_ids), list(c.token_ids)) for _, g in good for c in g.completions]
-    start = time.perf_counter()
-    values = iter(scorer.score(sequences))
-    seconds = time.perf_counter() - start
-    for _, g in good:
-        for c in g.completions:
-            c.ref_logprobs.extend(next(values))
-        g.has_ref_logprobs = True
-    # A non-finite log-prob must not reach the trainer's KL: refused here, group by group.
-    ok = []
-    for entry, g in good:
-        try:
-            validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
-        except codec.EntryError as e:
-            stage.dead_letter(entry, f"reference log-probs unusable: {e}")
-            continue
-        ok.append((entry, g))
-    good = ok
-    referenced = len(good)
-
-    # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
-    def ledger(ops: streams.Ops) -> None:
-        ops.hincrby(stage.keys.stats, "referenced", referenced)
-
-    # GetState counts the groups before they show in ready, so whoever sees one there and
-    # then asks GetState finds it counted; a commit that fails takes the count back (the
-    # entries stay pending and are read again).
-    scorer.totals.add(referenced, 0)
-    try:
-        stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
-    except BaseException:
-        scorer.totals.add(-referenced, 0)
-        raise
-    scorer.metrics.groups.labels("referenced").inc(referenced)
-    tokens = sum(len(p) + len(c) for p, c in sequences)
-    logs.event(
-        host.log,
-        "groups_referenced",
-        referenced=referenced,
-        completions=len(sequences),
-        tokens=tokens,
-        seconds=round(seconds, 3),
-        tokens_per_s=round(tokens / seconds) if seconds > 0 else 0,
-        versions=",".join(sorted({str(g.policy_version) for _, g in good})),
-        groups=logs.group_ids(g for _, g in good),
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     return run(load_or_exit(ReferenceSettings, sys.argv[1:] if argv is None else argv))
 
@@ -211,13 +141,8 @@ def run(settings: ReferenceSettings) -> int:
             logs.event(host.log, "model_not_found", logging.ERROR, error=str(e))
             return 2
         model = ReferenceModel.load(
-            model_dir,
-            dtype=settings.dtype,
-            device=settings.device,
-            token_budget=settings.token_budget,
-            chunk_tokens=settings.chunk_tokens,
-            temperature=settings.temperature,
-            share_prompts=settings.share_prompts,
+            model_dir, dtype=settings.dtype, device=settings.device, token_budget=settings.token_budget, chunk_tokens=settings.chunk_tokens,
+            temperature=settings.temperature, share_prompts=settings.share_prompts,
         )
         scorer = Scorer(model, metrics, totals)
         servicer.model_name = str(model_dir)
@@ -231,19 +156,84 @@ def run(settings: ReferenceSettings) -> int:
         client = host.connect_redis()
         try:
             stage = host.open_stage(client, "scored", settings.group)
+            loop = ReferenceLoop(host, stage, scorer, Every(settings.trim_every_s))
             host.set_ready(True, f"reading {stage.stream}")
             logs.event(host.log, "started", run=settings.run, source=stage.stream, group=settings.group, consumer=stage.consumer)
-            trim = Every(settings.trim_every_s)
-
-            def turn() -> None:
-                batch = host.read(stage, lambda e: parse_group(e, scorer))
-                if batch:
-                    with host.metrics.batch_seconds.time():
-                        reference_entries(batch, stage, scorer, host)
-                if trim.due():
-                    stage.trim()
-
-            host.run_loop(stage, turn, "reference loop")
+            host.run_loop(stage, loop.turn, "reference loop")
         finally:
             client.close()
     return 0
+
+
+@dataclass
+class ReferenceLoop:
+    """What a turn uses: the stage it reads, the model (with its accounting), the trim clock."""
+
+    host: ServiceHost
+    stage: streams.StreamStage
+    scorer: Scorer
+    trim: Every
+
+    def turn(self) -> None:
+        batch = self.host.read(self.stage, self.parse)
+        if batch:
+            with self.host.metrics.batch_seconds.time():
+                self.reference(batch)
+        if self.trim.due():
+            self.stage.trim()
+
+    def parse(self, entry: streams.Entry) -> rollout_pb2.RolloutGroup:
+        """Decode and check one scored entry (raises codec.EntryError with the reason). Any
+        ref log-probs it carries are dropped first: they are computed here, never passed on."""
+        group = validation.parse_group(entry, self.scorer.limits, stage="scored", drop_ref=True)
+        for i, c in enumerate(group.completions):
+            try:
+                self.scorer.model.check(group.prompt_ids, c.token_ids)
+            except ValueError as e:
+                raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
+        return group
+
+    def reference(self, good: validation.Groups) -> None:
+        """Add ref log-probs to the (checked, at least one) groups, write them to ready, ack the inputs."""
+        stage, scorer, host = self.stage, self.scorer, self.host
+        # 1. Score every completion of every group, in one call (parse emptied ref_logprobs).
+        sequences = [(list(g.prompt_ids), list(c.token_ids)) for _, g in good for c in g.completions]
+        start = time.perf_counter()
+        values = iter(scorer.score(sequences))
+        seconds = time.perf_counter() - start
+        for _, g in good:
+            for c in g.completions:
+                c.ref_logprobs.extend(next(values))
+            g.has_ref_logprobs = True
+        # A non-finite log-prob must not reach the trainer's KL: refused here, group by group.
+        ok = []
+        for entry, g in good:
+            try:
+                validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
+            except codec.EntryError as e:
+                stage.dead_letter(entry, f"reference log-probs unusable: {e}")
+                continue
+            ok.append((entry, g))
+        good = ok
+        referenced = len(good)
+
+        # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
+        def ledger(ops: streams.Ops) -> None:
+            ops.hincrby(stage.keys.stats, "referenced", referenced)
+
+        # GetState counts the groups before they show in ready, so whoever sees one there and
+        # then asks GetState finds it counted; a commit that fails takes the count back (the
+        # entries stay pending and are read again).
+        scorer.totals.add(referenced, 0)
+        try:
+            stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
+        except BaseException:
+            scorer.totals.add(-referenced, 0)
+            raise
+        scorer.metrics.groups.labels("referenced").inc(referenced)
+        tokens = sum(len(p) + len(c) for p, c in sequences)
+        logs.event(
+            host.log, "groups_referenced", referenced=referenced, completions=len(sequences), tokens=tokens, seconds=round(seconds, 3),
+            tokens_per_s=round(tokens / seconds) if seconds > 0 else 0, versions=",".join(sorted({str(g.policy_version) for _, g in good})),
+            groups=logs.group_ids(g for _, g in good),
+        )
