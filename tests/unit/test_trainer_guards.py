@@ -5,6 +5,7 @@ would have crashed the trainer is refused by its check with the reason."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -113,11 +114,8 @@ def test_ready_entries_that_would_crash_the_trainer_are_refused(trainer: Trainer
     group = scored_groups(1, 1)[0]
     group.group_size = 4
 
-    def parse() -> None:  # what the trainer's loop reads a ready entry with
-        entry = Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1)
-        validation.parse_group(entry, trainer.limits, stage="ready", need_ref=trainer.need_ref)
-
-    parse()
+    ready = functools.partial(validation.parse_group, limits=trainer.limits, stage="ready", need_ref=trainer.need_ref)  # as TrainerLoop reads
+    ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
     poison(group)
     with pytest.raises(codec.EntryError, match=reason):
-        parse()
+        ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
