@@ -277,7 +277,7 @@ def test_with_a_reference_stage_reward_cannot_write_ready(tmp_path: Path, keys: 
 def test_reference_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
     client = connect_as("reference")
 
-    def count(ops: streams.Ops) -> None:  # reference/service.py reference_entries
+    def count(ops: streams.Ops) -> None:  # reference/service.py ReferenceLoop.reference
         ops.hincrby(keys.stats, "referenced", 1)
 
     work_through_stage(admin, client, keys, "scored", "reference", "ready", extra=count)

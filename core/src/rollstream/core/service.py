@@ -3,21 +3,25 @@ the Redis policy, the stream stage's read-check-dead-letter step and its loop, a
 for supervisors, and a stop event set by SIGTERM/SIGINT.
 
 A service's own file then holds only what is its own: what it parses, what one turn of its
-loop does, what it writes. The shape, in every service:
+loop does, what it writes. The shape, in every service (main(argv) loads the settings, calls run):
 
-    with ServiceHost("name", settings) as host:
-        host.install_signal_handlers()
-        host.start([grpc service...])               # /healthz answers; /readyz: "starting"
-        ... load the model ...
-        client = host.connect_redis()
-        stage = host.open_stage(client, "source", settings.group)
-        host.set_ready(True, "reading ...")
-        host.run_loop(stage, turn, "name loop")       # until SIGTERM
+    def run(settings) -> int:
+        with ServiceHost("name", settings) as host:
+            host.install_signal_handlers()
+            host.start([grpc service...])               # /healthz answers; /readyz: "starting"
+            ... load the model ...
+            client = host.connect_redis()
+            stage = host.open_stage(client, "source", settings.group)
+            host.set_ready(True, "reading ...")
+            host.run_loop(stage, NameLoop(host, stage, ...).turn, "name loop")   # until SIGTERM
+        return 0
 
-    def turn():
-        batch = host.read(stage, parse)               # bad entries: dead letters, counted, logged
-        ... work ...
-        stage.commit(inputs, outputs=..., extra=ledger)
+    @dataclass
+    class NameLoop:                                     # what the loop holds between turns
+        def turn(self) -> None:
+            batch = self.host.read(self.stage, parse)   # bad entries: dead letters, counted, logged
+            ... work ...
+            self.stage.commit(inputs, outputs=..., extra=ledger)
 
 Readiness (HTTP /readyz and gRPC health) is the service's own answer and Redis's: while
 Redis is away (`self.redis`, rollstream.core.redis_policy) the service reports not ready,
