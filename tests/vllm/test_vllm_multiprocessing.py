@@ -1,0 +1,42 @@
+"""The generator's deployed vLLM configuration (k8s/, compose.yaml): the engine core in a
+process of its own (VLLM_ENABLE_V1_MULTIPROCESSING on, vLLM's default), fp32. Every other
+vLLM test runs the engine in-process; here a delta reaches a separate engine process and
+the samples after it are the ones transformers computes from the same bits.
+
+Before this test, every update in that configuration failed in the worker: the tensors went
+as numpy arrays inside a dict, which vLLM's msgpack IPC does not decode there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_vllm_backend import QUESTION, check_against_transformers
+from tier_helpers import adamw_like_step
+
+from rollstream.generator.backends import Sample, TransformersBackend
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def test_a_delta_reaches_an_engine_in_its_own_process_exactly(smollm2_dir: Path) -> None:
+    reference = TransformersBackend(str(smollm2_dir))
+    prompt = reference.encode_chat([("user", QUESTION)])
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    script = Path(__file__).parent / "mp_engine_run.py"
+    done = subprocess.run([sys.executable, str(script), str(smollm2_dir), json.dumps(prompt)], capture_output=True, text=True, timeout=800, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{\"touched\"")))  # vLLM prints too
+    assert "model.embed_tokens.weight" in result["touched"]  # the tied lm_head is repacked in the engine's process
+    v0 = reference.host_bits()
+    v1 = adamw_like_step(v0, lr=1e-4, seed=1)
+    for bits, run in ((v0, result["before"]), (v1, result["after"])):
+        check_against_transformers(Sample(token_ids=run["tokens"], logprobs=run["logprobs"], text="", finish_reason="length"), reference, bits, prompt)
+    assert result["after"]["versions"] == [[1, 0, len(result["after"]["tokens"])]]
+    n = min(len(result["before"]["logprobs"]), len(result["after"]["logprobs"]))
+    assert result["before"]["logprobs"][:n] != result["after"]["logprobs"][:n]  # the weights did change
