@@ -24,7 +24,6 @@ from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
     EnvSettingsSource,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
     TomlConfigSettingsSource,
@@ -53,8 +52,7 @@ _EVERY_CHILD = {
     "run", "redis_url", "host", "grpc_port", "http_port", "consumer", "log_json", "state_file", "model", "threads", "allow_unauthenticated",
 } | CREDENTIALS
 SET_BY_UP: dict[str, set[str]] = {
-    # The run's folders; a restarted trainer resumes its newest checkpoint and lingers after
-    # its last step, so the generators can catch up.
+    # The run's folders (trainer_folders) and where the trainer finds the generators.
     "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
     # The trainer's address and staleness; max_staleness + 1 steps of groups in flight.
     "generator": _EVERY_CHILD | {"trainer_address", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
@@ -102,15 +100,13 @@ class RunConfig(BaseSettings):
             return data
         data = dict(data)
         for name in SECTIONS:
-            section = data.get(name) or {}
-            if isinstance(section, BaseModel):
-                section = section.model_dump(exclude_unset=True)
+            section = dict(data.get(name) or {})
             given = sorted(set(section) & SET_BY_UP[name])
             if given:
                 raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run (set the top-level value, if there is one)")
-            data[name] = dict(section)
+            data[name] = section
         workdir = run_workdir(str(data.get("workdir") or ""), str(data.get("run") or cls.model_fields["run"].default))
-        data["trainer"].update(checkpoint_dir=str(workdir / "checkpoints"), anchor_dir=str(workdir / "anchor"), resume="auto", linger=True)
+        data["trainer"].update(trainer_folders(workdir))
         return data
 
     @field_validator("redis_url")
@@ -130,21 +126,17 @@ class RunConfig(BaseSettings):
         reference (LoRA with kl_reference = lora_base: the base under the adapters)."""
         return self.trainer.beta > 0 and self.trainer.kl_reference == "service"
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Flags and the profile are handed in by `load` as init arguments, already in order.
-        return (init_settings,)
 
 
 def run_workdir(workdir: str, run: str) -> Path:
     return Path(workdir or f"runs/{run}").resolve()
+
+
+def trainer_folders(workdir: Path) -> dict[str, Any]:
+    """The trainer's fields `up` derives from the workdir (set before validation: the trainer's
+    own checks need checkpoint_dir). A restarted trainer resumes its newest checkpoint and
+    lingers after its last step, so the generators can catch up; the anchor lives on disk."""
+    return {"checkpoint_dir": str(workdir / "checkpoints"), "anchor_dir": str(workdir / "anchor"), "resume": "auto", "linger": True}
 
 
 def profile_path(profile: str) -> Path:
@@ -227,7 +219,8 @@ def load(argv: list[str]) -> RunConfig:
 
 def build(found: Layers) -> RunConfig:
     try:
-        return RunConfig(**merged(found.by_source))
+        # model_validate, not RunConfig(...): the sources are merged already (no second read of the environment).
+        return RunConfig.model_validate(merged(found.by_source))
     except ValidationError as e:
         lines = [f"invalid run configuration (profile {found.profile}):"]
         for err in e.errors():
@@ -240,10 +233,11 @@ def sources(found: Layers) -> Iterator[tuple[str, Any, str]]:
     """(dotted field, resolved value, where it came from) for every field of the run, for
     `rollstream config`; a field no source gave is its class's default."""
     resolved = build(found).model_dump(mode="json")
+    shown_folders = trainer_folders(Path())  # set by up, and known before the run starts
     for key in RunConfig.model_fields:
         if key in SECTIONS:
             for field in SECTIONS[key].model_fields:
-                if field in SET_BY_UP[key] and field not in ("checkpoint_dir", "anchor_dir", "resume", "linger"):
+                if field in SET_BY_UP[key] and (key != "trainer" or field not in shown_folders):
                     continue
                 came = "set by up" if field in SET_BY_UP[key] else _origin(found.by_source, key, field)
                 yield f"{key}.{field}", resolved[key][field], came

@@ -30,7 +30,7 @@ from rollstream.launcher import procs
 from rollstream.launcher.cli import plain_console
 from rollstream.launcher.procs import Child, ChildFailed, tail
 from rollstream.launcher.redis_server import EmbeddedRedis, free_port
-from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, run_workdir
+from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, run_workdir, trainer_folders
 from rollstream.v1 import rollout_pb2
 
 
@@ -170,13 +170,11 @@ def _up(cfg: RunConfig) -> int:
     def own(role: str) -> list[str]:
         return credentials.service_flags(creds, role, redis_acl=embedded is not None)
 
-    # A fixed port: generators keep the trainer's address across its restarts (catch-up). The
-    # anchor (the whole model in bf16, read when a generator catches up) on disk, not in the
-    # trainer's memory.
+    # A fixed port: generators keep the trainer's address across its restarts (catch-up).
     trainer_port = free_port()
     trainer_values = child_toml(
         cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_port=trainer_port, consumer="trainer-0",
-        checkpoint_dir=str(checkpoints), anchor_dir=cfg.trainer.anchor_dir, resume="auto", linger=True, metrics_file=str(step_log),
+        **trainer_folders(workdir), metrics_file=str(step_log),
     )
     trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
     children: list[Child] = [trainer]
