@@ -31,7 +31,7 @@ def write(path: Path, step: int, log_id: str = "", replace: bool = True) -> Path
 
 
 def own(root: Path, step: int, keep: int, peaks: list[int] | None = None) -> list[Path]:
-    """The trainer's own save at `step` (checkpoint.save_own, as TrainerLoop.save calls it);
+    """The trainer's own save at `step` (checkpoint.save_own, as Trainer.save_own_checkpoint calls it);
     `peaks` gets the number of whole checkpoints on disk while the new one is being written."""
 
     def writer(target: Path) -> Path:

@@ -267,26 +267,12 @@ class TrainerLoop:
         if path:
             saved = trainer.save_checkpoint(Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end)
             return saved, trainer.version
-        root, keep = Path(s.checkpoint_dir), s.keep_checkpoints
-        saved, removed = checkpoint.save_own(
-            root, trainer.step, keep,
-            lambda target: trainer.save_checkpoint(target, prompts_fed=self.feeder.fed, consumer=self.stage.consumer, replace=True, trained_log_id=log_end),
-        )
-        found = checkpoint.scan(root)
-        oldest = checkpoint.fallback(found, keep)
-        if oldest is not None and oldest.state.trained_log_id:
-            # The steps logged up to the oldest checkpoint a resume may need are in its weights.
-            ms, seq = streams.id_tuple(oldest.state.trained_log_id)
-            self.host.redis.call(
-                lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False), "trimming the trained log"
-            )
-        logs.event(
-            self.host.log, "checkpoints_kept", step=trainer.step, dir=str(root), kept=",".join(f.path.name for f in found.usable),
-            removed=",".join(p.name for p in removed), dir_mb=round(checkpoint.disk_bytes(root) / 1e6, 1), keep=keep,
-        )
-        for skipped, why in found.unusable:
-            logs.event(self.host.log, "checkpoint_unusable", logging.ERROR, path=str(skipped), reason=why)
-        return saved, trainer.version
+
+        def trim_log(through: str) -> None:
+            ms, seq = streams.id_tuple(through)
+            self.host.redis.call(lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False), "trimming the trained log")
+
+        return trainer.save_own_checkpoint(self.feeder.fed, self.stage.consumer, log_end, trim_log), trainer.version
 
     def save_periodic(self) -> None:
         """The trainer's own checkpoint now. A full or failing disk must not stop training:

@@ -153,9 +153,7 @@ class Trainer:
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
         if s.resume in ("auto", "latest"):
-            # Skipped, never deleted: a torn copy, or a newer trainer's.
-            for skipped, why in checkpoint.scan(Path(s.checkpoint_dir)).unusable:
-                logs.event(self.log, "checkpoint_unusable", logging.ERROR, path=str(skipped), reason=why, resuming_from=str(path))
+            self._log_unusable(checkpoint.scan(Path(s.checkpoint_dir)), resuming_from=str(path))
         if path is not None:
             self.restored = self._restore(path)
             version = self.restored.version
@@ -197,6 +195,32 @@ class Trainer:
         saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
         logs.event(self.log, "checkpoint_saved", path=str(saved), step=self.step, version=self.version, mb=round(checkpoint.disk_bytes(saved) / 1e6, 1))
         return saved
+
+    def save_own_checkpoint(self, prompts_fed: int, consumer: str, trained_log_id: str, trim_log: Callable[[str], None]) -> Path:
+        """The trainer's own checkpoint, checkpoint_dir/step-N (what a restart resumes from), the
+        folder pruned to keep_checkpoints (checkpoint.save_own), then `trim_log(id)`: the trained
+        log may drop what is up to `id`, the oldest checkpoint a resume may need having those
+        steps in its weights. `checkpoints_kept` is logged once all of it is done."""
+        root, keep = Path(self.settings.checkpoint_dir), self.settings.keep_checkpoints
+        saved, removed = checkpoint.save_own(
+            root, self.step, keep,
+            lambda target: self.save_checkpoint(target, prompts_fed=prompts_fed, consumer=consumer, replace=True, trained_log_id=trained_log_id),
+        )
+        found = checkpoint.scan(root)
+        oldest = checkpoint.fallback(found, keep)
+        if oldest is not None and oldest.state.trained_log_id:
+            trim_log(oldest.state.trained_log_id)
+        logs.event(
+            self.log, "checkpoints_kept", step=self.step, dir=str(root), kept=",".join(f.path.name for f in found.usable),
+            removed=",".join(p.name for p in removed), dir_mb=round(checkpoint.disk_bytes(root) / 1e6, 1), keep=keep,
+        )
+        self._log_unusable(found)
+        return saved
+
+    def _log_unusable(self, found: checkpoint.Scan, **extra: str) -> None:
+        # Skipped, never deleted: a torn copy, or a newer trainer's.
+        for skipped, why in found.unusable:
+            logs.event(self.log, "checkpoint_unusable", logging.ERROR, path=str(skipped), reason=why, **extra)
 
     def _restore(self, path: Path) -> checkpoint.CheckpointState:
         state = checkpoint.load_state(path)
