@@ -11,7 +11,7 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
-from rollstream.launcher.cli import status_table
+from rollstream.core import status as pipeline_status
 from rollstream.launcher.up import EXTERNAL_REWARD_FILE, ExternalReward
 from rollstream.core.streams import RunKeys, StreamStage
 
@@ -71,7 +71,8 @@ def test_the_file_names_everything_and_no_secret(tmp_path: Path) -> None:
 def test_status_says_when_no_reward_consumer_reads_the_rollouts(rclient: redis.Redis, keys: RunKeys) -> None:
     def shown() -> str:
         out = io.StringIO()
-        Console(file=out, width=300).print(status_table(rclient, keys))
+        snap, extra = pipeline_status.collect(rclient, keys)
+        Console(file=out, width=300).print(pipeline_status.render(keys, snap, extra))
         return " ".join(out.getvalue().split())  # the caption wraps at the table's width
 
     source = keys.stream("rollouts")

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.console import Group as RichGroup
 from rich.live import Live
 from rich.text import Text
 
@@ -86,12 +85,6 @@ def _inline_toml(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
     return tomli_w.dumps({"v": value})[4:].strip()
-
-
-def status_table(client: redis_policy.Client, keys: streams.RunKeys) -> RichGroup:
-    """The run's pipeline as `rollstream status` shows it once (core/status.py), no rates."""
-    snap, extra = pipeline_status.collect(client, keys)
-    return pipeline_status.render(keys, snap, extra)
 
 
 def _pid_alive(pid: int) -> bool:

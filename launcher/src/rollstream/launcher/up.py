@@ -387,19 +387,10 @@ class ExternalReward:
         }
 
     def instructions(self) -> str:
-        d = self.as_dict()
-        auth = (
-            f"  redis user:     {d['redis_username']} (password in {d['redis_password_file']}: read the file, never put it on a command line)\n"
-            if self.username
-            else "  redis user:     whatever the URL above gives (an external Redis: its own ACL)\n"
-        )
         return (
-            "reward: external (no built-in reward process; docs/custom-reward.md is the contract)\n"
-            f"  redis:          {d['redis_url']}\n{auth}"
-            f"  read:           {d['input_stream']} as consumer group {d['consumer_group']} (one stable consumer name per process)\n"
-            f"  write:          {d['output_stream']} (dead letters: {d['dead_stream']}, counters: {d['stats_hash']})\n"
-            f"  max deliveries: {d['max_deliveries']}; take over entries idle {d['claim_idle_ms']} ms on another consumer\n"
-            f"  the same as JSON: {EXTERNAL_REWARD_FILE} in the workdir"
+            "reward: external (no built-in reward process; docs/custom-reward.md is the contract). What an outside service "
+            f"uses, also in WORKDIR/{EXTERNAL_REWARD_FILE} (read the password from its file, never put it on a command line):\n"
+            + json.dumps(self.as_dict(), indent=2)
         )
 
     def write(self, path: Path) -> None:
