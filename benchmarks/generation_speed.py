@@ -46,9 +46,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         backend = TransformersBackend(model_dir)
     else:
-        from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+        from rollstream.generator.config import GeneratorSettings
+        from rollstream.generator.vllm_backend import VllmBackend
 
-        backend = VllmBackend(model_dir, VllmOptions(enforce_eager=args.enforce_eager, cpu_threads=args.threads))
+        backend = VllmBackend(model_dir, GeneratorSettings(backend="vllm", enforce_eager=args.enforce_eager, threads=args.threads))
     backend.load_weights(backend.host_bits(), version=0)  # as the generator does: version 0
     startup_s = time.perf_counter() - start
 

@@ -45,7 +45,8 @@ def main() -> None:
 
     from rollstream.core.models import resolve_model
     from rollstream.generator.backends import SampleRequest
-    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+    from rollstream.generator.config import GeneratorSettings
+    from rollstream.generator.vllm_backend import VllmBackend
 
     tmp = tempfile.TemporaryDirectory(prefix="rs-gen-overhead-")
     if args.shape:
@@ -57,8 +58,8 @@ def main() -> None:
         model_dir = str(resolve_model(args.model))
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     t = time.perf_counter()
-    backend = VllmBackend(model_dir, VllmOptions(
-        device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+    backend = VllmBackend(model_dir, GeneratorSettings(
+        backend="vllm", device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=2048,
     ))
     backend.load_weights(backend.host_bits(), version=0)

@@ -22,10 +22,11 @@ from rollstream.generator.host_weights import HostWeights  # noqa: E402
 
 
 def main(model_dir: str, prompt: list[int]) -> None:
-    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+    from rollstream.generator.config import GeneratorSettings
+    from rollstream.generator.vllm_backend import VllmBackend
 
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
-    backend = VllmBackend(model_dir, VllmOptions(dtype="float32", enforce_eager=True))
+    backend = VllmBackend(model_dir, GeneratorSettings(backend="vllm", dtype="float32", enforce_eager=True))
     greedy = [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=1)]
     v0 = backend.host_bits()
     backend.load_weights(v0, version=0)

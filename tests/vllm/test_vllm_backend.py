@@ -34,10 +34,11 @@ STORY = "Tell me a story about a lighthouse keeper and a storm."
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Iterator[tuple[object, dict[str, np.ndarray]]]:
     """(the backend, its version-0 bits); every test leaves the backend at those bits."""
-    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+    from rollstream.generator.config import GeneratorSettings
+    from rollstream.generator.vllm_backend import VllmBackend
 
     # interleave: no async scheduling, so updates can land between steps (test below).
-    b = VllmBackend(str(smollm2_dir), VllmOptions(enforce_eager=True, interleave=True))
+    b = VllmBackend(str(smollm2_dir), GeneratorSettings(backend="vllm", enforce_eager=True, in_flight="interleave"))
     v0 = b.host_bits()
     b.load_weights(v0, version=0)
     yield b, v0

@@ -33,9 +33,10 @@ ATOL = 0.05
 
 @pytest.fixture(scope="module")
 def engine(qwen_dir: Path) -> Iterator[object]:
-    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+    from rollstream.generator.config import GeneratorSettings
+    from rollstream.generator.vllm_backend import VllmBackend
 
-    b = VllmBackend(str(qwen_dir), VllmOptions(device="cuda", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=1024))
+    b = VllmBackend(str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=1024))
     b.load_weights(b.host_bits(), version=0)
     print(f"vLLM transfer mode: {b.transfer_mode}; engine weight versions: {b.engine_versions}")
     yield b
@@ -146,7 +147,8 @@ def test_the_prefix_cache_serves_no_kv_of_the_old_weights(engine, reference: Tra
 def test_interleave_without_engine_versions_is_refused(engine, qwen_dir: Path) -> None:
     if engine.engine_versions:
         pytest.skip("this vLLM records per-token versions: interleave is supported")
-    from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+    from rollstream.generator.config import GeneratorSettings
+    from rollstream.generator.vllm_backend import VllmBackend
 
     with pytest.raises(RuntimeError, match="interleave"):
-        VllmBackend(str(qwen_dir), VllmOptions(device="cuda", dtype="bfloat16", interleave=True))
+        VllmBackend(str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", in_flight="interleave"))

@@ -235,21 +235,7 @@ def make_backend(settings: "GeneratorSettings", model_dir: str) -> Backend:
         return TransformersBackend(model_dir, dtype=settings.dtype, device=settings.device)
     if settings.backend == "vllm":
         # Imported here: vllm is an optional dependency (its own venv on CPU machines).
-        from rollstream.generator.vllm_backend import VllmBackend, VllmOptions
+        from rollstream.generator.vllm_backend import VllmBackend
 
-        return VllmBackend(
-            model_dir,
-            VllmOptions(
-                dtype=settings.dtype,
-                device=settings.device,
-                tensor_parallel_size=settings.tensor_parallel_size,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                max_model_len=settings.max_model_len,
-                enforce_eager=settings.enforce_eager,
-                cpu_kv_cache_gib=settings.cpu_kv_cache_gib,
-                cpu_threads=settings.threads,
-                seed=settings.seed,
-                interleave=settings.in_flight == "interleave",
-            ),
-        )
+        return VllmBackend(model_dir, settings)
     raise ValueError(f"unknown backend {settings.backend!r}")

