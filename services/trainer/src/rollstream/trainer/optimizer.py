@@ -129,15 +129,8 @@ class _Copier:
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream(self.d2h.device))
 
-    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
-        """Copy each (device source -> host destination); returns an event to wait for."""
-        return self._copy(pairs, self.d2h)
-
-    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
-        """Copy each (host source -> device destination); returns an event to wait for."""
-        return self._copy(pairs, self.h2d)
-
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: "torch.cuda.Stream | None") -> torch.cuda.Event | None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: "torch.cuda.Stream | None") -> torch.cuda.Event | None:
+        """Copy each (source -> destination) on `stream` (d2h or h2d); returns an event to wait for."""
         if not self.cuda:
             for src, dst in pairs:
                 dst.copy_(src)
@@ -227,13 +220,14 @@ class HostAdamW:
         self._int32 = torch.empty(width if self.split else 0, dtype=torch.int32)
         with torch.no_grad():
             for b in self.buckets:  # bucket by bucket: no whole-parameter fp32 copy
-                m32 = self._scratch_or_view(b)
+                # The split layout's scratch (split below), or the fp32 layout's masters themselves.
+                m32 = self._master32[: b.size] if self.split else self.flat_master[b.start : b.end]
                 for pc in b.pieces:
                     src = _flat(self.params[pc.name].detach())[pc.param_start : pc.param_start + pc.count]
                     m32[pc.bucket_start : pc.bucket_start + pc.count].copy_(src)
                 if self.split:
                     _nearest_even_ties_down(m32)
-                self._store_master(b.start, m32)
+                    self._store_master(b.start, m32)
         moments = _MOMENT_DTYPES[moments_dtype]
         self.exp_avg = torch.zeros(total, dtype=moments)
         self.exp_avg_sq = torch.zeros(total, dtype=moments)
@@ -298,24 +292,13 @@ class HostAdamW:
 
     # -- the masters ------------------------------------------------------------------
 
-    def _scratch_or_view(self, b: Bucket) -> torch.Tensor:
-        """Where bucket b's fp32 masters are worked on: the split layout's scratch (not yet
-        joined), or the fp32 layout's masters themselves."""
-        return self._master32[: b.size] if self.split else self.flat_master[b.start : b.end]
-
     def _load_master(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
-        """The fp32 masters [start, end) in `out` (split layout: joined from hi and lo)."""
-        if not self.split:
-            return out.copy_(self.flat_master[start:end])
+        """Split layout: the fp32 masters [start, end) joined from hi and lo into `out`."""
         return _join(self.hi[start:end], self.lo[start:end], out, self._int32[: end - start])
 
     def _store_master(self, start: int, m32: torch.Tensor) -> None:
-        """Make `m32` the fp32 masters from `start` on (a view of them already: nothing to do)."""
+        """Split layout: make `m32` the fp32 masters from `start` on (split into hi and lo)."""
         end = start + m32.numel()
-        if not self.split:
-            if m32.data_ptr() != self.flat_master[start:end].data_ptr():
-                self.flat_master[start:end].copy_(m32)
-            return
         w = m32.view(torch.int32)
         self.lo[start:end].copy_(w)  # int32 -> int16 keeps the low half
         high = torch.add(w, 0x8000, out=self._int32[: m32.numel()])  # m32 is at most a bucket
@@ -406,10 +389,7 @@ class HostAdamW:
         self.step_count += 1
         self._copier.begin()
         bits = self._update_buckets(clip=clip, adam=True, on_piece=on_piece)
-        for p in self.params.values():
-            p.grad = None  # every fetch was waited for: the device memory may go
-        if self.host_grad is not None:
-            self.host_grad.zero_()
+        self.discard_grads()  # every fetch was waited for: the device memory may go
         return norm, bits
 
     def _fetch(self, k: int) -> torch.cuda.Event | None:
@@ -423,7 +403,7 @@ class HostAdamW:
                 dst.zero_()  # a parameter outside the graph: zero gradient, as torch's AdamW with grads of 0
             else:
                 pairs.append((_flat(p.grad)[pc.param_start : pc.param_start + pc.count], dst))
-        return self._copier.to_host(pairs)
+        return self._copier.copy(pairs, self._copier.d2h)
 
     def _bits_buffer(self) -> np.ndarray:
         """fp32 layout: where the new bits go. Steady state needs two buffers (the previous
@@ -480,8 +460,9 @@ class HostAdamW:
             elif not self.split:
                 out.copy_(self.flat_master[b.start : b.end])  # round to nearest even: the bf16 weights
                 new_bits[b.start : b.end] = _bits_of(out)
-            put[k % 2] = self._copier.to_device(
-                [(out[pc.bucket_start : pc.bucket_start + pc.count], _flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
+            put[k % 2] = self._copier.copy(
+                [(out[pc.bucket_start : pc.bucket_start + pc.count], _flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces],
+                self._copier.h2d,
             )
             if on_piece is not None and adam:
                 for pc in b.pieces:
