@@ -398,19 +398,8 @@ def fallback(found: Scan, keep: int) -> Found | None:
 
 
 def disk_bytes(path: Path) -> int:
-    """Bytes of the files under `path` (symbolic links not followed)."""
-    return sum(entry.stat(follow_symlinks=False).st_size for entry in _walk(Path(path)))
-
-
-def _walk(path: Path) -> Iterator[os.DirEntry[str]]:
-    if not path.is_dir():
-        return
-    with os.scandir(path) as it:
-        for entry in it:
-            if entry.is_dir(follow_symlinks=False):
-                yield from _walk(Path(entry.path))
-            else:
-                yield entry
+    """Bytes of the files under `path` (symbolic links not followed: rglob does not enter them)."""
+    return sum(p.lstat().st_size for p in Path(path).rglob("*") if p.is_symlink() or not p.is_dir())
 
 
 def resolve(spec: str, checkpoint_dir: str) -> Path | None:
@@ -477,12 +466,16 @@ class CheckpointRequests:
             self._queue.put((path, future))
         return future.result(timeout=timeout_s)
 
-    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
+    def _queued(self) -> Iterator[tuple[str, Future[tuple[Path, int]]]]:
+        """The requests waiting now, each taken off the queue."""
         while True:
             try:
-                path, future = self._queue.get_nowait()
+                yield self._queue.get_nowait()
             except queue.Empty:
                 return
+
+    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
+        for path, future in self._queued():
             try:
                 future.set_result(save(path))
             except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
@@ -492,9 +485,5 @@ class CheckpointRequests:
         """Refuse new requests and fail the waiting ones."""
         with self._lock:
             self._closed = True
-        while True:
-            try:
-                _path, future = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        for _path, future in self._queued():
             future.set_exception(RuntimeError("the trainer is stopping"))
