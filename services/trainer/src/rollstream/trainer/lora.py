@@ -10,7 +10,6 @@ to any generator, and version 0 equals the full fine-tuning path's version 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,18 +62,13 @@ class LoraModel:
         if not self.layers:
             raise ValueError(f"LoRA target_modules {list(spec.target_modules)} matched no layer")
         self.adapters: dict[str, torch.nn.Parameter] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self._base_bits: dict[str, np.ndarray] = {}
+        self.base_bits: dict[str, np.ndarray] = {}  # set by round_base_to_bf16
 
-    def round_base_to_bf16(self) -> dict[str, np.ndarray]:
+    def round_base_to_bf16(self) -> None:
         """Round the frozen base to bf16 in place (version 0 is bf16(checkpoint), as without
-        LoRA) and remember its bits; returns them."""
-        self._base_bits = {name: modeling.tensor_to_bits(p) for name, p in self.base.items()}
-        modeling.copy_bits_(self.base, self._base_bits)
-        return self._base_bits
-
-    @property
-    def base_bits(self) -> dict[str, np.ndarray]:
-        return self._base_bits
+        LoRA) and remember its bits."""
+        self.base_bits = {name: modeling.tensor_to_bits(p) for name, p in self.base.items()}
+        modeling.copy_bits_(self.base, self.base_bits)
 
     @torch.no_grad()
     def merged_weight(self, name: str) -> torch.Tensor:
@@ -87,11 +81,11 @@ class LoraModel:
             delta = delta.T
         return layer.get_base_layer().weight.float() + delta * layer.scaling[ADAPTER]
 
-    def merged_bits(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def merged_bits(self) -> dict[str, np.ndarray]:
         """The published weights: every base weight, merged where an adapter touches it."""
-        if not self._base_bits:
+        if not self.base_bits:
             raise RuntimeError("round_base_to_bf16() first")
-        out = dict(self._base_bits)
-        for name in self.layers if names is None else names:
+        out = dict(self.base_bits)
+        for name in self.layers:
             out[name] = modeling.tensor_to_bits(self.merged_weight(name))
         return out
