@@ -39,10 +39,7 @@ def resolve_all(target: str) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    addresses = set()
-    for family, _type, _proto, _name, sockaddr in infos:
-        addr = sockaddr[0]
-        addresses.add(f"[{addr}]:{port}" if family == socket.AF_INET6 else f"{addr}:{port}")
+    addresses = {f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}" for family, *_, sockaddr in infos}
     return sorted(addresses)
 
 

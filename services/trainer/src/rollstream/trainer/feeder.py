@@ -23,9 +23,8 @@ class PromptFeeder:
         self.keys = stage.keys
         self.source = prompts.from_settings(settings)
         # Sources are seeded: drawing `fed` prompts and dropping them puts this one where the
-        # run left off.
-        for _ in itertools.islice(self.source, fed):
-            pass
+        # run left off (itertools' "consume" recipe).
+        next(itertools.islice(self.source, fed, fed), None)
         self.fed = fed
 
     @staticmethod

@@ -16,6 +16,7 @@ with the recipe named by the task kind (using the answer and metadata).
 from __future__ import annotations
 
 import json
+import operator
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,20 +77,15 @@ def countdown(seed: int, min_numbers: int = 3, max_numbers: int = 4, max_number:
         )
 
 
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
 def _reachable_target(rng: random.Random, numbers: list[int], max_target: int) -> int | None:
     """The value of a random expression over all of `numbers`, if it is an integer in 1..max_target."""
     order = rng.sample(numbers, len(numbers))
     value = Fraction(order[0])
     for n in order[1:]:
-        op = rng.choice("+-*/")
-        if op == "+":
-            value += n
-        elif op == "-":
-            value -= n
-        elif op == "*":
-            value *= n
-        else:
-            value /= n  # n >= 1: never zero
+        value = _OPERATORS[rng.choice("+-*/")](value, n)  # n >= 1: never a division by zero
     if value.denominator != 1 or not 1 <= value <= max_target:
         return None
     return int(value)
