@@ -1,5 +1,6 @@
 """`rollstream <command> --help`: every option has a help line, and every default shows.
-`up` and `config`, whose flags are generated from the services' settings: test_run_config.py."""
+`up`, `config` and `status`, whose flags are generated from settings classes: test_run_config.py
+and below."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rollstream.launcher.cli import build_parser
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {name: p for name, p in sub.choices.items() if name not in ("up", "config")}
+    return {name: p for name, p in sub.choices.items() if name not in ("up", "config", "status")}
 
 
 def entries(help_text: str) -> dict[str, str]:
@@ -50,3 +51,21 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
         empty = action.default is None or action.default is False or action.default in ("", [])
         if not empty:
             assert f"(default: {action.default})" in entry, f"{command} {flag}: no default shown in {entry!r}"
+
+
+def test_status_flags_and_variables_come_from_its_settings_class() -> None:
+    """Every StatusSettings field but the password is a flag with its description and default,
+    and names its ROLLSTREAM_* variable; the password is never a flag."""
+    from rollstream.launcher.cli import StatusSettings
+
+    rollstream = Path(sys.executable).parent / "rollstream"
+    shown = subprocess.run([str(rollstream), "status", "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    assert shown.returncode == 0, shown.stderr
+    by_flag = entries(shown.stdout)
+    assert "--redis-password" not in by_flag
+    for name, info in StatusSettings.model_fields.items():
+        if name == "redis_password":
+            continue
+        entry = by_flag["--" + name.replace("_", "-")]
+        assert str(info.description) in entry and f"(default: {info.default})" in entry, entry
+        assert f"ROLLSTREAM_{name.upper()}" in entry, entry

@@ -29,9 +29,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, CliSettingsSource, CliSuppress, SettingsConfigDict, SettingsError
+
 from rollstream.core import credentials, diagnose, redis_acl, redis_policy, steplog, streams
 from rollstream.core import status as pipeline_status
-from rollstream.core.config import ConfigError
+from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError
 
 
 def plain_console(**kwargs: object) -> Console:
@@ -111,8 +114,41 @@ def redis_down_line(redis_url: str, error: Exception, workdir: Path | None, redi
     return f"Redis at {redis_policy.redact(redis_url)}: {redis_policy.short(error)}"
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+class StatusSettings(BaseSettings):
+    """rollstream status: the pipeline of a run, read from Redis, with a line naming the
+    bottleneck or the stuck stage."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, allow_inf_nan=False, cli_kebab_case=True, cli_exit_on_error=False, cli_show_env_vars=True,
+        cli_prog_name="rollstream status",
+    )
+
+    redis_url: str = Field(CommonSettings.model_fields["redis_url"].default, description="the run's Redis")
+    run: str = Field(CommonSettings.model_fields["run"].default, pattern=NAME_PATTERN, description="the run's name")
+    workdir: str = Field("", description="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
+    redis_username: str = Field("", description="Redis ACL user (under `up`: admin; empty: the URL's or none)")
+    redis_password_file: str = Field("", description="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)")
+    redis_password: CliSuppress[SecretStr] = Field(SecretStr(""), description="the password, from the environment only (prefer the file)")
+    watch: float = Field(0.0, ge=0, description="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
+    idle_s: float = Field(300.0, gt=0, description="consumers idle this long with a backlog (and no progress) count as not reading")
+    max_staleness: int = Field(1, ge=0, description="the run's max_staleness: generators further behind the trainer are flagged")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        return redis_policy.check_url(url)
+
+
+def cmd_status(argv: list[str]) -> int:
     console = plain_console()
+    try:
+        args = StatusSettings(_cli_settings_source=CliSettingsSource(StatusSettings)(args=argv))  # type: ignore[call-arg]
+    except SettingsError as e:
+        console.print(str(e), style="red")
+        return 2
+    except ValidationError as e:
+        console.print("\n".join(f"field '{err['loc'][0]}': {err['msg']}" for err in e.errors()), style="red")
+        return 2
     redis_pid = 0  # the embedded Redis's, for an `up` run's --workdir
     if args.workdir:  # the embedded Redis of an `up` run, as its admin user
         workdir = Path(args.workdir)
@@ -125,12 +161,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         args.redis_username = args.redis_username or redis_acl.ADMIN
         args.redis_password_file = args.redis_password_file or str(redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN))
     try:
-        redis_policy.check_url(args.redis_url)
-    except ValueError as e:
-        console.print(f"--redis-url: {e}", style="red")
-        return 2
-    try:
-        username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, os.environ.get("ROLLSTREAM_REDIS_PASSWORD", ""))
+        username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, args.redis_password.get_secret_value())
     except ValueError as e:
         console.print(str(e), style="red")
         return 2
@@ -225,22 +256,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollstream", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    # Listed for --help; their flags are generated from the run configuration (main_code).
+    # Listed for --help; their flags are generated from settings classes (main_code).
     sub.add_parser("up", help="run the whole system locally (flags: rollstream up --help)", add_help=False)
     sub.add_parser("config", help="print the run configuration `up` would use, with each value's source", add_help=False)
-    st = sub.add_parser("status", help="show a run's streams, consumer groups and counters", formatter_class=HelpFormatter)
-    st.add_argument("--redis-url", default=os.environ.get("ROLLSTREAM_REDIS_URL", "redis://127.0.0.1:6379/0"), help="the run's Redis (env ROLLSTREAM_REDIS_URL)")
-    st.add_argument("--run", default=os.environ.get("ROLLSTREAM_RUN", "demo"), help="the run's name (env ROLLSTREAM_RUN)")
-    st.add_argument("--workdir", default="", help="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
-    st.add_argument("--redis-username", default=os.environ.get("ROLLSTREAM_REDIS_USERNAME", ""), help="Redis ACL user (under `up`: admin; empty: the URL's or none)")
-    st.add_argument(
-        "--redis-password-file", default=os.environ.get("ROLLSTREAM_REDIS_PASSWORD_FILE", ""),
-        help="its password's file (under `up`: WORKDIR/credentials/redis/admin.password; empty: env ROLLSTREAM_REDIS_PASSWORD or the URL's)",
-    )
-    st.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
-    st.add_argument("--idle-s", type=float, default=300.0, help="consumers idle this long with a backlog (and no progress) count as not reading")
-    st.add_argument("--max-staleness", type=int, default=1, help="the run's max_staleness: generators further behind the trainer are flagged")
-    st.set_defaults(func=cmd_status)
+    sub.add_parser("status", help="show a run's streams, consumer groups and counters (flags: rollstream status --help)", add_help=False)
     pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG", formatter_class=HelpFormatter)
     pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
     pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
@@ -262,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main_code(argv: list[str] | None = None) -> int:
     """Run one command and return its exit status (for tests: main() exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("up", "config"):
-        return (cmd_up if argv[0] == "up" else cmd_config)(argv[1:])
+    generated = {"up": cmd_up, "config": cmd_config, "status": cmd_status}
+    if argv and argv[0] in generated:
+        return generated[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
