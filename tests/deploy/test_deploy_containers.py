@@ -180,6 +180,37 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
         assert out.strip().splitlines()[-1] == "cpu", out
 
 
+def test_the_node_setup_daemonset_installs_the_reward_seccomp_profile(images: Docker, tmp_path: Path) -> None:
+    """k8s/node-setup/: its container, run as the manifest says (image, command, user, read-only
+    root, no capability, the ConfigMap at /profiles and a folder for the kubelet's seccomp root),
+    writes docker/seccomp/reward.json where the reward pod's localhostProfile points."""
+    docs = list(yaml.safe_load_all((REPO / "k8s/node-setup/seccomp-profiles.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    profiles, host = tmp_path / "profiles", tmp_path / "host-seccomp"
+    profiles.mkdir()
+    host.mkdir()
+    for name, text in config_map["data"].items():
+        (profiles / name).write_text(text)
+    mounts = {"profiles": profiles, "host-seccomp": host}
+    volumes = [f"{mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}" for m in container["volumeMounts"]]
+    user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
+    name = f"rs-node-setup-{uuid.uuid4().hex[:8]}"
+    images.run(
+        "run", "-d", "--name", name, "--network", "none", "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--user", user, *[a for v in volumes for a in ("-v", v)], "--entrypoint", container["command"][0], container["image"], *container["command"][1:],
+    )
+    installed = host / "rollstream" / "reward.json"
+    try:
+        wait_for(installed.exists, 300, "the profile to be installed", poll_s=0.5)
+        assert json.loads(installed.read_text()) == json.loads((REPO / "docker/seccomp/reward.json").read_text())
+        assert installed.stat().st_mode & 0o777 == 0o644
+        assert images.run("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"  # it stays, as a DaemonSet's pod must
+    finally:
+        images.run("rm", "-f", name, check=False)
+
+
 @dataclass
 class Ports:
     redis: int

@@ -77,7 +77,7 @@ def kubernetes_validate_cmd() -> list[str]:
 
 
 def test_manifests_pass_kubernetes_validate_strict() -> None:
-    files = sorted(str(p) for p in K8S_DIR.glob("*.yaml"))
+    files = sorted(str(p) for p in [*K8S_DIR.glob("*.yaml"), *K8S_DIR.glob("node-setup/*.yaml")])
     done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -88,11 +88,29 @@ def test_folder_applies_as_it_is(k8s: K8s) -> None:
     names = {p.name.lower() for p in K8S_DIR.iterdir() if p.is_file()}
     assert not names & {"kustomization.yaml", "kustomization.yml", "kustomization"}
     assert all(n.endswith(".yaml") for n in names), names
-    # One folder, applied on its own (`kubectl apply -f k8s/` does not recurse): k8s/monitoring.
-    assert {p.name for p in K8S_DIR.iterdir() if p.is_dir()} <= {"monitoring"}
+    # Folders applied on their own (`kubectl apply -f k8s/` does not recurse): k8s/monitoring,
+    # and k8s/node-setup (first: the reward pod's seccomp profile on every node).
+    assert {p.name for p in K8S_DIR.iterdir() if p.is_dir()} <= {"monitoring", "node-setup"}
     assert k8s.docs[0][1]["kind"] == "Namespace" and k8s.docs[0][1]["metadata"]["name"] == NAMESPACE
     for path, doc in k8s.docs[1:]:
         assert doc["metadata"].get("namespace") == NAMESPACE, f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
+
+
+def test_node_setup_installs_the_profile_the_reward_pod_names(k8s: K8s) -> None:
+    """k8s/node-setup/ puts docker/seccomp/reward.json, unchanged, where the kubelet looks for
+    the reward pod's Localhost profile, on every node (every taint tolerated). What its
+    container does with it: test_deploy_containers.py runs it."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text())}
+    assert json.loads(docs["ConfigMap"]["data"]["reward.json"]) == json.loads((K8S_DIR.parent / "docker/seccomp/reward.json").read_text())
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    assert {"operator": "Exists"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    host_root = next(v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v)
+    mounted_at = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "host-seccomp")
+    reward = k8s.workload_of("reward")["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]
+    assert host_root == "/var/lib/kubelet/seccomp"  # the kubelet's default seccomp root
+    assert f"{mounted_at}/{reward['localhostProfile']}" in container["command"][-1]
+    assert docs["Namespace"]["metadata"]["name"] == docs["DaemonSet"]["metadata"]["namespace"] != NAMESPACE  # not under "restricted"
 
 
 def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
