@@ -12,7 +12,7 @@ from rollstream.core.config import ConfigError, load_settings
 from rollstream.reward import recipes
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, Sample, build_recipes, default_specs
-from rollstream.reward.scoring import score_group
+from rollstream.reward.scoring import score_groups
 from rollstream.v1 import rollout_pb2
 
 
@@ -233,7 +233,7 @@ def test_score_group_fills_rewards_and_marks_scored(builtin: Recipes) -> None:
             ),
         ],
     )
-    scores = score_group(group, builtin)
+    scores = score_groups({0: group}, builtin)[0]
     assert group.scored
     assert [s.reward for s in scores] == pytest.approx([1.1, 0.1])
     assert [c.reward for c in group.completions] == pytest.approx([1.1, 0.1])
@@ -249,5 +249,5 @@ def test_group_token_counts_reach_the_length_component() -> None:
         prompt_ids=[1],
         completions=[rollout_pb2.Completion(text="a", token_ids=[1] * n, behaviour_logprobs=[-0.1] * n) for n in (2, 3, 4, 9)],
     )
-    score_group(group, table)
+    score_groups({0: group}, table)
     assert [c.reward for c in group.completions] == pytest.approx([0.0, -0.5, -1.0, -1.0])

@@ -11,7 +11,7 @@ reward stage).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,11 +74,10 @@ class Metrics:
 
     def count_scores(self, scores: Sequence[Score]) -> None:
         for s in scores:
-            if not s.unknown_kind:
-                self.reward.observe(s.reward)
             if s.unknown_kind:
                 self.unknown_kind.inc()
                 continue
+            self.reward.observe(s.reward)
             for c in s.components:
                 if c.status == TIMEOUT:
                     self.timeouts.labels(component=c.name).inc()
@@ -99,37 +98,30 @@ def from_pb(score: reward_pb2.ItemScore) -> Score:
     return Score(reward=score.reward, components=components)
 
 
-def samples(group: rollout_pb2.RolloutGroup) -> list[Sample]:
-    return [
-        Sample(completion=c.text, answer=group.answer, metadata_json=group.metadata_json, num_tokens=len(c.token_ids))
-        for c in group.completions
-    ]
-
-
-def apply_scores(group: rollout_pb2.RolloutGroup, scores: Sequence[Score]) -> None:
-    """Fill every completion's reward and breakdown in place (replacing stale ones); mark the group scored."""
-    for completion, s in zip(group.completions, scores, strict=True):
-        completion.reward = s.reward
-        del completion.reward_components[:]
-        completion.reward_components.extend(to_pb(c) for c in s.components)
-    group.scored = True
+def apply_scores(groups: dict[int, rollout_pb2.RolloutGroup], scores: Iterable[Score]) -> dict[int, list[Score]]:
+    """Fill every completion's reward and breakdown in place from `scores` (one per
+    completion, group after group), replacing stale ones; mark the groups scored."""
+    remaining = iter(scores)
+    out = {}
+    for i, group in groups.items():
+        out[i] = [next(remaining) for _ in group.completions]
+        for completion, s in zip(group.completions, out[i]):
+            completion.reward = s.reward
+            del completion.reward_components[:]
+            completion.reward_components.extend(to_pb(c) for c in s.components)
+        group.scored = True
+    return out
 
 
 def score_groups(groups: dict[int, rollout_pb2.RolloutGroup], scorer: ScoresItems) -> dict[int, list[Score]]:
     """Score every completion of every group with its task kind's recipe, in place; all of
     them in one go, so that the pool's workers share the whole batch."""
-    items = [(g.task_kind, s) for g in groups.values() for s in samples(g)]
-    scores = iter(scorer.score_many(items))
-    out = {}
-    for i, g in groups.items():
-        out[i] = [next(scores) for _ in g.completions]
-        apply_scores(g, out[i])
-    return out
-
-
-def score_group(group: rollout_pb2.RolloutGroup, scorer: ScoresItems) -> list[Score]:
-    """Score every completion of `group` with its task kind's recipe, in place."""
-    return score_groups({0: group}, scorer)[0]
+    items = [
+        (g.task_kind, Sample(completion=c.text, answer=g.answer, metadata_json=g.metadata_json, num_tokens=len(c.token_ids)))
+        for g in groups.values()
+        for c in g.completions
+    ]
+    return apply_scores(groups, scorer.score_many(items))
 
 
 def score_items(items: Sequence[reward_pb2.ScoreItem], scorer: ScoresItems, timeout_s: float | None = None) -> list[Score]:
@@ -230,9 +222,5 @@ class Scorer:
             for g in groups.values()
             for k, c in enumerate(g.completions)
         ]
-        replies = iter(self.remote.score(items))  # raises before any group is changed
-        out = {}
-        for i, g in groups.items():
-            out[i] = [from_pb(next(replies)) for _ in g.completions]
-            apply_scores(g, out[i])
-        return out
+        replies = self.remote.score(items)  # raises before any group is changed
+        return apply_scores(groups, map(from_pb, replies))
