@@ -153,11 +153,7 @@ class CodeParams(_Params):
     partial_credit: bool = Field(True, description="value = fraction of tests passed (else 1 only when all pass)")
 
     def limits(self) -> sandbox.SandboxLimits:
-        return sandbox.SandboxLimits(
-            wall_s=self.wall_s, test_timeout_s=self.test_timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-            max_processes=self.max_processes, max_file_mb=self.max_file_mb, require_isolation=self.require_isolation,
-            python=self.python,
-        )  # fmt: skip
+        return sandbox.SandboxLimits(**self.model_dump(exclude={"partial_credit"}))
 
 
 # -- building checks ------------------------------------------------------------------------
@@ -229,26 +225,20 @@ def _lift(check: Callable[[str, str], float]) -> Check:
     return lambda s: check(s.completion, s.answer)
 
 
+# The components without parameters.
+_PLAIN_CHECKS: dict[str, Check] = {
+    "arithmetic_answer": _lift(verifiers.arithmetic_answer),
+    "arithmetic_format": _lift(verifiers.arithmetic_format),
+    "math": _lift(verifiers.math_equal),
+    "countdown": _countdown,
+}
+
+
 def build_check(spec: ComponentSpec) -> Check:
     """The check of a spec; ValueError (naming the problem) for bad parameters."""
     params = spec.params
     try:
         match spec.component:
-            case "arithmetic_answer":
-                _Params.model_validate(params)
-                return _lift(verifiers.arithmetic_answer)
-            case "arithmetic_format":
-                _Params.model_validate(params)
-                return _lift(verifiers.arithmetic_format)
-            case "math":
-                _Params.model_validate(params)
-                # Import math-verify and build its parsers now, at start: a first call pays
-                # about a second for that, which must not count against a completion's limit.
-                verifiers.math_equal(r"\boxed{1}", "1")
-                return _lift(verifiers.math_equal)
-            case "countdown":
-                _Params.model_validate(params)
-                return _countdown
             case "exact":
                 return _exact(ExactParams.model_validate(params))
             case "regex":
@@ -257,10 +247,15 @@ def build_check(spec: ComponentSpec) -> Check:
                 return _length(LengthParams.model_validate(params))
             case "code":
                 return _code(CodeParams.model_validate(params))
+        _Params.model_validate(params)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'params'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"component {spec.component!r} params: {problems}") from None
-    raise ValueError(f"unknown component {spec.component!r}")  # unreachable: the Literal rejects it first
+    if spec.component == "math":
+        # Import math-verify and build its parsers now, at start: a first call pays about a
+        # second for that, which must not count against a completion's limit.
+        verifiers.math_equal(r"\boxed{1}", "1")
+    return _PLAIN_CHECKS[spec.component]
 
 
 # -- recipes and scores -----------------------------------------------------------------------
