@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import grpc
@@ -107,7 +107,7 @@ class CircuitBreaker:
     clock: Callable[[], float] = time.monotonic
     state: BreakerState = "closed"
     failures: int = 0
-    opened_at: float = field(default=0.0)
+    opened_at: float = 0.0
 
     def allow(self) -> bool:
         """May a call go out now? An open breaker turns half-open once the cool-down is over."""
@@ -151,7 +151,6 @@ class RemoteScorer:
         `creds`: the reward stage's token and TLS material (a scorer with a role table
         wants them). A stop waits for a call in flight, at most `deadline_s` (its retries
         and their back-off included)."""
-        self.address = address
         self.batch_size = batch_size
         self.deadline_s = deadline_s
         self.retries = retries
