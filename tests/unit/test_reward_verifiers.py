@@ -79,11 +79,6 @@ def test_first_number_parses_sign_commas_and_fraction() -> None:
     assert verifiers.first_number("none here") is None
 
 
-def test_exact_match() -> None:
-    assert verifiers.exact_match("  Paris\n", "Paris") == 1.0
-    assert verifiers.exact_match("paris", "Paris") == 0.0
-
-
 # -- math (math-verify) ------------------------------------------------------------------
 
 

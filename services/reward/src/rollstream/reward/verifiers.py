@@ -5,7 +5,6 @@ streams: rollstream.reward.recipes composes these into per-task-kind recipes.
 - `arithmetic_answer` / `arithmetic_format`: the demo's recipe. The answer is the number
   after "answer is" when the completion says so, else its last number; the format is
   "The answer is N." or just "N", as the demo prompt asks.
-- `exact_match`: the stripped completion equals the stripped reference.
 - `math_equal`: mathematical equivalence with the `math-verify` package (\\boxed{...},
   fractions, LaTeX, plain expressions).
 - `overlong_penalty`: DAPO's soft penalty for completions near or over a length limit.
@@ -81,10 +80,6 @@ def arithmetic_format(completion: str, answer: str) -> float:
     components teach different things.
     """
     return 1.0 if _ANSWER_FORMAT_RE.fullmatch(completion.strip()) else 0.0
-
-
-def exact_match(completion: str, answer: str) -> float:
-    return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
 # -- math (math-verify) ---------------------------------------------------------------------
