@@ -194,8 +194,6 @@ class HostAdamW:
         self.device = devices.pop()
         self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.moments_dtype = moments_dtype
-        self.master_layout = master_layout
-        self.grad_offload = grad_offload
         self.step_count = 0
 
         # The flat layout: name -> (offset, numel, shape).
