@@ -20,12 +20,10 @@ so a crash never leaves a partial checkpoint under a checkpoint's name. No pickl
 are safetensors, the rest JSON (state.json is a pydantic model, CheckpointState, validated
 field by field on load).
 
-Whose is what (docs/reliability.md, "Checkpoints"): the `step-NNNNNNNN` folders at the top of
-checkpoint_dir are the trainer's own, and only those are resumed from (`latest`) and pruned
-(`prune`); SaveCheckpoint may not use those names (`confine`), so an operator's checkpoint
-can neither shadow nor prune them. They are ranked by the step their state.json records,
-never by the number in the name, and only once verified (`verify`: state.json valid, each
-tensor file as long as its header says), so a torn one is skipped, never resumed from.
+Whose is what (docs/reliability.md, "Checkpoints"): only the `step-NNNNNNNN` folders at the
+top of checkpoint_dir are the trainer's own: resumed from and pruned once verified (`scan`),
+and refused to SaveCheckpoint (`confine`), so an operator's checkpoint can neither shadow nor
+prune them.
 """
 
 from __future__ import annotations
@@ -112,8 +110,8 @@ class CheckpointState(BaseModel):
     @classmethod
     def _drop_retired(cls, data: Any) -> Any:
         """Keys older trainers wrote that nothing reads any more: accepted, dropped."""
-        if isinstance(data, dict) and any(k in data for k in _RETIRED):
-            data = {k: v for k, v in data.items() if k not in _RETIRED}
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in _RETIRED}
         return data
 
     def to_json(self) -> str:
