@@ -201,7 +201,6 @@ class WeightPublisher:
                     stale.unlink(missing_ok=True)
             except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
-        self._anchor: Published | None = None
         self._deltas: list[Published] = []  # since the anchor
         self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
@@ -325,7 +324,7 @@ class WeightPublisher:
             return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
-        _unlink_files([*([self._anchor] if self._anchor is not None else []), *self._deltas])
+        _unlink_files([self._anchor, *self._deltas])
         with self._channels_lock:
             for ch in self._channels.values():
                 ch.close()

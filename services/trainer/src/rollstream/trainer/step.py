@@ -228,7 +228,6 @@ def train_step(
     denom = grpo.normaliser(loss_cfg, [len(row.completion) for row in rows])
 
     # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
-    lengths = [len(row.prompt) + len(row.completion) for row in rows]
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # every row is in one micro-batch
     sums = _accumulate(model, optimizer, rows, denom, cfg, pad_id, adapters_off, logprobs)
 
@@ -253,7 +252,7 @@ def train_step(
         entropy=sums.entropy / per_token,
         truncated_fraction=sums.truncated / per_token,
         tokens=sums.tokens,
-        train_tokens=sum(lengths),
+        train_tokens=sum(len(row.prompt) + len(row.completion) for row in rows),
         grad_norm=grad_norm,
         trained_bits=trained_bits,
         logprobs=logprobs,
