@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import operator
 import re
 from collections import Counter
 from decimal import Decimal
@@ -69,8 +70,7 @@ def parse_reference_number(answer: str) -> Decimal:
 def arithmetic_answer(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer (see final_number) equals the reference."""
     expected = parse_reference_number(answer)
-    found = final_number(completion)
-    return 1.0 if found is not None and found == expected else 0.0
+    return 1.0 if final_number(completion) == expected else 0.0
 
 
 def arithmetic_format(completion: str, answer: str) -> float:
@@ -148,7 +148,7 @@ def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
 COUNTDOWN_MAX_CHARS = 200
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _EXPRESSION_CHARS_RE = re.compile(r"^[\d\s+\-*/().×÷]+$")
-_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def countdown_expression(completion: str) -> str | None:
@@ -200,10 +200,8 @@ def countdown_value(completion: str, numbers: list[int], target: int) -> float:
         value, used = evaluate_countdown(expression)
     except ValueError:
         return 0.0  # the model wrote something that is not a valid expression: wrong, not a verifier error
-    available = Counter(numbers)
-    if any(count > available[n] for n, count in Counter(used).items()):
-        return 0.0
-    return 1.0 if value == target else 0.0
+    overused = Counter(used) - Counter(numbers)
+    return 1.0 if value == target and not overused else 0.0
 
 
 # -- code -------------------------------------------------------------------------------------
@@ -214,8 +212,5 @@ _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 def extract_code(completion: str) -> str:
     """The program in a completion: the last fenced block (```python ... ```, or any
     language-less fence), else the whole completion."""
-    blocks = [(lang.lower(), body) for lang, body in _FENCE_RE.findall(completion)]
-    python = [body for lang, body in blocks if lang in ("python", "py", "python3", "")]
-    if python:
-        return python[-1]
-    return completion
+    python = [body for lang, body in _FENCE_RE.findall(completion) if lang.lower() in ("python", "py", "python3", "")]
+    return python[-1] if python else completion
