@@ -78,7 +78,7 @@ Not guaranteed:
   that redefines `sorted` does not change `assert f(x) == sorted([2, 1])`.
 - The program can guess; what the tests check is up to them.
 
-## Isolation (unchanged)
+## Isolation
 
 - network: a new network namespace (no interfaces but a down loopback), plus a new PID
   namespace whose init is the harness, so every process the program starts dies with it,
@@ -149,10 +149,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The harness and the runner are modules of their own beside this one, standard library only
-# (they run with -I -S). The harness is run by its path; the runner's text travels in the job
-# and runs with -c: inside the fence this folder is not there, and text the harness holds is
-# out of the program's reach (a file could be replaced by one test before the next).
+# Standard library only (they run with -I -S); how each is run: sandbox_harness.py's docstring.
 # Absolute: the harness starts in the run's work dir.
 HARNESS_PATH = Path(__file__).resolve().with_name("sandbox_harness.py")
 RUNNER_PATH = Path(__file__).resolve().with_name("sandbox_runner.py")
@@ -223,12 +220,6 @@ def _world_runnable(path: Path) -> bool:
     return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
 
 
-def _stdlib_world_readable(python: Path) -> bool:
-    """For our own interpreter: is its standard library reachable by others too?"""
-    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return python.resolve() == Path(sys.executable).resolve() and lib.is_dir() and all(p.stat().st_mode & stat.S_IXOTH for p in [lib, *lib.parents])
-
-
 def choose_python(configured: str) -> str:
     """The interpreter the program runs with. As root the harness drops to `nobody` before
     the program imports anything, so the interpreter and its standard library must be
@@ -238,8 +229,9 @@ def choose_python(configured: str) -> str:
         return configured
     if os.geteuid() != 0:
         return sys.executable
-    own = Path(sys.executable)
-    if _world_runnable(own) and _stdlib_world_readable(own):
+    # Our own, where its standard library is reachable by others too.
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if _world_runnable(Path(sys.executable)) and lib.is_dir() and all(p.stat().st_mode & stat.S_IXOTH for p in [lib, *lib.parents]):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if _world_runnable(Path(candidate)):
