@@ -43,6 +43,13 @@ class MountAttr(ctypes.Structure):
     _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
+def fail(status, text):
+    """Ends the harness with `status`, saying why on stderr (the service reports its tail)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def mount(source, target, fstype, flags, data):
     if libc.mount(source, target.encode(), fstype, ctypes.c_ulong(flags), data) != 0:
         errno = ctypes.get_errno()
@@ -118,11 +125,10 @@ def build_root(root):
     for name in ALLOWED_DEV:
         if os.path.exists("/dev/" + name):
             bind("/dev/" + name, root + "/dev/" + name)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        os.makedirs(root + "/dev", exist_ok=True)
-        os.symlink(target, root + "/dev/" + name)
     for folder in ("/tmp", "/var/tmp", "/dev/shm", "/proc"):
         os.makedirs(root + folder, exist_ok=True)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + name)
     # The service's own folders (its work dir, its home) hidden where an allowed tree holds
     # them (a checkout under /usr/src), unless the interpreter lives there.
     for folder in job["hide"]:
@@ -165,9 +171,7 @@ def enclose(root):
         mount_tmpfs(top + "/tmp")
     except OSError as e:
         if not why:
-            sys.stderr.write("private file system: %s after the tree became read-only; no writable work dir\n" % e)
-            sys.stderr.flush()
-            os._exit(1)
+            fail(1, "private file system: %s after the tree became read-only; no writable work dir" % e)
         return "%s; %s" % (why, e)
     os.chdir(top + "/tmp")
     for target in ("/var/tmp", "/dev/shm"):
@@ -187,7 +191,6 @@ def drop_capabilities():
     if libc.capset(header, data) != 0:
         return "capset: %s" % os.strerror(ctypes.get_errno())
     return ""
-
 
 
 # Names the expected side of a judged assertion may use (pure functions of their arguments).
@@ -372,9 +375,9 @@ def spawn(fds):
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
         for target, fd in enumerate(high):
             os.dup2(fd, target)
-        os.closerange(len(fds), max(OPEN_FILES, results_fd + 1, 256))
+        os.closerange(len(fds), max(job["open_files"], results_fd + 1, 256))
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-        os.execv(PYTHON, [PYTHON, "-I", "-S", "-c", RUNNER])
+        os.execv(PYTHON, [PYTHON, "-I", "-S", "-c", job["runner"]])
     except BaseException as e:
         try:
             os.write(2, ("cannot start %s: %s\n" % (PYTHON, e)).encode(errors="replace"))
@@ -433,10 +436,7 @@ def watch(pid, report_fd, timeout, limit):
 def run_one(index, test):
     """(passed, timed out, why it failed)."""
     io_test = isinstance(test, dict)
-    if io_test:
-        steps, expected = [], []
-    else:
-        steps, expected = plan(test)
+    steps, expected = ([], []) if io_test else plan(test)
     limit = job["file_bytes"]
     fds, report_r = [], -1
     try:
@@ -446,17 +446,14 @@ def run_one(index, test):
             return False, False, "test %d: its input cannot be given to the program: %s" % (index, e)
         # Reports go through a pipe: what RUNNER wrote there, the program cannot take back.
         report_r, report_w = os.pipe()
-        fds += [scratch(), 2, scratch(marshal.dumps({"io": io_test, "code": code, "steps": steps, "index": index})), report_w]
+        fds += [scratch(), 2, scratch(marshal.dumps({"io": io_test, "code": job["code"], "steps": steps, "index": index})), report_w]
         pid = spawn(fds)
         for position in (0, 3, 4):
             os.close(fds[position])  # the program's own now
             fds[position] = -1
         ended, chunks = watch(pid, report_r, job["test_timeout_s"], limit)
         try:
-            if isolated:
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            (os.killpg if isolated else os.kill)(pid, signal.SIGKILL)
         except OSError:
             pass
         _, status = os.waitpid(pid, 0)
@@ -470,9 +467,7 @@ def run_one(index, test):
     cpu_killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU
     if lines[:1] != [b'["h"]'] and ended and not cpu_killed:
         # RUNNER writes this before the program runs: the interpreter itself did not start.
-        sys.stderr.write("test %d: %s did not start inside the sandbox (exit status %d)\n" % (index, PYTHON, os.waitstatus_to_exitcode(status)))
-        sys.stderr.flush()
-        os._exit(122)
+        fail(122, "test %d: %s did not start inside the sandbox (exit status %d)" % (index, PYTHON, os.waitstatus_to_exitcode(status)))
     if len(report) > limit:
         return False, False, "test %d: reported more than the file-size limit" % index
     if not ended or cpu_killed:
@@ -546,9 +541,7 @@ if __name__ == "__main__":
     if not isolated:
         isolated = libc.unshare(flags) == 0  # no mount namespace here: keep the rest of the isolation
     if not isolated and job["require_isolation"]:
-        sys.stderr.write("network isolation unavailable: unshare failed with errno %d (%s)\n" % (ctypes.get_errno(), os.strerror(ctypes.get_errno())))
-        sys.stderr.flush()
-        os._exit(121)
+        fail(121, "network isolation unavailable: unshare failed with errno %d (%s)" % (ctypes.get_errno(), os.strerror(ctypes.get_errno())))
     mounts_private = False
     fs_why = "no mount namespace"
     if has_mount_ns:
@@ -588,14 +581,11 @@ if __name__ == "__main__":
     # reach (no ptrace, no /proc/1/mem, environ or fd/). Only now: a non-dumpable process could
     # not have written its own uid_map above (its /proc files belong to the global root).
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        sys.stderr.write("prctl(PR_SET_DUMPABLE): %s\n" % os.strerror(ctypes.get_errno()))
-        sys.stderr.flush()
-        os._exit(1)
+        fail(1, "prctl(PR_SET_DUMPABLE): %s" % os.strerror(ctypes.get_errno()))
     if fs_why:
         sys.stderr.write("private file system not in place: %s\n" % fs_why)
         sys.stderr.flush()
-    cpu = job["cpu_s"]
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (job["cpu_s"], job["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (job["memory_bytes"], job["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_NPROC, (job["max_processes"], job["max_processes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (job["file_bytes"], job["file_bytes"]))
@@ -604,10 +594,7 @@ if __name__ == "__main__":
     # A file larger than the file-size limit (a huge test input) fails the write, rather than
     # kill the harness; the tests' processes get the default back before they exec.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    code = job["code"]
     # By its real path: a venv's link is outside the minimal root (-I -S: no site-packages anyway).
     PYTHON = os.path.realpath(sys.executable)
-    RUNNER = job["runner"]
-    OPEN_FILES = job["open_files"]
     run_all()
     os._exit(0)
