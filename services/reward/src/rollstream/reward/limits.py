@@ -37,6 +37,7 @@ import concurrent.futures
 import ctypes
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -50,7 +51,9 @@ import pebble
 from concurrent.futures.process import BrokenProcessPool
 
 from rollstream.core import logs
-from rollstream.reward.recipes import TIMEOUT, ComponentResult, ComponentSpec, Recipes, Sample, Score, build_recipes, run_component
+from rollstream.reward.recipes import (
+    TIMEOUT, ComponentResult, ComponentSpec, RecipeComponent, Recipes, Sample, Score, build_recipes, run_component,
+)
 
 log = logging.getLogger("rollstream.reward.limits")
 
@@ -111,19 +114,15 @@ def _run(task_kind: str, index: int, sample: tuple[str, str, str, int | None]) -
     return result.value, result.status
 
 
-def _ready() -> int:
-    return os.getpid()
-
-
 # -- in the service ----------------------------------------------------------------------------
 
 
 @dataclass
 class _Task:
     task_kind: str
-    index: int
+    index: int  # of `component` in the recipe: what the worker looks up
+    component: RecipeComponent
     sample: tuple[str, str, str, int | None]
-    timeout_s: float | None
     future: concurrent.futures.Future[tuple[float, str]] = field(init=False)
     pool: pebble.ProcessPool | None = None  # the pool `future` came from
     crashes: int = 0
@@ -155,7 +154,7 @@ class ScorePool:
     def warm_up(self, timeout_s: float = 120.0) -> None:
         """Start the workers and wait until they take work (they build their recipes first)."""
         with self._lock:
-            futures = [self._pool.schedule(_ready) for _ in range(self.workers)]
+            futures = [self._pool.schedule(os.getpid) for _ in range(self.workers)]
         concurrent.futures.wait(futures, timeout=timeout_s)
 
     def close(self) -> None:
@@ -170,7 +169,7 @@ class ScorePool:
         queued at once and run on the workers concurrently. With `timeout_s`, TimeoutError
         once that much time has passed (what is still queued or running is cancelled; a
         cancelled running task's worker is killed). PoolFailed if the pool keeps breaking."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
         jobs: list[Score | list[_Task]] = []
         try:
             for kind, sample in items:
@@ -179,18 +178,16 @@ class ScorePool:
                     jobs.append(self.recipes.unknown(kind))
                     continue
                 data = (sample.completion, sample.answer, sample.metadata_json, sample.num_tokens)
-                tasks = [_Task(kind, i, data, c.timeout_s) for i, c in enumerate(recipe)]
+                tasks = [_Task(kind, i, c, data) for i, c in enumerate(recipe)]
                 for task in tasks:
                     self._submit(task)
                 jobs.append(tasks)
             out = []
             for job in jobs:
-                if isinstance(job, Score):
-                    out.append(job)
-                    continue
-                recipe = self.recipes.table[job[0].task_kind]
-                components = tuple(self._result(task, c.name, c.weight, deadline) for task, c in zip(job, recipe, strict=True))
-                out.append(Score(reward=sum(c.weight * c.value for c in components), components=components))
+                if not isinstance(job, Score):
+                    components = tuple(self._result(task, deadline) for task in job)
+                    job = Score(reward=sum(c.weight * c.value for c in components), components=components)
+                out.append(job)
             return out
         except BaseException:
             for job in jobs:
@@ -207,7 +204,7 @@ class ScorePool:
                     raise PoolFailed("the scoring pool is closed")
                 pool = self._pool
                 try:
-                    task.future = pool.schedule(_run, args=(task.task_kind, task.index, task.sample), timeout=task.timeout_s)
+                    task.future = pool.schedule(_run, args=(task.task_kind, task.index, task.sample), timeout=task.component.timeout_s)
                     task.pool = pool
                     return
                 except RuntimeError:  # broken (pebble: "Unexpected error within the Pool")
@@ -229,24 +226,24 @@ class ScorePool:
             self._pool = self._new_pool()
         broken.join(timeout=10)
 
-    def _result(self, task: _Task, name: str, weight: float, deadline: float | None) -> ComponentResult:
+    def _result(self, task: _Task, deadline: float) -> ComponentResult:
         while True:
             while not task.future.done():
                 # Woken now and then to notice a pool closed meanwhile (its futures never finish).
                 if self._closed:
                     raise PoolFailed("the scoring pool is closed")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     raise TimeoutError("scoring did not finish before the deadline")
-                concurrent.futures.wait([task.future], timeout=WAKE_S if remaining is None else min(WAKE_S, remaining))
+                concurrent.futures.wait([task.future], timeout=min(WAKE_S, remaining))
             try:
                 value, status = task.future.result()
-            except TimeoutError:  # pebble: the task ran past task.timeout_s; its worker is killed
+            except TimeoutError:  # pebble: the task ran past its timeout_s; its worker is killed
                 value, status = 0.0, TIMEOUT
             except pebble.ProcessExpired as e:
                 task.crashes += 1
                 logs.event(
-                    log, "score_worker_lost", logging.WARNING, component=name, task_kind=task.task_kind,
+                    log, "score_worker_lost", logging.WARNING, component=task.component.name, task_kind=task.task_kind,
                     pid=e.pid, exit_code=e.exitcode, retry=task.crashes <= CRASH_RETRIES,
                 )  # fmt: skip
                 if task.crashes > CRASH_RETRIES:
@@ -258,4 +255,4 @@ class ScorePool:
                 self._replace(task.pool, task, f"{type(e).__name__}: {e}")
                 self._submit(task)
                 continue
-            return ComponentResult(name=name, value=value, weight=weight, status=status)
+            return ComponentResult(name=task.component.name, value=value, weight=task.component.weight, status=status)
