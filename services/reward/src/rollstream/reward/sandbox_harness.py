@@ -1,8 +1,7 @@
 """The code sandbox's harness: trusted code that fences itself in, then runs each test in
-a fresh interpreter of its own and judges it from the outside (sandbox.py's docstring
-holds the design, what is guaranteed and the isolation). It never runs the program: each
-test is a fresh interpreter running the runner, started by `spawn` with nothing but the fds
-it needs.
+a fresh interpreter running the runner (started by `spawn` with nothing but the fds it
+needs) and judges it from the outside; it never runs the program itself. sandbox.py's
+docstring holds the design, what is guaranteed and the isolation.
 
 `rollstream.reward.sandbox.run_tests` runs this file by its path, `python -I -S
 sandbox_harness.py JOB`: no environment and no site-packages, so the standard library
@@ -17,6 +16,7 @@ Importing it runs nothing (tests call `plan` and `decode`): the run is the block
 """
 
 import ast
+import builtins
 import ctypes
 import fcntl
 import json
@@ -195,7 +195,7 @@ def drop_capabilities():
 
 # Names the expected side of a judged assertion may use (pure functions of their arguments).
 EXPECTED_BUILTINS = {
-    name: getattr(__builtins__, name) if not isinstance(__builtins__, dict) else __builtins__[name]
+    name: getattr(builtins, name)
     for name in (
         "abs", "all", "any", "bool", "bytes", "chr", "complex", "dict", "divmod", "enumerate", "filter", "float",
         "frozenset", "int", "len", "list", "map", "max", "min", "ord", "pow", "range", "reversed", "round",
@@ -211,10 +211,8 @@ NO_VALUE = object()
 
 
 def normalise(text):
-    lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return "\n".join(lines)
+    """Without trailing whitespace on each line, nor trailing blank lines."""
+    return "\n".join(line.rstrip() for line in text.replace("\r\n", "\n").split("\n")).rstrip("\n")
 
 
 def free_names(node):
@@ -250,14 +248,11 @@ def judged_outside(stmt, source):
     if op is None:
         return None
     left, right = stmt.test.left, stmt.test.comparators[0]
-    left_names, right_names = free_names(left), free_names(right)
-    if not left_names <= EXPECTED_BUILTINS.keys() and right_names <= EXPECTED_BUILTINS.keys():
-        program, expected, program_left = left, right, True
-    elif not right_names <= EXPECTED_BUILTINS.keys() and left_names <= EXPECTED_BUILTINS.keys():
-        program, expected, program_left = right, left, False
-    else:
-        return None
-    if op[0] in ("is", "is not") and not (isinstance(expected, ast.Constant) and expected.value in (None, True, False) and type(expected.value) in (type(None), bool)):
+    left_plain, right_plain = (free_names(side) <= EXPECTED_BUILTINS.keys() for side in (left, right))
+    if left_plain == right_plain:
+        return None  # both sides the program's, or neither
+    program, expected, program_left = (left, right, True) if right_plain else (right, left, False)
+    if op[0] in ("is", "is not") and not (isinstance(expected, ast.Constant) and type(expected.value) in (type(None), bool)):
         return None
     value = expected_value(expected)
     if value is NO_VALUE:
