@@ -203,11 +203,9 @@ def parse_tests(metadata: dict[str, object]) -> list[str | dict[str, str]]:
     if not isinstance(tests, list) or not tests:
         raise ValueError('metadata_json has no "tests" list (strings of Python, or {"input", "output"} objects)')
     for i, t in enumerate(tests):
-        if isinstance(t, str):
-            continue
-        if isinstance(t, dict) and isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str):
-            continue
-        raise ValueError(f"test {i} is neither a string of Python nor an {{input, output}} object")
+        io_test = isinstance(t, dict) and isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str)
+        if not (isinstance(t, str) or io_test):
+            raise ValueError(f"test {i} is neither a string of Python nor an {{input, output}} object")
     return tests  # type: ignore[return-value]
 
 
