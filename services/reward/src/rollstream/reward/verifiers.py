@@ -1,16 +1,8 @@
 """Built-in verifiers: pure functions from a completion (and the task's reference answer
-or metadata) to a value. Nothing here knows about weights, recipes, time limits or
-streams: rollstream.reward.recipes composes these into per-task-kind recipes.
-
-- `arithmetic_answer` / `arithmetic_format`: the demo's recipe. The answer is the number
-  after "answer is" when the completion says so, else its last number; the format is
-  "The answer is N." or just "N", as the demo prompt asks.
-- `math_equal`: mathematical equivalence with the `math-verify` package (\\boxed{...},
-  fractions, LaTeX, plain expressions).
-- `overlong_penalty`: DAPO's soft penalty for completions near or over a length limit.
-- `countdown_value`: the countdown task: an arithmetic expression that uses the given
-  numbers, each at most once, and equals the target (parsed with `ast`, never eval'd).
-- `extract_code`: the program in a completion (the last fenced block), for the code reward.
+or metadata) to a value: `arithmetic_answer` and `arithmetic_format` (the demo's recipe),
+`math_equal`, `overlong_penalty`, `countdown_value`, and `extract_code` for the code
+reward; each one's docstring says what it checks. Nothing here knows about weights,
+recipes, time limits or streams: rollstream.reward.recipes composes these into recipes.
 """
 
 from __future__ import annotations
