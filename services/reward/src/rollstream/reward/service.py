@@ -85,7 +85,6 @@ class Totals:
     passed_through: int = 0
     verifier_errors: int = 0
     timeouts: int = 0
-    unknown_kind: int = 0
     trimmed: int = 0
 
 
@@ -188,11 +187,8 @@ class RewardLoop:
         passed_through = len(done) - newly_scored
         errors = sum(s.errors for s in scores)
         timeouts = sum(s.timeouts for s in scores)
-        unknown = sum(1 for s in scores if s.unknown_kind)
-        stats = {
-            "scored": newly_scored, "reward_passthrough": passed_through, "reward_verifier_errors": errors, "reward_timeouts": timeouts,
-            "reward_unknown_kind": unknown,
-        }
+        # No unknown_kind here: the Scorer dead-letters a kind no recipe knows (a remote scorer rejects it).
+        stats = {"scored": newly_scored, "reward_passthrough": passed_through, "reward_verifier_errors": errors, "reward_timeouts": timeouts}
 
         def count_in_redis(ops: streams.Ops) -> None:
             for name, n in stats.items():
@@ -213,7 +209,6 @@ class RewardLoop:
         totals.passed_through += passed_through
         totals.verifier_errors += errors
         totals.timeouts += timeouts
-        totals.unknown_kind += unknown
         groups = [g for _, g in outputs]
         logs.event(
             host.log, "groups_scored", n=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts,
