@@ -1,7 +1,8 @@
 """Run by test_vllm_multiprocessing.py in a process of its own: VllmBackend as the
 generator is deployed (vLLM's engine core in its own process, fp32), version 0, then an
 AdamW-like delta (the tensors it touches, the tied embedding among them), greedy samples
-before and after, printed as one JSON line.
+before and after, and each process's peak resident memory (VmHWM: this one, the engine
+core and any other it started), printed as one JSON line.
 
     python tests/vllm/mp_engine_run.py MODEL_DIR PROMPT_JSON
 """
@@ -19,6 +20,18 @@ from tier_helpers import adamw_like_step  # noqa: E402
 from rollstream.core import deltas  # noqa: E402
 from rollstream.generator.backends import SampleRequest  # noqa: E402
 from rollstream.generator.host_weights import HostWeights  # noqa: E402
+
+
+def peak_rss_bytes() -> dict[str, int]:
+    """VmHWM of this process and of every process it started, by pid and name."""
+    import psutil
+
+    peaks = {}
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        peaks[f"{proc.pid} {proc.name()}"] = kib * 1024
+    return peaks
 
 
 def main(model_dir: str, prompt: list[int]) -> None:
@@ -40,6 +53,7 @@ def main(model_dir: str, prompt: list[int]) -> None:
         "touched": sorted(touched),
         "before": {"tokens": before.token_ids, "logprobs": before.logprobs},
         "after": {"tokens": after.token_ids, "logprobs": after.logprobs, "versions": after.versions},
+        "peak_rss_bytes": peak_rss_bytes(),
     }), flush=True)
 
 

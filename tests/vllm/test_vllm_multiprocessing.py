@@ -1,7 +1,8 @@
 """The generator's deployed vLLM configuration (k8s/, compose.yaml): the engine core in a
 process of its own (VLLM_ENABLE_V1_MULTIPROCESSING on, vLLM's default), fp32. Every other
 vLLM test runs the engine in-process; here a delta reaches a separate engine process and
-the samples after it are the ones transformers computes from the same bits.
+the samples after it are the ones transformers computes from the same bits, and the
+processes' peak memory together stays under the generator pod's memory limit (k8s/).
 
 Before this test, every update in that configuration failed in the worker: the tensors went
 as numpy arrays inside a dict, which vLLM's msgpack IPC does not decode there.
@@ -40,3 +41,17 @@ def test_a_delta_reaches_an_engine_in_its_own_process_exactly(smollm2_dir: Path)
     assert result["after"]["versions"] == [[1, 0, len(result["after"]["tokens"])]]
     n = min(len(result["before"]["logprobs"]), len(result["after"]["logprobs"]))
     assert result["before"]["logprobs"][:n] != result["after"]["logprobs"][:n]  # the weights did change
+    # The sum of each process's peak: at least the pod's peak, which the cgroup limit bounds.
+    limit = pod_memory_limit_bytes(Path(__file__).parents[2] / "k8s/40-generator.yaml")
+    peaks = result["peak_rss_bytes"]
+    print(json.dumps({"peak_rss_gib": {k: round(v / 2**30, 2) for k, v in peaks.items()}, "limit_gib": limit / 2**30}))
+    assert sum(peaks.values()) < limit, peaks
+
+
+def pod_memory_limit_bytes(manifest: Path) -> int:
+    import yaml
+
+    workload = next(d for d in yaml.safe_load_all(manifest.read_text()) if d and d["kind"] in ("Deployment", "StatefulSet"))
+    limit = workload["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    units = {"Gi": 2**30, "Mi": 2**20}
+    return int(limit[:-2]) * units[limit[-2:]]
