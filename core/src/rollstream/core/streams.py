@@ -210,9 +210,6 @@ class Ops:
     def hset(self, key: str, field: str, value: str | int) -> None:
         self.commands.append(("HSET", key, [field, value]))
 
-    def delete(self, key: str) -> None:
-        self.commands.append(("DEL", key, []))
-
     def keys_and_argv(self, source: str, group: str, consumer: str, inputs: Sequence[bytes]) -> tuple[list[str], list[Arg]]:
         keys = [source]
         index = {source: 1}
@@ -417,16 +414,11 @@ class StreamStage:
             self.client.xclaim(self.stream, self.group, self.consumer, 0, [e.id for e in entries], justid=True)
 
     def _read_new(self, count: int, block_ms: int) -> list[Entry]:
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        return [Entry(id=e.id, fields=e.fields, deliveries=1) for e in self._entries(reply)]
+        return self._entries(self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms))
 
     @staticmethod
     def _entries(reply) -> list[Entry]:
-        out: list[Entry] = []
-        for _stream, items in reply or []:
-            for eid, fields in items:
-                out.append(Entry(id=eid, fields=fields or {}, deliveries=1))
-        return out
+        return [Entry(id=eid, fields=fields or {}, deliveries=1) for _stream, items in reply or [] for eid, fields in items]
 
     def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
         """Fill in each entry's delivery count from the pending entries list."""
@@ -531,8 +523,7 @@ def _as_bytes(value: bytes | str) -> bytes:
 
 def id_tuple(eid: bytes | str) -> tuple[int, int]:
     """A stream entry id as (ms, seq), for comparisons."""
-    s = eid.decode() if isinstance(eid, bytes) else eid
-    ms, _, seq = s.partition("-")
+    ms, _, seq = _text(eid).partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -544,7 +535,7 @@ def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
         return 0
     if not groups:
         return 0  # nobody has read it yet: everything is still needed
-    floor: tuple[int, int] | None = None
+    needed_by_group: list[tuple[int, int]] = []
     for g in groups:
         # Everything up to last-delivered is acknowledged unless pending. This reading of
         # last-delivered may already be stale; it only grows, so a stale one trims less.
@@ -556,6 +547,6 @@ def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
             oldest = client.xpending(stream, g["name"])["min"]
             if oldest is not None:
                 needed = id_tuple(oldest)
-        floor = needed if floor is None or needed < floor else floor
-    assert floor is not None
+        needed_by_group.append(needed)
+    floor = min(needed_by_group)
     return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
