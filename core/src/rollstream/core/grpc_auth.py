@@ -398,15 +398,9 @@ class TokenInterceptor(
         metadata = tuple(m for m in (details.metadata or ()) if m[0] != METADATA_KEY) + self._metadata
         return _CallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return continuation(self._with_token(client_call_details), request)
+    def _intercept(self, continuation, client_call_details, request_or_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(client_call_details), request_or_iterator)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return continuation(self._with_token(client_call_details), request)
-
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return continuation(self._with_token(client_call_details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
-        return continuation(self._with_token(client_call_details), request_iterator)
+    # The four call shapes differ only in whether the request is one message or an iterator.
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _intercept
 
