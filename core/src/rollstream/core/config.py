@@ -264,9 +264,7 @@ def load_settings(cls: type[S], argv: list[str] | None = None, **overrides: Any)
 
 def consumer_name(settings: CommonSettings) -> str:
     """Stable consumer name: the configured one, else host-pid (a restart is a new consumer)."""
-    if settings.consumer:
-        return settings.consumer
-    return f"{os.uname().nodename}-{os.getpid()}"
+    return settings.consumer or f"{os.uname().nodename}-{os.getpid()}"
 
 
 def load_or_exit(cls: type[S], argv: list[str]) -> S:

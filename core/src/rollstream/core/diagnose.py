@@ -88,10 +88,8 @@ class StreamState:
     def group(self, preferred: str) -> Group | None:
         """The stage's group: the one of its default name, else the first (a custom reward
         service may name its own)."""
-        for g in self.groups:
-            if g.name == preferred:
-                return g
-        return self.groups[0] if self.groups else None
+        first = self.groups[0] if self.groups else None
+        return next((g for g in self.groups if g.name == preferred), first)
 
 
 @dataclass(frozen=True)

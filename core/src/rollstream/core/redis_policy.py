@@ -201,8 +201,8 @@ def is_transient(error: BaseException) -> bool:
 
 def short(error: BaseException) -> str:
     """One line: the error's class and first line, never a traceback."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 class Stopped(Exception):
