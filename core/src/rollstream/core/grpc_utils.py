@@ -13,6 +13,7 @@ and stopped training.)"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -79,36 +80,29 @@ class OpenStreamLimit(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or not handler.request_streaming or not is_open(handler_call_details.method):
             return handler
+        stream_stream, stream_unary = handler.stream_stream, handler.stream_unary
+
+        def bounded_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self._slot(context):
+                yield from stream_stream(requests, context)
+
+        def bounded_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            with self._slot(context):
+                return stream_unary(requests, context)
+
         if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                self._bounded_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_unary_rpc_method_handler(self._bounded_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(bounded_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(bounded_unary, handler.request_deserializer, handler.response_serializer)
 
-    def _refuse(self, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limit} streams of open services (reflection) are already open here; try again later")
-
-    def _bounded_stream(self, behaviour: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-        def bounded(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            if not self._slots.acquire(blocking=False):
-                self._refuse(context)
-            try:
-                yield from behaviour(requests, context)
-            finally:
-                self._slots.release()
-
-        return bounded
-
-    def _bounded_unary(self, behaviour: Callable[[Iterator[Any], grpc.ServicerContext], Any]) -> Callable[..., Any]:
-        def bounded(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            if not self._slots.acquire(blocking=False):
-                self._refuse(context)
-            try:
-                return behaviour(requests, context)
-            finally:
-                self._slots.release()
-
-        return bounded
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """One of the `limit` slots for the call's whole run; none free: the call is refused."""
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limit} streams of open services (reflection) are already open here; try again later")
+        try:
+            yield
+        finally:
+            self._slots.release()
 
 
 def serve(
