@@ -18,6 +18,7 @@ Guards:
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -81,10 +82,8 @@ class PipelineView(Collector):
             snap, extra = status.collect(self._client, self.keys)
         except (*redis_policy.ERRORS, OSError, ValueError) as e:
             if self._client is not None:
-                try:
+                with contextlib.suppress(Exception):  # closing a broken client
                     self._client.close()
-                except Exception:  # noqa: BLE001 - closing a broken client
-                    pass
             self._client = None
             return {"ok": False, "run": self.keys.run, "error": self.scrub(redis_policy.short(e) if isinstance(e, redis_policy.ERRORS) else str(e)),
                     "stages": [], "findings": [], "headline": "Redis unreachable from the dashboard"}  # fmt: skip
