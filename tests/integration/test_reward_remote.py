@@ -39,11 +39,13 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
     """A team's grader: reward = len(completion) / 10, with a component saying so.
 
     `failing` makes every call answer UNAVAILABLE (a scorer that is down or restarting);
-    a group id in `poison` makes the call answer INVALID_ARGUMENT."""
+    a group id in `poison` makes the call answer INVALID_ARGUMENT; one in `huge` gets a
+    reward of 1e30 (a broken grader)."""
 
     def __init__(self) -> None:
         self.failing = threading.Event()
         self.poison: set[str] = set()
+        self.huge: set[str] = set()
         self.lock = threading.Lock()
         self.batches: list[int] = []
         self.items: list[reward_pb2.ScoreItem] = []
@@ -63,7 +65,7 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreResponse(
             scores=[
                 reward_pb2.ItemScore(
-                    reward=len(item.completion) / 10,
+                    reward=1e30 if item.group_id in self.huge else len(item.completion) / 10,
                     components=[rollout_pb2.RewardComponent(name="length", value=len(item.completion) / 10, weight=1.0, status="ok")],
                 )
                 for item in request.items
@@ -246,6 +248,28 @@ def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis
         # A rejection is the scorer answering: it does not open the circuit.
         assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="rejected"}') >= 1
+    finally:
+        svc.kill()
+
+
+def test_a_group_scored_then_refused_for_its_scores_counts_as_neither_scored_nor_passed(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer
+) -> None:
+    """A reward of 1e30 from the grader dead-letters that group alone; the counters say what
+    was committed: two scored, none passed through (the stage once counted it as passed)."""
+    scorer.servicer.huge.add("huge")
+    scorer.start()
+    write_many(rclient, keys, [rollout_group("ok1", ["8"]), rollout_group("huge", ["8"]), rollout_group("ok2", ["8"])])
+    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES)
+    try:
+        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2 and rclient.xlen(keys.dead) == 1, 60, "two scored, one dead letter", [svc])
+        ((_, fields),) = rclient.xrange(keys.dead)
+        assert fields[b"reason"].decode().startswith("scoring gave an unusable group")
+        wait_for(lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0, 60, "every entry acknowledged", [svc])
+        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        assert stats == {"scored": 2, "dead_rollouts": 1}, stats
+        assert metric(svc.http_port, 'rollstream_reward_groups_total{outcome="scored"}') == 2.0
+        assert metric(svc.http_port, 'rollstream_reward_groups_total{outcome="passed_through"}') == 0.0
     finally:
         svc.kill()
 

@@ -27,6 +27,7 @@ from rollstream.core.service import Every, ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import ScorePool
+from rollstream.reward.recipes import Score
 from rollstream.reward.remote import RemoteScorer, ScorerUnavailable
 from rollstream.reward.scoring import Metrics, RewardServicer, Scored, Scorer
 from rollstream.v1 import reward_pb2_grpc, rollout_pb2
@@ -165,6 +166,7 @@ class RewardLoop:
         done: list[Entry] = []
         outputs: list[tuple[str, rollout_pb2.RolloutGroup]] = []
         tokens = 0  # completion tokens of the groups scored here
+        committed_scores: list[list[Score]] = []  # of the groups scored here and committed
         for i, (entry, group) in enumerate(batch):
             if i in scored.rejected:
                 stage.dead_letter(entry, scored.rejected[i])
@@ -179,11 +181,14 @@ class RewardLoop:
             outputs.append((self.settings.output_stage, group))
             if i in scored.scores:
                 tokens += sum(len(c.token_ids) for c in group.completions)
+                committed_scores.append(scored.scores[i])
         if not done:
             return
 
-        scores = [s for group_scores in scored.scores.values() for s in group_scores]
-        newly_scored = len(scored.scores)
+        # Counted over what is committed: a group scored here, then dead-lettered for what its
+        # scores hold, is neither scored nor passed through.
+        scores = [s for group_scores in committed_scores for s in group_scores]
+        newly_scored = len(committed_scores)
         passed_through = len(done) - newly_scored
         errors = sum(s.errors for s in scores)
         timeouts = sum(s.timeouts for s in scores)
