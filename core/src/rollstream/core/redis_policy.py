@@ -3,9 +3,8 @@
 - `connect(url, username, password)`: a client with explicit connect and socket timeouts
   and no hidden retries (a retried XREADGROUP or commit script whose first reply was lost
   would hide work from us; the stream stage re-reads and the commit script is idempotent
-  instead). A server
-  running in cluster mode gets a `RedisCluster` client: every key of a run carries the
-  hash tag `{<run>}`, so one run lives in one slot.
+  instead). A server running in cluster mode gets a `RedisCluster` client: every key of a
+  run carries the hash tag `{<run>}`, so one run lives in one slot.
 - `RedisHealth`: what a loop does when Redis fails. A transient error (connection refused
   or reset, a timeout, a server still loading its AOF, a cluster failing over) makes the
   caller back off (0.2 s doubling to 5 s), reports the service not ready, and logs one
@@ -296,11 +295,9 @@ class RedisHealth:
             try:
                 result = fn()
             except ERRORS as e:
-                if is_denied(e):
-                    raise self.refused(e, doing) from e
-                if not is_transient(e):
+                if not (is_transient(e) or is_denied(e)):
                     raise
-                self.failed(e, doing)
+                self.failed(e, doing)  # a refusal raises Misconfigured there
                 continue
             self.recovered()
             return result
