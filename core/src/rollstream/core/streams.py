@@ -113,15 +113,12 @@ class Entry:
 # ids and the ids, then the number of commands and per command its argc, name, the index
 # of its key in KEYS and the remaining arguments.
 #
-# Idempotent: the inputs must all still be pending on this consumer, else nothing is
-# written and 0 is returned. So a commit retried after a lost reply (a timeout while Redis
-# stalled) does not write its outputs twice, and a consumer whose entries were taken over
-# meanwhile does not write a duplicate of what the new owner will write.
-# Redis has no rollback, so the script then checks every key's type against its command
-# and refuses the whole list (writing nothing) if one would fail with WRONGTYPE. Under
-# maxmemory, Redis refuses a script's first write (OOM) before anything is applied. What
-# remains, an error in a command itself, stops at that command (redis.call raises), with
-# the ack last.
+# The inputs must all still be pending on this consumer, else nothing is written and 0 is
+# returned (the idempotence of the module docstring). Redis has no rollback, so the script
+# then checks every key's type against its command and refuses the whole list (writing
+# nothing) if one would fail with WRONGTYPE. Under maxmemory, Redis refuses a script's first
+# write (OOM) before anything is applied. What remains, an error in a command itself, stops
+# at that command (redis.call raises), with the ack last.
 _RUN_COMMANDS = """
 local group, consumer = ARGV[1], ARGV[2]
 local m = tonumber(ARGV[3])
