@@ -276,3 +276,28 @@ def test_retry_settings_become_the_channels_retry_policy() -> None:
     # No retries: no policy (gRPC wants maxAttempts >= 2). A max below the first delay is raised to it.
     assert "retryPolicy" not in json.loads(service_config(0, 0.5, 10.0))["methodConfig"][0]
     assert json.loads(service_config(1, 2.0, 1.0))["methodConfig"][0]["retryPolicy"]["maxBackoff"] == "2.000000s"
+
+
+def test_a_submit_that_fails_cancels_the_components_submitted_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool closed while one item's components are being queued: the ones already queued
+    (here the endless `slow`) are cancelled, not left to run on a worker until their limit."""
+    p = ScorePool(functools.partial(test_recipes, 120.0), workers=1)
+    p.warm_up()
+    submitted = []
+    real_submit = p._submit
+
+    def submit_then_fail(task: object) -> None:
+        if submitted:
+            raise RuntimeError("the pool went away")
+        real_submit(task)  # type: ignore[arg-type]
+        submitted.append(task)
+
+    monkeypatch.setattr(p, "_submit", submit_then_fail)
+    try:
+        with pytest.raises(RuntimeError, match="went away"):
+            p.score_many([("spin", Sample("x"))])
+        (first,) = submitted
+        wait_for(first.future.done, MIN_WAIT_S, "the queued component to be cancelled")  # type: ignore[attr-defined]
+        assert first.future.cancelled()  # type: ignore[attr-defined]
+    finally:
+        p.close()

@@ -179,9 +179,9 @@ class ScorePool:
                     continue
                 data = (sample.completion, sample.answer, sample.metadata_json, sample.num_tokens)
                 tasks = [_Task(kind, i, c, data) for i, c in enumerate(recipe)]
+                jobs.append(tasks)  # before submitting: a submit that fails must cancel the ones before it
                 for task in tasks:
                     self._submit(task)
-                jobs.append(tasks)
             out = []
             for job in jobs:
                 if not isinstance(job, Score):
