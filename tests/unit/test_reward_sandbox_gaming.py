@@ -248,6 +248,21 @@ def test_tampering_with_the_report_is_a_failure_not_a_sandbox_error(code: str) -
     assert _score(code, ["assert True"]) == (0.0, "ok")
 
 
+def test_a_forged_unreadable_report_fails_its_test_alone() -> None:
+    # ["u", k, <not hex>] on fd 4 once made the harness itself raise, and every test of the
+    # run was lost with it: now it is that test's failure, and the next test still counts.
+    code = (
+        "import os\n"
+        "def add(a, b):\n"
+        "    if a == 0:\n"
+        "        os.write(4, b'[\"u\",0,\"zz\"]\\n[\"d\"]\\n')\n"
+        "        os._exit(0)\n"
+        "    return a + b\n"
+    )
+    result = run_tests(code, ["assert add(0, 0) == 0", "assert add(1, 2) == 3"], LIMITS)
+    assert result.passed == (False, True), result
+
+
 @pytest.mark.parametrize("tests", [ASSERT_TESTS, IO_TESTS], ids=["assert", "io"])
 def test_an_endless_loop_is_a_timeout_scored_0(tests: list) -> None:
     loop = "def add(a, b):\n    while True:\n        pass\nif __name__ == '__main__':\n    print(5555)\n    while True:\n        pass\n"
