@@ -137,8 +137,7 @@ class CommonSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Highest first: keyword arguments (load_settings' overrides), flags, ROLLSTREAM_*
-        environment, TOML file; field defaults below all. Flags and TOML exist only inside
+        """Highest first (the module docstring's order). Flags and TOML exist only inside
         load_settings (`_call_sources`); a class built directly, `XSettings(field=...)`, reads
         its keyword arguments and the environment. No .env file, no secrets directory: the
         services never used them, and a file read from the working directory would be a

@@ -161,9 +161,8 @@ class PipelineView(Collector):
             if not st["active"]:
                 continue
             labels = [st["name"], st["stream"]]
-            families["lag"].add_metric(labels, float(st["lag"] or 0))
-            families["pending"].add_metric(labels, float(st["pending"] or 0))
-            families["length"].add_metric(labels, float(st["length"]))
+            for name in ("lag", "pending", "length"):  # lag and pending are None without a group
+                families[name].add_metric(labels, float(st[name] or 0))
             families["consumers"].add_metric(labels, float(len(st["consumers"])))
         yield from families.values()
         dead = GaugeMetricFamily(p + "dead_letters", "entries in the run's dead-letter stream")

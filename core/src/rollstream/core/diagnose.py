@@ -188,8 +188,7 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
 
     training = ready is not None and per_step > 0 and ready.pending >= per_step
     for spec in stages:
-        s = cur.stream(spec.stream)
-        g = s.group(spec.group)
+        g = cur.stream(spec.stream).group(spec.group)
         backlog = cur.backlog(spec.stream, spec.group)
         if backlog == 0:
             continue
