@@ -111,7 +111,7 @@ class ReferenceModel:
         share_prompts: bool = True,
     ) -> "ReferenceModel":
         model, tokenizer = modeling.load_model(path, dtype=dtype, device=device)
-        round_to_bf16_(model)  # explicit: see round_to_bf16_ for why
+        round_to_bf16_(model)
         return cls(model, int(tokenizer.pad_token_id), token_budget=token_budget, chunk_tokens=chunk_tokens, temperature=temperature, share_prompts=share_prompts)
 
     def check(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
@@ -148,27 +148,21 @@ class ReferenceModel:
         alone = [i for i in todo if tuple(sequences[i][0]) not in shared]
         with self._lock:
             for prompt, indices in shared.items():
-                self._shared_prompt(prompt, indices, sequences, out)
-            self._packed(alone, sequences, out)
+                self._score(indices, sequences, out, prompt)
+            self._score(alone, sequences, out)
         return out
 
-    def _packed(self, indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]]) -> None:
-        """Whole sequences, packed into micro-batches of at most token_budget padded tokens."""
-        lengths = [len(sequences[i][0]) + len(sequences[i][1]) for i in indices]
-        for packed in modeling.pack_by_tokens(lengths, self.token_budget):
-            batch_indices = [indices[k] for k in packed]
-            batch = modeling.make_batch([sequences[i] for i in batch_indices], self.pad_id, self.device)
-            flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
-            for i, values in zip(batch_indices, flat.float().cpu().split(batch.lengths)):
-                out[i] = values.clamp(min=validation.MIN_LOGPROB).tolist()
-
-    def _shared_prompt(self, prompt: tuple[int, ...], indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]]) -> None:
-        """Completions of one prompt: the prompt once per micro-batch, its KV cache for all.
-        Packed as the whole sequences would be (each row holds the prompt's cache and its
-        completion), so memory stays within the same token budget."""
-        for packed in modeling.pack_by_tokens([len(prompt) + len(sequences[i][1]) for i in indices], self.token_budget):
-            batch_indices = [indices[k] for k in packed]
-            completions = [sequences[i][1] for i in batch_indices]
-            flat = shared_prompt_logprobs(self.model, prompt, completions, self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
-            for i, values in zip(batch_indices, flat.float().cpu().split([len(c) for c in completions])):
-                out[i] = values.clamp(min=validation.MIN_LOGPROB).tolist()
+    def _score(self, indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]], prompt: tuple[int, ...] | None = None) -> None:
+        """The sequences at `indices`, packed into micro-batches of at most token_budget padded
+        tokens. With `prompt` (all of theirs) it runs once per micro-batch and its KV cache
+        serves every completion; packed as the whole sequences would be (each row holds the
+        prompt's cache and its completion), so memory stays within the same token budget."""
+        for packed in modeling.pack_by_tokens([len(sequences[i][0]) + len(sequences[i][1]) for i in indices], self.token_budget):
+            pairs = [sequences[indices[k]] for k in packed]
+            if prompt is None:
+                batch = modeling.make_batch(pairs, self.pad_id, self.device)
+                flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+            else:
+                flat = shared_prompt_logprobs(self.model, prompt, [c for _, c in pairs], self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+            for k, values in zip(packed, flat.float().cpu().split([len(c) for _, c in pairs])):
+                out[indices[k]] = values.clamp(min=validation.MIN_LOGPROB).tolist()

@@ -212,10 +212,9 @@ class ReferenceLoop:
                 validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
             except codec.EntryError as e:
                 stage.dead_letter(entry, f"reference log-probs unusable: {e}")
-                continue
-            ok.append((entry, g))
-        good = ok
-        referenced = len(good)
+            else:
+                ok.append((entry, g))
+        referenced = len(ok)
 
         # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
         def ledger(ops: streams.Ops) -> None:
@@ -226,7 +225,7 @@ class ReferenceLoop:
         # entries stay pending and are read again).
         scorer.totals.add(referenced, 0)
         try:
-            stage.commit([e for e, _ in good], outputs=[("ready", g) for _, g in good], extra=ledger)
+            stage.commit([e for e, _ in ok], outputs=[("ready", g) for _, g in ok], extra=ledger)
         except BaseException:
             scorer.totals.add(-referenced, 0)
             raise
@@ -234,6 +233,6 @@ class ReferenceLoop:
         tokens = sum(len(p) + len(c) for p, c in sequences)
         logs.event(
             host.log, "groups_referenced", referenced=referenced, completions=len(sequences), tokens=tokens, seconds=round(seconds, 3),
-            tokens_per_s=round(tokens / seconds) if seconds > 0 else 0, versions=",".join(sorted({str(g.policy_version) for _, g in good})),
-            groups=logs.group_ids(g for _, g in good),
+            tokens_per_s=round(tokens / seconds) if seconds > 0 else 0, versions=",".join(sorted({str(g.policy_version) for _, g in ok})),
+            groups=logs.group_ids(g for _, g in ok),
         )
