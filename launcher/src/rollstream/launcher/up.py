@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.text import Text
 
 from rollstream.core import codec, credentials, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher import procs
@@ -273,7 +274,7 @@ def _up(cfg: RunConfig) -> int:
                             f"loss {m.loss:+.4f}  staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
-                    stats = _stats(client, keys)
+                    stats = pipeline_status.parse_counters(client.hgetall(keys.stats))
                     if redis_down:
                         console.print("Redis answers again", style="green")
                         redis_down = False
@@ -308,7 +309,7 @@ def _up(cfg: RunConfig) -> int:
         result["versions"] = versions
         result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
-            result["stats"] = _stats(client, keys)
+            result["stats"] = pipeline_status.parse_counters(client.hgetall(keys.stats))
         except redis_policy.ERRORS as e:
             console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
         client.close()
@@ -426,17 +427,6 @@ class ExternalReward:
         # Redis 6.2 lists a consumer only once it has been handed an entry: a service blocked
         # on an empty stream shows as its group alone until the first group is generated.
         return self.waiting_line() + (": the group exists, no consumer has taken an entry yet" if created else "")
-
-
-def _stats(client: redis_policy.Client, keys: streams.RunKeys) -> dict[str, int]:
-    """The run's counters; a field that is not an integer (someone wrote to the hash) is skipped."""
-    out = {}
-    for k, v in client.hgetall(keys.stats).items():
-        try:
-            out[k.decode(errors="replace")] = int(v)
-        except ValueError:
-            continue
-    return out
 
 
 def _write_restarts(workdir: Path, children: list[Child]) -> None:
