@@ -82,4 +82,4 @@ class GeneratorSettings(TorchSettings):
 
     def visible_devices(self) -> str:
         """CUDA_VISIBLE_DEVICES for gpu_ids ('' when unset: leave the environment alone)."""
-        return ",".join(i.strip() for i in self.gpu_ids.split(",")) if self.gpu_ids else ""
+        return ",".join(i.strip() for i in self.gpu_ids.split(","))

@@ -168,13 +168,12 @@ class Generator:
             lock_wait_s=round(locked - start, 3), decode_s=round(decoded - locked, 3), load_s=round(end - decoded, 3),
         )
 
-    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool = False, timings: ApplyTimings | None = None) -> generator_pb2.GeneratorState:
+    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool, timings: ApplyTimings) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
         the version already held are skipped: a push may have delivered them meanwhile.
         Raises weight_transfer.TransferRefused, having read no further, for a stream above
-        max_weight_bytes or longer than its header says. `timings`, when given, gets each
-        payload's stages added, receive counted from this call's start or the previous apply."""
-        timings = timings if timings is not None else ApplyTimings()
+        max_weight_bytes or longer than its header says. `timings` gets each payload's
+        stages added, receive counted from this call's start or the previous apply."""
         mark = time.perf_counter()
         for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
             received = time.perf_counter() - mark
@@ -212,7 +211,7 @@ class Generator:
         """FetchWeights and apply what it streams; a refused stream is cancelled, not drained."""
         responses = stub.FetchWeights(request, timeout=600)
         try:
-            self.apply_stream(responses, skip_held=skip_held)
+            self.apply_stream(responses, skip_held=skip_held, timings=ApplyTimings())
         finally:
             responses.cancel()  # no-op once the stream has ended
 
@@ -221,7 +220,8 @@ class Generator:
             try:
                 self.catch_up()
             except (grpc.RpcError, deltas.DeltaError) as e:
-                logs.event(self.log, "catch_up_failed", logging.WARNING, error=_short(e))
+                error = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
+                logs.event(self.log, "catch_up_failed", logging.WARNING, error=error)
             self.sync_wake.wait(self.settings.sync_interval_s)
             self.sync_wake.clear()
 
@@ -359,9 +359,3 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
         return self.gen.state(with_sha=request.with_weights_sha256)
-
-
-def _short(e: Exception) -> str:
-    if isinstance(e, grpc.RpcError):
-        return f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
-    return str(e)
