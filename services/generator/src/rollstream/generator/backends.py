@@ -61,8 +61,7 @@ class Backend(Protocol):
 
     def host_bits(self) -> dict[str, np.ndarray]:
         """The weights the backend serves, as bf16 bits by Hugging Face name, from its
-        own bookkeeping (no engine read-back). At start: the checkpoint rounded to bf16,
-        version 0, exactly what the trainer publishes as version 0."""
+        own bookkeeping (no engine read-back); at start the checkpoint rounded to bf16."""
         ...
 
     def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:

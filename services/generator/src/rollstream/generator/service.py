@@ -132,13 +132,11 @@ class GeneratorLoop:
     def sample(self, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> validation.Groups:
         """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
         a task that fails alone goes to the dead letters (it must not take its batch with it)."""
-        try:
-            return [(entry, group) for (entry, _), group in zip(taken, self.gen.generate([t for _, t in taken]))]
-        except Exception as e:  # noqa: BLE001
-            if len(taken) == 1:
-                self.stage.dead_letter(taken[0][0], f"sampling failed: {type(e).__name__}: {e}")
-                return []
-            logs.event(self.host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
+        if len(taken) > 1:
+            try:
+                return [(entry, group) for (entry, _), group in zip(taken, self.gen.generate([t for _, t in taken]))]
+            except Exception as e:  # noqa: BLE001
+                logs.event(self.host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
         done = []
         for entry, task in taken:
             try:
