@@ -17,6 +17,7 @@ as before: the default user, no password.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -63,7 +64,9 @@ class EmbeddedRedis:
         appendfsync: str = "always",
         aclfile: Path | None = None,
         admin_password: str | None = None,
+        state_file: Path | None = None,
     ):
+        """`state_file`: {pid, url} written there at every start (`rollstream status --workdir`)."""
         if aclfile is not None and not admin_password:
             raise ValueError("an aclfile needs the admin user's password (admin_password): the default user is off")
         self.data_dir = Path(data_dir)
@@ -73,6 +76,7 @@ class EmbeddedRedis:
         # Absolute: redis-server resolves a relative path against --dir, not our directory.
         self.aclfile = Path(aclfile).resolve() if aclfile is not None else None
         self.admin_password = admin_password
+        self.state_file = state_file
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -127,6 +131,11 @@ class EmbeddedRedis:
         if version < MIN_VERSION:
             self.stop()
             raise RuntimeError(f"redis-server {version} is too old: XAUTOCLAIM needs >= 6.2")
+        if self.state_file is not None:
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": self.proc.pid, "url": self.url}))
+            tmp.replace(self.state_file)  # whole, for whoever reads it meanwhile
         return self
 
     def admin_client(self) -> redis.Redis:

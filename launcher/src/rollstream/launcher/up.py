@@ -143,9 +143,10 @@ def _up(cfg: RunConfig) -> int:
         # With a reference stage, `ready` is the reference's alone: the reward user cannot write it.
         passwords = redis_acl.ensure_redis_credentials(creds, reference_stage=cfg.with_reference)
         admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
-        embedded = EmbeddedRedis(workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN]).start()
+        embedded = EmbeddedRedis(
+            workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN], state_file=workdir / "state" / "redis.json"
+        ).start()
         redis_url = embedded.url
-        _write_redis_state(workdir, embedded)
         console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
     keys = streams.RunKeys(cfg.run)
     try:
@@ -194,11 +195,7 @@ def _up(cfg: RunConfig) -> int:
     try:
         trainer.start()
         console.print("starting trainer (loading the model)...")
-        try:
-            trainer_address = trainer.grpc_address()
-        except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
-            console.print(str(e), style="red")
-            return 2 if e.returncode == 2 else 1
+        trainer_address = trainer.grpc_address()
         for i in range(cfg.generators):
             # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
             # sampled while the trainer trains on this one; with 0, a batch is sampled only
@@ -226,12 +223,8 @@ def _up(cfg: RunConfig) -> int:
             children.append(configured_child("reference-0", "reference", reference_values, own("reference"), workdir))
         for child in children[1:]:
             child.start()
-        try:
-            for child in children[1:]:
-                child.grpc_address()
-        except ChildFailed as e:
-            console.print(str(e), style="red")
-            return 2 if e.returncode == 2 else 1
+        for child in children[1:]:
+            child.grpc_address()
         console.print(f"services up: {', '.join(c.name for c in children)}; logs in {workdir / 'logs'}")
         console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
         if external is not None:
@@ -246,7 +239,6 @@ def _up(cfg: RunConfig) -> int:
                     console.print(f"redis-server exited with {embedded.proc.returncode}; restarting it on its AOF", style="yellow")
                     embedded.stop()
                     _restart_redis(embedded, console)
-                    _write_redis_state(workdir, embedded)
                 for child in children:
                     if child.exited():
                         code = child.proc.returncode if child.proc is not None else None
@@ -297,6 +289,9 @@ def _up(cfg: RunConfig) -> int:
                 time.sleep(0.5)
         if finished:
             versions = settle_versions(trainer, children[1 : 1 + cfg.generators], admin)
+    except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
+        console.print(str(e), style="red")
+        return 2 if e.returncode == 2 else 1
     finally:
         if trainer.proc is not None and trainer.proc.poll() is None and not finished:
             console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
@@ -435,13 +430,6 @@ def _write_restarts(workdir: Path, children: list[Child]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({c.name: c.restarts for c in children if c.restarts}))
     tmp.replace(path)
-
-
-def _write_redis_state(workdir: Path, embedded: EmbeddedRedis) -> None:
-    path = workdir / "state" / "redis.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    assert embedded.proc is not None
-    path.write_text(json.dumps({"pid": embedded.proc.pid, "url": embedded.url}))
 
 
 def _restart_redis(embedded: EmbeddedRedis, console: Console) -> None:
