@@ -31,6 +31,7 @@ from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 
@@ -131,6 +132,7 @@ class Generator:
         # (set by the service once it serves, before it registers; rollstream.core.push_signing).
         self.prover = push_signing.GeneratorProver(self.creds.token) if self.creds.token else None
         self.advertised_address = ""
+        self.peers = PeerChannels(self.creds)  # the generators this one forwards pushes to
         self.groups_generated = 0
         self.busy = 0
         self.sync_wake = threading.Event()
@@ -327,14 +329,17 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def PushWeights(self, request_iterator: Iterable[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         start = time.perf_counter()
         timings = ApplyTimings()
+        # Forwarded on the way where the first chunk names targets (the relay tree, relay.py).
+        stream = RelayedStream(request_iterator, self.gen.advertised_address, self.gen.peers)
         try:
             # skip_held: the sync thread may have fetched this very version from the trainer
             # just before the push arrived (it saw the trainer's new version first). The
             # generator serves it already: the push is done, not refused as a broken chain.
-            state = self.gen.apply_stream(request_iterator, skip_held=True, timings=timings)
+            state = self.gen.apply_stream(stream, skip_held=True, timings=timings)
         except weight_transfer.TransferRefused as e:
             # Not a sync outcome but a broken or hostile stream: an error status, at once
             # (the rest of the stream is not read), and no catch-up woken for it.
+            stream.finish(read_rest=False)
             self.gen.metrics.payloads_refused.inc()
             logs.event(self.gen.log, "weight_stream_refused", logging.WARNING, error=str(e), peer=context.peer())
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
@@ -343,10 +348,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             self.gen.metrics.payloads_refused.inc()
             logs.event(self.gen.log, "weights_refused", logging.WARNING, error=str(e), holding=self.gen.weights.version)
             self.gen.sync_wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
-            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e))
+            # Our base is not the push's; the targets' may be: they still get it whole.
+            relayed = stream.finish(read_rest=True)
+            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e), relayed=relayed)
+        finally:
+            stream.finish(read_rest=False)  # whatever else ended the call: the targets' streams end too
         return weights_pb2.PushResult(
             applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start,
             receive_seconds=timings.receive, lock_wait_seconds=timings.lock_wait, decode_seconds=timings.decode, load_seconds=timings.load,
+            relayed=stream.finish(read_rest=True),
         )
 
     def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:

@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from rollstream.core import push_signing
 from rollstream.core.push_signing import PushSigner
+from rollstream.trainer import relay
 from rollstream.v1 import generator_pb2, weights_pb2
 
 
@@ -63,6 +64,7 @@ class PushOutcome:
     lock_wait_s: float = 0.0
     decode_s: float = 0.0
     load_s: float = 0.0
+    via: str = ""  # the relay that pushed it ("": the trainer itself)
 
 
 log = logging.getLogger(__name__)
@@ -300,15 +302,46 @@ class WeightPublisher:
         # run of a trainer that restarted from scratch): start over from the anchor.
         return [anchor, *chain]
 
-    def push(self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False) -> list[PushOutcome]:
+    def push(
+        self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False, fanout: int = 0
+    ) -> list[PushOutcome]:
         """Push one payload to every generator concurrently (each as a stream of chunks).
         `from_registry`: the addresses come from the generator registry, which a lesser role
-        writes, so each generator must prove the address it was dialed at."""
+        writes, so each generator must prove the address it was dialed at. `fanout` >= 1 with
+        more generators than that: down a relay tree (relay.py), the trainer sending to
+        `fanout` of them only; one outcome per address either way."""
         wire = published.wire_chunks()  # hashed here, once; serialized once too unless in a file
         calls = self._calls(addresses)
         gate = PushGate(self.signer, self.generator_key, from_registry)
-        futures = [self._pool.submit(push_one, calls[a], a, wire, published.header(), gate, timeout_s) for a in addresses]
-        return [f.result() for f in futures]
+        if fanout < 1 or len(addresses) <= fanout:
+            futures = [self._pool.submit(push_one, calls[a], a, wire, published.header(), gate, timeout_s) for a in addresses]
+            return [f.result() for f in futures]
+        outcomes: dict[str, PushOutcome] = {}
+        pending = list(addresses)
+        for _ in range(RELAY_ROUNDS):
+            for o in self._relay_round(pending, calls, wire, published.header(), gate, timeout_s, fanout):
+                outcomes[o.address] = o
+            # Orphans (a relay above them failed) go down a tree of their own, with fresh nonces.
+            pending = [a for a in pending if outcomes[a].error.startswith(ORPHANED)]
+            if not pending:
+                break
+        return [outcomes[a] for a in addresses]
+
+    def _relay_round(
+        self, addresses: Sequence[str], calls: Mapping[str, PushCall], wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate,
+        timeout_s: float, fanout: int,
+    ) -> list[PushOutcome]:
+        """1. A signature for every generator, over a nonce of its own (small calls, concurrently);
+        2. the tree over those that gave one; 3. the payload to its roots, each with its subtree."""
+        start = time.perf_counter()
+        signed = list(self._pool.map(lambda a: sign_one(calls[a], a, header, gate, timeout_s), addresses))
+        refused = [PushOutcome(a, False, -1, why, time.perf_counter() - start) for a, (_, why) in zip(addresses, signed) if why]
+        signatures = {a: sig for a, (sig, why) in zip(addresses, signed) if not why}
+        roots = relay.tree(list(signatures), fanout)
+        futures = [
+            self._pool.submit(push_forwarding, calls[root.address], root, wire, signatures, timeout_s - (time.perf_counter() - start)) for root in roots
+        ]
+        return [*refused, *(o for f in futures for o in f.result())]
 
     def _calls(self, addresses: Sequence[str]) -> dict[str, PushCall]:
         """PushWeights over the kept channels, taking serialized chunks as they are (no
@@ -373,6 +406,55 @@ class PushGate:
             if self.prove_address and answer.address != address:
                 raise NotAGenerator(f"registered as {address}, but the generator answering there is {answer.address!r}: not pushing there")
         return self.signer.metadata(answer.nonce, header)
+
+
+ORPHANED = "not reached: "  # RelayedPush.orphaned, in a PushOutcome's error
+RELAY_ROUNDS = 3  # a tree, then one for its orphans, then one for theirs
+
+
+def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> tuple[str, str]:
+    """(the signature's metadata value for `address`, "") or ("", why none)."""
+    try:
+        return dict(gate.metadata(call, address, header, timeout_s)).get(push_signing.METADATA_KEY, ""), ""
+    except grpc.RpcError as e:
+        return "", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    except NotAGenerator as e:
+        log.warning("push_refused_not_a_generator: %s", e)
+        return "", str(e)
+
+
+def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], signatures: Mapping[str, str], timeout_s: float) -> list[PushOutcome]:
+    """The payload to `root`, its first chunk naming root's subtree (the relay tree below it),
+    signed for it; the outcomes of root and of every generator below it."""
+    start = time.perf_counter()
+    metadata = ((push_signing.METADATA_KEY, signatures[root.address]),) if signatures[root.address] else ()
+    forward = relay.targets(root.children, signatures)
+
+    def chunks() -> Iterator[bytes]:
+        it = iter(wire)
+        first = weights_pb2.WeightChunk.FromString(next(it))
+        first.forward.extend(forward)
+        yield first.SerializeToString()
+        yield from it
+
+    try:
+        result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata)
+    except grpc.RpcError as e:
+        why = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        below = root.addresses()[1:]
+        return [
+            PushOutcome(root.address, False, -1, why, time.perf_counter() - start),
+            *(PushOutcome(a, False, -1, f"{ORPHANED}{root.address} did not take the push", 0.0) for a in below),
+        ]
+    own = PushOutcome(
+        root.address, result.applied, result.version, result.error, time.perf_counter() - start,
+        receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
+    )
+    relayed = [PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via) for r in result.relayed]
+    # A relay that answered but reported nobody below it (it forwarded nothing: an older
+    # generator, or one that crashed forwarding) orphans its subtree.
+    missing = set(root.addresses()[1:]) - {o.address for o in relayed}
+    return [own, *relayed, *(PushOutcome(a, False, -1, f"{ORPHANED}{root.address} reported no outcome for it", 0.0) for a in sorted(missing))]
 
 
 def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:

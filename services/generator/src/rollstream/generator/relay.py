@@ -1,0 +1,180 @@
+"""Forwarding a push down the relay tree (issue 30; the tree: rollstream.trainer.relay).
+
+A push whose first chunk names targets (`WeightChunk.forward`) is forwarded by its receiver
+to each of them, chunk by chunk as the chunks arrive, each on a stream of its own, while the
+receiver applies the push itself: a tree of depth d costs d chunks of latency, not d
+payloads. Each target gets the first chunk with its own subtree as `forward`, and the
+trainer's signature made for it as its metadata, so it checks the push exactly as one from
+the trainer. The receiver's answer (PushResult.relayed) carries every outcome of its
+subtree; a target that fails is reported with every generator below it as not reached (the
+trainer pushes to those again, with fresh nonces: a relay holds no signature for them that
+has not been spent or may not be).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from rollstream.core import push_signing
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.grpc_utils import channel
+from rollstream.v1 import weights_pb2
+
+PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
+RELAY_TIMEOUT_S = 120.0  # a forwarded push, as the trainer's own push_timeout_s default
+
+
+class PeerChannels:
+    """Channels to the generators this one forwards to, kept from one push to the next (a
+    generator's children change only when the trainer's view of the registry does)."""
+
+    def __init__(self, creds: ClientCredentials):
+        self.creds = dataclasses.replace(creds, token="")  # no token ever goes to a generator: pushes are signed
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def push_call(self, address: str) -> grpc.StreamUnaryMultiCallable:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = channel(address, self.creds, server_name="generator")
+            ch = self._channels[address]
+        return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+def not_reached(target: weights_pb2.RelayTarget, via: str, why: str) -> list[weights_pb2.RelayedPush]:
+    """`target`, failed for `why`, and every generator below it, orphaned."""
+    return [weights_pb2.RelayedPush(address=target.address, applied=False, error=why, via=via), *orphans(target)]
+
+
+def orphans(target: weights_pb2.RelayTarget) -> list[weights_pb2.RelayedPush]:
+    return [
+        r
+        for t in target.forward
+        for r in (weights_pb2.RelayedPush(address=t.address, applied=False, error=f"not reached: {target.address} did not take the push", via=target.address, orphaned=True), *orphans(t))
+    ]
+
+
+class Forwarder:
+    """One push's forwarding: `send` every chunk as it arrives, then `finish` for the outcomes."""
+
+    def __init__(self, targets: Sequence[weights_pb2.RelayTarget], via: str, peers: PeerChannels, timeout_s: float = RELAY_TIMEOUT_S):
+        self.via = via
+        self._legs = [_Leg(t, via, peers, timeout_s) for t in targets]
+
+    def send(self, chunk: weights_pb2.WeightChunk, first: bool) -> None:
+        if first:
+            for leg in self._legs:
+                own = weights_pb2.WeightChunk(header=chunk.header, data=chunk.data, forward=leg.target.forward)
+                leg.put(own.SerializeToString())
+            return
+        data = chunk.SerializeToString()  # once for every leg
+        for leg in self._legs:
+            leg.put(data)
+
+    def finish(self, complete: bool = True) -> list[weights_pb2.RelayedPush]:
+        """End every leg's stream (cut short when not `complete`: the children refuse it) and
+        return their outcomes, their subtrees' included."""
+        for leg in self._legs:
+            leg.close(complete)
+        return [r for leg in self._legs for r in leg.outcome()]
+
+
+class _Leg:
+    """One target's stream, fed from a queue by the thread that reads the push."""
+
+    def __init__(self, target: weights_pb2.RelayTarget, via: str, peers: PeerChannels, timeout_s: float):
+        self.target = target
+        self.via = via
+        self._chunks: queue.Queue[bytes | None] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._failed = threading.Event()  # the call ended in an error: take no more chunks
+        self._result: list[weights_pb2.RelayedPush] = []
+        self._thread = threading.Thread(target=self._run, args=(peers, timeout_s), name=f"relay-{target.address}", daemon=True)
+        self._thread.start()
+
+    def put(self, data: bytes) -> None:
+        if not self._failed.is_set():
+            self._chunks.put(data)
+
+    def close(self, complete: bool) -> None:
+        if not complete:
+            self._cancelled.set()
+        self._chunks.put(None)  # also after a failure: a request iterator may still wait on the queue
+
+    def outcome(self) -> list[weights_pb2.RelayedPush]:
+        self._thread.join()
+        return self._result
+
+    def _requests(self) -> Iterator[bytes]:
+        while (data := self._chunks.get()) is not None:
+            yield data
+        if self._cancelled.is_set():  # an incomplete stream: end the call with an error instead
+            raise RuntimeError("the relay's own stream was cut short")
+
+    def _run(self, peers: PeerChannels, timeout_s: float) -> None:
+        start = time.perf_counter()
+        metadata = ((push_signing.METADATA_KEY, self.target.signature),) if self.target.signature else ()
+        try:
+            result = peers.push_call(self.target.address)(self._requests(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            why = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            self._result = not_reached(self.target, self.via, f"relay {self.via} -> {self.target.address}: {why}")
+            self._failed.set()
+            return
+        seconds = time.perf_counter() - start
+        self._result = [
+            weights_pb2.RelayedPush(address=self.target.address, applied=result.applied, version=result.version, error=result.error, seconds=seconds, via=self.via),
+            *result.relayed,
+        ]
+
+
+class RelayedStream:
+    """A push's chunks as the servicer applies them, forwarded on the way when the first
+    chunk names targets. `finish` once, whatever happened: it ends the forwarded streams
+    (whole only if this one was read to its end) and returns their outcomes."""
+
+    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels):
+        self._chunks = iter(chunks)
+        self._via = via
+        self._peers = peers
+        self._forwarder: Forwarder | None = None
+        self._started = False
+        self._ended = False
+        self._outcomes: list[weights_pb2.RelayedPush] | None = None
+
+    def __iter__(self) -> Iterator[weights_pb2.WeightChunk]:
+        for chunk in self._chunks:
+            first = not self._started
+            self._started = True
+            if first and chunk.forward:
+                self._forwarder = Forwarder(chunk.forward, self._via, self._peers)
+            if self._forwarder is not None:
+                self._forwarder.send(chunk, first)
+            yield chunk
+        self._ended = True
+
+    def finish(self, read_rest: bool) -> list[weights_pb2.RelayedPush]:
+        """`read_rest`: the push was good as far as this generator could tell (applied, or
+        refused for its base only: the targets may hold the right one), so the rest of it is
+        read for the targets first."""
+        if self._outcomes is None:
+            if read_rest and self._forwarder is not None and not self._ended:
+                try:
+                    for _ in self:
+                        pass
+                except Exception:  # noqa: BLE001 - the push broke off: the targets get a cut stream
+                    pass
+            self._outcomes = self._forwarder.finish(complete=self._ended) if self._forwarder is not None else []
+        return self._outcomes

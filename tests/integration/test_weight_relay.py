@@ -1,0 +1,62 @@
+"""Pushes down the relay tree (trainer/relay.py, generator/relay.py): the trainer sends each
+payload to `fanout` generators, they forward it on, every generator serves the version
+exactly, and a relay that is gone orphans its subtree only until the trainer's next round."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollstream.core import deltas, modeling
+from rollstream.trainer.publisher import WeightPublisher
+
+from procs import ServiceProc, start_service
+from test_weight_fanout import perturbed, served_sha
+
+
+@pytest.fixture
+def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
+    procs = [
+        start_service(
+            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
+            "--threads", "1", "--generator-id", f"g{i}",
+        )
+        for i in range(5)
+    ]
+    try:
+        yield [p.wait_ready() for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_push_goes_down_the_tree_and_around_a_dead_relay(generators: list[ServiceProc], tiny_model_dir: Path) -> None:
+    model, _ = modeling.load_model(tiny_model_dir)
+    bits = modeling.model_bits(model)
+    publisher = WeightPublisher(bits, anchor_interval=100)
+    addresses = [g.grpc_address for g in generators]
+    try:
+        bits = perturbed(bits, seed=1)
+        published, _ = publisher.publish(bits)
+        outcomes = publisher.push(addresses, published, timeout_s=120, fanout=2)
+        assert [o.address for o in outcomes] == addresses
+        assert all(o.applied and o.version == 1 for o in outcomes), [o.error for o in outcomes]
+        # The tree, breadth first: the trainer sends to g0 and g1 only; g0 forwards to g2 and g3, g1 to g4.
+        assert [o.via for o in outcomes] == ["", "", addresses[0], addresses[0], addresses[1]]
+        for g in generators:
+            assert served_sha(g) == (1, deltas.weights_sha256(bits))
+
+        generators[1].stop()  # a relay gone: g4 below it is orphaned, then reached in a round of its own
+        bits = perturbed(bits, seed=2)
+        published, _ = publisher.publish(bits)
+        outcomes = {o.address: o for o in publisher.push(addresses, published, timeout_s=120, fanout=2)}
+        assert not outcomes[addresses[1]].applied
+        for i in (0, 2, 3, 4):
+            assert outcomes[addresses[i]].applied and outcomes[addresses[i]].version == 2, outcomes[addresses[i]].error
+            assert served_sha(generators[i]) == (2, deltas.weights_sha256(bits))
+        from_trainer = [a for a, o in outcomes.items() if o.via == "" and a != addresses[1]]
+        assert len(from_trainer) + 1 <= 4  # payloads the trainer sent: g0, the dead g1, then g4's round
+    finally:
+        publisher.close()
