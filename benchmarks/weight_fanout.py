@@ -50,27 +50,60 @@ from concurrent import futures
 from pathlib import Path
 
 
-def serve_sink(state_file: str) -> None:
-    """A receiver with the generator's receive path only (for --backend sink)."""
+def serve_sink(state_file: str, die_in_push: int) -> None:
+    """A receiver with the generator's receive path only (for --backend sink), forwarding as a
+    generator does where the push names targets (rollstream.generator.relay). Each version it
+    received whole (sha256 checked) is appended to STATE_FILE.served with the wall clock.
+    `die_in_push` > 0: SIGKILL itself at the first chunk of its that-many-th push (a relay
+    killed mid-push)."""
+    import signal
+    import threading
+
     import grpc
 
     from rollstream.core import weight_transfer
+    from rollstream.core.grpc_auth import ClientCredentials
+    from rollstream.generator.relay import PeerChannels, RelayedStream
     from rollstream.v1 import generator_pb2_grpc, weights_pb2
+
+    pushes = 0
+    lock = threading.Lock()
+    served = open(state_file + ".served", "a")
+    peers = PeerChannels(ClientCredentials())
+    address = ""
+
+    def dying(chunks):  # type: ignore[no-untyped-def]
+        for chunk in chunks:
+            os.kill(os.getpid(), signal.SIGKILL)
+            yield chunk
 
     class Sink(generator_pb2_grpc.GeneratorServicer):
         def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+            nonlocal pushes
             start = time.perf_counter()
+            with lock:
+                pushes += 1
+                die = pushes == die_in_push
+            stream = RelayedStream(request_iterator, address, peers)
             version = 0
-            for header, _payload in weight_transfer.from_chunks(request_iterator):
-                version = header.version
+            try:
+                # Killed after its first chunk went on to its targets: their streams break off.
+                for header, _payload in weight_transfer.from_chunks(dying(stream) if die else stream):
+                    version = header.version
+                with lock:  # served: received whole and checked, before the targets answer
+                    served.write(json.dumps({"version": version, "t": time.time()}) + "\n")
+                    served.flush()
+            finally:
+                relayed = stream.finish(read_rest=False)
             received = time.perf_counter() - start
-            return weights_pb2.PushResult(applied=True, version=version, apply_seconds=received, receive_seconds=received)
+            return weights_pb2.PushResult(applied=True, version=version, apply_seconds=received, receive_seconds=received, relayed=relayed)
 
     from rollstream.core.grpc_utils import CHANNEL_OPTIONS
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
     generator_pb2_grpc.add_GeneratorServicer_to_server(Sink(), server)
     port = server.add_insecure_port("127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
     server.start()
     tmp = Path(state_file + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "grpc_port": port}))
@@ -81,7 +114,8 @@ def serve_sink(state_file: str) -> None:
 def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_dir: str, workdir: Path) -> tuple[subprocess.Popen[bytes], Path]:
     state_file = workdir / f"receiver{index}.state.json"
     if args.backend == "sink":
-        cmd = [sys.executable, __file__, "--serve-sink", str(state_file)]
+        die = args.kill_relay_round if index == 0 and args.fanout else 0
+        cmd = [sys.executable, __file__, "--serve-sink", str(state_file), "--die-in-push", str(die)]
     else:
         cmd = [
             sys.executable, "-m", "rollstream.generator", "--redis-url", redis_url, "--run", "fanout",
@@ -142,9 +176,12 @@ def main() -> None:
     parser.add_argument("--generator-threads", type=int, default=1, help="torch threads per generator process")
     parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts in seconds; no effect on weight loads)")
     parser.add_argument("--push-timeout", type=float, default=600.0)
+    parser.add_argument("--fanout", type=int, default=0, help="push down a relay tree of this fanout (0: the trainer pushes to every receiver)")
+    parser.add_argument("--kill-relay-round", type=int, default=0, help="sink, with --fanout: receiver 0 (a root) kills itself at its Nth push's first chunk")
+    parser.add_argument("--die-in-push", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_sink:
-        serve_sink(args.serve_sink)
+        serve_sink(args.serve_sink, args.die_in_push)
         return
     counts = [int(c) for c in args.counts.split(",")]
     if args.payload != "delta" and args.backend != "sink":
@@ -179,62 +216,73 @@ def main() -> None:
             gen = torch.Generator().manual_seed(0)
             direction = {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
 
-            def step() -> dict:
+            def step() -> tuple[dict, deltas.DeltaEncoder]:
+                """One AdamW step, its delta encoded on the way as the trainer does (the bits
+                are views of the split layout's masters: the step changes the base in place)."""
                 for name, p in params.items():
                     p.grad = direction[name] + 0.5 * torch.randn(p.shape, generator=gen)
-                _norm, bits = opt.step(0.0)
-                return bits
+                encoder = publisher.begin_delta()
+                _norm, bits = opt.step(0.0, on_piece=encoder.add_piece)
+                return bits, encoder
+
+            dead: set[str] = set()
 
             def push(targets: list[str], published: Published) -> list:
-                outcomes = publisher.push(targets, published, args.push_timeout)
+                outcomes = publisher.push(targets, published, args.push_timeout, fanout=args.fanout)
                 for o in outcomes:
-                    if not o.applied:
+                    if not o.applied and not (args.kill_relay_round and o.address == addresses[0]):
                         raise RuntimeError(f"push of version {published.info.version} to {o.address} not applied: {o.error}")
+                    if not o.applied:
+                        dead.add(o.address)  # the relay that killed itself: out of the later rounds
                 return outcomes
 
             sink = args.backend == "sink"
             fixed: tuple[Published, int, float, float] | None = None
             if not sink or args.payload != "first":
                 # Adam's first step moves every weight; steady-state deltas come after it.
-                published, _ = publisher.publish(step())
+                published, _ = publisher.publish(*step())
                 if not sink:
                     push(addresses, published)
             if sink:
                 # Sinks keep no chain: one payload, encoded once, pushed every round.
-                bits = None if args.payload == "anchor" else step()
+                stepped = None if args.payload == "anchor" else step()
                 t = time.perf_counter()
-                if bits is None:
+                if stepped is None:
                     # The anchor was encoded when the publisher started; time a fresh encode of it.
                     published = publisher.catch_up_payloads(-1, "")[0]
                     deltas.encode_anchor(publisher.bits(), published.info.version, publisher.fingerprint)
                     nbytes, fraction = len(published.payload), 1.0
                 else:
-                    published, stats = publisher.publish(bits)
+                    published, stats = publisher.publish(*stepped)
                     nbytes, fraction = stats.nbytes, stats.fraction_of_dense
                 fixed = (published, nbytes, fraction, time.perf_counter() - t)
             rounds: dict[int, list[dict]] = {n: [] for n in counts}
             for _ in range(args.rounds):
                 for n in counts:
-                    bits = None if sink else step()
+                    stepped = None if sink else step()
                     cpu_before = [cpu_seconds(pid) for pid in pids[:n]]
                     own_before = cpu_seconds(os.getpid())
                     step_end = time.perf_counter()  # the trainer's bf16 weights for the new version exist
-                    if fixed is None:
-                        published, stats = publisher.publish(bits)
+                    if stepped is not None:
+                        published, stats = publisher.publish(*stepped)
                         nbytes, fraction = stats.nbytes, stats.fraction_of_dense
                         encode_s = time.perf_counter() - step_end
                     else:
                         published, nbytes, fraction, encode_s = fixed
                     encoded = time.perf_counter()
                     push_cpu_before = cpu_seconds(os.getpid())
-                    outcomes = push(addresses[:n], published)
+                    step_end_wall = time.time() - (encoded - step_end)
+                    outcomes = push([a for a in addresses[:n] if a not in dead], published)
                     done = time.perf_counter()
                     push_cpu = cpu_seconds(os.getpid()) - push_cpu_before
                     encode_cpu = push_cpu_before - own_before
-                    cpu = sum(cpu_seconds(pid) for pid in pids[:n]) - sum(cpu_before)
+                    cpu = sum(cpu_seconds(pid) for pid in pids[:n] if Path(f"/proc/{pid}").exists()) - sum(cpu_before)
                     if n < n_max and not sink:
                         push(addresses[n:], published)  # untimed: keep every generator on the chain
-                    rounds[n].append(summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu))
+                    row = summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu)
+                    if sink:
+                        row.update(serving(workdir, n, published.info.version, step_end_wall, outcomes, nbytes))
+                    rounds[n].append(row)
         finally:
             for proc, _ in procs:
                 proc.terminate()
@@ -290,11 +338,32 @@ def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_
     }
 
 
+def serving(workdir: Path, n: int, version: int, step_end_wall: float, outcomes: list, nbytes: int) -> dict:
+    """Sinks: each receiver's step end -> served (its own wall clock, same machine), whether
+    every live one got the version whole, and what left the trainer: a payload per push it
+    made itself (outcomes without a relay), nonce calls aside."""
+    served = []
+    for i in range(n):
+        lines = (workdir / f"receiver{i}.state.json.served").read_text().splitlines() if (workdir / f"receiver{i}.state.json.served").exists() else []
+        times = [json.loads(line)["t"] for line in lines if json.loads(line)["version"] == version]
+        if times and times[-1] >= step_end_wall:  # sinks get one version every round: this round's is the last
+            served.append(times[-1] - step_end_wall)
+    sent = sum(1 for o in outcomes if not o.via)
+    return {
+        "served": len(served),
+        "applied": sum(1 for o in outcomes if o.applied),
+        "step_end_to_serving_s": {"median": round(statistics.median(served), 4), "max": round(max(served), 4)} if served else None,
+        "trainer_payloads": sent,
+        "trainer_bytes": sent * nbytes,
+        "trainer_bytes_over_payload": sent,
+    }
+
+
 def medians(rounds: list[dict]) -> dict:
     """Median over rounds of each scalar, and of each per-generator median / max."""
     out: dict = {"generators": rounds[0]["generators"]}
     for key, value in rounds[0].items():
-        if key == "generators":
+        if key == "generators" or any(r.get(key) is None for r in rounds):
             continue
         if isinstance(value, dict):
             out[key] = {k: round(statistics.median(r[key][k] for r in rounds), 4) for k in value}

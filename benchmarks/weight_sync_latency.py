@@ -116,7 +116,8 @@ def main() -> None:
             model, _ = modeling.load_model(model_dir)
             params = modeling.named_weights(model)
             opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
-            prev = opt.sync_model()
+            # Copies: the split layout's bits are views of its masters, which the next step changes in place.
+            prev = {k: v.copy() for k, v in opt.sync_model().items()}
             fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})
             gen = torch.Generator().manual_seed(0)
             direction = {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
@@ -154,7 +155,7 @@ def main() -> None:
                         "engine_load_s": round(max(0.0, apply_s - decode_s), 3),
                         "step_end_to_serving_s": round(serving_s, 3),
                     })
-                    prev = bits
+                    prev = {k: v.copy() for k, v in bits.items()}
                 served = stub.GetState(generator_pb2.GetStateRequest(), timeout=30).policy_version
         finally:
             proc.terminate()
