@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from rollstream.core import deltas, modeling
+from rollstream.core.grpc_utils import channel
 from rollstream.trainer.publisher import WeightPublisher
+from rollstream.v1 import generator_pb2, generator_pb2_grpc
 
 from procs import ServiceProc, start_service
 from test_weight_fanout import perturbed, served_sha
@@ -60,3 +61,44 @@ def test_a_push_goes_down_the_tree_and_around_a_dead_relay(generators: list[Serv
         assert len(from_trainer) + 1 <= 4  # payloads the trainer sent: g0, the dead g1, then g4's round
     finally:
         publisher.close()
+
+
+def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
+    redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With credentials: each generator accepts only the trainer's signature over a nonce it
+    issued (core/push_signing.py), so the relays carry the signatures the trainer made for
+    each generator below them, and every generator of a chain applies the push."""
+    from rollstream.core.grpc_auth import ClientCredentials, load_roles
+    from test_grpc_auth_services import write_secrets
+
+    secrets = write_secrets(tmp_path / "secrets")
+    procs = [
+        start_service(
+            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
+            "--threads", "1", "--generator-id", f"g{i}", *secrets.flags("generator"),
+        )
+        for i in range(4)
+    ]
+    model, _ = modeling.load_model(tiny_model_dir)
+    bits = modeling.model_bits(model)
+    publisher = WeightPublisher(
+        bits, anchor_interval=100, creds=ClientCredentials(token=secrets.tokens["trainer"]), generator_key=load_roles(secrets.roles_file).generator_key
+    )
+    try:
+        generators = [p.wait_ready() for p in procs]
+        addresses = [g.grpc_address for g in generators]
+        bits = perturbed(bits, seed=1)
+        published, _ = publisher.publish(bits)
+        outcomes = publisher.push(addresses, published, timeout_s=120, fanout=1)  # a chain: g0 -> g1 -> g2 -> g3
+        assert [o.via for o in outcomes] == ["", *addresses[:3]]
+        assert all(o.applied and o.version == 1 for o in outcomes), [o.error for o in outcomes]
+        creds = ClientCredentials(token=secrets.tokens["admin"])
+        for g in generators:
+            with channel(g.grpc_address, creds) as ch:
+                state = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+            assert (state.policy_version, state.weights_sha256) == (1, deltas.weights_sha256(bits))
+    finally:
+        publisher.close()
+        for p in procs:
+            p.stop()

@@ -117,6 +117,12 @@ class TrainerSettings(TorchSettings):
         "more only where cores are left over from AdamW (docs/benchmarks.md)",
     )
     push_timeout_s: float = Field(120.0, gt=0)
+    # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
+    # "Scaling out"): down a relay tree it sends each payload push_fanout times, whatever N.
+    push_fanout: int = Field(
+        0, ge=0, le=64,
+        description="push down a relay tree: the trainer sends each payload to this many generators, each forwards it to as many more (0: to every generator itself)",
+    )
     group: str = Field("trainer", description="consumer group on the ready stream")
 
     @field_validator("generators", "betas", "lora_target_modules", mode="before")

@@ -298,7 +298,7 @@ class Trainer:
         gains push_s and commit_s). Raises NonFiniteStep with nothing applied, published or pushed."""
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
-        outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry)
+        outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         push_s = time.perf_counter() - start
         for o in outcomes:
             if not o.applied:
@@ -321,7 +321,7 @@ class Trainer:
         """After a resume, every generator gets the restored version as an anchor, whatever it holds (a later
         version of the abandoned run, or the same number from another lineage); unreachable ones catch up later."""
         anchor = self.publisher.catch_up_payloads(-1, "")[0]
-        outcomes = self.publisher.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry)
+        outcomes = self.publisher.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
 
     def count_dropped(self, outcome: str, n: int) -> None:
