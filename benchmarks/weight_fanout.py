@@ -84,7 +84,7 @@ def serve_sink(state_file: str, die_in_push: int) -> None:
             with lock:
                 pushes += 1
                 die = pushes == die_in_push
-            stream = RelayedStream(request_iterator, address, peers)
+            stream = RelayedStream(request_iterator, address, peers, context.time_remaining())
             version = 0
             try:
                 # Killed after its first chunk went on to its targets: their streams break off.

@@ -330,7 +330,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         start = time.perf_counter()
         timings = ApplyTimings()
         # Forwarded on the way where the first chunk names targets (the relay tree, relay.py).
-        stream = RelayedStream(request_iterator, self.gen.advertised_address, self.gen.peers)
+        stream = RelayedStream(request_iterator, self.gen.advertised_address, self.gen.peers, context.time_remaining())
         try:
             # skip_held: the sync thread may have fetched this very version from the trainer
             # just before the push arrived (it saw the trainer's new version first). The

@@ -28,6 +28,7 @@ from rollstream.v1 import weights_pb2
 
 PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 RELAY_TIMEOUT_S = 120.0  # a forwarded push, as the trainer's own push_timeout_s default
+RELAY_MARGIN_S = 2.0  # each level ends its targets' calls this much before its own deadline
 
 
 class PeerChannels:
@@ -145,10 +146,13 @@ class RelayedStream:
     chunk names targets. `finish` once, whatever happened: it ends the forwarded streams
     (whole only if this one was read to its end) and returns their outcomes."""
 
-    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels):
+    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels, time_left_s: float | None = None):
+        """`time_left_s`: what the caller's deadline leaves (None: no deadline). The targets'
+        calls end a little before it, so that this call can still answer with their outcomes."""
         self._chunks = iter(chunks)
         self._via = via
         self._peers = peers
+        self._timeout_s = RELAY_TIMEOUT_S if time_left_s is None else max(1.0, min(RELAY_TIMEOUT_S, time_left_s - RELAY_MARGIN_S))
         self._forwarder: Forwarder | None = None
         self._started = False
         self._ended = False
@@ -159,7 +163,7 @@ class RelayedStream:
             first = not self._started
             self._started = True
             if first and chunk.forward:
-                self._forwarder = Forwarder(chunk.forward, self._via, self._peers)
+                self._forwarder = Forwarder(chunk.forward, self._via, self._peers, self._timeout_s)
             if self._forwarder is not None:
                 self._forwarder.send(chunk, first)
             yield chunk
