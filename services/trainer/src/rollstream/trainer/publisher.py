@@ -450,10 +450,12 @@ def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], sig
         root.address, result.applied, result.version, result.error, time.perf_counter() - start,
         receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
     )
-    relayed = [PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via) for r in result.relayed]
+    # Only root's subtree: a relay's report on any other generator is not its to make.
+    below = set(root.addresses()[1:])
+    relayed = [PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via) for r in result.relayed if r.address in below]
     # A relay that answered but reported nobody below it (it forwarded nothing: an older
     # generator, or one that crashed forwarding) orphans its subtree.
-    missing = set(root.addresses()[1:]) - {o.address for o in relayed}
+    missing = below - {o.address for o in relayed}
     return [own, *relayed, *(PushOutcome(a, False, -1, f"{ORPHANED}{root.address} reported no outcome for it", 0.0) for a in sorted(missing))]
 
 

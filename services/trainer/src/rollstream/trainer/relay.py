@@ -1,4 +1,4 @@
-"""The relay tree a push goes down (issue 30; docs/design-notes.md, "Relay").
+"""The relay tree a push goes down (issue 30; docs/deploy.md, "Scaling out").
 
 With `push_fanout = k` the trainer sends a payload to at most k generators; each forwards it
 to at most k others as the chunks arrive (rollstream.generator.relay), so the trainer's
