@@ -4,6 +4,7 @@ publisher keeps one channel per generator it still pushes to."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +18,25 @@ from rollstream.v1 import generator_pb2, generator_pb2_grpc
 from procs import ServiceProc, start_service
 
 
-@pytest.fixture
-def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
+def started_generators(n: int, redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[list[ServiceProc]]:
+    """n generator processes on the tiny model, ready; stopped on the way out."""
     procs = [
         start_service(
             "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
-            "--threads", "1", "--generator-id", f"g{i}",
+            "--threads", "1", "--generator-id", f"g{i}", *flags,
         )
-        for i in range(3)
+        for i in range(n)
     ]
     try:
         yield [p.wait_ready() for p in procs]
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.fixture
+def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[ServiceProc]]:
+    yield from started_generators(3, redis_url, run_name, tiny_model_dir, tmp_path)
 
 
 def perturbed(bits: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:

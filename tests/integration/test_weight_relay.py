@@ -4,6 +4,7 @@ exactly, and a relay that is gone orphans its subtree only until the trainer's n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,24 +14,13 @@ from rollstream.core.grpc_utils import channel
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import generator_pb2, generator_pb2_grpc
 
-from procs import ServiceProc, start_service
-from test_weight_fanout import perturbed, served_sha
+from procs import ServiceProc
+from test_weight_fanout import perturbed, served_sha, started_generators
 
 
 @pytest.fixture
-def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
-    procs = [
-        start_service(
-            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
-            "--threads", "1", "--generator-id", f"g{i}",
-        )
-        for i in range(5)
-    ]
-    try:
-        yield [p.wait_ready() for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
+def generators(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[ServiceProc]]:
+    yield from started_generators(5, redis_url, run_name, tiny_model_dir, tmp_path)
 
 
 def test_a_push_goes_down_the_tree_and_around_a_dead_relay(generators: list[ServiceProc], tiny_model_dir: Path) -> None:
@@ -73,20 +63,14 @@ def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
     from test_grpc_auth_services import write_secrets
 
     secrets = write_secrets(tmp_path / "secrets")
-    procs = [
-        start_service(
-            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
-            "--threads", "1", "--generator-id", f"g{i}", *secrets.flags("generator"),
-        )
-        for i in range(4)
-    ]
+    running = started_generators(4, redis_url, run_name, tiny_model_dir, tmp_path, *secrets.flags("generator"))
     model, _ = modeling.load_model(tiny_model_dir)
     bits = modeling.model_bits(model)
     publisher = WeightPublisher(
         bits, anchor_interval=100, creds=ClientCredentials(token=secrets.tokens["trainer"]), generator_key=load_roles(secrets.roles_file).generator_key
     )
     try:
-        generators = [p.wait_ready() for p in procs]
+        generators = next(running)
         addresses = [g.grpc_address for g in generators]
         bits = perturbed(bits, seed=1)
         published, _ = publisher.publish(bits)
@@ -100,5 +84,4 @@ def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
             assert (state.policy_version, state.weights_sha256) == (1, deltas.weights_sha256(bits))
     finally:
         publisher.close()
-        for p in procs:
-            p.stop()
+        running.close()  # stops the generators
