@@ -149,3 +149,8 @@ def channel(address: str, creds: ClientCredentials | None = None, server_name: s
     if creds.token:
         ch = grpc.intercept_channel(ch, TokenInterceptor(creds.token))
     return ch
+
+
+def rpc_error_text(error: grpc.RpcError) -> str:
+    """An RPC error as one line: its status code and details."""
+    return f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]

@@ -12,12 +12,21 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
+import grpc
+
 from rollstream.core.deltas import DeltaError, PayloadInfo
 from rollstream.v1 import weights_pb2
 
 CHUNK_BYTES = 4 * 1024 * 1024
+PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 # For callers that know no model size: above any model this system trains on one host.
 DEFAULT_MAX_BYTES = 32 * 1024**3
+
+
+def push_stream(ch: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
+    """Generator.PushWeights taking serialized WeightChunks as they are (no request
+    serializer): a pusher serializes a payload's chunks once for every stream it sends them on."""
+    return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
 
 
 class Payload(Protocol):

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.grpc_utils import channel
+from rollstream.core.grpc_utils import channel, rpc_error_text
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
@@ -222,7 +222,7 @@ class Generator:
             try:
                 self.catch_up()
             except (grpc.RpcError, deltas.DeltaError) as e:
-                error = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
+                error = rpc_error_text(e) if isinstance(e, grpc.RpcError) else str(e)
                 logs.event(self.log, "catch_up_failed", logging.WARNING, error=error)
             self.sync_wake.wait(self.settings.sync_interval_s)
             self.sync_wake.clear()

@@ -21,12 +21,11 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rollstream.core import push_signing
+from rollstream.core import push_signing, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.grpc_utils import channel
+from rollstream.core.grpc_utils import channel, rpc_error_text
 from rollstream.v1 import weights_pb2
 
-PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 RELAY_TIMEOUT_S = 120.0  # a forwarded push, as the trainer's own push_timeout_s default
 RELAY_MARGIN_S = 2.0  # each level ends its targets' calls this much before its own deadline
 
@@ -45,7 +44,7 @@ class PeerChannels:
             if address not in self._channels:
                 self._channels[address] = channel(address, self.creds, server_name="generator")
             ch = self._channels[address]
-        return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
+        return weight_transfer.push_stream(ch)
 
     def close(self) -> None:
         with self._lock:
@@ -130,8 +129,7 @@ class _Leg:
         try:
             result = peers.push_call(self.target.address)(self._requests(), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
-            why = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
-            self._result = not_reached(self.target, self.via, f"relay {self.via} -> {self.target.address}: {why}")
+            self._result = not_reached(self.target, self.via, f"relay {self.via} -> {self.target.address}: {rpc_error_text(e)}")
             self._failed.set()
             return
         seconds = time.perf_counter() - start

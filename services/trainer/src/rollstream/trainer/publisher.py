@@ -42,7 +42,7 @@ import numpy as np
 
 from rollstream.core import deltas, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.grpc_utils import channel
+from rollstream.core.grpc_utils import channel, rpc_error_text
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from rollstream.core import push_signing
@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor, but the latest
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
-PUSH_METHOD = "/rollstream.v1.Generator/PushWeights"
 NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
 
 
@@ -375,7 +374,7 @@ def _unlink_files(payloads: Sequence[Published]) -> None:
 
 def push_call(ch: grpc.Channel) -> PushCall:
     return PushCall(
-        push=ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString),
+        push=weight_transfer.push_stream(ch),
         nonce=ch.unary_unary(NONCE_METHOD, request_serializer=generator_pb2.PushNonceRequest.SerializeToString,
                              response_deserializer=generator_pb2.PushNonceResponse.FromString),
     )  # fmt: skip
@@ -417,7 +416,7 @@ def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gat
     try:
         return dict(gate.metadata(call, address, header, timeout_s)).get(push_signing.METADATA_KEY, ""), ""
     except grpc.RpcError as e:
-        return "", f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        return "", rpc_error_text(e)
     except NotAGenerator as e:
         log.warning("push_refused_not_a_generator: %s", e)
         return "", str(e)
@@ -440,7 +439,7 @@ def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], sig
     try:
         result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata)
     except grpc.RpcError as e:
-        why = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        why = rpc_error_text(e)
         below = root.addresses()[1:]
         return [
             PushOutcome(root.address, False, -1, why, time.perf_counter() - start),
@@ -473,7 +472,7 @@ def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weight
             receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
         )
     except grpc.RpcError as e:
-        return PushOutcome(address, False, -1, f"{e.code().name}: {e.details()}", time.perf_counter() - start)  # type: ignore[attr-defined]
+        return PushOutcome(address, False, -1, rpc_error_text(e), time.perf_counter() - start)
     except NotAGenerator as e:
         log.warning("push_refused_not_a_generator: %s", e)
         return PushOutcome(address, False, -1, str(e), time.perf_counter() - start)
