@@ -336,10 +336,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             # just before the push arrived (it saw the trainer's new version first). The
             # generator serves it already: the push is done, not refused as a broken chain.
             state = self.gen.apply_stream(stream, skip_held=True, timings=timings)
+            relayed = stream.finish(read_rest=True)
         except weight_transfer.TransferRefused as e:
             # Not a sync outcome but a broken or hostile stream: an error status, at once
             # (the rest of the stream is not read), and no catch-up woken for it.
-            stream.finish(read_rest=False)
             self.gen.metrics.payloads_refused.inc()
             logs.event(self.gen.log, "weight_stream_refused", logging.WARNING, error=str(e), peer=context.peer())
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
@@ -352,11 +352,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             relayed = stream.finish(read_rest=True)
             return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e), relayed=relayed)
         finally:
-            stream.finish(read_rest=False)  # whatever else ended the call: the targets' streams end too
+            stream.finish(read_rest=False)  # a refused or broken push: the targets' streams end cut short
         return weights_pb2.PushResult(
             applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start,
             receive_seconds=timings.receive, lock_wait_seconds=timings.lock_wait, decode_seconds=timings.decode, load_seconds=timings.load,
-            relayed=stream.finish(read_rest=True),
+            relayed=relayed,
         )
 
     def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:

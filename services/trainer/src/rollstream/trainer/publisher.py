@@ -65,9 +65,19 @@ class PushOutcome:
     decode_s: float = 0.0
     load_s: float = 0.0
     via: str = ""  # the relay that pushed it ("": the trainer itself)
+    orphaned: bool = False  # never pushed to: a relay above it failed (RelayedPush.orphaned)
+
+    @classmethod
+    def of(cls, address: str, result: weights_pb2.PushResult, seconds: float) -> "PushOutcome":
+        """A generator's own answer."""
+        return cls(
+            address, result.applied, result.version, result.error, seconds,
+            receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
+        )
 
 
 log = logging.getLogger(__name__)
+Metadata = tuple[tuple[str, str], ...]  # a call's gRPC metadata
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor, but the latest
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
@@ -321,7 +331,7 @@ class WeightPublisher:
             for o in self._relay_round(pending, calls, wire, published.header(), gate, timeout_s, fanout):
                 outcomes[o.address] = o
             # Orphans (a relay above them failed) go down a tree of their own, with fresh nonces.
-            pending = [a for a in pending if outcomes[a].error.startswith(ORPHANED)]
+            pending = [a for a in pending if outcomes[a].orphaned]
             if not pending:
                 break
         return [outcomes[a] for a in addresses]
@@ -333,12 +343,12 @@ class WeightPublisher:
         """1. A signature for every generator, over a nonce of its own (small calls, concurrently);
         2. the tree over those that gave one; 3. the payload to its roots, each with its subtree."""
         start = time.perf_counter()
-        signed = list(self._pool.map(lambda a: sign_one(calls[a], a, header, gate, timeout_s), addresses))
-        refused = [PushOutcome(a, False, -1, why, time.perf_counter() - start) for a, (_, why) in zip(addresses, signed) if why]
-        signatures = {a: sig for a, (sig, why) in zip(addresses, signed) if not why}
-        roots = relay.tree(list(signatures), fanout)
+        signed = dict(zip(addresses, self._pool.map(lambda a: sign_one(calls[a], a, header, gate, timeout_s), addresses)))
+        refused = [PushOutcome(a, False, -1, why, time.perf_counter() - start) for a, (_, why) in signed.items() if why]
+        metadata = {a: md for a, (md, why) in signed.items() if not why}
+        roots = relay.tree(list(metadata), fanout)
         futures = [
-            self._pool.submit(push_forwarding, calls[root.address], root, wire, signatures, timeout_s - (time.perf_counter() - start)) for root in roots
+            self._pool.submit(push_forwarding, calls[root.address], root, wire, metadata, timeout_s - (time.perf_counter() - start)) for root in roots
         ]
         return [*refused, *(o for f in futures for o in f.result())]
 
@@ -394,7 +404,7 @@ class PushGate:
     generator_key: Ed25519PublicKey | None = None
     prove_address: bool = False
 
-    def metadata(self, call: PushCall, address: str, header: weights_pb2.WeightHeader, timeout_s: float) -> tuple[tuple[str, str], ...]:
+    def metadata(self, call: PushCall, address: str, header: weights_pb2.WeightHeader, timeout_s: float) -> Metadata:
         if self.signer is None:
             return ()
         challenge = os.urandom(push_signing.CHALLENGE_BYTES)
@@ -407,27 +417,28 @@ class PushGate:
         return self.signer.metadata(answer.nonce, header)
 
 
-ORPHANED = "not reached: "  # RelayedPush.orphaned, in a PushOutcome's error
 RELAY_ROUNDS = 3  # a tree, then one for its orphans, then one for theirs
 
 
-def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> tuple[str, str]:
-    """(the signature's metadata value for `address`, "") or ("", why none)."""
+def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> tuple[Metadata, str]:
+    """The push's metadata for `address` (its nonce and the trainer's signature; () unsigned)
+    and "", or () and why nothing may be pushed there."""
     try:
-        return dict(gate.metadata(call, address, header, timeout_s)).get(push_signing.METADATA_KEY, ""), ""
+        return gate.metadata(call, address, header, timeout_s), ""
     except grpc.RpcError as e:
-        return "", rpc_error_text(e)
+        return (), rpc_error_text(e)
     except NotAGenerator as e:
         log.warning("push_refused_not_a_generator: %s", e)
-        return "", str(e)
+        return (), str(e)
 
 
-def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], signatures: Mapping[str, str], timeout_s: float) -> list[PushOutcome]:
-    """The payload to `root`, its first chunk naming root's subtree (the relay tree below it),
-    signed for it; the outcomes of root and of every generator below it."""
+def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], metadata: Mapping[str, Metadata], timeout_s: float) -> list[PushOutcome]:
+    """The payload to `root`, its first chunk naming root's subtree (the relay tree below it)
+    with each generator's signature in it; the outcomes of root and of every generator below it."""
     start = time.perf_counter()
-    metadata = ((push_signing.METADATA_KEY, signatures[root.address]),) if signatures[root.address] else ()
+    signatures = {a: dict(md).get(push_signing.METADATA_KEY, "") for a, md in metadata.items()}
     forward = relay.targets(root.children, signatures)
+    below = set(root.addresses()[1:])
 
     def chunks() -> Iterator[bytes]:
         it = iter(wire)
@@ -436,26 +447,23 @@ def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], sig
         yield first.SerializeToString()
         yield from it
 
+    def orphans(why: str, addresses: Iterable[str]) -> list[PushOutcome]:
+        return [PushOutcome(a, False, -1, f"not reached: {root.address} {why}", 0.0, orphaned=True) for a in sorted(addresses)]
+
     try:
-        result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata)
+        result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata[root.address])
     except grpc.RpcError as e:
-        why = rpc_error_text(e)
-        below = root.addresses()[1:]
-        return [
-            PushOutcome(root.address, False, -1, why, time.perf_counter() - start),
-            *(PushOutcome(a, False, -1, f"{ORPHANED}{root.address} did not take the push", 0.0) for a in below),
-        ]
-    own = PushOutcome(
-        root.address, result.applied, result.version, result.error, time.perf_counter() - start,
-        receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
-    )
+        return [PushOutcome(root.address, False, -1, rpc_error_text(e), time.perf_counter() - start), *orphans("did not take the push", below)]
+    own = PushOutcome.of(root.address, result, time.perf_counter() - start)
     # Only root's subtree: a relay's report on any other generator is not its to make.
-    below = set(root.addresses()[1:])
-    relayed = [PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via) for r in result.relayed if r.address in below]
+    relayed = [
+        PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned)
+        for r in result.relayed
+        if r.address in below
+    ]
     # A relay that answered but reported nobody below it (it forwarded nothing: an older
     # generator, or one that crashed forwarding) orphans its subtree.
-    missing = below - {o.address for o in relayed}
-    return [own, *relayed, *(PushOutcome(a, False, -1, f"{ORPHANED}{root.address} reported no outcome for it", 0.0) for a in sorted(missing))]
+    return [own, *relayed, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
 
 
 def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:
@@ -463,16 +471,11 @@ def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weight
     chunks (`wire`, iterated afresh by each stream). Every failure is an outcome, never an
     exception."""
     start = time.perf_counter()
+    metadata, why = sign_one(call, address, header, gate, timeout_s)
+    if why:
+        return PushOutcome(address, False, -1, why, time.perf_counter() - start)
     try:
-        metadata = gate.metadata(call, address, header, timeout_s)
-        left_s = max(1.0, timeout_s - (time.perf_counter() - start))
-        result = call.push(iter(wire), timeout=left_s, metadata=metadata)
-        return PushOutcome(
-            address, result.applied, result.version, result.error, time.perf_counter() - start,
-            receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
-        )
+        result = call.push(iter(wire), timeout=max(1.0, timeout_s - (time.perf_counter() - start)), metadata=metadata)
     except grpc.RpcError as e:
         return PushOutcome(address, False, -1, rpc_error_text(e), time.perf_counter() - start)
-    except NotAGenerator as e:
-        log.warning("push_refused_not_a_generator: %s", e)
-        return PushOutcome(address, False, -1, str(e), time.perf_counter() - start)
+    return PushOutcome.of(address, result, time.perf_counter() - start)
