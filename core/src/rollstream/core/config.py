@@ -19,9 +19,9 @@ import sys
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -38,6 +38,9 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # Run and consumer-group names: they become parts of Redis keys and group names, so no
 # spaces, braces or colons.
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+# A malformed Redis URL is a configuration error, found when settings load; an unreachable
+# server is not (it may be starting): the Redis policy waits for that.
+RedisUrl = Annotated[str, AfterValidator(check_url)]
 
 
 class ConfigError(Exception):
@@ -81,7 +84,7 @@ class CommonSettings(BaseSettings):
     )
 
     run: str = Field("demo", pattern=NAME_PATTERN, description="run name: isolates experiments sharing one Redis")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
+    redis_url: RedisUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
     host: str = Field("127.0.0.1", description="address the gRPC and HTTP servers bind to")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP /healthz /readyz /metrics port (0: pick a free one)")
@@ -106,13 +109,6 @@ class CommonSettings(BaseSettings):
     grpc_tls_key_file: str = Field("", description="PEM private key for grpc_tls_cert_file")
     grpc_tls_ca_file: str = Field("", description="PEM CA bundle: verifies peers (servers; clients too when set on a server)")
     allow_unauthenticated: bool = Field(False, description="serve gRPC without grpc_auth_file on a non-loopback host")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, url: str) -> str:
-        # A malformed URL is a configuration error, found now; an unreachable server is not
-        # (it may be starting): the Redis policy waits for that.
-        return check_url(url)
 
     @model_validator(mode="after")
     def _grpc_security(self) -> "CommonSettings":

@@ -29,12 +29,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, CliSuppress, SettingsConfigDict, SettingsError
 
 from rollstream.core import credentials, diagnose, redis_acl, redis_policy, steplog, streams
 from rollstream.core import status as pipeline_status
-from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError
+from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, RedisUrl
 
 
 def plain_console(**kwargs: object) -> Console:
@@ -123,7 +123,7 @@ class StatusSettings(BaseSettings):
         cli_prog_name="rollstream status",
     )
 
-    redis_url: str = Field(CommonSettings.model_fields["redis_url"].default, description="the run's Redis")
+    redis_url: RedisUrl = Field(CommonSettings.model_fields["redis_url"].default, description="the run's Redis")
     run: str = Field(CommonSettings.model_fields["run"].default, pattern=NAME_PATTERN, description="the run's name")
     workdir: str = Field("", description="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
     redis_username: str = Field("", description="Redis ACL user (under `up`: admin; empty: the URL's or none)")
@@ -132,11 +132,6 @@ class StatusSettings(BaseSettings):
     watch: float = Field(0.0, ge=0, description="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
     idle_s: float = Field(300.0, gt=0, description="consumers idle this long with a backlog (and no progress) count as not reading")
     max_staleness: int = Field(1, ge=0, description="the run's max_staleness: generators further behind the trainer are flagged")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, url: str) -> str:
-        return redis_policy.check_url(url)
 
 
 def cmd_status(argv: list[str]) -> int:
