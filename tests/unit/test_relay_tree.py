@@ -45,3 +45,18 @@ def test_targets_carry_each_generator_s_own_signature() -> None:
 def test_a_fanout_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="fanout"):
         relay.tree(["a"], 0)
+
+
+def test_a_push_naming_more_targets_than_any_fanout_is_refused_before_forwarding() -> None:
+    """A generator starts a thread per target: a first chunk naming more than the trainer's
+    largest fanout is refused as a malformed stream, and nothing is forwarded."""
+    from rollstream.core.grpc_auth import ClientCredentials
+    from rollstream.core.weight_transfer import TransferRefused
+    from rollstream.generator.relay import MAX_TARGETS, PeerChannels, RelayedStream
+    from rollstream.v1 import weights_pb2
+
+    first = weights_pb2.WeightChunk(forward=[weights_pb2.RelayTarget(address=f"127.0.0.1:{i + 1}") for i in range(MAX_TARGETS + 1)])
+    stream = RelayedStream(iter([first]), "127.0.0.1:9", PeerChannels(ClientCredentials()))
+    with pytest.raises(TransferRefused, match=f"{MAX_TARGETS + 1} targets"):
+        list(stream)
+    assert stream.finish(read_rest=False) == []

@@ -28,6 +28,7 @@ from rollstream.v1 import weights_pb2
 
 RELAY_TIMEOUT_S = 120.0  # a forwarded push, as the trainer's own push_timeout_s default
 RELAY_MARGIN_S = 2.0  # each level ends its targets' calls this much before its own deadline
+MAX_TARGETS = 64  # the trainer's push_fanout at most: a push naming more is malformed (a thread each)
 
 
 class PeerChannels:
@@ -160,6 +161,8 @@ class RelayedStream:
         for chunk in self._chunks:
             first = not self._started
             self._started = True
+            if first and len(chunk.forward) > MAX_TARGETS:
+                raise weight_transfer.TransferRefused(f"a push naming {len(chunk.forward)} targets to forward it to; at most {MAX_TARGETS}")
             if first and chunk.forward:
                 self._forwarder = Forwarder(chunk.forward, self._via, self._peers, self._timeout_s)
             if self._forwarder is not None:
