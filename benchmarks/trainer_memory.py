@@ -28,6 +28,7 @@ Prints one JSON object; docs/benchmarks.md records results ("Trainer memory by c
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import functools
 import gc
@@ -35,6 +36,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import tempfile
 import time
 import tracemalloc
@@ -271,6 +273,7 @@ def main() -> None:
     optimizer_mod.HostAdamW.step = step_wrapper
 
     ckpt_dir = tempfile.mkdtemp(prefix="trainer-memory-")
+    atexit.register(shutil.rmtree, ckpt_dir, True)  # checkpoints of the measured steps: gone at exit
     settings = load_settings(
         TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
         group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,

@@ -5,6 +5,7 @@
 # command line (compose.yaml, k8s/10-redis.yaml).
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
+LABEL io.rollstream.built-by=scripts/build_images.sh
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
 # The redis user gets a fixed uid/gid (999) before the package creates it, so that k8s can
 # run the pod as that uid (runAsUser: 999) and fsGroup makes the data volume writable.

@@ -10,6 +10,7 @@ FROM ${MODEL_IMAGE} AS model
 
 # --- python: Debian's Python 3.11 + the rollstream user (same text in every image: shared layers)
 FROM ${BASE_IMAGE} AS python
+LABEL io.rollstream.built-by=scripts/build_images.sh
 ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \

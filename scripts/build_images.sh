@@ -211,3 +211,19 @@ for name in "${images[@]}"; do
   fi
   echo "rollstream/$name:$VERSION built in $((SECONDS - started)) s"
 done
+
+# 5. What earlier builds left: images with this script's label (every stage of every image
+#    carries it) that no tag names any more: the images this build replaced, the stages of
+#    earlier builds. A rebuild after a code change otherwise leaves several GB behind each
+#    time (docs/deploy.md, "Disk"). Kept: the tagged images and every image a build log in
+#    build/image-logs names, which is the layer cache of the last build of each image.
+used=$(grep -ohE -- '---> [0-9a-f]{12}' build/image-logs/*.log | cut -c6- | sort -u)
+stale=()
+for id in $(docker images --quiet --filter dangling=true --filter label=io.rollstream.built-by); do
+  if ! grep -qx "$id" <<<"$used"; then stale+=("$id"); fi
+done
+if [ ${#stale[@]} -gt 0 ]; then
+  # One a container still uses stays (docker refuses it); the others go.
+  docker rmi "${stale[@]}" >/dev/null 2>&1 || true
+  echo "removed ${#stale[@]} images that earlier builds left"
+fi

@@ -50,29 +50,32 @@ containers_prerequisites() {
   fi
   return 0
 }
+# Each tier names itself and the disk space left: on a shared machine a full disk fails a test
+# far from its cause (a model conversion, an image build).
+tier() { echo "test.sh: $1 tier, $(df -Ph . | awk 'NR == 2 {print $4}') free on this disk"; shift; "$@"; }
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 # Before the default suite, so that its Compose parser checks (tests/deploy) run too.
 if [ "$fast" = 0 ]; then containers_prerequisites; fi
-"$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser" "$@"
+tier default "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
   # Debian's chromium for the browser tier; a failure (no network, no apt) leaves it to skip.
   apt-get install -y --no-install-recommends chromium \
     || { apt-get update -qq && apt-get install -y --no-install-recommends chromium; } \
     || echo "test.sh: chromium not installed; the browser tier will skip" >&2
 fi
-"$PY" -m pytest -m browser tests/browser "$@"
+tier browser "$PY" -m pytest -m browser tests/browser "$@"
 if [ "$fast" = 0 ]; then
   # Images + the whole system in containers (docs/deploy.md); skips itself, saying why, where
   # no docker daemon and Compose v2 can be had (it needs dockerd and debootstrap, as root).
   # Early, so that the run's last summary is a tier that ran tests wherever this one skips.
-  "$PY" -m pytest -m containers tests/deploy "$@"
-  "$PY" -m pytest -m faults tests/faults "$@"
+  tier containers "$PY" -m pytest -m containers tests/deploy "$@"
+  tier faults "$PY" -m pytest -m faults tests/faults "$@"
   # The trainer's CUDA path: skips itself, saying why, where torch sees no GPU (CI).
-  "$PY" -m pytest -m gpu tests/gpu "$@"
+  tier gpu "$PY" -m pytest -m gpu tests/gpu "$@"
   # The GPU kits (docs/gpu.md) run end to end under a python3 shaped like the GPU machine's.
-  "$PY" -m pytest -m gpu_kit tests/gpu_kit "$@"
-  "$PY" -m pytest -m slow "$@"
+  tier gpu_kit "$PY" -m pytest -m gpu_kit tests/gpu_kit "$@"
+  tier slow "$PY" -m pytest -m slow "$@"
   # vLLM pins its own torch/numpy, so its tier runs from a venv of its own.
   bash scripts/install_vllm.sh
-  "${ROLLSTREAM_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -m vllm tests/vllm "$@"
+  tier vLLM "${ROLLSTREAM_VLLM_VENV:-.venv-vllm}/bin/python" -m pytest -m vllm tests/vllm "$@"
 fi
