@@ -55,8 +55,9 @@ RUN /opt/venv/bin/pip install --no-cache-dir --no-index --no-deps /tmp/rs-wheels
 # The demo model where resolve_model("smollm2-135m") looks: $ROLLSTREAM_CACHE/models.
 COPY --from=model /models /opt/rollstream/cache/models
 COPY docker/trainer_start.py /opt/rollstream/trainer_start.py
-# checkpoint_dir: a named volume (compose) or PVC (k8s) mounted here starts out owned by the user.
-RUN mkdir /checkpoints && chown 10001:10001 /checkpoints
+# checkpoint_dir and anchor_dir (the weight store): named volumes (compose) or PVCs (k8s)
+# mounted here start out owned by the user.
+RUN mkdir /checkpoints /weights && chown 10001:10001 /checkpoints /weights
 # HOME=/tmp: the root file system may be read-only (k8s, compose read_only); /tmp is a tmpfs there.
 ENV PATH=/opt/venv/bin:$PATH \
     ROLLSTREAM_CACHE=/opt/rollstream/cache \

@@ -4,6 +4,7 @@ publisher keeps one channel per generator it still pushes to."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from rollstream.core.grpc_utils import channel
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import generator_pb2, generator_pb2_grpc
 
+from helpers import wait_for
 from procs import ServiceProc, start_service
 
 
@@ -83,3 +85,45 @@ def test_one_encode_pushed_to_every_generator(generators: list[ServiceProc], tin
         assert not late.applied and "base is version 3" in late.error
     finally:
         publisher.close()
+
+
+def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two real generators share the trainer's anchor_dir as their weight_store and have no
+    trainer address at all: one is pushed every version, the other none, and it still
+    serves every version exactly, across an anchor, read from the files; a delta file
+    corrupted on the volume is refused (sha256) and the generator serves on, then catches up
+    once the chain is whole again."""
+    store = tmp_path / "store"
+    model, _ = modeling.load_model(tiny_model_dir)
+    bits = modeling.model_bits(model)
+    publisher = WeightPublisher(bits, anchor_interval=3, anchor_dir=store)
+    started = started_generators(2, redis_url, run_name, tiny_model_dir, tmp_path, "--weight-store", str(store), "--sync-interval-s", "0.5")
+    pushed, missed = next(started)
+    try:
+        for version in (1, 2, 3, 4):  # 3 is an anchor: 4's delta is over it
+            bits = perturbed(bits, seed=version)
+            published, _ = publisher.publish(bits)
+            [outcome] = publisher.push([pushed.grpc_address], published, timeout_s=120)
+            assert outcome.applied and outcome.version == version, outcome.error
+            expected = (version, deltas.weights_sha256(bits))
+            wait_for(lambda: served_sha(missed) == expected, 120, f"the missed generator serving version {version} from the store", [missed])
+            assert served_sha(pushed) == expected
+        assert "source=store" in missed.log()
+        # Version 5's file corrupted on the volume (the generator stopped meanwhile, so that it
+        # cannot read the good file first): refused, the generator serves 4 on.
+        missed.proc.send_signal(signal.SIGSTOP)
+        try:
+            bits = perturbed(bits, seed=5)
+            publisher.publish(bits)
+            delta_file = store / "delta-00000005.safetensors"
+            good = delta_file.read_bytes()
+            delta_file.write_bytes(good[:100] + bytes(len(good) - 100))
+        finally:
+            missed.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: "store_catch_up_failed" in missed.log() and "corrupted" in missed.log(), 120, "the corrupted delta refused", [missed])
+        assert served_sha(missed)[0] == 4
+        delta_file.write_bytes(good)
+        wait_for(lambda: served_sha(missed) == (5, deltas.weights_sha256(bits)), 120, "version 5 once the file is whole", [missed])
+    finally:
+        publisher.close()
+        started.close()

@@ -83,7 +83,7 @@ def test_the_anchor_file_is_encode_anchors_bytes(tmp_path: Path) -> None:
         bits = {k: v + np.uint16(version) for k, v in bits.items()}
         pub.publish(bits)
     assert (tmp_path / ANCHOR_FILE).read_bytes() == deltas.encode_anchor(bits, 2, pub.fingerprint)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ANCHOR_FILE]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ANCHOR_FILE, "chain.json"]  # no temporary file left
     pub.close()
 
 

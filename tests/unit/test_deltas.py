@@ -20,7 +20,7 @@ import torch
 import xxhash
 import zstandard
 
-from rollstream.core import deltas, safetensors_io, weight_transfer
+from rollstream.core import deltas, safetensors_io, weight_store, weight_transfer
 from rollstream.core.deltas import DeltaError
 from rollstream.trainer.publisher import PayloadFile, WeightPublisher
 from rollstream.v1 import weights_pb2
@@ -519,14 +519,17 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
     assert [p.info.kind for p in from_nothing] == ["anchor", "delta", "delta"]
     assert [p.info.version for p in from_nothing] == [6, 7, 8]
     if anchor_in == "file":
-        # Only the latest delta (the one being pushed) stays in memory; the others are files,
-        # and the chain before the anchor left none behind.
-        assert [type(p.payload).__name__ for p in from_nothing] == ["PayloadFile", "PayloadFile", "bytes"]
-        assert sorted(f.name for f in (tmp_path / "anchor").iterdir()) == ["anchor.safetensors", "delta-00000007.safetensors"]
-        # Once the next step begins (its pushes are done), the latest goes to its file too.
-        pub.begin_delta()
-        assert [type(p.payload).__name__ for p in pub.catch_up_payloads(-1, "")] == ["PayloadFile"] * 3
-        assert (tmp_path / "anchor" / "delta-00000008.safetensors").read_bytes() == from_nothing[2].data()
+        # Every payload kept is a file, named by the store's chain (the one returned for the
+        # push is in memory, and lives as long as the push); the chain before the anchor left
+        # no file behind.
+        assert [type(p.payload).__name__ for p in from_nothing] == ["PayloadFile"] * 3
+        assert isinstance(published.payload, bytes) and published.payload == from_nothing[2].data()
+        assert sorted(f.name for f in (tmp_path / "anchor").iterdir()) == [
+            "anchor.safetensors", "chain.json", "delta-00000007.safetensors", "delta-00000008.safetensors",
+        ]
+        stored_anchor, stored_chain = weight_store.read_manifest(tmp_path / "anchor")
+        assert [p.file for p in (stored_anchor, *stored_chain)] == [p.payload.path.name for p in from_nothing]
+        assert [p.header for p in (stored_anchor, *stored_chain)] == [p.header() for p in from_nothing]
         pub.close()
         assert list((tmp_path / "anchor").iterdir()) == []
         # A trainer killed -9 leaves its chain; its restart removes it.
@@ -551,19 +554,19 @@ def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_pa
     chunks = list(weight_transfer.to_chunks(b.payload, b.info, chunk_bytes=4096, header=b.header()))  # several, the last one short
     assert len(chunks) > 2 and chunks[0].header == a.header() and b"".join(c.data for c in chunks) == a.payload
     assert weight_transfer.make_header(b.payload, b.info, chunk_bytes=4096) == a.header()  # hashed piece by piece
-    assert [f.name for f in tmp_path.iterdir()] == [b.payload.path.name]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [b.payload.path.name, "chain.json"]
     for step in range(2):  # version 2 is the next anchor
         bits = _evolve(rng, bits, step)
         in_file.publish(bits)
     newer = in_file.catch_up_payloads(-1, "")[0]
-    assert newer.info.version == 2 and [f.name for f in tmp_path.iterdir()] == [newer.payload.path.name]
+    assert newer.info.version == 2 and sorted(f.name for f in tmp_path.iterdir()) == [newer.payload.path.name, "chain.json"]
     assert b.data() == a.payload  # unlinked, still readable by whoever holds it
     in_file.close()
     assert list(tmp_path.iterdir()) == []
     # A write cut short (kill -9 mid-write) is cleared by the next publisher on the folder.
     (tmp_path / ".anchor.safetensors.12345.tmp").write_bytes(b"half")
     again = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
-    assert [f.name for f in tmp_path.iterdir()] == ["anchor.safetensors"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["anchor.safetensors", "chain.json"]
     again.close()
 
 

@@ -54,8 +54,9 @@ _EVERY_CHILD = {
 SET_BY_UP: dict[str, set[str]] = {
     # The run's folders (trainer_folders) and where the trainer finds the generators.
     "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
-    # The trainer's address and staleness; max_staleness + 1 steps of groups in flight.
-    "generator": _EVERY_CHILD | {"trainer_address", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
+    # The trainer's address and anchor_dir (the weight store); staleness; max_staleness + 1
+    # steps of groups in flight.
+    "generator": _EVERY_CHILD | {"trainer_address", "weight_store", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
     "reward": _EVERY_CHILD | {"output_stage"},  # `scored` when a reference stage follows, else `ready`
     "reference": set(_EVERY_CHILD),
 }

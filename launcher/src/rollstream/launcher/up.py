@@ -203,7 +203,7 @@ def _up(cfg: RunConfig) -> int:
             # version, in one transaction). More would only be dropped as stale.
             generator_values = child_toml(
                 cfg.generator, "generator", **shared, model=model, threads=trainer_threads if max_staleness == 0 else side_threads,
-                trainer_address=trainer_address, consumer=f"generator-{i}", max_staleness=max_staleness,
+                trainer_address=trainer_address, weight_store=trainer_values["anchor_dir"], consumer=f"generator-{i}", max_staleness=max_staleness,
                 max_inflight_groups=(max_staleness + 1) * cfg.trainer.groups_per_step, seed=cfg.generator.seed + i,
             )
             children.append(configured_child(f"generator-{i}", "generator", generator_values, own("generator"), workdir))

@@ -37,6 +37,11 @@ class GeneratorSettings(TorchSettings):
     generator_id: str = Field("", description="name in the registry and in RolloutGroups (default: consumer name)")
     advertise_address: str = Field("", description="address the trainer pushes weights to (default host:grpc_port)")
     trainer_address: str = Field("", description="trainer gRPC address for catch-up (FetchWeights); empty: none")
+    weight_store: str = Field(
+        "",
+        description="the trainer's anchor_dir as mounted here (a shared volume): catch up from its files (chain.json), "
+        "asking the trainer (FetchWeights) only for what they lack; empty: from the trainer",
+    )
     tasks_per_batch: int = Field(4, ge=1, description="prompt tasks sampled together in one batch")
     max_inflight_groups: int = Field(32, ge=1, description="take no task while this many groups wait downstream")
     max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer")

@@ -6,7 +6,9 @@ GetState). The loop that feeds it lives in service.py.
 In-flight policy `finish` (default) samples under the weights lock, so a batch is sampled by
 exactly one version, the one recorded; `interleave` (vLLM) lets updates in between engine
 steps and records the engine's own per-token version spans. A refused push (wrong base)
-wakes the sync thread, which fetches anchor + deltas from the trainer (FetchWeights)."""
+wakes the sync thread, which reads anchor + deltas from the weight store (a volume shared
+with the trainer, rollstream.core.weight_store) or fetches them from the trainer
+(FetchWeights)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import logging
 import threading
 import time
 import zlib
+from pathlib import Path
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,7 +25,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_store, weight_transfer
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel, rpc_error_text
@@ -186,7 +189,11 @@ class Generator:
         return self.state()
 
     def catch_up(self) -> bool:
-        """Fetch anchor + deltas from the trainer when it is ahead. Returns True if in sync."""
+        """Bring the weights to the trainer's version: from the weight store when there is one
+        (the trainer sends nothing), then from the trainer (FetchWeights) for whatever the
+        store could not give. Returns True if in sync."""
+        if self.settings.weight_store:
+            self.catch_up_from_store(Path(self.settings.weight_store))
         if not self.settings.trainer_address:
             return True
         with channel(self.settings.trainer_address, self.creds, server_name="trainer") as ch:
@@ -195,7 +202,7 @@ class Generator:
             have = self.weights.version
             if have == state.version:
                 return True
-            logs.event(self.log, "catching_up", have=have, trainer=state.version)
+            logs.event(self.log, "catching_up", have=have, trainer=state.version, source="trainer")
             request = trainer_pb2.FetchWeightsRequest(have_version=-1 if have is None else have, model_fingerprint=self.weights.fingerprint)
             try:
                 self.fetch(stub, request, skip_held=True)
@@ -208,6 +215,36 @@ class Generator:
                 request.have_version = -1
                 self.fetch(stub, request)
             return True
+
+    def catch_up_from_store(self, directory: Path) -> None:
+        """Apply what the store's chain holds beyond our version, checked as a fetched stream
+        is (size, sha256, base version, fingerprint). A store that cannot be read, or a file
+        a newer chain replaced meanwhile, is logged and left to the trainer or the next sync."""
+        try:
+            anchor, chain = weight_store.read_manifest(directory)
+            have = self.weights.version
+            newest = chain[-1].header.version if chain else anchor.header.version
+            if have == newest:
+                return
+            if anchor.header.model_fingerprint != self.weights.fingerprint:
+                raise weight_store.StoreUnreadable(f"{directory}: the chain is for model {anchor.header.model_fingerprint}, this generator's is {self.weights.fingerprint}")
+            needed = weight_store.catch_up_chain(-1 if have is None else have, anchor, chain, lambda p: p.info)
+            logs.event(self.log, "catching_up", have=have, store=newest, source="store", payloads=len(needed))
+            try:
+                self.apply_stream(weight_store.chunks(directory, needed), skip_held=True, timings=ApplyTimings())
+            except (weight_transfer.TransferRefused, weight_store.StoreUnreadable):
+                raise
+            except deltas.DeltaError as e:
+                if needed[0] is anchor:
+                    raise
+                # Our version is in the chain but our weights are not its (a trainer that
+                # restarted from scratch): start over from its anchor, as from the trainer.
+                logs.event(self.log, "catch_up_refused_deltas", logging.WARNING, action="reading the anchor", error=str(e))
+                self.apply_stream(weight_store.chunks(directory, [anchor, *chain]), skip_held=False, timings=ApplyTimings())
+        except weight_transfer.TransferRefused:
+            raise  # oversized for this model: nothing else in the store is smaller
+        except deltas.DeltaError as e:
+            logs.event(self.log, "store_catch_up_failed", logging.WARNING, store=str(directory), error=str(e))
 
     def fetch(self, stub: trainer_pb2_grpc.TrainerStub, request: trainer_pb2.FetchWeightsRequest, skip_held: bool = False) -> None:
         """FetchWeights and apply what it streams; a refused stream is cancelled, not drained."""

@@ -2,7 +2,9 @@
 
 The publisher keeps the bits it last published (the base of the next delta), the latest
 anchor and every delta since it, so a generator holding any version from that anchor on
-(or nothing at all) can be brought to the current version by FetchWeights.
+(or nothing at all) can be brought to the current version by FetchWeights. With anchor_dir
+they are files there, named by the store's chain.json (rollstream.core.weight_store), which
+generators sharing that volume read for themselves.
 
 Fan-out: nothing is done once per generator that can be done once per payload. A payload
 is encoded once and its header (with the sha256 of the whole payload) made once; every
@@ -12,9 +14,9 @@ to MAX_PUSH_STREAMS, so pushes do not queue behind each other in waves; the chun
 serialized once per push and the same bytes go to every stream (gRPC is given them as they
 are), so a stream costs the trainer gRPC's own send and no copy or protobuf encode of ours.
 An anchor kept in a file (anchor_dir) is the exception: it is as large as the bf16 weights,
-so it is written to its file tensor by tensor and each stream reads its chunks from the
-file as it sends them (the page cache serves the other streams); it is never whole in the
-trainer's memory.
+so it is written to its file tensor by tensor (hashed as it is written) and each stream
+reads its chunks from the file as it sends them (the page cache serves the other streams);
+it is never whole in the trainer's memory.
 
 Authentication: no token goes to a generator (its address may come from a registry a lesser
 role writes). Each push asks that generator for a one-time nonce, with a challenge; nothing is
@@ -27,6 +29,7 @@ verification per generator per push.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -40,7 +43,7 @@ from typing import BinaryIO
 import grpc
 import numpy as np
 
-from rollstream.core import deltas, weight_transfer
+from rollstream.core import deltas, weight_store, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel, rpc_error_text
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -79,7 +82,7 @@ class PushOutcome:
 log = logging.getLogger(__name__)
 Metadata = tuple[tuple[str, str], ...]  # a call's gRPC metadata
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
-DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor, but the latest
+DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
 
@@ -138,6 +141,32 @@ class PayloadFile:
         fd = getattr(self, "_fd", None)  # absent when __init__ failed
         if fd is not None:
             os.close(fd)
+
+
+class HashingWriter:
+    """Hashes what is written through it: a file-held anchor gets its header (size, sha256)
+    as it is written, not by reading its gigabytes back."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._size = 0
+        self._f: BinaryIO | None = None
+
+    def into(self, f: BinaryIO) -> "HashingWriter":
+        self._f = f
+        return self
+
+    def write(self, data: bytes | memoryview) -> int:
+        assert self._f is not None, "into() names the file first"
+        self._sha.update(data)
+        self._size += len(data) if isinstance(data, bytes) else data.nbytes
+        return self._f.write(data)
+
+    def header(self, info: deltas.PayloadInfo) -> weights_pb2.WeightHeader:
+        return weights_pb2.WeightHeader(
+            kind=info.kind, base_version=info.base_version, version=info.version,
+            total_bytes=self._size, sha256=self._sha.hexdigest(), model_fingerprint=info.fingerprint,
+        )
 
 
 class Published:
@@ -207,8 +236,10 @@ class WeightPublisher:
         if anchor_dir is not None:
             try:
                 anchor_dir.mkdir(parents=True, exist_ok=True)
-                # A write cut short by a kill; the chain of a trainer that was killed.
-                for stale in [*anchor_dir.glob(f".{ANCHOR_FILE}.*.tmp"), *anchor_dir.glob(f".{DELTA_FILES}.*.tmp"), *anchor_dir.glob(DELTA_FILES)]:
+                # A write cut short by a kill; the chain of a trainer that was killed (its
+                # manifest first: no generator reads a chain whose files are going).
+                (anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
+                for stale in [*anchor_dir.glob(".*.tmp"), *anchor_dir.glob(DELTA_FILES)]:
                     stale.unlink(missing_ok=True)
             except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
@@ -231,34 +262,38 @@ class WeightPublisher:
         return self._bits
 
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
-        payload: bytes | PayloadFile | None = None
+        info = deltas.PayloadInfo("anchor", version, version, self.fingerprint)
+        anchor: Published | None = None
         if self.anchor_dir is not None:  # streamed to its file: no anchor bytes in memory
             try:
-                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: deltas.write_anchor(f, bits, version, self.fingerprint))
+                hashing = HashingWriter()
+                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: deltas.write_anchor(hashing.into(f), bits, version, self.fingerprint))
+                anchor = Published(info, payload, header=hashing.header(info))
             except OSError as e:  # a full or failing disk must not stop training: keep it in memory
                 log.warning("anchor_in_memory: cannot write the anchor to %s (%s); keeping version %d in memory", self.anchor_dir, e, version)
-        if payload is None:
-            payload = deltas.encode_anchor(bits, version, self.fingerprint)
+        if anchor is None:
+            anchor = Published(info, deltas.encode_anchor(bits, version, self.fingerprint))
         with self._lock:
             self._bits = bits
             self._version = version
-            self._anchor = Published(deltas.PayloadInfo("anchor", version, version, self.fingerprint), payload)
+            self._anchor = anchor
             replaced, self._deltas = self._deltas, []
+        self._write_manifest()
         _unlink_files(replaced)
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
-        produces them (HostAdamW.step's on_piece) and handed to publish(). With anchor_dir the
-        latest delta goes to its file now: the trainer pushes a version before it starts the
-        next step, so from here on only a generator catching up reads it, and the step's
-        peak (the optimizer and the encoder at work) does not hold it too."""
-        self._file_deltas()
+        produces them (HostAdamW.step's on_piece) and handed to publish()."""
         return deltas.DeltaEncoder(self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool)
 
     def publish(self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None) -> tuple[Published, deltas.DeltaStats]:
         """Encode the delta from the last published version (the tensors not yet given to
         `encoder`, from begin_delta, are added now); every anchor_interval versions also
-        start a new anchor (older deltas are then no longer needed)."""
+        start a new anchor (older deltas are then no longer needed). With anchor_dir the delta
+        goes to its file and the store's chain before it is returned for pushing, so a
+        generator the push misses finds it there; the chain keeps only the file (up to
+        anchor_interval deltas of 2-6 % of the bf16 weights each would otherwise sit in the
+        trainer's memory, issue 28) and the bytes returned live as long as the push."""
         base = self._version
         if encoder is None:
             encoder = self.begin_delta()
@@ -271,32 +306,41 @@ class WeightPublisher:
         delta = Published(deltas.PayloadInfo("delta", base, base + 1, self.fingerprint), payload)
         if (base + 1) % self.anchor_interval == 0:
             self._set_anchor(dict(new_bits), base + 1)
-        else:
-            with self._lock:
-                self._bits = dict(new_bits)
-                self._version = base + 1
-                self._deltas.append(delta)
+            return delta, stats
+        kept = delta
+        if self.anchor_dir is not None:
+            try:
+                filed = PayloadFile(self.anchor_dir / f"delta-{base + 1:08d}.safetensors", lambda f: f.write(payload))
+                kept = Published(delta.info, filed, header=delta.header())
+            except OSError as e:  # a full disk keeps it in memory, as for the anchor
+                log.warning("delta_in_memory: cannot write version %d's delta to %s (%s)", base + 1, self.anchor_dir, e)
+        with self._lock:
+            self._bits = dict(new_bits)
+            self._version = base + 1
+            self._deltas.append(kept)
+        self._write_manifest()
         return delta, stats
 
-    def _file_deltas(self) -> None:
-        """With anchor_dir, the deltas held in memory go to files there (begin_delta: the
-        latest one's pushes are done): they are read only by a generator catching up, yet up
-        to anchor_interval of them (2-6 % of the bf16 weights each) would otherwise sit in the
-        trainer's memory (issue 28)."""
+    def _write_manifest(self) -> None:
+        """The store's chain.json for the anchor and deltas now kept, where every one of them
+        is in a file (one kept in memory, for a disk that failed, is served by FetchWeights
+        only: the chain stays at the last version the files reach)."""
         if self.anchor_dir is None:
             return
         with self._lock:
-            older = [(i, d) for i, d in enumerate(self._deltas) if isinstance(d.payload, bytes)]
-        for i, delta in older:
-            data = delta.payload
-            try:
-                filed = PayloadFile(self.anchor_dir / f"delta-{delta.info.version:08d}.safetensors", lambda f, data=data: f.write(data))
-            except OSError as e:  # a full disk keeps it in memory, as for the anchor
-                log.warning("delta_in_memory: cannot write version %d's delta to %s (%s)", delta.info.version, self.anchor_dir, e)
-                return
-            with self._lock:
-                if i < len(self._deltas) and self._deltas[i] is delta:
-                    self._deltas[i] = Published(delta.info, filed, header=delta.cached_header())
+            kept = [self._anchor, *self._deltas]
+        files: list[weight_store.StoredPayload] = []
+        for p in kept:
+            if not isinstance(p.payload, PayloadFile):
+                break
+            files.append(weight_store.StoredPayload(p.payload.path.name, p.header()))
+        try:
+            if files:
+                weight_store.write_manifest(self.anchor_dir, files[0], files[1:])
+            else:  # an anchor in memory: no chain, so generators ask the trainer at once
+                (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.anchor_dir, e)
 
     def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
         """What a generator holding `have_version` (-1: nothing) needs, in order."""
@@ -304,12 +348,7 @@ class WeightPublisher:
             raise deltas.DeltaError(f"generator model {fingerprint} is not the trainer's {self.fingerprint}")
         with self._lock:
             anchor, chain = self._anchor, list(self._deltas)
-        current = chain[-1].info.version if chain else anchor.info.version
-        if anchor.info.version <= have_version <= current:
-            return [d for d in chain if d.info.base_version >= have_version]
-        # Older than the anchor, nothing held (-1), or *ahead* of us (weights from an earlier
-        # run of a trainer that restarted from scratch): start over from the anchor.
-        return [anchor, *chain]
+        return weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
 
     def push(
         self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False, fanout: int = 0
@@ -366,6 +405,8 @@ class WeightPublisher:
             return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
+        if self.anchor_dir is not None:  # the chain first: no generator reads files that are going
+            (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
         _unlink_files([self._anchor, *self._deltas])
         with self._channels_lock:
             for ch in self._channels.values():
