@@ -64,6 +64,7 @@ class RunShape:
     checkpoint_every: int = 1
     threads: int = 1
     reward: str = "builtin"  # `up --reward`: "external" starts no reward service (the test brings one)
+    colocate: bool = False  # `up --colocate`: the generator inside the trainer's process (no generator-0)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class FaultRun:
             "--run", self.run, "--trainer.steps", str(s.steps), "--trainer.group-size", str(s.group_size), "--trainer.groups-per-step", str(s.groups_per_step),
             "--trainer.max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--trainer.checkpoint-every", str(s.checkpoint_every),
             "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
+            "--colocate" if s.colocate else "--no-colocate",
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -211,6 +213,8 @@ class FaultRun:
         left_out = {"reference-0"} if self.shape.beta <= 0 else set()
         if self.shape.reward == "external":
             left_out.add("reward-0")
+        if self.shape.colocate:
+            left_out.add("generator-0")
         return tuple(s for s in SERVICES if s not in left_out)
 
     def wait_exit(self, timeout_s: float) -> int:
@@ -452,7 +456,9 @@ def is_generic_reason(reason: str) -> bool:
     return bool(_GENERIC_DELIVERIES.match(reason)) and not _SPECIFIC_CAUSE.search(reason)
 
 
-def check_invariants(client: redis.Redis, keys: RunKeys, *, steps: int, groups_per_step: int, versions: dict[str, int] | None = None) -> Ledger:
+def check_invariants(
+    client: redis.Redis, keys: RunKeys, *, steps: int, groups_per_step: int, versions: dict[str, int] | None = None, colocated: bool = False
+) -> Ledger:
     """The accounting after a run (see the module docstring of test_faults.py for why each holds):
 
     1. every generated group is in exactly one of trained / stale / dead / waiting, and no
@@ -464,7 +470,8 @@ def check_invariants(client: redis.Redis, keys: RunKeys, *, steps: int, groups_p
     3. every dead letter has a readable `reason` field (the same as its DeadLetter's) that is
        specific, not just a delivery count;
     4. (with `versions`: summary.json's final versions) every generator serves the trainer's
-       version, and that version is `steps`.
+       version, and that version is `steps` (`colocated`: the generator is the trainer's own
+       process and model, so there is no separate generator version to check).
     """
     ledger = Ledger()
     v = ledger.violations
@@ -530,8 +537,10 @@ def check_invariants(client: redis.Redis, keys: RunKeys, *, steps: int, groups_p
         gens = {k: val for k, val in versions.items() if k.startswith("generator")}
         if trainer_version != steps:
             v.append(f"final trainer version {trainer_version}, expected {steps} (summary versions: {versions})")
-        if not gens:
+        if not gens and not colocated:
             v.append(f"no generator version recorded at the end (summary versions: {versions})")
+        if gens and colocated:
+            v.append(f"a colocated run with a generator process: {sorted(gens)}")
         for name, gv in sorted(gens.items()):
             if gv != trainer_version:
                 v.append(f"{name} serves version {gv} at the end, the trainer {trainer_version}")

@@ -18,6 +18,7 @@ checker fails each kind of violation, so a passing fault run means something.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from collections.abc import Callable
@@ -54,6 +55,9 @@ FAULTS: dict[str, Inject] = {
     "redis-sigstop-10s": lambda run: run.redis_stop(10),
 }
 CPU_HOG = "cpu-hog-2"
+# The same faults against a colocated run (`up --colocate`: the generator is in the trainer's
+# process, so killing it kills both).
+COLOCATED = {"colocated-kill9-trainer": "kill9-trainer", "colocated-kill9-random-x3": "kill9-random-x3"}
 # Three kills in one run, each of a service (or redis-server) drawn by the seed, at
 # successive points: a restart overlapping the next fault, a trainer resumed twice...
 CHAOS = "kill9-random-x3"
@@ -65,10 +69,12 @@ RESTARTED = {"kill9-trainer": "trainer", "kill9-generator": "generator-0", "kill
 @pytest.mark.faults
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", [*FAULTS, CHAOS, CPU_HOG])
-def test_run_survives_fault(kind: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    seed = BASE_SEED + zlib.crc32(kind.encode()) % 1000  # stable per case, whatever cases are added
-    with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=SHAPE, run=f"{kind}-{seed}") as run:
+@pytest.mark.parametrize("case", [*FAULTS, CHAOS, CPU_HOG, *COLOCATED])
+def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    seed = BASE_SEED + zlib.crc32(case.encode()) % 1000  # stable per case, whatever cases are added
+    kind = COLOCATED.get(case, case)
+    shape = dataclasses.replace(SHAPE, colocate=case in COLOCATED)
+    with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=shape, run=f"{case}-{seed}") as run:
         if kind == CPU_HOG:
             run.cpu_hog(2, seconds=RUN_S + FIRST_STEPS_S)  # the whole run; ended in close() at the latest
         run.start()
@@ -91,7 +97,7 @@ def test_run_survives_fault(kind: str, tiny_model_dir: Path, tmp_path: Path) -> 
             FAULTS[kind](run)
         rc = run.wait_exit(RUN_S)
         summary = run.summary()
-        context = f"[{kind}] up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'versions', 'restarts', 'stats')} }"
+        context = f"[{case}] up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'versions', 'restarts', 'stats')} }"
         assert rc == 0, f"{context}\n{run.logs_tail()}"
 
         # The faults really happened, mid-run (else this run proved nothing), and `up`
@@ -114,10 +120,12 @@ def test_run_survives_fault(kind: str, tiny_model_dir: Path, tmp_path: Path) -> 
         # The accounting, read from the run's own Redis reopened on its AOF.
         client = run.open_ledger()
         try:
-            ledger = check_invariants(client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"])
+            ledger = check_invariants(
+                client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"], colocated=shape.colocate
+            )
         finally:
             client.close()
-        print(f"\n[{kind}] seed={seed} faults={[(f.what, f.at_step) for f in run.faults]}\n{ledger.describe()}")
+        print(f"\n[{case}] seed={seed} faults={[(f.what, f.at_step) for f in run.faults]}\n{ledger.describe()}")
         assert not ledger.violations, f"{context}\n{ledger.describe()}\n{run.logs_tail()}"
 
 

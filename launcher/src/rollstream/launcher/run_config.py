@@ -83,6 +83,11 @@ class RunConfig(BaseSettings):
     redis_url: str = Field("", description="use this Redis instead of an embedded redis-server (empty: embedded, in the workdir)")
     workdir: str = Field("", description="logs, redis data, checkpoints, steps.jsonl and summary.json (empty: runs/<run>)")
     generators: int = Field(1, ge=1, description="generator processes (generator i samples with generator.seed + i)")
+    colocate: bool = Field(
+        False,
+        description="the trainer and the generator in one process, sampling from the trainer's own model (one copy of the "
+        "weights, no weight transfer); sampling and training take turns (launcher/colocated.py)",
+    )
     threads: int = Field(0, ge=0, description="torch threads per service; 0: all cores for the trainer, half for the others")
     fresh: bool = Field(True, description="delete the run's keys and checkpoints first; --no-fresh continues the run")
     external_reward: bool = Field(False, description="start no reward service: print what an outside one must use and wait for it (docs/custom-reward.md)")
@@ -119,6 +124,14 @@ class RunConfig(BaseSettings):
     def _check(self) -> "RunConfig":
         if self.external_reward and self.reward.scorer_address:
             raise ValueError("reward.scorer_address: only with the built-in reward service (an external one scores by itself)")
+        if self.colocate:
+            from rollstream.launcher.colocated import refusal
+
+            if self.generators != 1:
+                raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}")
+            why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}))
+            if why:
+                raise ValueError(why)
         return self
 
     @property

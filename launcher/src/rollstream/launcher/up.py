@@ -16,6 +16,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -106,6 +107,27 @@ def configured_child(name: str, service: str, values: dict[str, Any], flags: lis
     return Child(name, [service, "--config", str(path), *flags], child_env(service, values), workdir)
 
 
+def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callable[[str], list[str]], workdir: Path, **generator_values: Any) -> Child:
+    """The trainer and the generator in one process (launcher/colocated.py), named `trainer`:
+    its gRPC and HTTP sides and its state file are the trainer's. The generator's settings go
+    in their own file, its credentials' files as --generator-flag pairs."""
+    trainer_path = workdir / "config" / "trainer.toml"
+    generator_path = workdir / "config" / "generator-0.toml"
+    generator_values = child_toml(
+        cfg.generator, "generator", **generator_values, consumer="generator-0",
+        max_staleness=cfg.trainer.max_staleness, max_inflight_groups=(cfg.trainer.max_staleness + 1) * cfg.trainer.groups_per_step,
+    )
+    trainer_path.parent.mkdir(parents=True, exist_ok=True)
+    trainer_path.write_text(tomli_w.dumps(trainer_values))
+    generator_path.write_text(tomli_w.dumps(generator_values))
+    flags = own("generator")
+    generator_flags = [a for name, value in zip(flags[::2], flags[1::2]) for a in ("--generator-flag", name, value)]
+    args = ["launcher.colocated", "--config", str(trainer_path), *own("trainer"), "--generator-config", str(generator_path), *generator_flags]
+    env = child_env("trainer", trainer_values)
+    kept = child_env("generator", generator_values)
+    return Child("trainer", args, {k: v for k, v in env.items() if k in kept}, workdir)
+
+
 def _up(cfg: RunConfig) -> int:
     console = plain_console(stderr=True)
     workdir = run_workdir(cfg.workdir, cfg.run)
@@ -178,7 +200,10 @@ def _up(cfg: RunConfig) -> int:
         cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_port=trainer_port, consumer="trainer-0",
         **trainer_folders(workdir), metrics_file=str(step_log),
     )
-    trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
+    if cfg.colocate:
+        trainer = colocated_child(cfg, trainer_values, own, workdir, **shared, model=model, threads=trainer_threads, seed=cfg.generator.seed)
+    else:
+        trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
     children: list[Child] = [trainer]
     started = time.monotonic()
     stopping = False
@@ -196,7 +221,7 @@ def _up(cfg: RunConfig) -> int:
         trainer.start()
         console.print("starting trainer (loading the model)...")
         trainer_address = trainer.grpc_address()
-        for i in range(cfg.generators):
+        for i in range(0 if cfg.colocate else cfg.generators):
             # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
             # sampled while the trainer trains on this one; with 0, a batch is sampled only
             # once the last one is trained (the trainer acknowledges its groups with the new
@@ -288,7 +313,7 @@ def _up(cfg: RunConfig) -> int:
                 )
                 time.sleep(0.5)
         if finished:
-            versions = settle_versions(trainer, children[1 : 1 + cfg.generators], admin)
+            versions = settle_versions(trainer, [c for c in children if c.name.startswith("generator-")], admin)
     except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
         console.print(str(e), style="red")
         return 2 if e.returncode == 2 else 1

@@ -85,9 +85,22 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu"):
-        self.model, self.tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
-        self.model.eval()
-        self.device = torch.device(device)
+        model, tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
+        model.eval()
+        self._take(model, tokenizer, shared=False)
+
+    @classmethod
+    def sharing(cls, model: torch.nn.Module, tokenizer: "PreTrainedTokenizerBase") -> "TransformersBackend":
+        """Sampling from a model another part of this process owns and trains (the colocated
+        trainer's, launcher/colocated.py): in eval mode for each batch, put back as it was
+        after; its weights are never loaded here."""
+        backend = cls.__new__(cls)
+        backend._take(model, tokenizer, shared=True)
+        return backend
+
+    def _take(self, model: torch.nn.Module, tokenizer: "PreTrainedTokenizerBase", shared: bool) -> None:
+        self.model, self.tokenizer, self.shared = model, tokenizer, shared
+        self.device = next(model.parameters()).device
         eos = self.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -107,10 +120,20 @@ class TransformersBackend:
     def load_weights(self, bits: Mapping[str, np.ndarray], version: int | None = None) -> None:
         # No version bookkeeping here: the service holds the weights lock while sampling,
         # so it knows the one version every token of a batch came from.
+        if self.shared:
+            raise RuntimeError("a colocated generator's weights are the trainer's model: only the trainer's step changes them")
         modeling.load_bits_(self.model, bits)
 
-    @torch.inference_mode()
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        training = self.model.training  # a shared model is the trainer's, in train mode between batches
+        self.model.eval()
+        try:
+            return self._sample(requests)
+        finally:
+            self.model.train(training)
+
+    @torch.inference_mode()
+    def _sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
         # One row per completion; rows of one request share its settings and its prompt.
         rows = [(ri, k) for ri, r in enumerate(requests) for k in range(r.n)]
         batch = len(rows)

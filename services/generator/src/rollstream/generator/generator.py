@@ -104,7 +104,10 @@ def prompt_chars_limit(prompt_tokens: int, vocab: Iterable[str]) -> int:
 class Generator:
     """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
 
-    def __init__(self, settings: GeneratorSettings, host: ServiceHost):
+    def __init__(self, settings: GeneratorSettings, host: ServiceHost, shared: tuple[Backend, HostWeights] | None = None):
+        """`shared`: a backend and weights someone else owns (the colocated trainer's model and
+        published bits, launcher/colocated.py); else the backend is made from the settings and
+        its weights rounded to version 0."""
         self.settings = settings
         self.host = host
         if settings.threads:
@@ -113,7 +116,7 @@ class Generator:
         self.generator_id = settings.generator_id or consumer_name(settings)
         model_dir = str(resolve_model(settings.model))
         self.model_name = model_dir
-        self.backend: Backend = make_backend(settings, model_dir)
+        self.backend: Backend = make_backend(settings, model_dir) if shared is None else shared[0]
         # What a task may ask for: ids inside the vocabulary, sizes under the configured caps,
         # a prompt no longer than the model's context, in tokens and, before rendering and
         # tokenizing (which cost memory in proportion), in characters.
@@ -123,12 +126,15 @@ class Generator:
             vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
             max_prompt_tokens=prompt_tokens, max_prompt_chars=prompt_chars_limit(prompt_tokens, self.backend.tokenizer.get_vocab()),
         )
-        # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
-        # as version 0; round the engine's weights to it before sampling anything.
-        bits = self.backend.host_bits()
-        self.backend.load_weights(bits, version=0)
-        self.weights = HostWeights(bits, version=0)
-        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in bits.values()))
+        if shared is None:
+            # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
+            # as version 0; round the engine's weights to it before sampling anything.
+            bits = self.backend.host_bits()
+            self.backend.load_weights(bits, version=0)
+            self.weights = HostWeights(bits, version=0)
+        else:
+            self.weights = shared[1]
+        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in self.weights.bits.values()))
         # Our token (as the generator role) and TLS material for calls to the trainer.
         self.creds = ClientCredentials.from_settings(settings)
         # What PushNonce proves to the trainer: this holds the generator's token, at this address

@@ -38,38 +38,50 @@ def run(settings: GeneratorSettings) -> int:
         sync.start()
         address = settings.advertise_address or host.grpc_address
         gen.advertised_address = address  # what PushNonce proves, before the registry names it
-        keys = streams.RunKeys(settings.run)
-        client = observer = None
-        beat = None
         try:
-            client = host.connect_redis()
-            # Back-pressure reads `scored` and `ready`, which the generator's own user may not
-            # touch: through the read-only observer user where one is configured.
-            observer = client
-            if settings.redis_observer_password_file:
-                observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
-            stage = host.open_stage(client, "prompts", settings.group)
-            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, address, host), name="heartbeat", daemon=True)
-            beat.start()
-            host.set_ready(True, f"sampling from {stage.stream}")
-            logs.event(host.log, "started", id=gen.generator_id, address=address, backend=gen.backend.name, source=stage.stream)
-            host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
+            sample_forever(gen, host, register_as=address)
         finally:
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
             # clean stop, seen in the containers tier).
-            host.stop.set()
             gen.sync_wake.set()
             sync.join(timeout=30.0)
-            if beat is not None:
-                beat.join(timeout=10.0)
-            if client is not None:
+    return 0
+
+
+def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
+    """The stream loop until stopped: join the prompts stage, then sample turn after turn.
+    `register_as`: the address kept in the registry the trainer pushes to (heartbeat_forever);
+    empty for a generator colocated with its trainer, which is pushed nothing."""
+    settings = gen.settings
+    keys = streams.RunKeys(settings.run)
+    client = observer = None
+    beat = None
+    try:
+        client = host.connect_redis()
+        # Back-pressure reads `scored` and `ready`, which the generator's own user may not
+        # touch: through the read-only observer user where one is configured.
+        observer = client
+        if settings.redis_observer_password_file:
+            observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
+        stage = host.open_stage(client, "prompts", settings.group)
+        if register_as:
+            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
+            beat.start()
+        host.set_ready(True, f"sampling from {stage.stream}")
+        logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
+        host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
+    finally:
+        host.stop.set()
+        if beat is not None:
+            beat.join(timeout=10.0)
+        if client is not None:
+            if register_as:
                 with contextlib.suppress(*redis_policy.ERRORS):
                     registry.leave(client, keys, gen.generator_id)
-                client.close()
-            if observer is not None and observer is not client:
-                observer.close()
-    return 0
+            client.close()
+        if observer is not None and observer is not client:
+            observer.close()
 
 
 def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:

@@ -55,42 +55,47 @@ def main(argv: list[str] | None = None) -> int:
 def run(settings: TrainerSettings) -> int:
     with ServiceHost("trainer", settings) as host:
         host.install_signal_handlers()
-        trainer = Trainer(settings, host)
-        restored = trainer.restored
-        if restored is not None and restored.consumer and not settings.consumer and restored.run == settings.run:
-            # Resume as the same consumer: the entries it held come back to it first.
-            settings = settings.model_copy(update={"consumer": restored.consumer})
-        directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
-        checkpoints = CheckpointRequests()
-        view = pipeline_view.install(settings, host) if settings.dashboard else None
-        host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
-        client = host.connect_redis()
-        try:
-            keys = streams.RunKeys(settings.run)
-            stage = host.open_stage(client, "ready", settings.group)
-            fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
-            loop = TrainerLoop(trainer, host, client, keys, stage, PromptFeeder(settings, client, stage, fed), directory, checkpoints)
-            # Also without a checkpoint: a trainer killed before its first one starts from the
-            # model again, and the steps it trained are replayed from there.
-            replay.replay_trained_log(trainer, host, client, keys)
-            # After a resume this moves the version back; generators ahead of it get the anchor.
-            host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
-            # For `rollstream status`: this many groups pending on the trainer is a step in progress.
-            host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
-            host.set_ready(True, f"training from {stage.stream}")
-            if restored is not None:
-                trainer.push_anchor(loop.push_targets(), directory.from_registry)
-            # After Redis trouble the batch is kept: its entries are still pending on us, and
-            # when they are read again `turn` skips them.
-            host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
-            loop.finish()
-        finally:
-            checkpoints.close()
-            trainer.close()
-            client.close()
-            if view is not None:
-                view.close()
+        serve(settings, host, Trainer(settings, host))
     return 0
+
+
+def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> None:
+    """Serve gRPC and train until done or stopped. The trainer is built by the caller: the
+    colocated process (launcher/colocated.py) hands its model to a generator first."""
+    restored = trainer.restored
+    if restored is not None and restored.consumer and not settings.consumer and restored.run == settings.run:
+        # Resume as the same consumer: the entries it held come back to it first.
+        settings = settings.model_copy(update={"consumer": restored.consumer})
+    directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
+    checkpoints = CheckpointRequests()
+    view = pipeline_view.install(settings, host) if settings.dashboard else None
+    host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
+    client = host.connect_redis()
+    try:
+        keys = streams.RunKeys(settings.run)
+        stage = host.open_stage(client, "ready", settings.group)
+        fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
+        loop = TrainerLoop(trainer, host, client, keys, stage, PromptFeeder(settings, client, stage, fed), directory, checkpoints)
+        # Also without a checkpoint: a trainer killed before its first one starts from the
+        # model again, and the steps it trained are replayed from there.
+        replay.replay_trained_log(trainer, host, client, keys)
+        # After a resume this moves the version back; generators ahead of it get the anchor.
+        host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
+        # For `rollstream status`: this many groups pending on the trainer is a step in progress.
+        host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
+        host.set_ready(True, f"training from {stage.stream}")
+        if restored is not None:
+            trainer.push_anchor(loop.push_targets(), directory.from_registry)
+        # After Redis trouble the batch is kept: its entries are still pending on us, and
+        # when they are read again `turn` skips them.
+        host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
+        loop.finish()
+    finally:
+        checkpoints.close()
+        trainer.close()
+        client.close()
+        if view is not None:
+            view.close()
 
 
 @dataclass
