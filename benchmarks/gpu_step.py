@@ -128,7 +128,7 @@ def synthetic_groups(sequences: int, seq_tokens: int, prompt_tokens: int, vocab:
 
 def step_config(seq_tokens: int, device: torch.device) -> StepConfig:
     loss = LossConfig(kind="grpo", clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, tis_cap=0.0, max_completion_tokens=seq_tokens)
-    return StepConfig(loss, token_budget=seq_tokens, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device=str(device))
+    return StepConfig(loss, token_budget=seq_tokens, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device=str(device), share_prompts=False)
 
 
 def peak_host_gib() -> float:

@@ -63,7 +63,7 @@ def deterministic() -> Iterator[None]:
 
 def step_config(token_budget: int = 4096, max_grad_norm: float = 0.0) -> StepConfig:
     loss = LossConfig(kind="grpo", clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, tis_cap=0.0, max_completion_tokens=16)
-    return StepConfig(loss, token_budget=token_budget, chunk_tokens=64, temperature=1.0, max_grad_norm=max_grad_norm, device=DEVICE)
+    return StepConfig(loss, token_budget=token_budget, chunk_tokens=64, temperature=1.0, max_grad_norm=max_grad_norm, device=DEVICE, share_prompts=False)
 
 
 def load(model_dir: Path, grad_offload: bool = False, master_layout: MasterLayout = "split") -> tuple[torch.nn.Module, HostAdamW, int]:

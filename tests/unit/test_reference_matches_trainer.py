@@ -41,7 +41,7 @@ def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], to
         rollout_pb2.RolloutGroup(prompt_ids=p, completions=[rollout_pb2.Completion(token_ids=c, behaviour_logprobs=[0.0] * len(c), reward=0.0)])
         for p, c in seqs
     ]
-    cfg = StepConfig(LossConfig(), token_budget, CHUNK_TOKENS, TEMPERATURE, max_grad_norm=1.0, device="cpu")
+    cfg = StepConfig(LossConfig(), token_budget, CHUNK_TOKENS, TEMPERATURE, max_grad_norm=1.0, device="cpu", share_prompts=False)
     result = train_step(model, optimizer, groups, cfg, pad_id=tokenizer.pad_token_id)
     return [values.float().tolist() for values in result.logprobs]
 

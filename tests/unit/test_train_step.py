@@ -48,8 +48,10 @@ def with_ref(groups: list[rollout_pb2.RolloutGroup], seed: int) -> list[rollout_
     return groups
 
 
-def step_config(beta: float = 0.0, token_budget: int = 4096) -> StepConfig:
-    return StepConfig(LossConfig("grpo", CLIP, CLIP, beta=beta), token_budget, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device="cpu")
+def step_config(beta: float = 0.0, token_budget: int = 4096, share_prompts: bool = False) -> StepConfig:
+    return StepConfig(
+        LossConfig("grpo", CLIP, CLIP, beta=beta), token_budget, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device="cpu", share_prompts=share_prompts
+    )
 
 
 def by_hand(model: torch.nn.Module, groups: list[rollout_pb2.RolloutGroup], beta: float) -> dict[str, float]:
@@ -99,14 +101,17 @@ def by_hand(model: torch.nn.Module, groups: list[rollout_pb2.RolloutGroup], beta
     }
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("beta", [0.0, BETA])
-def test_loss_and_metrics_match_a_hand_computation(tiny_model_dir: Path, beta: float) -> None:
+def test_loss_and_metrics_match_a_hand_computation(tiny_model_dir: Path, beta: float, share_prompts: bool) -> None:
+    """Each sequence alone (by_hand) against the step's micro-batches: one sequence a row, or
+    each group's prompt once with its completions after it under a mask (share_prompts)."""
     groups = scored_groups(1, 2)  # 2 groups x 4 completions, 0/1 rewards
     if beta:
         with_ref(groups, seed=1)
     model, optimizer, pad_id = load(tiny_model_dir)
     expected = by_hand(model, groups, beta)
-    r = train_step(model, optimizer, groups, step_config(beta=beta), pad_id=pad_id)
+    r = train_step(model, optimizer, groups, step_config(beta=beta, share_prompts=share_prompts), pad_id=pad_id)
 
     assert (r.groups, r.completions, r.zero_variance_groups) == (2, 8, 0)
     assert r.tokens == expected["tokens"]
@@ -168,23 +173,33 @@ def test_a_group_with_equal_rewards_contributes_zero_advantage(tiny_model_dir: P
     assert r.completions == 4 and r.zero_variance_groups == 1
 
 
-def run_packed(model_dir: Path, groups: list[rollout_pb2.RolloutGroup], token_budget: int) -> tuple[StepResult, HostAdamW, dict[str, torch.Tensor]]:
+def run_packed(
+    model_dir: Path, groups: list[rollout_pb2.RolloutGroup], token_budget: int, share_prompts: bool = False
+) -> tuple[StepResult, HostAdamW, dict[str, torch.Tensor]]:
     # A large Adam eps makes the update nearly linear in the gradient: the float noise of
     # another packing then stays float noise in the weights (with eps 1e-8 the first step is
     # ~lr * sign(g), and a gradient that is zero up to noise could flip sign).
     model, optimizer, pad_id = load(model_dir, adam_eps=1e-2)
     before = {n: m.clone() for n, m in optimizer.master.items()}
-    r = train_step(model, optimizer, groups, step_config(beta=BETA, token_budget=token_budget), pad_id=pad_id)
+    r = train_step(model, optimizer, groups, step_config(beta=BETA, token_budget=token_budget, share_prompts=share_prompts), pad_id=pad_id)
     return r, optimizer, {n: optimizer.master[n] - before[n] for n in before}
 
 
-def test_micro_batches_give_the_same_update(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("token_budget", "share_prompts"),
+    [
+        (44, False),  # two micro-batches of whole sequences
+        (4096, True),  # each group's prompt once, its 4 completions after it: one micro-batch
+        (12, True),  # units cut to the budget: a prompt with 1-2 of its completions, some sequences alone
+    ],
+)
+def test_micro_batches_give_the_same_update(tiny_model_dir: Path, token_budget: int, share_prompts: bool) -> None:
     groups = with_ref(scored_groups(2, 2), seed=2)
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
     assert len(modeling.pack_by_tokens(lengths, 44)) == 2 and len(modeling.pack_by_tokens(lengths, 4096)) == 1
 
     one, _, update_one = run_packed(tiny_model_dir, groups, 4096)
-    two, _, update_two = run_packed(tiny_model_dir, groups, 44)
+    two, _, update_two = run_packed(tiny_model_dir, groups, token_budget, share_prompts)
     for name in ("loss", "kl", "entropy", "grad_norm"):
         assert getattr(two, name) == pytest.approx(getattr(one, name), rel=1e-5), name
     assert (two.tokens, two.clip_fraction) == (one.tokens, one.clip_fraction)
@@ -211,3 +226,26 @@ def test_a_non_finite_loss_applies_nothing(tiny_model_dir: Path) -> None:
     assert optimizer.step_count == 0
     assert all(p.grad is None for p in optimizer.params.values())
     assert all(np.array_equal(version0[n], b) for n, b in modeling.model_bits(model).items())
+
+
+def test_shared_prompt_units_are_cut_to_the_budget() -> None:
+    """The units of share_prompts: consecutive completions of one prompt, no unit wider than
+    the budget, a completion that fits with no other in a micro-batch of sequences, and
+    every completion exactly once."""
+    from rollstream.trainer.step import _micro_batches, _Row
+
+    def row(prompt: list[int], n: int) -> _Row:
+        return _Row(prompt, [7] * n, 0.0, [0.0] * n, [])
+
+    rows = [row([1, 2, 3], 2), row([1, 2, 3], 3), row([1, 2, 3], 4), row([4, 5], 9), row([6], 1), row([6], 1)]
+    micros = _micro_batches(rows, token_budget=10, share_prompts=True)
+    assert sorted(i for m in micros for i in m.rows) == list(range(6))
+    shapes = []
+    for m in micros:
+        batch = m.batch(rows, 0, torch.float32, "cpu")
+        assert batch.lengths == [len(rows[i].completion) for i in m.rows]
+        shapes.append((batch.attention_mask.dim(), batch.input_ids.shape[1]))
+    # [1,2,3]+2+3 (width 8) and [6]+1+1 (3) share (two rows of 8 would pass 10: two micro-batches);
+    # [1,2,3]+4 does not fit beside the 8 and [4,5]+9 (11) not in any: sequences alone.
+    assert sorted(shapes) == [(2, 7), (2, 11), (4, 3), (4, 8)]
+    assert sorted(i for m in micros if m.units is not None for i in m.rows) == [0, 1, 4, 5]

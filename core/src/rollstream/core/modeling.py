@@ -76,11 +76,12 @@ class Batch:
     """Right-padded prompt+completion sequences and where each completion's tokens sit."""
 
     input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T], or [B, 1, T, T] additive (make_shared_batch)
     rows: torch.Tensor  # [N] batch row of each completion token
     cols: torch.Tensor  # [N] position whose hidden state predicts that token (t - 1)
     targets: torch.Tensor  # [N] the completion token ids
     lengths: list[int]  # completion length per sequence, to split [N] back
+    position_ids: torch.Tensor | None = None  # [B, T] where a row is not one sequence (make_shared_batch)
 
 
 def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: str | torch.device = "cpu") -> Batch:
@@ -111,6 +112,61 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
     )
 
 
+def make_shared_batch(
+    units: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Batch:
+    """Completions that share a prompt, one row per (prompt, completions) unit: the prompt
+    once, then each completion after it, with the positions each would have after the prompt
+    alone and a mask that lets each completion's tokens see the prompt and the tokens before
+    them in their own completion, nothing else. So every completion token gets exactly the
+    log-prob that make_batch's one sequence per completion gives (up to float rounding:
+    other matrix shapes), while the prompt goes through the model once per unit instead of
+    once per completion. The mask is additive, [B, 1, T, T] in `dtype`: it grows as T^2, so
+    callers keep T (a unit's prompt plus its completions) within their token budget.
+    Completions come out flat in unit order, as make_batch's sequences would."""
+    widths = [len(p) + sum(len(c) for c in cs) for p, cs in units]
+    width = max(widths)
+    ids = torch.full((len(units), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(units), width), dtype=torch.long)
+    segment = torch.full((len(units), width), -2, dtype=torch.long)  # -1: the prompt, k: completion k, -2: padding
+    rows, cols, targets, lengths = [], [], [], []
+    for b, (prompt, completions) in enumerate(units):
+        if not prompt:
+            raise ValueError(f"unit {b} has an empty prompt")  # its first completion token has nothing to be predicted from
+        n = len(prompt)
+        ids[b, :n] = torch.tensor(list(prompt), dtype=torch.long)
+        positions[b, :n] = torch.arange(n)
+        segment[b, :n] = -1
+        at = n
+        for k, completion in enumerate(completions):
+            m = len(completion)
+            ids[b, at : at + m] = torch.tensor(list(completion), dtype=torch.long)
+            positions[b, at : at + m] = torch.arange(n, n + m)
+            segment[b, at : at + m] = k
+            # Token 0 is predicted from the prompt's last position, token j > 0 from j - 1.
+            rows.extend([b] * m)
+            cols.extend([n - 1, *range(at, at + m - 1)])
+            targets.extend(completion)
+            lengths.append(m)
+            at += m
+    index = torch.arange(width)
+    causal = (index.unsqueeze(1) >= index.unsqueeze(0)).unsqueeze(0)  # [1, T, T]: query >= key
+    query, key = segment.unsqueeze(2), segment.unsqueeze(1)
+    allowed = causal & ((key == -1) | (query == key)) & (key != -2) & (query != -2)
+    # A padding position attends to itself: no row of all -inf, so no NaN in what backward touches.
+    allowed |= torch.eye(width, dtype=torch.bool).unsqueeze(0)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    return Batch(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        cols=torch.tensor(cols, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        lengths=lengths,
+        position_ids=positions.to(device),
+    )
+
+
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, inv_temp: float, want_entropy: bool):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temp
     logz = torch.logsumexp(logits, dim=-1)
@@ -138,7 +194,7 @@ def completion_logprobs(
     if batch.targets.numel() == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return empty, empty
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).last_hidden_state
     picked = hidden[batch.rows, batch.cols]  # [N, H]
     return head_logprobs(model, picked, batch.targets, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy)
 

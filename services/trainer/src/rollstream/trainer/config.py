@@ -57,6 +57,11 @@ class TrainerSettings(TorchSettings):
     max_abs_reward: float = Field(1e4, gt=0, description="dead-letter groups with a reward of larger magnitude (a scorer gone wrong)")
     prompt_buffer: int = Field(16, ge=1, description="tasks kept waiting in the prompts stream")
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
+    share_prompts: bool = Field(
+        True,
+        description="a group's prompt through the model once per micro-batch, its completions after it under a mask "
+        "(the same log-probs up to float rounding; fewer tokens when prompts are long beside completions)",
+    )
     chunk_tokens: int = Field(1024, ge=1, description="LM-head chunk when computing log-probs")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in backward")
     # Optimizer memory (see rollstream/trainer/optimizer.py)

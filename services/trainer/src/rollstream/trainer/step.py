@@ -4,7 +4,9 @@
                     tokens; dapo drops the groups whose rewards are all equal
   2. normaliser     the step's constant loss denominator (grpo.normaliser) over every
                     trained completion, so micro-batches add up to the full-batch loss
-  3. micro-batches  whole sequences packed to `token_budget` padded tokens, and for each:
+  3. micro-batches  whole sequences packed to `token_budget` padded tokens (with
+                    `share_prompts`, a group's prompt once per micro-batch and its
+                    completions after it: modeling.make_shared_batch), and for each:
        log-probs    log pi(token | prefix) and entropy of every completion token, with
                     grad (modeling.completion_logprobs); log pi_ref from the groups, or from
                     the model's own frozen base under its LoRA adapters
@@ -57,6 +59,7 @@ class StepConfig:
     temperature: float  # the sampling temperature: log-probs of the distribution sampled from
     max_grad_norm: float  # 0: no clipping
     device: str
+    share_prompts: bool  # a group's prompt once per micro-batch (modeling.make_shared_batch)
 
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> StepConfig:
@@ -64,7 +67,7 @@ class StepConfig:
             kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
             tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
         )
-        return cls(loss, s.token_budget, s.chunk_tokens, s.temperature, s.max_grad_norm, s.device)
+        return cls(loss, s.token_budget, s.chunk_tokens, s.temperature, s.max_grad_norm, s.device, s.share_prompts)
 
 
 @dataclass
@@ -147,6 +150,53 @@ def _rows(groups: Sequence[rollout_pb2.RolloutGroup], loss_cfg: grpo.LossConfig,
     return rows, owner
 
 
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch: its rows, in the order their tokens come out, and with
+    share_prompts its units (rows of one prompt, one batch row each)."""
+
+    rows: list[int]
+    units: list[list[int]] | None = None  # None: one sequence a batch row
+
+    def batch(self, rows: Sequence[_Row], pad_id: int, dtype: torch.dtype, device: str) -> modeling.Batch:
+        if self.units is None:
+            return modeling.make_batch([(rows[i].prompt, rows[i].completion) for i in self.rows], pad_id, device)
+        units = [(rows[u[0]].prompt, [rows[i].completion for i in u]) for u in self.units]
+        return modeling.make_shared_batch(units, pad_id, dtype, device)
+
+
+def _micro_batches(rows: Sequence[_Row], token_budget: int, share_prompts: bool) -> list[_Micro]:
+    """The rows in micro-batches of at most `token_budget` padded tokens. Without
+    `share_prompts`, one sequence a batch row (modeling.make_batch). With it, consecutive
+    rows of one prompt (a group's completions) go in units of the prompt and as many of them
+    as fit the budget, one unit a batch row (modeling.make_shared_batch: the prompt through
+    the model once per unit, not once per completion); a row that fits no unit with another
+    (alone, or longer than the budget) is a sequence of its own, so no unit is wider than the
+    budget and its [T, T] mask stays bounded."""
+    if not share_prompts:
+        lengths = [len(row.prompt) + len(row.completion) for row in rows]
+        return [_Micro(micro) for micro in modeling.pack_by_tokens(lengths, token_budget)]
+    units: list[list[int]] = []
+    width = 0
+    for i, row in enumerate(rows):
+        if units and rows[units[-1][0]].prompt == row.prompt and width + len(row.completion) <= token_budget:
+            units[-1].append(i)
+            width += len(row.completion)
+        else:
+            units.append([i])
+            width = len(row.prompt) + len(row.completion)
+    many = [u for u in units if len(u) > 1]
+    alone = [u[0] for u in units if len(u) == 1]
+    widths = [len(rows[u[0]].prompt) + sum(len(rows[i].completion) for i in u) for u in many]
+    micros = []
+    for packed in modeling.pack_by_tokens(widths, token_budget):
+        chosen = [many[k] for k in packed]
+        micros.append(_Micro([i for u in chosen for i in u], chosen))
+    lengths = [len(rows[i].prompt) + len(rows[i].completion) for i in alone]
+    micros += [_Micro([alone[k] for k in micro]) for micro in modeling.pack_by_tokens(lengths, token_budget)]
+    return micros
+
+
 def _accumulate(
     model: torch.nn.Module, optimizer: HostAdamW, rows: Sequence[_Row], denom: float, cfg: StepConfig, pad_id: int,
     adapters_off: AdaptersOff | None, logprobs: list[torch.Tensor] | None = None,
@@ -156,10 +206,11 @@ def _accumulate(
     raises NonFiniteStep. `logprobs`, when given, gets each row's detached log pi."""
     loss_cfg = cfg.loss
     sums = _Sums()
-    lengths = [len(row.prompt) + len(row.completion) for row in rows]
-    for micro in modeling.pack_by_tokens(lengths, cfg.token_budget):
+    dtype = model.get_input_embeddings().weight.dtype  # a shared batch's mask adds to the attention scores
+    for part in _micro_batches(rows, cfg.token_budget, cfg.share_prompts):
+        micro = part.rows
         start = time.perf_counter()
-        batch = modeling.make_batch([(rows[i].prompt, rows[i].completion) for i in micro], pad_id, cfg.device)
+        batch = part.batch(rows, pad_id, dtype, cfg.device)
         logp, entropy = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True)
         dev = logp.device
         # The loss works on flat [tokens] vectors; `seq` says which sequence each token is of.
