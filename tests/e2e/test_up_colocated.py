@@ -5,7 +5,6 @@ publishes), with one process where there were two, and refuse what it cannot sha
 
 from __future__ import annotations
 
-import json
 import subprocess
 from concurrent import futures
 from pathlib import Path
