@@ -6,10 +6,8 @@ publishes), with one process where there were two, and refuse what it cannot sha
 from __future__ import annotations
 
 import subprocess
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 import redis
 from pydantic import ValidationError
@@ -18,20 +16,15 @@ from rollstream.core import steplog
 from rollstream.core.streams import RunKeys
 from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.run_config import RunConfig
-from rollstream.v1 import reward_pb2_grpc
 
 from test_up import rollstream_cmd
-from test_up_seed import TextScorer
+from test_up_seed import serve_text_scorer
 
 pytestmark = pytest.mark.e2e
 
 
 def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, tmp_path: Path) -> None:
-    scorer = TextScorer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    reward_pb2_grpc.add_RewardServicer_to_server(scorer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    scorer, server, port = serve_text_scorer()
     steps: dict[str, list[dict]] = {}
     completions: dict[str, dict[tuple[str, int], str]] = {}
     try:

@@ -41,12 +41,18 @@ class TextScorer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreResponse(scores=scores)
 
 
-def test_two_run_names_with_one_seed_sample_alike(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+def serve_text_scorer() -> tuple[TextScorer, grpc.Server, int]:
+    """A TextScorer serving on a loopback port: (scorer, server, port); stop the server after."""
     scorer = TextScorer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     reward_pb2_grpc.add_RewardServicer_to_server(scorer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return scorer, server, port
+
+
+def test_two_run_names_with_one_seed_sample_alike(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
+    scorer, server, port = serve_text_scorer()
     rewards: dict[str, list[float]] = {}
     completions: dict[str, dict[tuple[str, int], str]] = {}
     try:

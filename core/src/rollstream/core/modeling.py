@@ -102,6 +102,14 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
         cols.extend(range(start - 1, start - 1 + len(completion)))
         targets.extend(completion)
         lengths.append(len(completion))
+    return _on(device, ids, mask, rows, cols, targets, lengths)
+
+
+def _on(
+    device: str | torch.device, ids: torch.Tensor, mask: torch.Tensor, rows: list[int], cols: list[int], targets: list[int], lengths: list[int],
+    positions: torch.Tensor | None = None,
+) -> Batch:
+    """A Batch of these, on `device`."""
     return Batch(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
@@ -109,6 +117,7 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
         cols=torch.tensor(cols, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         lengths=lengths,
+        position_ids=positions.to(device) if positions is not None else None,
     )
 
 
@@ -156,15 +165,7 @@ def make_shared_batch(
     # A padding position attends to itself: no row of all -inf, so no NaN in what backward touches.
     allowed |= torch.eye(width, dtype=torch.bool).unsqueeze(0)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-    return Batch(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        cols=torch.tensor(cols, dtype=torch.long, device=device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
-        lengths=lengths,
-        position_ids=positions.to(device),
-    )
+    return _on(device, ids, mask, rows, cols, targets, lengths, positions)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, inv_temp: float, want_entropy: bool):
