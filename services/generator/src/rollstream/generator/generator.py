@@ -17,9 +17,9 @@ import logging
 import threading
 import time
 import zlib
-from pathlib import Path
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch

@@ -52,7 +52,8 @@ def run(settings: GeneratorSettings) -> int:
 def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
     """The stream loop until stopped: join the prompts stage, then sample turn after turn.
     `register_as`: the address kept in the registry the trainer pushes to (heartbeat_forever);
-    empty for a generator colocated with its trainer, which is pushed nothing."""
+    empty for a generator colocated with its trainer: registered with its version, so status
+    and the dashboard see it, but with no address, so nothing is pushed to it."""
     settings = gen.settings
     keys = streams.RunKeys(settings.run)
     client = observer = None
@@ -65,9 +66,8 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         if settings.redis_observer_password_file:
             observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
         stage = host.open_stage(client, "prompts", settings.group)
-        if register_as:
-            beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
-            beat.start()
+        beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
+        beat.start()
         host.set_ready(True, f"sampling from {stage.stream}")
         logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
         host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
@@ -76,9 +76,8 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         if beat is not None:
             beat.join(timeout=10.0)
         if client is not None:
-            if register_as:
-                with contextlib.suppress(*redis_policy.ERRORS):
-                    registry.leave(client, keys, gen.generator_id)
+            with contextlib.suppress(*redis_policy.ERRORS):
+                registry.leave(client, keys, gen.generator_id)
             client.close()
         if observer is not None and observer is not client:
             observer.close()

@@ -63,5 +63,6 @@ class GeneratorDirectory:
             resolved = resolve_all(self.dns_name) if self.dns_name else []
             self.last = sorted(set(self.configured) | set(resolved))
         else:
-            self.last = sorted(registry.live(client, keys).values())
+            # An empty address is a generator colocated with its trainer: nothing to push to.
+            self.last = sorted(a for a in registry.live(client, keys).values() if a)
         return self.last
