@@ -80,3 +80,12 @@ def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     assert load_settings(TrainerSettings, ["--generators-dns", "gen-headless.ns.svc:50051"]).generators_dns == "gen-headless.ns.svc:50051"
     monkeypatch.setenv("ROLLSTREAM_GENERATORS_DNS", "gen.ns.svc:50051")
     assert load_settings(TrainerSettings, []).generators_dns == "gen.ns.svc:50051"
+
+
+def test_a_colocated_generator_is_registered_but_never_pushed_to(rclient: redis.Redis, keys: RunKeys) -> None:
+    """`up --colocate`'s generator beats with no address (status sees it and its version):
+    the trainer's directory leaves it out of its pushes."""
+    registry.heartbeat(rclient, keys, "generator-0", "", version=3)
+    registry.heartbeat(rclient, keys, "remote-1", "10.0.0.7:50051", version=3)
+    assert GeneratorDirectory([]).addresses(rclient, keys) == ["10.0.0.7:50051"]
+    assert set(registry.live(rclient, keys)) == {"generator-0", "remote-1"}
