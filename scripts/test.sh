@@ -10,7 +10,7 @@
 #                                 fault suite (kill -9, Redis stalls, a CPU hog under `rollstream
 #                                 up`: ~6 min), the GPU tier (skips without CUDA), the GPU kits
 #                                 on a device-shaped CPU python (docs/gpu.md, ~3 min), the slow
-#                                 tier (demo learning on SmolLM2, ~15 min), then the vLLM tier
+#                                 tier (demo learning on SmolLM2, ~6 min), then the vLLM tier
 #                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)
 #   bash scripts/test.sh --fast   the default suite, then chromium (as root on Debian, where
 #                                 missing) and the browser tier: 8-13 min
