@@ -265,8 +265,12 @@ def test_a_running_check_is_in_the_summary_while_it_runs(tmp_path: Path, monkeyp
     row = checks.run_check(run, checks.Check("slow", [], ["-c", script], cap_s=30))
     assert row.status == "ok" and row.result == {"done": 1}
     (running,) = json.loads((tmp_path / "out" / "summary.json").read_text())["checks"]
-    assert running["name"] == "slow" and running["status"] == "running" and running["result"] == {"progress": "optimizer built"}
-    assert 0 < running["seconds"] <= 3.5
+    # The last snapshot before the check ended: the progress line, or, when it fell between
+    # the final line and the exit (a loaded machine: seen in CI), the final line, still as a
+    # running row. Either way the row of a check still running, with what it printed.
+    assert running["name"] == "slow" and running["status"] == "running"
+    assert running["result"] in ({"progress": "optimizer built"}, {"done": 1})
+    assert 0 < running["seconds"] <= row.seconds
 
 
 def test_a_result_is_the_last_json_object_and_never_nan() -> None:
