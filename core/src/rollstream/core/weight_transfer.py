@@ -50,13 +50,15 @@ def make_header(payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = 
     digest = hashlib.sha256()
     for start in range(0, len(payload), chunk_bytes):
         digest.update(view[start : start + chunk_bytes])
+    return header_of(info, len(payload), digest.hexdigest())
+
+
+def header_of(info: PayloadInfo, total_bytes: int, sha256: str) -> weights_pb2.WeightHeader:
+    """The header of a payload of `total_bytes` whose sha256 is known (make_header, or a
+    writer that hashed it on the way: the trainer's file-held anchor)."""
     return weights_pb2.WeightHeader(
-        kind=info.kind,
-        base_version=info.base_version,
-        version=info.version,
-        total_bytes=len(payload),
-        sha256=digest.hexdigest(),
-        model_fingerprint=info.fingerprint,
+        kind=info.kind, base_version=info.base_version, version=info.version,
+        total_bytes=total_bytes, sha256=sha256, model_fingerprint=info.fingerprint,
     )
 
 

@@ -163,10 +163,7 @@ class HashingWriter:
         return self._f.write(data)
 
     def header(self, info: deltas.PayloadInfo) -> weights_pb2.WeightHeader:
-        return weights_pb2.WeightHeader(
-            kind=info.kind, base_version=info.base_version, version=info.version,
-            total_bytes=self._size, sha256=self._sha.hexdigest(), model_fingerprint=info.fingerprint,
-        )
+        return weight_transfer.header_of(info, self._size, self._sha.hexdigest())
 
 
 class Published:

@@ -60,8 +60,7 @@ def run(settings: TrainerSettings) -> int:
 
 
 def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> None:
-    """Serve gRPC and train until done or stopped. The trainer is built by the caller: the
-    colocated process (launcher/colocated.py) hands its model to a generator first."""
+    """Serve gRPC and train until done or stopped (launcher/colocated.py builds the trainer first)."""
     restored = trainer.restored
     if restored is not None and restored.consumer and not settings.consumer and restored.run == settings.run:
         # Resume as the same consumer: the entries it held come back to it first.
