@@ -12,8 +12,8 @@ seq-tokens), activation checkpointing on, for three optimizers:
   host          HostAdamW: masters (`--master-layout`, split by default) and moments in host
                 memory, per bucket gradients down, fused CPU AdamW, bf16 weights up; the
                 step's new bits on the host (what the trainer publishes) and the delta encoded
-                on the way (on_piece: DeltaEncoder.add_piece), on one thread (the trainer's
-                default);
+                on the way (on_piece: DeltaEncoder.add_piece), on the trainer's default
+                number of threads (delta_encode_threads = auto: half the cores);
   host_offload  the same with grad_offload (gradients to the host during backward);
   resident      the baseline: fp32 masters and moments on the GPU, torch.optim.AdamW(fused=True)
                 there, bf16 weights copied from the masters; no host bits, no delta (which
@@ -64,6 +64,7 @@ from host_memory import reset_peak_host  # benchmarks/host_memory.py
 import numpy as np
 import torch
 from rollstream.core import deltas
+from rollstream.trainer.config import auto_encode_threads
 from rollstream.trainer.grpo import LossConfig
 from rollstream.trainer.optimizer import HostAdamW, MasterLayout, NonFiniteStep, OnPiece, host_bytes_per_parameter
 from rollstream.trainer.step import StepConfig, train_step
@@ -182,13 +183,13 @@ def timed_steps(model: torch.nn.Module, opt: Any, groups: list[rollout_pb2.Rollo
     """One warm-up and `repeats` timed steps. On CUDA the distance between the Marks is the
     GPU's busy span of the step (the micro-batches run back to back between them; an upper
     bound: kernels do not fill it completely). With `delta`, each step's delta is encoded on
-    the way (on_piece: DeltaEncoder.add_piece) on one thread, as the trainer does by default
-    (delta_encode_threads 1)."""
+    the way (on_piece: DeltaEncoder.add_piece) on as many threads as the trainer's default
+    (delta_encode_threads = auto: half the cores torch has)."""
     cuda = device.type == "cuda"
     walls, idles, phases = [], [], []
     base = delta_base(opt) if delta else None
     tokens = 0
-    encode_pool = ThreadPoolExecutor(1, thread_name_prefix="delta")
+    encode_pool = ThreadPoolExecutor(auto_encode_threads(torch.get_num_threads()), thread_name_prefix="delta")
     for i in range(repeats + 1):
         marks = Marks(cuda)
         encoder = deltas.DeltaEncoder(base, i, i + 1, "bench", executor=encode_pool) if base is not None else None
@@ -448,7 +449,7 @@ def main() -> None:
     device = devices.resolve(args.device)
     result = run_step(args, device) if args.mode == "step" else run_largest(args, device)
     print(json.dumps({
-        "benchmark": f"gpu_step/{args.mode}", **devices.info(device), "threads": torch.get_num_threads(),
+        "benchmark": f"gpu_step/{args.mode}", **devices.info(device), "threads": torch.get_num_threads(), "encode_threads": auto_encode_threads(torch.get_num_threads()),
         "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2), **result,
     }, indent=2))
 

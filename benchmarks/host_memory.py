@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=32.0, help="the trainer's default; a tiny model needs a small one (staging is a bucket wide)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--encode-threads", type=int, default=1, help="the trainer's delta_encode_threads (default 1)")
+    parser.add_argument("--encode-threads", type=int, default=0, help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)")
     parser.add_argument("--anchor-interval", type=int, default=20, help="the trainer's default: the deltas of these steps stay in memory")
     parser.add_argument("--trace-encoder", action="store_true", help="record the peak each tensor's delta encode adds (the 4 largest per run)")
     parser.add_argument("--encoder-only", action="store_true", help="a DeltaEncoder on its own pool instead of the WeightPublisher (no gRPC stack needed)")
@@ -301,6 +301,10 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes.py
+    if not args.encode_threads:
+        from rollstream.trainer.config import auto_encode_threads
+
+        args.encode_threads = auto_encode_threads(args.threads or len(os.sched_getaffinity(0)))
     if args.child:
         result = child(args.child[0], args.child[1], args.steps, args.bucket_mb, args.threads, args.encode_threads, args.anchor_interval, args.trace_encoder, args.encoder_only, args.shared_storage, args.lr)
         print(json.dumps(result))

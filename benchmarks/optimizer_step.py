@@ -40,6 +40,7 @@ import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets
 import devices  # benchmarks/devices.py
 import torch
 from rollstream.core import deltas
+from rollstream.trainer.config import auto_encode_threads
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
 from torch.optim.adamw import adamw as functional_adamw
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="0.1b")
     devices.add_argument(parser)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
-    parser.add_argument("--encode-threads", type=int, default=1, help="delta encoder threads (the trainer's delta_encode_threads)")
+    parser.add_argument("--encode-threads", type=int, default=0, help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="HostAdamW's master_layout (the trainer's default: split)")
     parser.add_argument("--torch-split", action="store_true", help="split layout: step with torch operations, not the compiled kernel")
@@ -177,6 +178,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = devices.resolve(args.device)
+    args.encode_threads = args.encode_threads or auto_encode_threads(args.threads or len(os.sched_getaffinity(0)))
 
     model = build_model(args.size, device)
     named = dict(model.named_parameters())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one device call of a GPU kit (docs/gpu.md), from the repository root:
 #
-#   bash .gpu-kit/trainer/run.sh        (carry [".gpu-kit/trainer"])  kit 1, ~8 minutes
+#   bash .gpu-kit/trainer/run.sh        (carry [".gpu-kit/trainer"])  kit 1, ~7 minutes
 #   bash .gpu-kit/system/run.sh         (carry [".gpu-kit/system"])   kit 2, right after kit 1
 #   bash .gpu-kit/trainer/run.sh --only largest_split_14b --budget-s 225
 #                                       (carry [".gpu-kit/trainer"])  14B alone, ~4 minutes

@@ -106,7 +106,7 @@ def test_each_kit_fits_one_call(kits: Path) -> None:
     assert both == json.loads((kits / "system" / "manifest.json").read_text())["model_bytes"]
 
 
-# Both kits' budgets (450 + 200 s, x CPU_SLACK on the CPU) and their installs: on a loaded
+# Both kits' budgets (450 + 390 s, x CPU_SLACK on the CPU) and their installs: on a loaded
 # 2-core machine (load 20) the two runs took over 15 minutes, the suite's default limit.
 @pytest.mark.timeout(3600)
 def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path, tmp_path: Path) -> None:
@@ -127,8 +127,6 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert (state / "model.part1").is_file(), "kit 1 keeps its part of the demo model for kit 2"
     results = {row["name"]: row["result"] for row in summary["checks"]}
     assert results["gpu_step_1.5b"]["host"]["tokens_per_s"] > 0
-    assert results["largest_bf16_moments"]["sizes"][0]["fits"] is True
-    assert results["largest_bf16_moments"]["host_bytes_per_parameter"] == 12  # fp32 masters, bf16 moments
     assert_largest_split(results["largest_split_14b"])
 
     rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2")
@@ -140,6 +138,10 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
     assert "trainer" in " ".join(run["peak_rss_gb"])
     assert run["steps"][0]["step_seconds"] > 0  # the update's own time, kept from the step log
+    colocated = results["up_colocated_128"]["runs"][0]
+    assert results["up_colocated_128"]["up_args"] == ["--colocate"]
+    assert not any(name.startswith("generator") for name in colocated["peak_rss_gb"]), "no generator process: it is in the trainer's"
+    assert len(colocated["reward_by_step"]) == 1 and colocated["steps"][0]["step_seconds"] > 0
     assert results["trainer_memory"]["peak_rss_mb"] > 0
 
 

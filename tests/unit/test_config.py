@@ -253,6 +253,25 @@ def test_trainer_generators_json_list_from_env(monkeypatch: pytest.MonkeyPatch) 
     assert load_settings(TrainerSettings, []).generators == ["x:9", "y:8"]
 
 
+def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollstream.trainer.config import auto_encode_threads
+
+    assert [auto_encode_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    s = load_settings(TrainerSettings, [])
+    assert s.delta_encode_threads == "auto"
+    assert s.encode_threads() == auto_encode_threads(len(os.sched_getaffinity(0)))
+    assert load_settings(TrainerSettings, ["--threads", "6"]).encode_threads() == 3  # torch's threads when set
+    assert load_settings(TrainerSettings, ["--delta-encode-threads", "0"]).encode_threads() == 0  # after the step, on the trainer's thread
+    monkeypatch.setenv("ROLLSTREAM_DELTA_ENCODE_THREADS", "5")
+    assert load_settings(TrainerSettings, []).encode_threads() == 5
+    monkeypatch.delenv("ROLLSTREAM_DELTA_ENCODE_THREADS")
+    (tmp_path / "t.toml").write_text('delta_encode_threads = "auto"\n')
+    assert load_settings(TrainerSettings, ["--config", str(tmp_path / "t.toml")]).delta_encode_threads == "auto"
+    for bad in ("-1", "65", "many"):
+        with pytest.raises(ConfigError, match="delta_encode_threads"):
+            load_settings(TrainerSettings, ["--delta-encode-threads", bad])
+
+
 def test_undecodable_env_value_is_a_config_error_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     # A complex field (tuple) whose env value is not JSON: pydantic-settings raises its own
     # SettingsError, which load_settings must turn into a ConfigError like any other bad value.

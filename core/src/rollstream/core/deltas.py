@@ -182,30 +182,24 @@ def _changed_positions(mask: np.ndarray, pieces: list[_Changes]) -> Iterator[tup
             yield c, lo, np.flatnonzero(bits[lo % 8 : lo % 8 + hi - lo])
 
 
-def _gaps(mask: np.ndarray, pieces: list[_Changes], count: int) -> np.ndarray:
-    """The idx encoding: the uint32 gaps between successive changed positions, the first from
-    position 0 (np.diff(positions, prepend=0)), written chunk by chunk into one buffer."""
+def _gaps_and_values(mask: np.ndarray, pieces: list[_Changes], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """In one pass over the changed positions (finding them is most of the work), chunk by
+    chunk into one buffer each: the idx encoding's uint32 gaps between successive changed
+    positions, the first from position 0 (np.diff(positions, prepend=0)), and the new bits at
+    those positions, read back from the pieces' new bits."""
     gaps = np.empty(count, dtype="<u4")
+    values = np.empty(count, dtype="<u2")
     at, last = 0, 0
-    for _, lo, local in _changed_positions(mask, pieces):
+    for c, lo, local in _changed_positions(mask, pieces):
         if local.size == 0:
             continue
         out = gaps[at : at + local.size]
         out[0] = lo + int(local[0]) - last  # from the previous chunk's (or piece's) last position
         np.subtract(local[1:], local[:-1], out=out[1:], casting="unsafe")  # < MAX_TENSOR_VALUES: fits
         last = lo + int(local[-1])
-        at += local.size
-    return gaps
-
-
-def _values(mask: np.ndarray, pieces: list[_Changes], count: int) -> np.ndarray:
-    """The new bits at the changed positions, read back from the pieces' new bits."""
-    values = np.empty(count, dtype="<u2")
-    at = 0
-    for c, lo, local in _changed_positions(mask, pieces):
         np.take(c.new, local + (lo - c.start), out=values[at : at + local.size])
         at += local.size
-    return values
+    return gaps, values
 
 
 def _encode_changes(shape: tuple[int, ...], size: int, pieces: list[_Changes]) -> _Encoded | None:
@@ -216,7 +210,8 @@ def _encode_changes(shape: tuple[int, ...], size: int, pieces: list[_Changes]) -
     Each candidate encoding is made, compressed and dropped unless it is the smallest so far
     (ties go to the first: mask before idx, bf16 before ulp), so beside what the pieces hold
     (the tensor's mask and 2 bytes per changed value) this holds at most the mask, one
-    candidate's raw bytes (4 per changed value for idx) and the compressed winners."""
+    candidate's raw bytes (6 per changed value for idx and the bf16 values, made in one pass)
+    and the compressed winners."""
     pieces = sorted(pieces, key=lambda c: c.start)
     count = sum(c.steps.size for c in pieces)
     if count == 0:
@@ -224,12 +219,15 @@ def _encode_changes(shape: tuple[int, ...], size: int, pieces: list[_Changes]) -
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
     mask = _whole_mask(size, pieces)
     pos_kind, (pos, pos_z) = "mask", _maybe_zstd(mask, cctx)
-    gaps, gaps_z = _maybe_zstd(_gaps(mask, pieces, count), cctx)
+    raw_gaps, raw_values = _gaps_and_values(mask, pieces, count)
+    del mask
+    gaps, gaps_z = _maybe_zstd(raw_gaps, cctx)
+    del raw_gaps
     if gaps.size < pos.size:
         pos_kind, pos, pos_z = "idx", gaps, gaps_z
     del gaps
-    val_kind, (val, val_z) = "bf16", _maybe_zstd(_values(mask, pieces, count), cctx)
-    del mask
+    val_kind, (val, val_z) = "bf16", _maybe_zstd(raw_values, cctx)
+    del raw_values
     steps, steps_z = _maybe_zstd(np.concatenate([c.steps for c in pieces]).astype("<u2", copy=False), cctx)
     if steps.size < val.size:
         val_kind, val, val_z = "ulp", steps, steps_z

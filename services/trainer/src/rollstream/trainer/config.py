@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -116,10 +117,13 @@ class TrainerSettings(TorchSettings):
     # The anchor is read only when a generator catches up, yet as large as the bf16 weights
     # (257 MB at 135M, 14 GB at 7B): a file keeps it out of the trainer's resident memory.
     anchor_dir: str = Field("", description="keep the latest anchor (served to generators catching up) in a file in this directory; empty: in memory")
-    delta_encode_threads: int = Field(
-        1, ge=0, le=64,
-        description="threads that encode the weight delta tensor by tensor during the optimizer step (0: after the step, on the trainer's thread); "
-        "more only where cores are left over from AdamW (docs/benchmarks.md)",
+    # The encoder is the host's costliest work a step (at 1.5B on an H200's host: 20 thread-seconds
+    # for a 5.8 % delta against 0.72 s of AdamW), and the cores sit idle through forward and
+    # backward on a GPU: half of them by default (docs/benchmarks.md, "GPU: the third run").
+    delta_encode_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="threads that encode the weight delta tensor by tensor during the optimizer step (0: after the step, on the trainer's thread; "
+        "auto: half the trainer's cores, at least 1: 1 on 2 cores, 8 on 16)",
     )
     push_timeout_s: float = Field(120.0, gt=0)
     # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
@@ -151,3 +155,15 @@ class TrainerSettings(TorchSettings):
         if self.kl_reference == "lora_base" and not self.lora_rank:
             raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
         return self
+
+    def encode_threads(self) -> int:
+        """delta_encode_threads, with auto resolved on this machine (torch threads when set,
+        else the cores this process may run on)."""
+        if self.delta_encode_threads != "auto":
+            return self.delta_encode_threads
+        return auto_encode_threads(self.threads or len(os.sched_getaffinity(0)))
+
+
+def auto_encode_threads(cores: int) -> int:
+    """delta_encode_threads = auto on `cores` cores: half, at least 1."""
+    return max(1, cores // 2)

@@ -163,7 +163,7 @@ class Trainer:
             # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
             bits = self._published_bits(self.optimizer.sync_model())
         self.publisher = WeightPublisher(
-            bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.delta_encode_threads,
+            bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.encode_threads(),
             anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None,
             generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None,
         )
