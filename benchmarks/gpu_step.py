@@ -348,6 +348,30 @@ def progress(result: dict[str, Any], what: str) -> None:
     print(f"[{since_start_s():7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
+def sample_colocated(model: torch.nn.Module, args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Any]:
+    """After the step, sampling from the trained model itself as the colocated generator does
+    (TransformersBackend.sharing: no second copy of the weights; issue 31): --sample-rows
+    completions in groups of 8 of --sample-tokens each, from random prompts of --prompt-tokens,
+    temperature 1. Tokens/s of the whole batch, prefill included."""
+    from transformers import AutoTokenizer
+
+    from rollstream.generator.backends import SampleRequest, TransformersBackend
+
+    backend = TransformersBackend.sharing(model, AutoTokenizer.from_pretrained(args.tokenizer))
+    g = torch.Generator().manual_seed(1)
+    group = min(8, args.sample_rows)
+    requests = [SampleRequest(torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist(), group, 1.0, 1.0, 0, args.sample_tokens, seed=i)
+                for i in range(max(1, args.sample_rows // group))]
+    start = time.perf_counter()
+    samples = backend.sample(requests)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(x.token_ids) for grp in samples for x in grp)
+    return {"rows": len(requests) * group, "prompt_tokens": args.prompt_tokens, "new_tokens": args.sample_tokens, "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1)}
+
+
 def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """For each size, ascending, until one does not fit: decide from the arithmetic whether the
     host holds the optimizer (running out of host memory is a kill by the OOM killer, not an
@@ -410,6 +434,10 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                 "phases": {"forward_s": round(r.forward_s, 2), "backward_s": round(r.backward_s, 2), "optimizer_s": round(r.optimizer_s, 2)},
                 "grad_norm": round(r.grad_norm, 4),
             }
+            if args.sample_tokens:
+                progress(result, f"{size}: stepped; sampling from the same model")
+                row["sampling"] = sample_colocated(model, args, SIZES[size][5], device)
+                timeline["sampling"] = round(since_start_s(), 1)
         except torch.OutOfMemoryError as e:
             row |= {"fits": False, "why": f"device memory: {str(e).splitlines()[0]}"}
         except MemoryError as e:
@@ -436,6 +464,9 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=8, help="step: sequences a step")
     parser.add_argument("--seq-tokens", type=int, default=4096)
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--sample-tokens", type=int, default=0, help="largest: after the step, sample this many tokens a row from the same model (colocated; 0: no sampling)")
+    parser.add_argument("--sample-rows", type=int, default=64, help="largest: rows sampled (groups of 8)")
+    parser.add_argument("--tokenizer", default="", help="largest with --sample-tokens: a tokenizer folder (its eos and pad ids; the kit's demo tokenizer)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (float32 to check the script on a CPU without fast bf16)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--master-layout", choices=["split", "fp32"], default="split",
@@ -446,6 +477,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sample_tokens and not args.tokenizer:
+        parser.error("--sample-tokens needs --tokenizer")
     device = devices.resolve(args.device)
     result = run_step(args, device) if args.mode == "step" else run_largest(args, device)
     print(json.dumps({

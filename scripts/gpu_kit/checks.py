@@ -94,10 +94,11 @@ CHECKS: dict[str, list[Check]] = {
         # (8 bytes a parameter, ~110 GiB): one step of 2 x 4096 tokens. After the rest, it rarely
         # has its time left in this kit's budget: the call of its own is
         # `bash .gpu-kit/trainer/run.sh --only largest_split_14b --budget-s 225` (docs/gpu.md).
+        # Then, colocated (issue 31): 64 completions of 64 tokens sampled from the same model.
         Check("largest_split_14b", ["benchmarks/gpu_step.py", "largest", "--device", "cuda", "--moments-dtype", "bfloat16", "--master-layout", "split",
-                                    "--sizes", "14b"],
+                                    "--sizes", "14b", "--sample-tokens", "64", "--tokenizer", "{kit}/tokenizer"],
               ["benchmarks/gpu_step.py", "largest", "--device", "cpu", "--moments-dtype", "bfloat16", "--master-layout", "split", "--sizes", "tiny",
-               *_SMALL_STEP], 200, min_s=120),
+               *_SMALL_STEP, "--sample-tokens", "4", "--sample-rows", "8", "--tokenizer", "{kit}/tokenizer"], 200, min_s=120),
     ],
     "system": [
         # `rollstream up` (embedded Redis, trainer, generator, reward) with every service on the

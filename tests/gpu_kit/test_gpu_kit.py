@@ -154,8 +154,10 @@ def assert_largest_split(result: dict) -> None:
     assert row["host_gib_needed"] >= row["host_gib_optimizer"] > 0
     assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["train_tokens"] == 2 * 128
     assert set(row["phases"]) == {"forward_s", "backward_s", "optimizer_s"}
-    assert list(row["timeline"]) == ["start", "counted", "model", "optimizer", "step"]
+    assert list(row["timeline"]) == ["start", "counted", "model", "optimizer", "step", "sampling"]
     assert row["peak_host_gib"] > 0 and row["peak_host_is"] == "this size"
+    sampling = row["sampling"]  # then sampled from the same model, as colocated
+    assert sampling["rows"] == 8 and sampling["new_tokens"] == 4 and 0 < sampling["tokens"] <= 8 * 4 and sampling["tokens_per_s"] > 0
 
 
 # The install and one check on the CPU: a few minutes on a loaded 2-core machine.
