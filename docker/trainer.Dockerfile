@@ -1,6 +1,7 @@
 # rollstream/trainer: the GRPO trainer (CPU or CUDA torch, whichever the wheelhouse holds) with
 # the demo model inside. Its entrypoint, trainer_start.py, runs `python -m rollstream.trainer`
-# with `--resume latest` added when /checkpoints (a volume) already holds a checkpoint.
+# (with `--colocate`: the trainer and a generator in one process, one copy of the weights) with
+# `--resume latest` added when /checkpoints (a volume) already holds a checkpoint.
 # Build: bash scripts/build_images.sh (CPU), ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh (GPU).
 # The build installs only from the wheelhouse that script fills (no index, no network but apt);
 # nothing is downloaded at run time.
@@ -40,11 +41,13 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY core/ /tmp/src/core/
 COPY services/trainer/ /tmp/src/services/trainer/
-# The launcher too, without its [up] extra: compose's `admin` service runs `rollstream status`
-# from this image.
+# The generator (its transformers backend needs nothing the trainer lacks) and the launcher
+# without its [up] extra: the colocated process (`trainer_start.py --colocate`, compose.one-gpu.yaml)
+# and compose's `admin` service (`rollstream status`) run from this image.
+COPY services/generator/ /tmp/src/services/generator/
 COPY launcher/ /tmp/src/launcher/
 RUN /opt/venv/bin/pip wheel --no-cache-dir --no-index --find-links /wheels --no-deps \
-      --wheel-dir /rs-wheels /tmp/src/core /tmp/src/services/trainer /tmp/src/launcher
+      --wheel-dir /rs-wheels /tmp/src/core /tmp/src/services/trainer /tmp/src/services/generator /tmp/src/launcher
 
 FROM python
 COPY --from=deps /opt/venv /opt/venv

@@ -7,6 +7,13 @@ that restarts (crash, eviction, node drain, `docker compose restart`) must pick 
 it left off. So: settings are read the trainer's way (TOML, ROLLSTREAM_* environment,
 flags), and `--resume latest` is added only when a checkpoint exists and no `resume` was
 configured. Everything else is the trainer's own main().
+
+    trainer_start.py [trainer flags]
+    trainer_start.py --colocate [trainer flags] [--generator-flag --NAME VALUE ...]
+
+`--colocate` as the first argument runs the colocated process instead (the trainer and a
+generator in one process sharing one copy of the weights: rollstream.launcher.colocated,
+compose.one-gpu.yaml), with the same resume rule for its trainer.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from pathlib import Path
 from rollstream.core.config import load_or_exit
 from rollstream.trainer import checkpoint
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.service import main as trainer_main
+
+COLOCATE = "--colocate"
 
 
 def start_args(argv: list[str]) -> list[str]:
@@ -31,7 +39,18 @@ def start_args(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    args = start_args(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == [COLOCATE]:
+        from rollstream.launcher import colocated  # the image's generator package, needed only here
+
+        trainer_argv, _ = colocated.split_argv(argv[1:])
+        resume = start_args(trainer_argv)[len(trainer_argv) :]  # what goes to the trainer's flags, if anything
+        args = [*argv[1:], *resume]
+        print(f"trainer_start: python -m rollstream.launcher.colocated {' '.join(args)}", file=sys.stderr, flush=True)
+        sys.exit(colocated.main(args))
+    from rollstream.trainer.service import main as trainer_main
+
+    args = start_args(argv)
     print(f"trainer_start: python -m rollstream.trainer {' '.join(args)}", file=sys.stderr, flush=True)
     trainer_main(args)
 

@@ -44,6 +44,7 @@ DOCKER_DIR = REPO / "docker"
 COMPOSE_BASE = REPO / "compose.yaml"
 COMPOSE_CPU = REPO / "compose.cpu.yaml"
 COMPOSE_REFERENCE = REPO / "compose.reference.yaml"
+COMPOSE_ONE_GPU = REPO / "compose.one-gpu.yaml"
 K8S_SECRETS_SCRIPT = REPO / "scripts/k8s_secrets.py"
 DEPLOY_DOC = REPO / "docs/deploy.md"
 ROLES = ("trainer", "generator", "reward", "reference", "admin")

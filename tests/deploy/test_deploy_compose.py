@@ -22,6 +22,7 @@ from deploy_files import (
     differs_from_profile,
     COMPOSE_BASE,
     COMPOSE_CPU,
+    COMPOSE_ONE_GPU,
     COMPOSE_REFERENCE,
     DOCKER_DIR,
     REPO,
@@ -351,3 +352,29 @@ def test_the_trainer_trains_as_the_profile_says(label: str, profile: str, monkey
     found = {service: load_service_settings(service, compose_env(svc), svc.get("command", []), monkeypatch) for _, service, svc in rollstream_services(compose)}
     assert differs_from_profile(found["trainer"], profile, "trainer") == {}
     assert found["generator"].max_staleness == found["trainer"].max_staleness  # what `up` gives every generator
+
+
+@pytest.mark.parametrize("files", [[COMPOSE_BASE, COMPOSE_ONE_GPU], [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU]], ids=["gpu", "cpu"])
+def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_credentials(files: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollstream.launcher import colocated
+
+    compose = load_compose(*files)
+    assert [name for name, _, _ in rollstream_services(compose)] == ["trainer", "reward"], "the generator service is behind a profile"
+    trainer = compose["services"]["trainer"]
+    assert trainer["entrypoint"][:3] == [*TRAINER_LAUNCHER, "--colocate"] and dockerfile_entrypoint("trainer") == TRAINER_LAUNCHER
+    trainer_argv, generator_argv = colocated.split_argv(trainer["entrypoint"][3:])
+    env = compose_env(trainer)
+    check_env_names("trainer", list(env))
+    t = load_service_settings("trainer", env, trainer_argv, monkeypatch)
+    g = load_service_settings("generator", env, generator_argv, monkeypatch)
+    assert colocated.refusal(t, g) == ""  # transformers backend, the same model, no LoRA
+    assert g.device == t.device == ("cpu" if COMPOSE_CPU in files else "cuda")
+    assert not t.generators_dns and not t.generators, "no generator service to push to"
+    assert {t.grpc_port, t.http_port}.isdisjoint({g.grpc_port, g.http_port}) and 0 not in (g.grpc_port, g.http_port)
+    assert (t.redis_username, g.redis_username) == ("trainer", "generator")
+    mounts = compose_secret_mounts(compose, trainer)
+    assert mounts[t.redis_password_file].endswith("redis/trainer.password") and mounts[t.grpc_token_file].endswith("grpc/trainer.token")
+    assert mounts[g.redis_password_file].endswith("redis/generator.password") and mounts[g.grpc_token_file].endswith("grpc/generator.token")
+    assert g.redis_observer_password_file in mounts  # its back-pressure reads as `observer`, as the generator service does
+    gpu = "deploy" in trainer
+    assert gpu == (COMPOSE_CPU not in files)

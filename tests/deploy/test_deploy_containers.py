@@ -45,7 +45,7 @@ import pytest
 import redis
 import yaml
 
-from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, REPO, compose_command, make_credentials, project_version
+from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REFERENCE, REPO, compose_command, load_compose, make_credentials, project_version
 from helpers import wait_for
 from rollstream.core import codec
 from rollstream.launcher.redis_server import free_port
@@ -283,44 +283,67 @@ def json_events(log: str, name: str) -> list[dict]:
     return out
 
 
-def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path: Path, record_property) -> None:
-    project = "rstest" + uuid.uuid4().hex[:8]
-    run = "c" + uuid.uuid4().hex[:8]
-    names = ("trainer", "generator", "reward", "reference")
-    ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
-    override = tmp_path / "compose.hostnet.yaml"
-    override.write_text(yaml.safe_dump(host_network_override(ports, run)))
-    files = [a for f in (COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE, override) for a in ("-f", str(f))]
-    # Credentials as docs/deploy.md makes them: the folder, then its files readable by the
-    # containers' users (Compose bind-mounts them with the host's owner and mode).
-    secrets = make_credentials(tmp_path / "secrets")
-    for path in secrets.rglob("*"):
-        path.chmod(0o700 if path.is_dir() else 0o444)
-    project_docker = replace(images, env={**images.env, "ROLLSTREAM_SECRETS": str(secrets)})
+@dataclass
+class Project:
+    """One compose project of the tests: its files, credentials as docs/deploy.md makes them,
+    and the calls the tests make on it."""
 
-    def compose(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return project_docker.compose("-p", project, *files, *args, timeout=timeout, check=check)
+    docker: Docker
+    name: str
+    files: list[str]
+    secrets: Path
 
-    def logs(service: str = "") -> str:
-        return compose("logs", "--no-color", "--no-log-prefix", *([service] if service else []), check=False).stdout
+    @classmethod
+    def make(cls, images: Docker, tmp_path: Path, files: list[Path], override: dict) -> "Project":
+        path = tmp_path / "compose.hostnet.yaml"
+        path.write_text(yaml.safe_dump(override))
+        # The credentials folder, then its files readable by the containers' users (Compose
+        # bind-mounts them with the host's owner and mode).
+        secrets = make_credentials(tmp_path / "secrets")
+        for item in secrets.rglob("*"):
+            item.chmod(0o700 if item.is_dir() else 0o444)
+        docker = replace(images, env={**images.env, "ROLLSTREAM_SECRETS": str(secrets)})
+        return cls(docker, "rstest" + uuid.uuid4().hex[:8], [a for f in (*files, path) for a in ("-f", str(f))], secrets)
 
-    def states() -> dict[str, dict]:
-        out = compose("ps", "-a", "--format", "json").stdout
+    def compose(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.docker.compose("-p", self.name, *self.files, *args, timeout=timeout, check=check)
+
+    def logs(self, service: str = "") -> str:
+        return self.compose("logs", "--no-color", "--no-log-prefix", *([service] if service else []), check=False).stdout
+
+    def states(self) -> dict[str, dict]:
+        out = self.compose("ps", "-a", "--format", "json").stdout
         rows = [json.loads(line) for line in out.splitlines() if line.strip()] if not out.lstrip().startswith("[") else json.loads(out)
         return {r["Service"]: r for r in rows}
 
-    def wait_until(what: str, ok, timeout_s: float) -> None:
+    def wait_until(self, what: str, ok, timeout_s: float) -> None:
         """helpers.wait_for, failing at once when a container stops, with the compose logs."""
 
         def containers_up() -> None:
-            down_now = {s: (r["State"], r["ExitCode"]) for s, r in states().items() if r["State"] in ("exited", "restarting", "dead")}
-            assert not down_now, f"containers stopped while waiting for {what}: {down_now}\n{logs()[-6000:]}"
+            down_now = {s: (r["State"], r["ExitCode"]) for s, r in self.states().items() if r["State"] in ("exited", "restarting", "dead")}
+            assert not down_now, f"containers stopped while waiting for {what}: {down_now}\n{self.logs()[-6000:]}"
 
-        wait_for(ok, timeout_s, what, check=containers_up, details=lambda: logs()[-6000:], poll_s=1)
+        wait_for(ok, timeout_s, what, check=containers_up, details=lambda: self.logs()[-6000:], poll_s=1)
 
+    def admin_client(self, redis_port: int) -> redis.Redis:
+        password = (self.secrets / "redis/admin.password").read_text().strip()
+        return redis.Redis(host="127.0.0.1", port=redis_port, username="admin", password=password)
+
+    def down_leaving_nothing(self) -> None:
+        self.compose("down", "-v", "--timeout", "60")
+        left = self.docker.run("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.name}").stdout.strip()
+        volumes = self.docker.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={self.name}").stdout.strip()
+        assert left == "" and volumes == "", f"left behind: containers {left!r}, volumes {volumes!r}"
+
+
+def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path: Path, record_property) -> None:
+    run = "c" + uuid.uuid4().hex[:8]
+    names = ("trainer", "generator", "reward", "reference")
+    ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
+    project = Project.make(images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE], host_network_override(ports, run))
+    compose, logs, states, wait_until = project.compose, project.logs, project.states, project.wait_until
     timings = images.timings
-    admin_password = (secrets / "redis/admin.password").read_text().strip()
-    client = redis.Redis(host="127.0.0.1", port=ports.redis, username="admin", password=admin_password)
+    client = project.admin_client(ports.redis)
     keys = RunKeys(run)
     down = False
     crashed: dict[str, int] = {}
@@ -378,12 +401,9 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         # containers still exist (`down -v` removes them), and fail the test after the cleanup.
         crashed = {s: code for s, code in exit_codes.items() if code != 0}
         crashed_logs = {name: logs(name)[-3000:] for name in crashed}
-        compose("down", "-v", "--timeout", "60")
+        project.down_leaving_nothing()
         down = True
         timings["stop_and_down_s"] = round(time.monotonic() - t2, 1)
-        left = images.run("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={project}").stdout.strip()
-        volumes = images.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}").stdout.strip()
-        assert left == "" and volumes == "", f"left behind: containers {left!r}, volumes {volumes!r}"
     finally:
         client.close()
         if not down:
@@ -394,3 +414,49 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
     assert not crashed, f"services exited non-zero after SIGTERM: {crashed}\n" + "\n".join(
         f"--- {name} exited {code}:\n{crashed_logs.get(name, '')}" for name, code in crashed.items()
     )
+
+
+def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docker, tmp_path: Path) -> None:
+    """compose.one-gpu.yaml on the CPU (with compose.cpu.yaml): the trainer image runs the
+    colocated process (`trainer_start.py --colocate`), no generator container starts, the run
+    trains from its own samples, and SIGTERM stops it cleanly."""
+    run = "c" + uuid.uuid4().hex[:8]
+    names = ("trainer", "generator", "reward")
+    ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
+    override = host_network_override(ports, run)
+    del override["services"]["reference"]  # not in these files
+    # The file's own entrypoint, with the generator half's ports moved to free ones (every
+    # container shares the host's network here).
+    entrypoint = list(load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["services"]["trainer"]["entrypoint"])
+    for flag, port in (("--grpc-port", ports.grpc["generator"]), ("--http-port", ports.http["generator"])):
+        entrypoint[entrypoint.index(flag) + 1] = str(port)
+    override["services"]["trainer"]["entrypoint"] = entrypoint
+    override["services"]["trainer"]["environment"]["ROLLSTREAM_GENERATORS_DNS"] = ""
+    project = Project.make(images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU], override)
+    client = project.admin_client(ports.redis)
+    keys = RunKeys(run)
+    down = False
+    try:
+        up = project.compose("up", "-d", "--pull", "never", check=False)
+        assert up.returncode == 0, f"compose up failed:\n{up.stderr[-3000:]}\n{project.logs()[-6000:]}"
+        assert set(project.states()) == {"redis", "trainer", "reward"}, "the generator service is behind its profile"
+        project.wait_until("2 trainer steps", lambda: client.xlen(keys.metrics) >= 2, 900)
+        stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+        assert stats["trained"] >= 2 * GROUPS_PER_STEP, stats
+        assert stats.get("pushes_applied", 0) == 0, "nothing is pushed inside the process"
+        assert client.xlen(keys.stream("dead")) == 0
+        log = project.logs("trainer")
+        assert "python -m rollstream.launcher.colocated" in log, log[-3000:]
+        written = json_events(log, "groups_written")
+        assert written and {e["service"] for e in written} == {"generator"}, "the generator half samples, and logs as itself, in the trainer's container"
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports.http['generator']}/healthz", timeout=10) as r:
+            assert r.status == 200  # the generator half's own health port
+        project.compose("stop", timeout=600)
+        exit_codes = {s: r["ExitCode"] for s, r in project.states().items()}
+        assert exit_codes["trainer"] == 0, f"{exit_codes}\n{project.logs('trainer')[-3000:]}"
+        project.down_leaving_nothing()
+        down = True
+    finally:
+        client.close()
+        if not down:
+            project.compose("down", "-v", "--timeout", "30", check=False)
