@@ -101,8 +101,10 @@ def _file_name(name: object) -> str:
     return name
 
 
-class _FileSlices:
-    """A payload file read in slices (pread), for weight_transfer.to_chunks."""
+class FileSlices:
+    """The first `size` bytes of an open file, read in contiguous slices with pread (never
+    mapped into memory): a payload as weight_transfer.to_chunks reads it. The store's files
+    here; the trainer's file-held anchor (publisher.PayloadFile) too."""
 
     def __init__(self, fd: int, size: int):
         self._fd = fd
@@ -112,7 +114,9 @@ class _FileSlices:
         return self._size
 
     def __getitem__(self, key: slice) -> bytes:
-        start, stop, _ = key.indices(self._size)
+        start, stop, step = key.indices(self._size)
+        if step != 1:
+            raise ValueError("a payload file is read in contiguous slices")
         return os.pread(self._fd, max(0, stop - start), start)
 
 
@@ -127,6 +131,6 @@ def chunks(directory: Path, payloads: Sequence[StoredPayload]) -> Iterator[weigh
         except OSError as e:
             raise StoreUnreadable(f"{directory / p.file}: {e.strerror} (a newer chain replaced it?)") from e
         try:
-            yield from weight_transfer.to_chunks(_FileSlices(fd, p.header.total_bytes), p.info, header=p.header)
+            yield from weight_transfer.to_chunks(FileSlices(fd, p.header.total_bytes), p.info, header=p.header)
         finally:
             os.close(fd)

@@ -96,7 +96,7 @@ class PushCall:
     nonce: grpc.UnaryUnaryMultiCallable
 
 
-class PayloadFile:
+class PayloadFile(weight_store.FileSlices):
     """A payload kept in a file instead of in memory: the anchor, which is read only when a
     generator catches up (at its start) yet is as large as the bf16 weights. Written to a
     temporary name, opened, then renamed over `path`: the file descriptor is always this
@@ -118,16 +118,7 @@ class PayloadFile:
             raise
         os.replace(tmp, path)
         self.path = path
-        self._size = os.fstat(self._fd).st_size
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __getitem__(self, key: slice) -> bytes:
-        start, stop, step = key.indices(self._size)
-        if step != 1:
-            raise ValueError("a PayloadFile is read in contiguous slices")
-        return os.pread(self._fd, max(0, stop - start), start)
+        super().__init__(self._fd, os.fstat(self._fd).st_size)
 
     def unlink(self) -> None:
         """Remove the file if its name is still this payload's."""
