@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.core import cpu_runtime
 from rollstream.core.config import CommonSettings, ConfigError, TorchSettings, load_or_exit, load_settings
 from rollstream.generator.config import GeneratorSettings
 from rollstream.reference.config import ReferenceSettings
@@ -259,7 +260,7 @@ def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_sou
     assert [auto_encode_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
     s = load_settings(TrainerSettings, [])
     assert s.delta_encode_threads == "auto"
-    assert s.encode_threads() == auto_encode_threads(len(os.sched_getaffinity(0)))
+    assert s.encode_threads() == auto_encode_threads(cpu_runtime.usable_cores())
     assert load_settings(TrainerSettings, ["--threads", "6"]).encode_threads() == 3  # torch's threads when set
     assert load_settings(TrainerSettings, ["--delta-encode-threads", "0"]).encode_threads() == 0  # after the step, on the trainer's thread
     monkeypatch.setenv("ROLLSTREAM_DELTA_ENCODE_THREADS", "5")

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,25 @@ def test_torch_services_make_openmp_threads_sleep_unless_told_otherwise(service:
     assert out.stdout.strip() == "PASSIVE"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert out.stdout.strip() == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({}, None),  # no cgroup files: the affinity
+        ({"cpu.max": "max 100000\n"}, None),  # v2, no quota
+        ({"cpu.max": "400000 100000\n"}, 4),  # v2, `cpu: "4"`
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores: rounded up
+        ({"cpu.max": "1000 100000\n"}, 1),  # a sliver: at least 1
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+        ({"cpu.max": "garbage\n"}, None),  # unreadable: the affinity
+        ({"cpu.max": "400000 0\n"}, None),
+    ],
+)
+def test_usable_cores_caps_the_affinity_by_the_cgroup_quota(tmp_path: Path, files: dict[str, str], expected: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert cpu_runtime.usable_cores(str(tmp_path)) == (affinity if expected is None else min(affinity, expected))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from pathlib import Path
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -72,3 +73,25 @@ def passive_openmp() -> None:
     environment already says otherwise. Call before torch is imported: the torch services
     do it in their package's __init__."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may keep busy: its CPU affinity, capped by its cgroup's CPU
+    quota where one is set (a container or pod limited to `cpu: "4"` on a 64-core node sees
+    64 cores in its affinity but gets the time of 4). cgroup v2's cpu.max, else v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us; rounded up, at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    root = Path(cgroup)
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = ((root / "cpu" / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        except OSError:
+            return cores
+    try:
+        if quota in ("max", "-1") or int(period) <= 0:
+            return cores
+        return max(1, min(cores, -(-int(quota) // int(period))))
+    except ValueError:
+        return cores

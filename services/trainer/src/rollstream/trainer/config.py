@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from rollstream.core import cpu_runtime
 from rollstream.core.config import TorchSettings
 
 
@@ -123,7 +123,7 @@ class TrainerSettings(TorchSettings):
     delta_encode_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
         "auto",
         description="threads that encode the weight delta tensor by tensor during the optimizer step (0: after the step, on the trainer's thread; "
-        "auto: half the trainer's cores, at least 1: 1 on 2 cores, 8 on 16)",
+        "auto: half the trainer's torch threads, or of its cores (its CPU affinity capped by a container's CPU quota), at least 1: 1 on 2 cores, 8 on 16)",
     )
     push_timeout_s: float = Field(120.0, gt=0)
     # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
@@ -158,10 +158,11 @@ class TrainerSettings(TorchSettings):
 
     def encode_threads(self) -> int:
         """delta_encode_threads, with auto resolved on this machine (torch threads when set,
-        else the cores this process may run on)."""
+        else the cores this process may keep busy: its affinity, capped by a container's CPU
+        quota)."""
         if self.delta_encode_threads != "auto":
             return self.delta_encode_threads
-        return auto_encode_threads(self.threads or len(os.sched_getaffinity(0)))
+        return auto_encode_threads(self.threads or cpu_runtime.usable_cores())
 
 
 def auto_encode_threads(cores: int) -> int:
