@@ -6,7 +6,8 @@
 Prints one JSON object: generation tokens/s (transformers backend, the demo's sampling
 settings) and training tokens/s (one GRPO step, the trainer's own step.train_step with the
 trainer's default settings: log-probs, loss, backward, host AdamW; then delta encoding),
-each phase timed separately. Results go to docs/benchmarks.md.
+each phase timed separately; on a GPU after one untimed batch and step (CUDA's start). Results
+go to docs/benchmarks.md.
 
 --size (a shape from shapes.py) swaps the model for a Qwen2-shaped one with random weights
 (no download), written to a temp folder with --model's tokenizer and loaded from there like
@@ -79,6 +80,11 @@ def main() -> None:
 def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     backend = TransformersBackend(model_dir, dtype=args.dtype, device=str(device))
     _, requests = arithmetic_requests(backend, args.completions // args.group_size, args.group_size, args.max_new_tokens)
+    # On a GPU the first batch and the first step of a process pay for CUDA's start (kernels
+    # loaded, cuBLAS handles, the caching allocator): each is run once untimed before.
+    warm = device.type == "cuda"
+    if warm:
+        backend.sample(requests[:1])
     start = time.perf_counter()
     samples = backend.sample(requests)
     gen_s = time.perf_counter() - start
@@ -94,16 +100,22 @@ def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
         moments_dtype=settings.moments_dtype, master_layout=settings.master_layout, grad_offload=settings.grad_offload,
     )
-    # A copy: in the split layout the bits are views of the masters, which the step rewrites.
-    bits0 = {k: v.copy() for k, v in opt.sync_model().items()}
-    fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits0.items()})
+    bits = opt.sync_model()
+    fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
     rng = torch.Generator().manual_seed(0)
     groups = []
     for request, group in zip(requests, samples):
         rewards = torch.randint(0, 2, (len(group),), generator=rng).float().tolist()
         completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(group, rewards)]
         groups.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
-    result = train_step(model, opt, groups, StepConfig.from_settings(settings), pad_id=tokenizer.pad_token_id)
+    config = StepConfig.from_settings(settings)
+    if warm:
+        warm_step = train_step(model, opt, groups, config, pad_id=tokenizer.pad_token_id)
+        assert warm_step.trained_bits is not None  # grpo trains every group
+        bits = warm_step.trained_bits
+    # A copy: in the split layout the bits are views of the masters, which the step rewrites.
+    bits0 = {k: v.copy() for k, v in bits.items()}
+    result = train_step(model, opt, groups, config, pad_id=tokenizer.pad_token_id)
     assert result.trained_bits is not None  # grpo trains every group
     t = time.perf_counter()
     payload, stats = deltas.encode_delta(bits0, result.trained_bits, 0, 1, fingerprint)
