@@ -421,7 +421,7 @@ def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docke
     colocated process (`trainer_start.py --colocate`), no generator container starts, the run
     trains from its own samples, and SIGTERM stops it cleanly."""
     run = "c" + uuid.uuid4().hex[:8]
-    names = ("trainer", "generator", "reward")
+    names = ("trainer", "generator", "reward", "reference")  # host_network_override names every service
     ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
     override = host_network_override(ports, run)
     del override["services"]["reference"]  # not in these files

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rollstream.core import deltas, logs
+from rollstream.core import deltas, logs, redis_policy
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import TransformersBackend
@@ -126,6 +126,8 @@ def run(trainer_settings: TrainerSettings, generator_settings: GeneratorSettings
         def sample() -> None:
             try:
                 sample_forever(gen, generator_host, register_as="")
+            except redis_policy.Stopped:
+                pass  # stopped in a Redis call (a commit when the trainer stopped): clean, as ServiceHost counts it
             except BaseException:
                 generator_host.log.exception("generator failed")
                 failed.set()
