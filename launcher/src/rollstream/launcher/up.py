@@ -268,7 +268,8 @@ def _up(cfg: RunConfig) -> int:
                     if child.exited():
                         code = child.proc.returncode if child.proc is not None else None
                         if child is trainer and code == 0:
-                            console.print(f"the trainer exited before step {steps}", style="red")
+                            # steps 0 runs until stopped: an exit of 0 then came from outside (SIGTERM).
+                            console.print(f"the trainer exited before step {steps}" if steps else "the trainer was stopped from outside", style="red")
                             return 1
                         if code == 2:  # a bad setting: restarting would fail the same way
                             console.print(Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n")
