@@ -1,5 +1,6 @@
 """Replaying the trained log after a resume: the steps trained after the checkpoint the
-trainer restarted from, trained again in order (service.py calls it once, before the loop)."""
+trainer restarted from, trained again in order (service.py calls it once, before the loop);
+and where the log ends, which each checkpoint records as what it has trained through."""
 
 from __future__ import annotations
 
@@ -40,3 +41,10 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
         logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=int(last or 0), resumed_step=trainer.step, lost=lost)
     if replayed:
         logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
+
+
+def trained_log_end(client: redis_policy.Client, keys: streams.RunKeys) -> str:
+    """The id of the trained log's last entry ("" when empty): what a checkpoint has trained
+    through, and where a resume's replay starts after."""
+    last = client.xrevrange(keys.trained_log, count=1)
+    return last[0][0].decode() if last else ""

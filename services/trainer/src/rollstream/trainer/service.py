@@ -267,7 +267,7 @@ class TrainerLoop:
         trainer, s = self.trainer, self.trainer.settings
         if not path and not s.checkpoint_dir:
             raise ValueError("no checkpoint path given and no checkpoint_dir configured")
-        log_end = self.host.redis.call(self.trained_log_end, "reading the trained log's end")
+        log_end = self.host.redis.call(lambda: replay.trained_log_end(self.client, self.keys), "reading the trained log's end")
         if path:
             saved = trainer.save_checkpoint(Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end)
             return saved, trainer.version
@@ -286,10 +286,6 @@ class TrainerLoop:
             self.save("")
         except OSError as e:
             logs.event(self.host.log, "checkpoint_failed", logging.ERROR, step=self.trainer.step, error=str(e))
-
-    def trained_log_end(self) -> str:
-        last = self.client.xrevrange(self.keys.trained_log, count=1)
-        return last[0][0].decode() if last else ""
 
     def push_targets(self) -> list[str]:
         """The generators to push to, waiting out Redis trouble; a registry key someone
