@@ -302,10 +302,9 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes.py
     if not args.encode_threads:
-        from rollstream.core import cpu_runtime
         from rollstream.trainer.config import auto_encode_threads
 
-        args.encode_threads = auto_encode_threads(args.threads or cpu_runtime.usable_cores())
+        args.encode_threads = auto_encode_threads(args.threads)
     if args.child:
         result = child(args.child[0], args.child[1], args.steps, args.bucket_mb, args.threads, args.encode_threads, args.anchor_interval, args.trace_encoder, args.encoder_only, args.shared_storage, args.lr)
         print(json.dumps(result))

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets OpenMP's passive wait policy, as in the trainer
 import devices  # benchmarks/devices.py
 import torch
-from rollstream.core import cpu_runtime, deltas
+from rollstream.core import deltas
 from rollstream.trainer.config import auto_encode_threads
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
@@ -178,7 +178,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = devices.resolve(args.device)
-    args.encode_threads = args.encode_threads or auto_encode_threads(args.threads or cpu_runtime.usable_cores())
+    args.encode_threads = args.encode_threads or auto_encode_threads(args.threads)
 
     model = build_model(args.size, device)
     named = dict(model.named_parameters())

@@ -260,7 +260,7 @@ def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_sou
     assert [auto_encode_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
     s = load_settings(TrainerSettings, [])
     assert s.delta_encode_threads == "auto"
-    assert s.encode_threads() == auto_encode_threads(cpu_runtime.usable_cores())
+    assert s.encode_threads() == auto_encode_threads() == max(1, cpu_runtime.usable_cores() // 2)
     assert load_settings(TrainerSettings, ["--threads", "6"]).encode_threads() == 3  # torch's threads when set
     assert load_settings(TrainerSettings, ["--delta-encode-threads", "0"]).encode_threads() == 0  # after the step, on the trainer's thread
     monkeypatch.setenv("ROLLSTREAM_DELTA_ENCODE_THREADS", "5")

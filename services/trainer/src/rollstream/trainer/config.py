@@ -162,9 +162,10 @@ class TrainerSettings(TorchSettings):
         quota)."""
         if self.delta_encode_threads != "auto":
             return self.delta_encode_threads
-        return auto_encode_threads(self.threads or cpu_runtime.usable_cores())
+        return auto_encode_threads(self.threads)
 
 
-def auto_encode_threads(cores: int) -> int:
-    """delta_encode_threads = auto on `cores` cores: half, at least 1."""
-    return max(1, cores // 2)
+def auto_encode_threads(threads: int = 0) -> int:
+    """delta_encode_threads = auto for a process of `threads` torch threads (0: as many as
+    the cores it may keep busy, cpu_runtime.usable_cores): half, at least 1."""
+    return max(1, (threads or cpu_runtime.usable_cores()) // 2)
