@@ -9,11 +9,12 @@ flags), and `--resume latest` is added only when a checkpoint exists and no `res
 configured. Everything else is the trainer's own main().
 
     trainer_start.py [trainer flags]
-    trainer_start.py --colocate [trainer flags] [--generator-flag --NAME VALUE ...]
+    trainer_start.py --colocate [--async] [trainer flags] [--generator-flag --NAME VALUE ...]
 
 `--colocate` as the first argument runs the colocated process instead (the trainer and a
-generator in one process sharing one copy of the weights: rollstream.launcher.colocated,
-compose.one-gpu.yaml), with the same resume rule for its trainer.
+generator in one process: rollstream.launcher.colocated, compose.one-gpu.yaml; `--async`:
+the generator samples from its own copy while the trainer steps), with the same resume rule
+for its trainer.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> None:
     if argv[:1] == [COLOCATE]:
         from rollstream.launcher import colocated  # the image's generator package, needed only here
 
-        trainer_argv, _ = colocated.split_argv(argv[1:])
+        trainer_argv, _, _ = colocated.split_argv(argv[1:])
         resume = start_args(trainer_argv)[len(trainer_argv) :]  # what goes to the trainer's flags, if anything
         args = [*argv[1:], *resume]
         print(f"trainer_start: python -m rollstream.launcher.colocated {' '.join(args)}", file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """`rollstream up --colocate`: the trainer and the generator in one process, the generator
 sampling from the trainer's own model. It must train exactly as the separate services do
 (same samples, same rewards, same losses, same deltas: the trainer's model holds the bits it
-publishes), with one process where there were two, and refuse what it cannot share."""
+publishes), with one process where there were two, and refuse what it cannot share.
+`--colocate-async`: the generator samples from its own copy while the trainer steps; at the
+same version it samples exactly what the others do, and its groups are never too stale."""
 
 from __future__ import annotations
 
@@ -23,22 +25,28 @@ from test_up_seed import serve_text_scorer
 pytestmark = pytest.mark.e2e
 
 
+MODES = {
+    "separate": ["--trainer.max-staleness", "0"],
+    "colocated": ["--trainer.max-staleness", "0", "--colocate"],
+    "async": ["--trainer.max-staleness", "1", "--colocate-async"],
+}
+
+
 def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, tmp_path: Path) -> None:
     scorer, server, port = serve_text_scorer()
     steps: dict[str, list[dict]] = {}
     completions: dict[str, dict[tuple[str, int], str]] = {}
     try:
-        for mode in ("separate", "colocated"):
+        for mode, flags in MODES.items():
             run = f"colo-{mode}"
             scorer.run, scorer.seen = run, {}
             workdir = tmp_path / mode
             # Synchronous (max_staleness 0): which version samples which batch is fixed, so the
-            # two runs must match step for step.
+            # first two runs must match step for step.
             cmd = [
                 rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "3", "--run", run, "--workdir", str(workdir),
                 "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6",
-                "--threads", "1", "--generator.seed", "7", "--trainer.lr", "1e-2", "--trainer.max-staleness", "0",
-                "--reward.scorer-address", f"127.0.0.1:{port}", *(["--colocate"] if mode == "colocated" else []),
+                "--threads", "1", "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", f"127.0.0.1:{port}", *flags,
             ]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout + done.stderr
@@ -48,7 +56,7 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
             stats = {k.decode(): v.decode() for k, v in rclient.hgetall(RunKeys(run).stats).items()}
             assert stats["trained"] == "6" and stats.get("stale", "0") == "0" and stats.get("duplicates", "0") == "0", stats
             state = sorted(p.stem for p in (workdir / "state").glob("*.json"))
-            if mode == "colocated":
+            if mode != "separate":
                 # One process holds the model: no generator child; its lines are in the trainer's log.
                 assert state == ["reward-0", "trainer"], state
                 log = (workdir / "logs" / "trainer.log").read_text()
@@ -59,14 +67,19 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
         server.stop(grace=None)
     # The trained groups (the first 6 tasks; how many more were sampled ahead before the stop
     # depends on timing) were sampled alike.
-    trained = sorted({position for position, _ in completions["separate"]})[:6]
+    positions = sorted({position for position, _ in completions["separate"]})
+    trained, first_step = positions[:6], positions[:2]
     assert len(trained) == 6
-    for mode in completions:
-        completions[mode] = {k: v for k, v in completions[mode].items() if k[0] in trained}
-    assert completions["colocated"] == completions["separate"] and len(completions["separate"]) == 6 * 4
+    at = {mode: {k: v for k, v in seen.items() if k[0] in trained} for mode, seen in completions.items()}
+    assert at["colocated"] == at["separate"] and len(at["separate"]) == 6 * 4
     fields = ("step", "version", "reward_mean", "loss", "delta_bytes", "grad_norm", "mean_staleness")
     assert [{f: s[f] for f in fields} for s in steps["colocated"]] == [{f: s[f] for f in fields} for s in steps["separate"]]
     assert any(s["delta_bytes"] > 0 for s in steps["separate"]), "the weights never moved: the comparison would prove nothing"
+    # Asynchronous: the first step's tasks can only have been sampled by version 0, from the
+    # generator's own copy, and are what the trainer's model sampled; later ones by whichever
+    # version was copied last, at most one behind the step that trained them.
+    assert {k: v for k, v in completions["async"].items() if k[0] in first_step} == {k: v for k, v in at["separate"].items() if k[0] in first_step}
+    assert [s["step"] for s in steps["async"]] == [1, 2, 3] and all(s["mean_staleness"] <= 1 for s in steps["async"])
 
 
 @pytest.mark.parametrize(
@@ -78,14 +91,24 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
     ],
 )
 def test_colocate_refuses_what_it_cannot_share(overrides: dict, field: str, tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match=field):
-        RunConfig.model_validate({"colocate": True, "workdir": str(tmp_path), **overrides})
+    for switch in ("colocate", "colocate_async"):
+        with pytest.raises(ValidationError, match=field):
+            RunConfig.model_validate({switch: True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, **overrides})
+
+
+def test_colocate_async_needs_room_for_one_version_of_staleness(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="trainer.max_staleness"):
+        RunConfig.model_validate({"colocate_async": True, "workdir": str(tmp_path), "trainer": {"max_staleness": 0}})
+    assert RunConfig.model_validate({"colocate_async": True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}}).colocated
 
 
 def test_the_colocated_argv_splits_into_the_two_services() -> None:
-    trainer, generator = split_argv([
+    argv = [
         "--config", "t.toml", "--grpc-token-file", "tr.token",
         "--generator-config", "g.toml", "--generator-flag", "--grpc-token-file", "gen.token", "--state-file", "s.json",
-    ])  # fmt: skip
+    ]  # fmt: skip
+    trainer, generator, asynchronous = split_argv(argv)
     assert trainer == ["--config", "t.toml", "--grpc-token-file", "tr.token", "--state-file", "s.json"]
     assert generator == ["--config", "g.toml", "--grpc-token-file", "gen.token"]
+    assert not asynchronous
+    assert split_argv(["--async", *argv]) == (trainer, generator, True)

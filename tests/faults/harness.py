@@ -65,6 +65,11 @@ class RunShape:
     threads: int = 1
     reward: str = "builtin"  # `up --reward`: "external" starts no reward service (the test brings one)
     colocate: bool = False  # `up --colocate`: the generator inside the trainer's process (no generator-0)
+    colocate_async: bool = False  # `up --colocate-async` (max_staleness 1): the same, sampling from its own copy
+
+    @property
+    def colocated(self) -> bool:
+        return self.colocate or self.colocate_async
 
 
 @dataclass
@@ -110,6 +115,7 @@ class FaultRun:
             "--trainer.max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--trainer.checkpoint-every", str(s.checkpoint_every),
             "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
             "--colocate" if s.colocate else "--no-colocate",
+            *(["--colocate-async", "--trainer.max-staleness", "1"] if s.colocate_async else []),
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -213,7 +219,7 @@ class FaultRun:
         left_out = {"reference-0"} if self.shape.beta <= 0 else set()
         if self.shape.reward == "external":
             left_out.add("reward-0")
-        if self.shape.colocate:
+        if self.shape.colocated:
             left_out.add("generator-0")
         return tuple(s for s in SERVICES if s not in left_out)
 

@@ -58,6 +58,8 @@ CPU_HOG = "cpu-hog-2"
 # The same faults against a colocated run (`up --colocate`: the generator is in the trainer's
 # process, so killing it kills both).
 COLOCATED = {"colocated-kill9-trainer": "kill9-trainer", "colocated-kill9-random-x3": "kill9-random-x3"}
+# ... and against its asynchronous variant (`up --colocate-async`: the generator's own copy).
+COLOCATED_ASYNC = {"colocated-async-kill9-trainer": "kill9-trainer", "colocated-async-kill9-random-x3": "kill9-random-x3"}
 # Three kills in one run, each of a service (or redis-server) drawn by the seed, at
 # successive points: a restart overlapping the next fault, a trainer resumed twice...
 CHAOS = "kill9-random-x3"
@@ -69,11 +71,11 @@ RESTARTED = {"kill9-trainer": "trainer", "kill9-generator": "generator-0", "kill
 @pytest.mark.faults
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", [*FAULTS, CHAOS, CPU_HOG, *COLOCATED])
+@pytest.mark.parametrize("case", [*FAULTS, CHAOS, CPU_HOG, *COLOCATED, *COLOCATED_ASYNC])
 def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     seed = BASE_SEED + zlib.crc32(case.encode()) % 1000  # stable per case, whatever cases are added
-    kind = COLOCATED.get(case, case)
-    shape = dataclasses.replace(SHAPE, colocate=case in COLOCATED)
+    kind = COLOCATED.get(case) or COLOCATED_ASYNC.get(case) or case
+    shape = dataclasses.replace(SHAPE, colocate=case in COLOCATED, colocate_async=case in COLOCATED_ASYNC)
     with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=shape, run=f"{case}-{seed}") as run:
         if kind == CPU_HOG:
             run.cpu_hog(2, seconds=RUN_S + FIRST_STEPS_S)  # the whole run; ended in close() at the latest
@@ -121,7 +123,7 @@ def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> 
         client = run.open_ledger()
         try:
             ledger = check_invariants(
-                client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"], colocated=shape.colocate
+                client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"], colocated=shape.colocated
             )
         finally:
             client.close()

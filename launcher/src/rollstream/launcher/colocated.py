@@ -1,22 +1,29 @@
-"""The trainer and a generator in one process on one device, sharing one copy of the weights
-(issue 31; `rollstream up --colocate`).
+"""The trainer and a generator in one process on one device (issue 31; `rollstream up
+--colocate` or `--colocate-async`).
 
-The generator samples from the trainer's own model (TransformersBackend.sharing) and stamps
-its groups with the trainer's version (TrainerWeights): nothing is pushed, fetched or
-decoded between them, and the process holds the weights once. Everything else is the two
-services as they are: the same streams, reward and reference services, ledger, checkpoints
-and exactly-once accounting (the generator's loop is generator/service.py's sample_forever,
-the trainer's is trainer/service.py's serve). The trainer still encodes and publishes each
-delta, so remote generators registered for the run are pushed to as usual.
+Nothing is pushed, fetched or decoded between the two: the generator stamps its groups with
+the trainer's version, and everything else is the two services as they are: the same streams,
+reward and reference services, ledger, checkpoints and exactly-once accounting (the
+generator's loop is generator/service.py's sample_forever, the trainer's is
+trainer/service.py's serve). The trainer still encodes and publishes each delta, so remote
+generators registered for the run are pushed to as usual. Two variants:
 
-Synchronous: sampling and a training step take turns on the device (the generator samples
-under the trainer's weights lock, which the step holds), each with every core. This is the
-variant that helps a small machine: two processes on the same cores only take them from
-each other (docs/benchmarks.md, "Colocated"). The asynchronous variant (a memory split of a
-GPU, sampling the next batch while the step runs) and vLLM's sleep/wake on CUDA are not
-built yet.
+- Synchronous (default): the generator samples from the trainer's own model
+  (TransformersBackend.sharing, TrainerWeights), under the trainer's weights lock, which the
+  step holds: sampling and a step take turns, each with every core, and the process holds
+  the weights once. This is the variant that helps a small machine: two processes on the
+  same cores only take them from each other (docs/benchmarks.md, "Colocated").
+- Asynchronous (`--async`): the generator samples from its own copy of the model, in its own
+  dtype on its own device (CopiedWeights), so the next batch is sampled while the step runs.
+  After each step the trainer's thread copies its weights into that copy, device to device,
+  between two of the generator's batches (Trainer.followers): the copy costs a second set of
+  weights in device memory and no transfer. Its groups are one version behind, so it needs
+  trainer.max_staleness >= 1. It pays where the step leaves the device idle (the offloaded
+  optimizer's host phase on a GPU), not on a CPU whose cores both halves share.
 
-    python -m rollstream.launcher.colocated --config trainer.toml [trainer flags] \\
+vLLM's sleep/wake on CUDA is not built: both variants sample with the transformers backend.
+
+    python -m rollstream.launcher.colocated [--async] --config trainer.toml [trainer flags] \\
         --generator-config generator.toml [--generator-flag NAME VALUE ...]
 
 The trainer's settings come from its flags as for `python -m rollstream.trainer`; the
@@ -31,8 +38,9 @@ import threading
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 
-from rollstream.core import deltas, logs, redis_policy
+from rollstream.core import deltas, logs, modeling, redis_policy
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import TransformersBackend
@@ -46,21 +54,16 @@ from rollstream.trainer.trainer import Trainer
 
 GENERATOR_CONFIG = "--generator-config"
 GENERATOR_FLAG = "--generator-flag"
+ASYNC = "--async"
 
 
-class TrainerWeights(HostWeights):
-    """What the colocated generator holds: the trainer's published bits and version, read at
-    each use, under the trainer's weights lock (a batch is sampled by one version, and a
-    step never changes the weights under it). Nothing is ever applied here."""
+class ColocatedWeights(HostWeights):
+    """A colocated generator's weights: the trainer's, so no payload is ever applied here.
+    `bits` are the trainer's published bits (what the generator's size limits and state read)."""
 
     def __init__(self, trainer: Trainer):
         self._trainer = trainer
         self.fingerprint = trainer.publisher.fingerprint
-        self.lock = trainer.weights_lock
-
-    @property  # type: ignore[override]
-    def version(self) -> int:
-        return self._trainer.version
 
     @property  # type: ignore[override]
     def bits(self) -> dict[str, np.ndarray]:
@@ -73,13 +76,57 @@ class TrainerWeights(HostWeights):
         raise deltas.DeltaError("a colocated generator takes no weight payloads: its weights are the trainer's")
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the trainer's argv, the generator's argv) from this process's argv."""
+class TrainerWeights(ColocatedWeights):
+    """Synchronous: the trainer's own model and version, read at each use, under the trainer's
+    weights lock (a batch is sampled by one version, and a step never changes the weights
+    under it)."""
+
+    def __init__(self, trainer: Trainer):
+        super().__init__(trainer)
+        self.lock = trainer.weights_lock
+
+    @property  # type: ignore[override]
+    def version(self) -> int:
+        return self._trainer.version
+
+
+class CopiedWeights(ColocatedWeights):
+    """Asynchronous: the generator's own model, a copy of the trainer's weights at `version`,
+    under its own lock (held while sampling a batch and while copying, so a batch is sampled
+    by one version). `follow` is one of the trainer's followers."""
+
+    def __init__(self, trainer: Trainer, model: torch.nn.Module):
+        super().__init__(trainer)
+        self.lock = threading.Lock()
+        own, theirs = modeling.named_weights(model), modeling.named_weights(trainer.model)
+        if own.keys() != theirs.keys() or any(own[n].shape != theirs[n].shape for n in own):
+            raise ValueError("the generator's model is not the trainer's: its weights differ in names or shapes")
+        self._pairs = [(own[name], theirs[name]) for name in own]
+        self.version: int | None = None
+        self.follow()
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """Copy the trainer's weights (bf16 values, so exact in either dtype), device to device,
+        once the batch being sampled is done. Called in the trainer's thread after each step,
+        before the next one starts: the weights are still while they are read."""
+        with self.lock:
+            for own, theirs in self._pairs:
+                own.copy_(theirs)
+            self.version = self._trainer.version
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str], bool]:
+    """(the trainer's argv, the generator's argv, whether asynchronous) from this process's argv."""
     trainer: list[str] = []
     generator: list[str] = []
+    asynchronous = False
     i = 0
     while i < len(argv):
-        if argv[i] == GENERATOR_CONFIG and i + 1 < len(argv):
+        if argv[i] == ASYNC:
+            asynchronous = True
+            i += 1
+        elif argv[i] == GENERATOR_CONFIG and i + 1 < len(argv):
             generator += ["--config", argv[i + 1]]
             i += 2
         elif argv[i] == GENERATOR_FLAG and i + 2 < len(argv):
@@ -88,37 +135,50 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         else:
             trainer.append(argv[i])
             i += 1
-    return trainer, generator
+    return trainer, generator, asynchronous
 
 
-def refusal(trainer: TrainerSettings, generator: GeneratorSettings) -> str:
-    """Why these two cannot share one model ('' when they can)."""
+def refusal(trainer: TrainerSettings, generator: GeneratorSettings, asynchronous: bool = False) -> str:
+    """Why these two cannot be colocated ('' when they can)."""
     if generator.backend != "transformers":
-        return f"generator.backend: colocation samples with the trainer's own model (transformers), not {generator.backend!r}"
+        return f"generator.backend: colocation samples with the transformers backend, not {generator.backend!r}"
     if trainer.lora_rank:
         return "trainer.lora_rank: with LoRA the published weights are merged after the step, not the model the generator would sample"
     if generator.model != trainer.model:
         return f"generator.model: {generator.model!r} is not the trainer's {trainer.model!r}"
+    if asynchronous and trainer.max_staleness < 1:
+        return "trainer.max_staleness: the asynchronous variant samples the next batch while the step runs, one version behind: set it to 1 or more"
     return ""
 
 
 def main(argv: list[str] | None = None) -> int:
-    trainer_argv, generator_argv = split_argv(sys.argv[1:] if argv is None else argv)
+    trainer_argv, generator_argv, asynchronous = split_argv(sys.argv[1:] if argv is None else argv)
     trainer_settings = load_or_exit(TrainerSettings, trainer_argv)
     generator_settings = load_or_exit(GeneratorSettings, generator_argv)
-    why = refusal(trainer_settings, generator_settings)
+    why = refusal(trainer_settings, generator_settings, asynchronous)
     if why:
         print(f"rollstream colocated: {why}", file=sys.stderr)
         return 2
-    return run(trainer_settings, generator_settings)
+    return run(trainer_settings, generator_settings, asynchronous)
 
 
-def run(trainer_settings: TrainerSettings, generator_settings: GeneratorSettings) -> int:
+def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: bool) -> tuple[TransformersBackend, ColocatedWeights]:
+    """The generator's backend and weights: the trainer's own model (synchronous), or a model
+    of its own in the generator's dtype and device, copied from the trainer's (asynchronous)."""
+    if not asynchronous:
+        return TransformersBackend.sharing(trainer.model, trainer.tokenizer), TrainerWeights(trainer)
+    backend = TransformersBackend(trainer.model_dir, dtype=settings.dtype, device=settings.device)
+    weights = CopiedWeights(trainer, backend.model)
+    trainer.followers.append(weights.follow)
+    return backend, weights
+
+
+def run(trainer_settings: TrainerSettings, generator_settings: GeneratorSettings, asynchronous: bool = False) -> int:
     failed = threading.Event()
     with ServiceHost("trainer", trainer_settings) as trainer_host, ServiceHost("generator", generator_settings) as generator_host:
         trainer_host.install_signal_handlers()
         trainer = Trainer(trainer_settings, trainer_host)
-        gen = Generator(generator_settings, generator_host, shared=(TransformersBackend.sharing(trainer.model, trainer.tokenizer), TrainerWeights(trainer)))
+        gen = Generator(generator_settings, generator_host, shared=sampler_for(trainer, generator_settings, asynchronous))
         # Health and metrics only: no PushWeights or Generate, since nothing outside may
         # write the trainer's weights or sample between its steps.
         generator_host.start([])

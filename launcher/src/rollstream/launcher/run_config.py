@@ -88,6 +88,11 @@ class RunConfig(BaseSettings):
         description="the trainer and the generator in one process, sampling from the trainer's own model (one copy of the "
         "weights, no weight transfer); sampling and training take turns (launcher/colocated.py)",
     )
+    colocate_async: bool = Field(
+        False,
+        description="colocated, asynchronous: the generator samples from its own copy of the weights (copied in memory after "
+        "each step), so the next batch is sampled while the step runs; needs trainer.max_staleness >= 1 (launcher/colocated.py)",
+    )
     threads: int = Field(0, ge=0, description="torch threads per service; 0: all cores for the trainer, half for the others")
     fresh: bool = Field(True, description="delete the run's keys and checkpoints first; --no-fresh continues the run")
     external_reward: bool = Field(False, description="start no reward service: print what an outside one must use and wait for it (docs/custom-reward.md)")
@@ -124,15 +129,20 @@ class RunConfig(BaseSettings):
     def _check(self) -> "RunConfig":
         if self.external_reward and self.reward.scorer_address:
             raise ValueError("reward.scorer_address: only with the built-in reward service (an external one scores by itself)")
-        if self.colocate:
+        if self.colocated:
             from rollstream.launcher.colocated import refusal
 
             if self.generators != 1:
                 raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}")
-            why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}))
+            why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}), asynchronous=self.colocate_async)
             if why:
                 raise ValueError(why)
         return self
+
+    @property
+    def colocated(self) -> bool:
+        """The trainer and the generator in one process (either variant)."""
+        return self.colocate or self.colocate_async
 
     @property
     def with_reference(self) -> bool:

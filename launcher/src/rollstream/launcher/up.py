@@ -111,6 +111,8 @@ def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callabl
     """The trainer and the generator in one process (launcher/colocated.py), named `trainer`:
     its gRPC and HTTP sides and its state file are the trainer's. The generator's settings go
     in their own file, its credentials' files as --generator-flag pairs."""
+    from rollstream.launcher.colocated import ASYNC  # imported already by RunConfig's check
+
     trainer_path = workdir / "config" / "trainer.toml"
     generator_path = workdir / "config" / "generator-0.toml"
     generator_values = child_toml(
@@ -122,7 +124,8 @@ def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callabl
     generator_path.write_text(tomli_w.dumps(generator_values))
     flags = own("generator")
     generator_flags = [a for name, value in zip(flags[::2], flags[1::2]) for a in ("--generator-flag", name, value)]
-    args = ["launcher.colocated", "--config", str(trainer_path), *own("trainer"), "--generator-config", str(generator_path), *generator_flags]
+    variant = [ASYNC] if cfg.colocate_async else []
+    args = ["launcher.colocated", *variant, "--config", str(trainer_path), *own("trainer"), "--generator-config", str(generator_path), *generator_flags]
     env = child_env("trainer", trainer_values)
     kept = child_env("generator", generator_values)
     return Child("trainer", args, {k: v for k, v in env.items() if k in kept}, workdir)
@@ -200,7 +203,7 @@ def _up(cfg: RunConfig) -> int:
         cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_port=trainer_port, consumer="trainer-0",
         **trainer_folders(workdir), metrics_file=str(step_log),
     )
-    if cfg.colocate:
+    if cfg.colocated:
         trainer = colocated_child(cfg, trainer_values, own, workdir, **shared, model=model, threads=trainer_threads, seed=cfg.generator.seed)
     else:
         trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
@@ -221,7 +224,7 @@ def _up(cfg: RunConfig) -> int:
         trainer.start()
         console.print("starting trainer (loading the model)...")
         trainer_address = trainer.grpc_address()
-        for i in range(0 if cfg.colocate else cfg.generators):
+        for i in range(0 if cfg.colocated else cfg.generators):
             # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
             # sampled while the trainer trains on this one; with 0, a batch is sampled only
             # once the last one is trained (the trainer acknowledges its groups with the new

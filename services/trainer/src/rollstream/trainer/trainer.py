@@ -149,6 +149,10 @@ class Trainer:
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
         # sha256) waits for the step and its version to be published.
         self.weights_lock = threading.Lock()
+        # In-process copies of the weights, called in this thread after each step changes them
+        # (the asynchronous colocated generator's, launcher/colocated.py): nothing else writes
+        # the weights, so a follower reads them without the lock.
+        self.followers: list[Callable[[], None]] = []
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
@@ -295,10 +299,12 @@ class Trainer:
                        record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
         """The loop's step: train_step, the new version pushed to `targets()`, `record` (the loop's
         commit of the groups and ledger), and only then the groups counted as trained (last_phases
-        gains push_s and commit_s). Raises NonFiniteStep with nothing applied, published or pushed."""
+        gains push_s, the followers' copies included, and commit_s). Raises NonFiniteStep with nothing applied, published or pushed."""
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
         outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
+        for follow in self.followers:
+            follow()
         push_s = time.perf_counter() - start
         for o in outcomes:
             if not o.applied:
@@ -313,8 +319,10 @@ class Trainer:
 
     def replay_step(self, groups: list[rollout_pb2.RolloutGroup]) -> None:
         """A step of the trained log trained again after a resume (replay.py), and counted;
-        pushed to no one: the anchor pushed after the resume carries it."""
+        pushed to no one (the anchor pushed after the resume carries it), copied by the followers."""
         self.train_step(groups)
+        for follow in self.followers:
+            follow()
         self.groups_trained += len(groups)
 
     def push_anchor(self, targets: list[str], from_registry: bool) -> None:
