@@ -67,6 +67,7 @@ class Check:
 
 
 _SMALL_STEP = ["--dtype", "float32", "--seq-tokens", "128", "--prompt-tokens", "32", "--threads", "2"]
+_ASYNC = ["--up-arg=--colocate-async", "--up-arg=--trainer.max-staleness=1"]  # `up`'s asynchronous colocated variant
 # Order of value: the first ones run even when the machine starts late or a check hangs.
 CHECKS: dict[str, list[Check]] = {
     "trainer": [
@@ -101,19 +102,25 @@ CHECKS: dict[str, list[Check]] = {
                *_SMALL_STEP, "--sample-tokens", "4", "--sample-rows", "8", "--tokenizer", "{kit}/tokenizer"], 200, min_s=120),
     ],
     "system": [
-        # `rollstream up` (embedded Redis, trainer, generator, reward) with every service on the
-        # device: the demo task, seconds a step and each step's phases, each process's peak host
-        # and GPU memory. On the H100 (2026-11-27): ~65 s to the first step (model conversion,
-        # loads), then ~17 s a step at 128 new tokens; 6 steps at 512 did not fit 185 s.
-        Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128"],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 185),
-        # The same run colocated (issue 31): trainer and generator in one process sharing one
-        # copy of the weights on the one GPU, so its steps and peaks read against the row above.
+        # `rollstream up` (embedded Redis, trainer, reward) on the device, colocated (issue 31):
+        # trainer and generator in one process sharing one copy of the weights on the one GPU.
+        # The demo task, seconds a step and each step's phases, each process's peak host and GPU
+        # memory. On the H200 (2026-11-28): 43 s to the first step, then 9-13 s at 128 new tokens.
         Check("up_colocated_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
                                    "--max-new-tokens", "128", "--up-arg=--colocate"],
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
                "--up-arg=--colocate"], 185),
+        # The asynchronous variant: the generator on a copy of its own on the same GPU, sampling
+        # the next batch while the step runs (its host optimizer phase leaves the GPU idle).
+        Check("up_colocated_async_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
+                                         "--max-new-tokens", "128", *_ASYNC],
+              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
+               *_ASYNC], 185),
+        # The separate services (trainer, generator, reward processes), against the rows above.
+        # On the H100 (2026-11-27): ~65 s to the first step, then ~17 s a step at 128 new tokens.
+        Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
+                              "--max-new-tokens", "128"],
+              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 185),
         # The trainer's host and GPU memory by phase on the demo model with up's settings.
         Check("trainer_memory", ["benchmarks/trainer_memory.py", "--device", "cuda", "--moments-dtype", "bfloat16", "--anchor-file", "--threads", "8"],
               ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",

@@ -40,6 +40,7 @@ from rollstream.core.config import ENV_PREFIX, CommonSettings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
+K8S_ONE_GPU_DIR = REPO / "k8s-one-gpu"
 DOCKER_DIR = REPO / "docker"
 COMPOSE_BASE = REPO / "compose.yaml"
 COMPOSE_CPU = REPO / "compose.cpu.yaml"
@@ -180,6 +181,13 @@ class K8s:
             docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
         return cls(docs)
 
+    @classmethod
+    def built(cls, kustomize: Path, folder: Path) -> "K8s":
+        """What `kubectl apply -k FOLDER` applies: `kustomize build FOLDER`'s documents."""
+        done = subprocess.run([str(kustomize), "build", str(folder)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"kustomize build {folder}: {done.stderr}"
+        return cls([(folder, d) for d in yaml.safe_load_all(done.stdout) if d])
+
     def all(self, kind: str) -> list[dict]:
         return [d for _, d in self.docs if d["kind"] == kind]
 
@@ -317,7 +325,7 @@ def k8s_container(k8s: K8s, workload: dict) -> Container:
 def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypatch, files: dict[str, Path] | None = None) -> CommonSettings:
     """Settings of the container: its --config file taken from the mounted ConfigMap; with
     `files` (container path -> local file, see k8s_secret_files), environment values naming
-    such a path are given the local copy."""
+    such a path (and flags' values naming one) are given the local copy."""
     argv = list(c.args)
     if "--config" in argv:
         i = argv.index("--config") + 1
@@ -330,6 +338,7 @@ def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypat
         local.write_text(data[config.name])
         argv[i] = str(local)
     env = {k: str(files[v]) if files and v in files else v for k, v in c.env.items()}
+    argv = [str(files[a]) if files and a in files else a for a in argv]
     return load_service_settings(service, env, argv, monkeypatch)
 
 

