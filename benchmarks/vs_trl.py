@@ -7,9 +7,10 @@ Both sides train SmolLM2-135M-Instruct (fp32 compute) on the demo's task: the se
 arithmetic prompt stream in order, 8 prompts x 8 completions of up to 16 tokens a step,
 lr 2e-5, beta 0, gradient clipping 1.0, 2 threads, the reward service's `arithmetic` recipe.
 TRL runs benchmarks/trl_grpo.py in .venv-trl; rollstream runs `rollstream up` as a user
-would (embedded Redis, trainer, generator, reward as processes), with `--seed` as the
-generators' sampling seed. Any `--up-arg` is passed on to `up` (for example
-`--up-arg=--trainer.token-budget=384`); `rollstream config` shows what a run uses.
+would (embedded Redis, the trainer with the generator in its process as the demo profile
+colocates it, the reward service), with `--seed` as the generator's sampling seed. Any
+`--up-arg` is passed on to `up` (for example `--up-arg=--no-colocate` for the separate
+services, `--up-arg=--trainer.token-budget=384`); `rollstream config` shows what a run uses.
 
 The systems run one after the other, alternating which goes first from seed to seed, so
 slow drift in the machine's load does not favour one side. Every process's resident memory

@@ -116,11 +116,13 @@ CHECKS: dict[str, list[Check]] = {
                                          "--max-new-tokens", "128", *_ASYNC],
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
                *_ASYNC], 185),
-        # The separate services (trainer, generator, reward processes), against the rows above.
+        # The separate services (trainer, generator, reward processes; the demo profile
+        # colocates, hence --no-colocate), against the rows above.
         # On the H100 (2026-11-27): ~65 s to the first step, then ~17 s a step at 128 new tokens.
         Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128"],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8"], 185),
+                              "--max-new-tokens", "128", "--up-arg=--no-colocate"],
+              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
+               "--up-arg=--no-colocate"], 185),
         # The trainer's host and GPU memory by phase on the demo model with up's settings.
         Check("trainer_memory", ["benchmarks/trainer_memory.py", "--device", "cuda", "--moments-dtype", "bfloat16", "--anchor-file", "--threads", "8"],
               ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 
 MODES = {
-    "separate": ["--trainer.max-staleness", "0"],
+    "separate": ["--trainer.max-staleness", "0", "--no-colocate"],
     "colocated": ["--trainer.max-staleness", "0", "--colocate"],
     "async": ["--trainer.max-staleness", "1", "--colocate-async"],
 }

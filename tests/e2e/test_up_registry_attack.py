@@ -68,6 +68,7 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
     cmd = [
         str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run,
         "--workdir", str(tmp_path), "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
+        "--no-colocate",  # the real generator as a process, beside the fake one
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds, state = tmp_path / "credentials", tmp_path / "state"

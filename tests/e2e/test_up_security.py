@@ -45,6 +45,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
     cmd = [
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run, "--workdir", str(tmp_path),
         "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
+        "--no-colocate",  # a generator process, its own ports and credentials to attack
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds = tmp_path / "credentials"

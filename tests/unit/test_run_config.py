@@ -128,6 +128,8 @@ def test_every_named_profile_loads_and_sets_only_real_fields() -> None:
         cfg = run_config.load(["--profile", path.stem])
         given = tomllib.loads(path.read_text())
         for section, values in given.items():
+            if not isinstance(values, dict):  # a top-level field (the demo's `colocate`)
+                assert getattr(cfg, section) == values, (path.name, section)
             for name, value in values.items() if isinstance(values, dict) else []:
                 got = getattr(getattr(cfg, section), name)
                 assert got == value or list(got) == value, (path.name, section, name)
@@ -141,7 +143,7 @@ def test_up_help_lists_each_section_field_once_with_its_default_and_the_profile(
             flag = f"--{section}.{name.replace('_', '-')} "
             assert (flag in shown.stdout) == (name not in SET_BY_UP[section]), flag
     assert "--trainer.lr float" in shown.stdout and "(default: 1e-05)" in shown.stdout
-    assert "The demo profile sets: trainer.steps = 15, trainer.lr = 2e-05" in " ".join(shown.stdout.split())
+    assert "The demo profile sets: colocate = True, trainer.steps = 15, trainer.lr = 2e-05" in " ".join(shown.stdout.split())
 
 
 def test_config_command_prints_toml_with_sources(tmp_path: Path) -> None:

@@ -132,11 +132,13 @@ class RunConfig(BaseSettings):
         if self.colocated:
             from rollstream.launcher.colocated import refusal
 
+            # The demo profile colocates: say how to leave it (not to one who asked for --colocate-async).
+            hint = "" if self.colocate_async else " (--no-colocate: the generators in processes of their own)"
             if self.generators != 1:
-                raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}")
+                raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}{hint}")
             why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}), asynchronous=self.colocate_async)
             if why:
-                raise ValueError(why)
+                raise ValueError(why + hint)
         return self
 
     @property

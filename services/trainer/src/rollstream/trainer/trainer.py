@@ -297,9 +297,10 @@ class Trainer:
 
     def train_and_push(self, groups: list[rollout_pb2.RolloutGroup], targets: Callable[[], list[str]], from_registry: bool,
                        record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
-        """The loop's step: train_step, the new version pushed to `targets()`, `record` (the loop's
-        commit of the groups and ledger), and only then the groups counted as trained (last_phases
-        gains push_s, the followers' copies included, and commit_s). Raises NonFiniteStep with nothing applied, published or pushed."""
+        """The loop's step: train_step, the new version pushed to `targets()` and copied by the
+        followers, `record` (the loop's commit of the groups and ledger), and only then the groups
+        counted as trained (last_phases gains push_s, the copies included, and commit_s). Raises
+        NonFiniteStep with nothing applied, published or pushed."""
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
         outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
