@@ -253,7 +253,9 @@ def _up(cfg: RunConfig) -> int:
             child.start()
         for child in children[1:]:
             child.grpc_address()
-        names = [f"{c.name} (with generator-0 in its process{', asynchronous' if cfg.colocate_async else ''})" if c is trainer and cfg.colocated else c.name for c in children]
+        names = [c.name for c in children]  # the trainer first
+        if cfg.colocated:
+            names[0] += f" (with generator-0 in its process{', asynchronous' if cfg.colocate_async else ''})"
         console.print(f"services up: {', '.join(names)}; logs in {workdir / 'logs'}")
         console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
         if external is not None:
