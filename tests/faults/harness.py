@@ -66,6 +66,9 @@ class RunShape:
     reward: str = "builtin"  # `up --reward`: "external" starts no reward service (the test brings one)
     colocate: bool = False  # `up --colocate`: the generator inside the trainer's process (no generator-0)
     colocate_async: bool = False  # `up --colocate-async` (max_staleness 1): the same, sampling from its own copy
+    # `up --generator.backend`: "vllm" needs vllm in this venv, so such a run is a vLLM-tier
+    # test (tests/vllm/test_vllm_colocated.py), eager (the engine starts in seconds on CPU)
+    generator_backend: str = "transformers"
 
     @property
     def colocated(self) -> bool:
@@ -116,6 +119,7 @@ class FaultRun:
             "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
             "--colocate" if s.colocate else "--no-colocate",
             *(["--colocate-async", "--trainer.max-staleness", "1"] if s.colocate_async else []),
+            "--generator.backend", s.generator_backend, *(["--generator.enforce-eager"] if s.generator_backend == "vllm" else []),
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}

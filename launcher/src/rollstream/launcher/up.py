@@ -255,7 +255,8 @@ def _up(cfg: RunConfig) -> int:
             child.grpc_address()
         names = [c.name for c in children]  # the trainer first
         if cfg.colocated:
-            names[0] += f" (with generator-0 in its process{', asynchronous' if cfg.colocate_async else ''})"
+            engine = ", vLLM" if cfg.generator.backend == "vllm" else ""
+            names[0] += f" (with generator-0 in its process{engine}{', asynchronous' if cfg.colocate_async else ''})"
         console.print(f"services up: {', '.join(names)}; logs in {workdir / 'logs'}")
         console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
         if external is not None:
