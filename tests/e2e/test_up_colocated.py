@@ -86,14 +86,28 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
     ("overrides", "field"),
     [
         ({"generators": 2}, "generators"),
-        ({"generator": {"backend": "vllm"}}, "generator.backend"),
-        ({"trainer": {"lora_rank": 8}}, "trainer.lora_rank"),
+        ({"trainer": {"max_staleness": 1, "lora_rank": 8}}, "trainer.lora_rank"),
+        ({"generator": {"backend": "vllm"}, "trainer": {"max_staleness": 1, "lora_rank": 8}}, "trainer.lora_rank"),
+        # vLLM colocated (tests/vllm/test_vllm_colocated.py runs it): one engine, on the trainer's device, written between batches.
+        ({"generator": {"backend": "vllm", "in_flight": "interleave"}}, "generator.in_flight"),
+        ({"generator": {"backend": "vllm", "device": "cuda"}}, "generator.device"),
+        (
+            {"trainer": {"max_staleness": 1, "device": "cuda"}, "generator": {"backend": "vllm", "device": "cuda", "tensor_parallel_size": 2}},
+            "generator.tensor_parallel_size",
+        ),
     ],
 )
 def test_colocate_refuses_what_it_cannot_share(overrides: dict, field: str, tmp_path: Path) -> None:
     for switch in ("colocate", "colocate_async"):
         with pytest.raises(ValidationError, match=field):
             RunConfig.model_validate({switch: True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, **overrides})
+
+
+def test_colocate_takes_the_vllm_backend(tmp_path: Path) -> None:
+    """One setting of `up` with either variant: the generator's backend (refused before vLLM colocation existed)."""
+    for switch in ("colocate", "colocate_async"):
+        cfg = RunConfig.model_validate({switch: True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, "generator": {"backend": "vllm"}})
+        assert cfg.colocated and cfg.generator.backend == "vllm"
 
 
 def test_colocate_async_needs_room_for_one_version_of_staleness(tmp_path: Path) -> None:
