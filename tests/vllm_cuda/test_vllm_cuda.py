@@ -6,8 +6,9 @@ prefix cache does not serve KV of the old weights after an update.
 On a GPU nothing is prepacked, so every parameter is read back from the engine
 (VllmBackend.engine_bits) and compared with the bits the trainer published. Which engine
 path runs depends on the installed vLLM: "patch" (sparse in-place patches, vLLM with
-checkpoint weight patches) or "reload" (layerwise reload of the touched modules, vLLM 0.26);
-each test prints it.
+checkpoint weight patches) or "inplace" (rollstream's writer of the changed positions into
+vLLM's fused parameters, vLLM 0.26); each test prints it. The in-place tests below run the
+"inplace" mode on either vLLM.
 """
 
 from __future__ import annotations
@@ -152,3 +153,67 @@ def test_interleave_without_engine_versions_is_refused(engine, qwen_dir: Path) -
 
     with pytest.raises(RuntimeError, match="interleave"):
         VllmBackend(str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", in_flight="interleave"))
+
+
+def test_the_mode_is_the_installed_vllms(engine) -> None:
+    from rollstream.generator import vllm_transfer
+
+    assert engine.transfer_mode == ("patch" if vllm_transfer.has_checkpoint_patches() else "inplace")
+
+
+@pytest.fixture
+def inplace(engine) -> Iterator[object]:
+    """The engine in "inplace" mode (its own on 0.26), back in its own mode afterwards."""
+    mode = engine.transfer_mode
+    engine.use_transfer_mode("inplace")
+    engine.load_weights(engine.host_bits(), version=200)  # the first update sends every value
+    yield engine
+    engine.use_transfer_mode(mode)
+    engine.load_weights(engine.host_bits(), version=201)
+
+
+def test_inplace_deltas_are_bit_exact_and_move_the_changes_only(inplace, reference: TransformersBackend) -> None:
+    host = HostWeights(inplace.host_bits(), version=0)
+    k_proj, q_bias, gate, head = "model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"
+    steps = [
+        lambda bits: adamw_like_step(bits, lr=1e-3, seed=11),  # every tensor moves
+        lambda bits: adamw_like_step(bits, lr=2e-5, seed=12),  # a few ULPs, a share of the values
+        lambda bits: {**bits, **adamw_like_step({k_proj: bits[k_proj]}, lr=1e-3, seed=13)},  # a lone fused shard
+        lambda bits: {**bits, **adamw_like_step({q_bias: bits[q_bias], gate: bits[gate]}, lr=1e-3, seed=14)},  # a bias shard, gate of gate/up
+        lambda bits: {**bits, **adamw_like_step({head: bits[head]}, lr=1e-3, seed=15)},  # the untied lm_head alone (a VocabParallelEmbedding)
+    ]
+    prompt = inplace.encode_chat([("user", "What is 4 + 5?")])
+    for step in steps:
+        new = step(host.bits)
+        old = dict(host.bits)
+        version = (host.version or 0) + 1
+        payload, stats = deltas.encode_delta(host.bits, new, host.version or 0, version, host.fingerprint)
+        info, touched = host.decode(payload)
+        inplace.load_weights(touched, version=info.version)
+        host.commit(info, touched)
+        update = inplace.last_update
+        changed = sum(int(np.count_nonzero(touched[n] != old[n])) for n in touched)
+        print(f"inplace update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B in {update['seconds']} s")
+        assert update["mode"] == "inplace" and 2 * changed <= update["payload_bytes"] <= 2 * sum(touched[n].size for n in touched)
+        assert_engine_holds(inplace, new)
+        check_greedy(inplace, reference, new, prompt)
+
+
+def test_inplace_refuses_what_does_not_map_and_writes_nothing(inplace) -> None:
+    from rollstream.generator import vllm_transfer
+
+    before = inplace.host_bits()
+    name = "model.layers.0.mlp.up_proj.weight"
+    changed = adamw_like_step({name: before[name]}, lr=2e-5, seed=16)[name]
+    good = vllm_transfer.inplace_patch(name, changed, before[name])
+    assert good is not None and good["positions"] == "steps"
+    bad = [
+        ({**good, "name": "model.layers.0.mlp.up_projection.weight"}, "maps to no parameter"),
+        (vllm_transfer.inplace_patch(name, changed.T.copy(), None), "rows"),
+        ({**good, "steps": good["steps"][:-1]}, "steps for"),
+    ]
+    with inplace._engine_lock:
+        for patch, message in bad:
+            with pytest.raises(ValueError, match=message):
+                inplace._update([[good], [patch]], dense=False)
+    assert_engine_holds(inplace, before)
