@@ -84,9 +84,9 @@ def inplace_patch(name: str, new_bits: np.ndarray, old_bits: np.ndarray | None) 
     - any other change as an int32 flat index (int64 past 2**31 values) and its bf16 bits.
     None when nothing changed."""
     flat = new_bits.reshape(-1)
-    every = {"name": name, "shape": list(new_bits.shape), "positions": "all", "gaps": b"", "steps": b"", "indices": b"", "values": np.ascontiguousarray(flat).astype("<u2").tobytes()}
+    every = {"name": name, "shape": list(new_bits.shape), "positions": "all", "gaps": b"", "steps": b"", "indices": b""}
     if old_bits is None:
-        return every
+        return {**every, "values": flat.astype("<u2", copy=False).tobytes()}
     old = old_bits.reshape(-1)
     changed = np.flatnonzero(flat != old)
     if changed.size == 0:
@@ -103,7 +103,7 @@ def inplace_patch(name: str, new_bits: np.ndarray, old_bits: np.ndarray | None) 
     steps[last] = step[small]
     size = 2 * gaps.size + far.size * (np.dtype(_index_dtype(flat.size)).itemsize + 2)
     if size >= flat.size * 2:
-        return every
+        return {**every, "values": flat.astype("<u2", copy=False).tobytes()}
     return {
         "name": name,
         "shape": list(new_bits.shape),
