@@ -14,7 +14,9 @@ configured. Everything else is the trainer's own main().
 `--colocate` as the first argument runs the colocated process instead (the trainer and a
 generator in one process: rollstream.launcher.colocated, compose.one-gpu.yaml; `--async`:
 the generator samples from its own copy while the trainer steps), with the same resume rule
-for its trainer.
+for its trainer. `--generator-flag --backend vllm` makes the generator half a vLLM engine in
+this process (docs/design.md, "One device"); this image has no vLLM, so that exits at start
+saying so (docs/deploy.md, "One GPU": what an image for it needs).
 """
 
 from __future__ import annotations

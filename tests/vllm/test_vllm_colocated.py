@@ -147,9 +147,9 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
     log = (tmp_path / "logs" / "trainer.log").read_text()
     assert " generator started " in log and "backend=vllm" in log, log[-3000:]
     assert sorted(p.stem for p in (tmp_path / "state").glob("*.json")) == ["reward-0", "trainer"]
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
-        stats = {k.decode(): v.decode() for k, v in client.hgetall(RunKeys(run).stats).items()}
+        stats = {str(k): str(v) for k, v in client.hgetall(RunKeys(run).stats).items()}
     finally:
         client.close()
     # Every group the three steps trained was trained once: none stale, none duplicated.
