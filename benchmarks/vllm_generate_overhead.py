@@ -11,6 +11,10 @@ then the outputs sorted back into groups); `generate` is LLM.generate on the sam
 and SamplingParams. Rounds alternate the two (one warm-up each first) so load changes hit
 both alike; the loss is 1 - backend / generate tokens/s of the medians (goal: <= 5%).
 
+`--transformers` also times the transformers backend (TransformersBackend.sample, the generator's
+other backend) on the same requests and model folder, once after a small warm-up, and reports
+VllmBackend's tokens/s over its (`backend_vs_transformers`).
+
 `--shape 0.5b` builds a Qwen2-0.5B-shaped folder with random weights (benchmarks/shapes.py,
 nothing downloaded): random weights rarely sample EOS, so completions run to the limit.
 """
@@ -40,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--transformers", action="store_true", help="also the transformers backend's tokens/s on the same requests")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the JSON
 
@@ -96,6 +101,20 @@ def main() -> None:
     med = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in results.items()}
     import torch
 
+    versus = {}
+    if args.transformers:
+        from rollstream.generator.backends import TransformersBackend
+
+        hf = TransformersBackend(model_dir, dtype=dtype, device=args.device)
+        hf.sample([SampleRequest(prompt_ids=prompts[0], n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=0)])  # warm-up
+        t = time.perf_counter()
+        tokens = sum(len(s.token_ids) for g in hf.sample(requests) for s in g)
+        seconds = time.perf_counter() - t
+        # One round: at the transformers backend's rate (hundreds of tokens/s) a round is most of a minute.
+        versus = {"transformers": {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)},
+                  "backend_vs_transformers": round(med["backend"] / (tokens / seconds), 2)}
+        del hf
+
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     import vllm
 
@@ -113,6 +132,7 @@ def main() -> None:
         "median_tokens_per_s": med,
         "loss_vs_generate": round(1 - med["backend"] / med["generate"], 4),
         "rounds": results,
+        **versus,
     }, indent=2))
     tmp.cleanup()
 

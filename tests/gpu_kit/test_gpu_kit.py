@@ -285,3 +285,138 @@ def test_a_result_is_the_last_json_object_and_never_nan() -> None:
     for broken in ('{"tokens_per_s": NaN}', '{"loss": -Infinity}', "[1, 2]", "", "Traceback (most recent call last):"):
         with pytest.raises(ValueError):
             checks.json_result(broken)
+
+
+# -- kit 3: vLLM 0.26 (issue 41), carried in two calls ------------------------------------------
+
+VLLM_SETUP = ["checksums", "stash", "join", "install", "machine"]
+
+
+@pytest.fixture(scope="module")
+def vllm_kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Kit 3 for this Python, with the smallest fallback kit (rs: the others take minutes to pack);
+    the packed archives are kept in ~/.cache/rollstream/gpu-kit-packed, keyed by the wheels."""
+    out = tmp_path_factory.mktemp("kits") / "kit"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_kit" / "build.py"), "--kits", "vllm", "--fallback", "rs", "--python-version", version,
+                    "--out", str(out)], check=True, cwd=REPO)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_python3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The device-shaped python3 with the image's packages that vLLM imports and the project venv lacks."""
+    return device_python.make(tmp_path_factory.mktemp("device-vllm"), image_extras=device_python.VLLM_IMAGE_EXTRAS)
+
+
+def calls(kit: Path) -> list[Path]:
+    return sorted(kit.glob("call*"), key=lambda p: int(p.name[4:]))
+
+
+def test_kit3_is_at_most_two_calls_of_64_mib(vllm_kits: Path) -> None:
+    folders = calls(vllm_kits / "vllm")
+    assert 1 <= len(folders) <= 2
+    manifest = json.loads((folders[0] / "manifest.json").read_text())
+    assert manifest["calls"] == len(folders) and [p["call"] for p in manifest["parts"]] == list(range(1, len(folders) + 1))
+    assert sum(p["bytes"] for p in manifest["parts"]) == manifest["archive_bytes"]
+    for folder in folders:
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        assert size <= 60 * MIB and size + tracked_bytes() <= 63 * MIB, f"{folder.name}: {size / MIB:.1f} MiB"
+    wheels = manifest["wheels"]
+    assert wheels["vllm"].startswith("vllm-0.26.0-") and "apache-tvm-ffi" in wheels and "xgrammar" in wheels
+    assert not {"torch", "flashinfer-python", "triton"} & set(wheels), "the image's torch; vLLM's optional kernel packages left out"
+    assert set(manifest["pruned"]) == {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/vllm-rs"}
+    (fallback,) = calls(vllm_kits / "vllm-fallback" / "rs")
+    assert json.loads((fallback / "manifest.json").read_text())["unpack"] == "site"
+
+
+def assert_stash_only(summary: dict, call: int, of: int) -> None:
+    assert statuses(summary) == {"checksums": "ok", "stash": "ok"}, summary
+    assert f"call {call} of {of}" in summary["checks"][1]["note"]
+
+
+@pytest.mark.timeout(2400)
+def test_kit3_calls_in_sequence_install_and_import_vllm(vllm_kits: Path, vllm_python3: Path, tmp_path: Path) -> None:
+    """The calls one after the other on the same machine (one state folder), each carrying its
+    folder: the last joins the parts, installs, and `from vllm import LLM` runs from the
+    installed target on the device-shaped python; the CUDA checks are skipped (GPU only). Then
+    the rs fallback kit puts its file back, and the last call run again on the warm machine
+    does not install again."""
+    state = tmp_path / "state"
+    *first, last = calls(vllm_kits / "vllm")
+    for i, folder in enumerate(first):
+        rc, summary = run_kit(folder, vllm_python3, state, tmp_path / f"out{i}")
+        assert rc == 0
+        assert_stash_only(summary, i + 1, len(first) + 1)
+        assert_what_comes_back(tmp_path / f"out{i}")
+    rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out")
+    assert_what_comes_back(tmp_path / "out")
+    found = statuses(summary)
+    assert [found[n] for n in VLLM_SETUP] == ["ok"] * 5, summary
+    assert {n: found[n] for n in found if n not in VLLM_SETUP} == {c.name: ("ok" if c.cpu else "skipped") for c in checks.CHECKS["vllm"]}, summary
+    assert rc == 0
+    rows = {row["name"]: row for row in summary["checks"]}
+    assert rows["vllm_cuda"]["error"] == "GPU only"
+    probe = rows["vllm_import"]["result"]
+    assert probe["vllm"] == "0.26.0" and probe["vllm_from"].startswith(str(state / "site"))
+    assert probe["torch"] == summary["machine"]["packages"]["torch"]["version"], "the image's torch, not a carried one"
+    assert not any(info["installed"] for info in probe["left_out"].values())
+    assert "_vllm_fa2_C" in probe["flash_attn"]["fa2"], "FA2 left out, and vLLM says so"
+    # On the CPU the CUDA kernels cannot load: they need CUDA's runtime and torch's CUDA libraries.
+    assert "cannot open shared object file" in probe["kernels"]["vllm._C_stable_libtorch"]
+    assert probe["asked_for_missing"] == []
+
+    (fallback,) = calls(vllm_kits / "vllm-fallback" / "rs")
+    rc, summary = run_kit(fallback, vllm_python3, state, tmp_path / "out-rs")
+    assert statuses(summary)["join"] == "ok" and statuses(summary)["install"] == "skipped", summary
+    assert rc == 0
+    probe = {row["name"]: row for row in summary["checks"]}["vllm_import"]["result"]
+    assert probe["left_out"]["vllm/vllm-rs"]["installed"] and (state / "site" / "vllm" / "vllm-rs").is_file()
+
+    rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out-again", "--only", "vllm_import")
+    assert [statuses(summary)[n] for n in VLLM_SETUP] == ["ok", "skipped", "skipped", "skipped", "ok"], summary
+    assert rc == 0
+
+
+def test_kit3_on_a_machine_that_went_back_starts_over(vllm_kits: Path, vllm_python3: Path, tmp_path: Path) -> None:
+    """The last call on a machine that came back empty (the state folder gone): it says so, that
+    the kit starts over from call 1, and stops there: nothing joined, nothing installed."""
+    folders = calls(vllm_kits / "vllm")
+    if len(folders) < 2:
+        pytest.skip("kit 3 is one call")
+    run_kit(folders[0], vllm_python3, tmp_path / "state", tmp_path / "out1")
+    shutil.rmtree(tmp_path / "state")
+    rc, summary = run_kit(folders[-1], vllm_python3, tmp_path / "state", tmp_path / "out")
+    assert rc != 0
+    stash_row = summary["checks"][1]
+    assert stash_row["status"] == "failed" and "went back between calls" in stash_row["error"] and "call1" in stash_row["error"]
+    assert [r["name"] for r in summary["checks"][:2]] == ["checksums", "stash"]
+    assert all(r["status"] == "not run" for r in summary["checks"][2:])
+    assert not (tmp_path / "state" / "site").exists() and not (tmp_path / "state" / "unpacked").exists()
+    assert_what_comes_back(tmp_path / "out")
+
+
+def test_kit3_names_a_missing_or_corrupt_part(vllm_kits: Path, vllm_python3: Path, tmp_path: Path) -> None:
+    """A part of the last call missing from its folder (sums rewritten, so that only the part is
+    short), and an earlier call's part corrupt on the machine: each named, with the call that
+    carries it, and nothing installed."""
+    folders = calls(vllm_kits / "vllm")
+    if len(folders) < 2:
+        pytest.skip("kit 3 is one call")
+    state = tmp_path / "state"
+    run_kit(folders[0], vllm_python3, state, tmp_path / "out1")
+    last = tmp_path / "last"
+    shutil.copytree(folders[-1], last)
+    part = next(last.glob("*.part*"))
+    part.unlink()
+    (last / "SHA256SUMS").write_text("".join(line + "\n" for line in (last / "SHA256SUMS").read_text().splitlines() if not line.endswith(part.name)))
+    rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out2")
+    assert rc != 0 and statuses(summary)["stash"] == "failed"
+    assert f"{part.name} is missing: carry call {len(folders)} again" in summary["checks"][1]["error"]
+
+    held = next((state / "parts").rglob("*.part1"))
+    held.write_bytes(held.read_bytes()[:-1] + b"\0")
+    rc, summary = run_kit(folders[-1], vllm_python3, state, tmp_path / "out3")
+    assert rc != 0 and statuses(summary)["stash"] == "failed"
+    assert f"{held.name} is corrupt" in summary["checks"][1]["error"] and "carry call 1 again" in summary["checks"][1]["error"]
+    assert not held.exists() and not (state / "site").exists()

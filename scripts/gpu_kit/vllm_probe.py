@@ -1,0 +1,124 @@
+"""Kit 3's first check (checks.py `vllm_import`): what the installed vLLM is and what it will ask for.
+
+    python scripts/gpu_kit/vllm_probe.py --device cuda|cpu --kit KIT       (run by checks.py)
+
+Prints one JSON object:
+  import_s, vllm, vllm_from, torch, torch_cuda: `from vllm import LLM` from the kit's install;
+  left_out: the files of the vLLM wheel the kit does not carry (build.py's PRUNE), whether
+    each is installed (a fallback kit puts them back) and the fallback kit that carries it;
+  kernels: each compiled module of vLLM loaded after torch, `ok` or why not (on the CPU
+    they need libcudart and libtorch_cuda: the finding there is which libraries);
+  flash_attn: FA2 and FA3 available or why not, and (CUDA) the version the engine asks for;
+  engine (CUDA): a tiny random-weight Qwen2 (benchmarks/shapes.py) in bf16, eager, generating
+    8 greedy tokens; the log lines naming its attention backend;
+  asked_for_missing: every left-out file the engine asked for (an error or a log line naming
+    it, or FA2 chosen while absent), with the fallback kit to carry: then this exits 1.
+Exits 1 too if the import or the engine fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+KERNELS = ["vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.vllm_flash_attn._vllm_fa2_C", "vllm._moe_C_stable_libtorch",
+           "vllm._flashmla_C", "vllm.cumem_allocator"]
+
+
+class Lines(logging.Handler):
+    """vLLM's log records that say which backend or kernel it takes, or failed to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if any(word in text.lower() for word in ("backend", "kernel", "failed to import", "flash")):
+            self.lines.append(text[:300])
+
+
+def engine(lines: Lines) -> dict[str, object]:
+    """A tiny engine generating: seconds to start, tokens, or the error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import shapes
+    from vllm import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory(prefix="rs-vllm-probe-") as tmp:
+        folder = shapes.save_model_folder("tiny", str(Path(tmp) / "tiny"))
+        start = time.perf_counter()
+        try:
+            llm = LLM(model=folder, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=256, seed=0)
+            started = time.perf_counter() - start
+            out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            return {"ok": True, "start_s": round(started, 1), "tokens": list(out[0].outputs[0].token_ids), "log": lines.lines}
+        except Exception:  # noqa: BLE001  (what the engine asked for and did not find is the finding)
+            return {"ok": False, "error": traceback.format_exc(limit=6)[-3000:], "log": lines.lines}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], required=True)
+    parser.add_argument("--kit", type=Path, required=True, help="the kit's folder (its manifest.json names what it left out)")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its log lines are ours
+    manifest = json.loads((args.kit / "manifest.json").read_text())
+    out: dict[str, object] = {"device": args.device}
+    start = time.perf_counter()
+    try:
+        from vllm import LLM  # noqa: F401  (the import itself is the check)
+    except Exception:  # noqa: BLE001
+        out["import_error"] = traceback.format_exc(limit=8)[-3000:]
+        print(json.dumps(out, indent=1))
+        sys.exit(1)
+    import torch
+    import vllm
+
+    package = Path(vllm.__file__).parent
+    out |= {"import_s": round(time.perf_counter() - start, 1), "vllm": vllm.__version__, "vllm_from": str(package), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda}
+    left_out = {m: {**info, "installed": (package.parent / m).exists()} for m, info in manifest.get("pruned", {}).items()}
+    out["left_out"] = left_out
+    kernels = {}
+    for module in KERNELS:
+        try:
+            importlib.import_module(module)
+            kernels[module] = "ok"
+        except ImportError as e:
+            kernels[module] = str(e)[:300]
+    out["kernels"] = kernels
+    from vllm.vllm_flash_attn import flash_attn_interface as fa
+
+    flash: dict[str, object] = {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
+    lines = Lines()
+    logging.getLogger("vllm").addHandler(lines)
+    asked: list[str] = []
+    if args.device == "cuda":
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+        flash["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        flash["engine_asks_for"] = get_flash_attn_version(head_size=64)
+        if flash["engine_asks_for"] == 2:
+            asked += [m for m in left_out if m.endswith("_vllm_fa2_C.abi3.so")]
+        out["engine"] = engine(lines)
+    out["flash_attn"] = flash
+    said = json.dumps(out.get("engine", {})) + " ".join(lines.lines)
+    asked += [m for m in left_out if Path(m).name.split(".")[0] in said and m not in asked]
+    out["asked_for_missing"] = [
+        f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
+        f"(its calls, in order), which puts it back and runs these checks again" for m in asked if not left_out[m]["installed"]]
+    print(json.dumps(out, indent=1))
+    failed = out["asked_for_missing"] or (args.device == "cuda" and not out["engine"]["ok"])  # type: ignore[index]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
