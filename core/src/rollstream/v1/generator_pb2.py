@@ -26,7 +26,7 @@ from rollstream.v1 import rollout_pb2 as rollstream_dot_v1_dot_rollout__pb2
 from rollstream.v1 import weights_pb2 as rollstream_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drollstream/v1/generator.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/rollout.proto\x1a\x1brollstream/v1/weights.proto\":\n\x0fGenerateRequest\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.rollstream.v1.PromptTask\".\n\x0fGetStateRequest\x12\x1b\n\x13with_weights_sha256\x18\x01 \x01(\x08\"\xb9\x01\n\x0eGeneratorState\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10groups_generated\x18\x05 \x01(\x04\x12\x0c\n\x04\x62usy\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x08 \x01(\t\"%\n\x10PushNonceRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\"B\n\x11PushNonceResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\x32\xb7\x02\n\tGenerator\x12G\n\x08Generate\x12\x1e.rollstream.v1.GenerateRequest\x1a\x1b.rollstream.v1.RolloutGroup\x12\x46\n\x0bPushWeights\x12\x1a.rollstream.v1.WeightChunk\x1a\x19.rollstream.v1.PushResult(\x01\x12N\n\tPushNonce\x12\x1f.rollstream.v1.PushNonceRequest\x1a .rollstream.v1.PushNonceResponse\x12I\n\x08GetState\x12\x1e.rollstream.v1.GetStateRequest\x1a\x1d.rollstream.v1.GeneratorStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drollstream/v1/generator.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/rollout.proto\x1a\x1brollstream/v1/weights.proto\":\n\x0fGenerateRequest\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.rollstream.v1.PromptTask\".\n\x0fGetStateRequest\x12\x1b\n\x13with_weights_sha256\x18\x01 \x01(\x08\"\xd5\x01\n\x0eGeneratorState\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10groups_generated\x18\x05 \x01(\x04\x12\x0c\n\x04\x62usy\x18\x06 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x08 \x01(\t\x12\x1a\n\x12weight_update_mode\x18\t \x01(\t\"%\n\x10PushNonceRequest\x12\x11\n\tchallenge\x18\x01 \x01(\x0c\"B\n\x11PushNonceResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05proof\x18\x03 \x01(\x0c\x32\xb7\x02\n\tGenerator\x12G\n\x08Generate\x12\x1e.rollstream.v1.GenerateRequest\x1a\x1b.rollstream.v1.RolloutGroup\x12\x46\n\x0bPushWeights\x12\x1a.rollstream.v1.WeightChunk\x1a\x19.rollstream.v1.PushResult(\x01\x12N\n\tPushNonce\x12\x1f.rollstream.v1.PushNonceRequest\x1a .rollstream.v1.PushNonceResponse\x12I\n\x08GetState\x12\x1e.rollstream.v1.GetStateRequest\x1a\x1d.rollstream.v1.GeneratorStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATEREQUEST']._serialized_start=166
   _globals['_GETSTATEREQUEST']._serialized_end=212
   _globals['_GENERATORSTATE']._serialized_start=215
-  _globals['_GENERATORSTATE']._serialized_end=400
-  _globals['_PUSHNONCEREQUEST']._serialized_start=402
-  _globals['_PUSHNONCEREQUEST']._serialized_end=439
-  _globals['_PUSHNONCERESPONSE']._serialized_start=441
-  _globals['_PUSHNONCERESPONSE']._serialized_end=507
-  _globals['_GENERATOR']._serialized_start=510
-  _globals['_GENERATOR']._serialized_end=821
+  _globals['_GENERATORSTATE']._serialized_end=428
+  _globals['_PUSHNONCEREQUEST']._serialized_start=430
+  _globals['_PUSHNONCEREQUEST']._serialized_end=467
+  _globals['_PUSHNONCERESPONSE']._serialized_start=469
+  _globals['_PUSHNONCERESPONSE']._serialized_end=535
+  _globals['_GENERATOR']._serialized_start=538
+  _globals['_GENERATOR']._serialized_end=849
 # @@protoc_insertion_point(module_scope)

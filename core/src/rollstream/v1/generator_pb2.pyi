@@ -20,7 +20,7 @@ class GetStateRequest(_message.Message):
     def __init__(self, with_weights_sha256: _Optional[bool] = ...) -> None: ...
 
 class GeneratorState(_message.Message):
-    __slots__ = ("generator_id", "policy_version", "backend", "model", "groups_generated", "busy", "model_fingerprint", "weights_sha256")
+    __slots__ = ("generator_id", "policy_version", "backend", "model", "groups_generated", "busy", "model_fingerprint", "weights_sha256", "weight_update_mode")
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GeneratorState(_message.Message):
     BUSY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
     generator_id: str
     policy_version: int
     backend: str
@@ -37,7 +38,8 @@ class GeneratorState(_message.Message):
     busy: int
     model_fingerprint: str
     weights_sha256: str
-    def __init__(self, generator_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., groups_generated: _Optional[int] = ..., busy: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
+    weight_update_mode: str
+    def __init__(self, generator_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., groups_generated: _Optional[int] = ..., busy: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., weight_update_mode: _Optional[str] = ...) -> None: ...
 
 class PushNonceRequest(_message.Message):
     __slots__ = ("challenge",)

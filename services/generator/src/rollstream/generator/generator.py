@@ -355,6 +355,7 @@ class Generator:
             busy=self.busy,
             model_fingerprint=self.weights.fingerprint,
             weights_sha256=sha,
+            weight_update_mode=getattr(self.backend, "transfer_mode", ""),
         )
 
 

