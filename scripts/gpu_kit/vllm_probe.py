@@ -29,8 +29,9 @@ import time
 import traceback
 from pathlib import Path
 
-KERNELS = ["vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.vllm_flash_attn._vllm_fa2_C", "vllm._moe_C_stable_libtorch",
-           "vllm._flashmla_C", "vllm.cumem_allocator"]
+# vLLM's compiled modules (FlashAttention's two are in flash_attn below: their package refuses
+# to import when neither loads).
+KERNELS = ["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._flashmla_C", "vllm.cumem_allocator"]
 
 
 class Lines(logging.Handler):
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, required=True, help="the kit's folder (its manifest.json names what it left out)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its log lines are ours
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the JSON
     manifest = json.loads((args.kit / "manifest.json").read_text())
     out: dict[str, object] = {"device": args.device}
     start = time.perf_counter()
@@ -95,9 +97,13 @@ def main() -> None:
         except ImportError as e:
             kernels[module] = str(e)[:300]
     out["kernels"] = kernels
-    from vllm.vllm_flash_attn import flash_attn_interface as fa
-
-    flash: dict[str, object] = {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
+    flash: dict[str, object] = {}
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except ImportError as e:  # neither FA2 nor FA3 loads (the CPU): the interface module was imported before the package refused
+        flash["package"] = str(e)
+        fa = sys.modules["vllm.vllm_flash_attn.flash_attn_interface"]
+    flash |= {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
     lines = Lines()
     logging.getLogger("vllm").addHandler(lines)
     asked: list[str] = []
