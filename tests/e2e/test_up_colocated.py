@@ -110,6 +110,19 @@ def test_colocate_takes_the_vllm_backend(tmp_path: Path) -> None:
         assert cfg.colocated and cfg.generator.backend == "vllm"
 
 
+def test_colocated_vllm_without_vllm_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`up` runs every service on its own Python: one without vllm says so at once, naming the setting."""
+    from rollstream.launcher.colocated import vllm_missing
+    from rollstream.generator.config import GeneratorSettings
+
+    if not vllm_missing(GeneratorSettings(backend="vllm")):
+        pytest.skip("vllm is installed in this venv")
+    cmd = [rollstream_cmd(), "up", "--workdir", str(tmp_path), "--trainer.steps", "1", "--colocate", "--generator.backend", "vllm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "generator.backend" in done.stderr and "install_vllm.sh" in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "logs").exists(), "nothing should have started"
+
+
 def test_colocate_async_needs_room_for_one_version_of_staleness(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="trainer.max_staleness"):
         RunConfig.model_validate({"colocate_async": True, "workdir": str(tmp_path), "trainer": {"max_staleness": 0}})

@@ -41,6 +41,7 @@ generator's from its own file, plus `--generator-flag` pairs for its credentials
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -187,11 +188,21 @@ def refusal(trainer: TrainerSettings, generator: GeneratorSettings, asynchronous
     return ""
 
 
+def vllm_missing(generator: GeneratorSettings) -> str:
+    """Why this Python cannot run the generator's vLLM backend ('' when it can): said before
+    anything is loaded, since every process `up` starts runs on this Python."""
+    spec = importlib.util.find_spec("vllm")
+    # origin None: a namespace package (a folder named vllm on sys.path), not vLLM.
+    if generator.backend != "vllm" or (spec is not None and spec.origin is not None):
+        return ""
+    return f"generator.backend: 'vllm' needs the vllm package in {sys.executable} (CPU: bash scripts/install_vllm.sh, then .venv-vllm/bin/rollstream)"
+
+
 def main(argv: list[str] | None = None) -> int:
     trainer_argv, generator_argv, asynchronous = split_argv(sys.argv[1:] if argv is None else argv)
     trainer_settings = load_or_exit(TrainerSettings, trainer_argv)
     generator_settings = load_or_exit(GeneratorSettings, generator_argv)
-    why = refusal(trainer_settings, generator_settings, asynchronous)
+    why = refusal(trainer_settings, generator_settings, asynchronous) or vllm_missing(generator_settings)
     if why:
         print(f"rollstream colocated: {why}", file=sys.stderr)
         return 2

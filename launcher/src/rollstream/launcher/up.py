@@ -133,6 +133,13 @@ def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callabl
 
 def _up(cfg: RunConfig) -> int:
     console = plain_console(stderr=True)
+    if cfg.colocated:
+        from rollstream.launcher.colocated import vllm_missing  # imported already by RunConfig's check
+
+        missing = vllm_missing(cfg.generator)
+        if missing:  # said now, not by the colocated process once the trainer has loaded
+            console.print(missing, style="red")
+            return 2
     workdir = run_workdir(cfg.workdir, cfg.run)
     workdir.mkdir(parents=True, exist_ok=True)
     workdir.chmod(0o700)  # also a workdir an older run left open to others
