@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from rollstream.core import deltas
-from rollstream.generator.backends import SampleRequest, TransformersBackend
+from rollstream.generator.backends import TransformersBackend
 from rollstream.generator.host_weights import HostWeights
+from test_vllm_backend import check_against_transformers, greedy
 from tier_helpers import adamw_like_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.vllm
 
 # Tied, and a vocabulary that is not a multiple of 64 (vLLM pads it at TP = 1).
 shapes.SIZES["tiny-tied-padded"] = (256, 512, 2, 4, 2, 4000, True)
-ATOL = 2e-4  # fp32 log-probs of two implementations
 
 
 def _unpack_linear_layers(worker) -> int:  # type: ignore[no-untyped-def]
@@ -93,10 +93,6 @@ def assert_engine_holds(backend, bits: dict[str, np.ndarray]) -> None:  # type: 
     assert not wrong, f"{len(wrong)} tensors differ from the host bits, e.g. {wrong[:3]}"
 
 
-def greedy(prompt: list[int], tokens: int = 12) -> list[SampleRequest]:
-    return [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=tokens, seed=1)]
-
-
 def test_deltas_written_in_place_equal_the_host_bits_and_vllms_own_load(engine, reference: TransformersBackend) -> None:
     host = HostWeights(engine.host_bits(), version=0)
     names = sorted(host.bits)
@@ -130,9 +126,8 @@ def test_deltas_written_in_place_equal_the_host_bits_and_vllms_own_load(engine, 
             assert 2 * changed <= update["payload_bytes"] <= min(dense, 6 * changed + 2 * sum(touched[n].size // 255 for n in touched))
         print(f"update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B, dense {dense} B")
         assert_engine_holds(engine, new)
-        sample = engine.sample(greedy(prompt))[0][0]
-        reference.load_weights(new)
-        assert sample.token_ids == reference.sample(greedy(prompt, len(sample.token_ids)))[0][0].token_ids
+        # Greedy tokens equal, log-probs within fp32 tolerance.
+        check_against_transformers(engine.sample(greedy(prompt))[0][0], reference, new, prompt)
 
     # Every vLLM parameter (fused, padded) as the writer left it, against vLLM's own loaders
     # given the same bits.

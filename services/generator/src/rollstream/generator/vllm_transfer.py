@@ -205,6 +205,9 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             for write in staged:
                 _write(write)
             self._embedding_written |= any(w.name.startswith("model.embed_tokens.") for w in staged)
+            # The writes are queued kernels: done before the update counts as served.
+            if torch.accelerator.current_accelerator() is not None:
+                torch.accelerator.synchronize()
         elif self.mode == RELOAD:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
