@@ -143,8 +143,8 @@ def has_checkpoint_patches() -> bool:
 @dataclass
 class _Write:
     """One staged "inplace" patch: the shard's rows of the vLLM parameter (a flat view), and
-    on the device its bf16 values ("all"), or its gaps and ULP steps and its other changes'
-    indices and bf16 values ("steps")."""
+    its bf16 values ("all", on the host), or on the device its gaps and ULP steps and its
+    other changes' indices and bf16 values ("steps")."""
 
     name: str
     rows: torch.Tensor
@@ -267,10 +267,13 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             self._staged = None
             raise
         for p, rows in checked:
-            values = _bits_tensor(p["values"]).to(self.device)
+            values = _bits_tensor(p["values"])
             if p["positions"] == "all":
+                # Whole tensors (the first update: the whole model) wait on the host and are
+                # copied straight into their rows: no second copy of them on the device.
                 self._staged.append(_Write(p["name"], rows, None, None, None, values))
                 continue
+            values = values.to(self.device)
             gaps = torch.frombuffer(bytearray(p["gaps"]), dtype=torch.uint8).to(self.device) if p["gaps"] else None
             steps = torch.frombuffer(bytearray(p["steps"]), dtype=torch.int8).to(self.device) if p["steps"] else None
             indices = torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(self.device) if p["indices"] else None
