@@ -117,7 +117,8 @@ def main() -> None:
         out["engine"] = engine(lines)
     out["flash_attn"] = flash
     said = json.dumps(out.get("engine", {})) + " ".join(lines.lines)
-    asked += [m for m in left_out if Path(m).name.split(".")[0] in said and m not in asked]
+    # A left-out file is named by its module (_vllm_fa2_C), its ops' namespace (torch.ops._moe_C) or itself (vllm-rs).
+    asked += [m for m in left_out if Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said and m not in asked]
     out["asked_for_missing"] = [
         f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
         f"(its calls, in order), which puts it back and runs these checks again" for m in asked if not left_out[m]["installed"]]
