@@ -243,7 +243,8 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
                 raise ValueError("rollstream weight transfer: a reload takes whole tensors (dense updates)")
             # bf16 views over the bits: the model's loaders convert and copy them into place.
             self._embedding_written |= any(p["name"].startswith("model.embed_tokens.") for p in update_info.patches)
-            self.model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
+            model: Any = self.model  # vLLM's model classes have load_weights; nn.Module does not say so
+            model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
             return
         from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
 
