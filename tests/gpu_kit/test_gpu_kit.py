@@ -9,8 +9,14 @@ on what comes back: at most 8 files in OUT, each under 16 MiB, every check in th
 with a status, none over its cap. Breaking the install fails it: a wheel missing from the
 kit, a changed file, a venv made from the machine's python3.
 
-Needs PyPI for the first build (the wheels are kept in ~/.cache/rollstream/gpu-kit-wheels).
-Run by scripts/test.sh (`-m gpu_kit`), not by the default suite: ~4 minutes on 2 cores.
+Kit 3 (vLLM 0.26, two calls) the same way on a device-shaped python that also has the image's
+packages vLLM imports: its calls in sequence, `from vllm import LLM` from the installed target,
+a machine that came back empty between the calls, a missing and a corrupt part.
+
+Needs PyPI for the first build (the wheels are kept in ~/.cache/rollstream/gpu-kit-wheels, kit
+3's packed archive in ~/.cache/rollstream/gpu-kit-packed). Run by scripts/test.sh (`-m
+gpu_kit`), not by the default suite: kits 1 and 2 ~4 minutes on 2 cores; kit 3's tests 51 s
+with its archive kept, 3.3 minutes cold (downloading 334 MiB and packing it), at load 1-2.
 """
 
 from __future__ import annotations
