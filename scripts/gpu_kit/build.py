@@ -313,6 +313,7 @@ def packed(wheels: dict[str, Path], cache: Path, preset: int, fallback: list[str
             if not path.is_file():
                 for m in PRUNE[group]:
                     z.extract(m, work / group)
+                    (work / group / m).chmod((z.getinfo(m).external_attr >> 16) & 0o777 or 0o644)  # vllm-rs is a program
                 xz_archive({m: work / group / m for m in PRUNE[group]}, path, preset)
     shutil.rmtree(work)
     return archive, fallbacks

@@ -377,7 +377,8 @@ def test_kit3_calls_in_sequence_install_and_import_vllm(vllm_kits: Path, vllm_py
     assert statuses(summary)["join"] == "ok" and statuses(summary)["install"] == "skipped", summary
     assert rc == 0
     probe = {row["name"]: row for row in summary["checks"]}["vllm_import"]["result"]
-    assert probe["left_out"]["vllm/vllm-rs"]["installed"] and (state / "site" / "vllm" / "vllm-rs").is_file()
+    rs = state / "site" / "vllm" / "vllm-rs"
+    assert probe["left_out"]["vllm/vllm-rs"]["installed"] and rs.is_file() and os.access(rs, os.X_OK), "put back as the wheel has it: a program"
 
     rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out-again", "--only", "vllm_import")
     assert [statuses(summary)[n] for n in VLLM_SETUP] == ["ok", "skipped", "skipped", "skipped", "ok"], summary
