@@ -7,10 +7,11 @@ Prints one JSON object:
   left_out: the files of the vLLM wheel the kit does not carry (build.py's PRUNE), whether
     each is installed (a fallback kit puts them back) and the fallback kit that carries it;
   kernels: each compiled module of vLLM loaded after torch, `ok` or why not (on the CPU
-    they need libcudart and libtorch_cuda: the finding there is which libraries);
+    the finding is which CUDA library it needs first: libcuda.so.1);
   flash_attn: FA2 and FA3 available or why not, and (CUDA) the version the engine asks for;
   engine (CUDA): a tiny random-weight Qwen2 (benchmarks/shapes.py) in bf16, eager, generating
-    8 greedy tokens; the log lines naming its attention backend;
+    8 greedy tokens; the lines it printed naming its attention backend, FlashAttention, or a
+    library or symbol it could not find (all it printed is in the check's log);
   asked_for_missing: every left-out file the engine asked for (an error or a log line naming
     it, or FA2 chosen while absent), with the fallback kit to carry: then this exits 1.
 Exits 1 too if the import or the engine fails.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -34,35 +34,42 @@ from pathlib import Path
 KERNELS = ["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._flashmla_C", "vllm.cumem_allocator"]
 
 
-class Lines(logging.Handler):
-    """vLLM's log records that say which backend or kernel it takes, or failed to."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        if any(word in text.lower() for word in ("backend", "kernel", "failed to import", "flash")):
-            self.lines.append(text[:300])
+def said_to_stderr(text: str) -> list[str]:
+    """The lines of what vLLM printed that say which backend or kernel it takes, or failed to."""
+    words = ("attention backend", "attn_backend", "flash", "failed to import", "not found", "undefined symbol", "cannot open shared")
+    return list(dict.fromkeys(line[:300] for line in text.splitlines() if any(w in line.lower() for w in words)))
 
 
-def engine(lines: Lines) -> dict[str, object]:
-    """A tiny engine generating: seconds to start, tokens, or the error."""
+def engine() -> dict[str, object]:
+    """A tiny engine generating: seconds to start, tokens, or the error; and its log lines that
+    name a backend or kernel. What it prints is caught at file descriptor 2 (vLLM configures
+    its logging itself, differently across releases) and passed on to stderr after."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import shapes
     from vllm import LLM, SamplingParams
 
-    with tempfile.TemporaryDirectory(prefix="rs-vllm-probe-") as tmp:
+    out: dict[str, object]
+    with tempfile.TemporaryDirectory(prefix="rs-vllm-probe-") as tmp, tempfile.TemporaryFile() as caught:
         folder = shapes.save_model_folder("tiny", str(Path(tmp) / "tiny"))
         start = time.perf_counter()
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
         try:
             llm = LLM(model=folder, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=256, seed=0)
             started = time.perf_counter() - start
-            out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-            return {"ok": True, "start_s": round(started, 1), "tokens": list(out[0].outputs[0].token_ids), "log": lines.lines}
+            generated = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            out = {"ok": True, "start_s": round(started, 1), "tokens": list(generated[0].outputs[0].token_ids)}
         except Exception:  # noqa: BLE001  (what the engine asked for and did not find is the finding)
-            return {"ok": False, "error": traceback.format_exc(limit=6)[-3000:], "log": lines.lines}
+            out = {"ok": False, "error": traceback.format_exc(limit=6)[-3000:]}
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        text = caught.read().decode(errors="replace")
+    sys.stderr.write(text)
+    return {**out, "log": said_to_stderr(text)}
 
 
 def main() -> None:
@@ -104,8 +111,6 @@ def main() -> None:
         flash["package"] = str(e)
         fa = sys.modules["vllm.vllm_flash_attn.flash_attn_interface"]
     flash |= {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
-    lines = Lines()
-    logging.getLogger("vllm").addHandler(lines)
     asked: list[str] = []
     if args.device == "cuda":
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
@@ -114,9 +119,9 @@ def main() -> None:
         flash["engine_asks_for"] = get_flash_attn_version(head_size=64)
         if flash["engine_asks_for"] == 2:
             asked += [m for m in left_out if m.endswith("_vllm_fa2_C.abi3.so")]
-        out["engine"] = engine(lines)
+        out["engine"] = engine()
     out["flash_attn"] = flash
-    said = json.dumps(out.get("engine", {})) + " ".join(lines.lines)
+    said = json.dumps(out.get("engine", {}))
     # A left-out file is named by its module (_vllm_fa2_C), its ops' namespace (torch.ops._moe_C) or itself (vllm-rs).
     asked += [m for m in left_out if Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said and m not in asked]
     out["asked_for_missing"] = [
