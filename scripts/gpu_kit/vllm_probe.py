@@ -72,6 +72,16 @@ def engine() -> dict[str, object]:
     return {**out, "log": said_to_stderr(text)}
 
 
+def asked_for_missing(left_out: dict[str, dict], said: str, fa_version: object) -> list[str]:
+    """Each left-out file, not put back, that the engine asked for: FA2's when it chose FA2, any
+    named in what the engine said (its error, its log lines) by its module (_vllm_fa2_C), its
+    ops' namespace (torch.ops._moe_C) or itself (vllm-rs); each with the fallback kit to carry."""
+    asked = [m for m in left_out if (fa_version == 2 and m.endswith("_vllm_fa2_C.abi3.so"))
+             or Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said]
+    return [f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
+            f"(its calls, in order), which puts it back and runs these checks again" for m in asked if not left_out[m]["installed"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], required=True)
@@ -111,22 +121,14 @@ def main() -> None:
         flash["package"] = str(e)
         fa = sys.modules["vllm.vllm_flash_attn.flash_attn_interface"]
     flash |= {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
-    asked: list[str] = []
     if args.device == "cuda":
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
 
         flash["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         flash["engine_asks_for"] = get_flash_attn_version(head_size=64)
-        if flash["engine_asks_for"] == 2:
-            asked += [m for m in left_out if m.endswith("_vllm_fa2_C.abi3.so")]
         out["engine"] = engine()
     out["flash_attn"] = flash
-    said = json.dumps(out.get("engine", {}))
-    # A left-out file is named by its module (_vllm_fa2_C), its ops' namespace (torch.ops._moe_C) or itself (vllm-rs).
-    asked += [m for m in left_out if Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said and m not in asked]
-    out["asked_for_missing"] = [
-        f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
-        f"(its calls, in order), which puts it back and runs these checks again" for m in asked if not left_out[m]["installed"]]
+    out["asked_for_missing"] = asked_for_missing(left_out, json.dumps(out.get("engine", {})), flash.get("engine_asks_for"))
     print(json.dumps(out, indent=1))
     failed = out["asked_for_missing"] or (args.device == "cuda" and not out["engine"]["ok"])  # type: ignore[index]
     sys.exit(1 if failed else 0)

@@ -427,3 +427,21 @@ def test_kit3_names_a_missing_or_corrupt_part(vllm_kits: Path, vllm_python3: Pat
     assert rc != 0 and statuses(summary)["stash"] == "failed"
     assert f"{held.name} is corrupt" in summary["checks"][1]["error"] and "carry call 1 again" in summary["checks"][1]["error"]
     assert not held.exists() and not (state / "site").exists()
+
+
+def test_kit3s_first_check_names_a_kernel_it_left_out() -> None:
+    """vllm_probe.py on a GPU: a left-out file the engine asked for (FA2 chosen, an op of the MoE
+    kernels missing) is named with its fallback kit; one put back, or not asked for, is not."""
+    sys.path.insert(0, str(REPO / "scripts" / "gpu_kit"))
+    import vllm_probe
+
+    left_out = {m: {"group": g, "fallback": f".gpu-kit/vllm-fallback/{g}", "installed": False} for m, g in (
+        ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "fa2"), ("vllm/_moe_C_stable_libtorch.abi3.so", "moe"), ("vllm/vllm-rs", "rs"))}
+    assert vllm_probe.asked_for_missing(left_out, '{"ok": true, "log": ["Using FLASH_ATTN attention backend"]}', 3) == []
+    (fa2,) = vllm_probe.asked_for_missing(left_out, '{"ok": true}', 2)
+    assert fa2.startswith("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so:") and ".gpu-kit/vllm-fallback/fa2" in fa2
+    error = '{"ok": false, "error": "AttributeError: \'_OpNamespace\' \'_moe_C\' object has no attribute \'topk_softmax\'"}'
+    (moe,) = vllm_probe.asked_for_missing(left_out, error, 3)
+    assert moe.startswith("vllm/_moe_C_stable_libtorch.abi3.so:") and ".gpu-kit/vllm-fallback/moe" in moe
+    left_out["vllm/_moe_C_stable_libtorch.abi3.so"]["installed"] = True  # the fallback carried
+    assert vllm_probe.asked_for_missing(left_out, error, 3) == []
