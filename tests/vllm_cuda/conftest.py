@@ -1,4 +1,4 @@
-"""The vLLM CUDA tier: VllmBackend on a GPU, run by scripts/gpu_vllm.sh.
+"""The vLLM CUDA tier: VllmBackend on a GPU, run by GPU kit 3 (docs/gpu.md).
 
     python -m pytest -m vllm_cuda tests/vllm_cuda
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm"))  # tier_helpers.py
 def _reason() -> str:
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:  # tests/vllm is a namespace package named "vllm"
-        return "vllm is not installed (scripts/gpu_vllm.sh installs it on a GPU machine)"
+        return "vllm is not installed (GPU kit 3 installs it on a GPU machine: docs/gpu.md)"
     import torch
 
     if not torch.cuda.is_available():
