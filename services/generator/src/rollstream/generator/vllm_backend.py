@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollstream.core import logs, modeling
+from rollstream.core import cpu_runtime, logs, modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 from rollstream.generator.config import GeneratorSettings
 
@@ -395,8 +395,8 @@ class VllmBackend:
             return vllm_transfer.sparse_patch(name, new, idx) if idx.size else None
 
         # numpy compares and gathers without the GIL: a 1.5B model's diff (~2 ns a value on
-        # one core, memory-bound) on every core.
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        # one core, memory-bound) on every core the process may use (a pod's quota, not its node's).
+        with ThreadPoolExecutor(max_workers=cpu_runtime.usable_cores()) as pool:
             patches = [p for p in pool.map(one, sorted(bits, key=_layer_order)) if p is not None]
         if not patches:
             return 0
