@@ -319,6 +319,9 @@ def calls(kit: Path) -> list[Path]:
     return sorted(kit.glob("call*"), key=lambda p: int(p.name[4:]))
 
 
+# The first test of vllm_kits: a clean machine builds kit 3 in it (334 MiB downloaded, then packed:
+# 2.5 minutes at load 1-2, 5-8 at load 5-9), past the suite's 900 s on a loaded CI machine.
+@pytest.mark.timeout(3600)
 def test_kit3_is_at_most_two_calls_of_64_mib(vllm_kits: Path) -> None:
     folders = calls(vllm_kits / "vllm")
     assert 1 <= len(folders) <= 2
