@@ -62,6 +62,7 @@ import torch
 
 from rollstream.core import cpu_runtime, logs, modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
+from rollstream.generator import vllm_layout
 from rollstream.generator.config import GeneratorSettings
 
 _PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per update_weights message
@@ -168,7 +169,7 @@ class VllmBackend:
         logs.event(log, "vllm_weight_mode", mode=self.transfer_mode)
         # The last update's account: mode, tensors, bytes handed to the engine, seconds.
         self.last_update: dict[str, Any] = {}
-        self._members, self._module_of = _module_groups(self._host, _packed_modules(self.llm))
+        self._members, self._module_of = vllm_layout.module_groups(self._host, vllm_layout.packed_modules(self.llm))
         # Until the first load, the engine holds the checkpoint's unrounded values
         # (fp32 engines), so the first load sends everything densely.
         self._engine_synced = False
@@ -366,7 +367,7 @@ class VllmBackend:
         (with the new values), through the engine's layerwise reload ("reload" mode)."""
         from rollstream.generator import vllm_transfer
 
-        modules = sorted({self._module_of[name] for name in bits}, key=_layer_order)
+        modules = sorted({self._module_of[name] for name in bits}, key=vllm_layout.layer_order)
         tensors = []
         for module in modules:
             for name in self._members[module]:
@@ -397,7 +398,7 @@ class VllmBackend:
         # numpy compares and gathers without the GIL: a 1.5B model's diff (~2 ns a value on
         # one core, memory-bound) on every core the process may use (a pod's quota, not its node's).
         with ThreadPoolExecutor(max_workers=cpu_runtime.usable_cores()) as pool:
-            patches = [p for p in pool.map(one, sorted(bits, key=_layer_order)) if p is not None]
+            patches = [p for p in pool.map(one, sorted(bits, key=vllm_layout.layer_order)) if p is not None]
         if not patches:
             return 0
         # A few hundred MiB per message: an anchor of a large model is not one message.
@@ -476,43 +477,6 @@ def _transfer_mode(on_cpu: bool, checkpoint_patches: bool, tensor_parallel_size:
 def _read_parameters(worker: Any) -> dict[str, torch.Tensor]:
     model = worker.model_runner.get_model()
     return {name: p.detach().to("cpu") for name, p in model.named_parameters()}
-
-
-def _packed_modules(llm: Any) -> dict[str, list[str]]:
-    """{fused module: [its Hugging Face shards]} from the vLLM model class, e.g.
-    {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}."""
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-
-    model_cls, _ = get_model_architecture(llm.model_config)
-    return {fused: list(shards) for fused, shards in getattr(model_cls, "packed_modules_mapping", {}).items()}
-
-
-def _module_groups(names: Mapping[str, np.ndarray], packed: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Group Hugging Face tensor names by the vLLM module that holds them.
-
-    "model.layers.0.self_attn.k_proj.weight" -> "model.layers.0.self_attn.qkv_proj". Within a
-    fused module, shards are listed in the mapping's order (the order vLLM stacks them)."""
-    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
-    shard_rank = {shard: i for shards in packed.values() for i, shard in enumerate(shards)}
-    members: dict[str, list[str]] = {}
-    module_of: dict[str, str] = {}
-    for name in names:
-        module, _, _param = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        key = f"{parent}.{shard_to_fused[leaf]}" if leaf in shard_to_fused else module
-        members.setdefault(key, []).append(name)
-        module_of[name] = key
-    for key, group in members.items():
-        group.sort(key=lambda n: (n.rpartition(".")[2], shard_rank.get(n.rpartition(".")[0].rpartition(".")[2], 0)))
-    return members, module_of
-
-
-def _layer_order(module: str) -> tuple[int, str]:
-    # Layer by layer, so the reload buffers one layer's weights at a time.
-    for part in module.split("."):
-        if part.isdigit():
-            return int(part), module
-    return -1, module
 
 
 def _to_sample(output: Any) -> Sample:
