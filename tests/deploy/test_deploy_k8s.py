@@ -546,6 +546,7 @@ def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> No
     services = ("trainer", "generator", "reward", "reference")
     expected = {(s, "redis", "TCP", 6379) for s in services}
     expected |= {("trainer", "generator", "TCP", 50051), ("generator", "trainer", "TCP", 50051)}
+    expected |= {("generator", "generator", "TCP", 50051)}  # a relay forwards pushes to its children (push_fanout > 0)
     expected |= {(s, "kube-dns", proto, 53) for s in services for proto in ("UDP", "TCP")}
     expected |= {(peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services}  # any pod in the cluster
     # A namespace-wide default deny, so that a pod added later starts with no access at all.
@@ -556,6 +557,19 @@ def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> No
     edges = Cluster(k8s).edges()
     assert edges - expected == set(), f"allowed but not needed: {sorted(edges - expected)}"
     assert expected - edges == set(), f"needed but denied: {sorted(expected - edges)}"
+
+
+def test_relay_edges_are_allowed_on_the_push_port_only(k8s: K8s, settings: dict) -> None:
+    """20-config.yaml recommends push_fanout = 2 past ~16 generators: each relay generator then
+    dials its children at the address the trainer pushes to (generators_dns' port, where the
+    generator serves PushNonce/PushWeights). Generator to generator is allowed on that port,
+    both ways of the policy (the sender's egress, the receiver's ingress), and on no other."""
+    trainer, gen = settings["trainer"][1], settings["generator"][1]
+    push_port = split_host_port(trainer.generators_dns)[1]
+    assert push_port == gen.grpc_port
+    assert "push_fanout = 2" in k8s.get("ConfigMap", "trainer-config")["data"]["trainer.toml"], "the relay is no longer recommended: drop the edge"
+    between_generators = {(proto, port) for src, dst, proto, port in Cluster(k8s).edges() if src == dst == "generator"}
+    assert between_generators == {("TCP", push_port)}
 
 
 def test_network_policy_edges_match_the_services_settings(k8s: K8s, settings: dict) -> None:
