@@ -249,6 +249,72 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
     assert k8s.workload_of("trainer")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120, "a step must be able to finish"
 
 
+# A delta's share of the bf16 weights the volumes are sized for: 0.6 % at the demo's learning
+# rate, 2.7-4.5 % in the containers tier, 5.8 % at 1.5B on an H200 (docs/benchmarks.md).
+DELTA_FRACTION = 0.06
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(q: str) -> int:
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(q))
+    assert m, f"storage quantity {q!r} is not one these tests read"
+    return int(m.group(1)) * _QUANTITY.get(m.group(2) or "", 1)
+
+
+def parameter_count(model: str) -> int:
+    """Elements of every tensor in the model's safetensors files (their headers only): what
+    the anchor holds in bf16 and the optimizer state covers (full fine-tuning)."""
+    from rollstream.core.models import resolve_model_in_child
+
+    total = 0
+    for path in sorted(resolve_model_in_child(model).glob("*.safetensors")):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in entry["shape"]:
+                    n *= dim
+                total += n
+    assert total > 0, f"{model}: no tensors"
+    return total
+
+
+def claim_bytes(c, path: str) -> tuple[str, int]:
+    """(claim name, requested bytes) of the volume claim template mounted at `path`."""
+    _, volume = c.mount_of(path)
+    assert "persistentVolumeClaimTemplate" in volume, f"{path} is not on a volume claim"
+    return volume["name"], quantity_bytes(volume["persistentVolumeClaimTemplate"]["spec"]["resources"]["requests"]["storage"])
+
+
+def test_weight_store_has_a_volume_of_its_own_sized_by_the_arithmetic(settings: dict) -> None:
+    """The trainer's weight store (anchor_dir) and its checkpoints are on two claims, each at
+    least what it holds at its fullest for the configured model (the arithmetic in
+    k8s/30-trainer.yaml): checkpoints keep_checkpoints x (4 bytes of split masters + 2 moments)
+    a parameter; the store 2 anchors (the old one until the new one's chain is written) + the
+    anchor_interval - 1 deltas since it, at DELTA_FRACTION of the bf16 weights each. The two on
+    one 50 Gi claim were full at ~2.4B parameters."""
+    c, trainer = settings["trainer"]
+    checkpoints, checkpoint_bytes = claim_bytes(c, trainer.checkpoint_dir)
+    weights, weight_bytes = claim_bytes(c, trainer.anchor_dir)
+    assert checkpoints != weights, "the weight store shares the checkpoints' volume"
+    assert not Path(trainer.anchor_dir).is_relative_to(trainer.checkpoint_dir)
+    params = parameter_count(trainer.model)
+    assert trainer.lora_rank == 0 and trainer.master_layout == "split" and trainer.keep_checkpoints > 0
+    per_checkpoint = params * (4 + 2 * (2 if trainer.moments_dtype == "bfloat16" else 4))
+    assert checkpoint_bytes >= trainer.keep_checkpoints * per_checkpoint, (checkpoint_bytes, trainer.keep_checkpoints * per_checkpoint)
+    anchor = 2 * params
+    store_peak = 2 * anchor + (trainer.anchor_interval - 1) * DELTA_FRACTION * anchor
+    assert weight_bytes >= store_peak, (weight_bytes, store_peak)
+    # The documented figures are this arithmetic's (135M: 2.2 GB of checkpoints, 0.84 GB of store).
+    assert (round(trainer.keep_checkpoints * per_checkpoint / 1e9, 1), round(store_peak / 1e9, 2)) == (2.2, 0.84)
+    # Generators read the store only from the same claim, read-only (a ReadWriteMany variant).
+    gen_container, gen = settings["generator"]
+    if gen.weight_store:
+        mount, volume = gen_container.mount_of(gen.weight_store)
+        assert mount.get("readOnly") is True and volume["persistentVolumeClaim"]["claimName"] == weights
+
+
 def test_pods_are_restricted_non_root(k8s: K8s) -> None:
     """What the namespace's `restricted` Pod Security level enforces, plus a read-only root
     with a writable /tmp, as the images' user."""
