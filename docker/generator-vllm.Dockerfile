@@ -8,7 +8,7 @@
 # with requirements.txt: every wheel at its exact version, resolved there); no index, no
 # network but apt; nothing is downloaded at run time (VLLM_NO_USAGE_STATS, HF_HUB_OFFLINE).
 ARG BASE_IMAGE=debian:bookworm-slim
-ARG MODEL_IMAGE=rollstream/demo-model:0.1.0
+ARG MODEL_IMAGE=rollstream/demo-model:0.1.0-cpu
 FROM ${MODEL_IMAGE} AS model
 
 # --- python: Debian's Python 3.11 + the rollstream user (same text in every image: shared layers)

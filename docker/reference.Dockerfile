@@ -4,7 +4,7 @@
 # The build installs only from the wheelhouse that script fills (no index, no network but apt);
 # nothing is downloaded at run time.
 ARG BASE_IMAGE=debian:bookworm-slim
-ARG MODEL_IMAGE=rollstream/demo-model:0.1.0
+ARG MODEL_IMAGE=rollstream/demo-model:0.1.0-cpu
 FROM ${MODEL_IMAGE} AS model
 
 # --- python: Debian's Python 3.11 + the rollstream user (same text in every image: shared layers)

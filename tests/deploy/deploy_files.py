@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import hashlib
 import importlib
 import json
@@ -115,16 +116,30 @@ IMAGE_SERVICE = {"generator-vllm": "generator"}
 
 
 def image_service(image: str) -> str:
-    """'rollstream/generator-vllm:0.1.0' -> 'generator': the service (or 'redis') an image runs."""
+    """'rollstream/generator-vllm:0.1.0-cuda' -> 'generator': the service (or 'redis') an image runs."""
     name = image_name(image)
     return IMAGE_SERVICE.get(name, name)
 
 
+@functools.cache
+def built_tags(torch: str) -> frozenset[str]:
+    """Every image `ROLLSTREAM_TORCH=<torch> bash scripts/build_images.sh` builds, as it tags
+    it (the script's --tags, which builds nothing)."""
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts/build_images.sh"), "--tags"], env={**os.environ, "ROLLSTREAM_TORCH": torch, "PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, f"build_images.sh --tags: {done.stderr}"
+    return frozenset(done.stdout.split())
+
+
 def image_name(image: str) -> str:
-    """'rollstream/trainer:0.1.0' -> 'trainer' (asserting the repository and the tag)."""
+    """'rollstream/trainer:0.1.0-cuda' -> 'trainer' (asserting the repository, and that
+    build_images.sh gives some build that tag)."""
     m = re.fullmatch(r"rollstream/([a-z-]+):(.+)", image)
     assert m, f"image {image!r} is not rollstream/<name>:<tag>"
-    assert m.group(2) == project_version(), f"{image}: tag is not the project version {project_version()}"
+    assert m.group(2).startswith(project_version()), f"{image}: tag is not the project version {project_version()}'s"
+    assert image in built_tags("cpu") | built_tags("cuda"), f"{image}: scripts/build_images.sh builds no image of that tag"
     assert (DOCKER_DIR / f"{m.group(1)}.Dockerfile").is_file(), f"{image}: no docker/{m.group(1)}.Dockerfile builds it"
     return m.group(1)
 
@@ -365,13 +380,13 @@ _ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
 _INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
-def _interpolate(value: Any) -> Any:
-    if isinstance(value, str):  # `${VAR:-default}` -> the default; `$$` -> a literal `$`
-        return _INTERPOLATION.sub(lambda m: "$" if m.group(0) == "$$" else (m.group(2) or ""), value)
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, str):  # `${VAR:-default}` -> env's VAR, else the default; `$$` -> a literal `$`
+        return _INTERPOLATION.sub(lambda m: "$" if m.group(0) == "$$" else (env.get(m.group(1)) or m.group(2) or ""), value)
     if isinstance(value, dict):
-        return {k: _interpolate(v) for k, v in value.items()}
+        return {k: _interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
-        return [_interpolate(v) for v in value]
+        return [_interpolate(v, env) for v in value]
     return value
 
 
@@ -390,12 +405,13 @@ def _merge(base: Any, over: Any) -> Any:
     return over
 
 
-def load_compose(*paths: Path) -> dict:
-    """The merged, interpolated model of `docker compose -f p1 -f p2 ...` (see module doc)."""
+def load_compose(*paths: Path, env: dict[str, str] | None = None) -> dict:
+    """The merged, interpolated model of `docker compose -f p1 -f p2 ...` (see module doc),
+    run with the variables `env` (None: none set, every default taken)."""
     merged: dict = {}
     for path in paths:
         merged = _merge(merged, yaml.load(path.read_text(), Loader=_ComposeLoader))
-    return _interpolate({k: v for k, v in merged.items() if not k.startswith("x-")})
+    return _interpolate({k: v for k, v in merged.items() if not k.startswith("x-")}, env or {})
 
 
 def compose_env(service: dict) -> dict[str, str]:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from deploy_files import (
+    built_tags,
     differs_from_profile,
     COMPOSE_BASE,
     COMPOSE_CPU,
@@ -66,6 +67,19 @@ def settings(combination: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> 
         # `entrypoint` (not `command`, which would be appended to the image's ENTRYPOINT).
         out[name] = (service, svc, load_service_settings(service, compose_env(svc), svc.get("command", []), monkeypatch))
     return out
+
+
+@pytest.mark.parametrize("torch", ["cpu", "cuda"])
+def test_images_are_the_tags_the_build_of_that_flavour_gives(torch: str) -> None:
+    """Every compose file's images, with ROLLSTREAM_TORCH as for the build (unset: cpu, the
+    build's default too), are exactly tags that build gives: a CPU and a CUDA build never
+    share the tag of an image with torch in it."""
+    env = {"ROLLSTREAM_TORCH": torch} if torch != "cpu" else {}
+    for files in [*COMBINATIONS.values(), [COMPOSE_BASE, COMPOSE_ONE_GPU], [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU]]:
+        compose = load_compose(*files, env=env)
+        images = {svc["image"] for svc in compose["services"].values() if svc["image"].startswith("rollstream/")}
+        assert images <= built_tags(torch), f"{[f.name for f in files]}: not built by ROLLSTREAM_TORCH={torch}: {sorted(images - built_tags(torch))}"
+        assert {i for i in images if image_name(i) not in ("redis", "reward")} == {i for i in images if i.endswith(f"-{torch}")}
 
 
 def test_services_run_real_modules_from_their_images(combination: tuple[str, dict]) -> None:

@@ -45,7 +45,7 @@ import pytest
 import redis
 import yaml
 
-from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REFERENCE, REPO, compose_command, load_compose, make_credentials, project_version
+from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REFERENCE, REPO, built_tags, compose_command, load_compose, make_credentials, project_version
 from helpers import wait_for
 from rollstream.core import codec
 from rollstream.launcher.redis_server import free_port
@@ -150,7 +150,10 @@ def images(docker: Docker) -> Docker:
 
 
 def image(name: str) -> str:
-    return f"rollstream/{name}:{project_version()}"
+    """The tag build_images.sh gave `name` in this run's flavour (ROLLSTREAM_TORCH, default
+    cpu, which compose's image lines read too)."""
+    (tag,) = [t for t in built_tags(os.environ.get("ROLLSTREAM_TORCH") or "cpu") if t.startswith(f"rollstream/{name}:{project_version()}")]
+    return tag
 
 
 def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> None:

@@ -30,6 +30,7 @@ from npm_packages import npm_packages
 from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.colocated import refusal as colocation_refusal
 from deploy_files import (
+    built_tags,
     differs_from_profile,
     K8S_DIR,
     K8S_ONE_GPU_DIR,
@@ -104,23 +105,6 @@ def test_folder_applies_as_it_is(k8s: K8s) -> None:
         assert doc["metadata"].get("namespace") == NAMESPACE, f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
 
 
-def test_node_setup_installs_the_profile_the_reward_pod_names(k8s: K8s) -> None:
-    """k8s/node-setup/ puts docker/seccomp/reward.json, unchanged, where the kubelet looks for
-    the reward pod's Localhost profile, on every node (every taint tolerated). What its
-    container does with it: test_deploy_containers.py runs it."""
-    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text())}
-    assert json.loads(docs["ConfigMap"]["data"]["reward.json"]) == json.loads((K8S_DIR.parent / "docker/seccomp/reward.json").read_text())
-    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
-    assert {"operator": "Exists"} in pod["tolerations"]
-    (container,) = pod["containers"]
-    host_root = next(v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v)
-    mounted_at = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "host-seccomp")
-    reward = k8s.workload_of("reward")["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]
-    assert host_root == "/var/lib/kubelet/seccomp"  # the kubelet's default seccomp root
-    assert f"{mounted_at}/{reward['localhostProfile']}" in container["command"][-1]
-    assert docs["Namespace"]["metadata"]["name"] == docs["DaemonSet"]["metadata"]["namespace"] != NAMESPACE  # not under "restricted"
-
-
 def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
     seen = set()
     for workload in k8s.workloads():
@@ -140,16 +124,31 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
     assert seen == {*SERVICES, "redis"}
 
 
+def manifest_images(k8s: K8s) -> set[str]:
+    """Every image k8s/ and k8s/node-setup/ name."""
+    docs = [d for _, d in k8s.docs] + [d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text()) if d]
+    return {c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet") for c in d["spec"]["template"]["spec"]["containers"]}
+
+
 def test_every_image_a_manifest_names_is_built_and_pushed(k8s: K8s) -> None:
-    """A manifest's image that build_images.sh does not build, or that deploy.md's push loop
-    leaves out, is one the cluster cannot pull (the loop once omitted generator-vllm)."""
-    named = {image_name(k8s_container(k8s, w).spec["image"]) for w in k8s.workloads()}
-    script = (K8S_DIR.parent / "scripts/build_images.sh").read_text()
-    built = set(re.search(r"^ALL_IMAGES=\(([^)]*)\)", script, re.M).group(1).split())
-    loop = re.search(r"^for n in ([^;]+); do\n  docker tag rollstream/\$n", (K8S_DIR.parent / "docs/deploy.md").read_text(), re.M)
+    """k8s/ runs GPUs: every image it names (node-setup's too) is a tag the CUDA build gives
+    (`ROLLSTREAM_TORCH=cuda bash scripts/build_images.sh`), and deploy.md's push loop pushes
+    it. A CPU build's torch images carry other tags, so they can never stand in for the CUDA
+    ones under the same name (both builds once tagged rollstream/trainer:0.1.0: the last won);
+    an image the loop leaves out is one the cluster cannot pull (it once left out generator-vllm,
+    and node-setup's image was in no step)."""
+    named = manifest_images(k8s)
+    cpu, cuda = built_tags("cpu"), built_tags("cuda")
+    assert named <= cuda, f"not what the CUDA build tags: {sorted(named - cuda)}"
+    # Only the images without torch (redis, reward) are the same in both builds.
+    assert {image_name(t) for t in cpu & cuda} == {"redis", "reward"}, sorted(cpu & cuda)
+    assert {image_name(t) for t in cpu} == {image_name(t) for t in cuda}
+    doc = (K8S_DIR.parent / "docs/deploy.md").read_text()
+    loop = re.search(r"^export ROLLSTREAM_TORCH=(\w+)\n(?:.*\n)*?for image in \$\(bash scripts/build_images.sh --tags ([^)]*)\); do\n  docker tag \$image registry", doc, re.M)
     assert loop, "docs/deploy.md: the image push loop is gone"
-    assert named <= built, f"not built by build_images.sh: {sorted(named - built)}"
-    assert named <= set(loop.group(1).split()), f"not pushed by docs/deploy.md's loop: {sorted(named - set(loop.group(1).split()))}"
+    assert loop.group(1) == "cuda"
+    pushed = {t for t in cuda if image_name(t) in loop.group(2).split()}
+    assert named <= pushed, f"not pushed by docs/deploy.md's loop: {sorted(named - pushed)}"
 
 
 def test_env_and_toml_keys_are_settings_fields(k8s: K8s) -> None:
@@ -323,9 +322,9 @@ def test_pods_are_restricted_non_root(k8s: K8s) -> None:
         c = k8s_container(k8s, workload)
         pod_sc, sc = c.pod["securityContext"], c.spec["securityContext"]
         image, name = image_name(c.spec["image"]), image_service(c.spec["image"])
-        # The reward pod's sandbox needs the shipped profile (docker/seccomp/reward.json); the rest the runtime's default.
-        expected_seccomp = {"type": "Localhost", "localhostProfile": "rollstream/reward.json"} if name == "reward" else {"type": "RuntimeDefault"}
-        assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"] == expected_seccomp, name
+        # The runtime's default everywhere: nothing to install on the nodes (the code sandbox's
+        # profile comes with the overlay k8s-code-sandbox/).
+        assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(image), f"{name}: not the image's user"
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["readOnlyRootFilesystem"] is True, name
@@ -656,6 +655,64 @@ def test_the_trainer_trains_as_the_gpu_profile_says(settings: dict) -> None:
     (what `up` sets per child) is the profile's."""
     assert differs_from_profile(settings["trainer"][1], "gpu", "trainer") == {}
     assert settings["generator"][1].max_staleness == settings["trainer"][1].max_staleness
+
+
+# -- k8s-code-sandbox/: the reward pod under the code sandbox's seccomp profile ---------------
+
+SANDBOX_PROFILE = {"type": "Localhost", "localhostProfile": "rollstream/reward.json"}
+
+
+def sandbox_needed(trainer, reward) -> bool:
+    """Whether a recipe the trainer's tasks are scored with runs the code sandbox."""
+    from rollstream.reward.recipes import default_specs
+
+    kind = trainer.task if trainer.task in ("arithmetic", "countdown") else trainer.task_kind
+    specs = {**default_specs(reward.answer_weight, reward.format_weight), **reward.recipes}
+    return any(spec.component == "code" for spec in specs.get(kind, []))
+
+
+def test_reward_pod_needs_no_node_setup_for_the_configured_tasks(k8s: K8s, settings: dict) -> None:
+    """k8s/ runs the reward pod with RuntimeDefault, which any cluster gives (no profile to
+    install on the nodes, no privileged pod), because the configured tasks need no code
+    sandbox; a configuration whose recipes run it must use k8s-code-sandbox/."""
+    assert not sandbox_needed(settings["trainer"][1], settings["reward"][1]), "code tasks: apply k8s-code-sandbox/, not k8s/"
+    assert k8s.workload_of("reward")["spec"]["template"]["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.fixture(scope="module")
+def code_sandbox(kustomize: Path) -> K8s:
+    return K8s.built(kustomize, K8S_DIR.parent / "k8s-code-sandbox")
+
+
+def test_code_sandbox_overlay_sets_only_the_reward_profile_the_nodes_get(k8s: K8s, code_sandbox: K8s, tmp_path: Path) -> None:
+    """k8s-code-sandbox/ is k8s/ with the reward pod under the shipped profile and nothing
+    else changed; the profile it names is where the kubelet looks for it and where node-setup's
+    DaemonSet (one of the documented ways to install it) writes docker/seccomp/reward.json."""
+    base, overlay = by_name(k8s), by_name(code_sandbox)
+    assert set(base) == set(overlay)
+    assert {key for key in base if base[key] != overlay[key]} == {("Deployment", "reward")}
+    pod = code_sandbox.get("Deployment", "reward")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["seccompProfile"] == SANDBOX_PROFILE
+    pod["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
+    assert overlay[("Deployment", "reward")] == base[("Deployment", "reward")], "only the profile differs"
+    out = tmp_path / "code-sandbox.yaml"
+    out.write_text(yaml.safe_dump_all([d for _, d in code_sandbox.docs]))
+    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text())}
+    assert json.loads(docs["ConfigMap"]["data"]["reward.json"]) == json.loads((K8S_DIR.parent / "docker/seccomp/reward.json").read_text())
+    ds = docs["DaemonSet"]["spec"]["template"]["spec"]
+    assert {"operator": "Exists"} in ds["tolerations"]
+    (container,) = ds["containers"]
+    host_root = next(v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v)
+    mounted_at = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "host-seccomp")
+    assert host_root == "/var/lib/kubelet/seccomp"  # the kubelet's default seccomp root
+    assert f"{mounted_at}/{SANDBOX_PROFILE['localhostProfile']}" in container["command"][-1]
+    assert docs["Namespace"]["metadata"]["name"] == docs["DaemonSet"]["metadata"]["namespace"] != NAMESPACE  # not under "restricted"
+    # The documented node-level install writes the same file to the same place.
+    doc = (K8S_DIR.parent / "docs/deploy.md").read_text()
+    assert f"install -D -m 0644 docker/seccomp/reward.json /var/lib/kubelet/seccomp/{SANDBOX_PROFILE['localhostProfile']}" in doc
 
 
 # -- k8s-one-gpu/: the overlay for one GPU (kustomize) ----------------------------------------
