@@ -1,13 +1,19 @@
 """Synthetic rollout groups for tests that play the stages upstream of the one under test:
 `rollout_group` as the generator writes it (for the reward stage), `scored_group_in_vocab`
-as the reward stage writes it (for the reference stage), `scored_groups` for the trainer."""
+as the reward stage writes it (for the reference stage), `scored_groups` for the trainer.
+`record_tasks` plays the trainer's feeder for them: the reward and the trainer take only
+groups of tasks in the run's task map (rs:{<run>}:tasks)."""
 
 from __future__ import annotations
 
 import random
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 
+import redis
+
+from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
 
@@ -89,3 +95,33 @@ def scored_group_in_vocab(vocab: int, n: int = 3, prompt_len: int = 11, seed: in
         scored=True,
         created_at=time.time(),
     )
+
+
+def task_of(group: rollout_pb2.RolloutGroup) -> rollout_pb2.PromptTask:
+    """The task `group` answers, as the trainer's map would hold it (prompt ids rendered)."""
+    return rollout_pb2.PromptTask(
+        task_id=group.task_id, prompt_ids=group.prompt_ids, answer=group.answer, metadata_json=group.metadata_json,
+        group_size=group.group_size, task_kind=group.task_kind, messages=[rollout_pb2.ChatMessage(role="user", content=group.task_id)],
+    )
+
+
+def record_tasks(
+    client: redis.Redis, keys: RunKeys, groups: Iterable[rollout_pb2.RolloutGroup], decode: Callable[[Sequence[int]], str] | None = None
+) -> None:
+    """Record each group's task in the run's task map, as if the trainer had fed it; with
+    `decode` (the model's tokenizer, special tokens skipped), first set each completion's
+    text to its tokens decoded, as a generator writes it. Call before encoding the groups."""
+    pipe = client.pipeline(transaction=False)
+    for g in groups:
+        if decode is not None:
+            for c in g.completions:
+                c.text = decode(c.token_ids)
+        pipe.hset(keys.tasks, g.task_id, task_of(g).SerializeToString())
+    pipe.execute()
+
+def tokenizer_decode(model_dir: object) -> Callable[[Sequence[int]], str]:
+    """The trainer's decode for the model in `model_dir`: what its text check compares with."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -85,9 +85,10 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # one, `ready` is taken off this list (rules(), reference_stage).
     # For a custom reward service (docs/custom-reward.md, which shows this line): XAUTOCLAIM
     # to take over, and EVAL for its commit script (no more than EVALSHA + SCRIPT LOAD allow).
+    # The task map (HMGET `tasks`): what it scores with is what the trainer fed.
     "reward": (
-        (*_CONNECTION, *_STAGE, "xautoclaim", "eval"),
-        ("rollouts", "scored", "ready", "dead", "stats"),
+        (*_CONNECTION, *_STAGE, "xautoclaim", "eval", "hmget"),
+        ("rollouts", "scored", "ready", "dead", "stats", "tasks"),
     ),
     # scored -> ready.
     "reference": (
@@ -98,12 +99,14 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # prompts (XADD + SET fed in the commit script, after waiting + trimming them); reads its
     # position (GET fed), the trained log (XRANGE; XREVRANGE for its end, XTRIM after a
     # checkpoint), the run's step (HGET), duplicates (SISMEMBER); reads and prunes the
-    # generator registry.
+    # generator registry; writes the task map with the prompts it feeds (HSET in the commit
+    # script), checks groups against it (HMGET), sweeps it (HLEN, HDEL). The generator has no
+    # access to `tasks`: it takes its tasks from `prompts`.
     "trainer": (
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
-         "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem"),
+         "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem", "hmget", "hlen"),
         ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
-         "generators", "generators:seen", "generators:versions"),
+         "generators", "generators:seen", "generators:versions", "tasks"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the
     # trainer's dashboard (status.collect over every stage, the ledger's counters, the

@@ -96,6 +96,13 @@ class RunKeys:
         """Hash generator_id -> the policy version it held at its last heartbeat (-1: none yet)."""
         return f"{self.prefix}generators:versions"
 
+    @property
+    def tasks(self) -> str:
+        """Hash task_id -> PromptTask bytes (its prompt_ids rendered): every task the trainer
+        fed and has not yet swept. The trainer alone writes it, with the prompts it feeds; the
+        reward scores with its answers, the trainer checks groups against it."""
+        return f"{self.prefix}tasks"
+
     def groups(self, outcome: str) -> str:
         """Set of group ids per outcome: generated, trained, stale (the accounting ledger)."""
         return f"{self.prefix}groups:{outcome}"
@@ -204,7 +211,7 @@ class Ops:
     def set(self, key: str, value: str | int) -> None:
         self.commands.append(("SET", key, [value]))
 
-    def hset(self, key: str, field: str, value: str | int) -> None:
+    def hset(self, key: str, field: str, value: Arg) -> None:
         self.commands.append(("HSET", key, [field, value]))
 
     def keys_and_argv(self, source: str, group: str, consumer: str, inputs: Sequence[bytes]) -> tuple[list[str], list[Arg]]:

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
-
+from typing import TYPE_CHECKING, Literal
 
 from rollstream.core.codec import EntryError, decode
 from rollstream.core.streams import Entry
 from rollstream.v1 import rollout_pb2
+
+if TYPE_CHECKING:
+    from rollstream.core import redis_policy
 
 Stage = Literal["rollouts", "scored", "ready"]
 Groups = list[tuple[Entry, rollout_pb2.RolloutGroup]]  # what a stage reads with parse_group
@@ -248,6 +250,71 @@ def parse_group(entry: Entry, limits: Limits, *, stage: Stage, need_ref: bool = 
             del c.ref_logprobs[:]
     check_group(group, limits, stage=stage, need_ref=need_ref)
     return group
+
+
+# -- the trainer's task map (rs:{<run>}:tasks) -----------------------------------------------
+# A group says which task it answers; what it may claim about that task (the answer and
+# tests it is scored against, its prompt) comes from the map the trainer wrote when it fed
+# the task, never from the group: a generator's password cannot write the map.
+
+
+def fetch_tasks(client: redis_policy.Client, key: str, task_ids: Sequence[str]) -> dict[str, rollout_pb2.PromptTask]:
+    """The tasks of `task_ids` in the task map `key` (HMGET); a task the map does not hold,
+    or holds as something that is not a PromptTask, is left out: unknown."""
+    from google.protobuf.message import DecodeError
+
+    wanted = sorted(set(task_ids))
+    if not wanted:
+        return {}
+    found: dict[str, rollout_pb2.PromptTask] = {}
+    for task_id, raw in zip(wanted, client.hmget(key, wanted)):
+        if raw is None:
+            continue
+        task = rollout_pb2.PromptTask()
+        try:
+            task.ParseFromString(raw)
+        except DecodeError:
+            continue
+        if task.task_id == task_id:
+            found[task_id] = task
+    return found
+
+
+def unknown_task(group: rollout_pb2.RolloutGroup, key: str) -> str:
+    """The dead-letter reason for a group whose task the trainer did not feed (or swept)."""
+    return f"group {_short(group.group_id)}: task {_short(group.task_id)} is not in {key}: not a task this run's trainer fed (or one swept long ago)"
+
+
+def take_task_fields(group: rollout_pb2.RolloutGroup, task: rollout_pb2.PromptTask) -> None:
+    """The reward's side: the group's answer, metadata and task kind set to the task's,
+    whatever the group said (an honest generator copies them unchanged)."""
+    group.answer, group.metadata_json, group.task_kind = task.answer, task.metadata_json, task.task_kind
+
+
+def check_against_task(group: rollout_pb2.RolloutGroup, task: rollout_pb2.PromptTask, decode: Callable[[Sequence[int]], str]) -> None:
+    """The trainer's side: a group trains only what its task asked and what it says it
+    sampled. Its prompt ids are the task's (as the trainer rendered them when it fed it),
+    its answer, metadata, kind and size are the task's, and each completion's text, which
+    the reward scored, is `decode(token_ids)` (completion_text_matches), so the tokens
+    trained are the text rewarded."""
+    where = f"group {_short(group.group_id)}"
+    if list(group.prompt_ids) != list(task.prompt_ids):
+        raise EntryError(f"{where}: prompt_ids ({len(group.prompt_ids)} tokens) are not task {_short(task.task_id)}'s ({len(task.prompt_ids)} tokens)")
+    for name in ("answer", "metadata_json", "task_kind", "group_size"):
+        if getattr(group, name) != getattr(task, name):
+            raise EntryError(f"{where}: {name} {_short(getattr(group, name))} is not the task's {_short(getattr(task, name))}")
+    for i, c in enumerate(group.completions):
+        decoded = decode(c.token_ids)
+        if not completion_text_matches(c.text, decoded):
+            raise EntryError(f"{where} completion {i}: text {_short(c.text, 40)} is not its token_ids decoded ({_short(decoded, 40)})")
+
+
+def completion_text_matches(text: str, decoded: str) -> bool:
+    """`text` is `decoded` (the tokenizer's decode of the completion, special tokens
+    skipped), as an engine's own detokenizer writes it: vLLM's incremental one holds back
+    a last character whose bytes the tokens do not complete, where decode() writes U+FFFD
+    for them. Nothing else may differ."""
+    return text == decoded or text == decoded.rstrip("\ufffd")
 
 
 def check_metrics(m: rollout_pb2.StepMetrics) -> None:

@@ -10,6 +10,10 @@ Scoring (rollstream.reward.scoring) runs every component in the worker processes
 rollstream.reward.limits.ScorePool, which kills a worker that runs past the component's
 time limit; the `Reward/Score` RPC, on the gRPC server's threads, uses the same pool.
 
+Every group is scored with the answer, metadata and kind of its task as the trainer fed it
+(rs:{<run>}:tasks, validation.fetch_tasks), never with what the group says; a group of a
+task the trainer did not feed is dead-lettered (RewardLoop.of_known_tasks).
+
 With `scorer_address` set, groups are scored by that remote `Reward/Score` server instead
 (rollstream.reward.remote); while it is unavailable the batch is held, pending, and tried
 again (never acknowledged with made-up zeros).
@@ -115,7 +119,7 @@ class RewardLoop:
         host = self.host
         recovered = False
         if not self.held:
-            self.held.extend(host.read(self.stage, lambda e: validation.parse_group(e, LIMITS, stage="rollouts")))
+            self.held.extend(self.of_known_tasks(host.read(self.stage, lambda e: validation.parse_group(e, LIMITS, stage="rollouts"))))
         if self.held:
             try:
                 with host.metrics.batch_seconds.time():
@@ -138,6 +142,25 @@ class RewardLoop:
         if self.progress.due() and asdict(self.totals) != self.last_logged:  # quiet while idle
             self.last_logged = asdict(self.totals)
             logs.event(host.log, "progress", **self.last_logged)
+
+    def of_known_tasks(self, batch: validation.Groups) -> validation.Groups:
+        """The groups of `batch` whose task the trainer fed (rs:{<run>}:tasks), each given the
+        task's answer, metadata and kind, whatever it said itself: a group is scored against
+        what the trainer asked, never against what its writer claims. A group of a task the
+        map does not hold is dead-lettered, never scored (docs/security.md, "Forged answers")."""
+        if not batch:
+            return []
+        key = self.stage.keys.tasks
+        tasks = validation.fetch_tasks(self.stage.client, key, [g.task_id for _, g in batch])
+        known: validation.Groups = []
+        for entry, group in batch:
+            task = tasks.get(group.task_id)
+            if task is None:
+                self.stage.dead_letter(entry, validation.unknown_task(group, key))
+                continue
+            validation.take_task_fields(group, task)
+            known.append((entry, group))
+        return known
 
     def hold(self, error: ScorerUnavailable) -> None:
         """The remote scorer is unavailable: not ready, the batch kept pending on us, and a

@@ -3,7 +3,8 @@
 One loop, top to bottom:
   1. top up rs:{<run>}:prompts to `prompt_buffer` tasks;
   2. read rs:{<run>}:ready; drop duplicates (group_id already trained) and groups more than
-     `max_staleness` versions old (counted, acknowledged);
+     `max_staleness` versions old (counted, acknowledged); dead-letter groups that do not
+     answer a task of the trainer's task map as they say, or whose text is not their tokens;
   3. with `groups_per_step` groups: one GRPO step (step.py: advantages, the policy loss
      over token-budget micro-batches, backward, AdamW on the host masters) -> new bf16
      weights (version + 1); with LoRA the published weights are the merged ones (lora.py),
@@ -25,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rollstream.core import codec, logs, redis_policy, steplog, streams, validation
 from rollstream.core.config import load_or_exit
@@ -36,11 +39,21 @@ from rollstream.trainer import checkpoint, pipeline_view, replay
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.feeder import PromptFeeder
+from rollstream.trainer.feeder import Encode, PromptFeeder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.publisher import PushOutcome
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
+
+
+def chat_encoder(tokenizer: Any) -> Encode:
+    """Chat messages -> prompt ids, as the generator renders them (backends.encode_chat)."""
+
+    def encode(messages: Sequence[tuple[str, str]]) -> list[int]:
+        chat = [{"role": r, "content": c} for r, c in messages]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    return encode
 
 
 class StepNotRecorded(RuntimeError):
@@ -74,7 +87,8 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         keys = streams.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
         fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
-        loop = TrainerLoop(trainer, host, client, keys, stage, PromptFeeder(settings, client, stage, fed), directory, checkpoints)
+        feeder = PromptFeeder(settings, client, stage, fed, chat_encoder(trainer.tokenizer))
+        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, directory, checkpoints)
         # Also without a checkpoint: a trainer killed before its first one starts from the
         # model again, and the steps it trained are replayed from there.
         replay.replay_trained_log(trainer, host, client, keys)
@@ -119,15 +133,17 @@ class TrainerLoop:
         self.checkpoints.serve(self.save)
         self.feeder.top_up(trainer.version)
         held_ids = {e.id for e, _ in self.batch}
+        new: validation.Groups = []
         for entry, group in self.host.read(self.stage, lambda e: validation.parse_group(e, trainer.limits, stage="ready", need_ref=trainer.need_ref)):
             if entry.id in held_ids:
                 continue  # already held (re-read after a failed call): not a duplicate group
-            seen = group.group_id in {g.group_id for _, g in self.batch}
+            seen = group.group_id in {g.group_id for _, g in self.batch} or group.group_id in {g.group_id for _, g in new}
             if seen or self.client.sismember(keys.groups("trained"), group.group_id) or self.client.sismember(keys.groups("stale"), group.group_id):
                 self.stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
                 trainer.count_dropped("duplicate", 1)
                 continue
-            self.batch.append((entry, group))
+            new.append((entry, group))
+        self.batch.extend(self.checked(new))
         self.drop_stale()
         if len(self.batch) < s.groups_per_step:
             self.stage.touch([e for e, _ in self.batch])  # still ours: keep other consumers off them
@@ -163,7 +179,7 @@ class TrainerLoop:
         from a version this trainer has not published (sampled before it resumed from an
         earlier checkpoint: that lineage was abandoned)."""
         trainer, keys = self.trainer, self.keys
-        stale = [(e, g) for e, g in self.batch if not 0 <= trainer.version - g.policy_version <= trainer.settings.max_staleness]
+        stale = [(e, g) for e, g in self.batch if self.stale(g)]
         if not stale:
             return
 
@@ -175,6 +191,38 @@ class TrainerLoop:
         dropped = {e.id for e, _ in stale}
         self.batch[:] = [(e, g) for e, g in self.batch if e.id not in dropped]
         trainer.count_dropped("stale", len(stale))
+
+    def stale(self, group: rollout_pb2.RolloutGroup) -> bool:
+        """Sampled more than max_staleness versions ago, or by a version this trainer has not
+        published (before it resumed from an earlier checkpoint: that lineage was abandoned)."""
+        return not 0 <= self.trainer.version - group.policy_version <= self.trainer.settings.max_staleness
+
+    def checked(self, new: validation.Groups) -> validation.Groups:
+        """The groups of `new` that answer a task this trainer fed, as they say, with text that
+        is their tokens (validation.check_against_task); the others are dead-lettered with the
+        reason. What trains is what the trainer asked, sampled as the reward saw it. Stale
+        groups pass (drop_stale counts them; their task may already be swept)."""
+        if not new:
+            return []
+        tasks = validation.fetch_tasks(self.client, self.keys.tasks, [g.task_id for _, g in new])
+        tokenizer = self.trainer.tokenizer
+
+        def decode(ids: Sequence[int]) -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+        kept: validation.Groups = []
+        for entry, group in new:
+            task = tasks.get(group.task_id)
+            try:
+                if not self.stale(group):
+                    if task is None:
+                        raise codec.EntryError(validation.unknown_task(group, self.keys.tasks))
+                    validation.check_against_task(group, task, decode)
+            except codec.EntryError as e:
+                self.stage.dead_letter(entry, str(e))
+                continue
+            kept.append((entry, group))
+        return kept
 
     def train_and_commit(self, taken: validation.Groups) -> bool:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;

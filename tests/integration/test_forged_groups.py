@@ -1,0 +1,240 @@
+"""Issue 42, "forged answers": the trainer owns the task.
+
+With only the generator's Redis password, a group written to `rollouts` carried its own
+answer and tests, the reward scored its `text`, and the trainer trained `token_ids` nothing
+tied to that text: a whole step of forged groups was trained. Now the trainer records every
+task it feeds in rs:{<run>}:tasks (a key the generator's user cannot touch), the reward
+scores with the task's answer and refuses groups of tasks it does not hold, and the trainer
+trains a group only if its prompt is the task's and each completion's text is its tokens
+decoded. Real redis-server with the ACL users, real services, the real feeder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from transformers import AutoTokenizer
+
+from rollstream.core import codec, redis_acl, redis_policy
+from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.launcher.redis_server import EmbeddedRedis
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.feeder import PromptFeeder
+from rollstream.trainer.service import chat_encoder
+from rollstream.v1 import rollout_pb2
+
+from helpers import wait_for
+from procs import start_service
+from synthetic import tokenizer_decode
+
+
+@pytest.fixture(scope="module")
+def secrets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("secrets")
+
+
+@pytest.fixture(scope="module")
+def passwords(secrets_root: Path) -> dict[str, str]:
+    return redis_acl.ensure_redis_credentials(secrets_root)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, secrets_root: Path, passwords: dict[str, str]) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis-tasks"), aclfile=redis_acl.acl_file(secrets_root), admin_password=passwords["admin"]) as r:
+        yield r
+
+
+@pytest.fixture
+def admin(server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = server.admin_client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def connect_as(server: EmbeddedRedis, passwords: dict[str, str]) -> Iterator[Callable[[str], redis_policy.Client]]:
+    clients: list[redis_policy.Client] = []
+
+    def connect(role: str) -> redis_policy.Client:
+        clients.append(redis_policy.connect(server.url, role, passwords[role]))
+        return clients[-1]
+
+    yield connect
+    for c in clients:
+        c.close()
+
+
+def role_flags(secrets_root: Path, role: str) -> list[str]:
+    return ["--redis-username", role, "--redis-password-file", str(redis_acl.password_file(secrets_root, role))]
+
+
+def feeder(client: redis_policy.Client, keys: RunKeys, model: Path, buffer: int, max_staleness: int = 1) -> PromptFeeder:
+    """The trainer's feeder, as the trainer's user, with the tiny model's chat template."""
+    settings = TrainerSettings(run=keys.run, prompt_buffer=buffer, group_size=2, consumer="trainer-0", max_staleness=max_staleness)
+    stage = StreamStage.for_service(client, settings, "ready", "trainer")
+    encode = chat_encoder(AutoTokenizer.from_pretrained(str(model), local_files_only=True))
+    return PromptFeeder(settings, client, stage, PromptFeeder.position(client, keys, 0), encode)
+
+
+def dead_letters(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
+    """group_id -> reason, for every dead letter of the run."""
+    out = {}
+    for _id, fields in client.xrange(keys.dead):
+        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        group = codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
+        out[group.group_id] = letter.reason
+    return out
+
+
+def group_for(task_id: str, group_id: str, answer: str, texts: list[str], prompt_ids: list[int]) -> rollout_pb2.RolloutGroup:
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id, task_id=task_id, policy_version=0, prompt_ids=prompt_ids, answer=answer, task_kind="arithmetic", group_size=len(texts),
+        completions=[rollout_pb2.Completion(text=t, token_ids=[5, 6], behaviour_logprobs=[-0.5, -0.5], finish_reason="stop") for t in texts],
+    )  # fmt: skip
+
+
+def test_the_generator_user_cannot_touch_the_task_map(connect_as, keys: RunKeys) -> None:
+    generator = connect_as("generator")
+    for call in (lambda: generator.hset(keys.tasks, "t", b"x"), lambda: generator.hget(keys.tasks, "t"),
+                 lambda: generator.eval("return redis.call('HSET', KEYS[1], 't', 'x')", 1, keys.tasks)):  # fmt: skip
+        with pytest.raises(redis.RedisError) as e:
+            call()
+        assert redis_policy.is_denied(e.value), e.value
+
+
+def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
+    tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, connect_as, keys: RunKeys, tiny_model_dir: Path
+) -> None:
+    """(1) a group of a made-up task is dead-lettered, never scored; (2) a group of a real
+    task that claims another answer (its text matching that answer) is scored against the
+    answer the trainer fed, and goes on carrying that one."""
+    assert feeder(connect_as("trainer"), keys, tiny_model_dir, buffer=2).top_up(version=0) == 2
+    generator = connect_as("generator")
+    prompts = StreamStage(generator, keys, "prompts", "generators", "gen-0")
+    taken = prompts.read(2, 100)
+    real = [codec.decode(entry.fields, rollout_pb2.PromptTask) for entry in taken]
+    forged_answer = str(int(real[0].answer) + 100)
+    groups = [
+        group_for("made-up-task", "made-up", "5", ["The answer is 5", "The answer is 5"], [1, 2, 3]),
+        group_for(real[0].task_id, real[0].task_id, forged_answer, [f"The answer is {forged_answer}"] * 2, [1, 2, 3]),
+        group_for(real[1].task_id, real[1].task_id, real[1].answer, [f"The answer is {real[1].answer}", "no idea"], [1, 2, 3]),
+    ]
+    # Written as the generator writes, with its user: its commit, acknowledging the tasks taken.
+    assert prompts.commit(taken, outputs=[("rollouts", g) for g in groups])
+    reward = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, "--block-ms", "50", "--output-stage", "scored",
+                           *role_flags(secrets_root, "reward"))  # fmt: skip
+    try:
+        reward.wait_ready()
+        wait_for(lambda: admin.xlen(keys.stream("scored")) + admin.xlen(keys.dead) >= 3, 60, "3 groups scored or dead", [reward])
+    finally:
+        assert reward.stop() == 0, reward.log()[-3000:]
+    scored = {g.group_id: g for g in (codec.decode(f, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.stream("scored")))}
+    dead = dead_letters(admin, keys)
+    assert set(dead) == {"made-up"} and set(scored) == {real[0].task_id, real[1].task_id}
+    assert f"task 'made-up-task' is not in {keys.tasks}" in dead["made-up"]
+    forged = scored[real[0].task_id]
+    assert [c.reward for c in forged.completions] == pytest.approx([0.1, 0.1])  # the format only: wrong answer
+    assert forged.answer == real[0].answer
+    assert [c.reward for c in scored[real[1].task_id].completions] == pytest.approx([1.1, 0.0])
+
+
+def test_trainer_trains_only_the_tokens_of_the_text_of_a_task_it_fed(
+    tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path
+) -> None:
+    """(1) and (3): in `ready` (written here as the reward would), groups of a made-up task,
+    with text that is not their tokens decoded, with another prompt, or claiming another
+    answer are dead-lettered with the reason; two honest groups train the step."""
+    trainer = start_service(
+        "trainer", tmp_path, "--redis-url", server.url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
+        "--consumer", "trainer-0", "--groups-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
+        "--lr", "1e-3", "--beta", "0", "--max-staleness", "100", "--block-ms", "100", "--steps", "1", "--linger",
+        *role_flags(secrets_root, "trainer"),
+    )  # fmt: skip
+    try:
+        trainer.wait_ready()
+        wait_for(lambda: admin.hlen(keys.tasks) == 2, 60, "2 tasks fed", [trainer])
+        tasks = [rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, f"{keys.run}-{n:08d}")) for n in range(2)]
+        assert all(t.prompt_ids for t in tasks)  # rendered by the trainer, with its tokenizer
+        decode = tokenizer_decode(tiny_model_dir)
+
+        def honest(task: rollout_pb2.PromptTask, group_id: str, tokens: list[list[int]]) -> rollout_pb2.RolloutGroup:
+            completions = [rollout_pb2.Completion(token_ids=t, behaviour_logprobs=[-4.0] * len(t), text=decode(t), reward=float(k), finish_reason="length")
+                           for k, t in enumerate(tokens)]  # fmt: skip
+            return rollout_pb2.RolloutGroup(
+                group_id=group_id, task_id=task.task_id, policy_version=0, prompt_ids=task.prompt_ids, completions=completions, answer=task.answer,
+                metadata_json=task.metadata_json, task_kind=task.task_kind, group_size=task.group_size, scored=True,
+            )  # fmt: skip
+
+        tokens = [[40, 41, 42], [50, 51, 52, 53]]
+        unknown = honest(tasks[0], "unknown", tokens)
+        unknown.task_id = f"{keys.run}-00000099"
+        text = honest(tasks[0], "text", tokens)
+        text.completions[1].text = "The answer is " + tasks[0].answer
+        prompt = honest(tasks[1], "prompt", tokens)
+        prompt.prompt_ids[-1] = prompt.prompt_ids[-1] + 1
+        answer = honest(tasks[1], "answer", tokens)
+        answer.answer = answer.answer + "0"
+        # The forged ones first: the code before the task map trained the first two it read.
+        for g in (unknown, text, prompt, answer, honest(tasks[0], tasks[0].task_id, tokens), honest(tasks[1], tasks[1].task_id, tokens)):
+            admin.xadd(keys.stream("ready"), codec.encode(g))
+        wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
+        trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
+        dead = dead_letters(admin, keys)
+    finally:
+        trainer.stop()
+    assert trained == {tasks[0].task_id, tasks[1].task_id}
+    assert set(dead) == {"unknown", "text", "prompt", "answer"}
+    assert f"is not in {keys.tasks}" in dead["unknown"]
+    assert "completion 1: text 'The answer is" in dead["text"] and "is not its token_ids decoded" in dead["text"]
+    assert "prompt_ids" in dead["prompt"] and "are not task" in dead["prompt"]
+    assert "answer" in dead["answer"] and "is not the task's" in dead["answer"]
+
+
+def test_the_map_is_swept_behind_staleness_and_survives_a_restart(connect_as, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path) -> None:
+    """Tasks leave the map once their groups can only be stale (taken, then max_staleness
+    versions passed), never while a generator holds them; a restarted feeder finds where the
+    map starts; a forged entry the generator appends to `prompts` moves nothing."""
+    trainer, generator = connect_as("trainer"), connect_as("generator")
+    first = feeder(trainer, keys, tiny_model_dir, buffer=4, max_staleness=1)
+    assert first.top_up(version=0) == 4
+    prompts = StreamStage(generator, keys, "prompts", "generators", "gen-0")
+    taken = prompts.read(2, 100)
+    assert prompts.commit(taken, outputs=[("rollouts", group_for(codec.decode(e.fields, rollout_pb2.PromptTask).task_id, "g", "1", ["1"], [1]))
+                                          for e in taken])  # fmt: skip
+    ids = [f"{keys.run}-{n:08d}" for n in range(8)]
+
+    def held() -> list[bool]:
+        return [bool(admin.hexists(keys.tasks, i)) for i in ids]
+
+    assert first.top_up(version=1) == 2  # tasks 0 and 1 taken at version 1; 4 and 5 fed
+    assert held() == [True] * 6 + [False] * 2
+    first.top_up(version=2)  # 2 is not past 1 + max_staleness
+    assert held() == [True] * 6 + [False] * 2
+    first.top_up(version=3)
+    assert held() == [False] * 2 + [True] * 4 + [False] * 2
+
+    # A restarted trainer: a new feeder at the same position; tasks 2..5 are still in flight.
+    second = feeder(trainer, keys, tiny_model_dir, buffer=4, max_staleness=1)
+    assert second.fed == 6
+    taken = prompts.read(4, 100)  # 2..5, then a forged head that claims a later position
+    forged = rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, ids[5]))
+    forged.task_id = f"{keys.run}-00099999"
+    generator.xadd(keys.stream("prompts"), codec.encode(forged))
+    assert prompts.commit(taken[:2], outputs=[])  # 2 and 3 done; 4 and 5 still held by the generator
+    second.top_up(version=10)
+    second.top_up(version=20)
+    assert held()[:6] == [False] * 4 + [True] * 2
+    assert prompts.commit(taken[2:], outputs=[])  # 4, 5 done: the forged entry is now the head
+    second.top_up(version=30)
+    second.top_up(version=40)
+    assert held()[:6] == [False] * 4 + [True] * 2  # not ours (the map does not hold it): no mark
+    head = prompts.read(2, 100)  # a generator takes the forged entry and task 6, and is done with the forged one
+    assert codec.decode(head[0].fields, rollout_pb2.PromptTask).task_id == forged.task_id
+    assert prompts.commit(head[:1], outputs=[])
+    second.top_up(version=50)
+    second.top_up(version=60)
+    assert held()[:7] == [False] * 6 + [True]  # up to task 6, which the generator still holds
+    assert admin.hlen(keys.tasks) == second.fed - 6
