@@ -39,10 +39,12 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
         return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
     def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        header = next(iter(request_iterator)).header
         for _ in request_iterator:
             pass
         self.payloads += 1
-        return weights_pb2.PushResult(applied=True, version=4)
+        nonce, _ = push_signing.parse_signature(context.invocation_metadata())
+        return weights_pb2.PushResult(applied=True, version=4, ack=self.prover.ack(nonce, header) if self.prover else b"")
 
 
 @pytest.fixture
@@ -72,7 +74,7 @@ GATE = PushGate(push_signing.PushSigner(TOKENS["trainer"]), ROLE_TABLE.generator
 
 def push(address: str, gate: PushGate = GATE):  # type: ignore[no-untyped-def]
     with grpc_utils.channel(address) as ch:
-        return push_one(push_call(ch), address, WIRE, HEADER, gate, timeout_s=30)
+        return push_one(push_call(ch), address, WIRE, HEADER, gate, nonce_timeout_s=30, timeout_s=30)
 
 
 def test_an_honest_generator_gets_a_signed_push(serve) -> None:  # type: ignore[no-untyped-def]

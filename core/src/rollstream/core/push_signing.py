@@ -22,6 +22,12 @@ in roles.json):
    (`trainer_push_key`), then spends the nonce (once). The payload's sha256 is checked against
    the header as it arrives (rollstream.core.weight_transfer), so the signature covers every
    byte.
+4. A generator that applied the push answers with an acknowledgement: its own signature over
+   `ack_text(nonce, header)` (the nonce the trainer signed for it). The trainer counts a
+   generator as holding the version only with that ack for the nonce it issued to it, so a
+   relay's report on its subtree (PushResult.relayed) is believed only where each generator
+   below it signed for itself. Every generator holds the one generator token, so the ack
+   proves that a generator signed for this nonce, not which one.
 """
 
 from __future__ import annotations
@@ -93,6 +99,10 @@ class GeneratorProver:
     def prove(self, challenge: bytes, nonce: bytes, address: str) -> bytes:
         return self._key.sign(proof_text(challenge, nonce, address))
 
+    def ack(self, nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
+        """The acknowledgement of an applied push (PushResult.ack)."""
+        return self._key.sign(ack_text(nonce, header))
+
 
 def verify_proof(key: Ed25519PublicKey, challenge: bytes, nonce: bytes, address: str, proof: bytes) -> bool:
     try:
@@ -116,6 +126,20 @@ def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
         header.model_fingerprint,
     ]
     return "\n".join(fields).encode()
+
+
+def ack_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
+    """What a generator's acknowledgement covers: the push's nonce and header, under a method
+    line of its own (an ack is never a push signature, nor a proof)."""
+    return signed_text(nonce, header).replace(b"Generator/PushWeights", b"Generator/PushWeights/applied", 1)
+
+
+def verify_ack(key: Ed25519PublicKey, nonce: bytes, header: weights_pb2.WeightHeader, ack: bytes) -> bool:
+    try:
+        key.verify(ack, ack_text(nonce, header))
+    except InvalidSignature:
+        return False
+    return True
 
 
 class PushSigner:
@@ -148,6 +172,59 @@ def parse_signature(metadata: Iterable[tuple[str, Any]] | None) -> tuple[bytes, 
 def verify(key: Ed25519PublicKey, nonce: bytes, signature: bytes, header: weights_pb2.WeightHeader) -> bool:
     try:
         key.verify(signature, signed_text(nonce, header))
+    except InvalidSignature:
+        return False
+    return True
+
+
+# -- catch-up: what a generator fetches or reads from the store ---------------------------
+# No live call to bind a nonce to (the store has no caller at all), so a payload's signature
+# covers its header alone, with the run: a replay can only offer the trainer's own payloads
+# of this run, and the generator's version rule (generator.CatchUpCheck) keeps it from
+# going back. GetState's answer is signed over the generator's fresh challenge, so the
+# trainer's version a generator acts on is current, never replayed.
+
+
+def payload_text(run: str, header: weights_pb2.WeightHeader) -> bytes:
+    """What a catch-up payload's signature covers (FetchWeights' first chunk of each payload,
+    the store's chain.json entry): the run and every field of its header."""
+    fields = [
+        "rollstream.v1.Trainer/FetchWeights", run, header.kind, str(header.base_version), str(header.version),
+        str(header.total_bytes), header.sha256, header.model_fingerprint,
+    ]
+    return "\n".join(fields).encode()
+
+
+def state_text(run: str, challenge: bytes, version: int, fingerprint: str) -> bytes:
+    """What GetState's signature covers: the caller's challenge and the version claimed."""
+    return "\n".join(["rollstream.v1.Trainer/GetState", run, challenge.hex(), str(version), fingerprint]).encode()
+
+
+class TrainerSigner:
+    """The trainer's signatures on what generators catch up from (the same key as its pushes)."""
+
+    def __init__(self, trainer_token: str, run: str):
+        self._key = role_key(trainer_token, "trainer")
+        self.run = run
+
+    def payload(self, header: weights_pb2.WeightHeader) -> bytes:
+        return self._key.sign(payload_text(self.run, header))
+
+    def state(self, challenge: bytes, version: int, fingerprint: str) -> bytes:
+        return self._key.sign(state_text(self.run, challenge, version, fingerprint))
+
+
+def verify_payload(key: Ed25519PublicKey, run: str, header: weights_pb2.WeightHeader, signature: bytes) -> bool:
+    try:
+        key.verify(signature, payload_text(run, header))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def verify_state(key: Ed25519PublicKey, run: str, challenge: bytes, version: int, fingerprint: str, signature: bytes) -> bool:
+    try:
+        key.verify(signature, state_text(run, challenge, version, fingerprint))
     except InvalidSignature:
         return False
     return True

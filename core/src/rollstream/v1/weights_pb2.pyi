@@ -23,14 +23,16 @@ class WeightHeader(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("header", "data", "forward")
+    __slots__ = ("header", "data", "forward", "signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
     data: bytes
     forward: _containers.RepeatedCompositeFieldContainer[RelayTarget]
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., forward: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., forward: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RelayTarget(_message.Message):
     __slots__ = ("address", "signature", "forward")
@@ -43,7 +45,7 @@ class RelayTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., signature: _Optional[str] = ..., forward: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ...) -> None: ...
 
 class RelayedPush(_message.Message):
-    __slots__ = ("address", "applied", "version", "error", "seconds", "via", "orphaned")
+    __slots__ = ("address", "applied", "version", "error", "seconds", "via", "orphaned", "ack")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,7 @@ class RelayedPush(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     VIA_FIELD_NUMBER: _ClassVar[int]
     ORPHANED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     address: str
     applied: bool
     version: int
@@ -58,10 +61,11 @@ class RelayedPush(_message.Message):
     seconds: float
     via: str
     orphaned: bool
-    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., via: _Optional[str] = ..., orphaned: _Optional[bool] = ...) -> None: ...
+    ack: bytes
+    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., via: _Optional[str] = ..., orphaned: _Optional[bool] = ..., ack: _Optional[bytes] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("applied", "version", "error", "apply_seconds", "receive_seconds", "lock_wait_seconds", "decode_seconds", "load_seconds", "relayed")
+    __slots__ = ("applied", "version", "error", "apply_seconds", "receive_seconds", "lock_wait_seconds", "decode_seconds", "load_seconds", "relayed", "ack")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +75,7 @@ class PushResult(_message.Message):
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     version: int
     error: str
@@ -80,4 +85,5 @@ class PushResult(_message.Message):
     decode_seconds: float
     load_seconds: float
     relayed: _containers.RepeatedCompositeFieldContainer[RelayedPush]
-    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., apply_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., lock_wait_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayedPush, _Mapping]]] = ...) -> None: ...
+    ack: bytes
+    def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., apply_seconds: _Optional[float] = ..., receive_seconds: _Optional[float] = ..., lock_wait_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayedPush, _Mapping]]] = ..., ack: _Optional[bytes] = ...) -> None: ...

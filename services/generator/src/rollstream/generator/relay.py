@@ -13,6 +13,7 @@ has not been spent or may not be).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -68,7 +69,7 @@ def orphans(target: weights_pb2.RelayTarget) -> list[weights_pb2.RelayedPush]:
 
 
 class Forwarder:
-    """One push's forwarding: `send` every chunk as it arrives, then `finish` for the outcomes."""
+    """One push's forwarding: `send` every chunk as it arrives, `close`, then `outcomes`."""
 
     def __init__(self, targets: Sequence[weights_pb2.RelayTarget], via: str, peers: PeerChannels, timeout_s: float = RELAY_TIMEOUT_S):
         self.via = via
@@ -84,11 +85,13 @@ class Forwarder:
         for leg in self._legs:
             leg.put(data)
 
-    def finish(self, complete: bool = True) -> list[weights_pb2.RelayedPush]:
-        """End every leg's stream (cut short when not `complete`: the children refuse it) and
-        return their outcomes, their subtrees' included."""
+    def close(self, complete: bool = True) -> None:
+        """End every leg's stream (cut short when not `complete`: the children refuse it)."""
         for leg in self._legs:
             leg.close(complete)
+
+    def outcomes(self) -> list[weights_pb2.RelayedPush]:
+        """Once closed: every leg's outcome, their subtrees' included."""
         return [r for leg in self._legs for r in leg.outcome()]
 
 
@@ -135,51 +138,104 @@ class _Leg:
             return
         seconds = time.perf_counter() - start
         self._result = [
-            weights_pb2.RelayedPush(address=self.target.address, applied=result.applied, version=result.version, error=result.error, seconds=seconds, via=self.via),
+            weights_pb2.RelayedPush(
+                address=self.target.address, applied=result.applied, version=result.version, error=result.error, seconds=seconds, via=self.via, ack=result.ack,
+            ),
             *result.relayed,
         ]
 
 
 class RelayedStream:
-    """A push's chunks as the servicer applies them, forwarded on the way when the first
-    chunk names targets. `finish` once, whatever happened: it ends the forwarded streams
-    (whole only if this one was read to its end) and returns their outcomes."""
+    """A push's chunks as the servicer applies them, forwarded on receipt when the first chunk
+    names targets. A thread of its own reads the push: each chunk goes to the targets as it
+    arrives and into a queue the servicer's apply reads from, so the apply (its lock wait,
+    decode, engine load) runs beside the forwarding, and the targets' streams end when this
+    one ends, not when this generator has applied it: a hop costs a chunk. `finish` once,
+    whatever happened: it returns the targets' outcomes (after reading the rest of the push
+    for them), or cuts their streams short."""
 
-    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels, time_left_s: float | None = None):
+    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels, time_left_s: float | None = None, max_bytes: int = 0):
         """`time_left_s`: what the caller's deadline leaves (None: no deadline). The targets'
-        calls end a little before it, so that this call can still answer with their outcomes."""
+        calls end a little before it, so that this call can still answer with their outcomes.
+        `max_bytes`: what the reader takes at most (0: no limit), the apply's own limit, so a
+        stream the apply has stopped reading cannot fill the queue."""
         self._chunks = iter(chunks)
         self._via = via
         self._peers = peers
+        self._max_bytes = max_bytes
         self._timeout_s = RELAY_TIMEOUT_S if time_left_s is None else max(1.0, min(RELAY_TIMEOUT_S, time_left_s - RELAY_MARGIN_S))
         self._forwarder: Forwarder | None = None
-        self._started = False
-        self._ended = False
+        self._received: queue.Queue[weights_pb2.WeightChunk | BaseException | None] = queue.Queue()
+        self._stop = threading.Event()  # the push was refused: read no further, cut the targets
+        self._legs_lock = threading.Lock()
+        self._legs_closed = False
+        self._reader: threading.Thread | None = None
         self._outcomes: list[weights_pb2.RelayedPush] | None = None
+        self.header: weights_pb2.WeightHeader | None = None  # the first chunk's, once read
 
     def __iter__(self) -> Iterator[weights_pb2.WeightChunk]:
-        for chunk in self._chunks:
-            first = not self._started
-            self._started = True
-            if first and len(chunk.forward) > MAX_TARGETS:
-                raise weight_transfer.TransferRefused(f"a push naming {len(chunk.forward)} targets to forward it to; at most {MAX_TARGETS}")
-            if first and chunk.forward:
-                self._forwarder = Forwarder(chunk.forward, self._via, self._peers, self._timeout_s)
-            if self._forwarder is not None:
-                self._forwarder.send(chunk, first)
-            yield chunk
-        self._ended = True
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, name=f"push-reader-{self._via}", daemon=True)
+            self._reader.start()
+        while (item := self._received.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _read(self) -> None:
+        """The reader thread: every chunk to the targets and to the apply, as it arrives."""
+        whole, taken = False, 0
+        try:
+            for chunk in self._chunks:
+                if self._stop.is_set():
+                    break
+                if self.header is None:
+                    if len(chunk.forward) > MAX_TARGETS:
+                        raise weight_transfer.TransferRefused(f"a push naming {len(chunk.forward)} targets to forward it to; at most {MAX_TARGETS}")
+                    self.header = chunk.header
+                    if chunk.forward:
+                        self._forwarder = Forwarder(chunk.forward, self._via, self._peers, self._timeout_s)
+                    first = True
+                else:
+                    first = False
+                taken += len(chunk.data)
+                if self._max_bytes and taken > self._max_bytes:
+                    raise weight_transfer.PayloadTooLarge(f"a push of over {self._max_bytes} bytes")
+                if self._forwarder is not None:
+                    self._forwarder.send(chunk, first)
+                self._received.put(chunk)
+            else:
+                whole = True
+        except BaseException as e:  # noqa: BLE001 - the apply raises it (a broken or refused stream)
+            self._received.put(e)
+        finally:
+            self._close_legs(whole and not self._stop.is_set())
+            self._received.put(None)
+
+    def _close_legs(self, complete: bool) -> None:
+        with self._legs_lock:
+            if self._legs_closed or self._forwarder is None:
+                return
+            self._legs_closed = True
+            self._forwarder.close(complete)
 
     def finish(self, read_rest: bool) -> list[weights_pb2.RelayedPush]:
         """`read_rest`: the push was good as far as this generator could tell (applied, or
         refused for its base only: the targets may hold the right one), so the rest of it is
-        read for the targets first."""
-        if self._outcomes is None:
-            if read_rest and self._forwarder is not None and not self._ended:
-                try:
-                    for _ in self:
-                        pass
-                except Exception:  # noqa: BLE001 - the push broke off: the targets get a cut stream
+        read for the targets and their outcomes are awaited. Else the targets' streams are
+        cut short, at once."""
+        if self._outcomes is not None:
+            return self._outcomes
+        if not read_rest:
+            self._stop.set()
+            self._close_legs(False)
+            self._outcomes = []
+            return self._outcomes
+        if self._reader is None:  # the apply never started reading: read for the targets alone
+            with contextlib.suppress(Exception):  # a broken push: the targets got it cut short
+                for _ in self:
                     pass
-            self._outcomes = self._forwarder.finish(complete=self._ended) if self._forwarder is not None else []
+        assert self._reader is not None
+        self._reader.join()
+        self._outcomes = self._forwarder.outcomes() if self._forwarder is not None else []
         return self._outcomes

@@ -126,6 +126,10 @@ class TrainerSettings(TorchSettings):
         "auto: half the trainer's torch threads, or of its cores (its CPU affinity capped by a container's CPU quota), at least 1: 1 on 2 cores, 8 on 16)",
     )
     push_timeout_s: float = Field(120.0, gt=0)
+    push_nonce_timeout_s: float = Field(
+        3.0, gt=0,
+        description="how long a generator has to answer PushNonce before it is left out of that push (and backed off a while): one stranger costs this, not push_timeout_s",
+    )
     # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
     # "Scaling out"): down a relay tree it sends each payload push_fanout times, whatever N.
     push_fanout: int = Field(

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -69,6 +69,8 @@ class PushOutcome:
     load_s: float = 0.0
     via: str = ""  # the relay that pushed it ("": the trainer itself)
     orphaned: bool = False  # never pushed to: a relay above it failed (RelayedPush.orphaned)
+    unreachable: bool = False  # no nonce, a failed call, an unproven claim made, or backed off: AddressBackoff
+    unproven: bool = False  # claimed applied without its acknowledgement (PushGate.believed)
 
     @classmethod
     def of(cls, address: str, result: weights_pb2.PushResult, seconds: float) -> "PushOutcome":
@@ -85,6 +87,51 @@ ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
+NONCE_TIMEOUT_S = 3.0  # the trainer's push_nonce_timeout_s default
+BACKOFF_FIRST_S = 10.0  # an address that failed is left out this long, twice as long at each failure after
+BACKOFF_MAX_S = 300.0
+
+
+class AddressBackoff:
+    """Addresses whose last push failed (no nonce in time, a refused or broken call, a relay's
+    claim for it without its acknowledgement), left out of pushes for a while: BACKOFF_FIRST_S,
+    doubled at each failure in a row up to BACKOFF_MAX_S. A stranger in the registry costs one
+    nonce deadline, then one more every few minutes at most, never one a step; a generator
+    left out catches up by itself (FetchWeights or the store), as one the push missed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._until: dict[str, tuple[float, float]] = {}  # address -> (left out until, its last wait)
+        self._lock = threading.Lock()
+
+    def split(self, addresses: Sequence[str]) -> tuple[list[str], list[PushOutcome]]:
+        """The addresses to push to now, and an outcome for each one left out."""
+        now = self._clock()
+        with self._lock:
+            waiting = {a: until - now for a in addresses if (until := self._until.get(a, (0.0, 0.0))[0]) > now}
+        left_out = [PushOutcome(a, False, -1, f"backed off: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True) for a, s in waiting.items()]
+        return [a for a in addresses if a not in waiting], left_out
+
+    def update(self, outcomes: Iterable[PushOutcome], keep: Sequence[str]) -> None:
+        """Back off the addresses that failed, forget those that answered, and any no longer in `keep`
+        (the addresses pushed to: the table is never larger than the registry)."""
+        now = self._clock()
+        with self._lock:
+            for o in outcomes:
+                if not o.unreachable:
+                    self._until.pop(o.address, None)
+                elif not o.orphaned:
+                    last = self._until.get(o.address, (0.0, 0.0))[1]
+                    wait = min(BACKOFF_MAX_S, 2 * last) if last else BACKOFF_FIRST_S
+                    self._until[o.address] = (now + wait, wait)
+            kept = set(keep)
+            for gone in [a for a in self._until if a not in kept]:
+                del self._until[gone]
+
+    def backed_off(self) -> list[str]:
+        now = self._clock()
+        with self._lock:
+            return sorted(a for a, (until, _) in self._until.items() if until > now)
 
 
 @dataclass(frozen=True)
@@ -206,10 +253,63 @@ class FileWire:
         return (c.SerializeToString() for c in self._published.chunks())
 
 
+class BackgroundPush:
+    """The step's push on a thread of its own: the loop commits a step, hands its payload over
+    and trains the next one while it goes out. Pushes stay ordered and one is in flight at a
+    time (`start` waits for the one before), so at most two payloads are held: the one going
+    out and the one the step just made. `version`: the newest version whose push has ended,
+    all that pollers are told (GetState) and served (FetchWeights): a generator being pushed a
+    version never fetches it too, and one the push missed fetches it once the push is over."""
+
+    def __init__(self, version: int):
+        self._version = version
+        self._thread: threading.Thread | None = None
+        self._ended: list[PushOutcome] = []  # the last push's outcomes, until `wait` hands them over
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def reached(self, version: int) -> None:
+        """`version` may be told and served now (pushed to no one: a replayed step, an anchor pushed at once)."""
+        with self._lock:
+            self._version = version
+
+    def start(self, version: int, push: Callable[[], list[PushOutcome]]) -> list[PushOutcome]:
+        """Wait for the push in flight, then start `push` (of `version`); the outcomes of the one
+        waited for ([] if none or handed over already)."""
+        before = self.wait()
+        self._thread = threading.Thread(target=self._run, args=(version, push), name=f"push-v{version}", daemon=True)
+        self._thread.start()
+        return before
+
+    def _run(self, version: int, push: Callable[[], list[PushOutcome]]) -> None:
+        outcomes: list[PushOutcome] = []
+        try:
+            outcomes = push()
+        except Exception:  # noqa: BLE001 - never expected (failures are outcomes); the version is over all the same
+            log.exception("push_failed: version %d", version)
+        with self._lock:
+            self._version = version
+            self._ended = outcomes
+
+    def wait(self) -> list[PushOutcome]:
+        """Wait for the push in flight; its outcomes, once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
+
+
 class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
-        encode_threads: int = 0, anchor_dir: Path | None = None, generator_key: Ed25519PublicKey | None = None,
+        encode_threads: int = 0, anchor_dir: Path | None = None, generator_key: Ed25519PublicKey | None = None, run: str = "",
+        nonce_timeout_s: float = NONCE_TIMEOUT_S,
     ):
         """`creds`: the trainer's token, which signs pushes and is never sent (generators
         accept PushWeights by the trainer's signature only), and TLS material; None pushes
@@ -217,7 +317,10 @@ class WeightPublisher:
         encode a delta's tensors while the step still runs (0: on the caller's thread).
         `anchor_dir`: keep the anchor in a file there (PayloadFile), not in memory.
         `generator_key`: roles.json's generator_proof_key; with it, nothing is pushed to an
-        address whose PushNonce answer does not prove a generator's token."""
+        address whose PushNonce answer does not prove a generator's token, and no generator is
+        believed to have applied a push without its acknowledgement. `nonce_timeout_s`: how
+        long a generator has to answer PushNonce before it is left out of that push. `run`: what the
+        catch-up signatures (FetchWeights, the store's chain.json) are bound to."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
         self.anchor_dir = anchor_dir
@@ -233,8 +336,13 @@ class WeightPublisher:
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
         self._deltas: list[Published] = []  # since the anchor
         self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
+        # The same key signs what generators catch up from (push_signing.TrainerSigner).
+        self.catch_up_signer = push_signing.TrainerSigner(creds.token, run) if creds is not None and creds.token else None
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
         self.generator_key = generator_key
+        self.nonce_timeout_s = nonce_timeout_s
+        self.backoff = AddressBackoff()
+        self.pushes = BackgroundPush(version)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
         self._channels: dict[str, grpc.Channel] = {}  # by address, kept between pushes
@@ -321,7 +429,7 @@ class WeightPublisher:
         for p in kept:
             if not isinstance(p.payload, PayloadFile):
                 break
-            files.append(weight_store.StoredPayload(p.payload.path.name, p.header()))
+            files.append(weight_store.StoredPayload(p.payload.path.name, p.header(), self._signature(p.header())))
         try:
             if files:
                 weight_store.write_manifest(self.anchor_dir, files[0], files[1:])
@@ -336,7 +444,22 @@ class WeightPublisher:
             raise deltas.DeltaError(f"generator model {fingerprint} is not the trainer's {self.fingerprint}")
         with self._lock:
             anchor, chain = self._anchor, list(self._deltas)
-        return weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
+        # Not a version still being pushed (BackgroundPush.version): its push brings it.
+        served = self.pushes.version
+        return [p for p in weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info) if p.info.version <= served]
+
+    def catch_up_chunks(self, payloads: Sequence[Published]) -> Iterator[weights_pb2.WeightChunk]:
+        """FetchWeights' stream for `payloads`: each payload's first chunk with the trainer's
+        signature over the run and its header."""
+        for p in payloads:
+            chunks = p.chunks()
+            first = next(chunks)
+            first.signature = self._signature(first.header)
+            yield first
+            yield from chunks
+
+    def _signature(self, header: weights_pb2.WeightHeader) -> bytes:
+        return self.catch_up_signer.payload(header) if self.catch_up_signer is not None else b""
 
     def push(
         self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False, fanout: int = 0
@@ -345,39 +468,45 @@ class WeightPublisher:
         `from_registry`: the addresses come from the generator registry, which a lesser role
         writes, so each generator must prove the address it was dialed at. `fanout` >= 1 with
         more generators than that: down a relay tree (relay.py), the trainer sending to
-        `fanout` of them only; one outcome per address either way."""
+        `fanout` of them only; one outcome per address either way. Each nonce is asked within
+        nonce_timeout_s, not `timeout_s`; an address that failed is left out while it is backed
+        off (AddressBackoff), counted as not applied: it catches up by itself."""
         wire = published.wire_chunks()  # hashed here, once; serialized once too unless in a file
         calls = self._calls(addresses)
+        header = published.header()
         gate = PushGate(self.signer, self.generator_key, from_registry)
-        if fanout < 1 or len(addresses) <= fanout:
-            futures = [self._pool.submit(push_one, calls[a], a, wire, published.header(), gate, timeout_s) for a in addresses]
-            return [f.result() for f in futures]
-        outcomes: dict[str, PushOutcome] = {}
-        pending = list(addresses)
-        for _ in range(RELAY_ROUNDS):
-            for o in self._relay_round(pending, calls, wire, published.header(), gate, timeout_s, fanout):
-                outcomes[o.address] = o
-            # Orphans (a relay above them failed) go down a tree of their own, with fresh nonces.
-            pending = [a for a in pending if outcomes[a].orphaned]
-            if not pending:
-                break
-        return [outcomes[a] for a in addresses]
+        live, skipped = self.backoff.split(addresses)
+        if fanout < 1 or len(live) <= fanout:
+            futures = [self._pool.submit(push_one, calls[a], a, wire, header, gate, self.nonce_timeout_s, timeout_s) for a in live]
+            done = [f.result() for f in futures]
+        else:
+            outcomes: dict[str, PushOutcome] = {}
+            pending = list(live)
+            for _ in range(RELAY_ROUNDS):
+                for o in self._relay_round(pending, calls, wire, header, gate, timeout_s, fanout):
+                    outcomes[o.address] = o
+                # Orphans (a relay above them failed) go down a tree of their own, with fresh nonces.
+                pending = [a for a in pending if outcomes[a].orphaned]
+                if not pending:
+                    break
+            done = list(outcomes.values())
+        self.backoff.update(done, keep=addresses)
+        by_address = {o.address: o for o in [*skipped, *done]}
+        return [by_address[a] for a in addresses]
 
     def _relay_round(
         self, addresses: Sequence[str], calls: Mapping[str, PushCall], wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate,
         timeout_s: float, fanout: int,
     ) -> list[PushOutcome]:
-        """1. A signature for every generator, over a nonce of its own (small calls, concurrently);
-        2. the tree over those that gave one; 3. the payload to its roots, each with its subtree."""
+        """Every generator's nonce asked at once, each within nonce_timeout_s; each root of the
+        tree pushed to as soon as its own subtree has answered (push_subtree), so no subtree
+        waits for another's stranger."""
         start = time.perf_counter()
-        signed = dict(zip(addresses, self._pool.map(lambda a: sign_one(calls[a], a, header, gate, timeout_s), addresses)))
-        refused = [PushOutcome(a, False, -1, why, time.perf_counter() - start) for a, (_, why) in signed.items() if why]
-        metadata = {a: md for a, (md, why) in signed.items() if not why}
-        roots = relay.tree(list(metadata), fanout)
+        signing = {a: self._pool.submit(sign_one, calls[a], a, header, gate, self.nonce_timeout_s) for a in addresses}
         futures = [
-            self._pool.submit(push_forwarding, calls[root.address], root, wire, metadata, timeout_s - (time.perf_counter() - start)) for root in roots
+            self._pool.submit(push_subtree, root, fanout, signing, calls, wire, gate, header, start + timeout_s) for root in relay.tree(list(addresses), fanout)
         ]
-        return [*refused, *(o for f in futures for o in f.result())]
+        return [o for f in futures for o in f.result()]
 
     def _calls(self, addresses: Sequence[str]) -> dict[str, PushCall]:
         """PushWeights over the kept channels, taking serialized chunks as they are (no
@@ -393,6 +522,7 @@ class WeightPublisher:
             return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
+        self.pushes.wait()  # bounded by push_timeout_s: its calls have deadlines
         if self.anchor_dir is not None:  # the chain first: no generator reads files that are going
             (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
         _unlink_files([self._anchor, *self._deltas])
@@ -445,25 +575,62 @@ class PushGate:
                 raise NotAGenerator(f"registered as {address}, but the generator answering there is {answer.address!r}: not pushing there")
         return self.signer.metadata(answer.nonce, header)
 
+    def believed(self, outcome: PushOutcome, metadata: Metadata, header: weights_pb2.WeightHeader, ack: bytes) -> PushOutcome:
+        """`outcome` as the trainer counts it: applied only with the generator's acknowledgement
+        over the nonce the trainer signed for it (when pushes are signed and the generator key
+        known; else there is nothing to check it with). A claim without one counts as not
+        reached: the generator catches up by itself, and whoever made the claim (the generator
+        itself, or the relay it came `via`: push_forwarding) is backed off."""
+        if not outcome.applied or self.signer is None or self.generator_key is None:
+            return outcome
+        signed = push_signing.parse_signature(metadata)
+        if signed is not None and push_signing.verify_ack(self.generator_key, signed[0], header, ack):
+            return outcome
+        why = f"not reached: applied on {outcome.via or 'its own'} word, without its acknowledgement"
+        log.warning("push_claim_unproven: %s: %s", outcome.address, why)
+        return dataclasses.replace(outcome, applied=False, version=-1, error=why, unreachable=not outcome.via, unproven=True)
+
 
 RELAY_ROUNDS = 3  # a tree, then one for its orphans, then one for theirs
 
 
-def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> tuple[Metadata, str]:
+def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float) -> tuple[Metadata, str]:
     """The push's metadata for `address` (its nonce and the trainer's signature; () unsigned)
     and "", or () and why nothing may be pushed there."""
     try:
-        return gate.metadata(call, address, header, timeout_s), ""
+        return gate.metadata(call, address, header, nonce_timeout_s), ""
     except grpc.RpcError as e:
-        return (), rpc_error_text(e)
+        return (), f"no nonce: {rpc_error_text(e)}"
     except NotAGenerator as e:
         log.warning("push_refused_not_a_generator: %s", e)
         return (), str(e)
 
 
-def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], metadata: Mapping[str, Metadata], timeout_s: float) -> list[PushOutcome]:
+def push_subtree(
+    root: relay.Node, fanout: int, signing: Mapping[str, Future[tuple[Metadata, str]]], calls: Mapping[str, PushCall], wire: Iterable[bytes],
+    gate: PushGate, header: weights_pb2.WeightHeader, deadline: float,
+) -> list[PushOutcome]:
+    """`root`'s subtree once each of its nonces has come or timed out: those that answered, as
+    a tree of their own (the first in tree order at its top), get the payload; those that did
+    not are left out of this push, each an unreachable outcome."""
+    start = time.perf_counter()
+    signed = {a: signing[a].result() for a in root.addresses()}
+    left_out = [PushOutcome(a, False, -1, why, time.perf_counter() - start, unreachable=True) for a, (_, why) in signed.items() if why]
+    metadata = {a: md for a, (md, why) in signed.items() if not why}
+    if not metadata:
+        return left_out
+    answered = list(metadata)
+    top = relay.Node(answered[0], relay.tree(answered[1:], fanout) if len(answered) > 1 else [])
+    return [*left_out, *push_forwarding(calls[top.address], top, wire, metadata, gate, header, deadline - time.perf_counter())]
+
+
+def push_forwarding(
+    call: PushCall, root: relay.Node, wire: Iterable[bytes], metadata: Mapping[str, Metadata], gate: PushGate, header: weights_pb2.WeightHeader,
+    timeout_s: float,
+) -> list[PushOutcome]:
     """The payload to `root`, its first chunk naming root's subtree (the relay tree below it)
-    with each generator's signature in it; the outcomes of root and of every generator below it."""
+    with each generator's signature in it; the outcomes of root and of every generator below
+    it, each believed applied only with its own acknowledgement (PushGate.believed)."""
     start = time.perf_counter()
     signatures = {a: dict(md).get(push_signing.METADATA_KEY, "") for a, md in metadata.items()}
     forward = relay.targets(root.children, signatures)
@@ -482,29 +649,39 @@ def push_forwarding(call: PushCall, root: relay.Node, wire: Iterable[bytes], met
     try:
         result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata[root.address])
     except grpc.RpcError as e:
-        return [PushOutcome(root.address, False, -1, rpc_error_text(e), time.perf_counter() - start), *orphans("did not take the push", below)]
-    own = PushOutcome.of(root.address, result, time.perf_counter() - start)
-    # Only root's subtree: a relay's report on any other generator is not its to make.
+        failed = PushOutcome(root.address, False, -1, rpc_error_text(e), time.perf_counter() - start, unreachable=True)
+        return [failed, *orphans("did not take the push", below)]
+    own = gate.believed(PushOutcome.of(root.address, result, time.perf_counter() - start), metadata[root.address], header, result.ack)
+    # Only root's subtree: a relay's report on any other generator is not its to make, and on
+    # its own subtree it is believed only where that generator's acknowledgement says so.
     relayed = [
-        PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned)
+        gate.believed(
+            PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned),
+            metadata[r.address], header, r.ack,
+        )
         for r in result.relayed
         if r.address in below
     ]
+    # A relay that claimed an apply without the generator's acknowledgement is left out for a while.
+    claimants = {o.via for o in relayed if o.unproven}
+    reported = [dataclasses.replace(o, unreachable=True) if o.address in claimants else o for o in [own, *relayed]]
     # A relay that answered but reported nobody below it (it forwarded nothing: an older
     # generator, or one that crashed forwarding) orphans its subtree.
-    return [own, *relayed, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
+    return [*reported, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
 
 
-def push_one(call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, timeout_s: float) -> PushOutcome:
-    """One payload to one generator: its nonce and proof (PushGate), the signature, then the
-    chunks (`wire`, iterated afresh by each stream). Every failure is an outcome, never an
-    exception."""
+def push_one(
+    call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float, timeout_s: float
+) -> PushOutcome:
+    """One payload to one generator: its nonce and proof (PushGate, within nonce_timeout_s),
+    the signature, then the chunks (`wire`, iterated afresh by each stream). Every failure is
+    an outcome, never an exception."""
     start = time.perf_counter()
-    metadata, why = sign_one(call, address, header, gate, timeout_s)
+    metadata, why = sign_one(call, address, header, gate, nonce_timeout_s)
     if why:
-        return PushOutcome(address, False, -1, why, time.perf_counter() - start)
+        return PushOutcome(address, False, -1, why, time.perf_counter() - start, unreachable=True)
     try:
         result = call.push(iter(wire), timeout=max(1.0, timeout_s - (time.perf_counter() - start)), metadata=metadata)
     except grpc.RpcError as e:
-        return PushOutcome(address, False, -1, rpc_error_text(e), time.perf_counter() - start)
-    return PushOutcome.of(address, result, time.perf_counter() - start)
+        return PushOutcome(address, False, -1, rpc_error_text(e), time.perf_counter() - start, unreachable=True)
+    return gate.believed(PushOutcome.of(address, result, time.perf_counter() - start), metadata, header, result.ack)

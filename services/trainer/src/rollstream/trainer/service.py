@@ -9,8 +9,9 @@ One loop, top to bottom:
      over token-budget micro-batches, backward, AdamW on the host masters) -> new bf16
      weights (version + 1); with LoRA the published weights are the merged ones (lora.py),
      and with kl_reference = lora_base the KL's pi_ref is the same model with its adapters off;
-  4. encode the exact delta, push it to every generator, then in one transaction: ack the
-     groups, record them as trained, set the version, append the step's metrics;
+  4. encode the exact delta, then in one transaction: ack the groups, record them as trained,
+     set the version, append the step's metrics; then push it to every generator in the
+     background (the next step trains meanwhile; its commit waits for this push first);
   5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
 `--resume` restores one, trains again the groups logged as trained after it (replay.py: so a crash
 loses no trained work), moves the run's version to it and pushes its anchor.
@@ -91,11 +92,13 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         loop = TrainerLoop(trainer, host, client, keys, stage, feeder, directory, checkpoints)
         # Also without a checkpoint: a trainer killed before its first one starts from the
         # model again, and the steps it trained are replayed from there.
-        replay.replay_trained_log(trainer, host, client, keys)
+        replay.replay_trained_log(trainer, host, client, stage)
         # After a resume this moves the version back; generators ahead of it get the anchor.
         host.redis.call(lambda: client.set(keys.version, trainer.version), "setting the version")
         # For `rollstream status`: this many groups pending on the trainer is a step in progress.
-        host.redis.call(lambda: client.hset(keys.stats, "groups_per_step", settings.groups_per_step), "recording groups_per_step")
+        recorded = streams.Ops()
+        recorded.hset(stage.counters, "groups_per_step", settings.groups_per_step)
+        stage.apply(recorded)
         host.set_ready(True, f"training from {stage.stream}")
         if restored is not None:
             trainer.push_anchor(loop.push_targets(), directory.from_registry)
@@ -164,6 +167,7 @@ class TrainerLoop:
     def finish(self) -> None:
         """After the loop: the final checkpoint of a finished run; with linger, checkpoints still served."""
         s = self.trainer.settings
+        self.count_pushes(self.trainer.publisher.pushes.wait())  # the last step's push, counted as the others are at the next commit
         logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
         if self.finished() and s.checkpoint_dir:
             # A finished run keeps its final state as a checkpoint, not only in the trained log.
@@ -173,6 +177,19 @@ class TrainerLoop:
         if s.linger:
             while not self.host.stop.wait(0.2):
                 self.checkpoints.serve(self.save)
+
+    def count_pushes(self, outcomes: list[PushOutcome]) -> None:
+        """A push's outcomes in the ledger where no step's commit carries them (the last one)."""
+        if not outcomes:
+            return
+        applied = sum(o.applied for o in outcomes)
+
+        def ledger(ops: streams.Ops) -> None:
+            ops.hincrby(self.stage.counters, "pushes_applied", applied)
+            ops.hincrby(self.stage.counters, "pushes_not_applied", len(outcomes) - applied)
+
+        with contextlib.suppress(*redis_policy.ERRORS):  # counts, not the run's state
+            self.stage.commit([], extra=ledger)
 
     def drop_stale(self) -> None:
         """Acknowledge and count groups sampled more than max_staleness versions ago, and groups
@@ -185,7 +202,7 @@ class TrainerLoop:
 
         def ledger(ops: streams.Ops) -> None:
             ops.sadd(keys.groups("stale"), *[g.group_id for _, g in stale])
-            ops.hincrby(keys.stats, "stale", len(stale))
+            ops.hincrby(self.stage.counters, "stale", len(stale))
 
         self.stage.commit([e for e, _ in stale], extra=ledger)
         dropped = {e.id for e, _ in stale}
@@ -228,7 +245,7 @@ class TrainerLoop:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;
         True once committed, False when the step was refused (refuse_step). From the step on, Redis trouble
         is waited out (host.redis.call, commit's own retries), never raised: the update exists, so its groups must be acknowledged."""
-        trainer, keys = self.trainer, self.keys
+        trainer, keys, counters = self.trainer, self.keys, self.stage.counters
         groups = [g for _, g in taken]
         log_trained = bool(trainer.settings.checkpoint_dir)  # replayed on resume; without checkpoints nothing resumes
 
@@ -237,10 +254,10 @@ class TrainerLoop:
 
             def ledger(ops: streams.Ops) -> None:
                 ops.sadd(keys.groups("trained"), *[g.group_id for g in groups])
-                ops.hincrby(keys.stats, "trained", len(groups))
-                ops.hincrby(keys.stats, "pushes_applied", applied)
-                ops.hincrby(keys.stats, "pushes_not_applied", len(outcomes) - applied)
-                ops.hset(keys.stats, "step", trainer.step)
+                ops.hincrby(counters, "trained", len(groups))
+                ops.hincrby(counters, "pushes_applied", applied)
+                ops.hincrby(counters, "pushes_not_applied", len(outcomes) - applied)
+                ops.hset(counters, "step", trainer.step)
                 ops.set(keys.version, trainer.version)
                 ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
                 if log_trained:
@@ -250,14 +267,15 @@ class TrainerLoop:
             try:
                 self.stage.commit([e for e, _ in taken], extra=ledger)
             except redis_policy.ERRORS as e:
-                # Not a transient error (those are retried inside commit): Redis refuses the record
-                # (a key of the wrong type, say). The update must not live on without it, or its
+                # Neither transient nor a refusal of the script's checks (a key of the wrong type,
+                # a counter that is not an integer: both waited out inside commit, nothing
+                # written): Redis failed the record itself. The update must not live on without it, or its
                 # groups, still pending, would be trained a second time: end the process; the
                 # restart resumes from the checkpoint and trains them once.
                 raise StepNotRecorded(f"step {trainer.step}: Redis refused its commit ({redis_policy.short(e)})") from e
 
         try:
-            metrics, stats, outcomes = trainer.train_and_push(groups, self.push_targets, self.directory.from_registry, record)
+            metrics, stats, _ = trainer.train_and_push(groups, self.push_targets, self.directory.from_registry, record)
         except NonFiniteStep as e:
             self.refuse_step(taken, e)
             return False
@@ -269,7 +287,7 @@ class TrainerLoop:
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            pushed=sum(o.applied for o in outcomes), generators=len(outcomes), tis_truncated=round(trainer.last_truncated_fraction, 4),
+            tis_truncated=round(trainer.last_truncated_fraction, 4),
             zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
         return True
@@ -280,7 +298,7 @@ class TrainerLoop:
         with the reason and leave the batch; the others stay in it, pending on us, for the
         next step. Values inside validation's bounds can still overflow together (a ratio
         of 1e37 times an advantage); when no group does it alone, the step's groups all go."""
-        trainer, host, keys = self.trainer, self.host, self.keys
+        trainer, host = self.trainer, self.host
         step = trainer.step + 1
         culprits = trainer.nonfinite_groups([g for _, g in taken])
         if culprits:
@@ -291,7 +309,9 @@ class TrainerLoop:
             if entry.id in refused:
                 self.stage.dead_letter(entry, refused[entry.id])
         self.batch[:] = [(e, g) for e, g in self.batch if e.id not in refused]
-        host.redis.call(lambda: self.client.hincrby(keys.stats, "nonfinite_steps", 1), "counting a refused step")
+        counted = streams.Ops()
+        counted.hincrby(self.stage.counters, "nonfinite_steps", 1)
+        self.stage.apply(counted)
         logs.event(host.log, "step_refused", logging.ERROR, reason=str(error), groups=len(taken), refused=len(refused),
                    refused_groups=logs.group_ids(g for e, g in taken if e.id in refused))
 

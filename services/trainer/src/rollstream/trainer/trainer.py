@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import cpu_runtime, deltas, logs, modeling, validation
+from rollstream.core import cpu_runtime, deltas, logs, modeling, push_signing, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
@@ -168,8 +168,8 @@ class Trainer:
             bits = self._published_bits(self.optimizer.sync_model())
         self.publisher = WeightPublisher(
             bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.encode_threads(),
-            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None,
-            generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None,
+            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None, nonce_timeout_s=s.push_nonce_timeout_s,
+            generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None, run=s.run,
         )
         self.metrics = Metrics.register(host.registry)
         self.metrics.policy_version.set(version)
@@ -297,26 +297,42 @@ class Trainer:
 
     def train_and_push(self, groups: list[rollout_pb2.RolloutGroup], targets: Callable[[], list[str]], from_registry: bool,
                        record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
-        """The loop's step: train_step, the new version pushed to `targets()` and copied by the
-        followers, `record` (the loop's commit of the groups and ledger), and only then the groups
-        counted as trained (last_phases gains push_s, the copies included, and commit_s). Raises
-        NonFiniteStep with nothing applied, published or pushed."""
+        """The loop's step: train_step (the previous version's push still going out meanwhile), the
+        new version copied by the followers, the previous push waited for, `record` (the loop's
+        commit of the groups and ledger, with that push's outcomes), the groups counted as
+        trained, and only then the new version's push started in the background
+        (publisher.BackgroundPush): the next step does not wait for it. Returns the previous
+        push's outcomes; last_phases gains push_wait_s (the copies included) and commit_s.
+        Raises NonFiniteStep with nothing applied, published or pushed."""
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
-        outcomes = self.publisher.push(targets(), published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         for follow in self.followers:
             follow()
-        push_s = time.perf_counter() - start
+        before = self.publisher.pushes.wait()
+        push_wait_s = time.perf_counter() - start
+        start = time.perf_counter()
+        record(metrics, before)
+        self.groups_trained += len(groups)
+        self.last_phases.update(push_wait_s=push_wait_s, commit_s=time.perf_counter() - start)
+        for phase in ("push_wait", "commit"):
+            self.metrics.phase_seconds.labels(phase=phase).observe(self.last_phases[phase + "_s"])
+        addresses, version = targets(), self.version
+        self.publisher.pushes.start(version, lambda: self._push(addresses, published, from_registry, version))
+        return metrics, stats, before
+
+    def _push(self, addresses: list[str], published: Published, from_registry: bool, version: int) -> list[PushOutcome]:
+        """One version's push (on BackgroundPush's thread), logged when it ends."""
+        start = time.perf_counter()
+        outcomes = self.publisher.push(addresses, published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         for o in outcomes:
             if not o.applied:
-                logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, error=o.error)
-        start = time.perf_counter()
-        record(metrics, outcomes)
-        self.groups_trained += len(groups)
-        self.last_phases.update(push_s=push_s, commit_s=time.perf_counter() - start)
-        for phase in ("push", "commit"):
-            self.metrics.phase_seconds.labels(phase=phase).observe(self.last_phases[phase + "_s"])
-        return metrics, stats, outcomes
+                logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, version=version, error=o.error)
+        self.metrics.phase_seconds.labels(phase="push").observe(time.perf_counter() - start)
+        logs.event(
+            self.log, "pushed", version=version, applied=sum(o.applied for o in outcomes), generators=len(outcomes),
+            seconds=round(time.perf_counter() - start, 3), backed_off=len(self.publisher.backoff.backed_off()),
+        )
+        return outcomes
 
     def replay_step(self, groups: list[rollout_pb2.RolloutGroup]) -> None:
         """A step of the trained log trained again after a resume (replay.py), and counted;
@@ -325,10 +341,12 @@ class Trainer:
         for follow in self.followers:
             follow()
         self.groups_trained += len(groups)
+        self.publisher.pushes.reached(self.version)
 
     def push_anchor(self, targets: list[str], from_registry: bool) -> None:
         """After a resume, every generator gets the restored version as an anchor, whatever it holds (a later
         version of the abandoned run, or the same number from another lineage); unreachable ones catch up later."""
+        self.publisher.pushes.reached(self.version)
         anchor = self.publisher.catch_up_payloads(-1, "")[0]
         outcomes = self.publisher.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
@@ -351,13 +369,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
         t = self.trainer
-        sha, version = "", t.version
+        # The newest version whose push has ended (BackgroundPush): a generator being pushed
+        # one must not fetch it too. With the sha256: the bits and version of the last step.
+        sha, version = "", t.publisher.pushes.version
         if request.with_weights_sha256:
             with t.weights_lock:  # the bits and the version of one published step
                 sha, version = deltas.weights_sha256(t.publisher.bits()), t.version
+        if len(request.challenge) > push_signing.MAX_CHALLENGE_BYTES:  # sign nothing large
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"challenge over {push_signing.MAX_CHALLENGE_BYTES} bytes")
+        signer = t.publisher.catch_up_signer
+        # Signed over the caller's fresh challenge: a version claim nobody can replay, so a
+        # generator acts only on the trainer's own, current word (generator.catch_up).
+        signature = signer.state(request.challenge, version, t.publisher.fingerprint) if signer is not None and request.challenge else b""
         return trainer_pb2.TrainerState(
             version=version, step=t.step, model=t.model_dir, model_fingerprint=t.publisher.fingerprint, groups_trained=t.groups_trained,
-            groups_stale=t.groups_stale, generators=self.generators.last, weights_sha256=sha,
+            groups_stale=t.groups_stale, generators=self.generators.last, weights_sha256=sha, signature=signature,
         )
 
     def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
@@ -365,8 +391,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             payloads = self.trainer.publisher.catch_up_payloads(request.have_version, request.model_fingerprint)
         except deltas.DeltaError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        for p in payloads:
-            yield from p.chunks()
+        yield from self.trainer.publisher.catch_up_chunks(payloads)  # each payload signed
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
         """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;

@@ -1,0 +1,209 @@
+"""A weight fleet no slow or lying member holds back (issue 42), against real in-process gRPC
+servers: a PushNonce that never answers costs one short deadline once (the address is then
+backed off), a relay's word that a generator below it applied a push is believed only with
+that generator's own signed acknowledgement, a relay forwards the whole push to its targets
+before its own apply has read it, and a version is neither told nor served to pollers while
+its push is going out."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from synthetic import scored_groups
+from rollstream.core import credentials, grpc_auth, push_signing
+from rollstream.core.config import load_settings
+from rollstream.core.credentials import ROLES
+from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.service import ServiceHost
+from rollstream.generator.relay import PeerChannels, RelayedStream
+from rollstream.trainer.checkpoint import CheckpointRequests
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.publisher import WeightPublisher
+from rollstream.trainer.trainer import Trainer, TrainerServicer
+from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
+
+TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
+ROLE_TABLE = grpc_auth.parse_roles(json.dumps(credentials.roles_table(TOKENS)), "test")
+WAIT_S = 60.0  # for events: generous, never a measure of speed
+
+
+@dataclass
+class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
+    """PushNonce and PushWeights behind the real interceptor (signed pushes), with a prover of
+    the generator's key. `hang_nonce`: PushNonce never answers (until the test ends);
+    `hold`: PushWeights waits for it before answering; `lie_about`: a relay's report that
+    these addresses below it applied the push, forwarding nothing and with no ack of theirs."""
+
+    nonces: push_signing.PushNonces
+    hang_nonce: bool = False
+    hold: threading.Event | None = None
+    lie_about: list[str] = field(default_factory=list)
+    address: str = ""
+    nonce_calls: int = 0
+    payloads: int = 0
+    received: list[bytes] = field(default_factory=list)
+    entered: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)  # set at teardown
+
+    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+        self.nonce_calls += 1
+        if self.hang_nonce:
+            self.released.wait()
+        nonce = self.nonces.issue()
+        proof = push_signing.GeneratorProver(TOKENS["generator"]).prove(request.challenge, nonce, self.address)
+        return generator_pb2.PushNonceResponse(nonce=nonce, address=self.address, proof=proof)
+
+    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        header = None
+        for chunk in request_iterator:
+            header = chunk.header if header is None else header
+            self.received.append(chunk.data)
+        if self.hold is not None:
+            self.hold.wait()
+        self.payloads += 1
+        self.done.set()
+        signed = push_signing.parse_signature(context.invocation_metadata())
+        ack = push_signing.GeneratorProver(TOKENS["generator"]).ack(signed[0], header) if signed and header is not None else b""
+        lies = [weights_pb2.RelayedPush(address=a, applied=True, version=header.version, via=self.address) for a in self.lie_about]
+        return weights_pb2.PushResult(applied=True, version=header.version if header is not None else 0, ack=ack, relayed=lies)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., FakeGenerator]]:
+    servers: list[tuple[grpc.Server, FakeGenerator]] = []
+
+    def start(signed: bool = True, **kw: object) -> FakeGenerator:
+        nonces = push_signing.PushNonces()
+        gen = FakeGenerator(nonces, **kw)  # type: ignore[arg-type]
+        interceptors = [grpc_auth.AuthInterceptor(ROLE_TABLE, nonces=nonces)] if signed else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
+        generator_pb2_grpc.add_GeneratorServicer_to_server(gen, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        gen.address = f"127.0.0.1:{port}"
+        servers.append((server, gen))
+        return gen
+
+    yield start
+    for server, gen in servers:
+        gen.released.set()
+        if gen.hold is not None:
+            gen.hold.set()
+        server.stop(0)
+
+
+BITS = {"w": np.arange(64, dtype=np.uint16).reshape(8, 8)}
+
+
+def next_bits(bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v + 1 for k, v in bits.items()}
+
+
+def signed_publisher(nonce_timeout_s: float = 1.0) -> WeightPublisher:
+    return WeightPublisher(
+        BITS, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, nonce_timeout_s=nonce_timeout_s
+    )
+
+
+@pytest.mark.parametrize("fanout", [0, 1])
+def test_a_pushnonce_that_never_answers_costs_one_short_deadline_once(serve: Callable[..., FakeGenerator], fanout: int) -> None:
+    """A registered stranger that accepts the call and never answers: left out of the push
+    after nonce_timeout_s (not push_timeout_s), directly and in a relay tree, the honest
+    generators get the push, and the next push does not ask the stranger at all."""
+    honest, stranger, other = serve(), serve(hang_nonce=True), serve()
+    addresses = [honest.address, stranger.address, other.address]
+    publisher = signed_publisher()
+    try:
+        bits = BITS
+        for version in (1, 2):
+            bits = next_bits(bits)
+            published, _ = publisher.publish(bits)
+            outcomes = {o.address: o for o in publisher.push(addresses, published, timeout_s=300, fanout=fanout)}
+            assert outcomes[honest.address].applied and outcomes[other.address].applied, [o.error for o in outcomes.values()]
+            assert not outcomes[stranger.address].applied
+            assert ("no nonce" if version == 1 else "backed off") in outcomes[stranger.address].error
+        assert stranger.nonce_calls == 1 and stranger.payloads == 0
+        assert publisher.backoff.backed_off() == [stranger.address]
+        assert (honest.payloads, other.payloads) == (2, 2)
+    finally:
+        publisher.close()
+
+
+def test_a_relay_that_lies_about_its_subtree_is_not_believed(serve: Callable[..., FakeGenerator]) -> None:
+    """A relay that forwards nothing yet reports the generator below it applied: without that
+    generator's acknowledgement over its own nonce the claim counts as not reached (it
+    catches up by itself), and the lying relay is left out of the next pushes."""
+    child = serve()
+    liar = serve(lie_about=[child.address])
+    publisher = signed_publisher()
+    try:
+        published, _ = publisher.publish(next_bits(BITS))
+        outcomes = {o.address: o for o in publisher.push([liar.address, child.address], published, timeout_s=300, fanout=1)}
+        assert outcomes[liar.address].applied  # its own apply, acknowledged
+        assert not outcomes[child.address].applied and "acknowledgement" in outcomes[child.address].error
+        assert child.payloads == 0
+        assert liar.address in publisher.backoff.backed_off() and child.address not in publisher.backoff.backed_off()
+    finally:
+        publisher.close()
+
+
+def test_a_relay_forwards_the_whole_push_before_its_own_apply_reads_it(serve: Callable[..., FakeGenerator]) -> None:
+    """The relay's apply has taken one chunk and waits (its weights lock, a batch being
+    sampled): its target still gets every chunk and the end of the stream, and answers."""
+    target = serve(signed=False)
+    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=3, sha256="ab" * 32, model_fingerprint="f")
+    chunks = [
+        weights_pb2.WeightChunk(header=header, data=b"a", forward=[weights_pb2.RelayTarget(address=target.address)]),
+        weights_pb2.WeightChunk(data=b"b"),
+        weights_pb2.WeightChunk(data=b"c"),
+    ]
+    peers = PeerChannels(ClientCredentials())
+    stream = RelayedStream(iter(chunks), "relay", peers)
+    try:
+        applying = iter(stream)
+        assert next(applying).data == b"a"
+        assert target.done.wait(WAIT_S), "the target never got the whole push while the relay's apply waited"
+        assert target.received == [b"a", b"b", b"c"]
+        assert [c.data for c in applying] == [b"b", b"c"]
+        [outcome] = stream.finish(read_rest=True)
+        assert outcome.address == target.address and outcome.applied
+    finally:
+        peers.close()
+
+
+def test_getstate_tells_no_version_while_its_push_is_going_out(serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None) -> None:
+    """The step commits and returns while its push is still going out (a generator holding
+    it); meanwhile GetState reports the version before and FetchWeights would serve nothing
+    newer, so no generator being pushed a version also fetches it. Once the push ends, both do."""
+    hold = threading.Event()
+    slow = serve(signed=False, hold=hold)
+    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=300)
+    trainer = Trainer(settings, ServiceHost("trainer", settings))
+    servicer = TrainerServicer(trainer, GeneratorDirectory([]), CheckpointRequests())
+    recorded: list[int] = []
+    try:
+        trainer.train_and_push(scored_groups(2, 4), lambda: [slow.address], False, lambda metrics, outcomes: recorded.append(metrics.version))
+        assert recorded == [1] and trainer.version == 1  # committed before the push ended
+        assert slow.entered.wait(WAIT_S)
+        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 0  # type: ignore[arg-type]
+        assert trainer.publisher.catch_up_payloads(0, "") == []
+        hold.set()
+        [outcome] = trainer.publisher.pushes.wait()
+        assert outcome.applied and outcome.version == 1
+        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 1  # type: ignore[arg-type]
+        assert [p.info.version for p in trainer.publisher.catch_up_payloads(0, "")] == [1]
+    finally:
+        hold.set()
+        trainer.close()
