@@ -10,7 +10,12 @@ a temporary name and renames it into place, then rewrites chain.json the same wa
 reader sees either the old chain or the new one, each whole. A payload file a newer chain
 has replaced may vanish or change under a reader between chain.json and the file: the
 header's size and sha256 (the same header a pushed payload carries) catch that, and the
-reader tries again at its next sync.
+reader tries again at its next sync. A read that fails (EIO, or ESTALE from NFS when the
+trainer replaced a file the reader holds) is StoreUnreadable too, never an OSError.
+
+Each entry carries the trainer's signature over the run and its header
+(push_signing.payload_text): whoever else can write the volume cannot make a generator that
+knows the trainer's key apply anything (generator.Generator.check_catch_up).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class StoredPayload:
 
     file: str
     header: weights_pb2.WeightHeader
+    signature: bytes = b""  # the trainer's, over the run and header; b"": unsigned
 
     @property
     def info(self) -> PayloadInfo:
@@ -68,7 +74,10 @@ def write_manifest(directory: Path, anchor: StoredPayload, chain: Sequence[Store
     a rename). Its payload files must be in place already."""
     body = {
         "format": FORMAT,
-        "payloads": [{"file": p.file, "header": json_format.MessageToDict(p.header, preserving_proto_field_name=True)} for p in (anchor, *chain)],
+        "payloads": [
+            {"file": p.file, "header": json_format.MessageToDict(p.header, preserving_proto_field_name=True), "signature": p.signature.hex()}
+            for p in (anchor, *chain)
+        ],
     }
     tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(body, indent=1))
@@ -83,7 +92,10 @@ def read_manifest(directory: Path) -> tuple[StoredPayload, list[StoredPayload]]:
         body = json.loads(path.read_text())
         if body.get("format") != FORMAT:
             raise StoreUnreadable(f"{path}: format {body.get('format')!r}, not {FORMAT!r}")
-        payloads = [StoredPayload(_file_name(p["file"]), json_format.ParseDict(p["header"], weights_pb2.WeightHeader())) for p in body["payloads"]]
+        payloads = [
+            StoredPayload(_file_name(p["file"]), json_format.ParseDict(p["header"], weights_pb2.WeightHeader()), bytes.fromhex(p.get("signature", "")))
+            for p in body["payloads"]
+        ]
     except FileNotFoundError as e:
         raise StoreUnreadable(f"{path}: no chain yet (the trainer writes it when it publishes its first version)") from e
     except (OSError, ValueError, KeyError, TypeError, AttributeError, json_format.ParseError) as e:
@@ -123,14 +135,20 @@ class FileSlices:
 def chunks(directory: Path, payloads: Sequence[StoredPayload]) -> Iterator[weights_pb2.WeightChunk]:
     """The payloads as the chunk stream a FetchWeights answer would be: each file read as it
     is sent, under its stored header, so from_chunks checks its size and sha256 as for any
-    transfer. A file that has vanished raises StoreUnreadable; one whose length is not its
-    header's is streamed at its header's length (from_chunks then refuses it)."""
+    transfer, its signature on its first chunk as FetchWeights sends it. A file that has
+    vanished or cannot be read raises StoreUnreadable; one whose length is not its header's
+    is streamed at its header's length (from_chunks then refuses it)."""
     for p in payloads:
         try:
             fd = os.open(directory / p.file, os.O_RDONLY)
         except OSError as e:
             raise StoreUnreadable(f"{directory / p.file}: {e.strerror} (a newer chain replaced it?)") from e
         try:
-            yield from weight_transfer.to_chunks(FileSlices(fd, p.header.total_bytes), p.info, header=p.header)
+            for chunk in weight_transfer.to_chunks(FileSlices(fd, p.header.total_bytes), p.info, header=p.header):
+                if chunk.HasField("header"):
+                    chunk.signature = p.signature
+                yield chunk
+        except OSError as e:  # EIO, ESTALE, EISDIR...: this sync fails, the next one reads again
+            raise StoreUnreadable(f"{directory / p.file}: read failed: {e.strerror or e}") from e
         finally:
             os.close(fd)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rollstream.v1 import weights_pb2 as rollstream_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollstream/v1/trainer.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/weights.proto\"2\n\x13TrainerStateRequest\x12\x1b\n\x13with_weights_sha256\x18\x01 \x01(\x08\"\xb1\x01\n\x0cTrainerState\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x04\x12\x14\n\x0cgroups_stale\x18\x06 \x01(\x04\x12\x12\n\ngenerators\x18\x07 \x03(\t\x12\x16\n\x0eweights_sha256\x18\x08 \x01(\t\"F\n\x13\x46\x65tchWeightsRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x14SaveCheckpointResult\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\x85\x02\n\x07Trainer\x12K\n\x08GetState\x12\".rollstream.v1.TrainerStateRequest\x1a\x1b.rollstream.v1.TrainerState\x12P\n\x0c\x46\x65tchWeights\x12\".rollstream.v1.FetchWeightsRequest\x1a\x1a.rollstream.v1.WeightChunk0\x01\x12[\n\x0eSaveCheckpoint\x12$.rollstream.v1.SaveCheckpointRequest\x1a#.rollstream.v1.SaveCheckpointResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollstream/v1/trainer.proto\x12\rrollstream.v1\x1a\x1brollstream/v1/weights.proto\"E\n\x13TrainerStateRequest\x12\x1b\n\x13with_weights_sha256\x18\x01 \x01(\x08\x12\x11\n\tchallenge\x18\x02 \x01(\x0c\"\xc4\x01\n\x0cTrainerState\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x04\x12\x14\n\x0cgroups_stale\x18\x06 \x01(\x04\x12\x12\n\ngenerators\x18\x07 \x03(\t\x12\x16\n\x0eweights_sha256\x18\x08 \x01(\t\x12\x11\n\tsignature\x18\t \x01(\x0c\"F\n\x13\x46\x65tchWeightsRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x14SaveCheckpointResult\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\x85\x02\n\x07Trainer\x12K\n\x08GetState\x12\".rollstream.v1.TrainerStateRequest\x1a\x1b.rollstream.v1.TrainerState\x12P\n\x0c\x46\x65tchWeights\x12\".rollstream.v1.FetchWeightsRequest\x1a\x1a.rollstream.v1.WeightChunk0\x01\x12[\n\x0eSaveCheckpoint\x12$.rollstream.v1.SaveCheckpointRequest\x1a#.rollstream.v1.SaveCheckpointResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollstream.v1.trainer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATEREQUEST']._serialized_start=75
-  _globals['_TRAINERSTATEREQUEST']._serialized_end=125
-  _globals['_TRAINERSTATE']._serialized_start=128
-  _globals['_TRAINERSTATE']._serialized_end=305
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=307
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=377
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=379
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=416
-  _globals['_SAVECHECKPOINTRESULT']._serialized_start=418
-  _globals['_SAVECHECKPOINTRESULT']._serialized_end=471
-  _globals['_TRAINER']._serialized_start=474
-  _globals['_TRAINER']._serialized_end=735
+  _globals['_TRAINERSTATEREQUEST']._serialized_end=144
+  _globals['_TRAINERSTATE']._serialized_start=147
+  _globals['_TRAINERSTATE']._serialized_end=343
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=345
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=415
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=417
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=454
+  _globals['_SAVECHECKPOINTRESULT']._serialized_start=456
+  _globals['_SAVECHECKPOINTRESULT']._serialized_end=509
+  _globals['_TRAINER']._serialized_start=512
+  _globals['_TRAINER']._serialized_end=773
 # @@protoc_insertion_point(module_scope)

@@ -8,13 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainerStateRequest(_message.Message):
-    __slots__ = ("with_weights_sha256",)
+    __slots__ = ("with_weights_sha256", "challenge")
     WITH_WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     with_weights_sha256: bool
-    def __init__(self, with_weights_sha256: _Optional[bool] = ...) -> None: ...
+    challenge: bytes
+    def __init__(self, with_weights_sha256: _Optional[bool] = ..., challenge: _Optional[bytes] = ...) -> None: ...
 
 class TrainerState(_message.Message):
-    __slots__ = ("version", "step", "model", "model_fingerprint", "groups_trained", "groups_stale", "generators", "weights_sha256")
+    __slots__ = ("version", "step", "model", "model_fingerprint", "groups_trained", "groups_stale", "generators", "weights_sha256", "signature")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +25,7 @@ class TrainerState(_message.Message):
     GROUPS_STALE_FIELD_NUMBER: _ClassVar[int]
     GENERATORS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     step: int
     model: str
@@ -31,7 +34,8 @@ class TrainerState(_message.Message):
     groups_stale: int
     generators: _containers.RepeatedScalarFieldContainer[str]
     weights_sha256: str
-    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., groups_trained: _Optional[int] = ..., groups_stale: _Optional[int] = ..., generators: _Optional[_Iterable[str]] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., groups_trained: _Optional[int] = ..., groups_stale: _Optional[int] = ..., generators: _Optional[_Iterable[str]] = ..., weights_sha256: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("have_version", "model_fingerprint")

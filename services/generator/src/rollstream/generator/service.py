@@ -4,8 +4,9 @@ plus the weight path from the trainer.
 Loop (one thread, `GeneratorLoop.turn`): wait while downstream is full or we are too many versions
 behind, read PromptTasks, sample `group_size` completions each (generator.py), write the
 RolloutGroups and ack the tasks in one transaction. Beside it: gRPC threads (PushWeights
-applies payloads between batches), the weight-sync thread (catches up from the trainer)
-and the heartbeat thread (keeps this generator in the Redis registry the trainer pushes to).
+applies payloads between batches), the weight-sync thread (catches up from the store or the
+trainer whatever fails; readiness red while too far behind) and the heartbeat thread (keeps
+this generator in the Redis registry the trainer pushes to).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         stage = host.open_stage(client, "prompts", settings.group)
         beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
         beat.start()
-        host.set_ready(True, f"sampling from {stage.stream}")
+        # Ready from here while no more than max_staleness behind the trainer (CatchUpHealth).
+        gen.health.sampling(f"sampling from {stage.stream}", gen.weights.version)
         logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
         host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
     finally:
@@ -114,7 +116,9 @@ class GeneratorLoop:
         # every generator would fill the same room (check, then read), and with max_staleness 0
         # the extra groups come out stale.
         inflight += stage.held_by_others()
-        behind = streams.current_version(self.client, keys) - (gen.weights.version or 0)
+        current = streams.current_version(self.client, keys)
+        gen.health.trainer_at("redis", current, gen.weights.version)
+        behind = current - (gen.weights.version or 0)
         if inflight >= s.max_inflight_groups or behind > s.max_staleness:
             if behind > s.max_staleness:
                 gen.sync_wake.set()
