@@ -18,6 +18,7 @@ from rollstream.core.streams import RunKeys, connect
 
 import procs
 from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model
+from synthetic import Decode, tokenizer_decode
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +61,13 @@ def keys(run_name: str) -> RunKeys:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_decode(tiny_model_dir: Path) -> Decode:
+    """The tiny model's decode (special tokens skipped): the text the trainer checks a
+    completion against (helpers.write_ready)."""
+    return tokenizer_decode(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import redis
 
-from helpers import wait_for
+from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
-from synthetic import scored_groups
+from synthetic import scored_groups, tokenizer_decode
 from rollstream.core import codec, registry, streams
 from rollstream.core.streams import RunKeys
 
@@ -47,9 +47,9 @@ def start_trained_run(tmp_path: Path, redis_url: str, client: redis.Redis, keys:
         "--metrics-file", str(steps_file),
     ).wait_ready()
     try:
+        decode = tokenizer_decode(model_dir)
         for step in range(1, STEPS + 1):
-            for g in scored_groups(step, GROUPS_PER_STEP, tag="dash"):
-                client.xadd(keys.stream("ready"), codec.encode(g))
+            write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, tag="dash"), decode)
 
         def trained() -> bool:
             return steps_file.exists() and len([ln for ln in steps_file.read_text().splitlines() if ln.strip()]) == STEPS

@@ -33,6 +33,7 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
+from synthetic import Decode, record_tasks
 
 T = TypeVar("T")
 # wait_for never gives up sooner than this (ROLLSTREAM_TEST_MIN_WAIT_S overrides; see wait_for).
@@ -152,16 +153,30 @@ def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "", creds
 
 
 def write(client: redis.Redis, keys: RunKeys, stage: str, message: Message) -> bytes:
-    """Append one message to a stage's stream, as the stage before it would; its entry id."""
+    """Append one message to a stage's stream, as the stage before it would; its entry id. A
+    group written to `rollouts` answers a task the trainer fed: its task is recorded in the
+    run's task map first (synthetic.record_tasks), as the trainer's feeder would have."""
+    if stage == "rollouts" and isinstance(message, rollout_pb2.RolloutGroup):
+        record_tasks(client, keys, [message])
     return client.xadd(keys.stream(stage), codec.encode(message))
 
 
 def write_many(client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2.RolloutGroup], stage: str = "rollouts") -> None:
-    """Append `groups` to a stage's stream in one round trip."""
+    """Append `groups` to a stage's stream in one round trip (to `rollouts`: their tasks recorded, as `write`)."""
+    if stage == "rollouts":
+        record_tasks(client, keys, groups)
     pipe = client.pipeline(transaction=False)
     for g in groups:
         pipe.xadd(keys.stream(stage), codec.encode(g))
     pipe.execute()
+
+
+def write_ready(client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2.RolloutGroup], decode: Decode) -> None:
+    """Append scored `groups` to `ready` as the reward stage would, their tasks recorded in
+    the run's task map and each completion's text set to its tokens decoded (`decode`: the
+    trainer's tokenizer, the `tiny_decode` fixture): what the trainer checks before it trains."""
+    record_tasks(client, keys, groups, decode)
+    write_many(client, keys, groups, stage="ready")
 
 
 def groups_in(client: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup]:

@@ -16,6 +16,9 @@ import redis
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
+# A tokenizer's decode, special tokens skipped: the text the trainer checks a completion against.
+Decode = Callable[[Sequence[int]], str]
+
 
 def scored_groups(step: int, count: int, tag: str = "g", group_size: int = 4) -> list[rollout_pb2.RolloutGroup]:
     """`count` scored groups sampled at version 0, their content fixed by `step` alone: two
@@ -106,7 +109,7 @@ def task_of(group: rollout_pb2.RolloutGroup) -> rollout_pb2.PromptTask:
 
 
 def record_tasks(
-    client: redis.Redis, keys: RunKeys, groups: Iterable[rollout_pb2.RolloutGroup], decode: Callable[[Sequence[int]], str] | None = None
+    client: redis.Redis, keys: RunKeys, groups: Iterable[rollout_pb2.RolloutGroup], decode: Decode | None = None
 ) -> None:
     """Record each group's task in the run's task map, as if the trainer had fed it; with
     `decode` (the model's tokenizer, special tokens skipped), first set each completion's
@@ -119,7 +122,7 @@ def record_tasks(
         pipe.hset(keys.tasks, g.task_id, task_of(g).SerializeToString())
     pipe.execute()
 
-def tokenizer_decode(model_dir: object) -> Callable[[Sequence[int]], str]:
+def tokenizer_decode(model_dir: object) -> Decode:
     """The trainer's decode for the model in `model_dir`: what its text check compares with."""
     from transformers import AutoTokenizer
 

@@ -21,10 +21,10 @@ import grpc
 import pytest
 import redis
 
-from helpers import wait_for
+from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, start_service, trainer_state
-from synthetic import scored_groups
-from rollstream.core import codec, streams
+from synthetic import Decode, scored_groups
+from rollstream.core import streams
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc
@@ -38,10 +38,9 @@ def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult
         return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
 
 
-def feed(client: redis.Redis, keys: streams.RunKeys, steps: range) -> None:
+def feed(client: redis.Redis, keys: streams.RunKeys, steps: range, decode: Decode) -> None:
     for step in steps:
-        for g in scored_groups(step, GROUPS_PER_STEP, "ns", group_size=2):
-            client.xadd(keys.stream("ready"), codec.encode(g))
+        write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "ns", group_size=2), decode)
 
 
 def kept_line(proc: ServiceProc, step: int) -> str:
@@ -55,7 +54,7 @@ def trainer_names(root: Path) -> list[str]:
 
 
 def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -71,7 +70,7 @@ def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
     try:
         a = start_service("trainer", tmp_path, *args, tag="-a").wait_ready()
         procs.append(a)
-        feed(rclient, keys, range(1, 3))
+        feed(rclient, keys, range(1, 3), tiny_decode)
         wait_for(lambda: (root / "step-00000002" / checkpoint.STATE_FILE).is_file(), 120, "A's step-2 checkpoint", procs)
 
         # The trainer's own names are refused, with the reason; nothing is written.
@@ -84,7 +83,7 @@ def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
         result = save_checkpoint(address, "operator/step-99999999")
         assert Path(result.path) == root.resolve() / "operator" / "step-99999999"
 
-        feed(rclient, keys, range(3, STEPS + 1))
+        feed(rclient, keys, range(3, STEPS + 1), tiny_decode)
         # Step 7 is no multiple of 2: its checkpoint is the final one of a finished run.
         wait_for(lambda: kept_line(a, STEPS), 180, "A's final checkpoint, pruned", procs)
         final = trainer_state(address, sha=True)

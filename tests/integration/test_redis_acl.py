@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from rollstream.launcher import cli
-from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams
+from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams, validation
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
@@ -37,6 +38,7 @@ from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
+from rollstream.trainer.service import chat_encoder
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
@@ -237,6 +239,7 @@ def test_reward_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) ->
     write(admin, keys, "rollouts", rollout_group("to-ready", ["8"]))
     assert stage.commit(stage.read(1, 10), outputs=[("ready", rollout_group("to-ready", ["8"]))], extra=count)
     assert client.xautoclaim(keys.stream("rollouts"), "reward", "consumer-c", 1000)[1] == []
+    assert list(validation.fetch_tasks(client, keys.tasks, ["task-to-ready"])) == ["task-to-ready"]  # RewardLoop.of_known_tasks
     assert admin.xlen(keys.stream("ready")) == 1
     assert denials(admin) == []
 
@@ -284,7 +287,7 @@ def test_reference_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     assert denials(admin) == []
 
 
-def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
+def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys, tiny_model_dir: Path) -> None:
     client = connect_as("trainer")
     generator = connect_as("generator")
     settings = TrainerSettings(run=keys.run, prompt_buffer=4, group_size=2, consumer="trainer-0")
@@ -302,9 +305,14 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -
     work_through_stage(admin, client, keys, "ready", "trainer", None, extra=step_ledger)
     # run(): the feeder's position, the version; replay_trained_log: the trained log, the step.
     stage = StreamStage.for_service(client, settings, "ready", "trainer")
-    feeder = PromptFeeder(settings, client, stage, PromptFeeder.position(client, keys, 0))
-    assert feeder.top_up(version=1) == 4  # TRIM + waiting on prompts, then XADD + SET fed in the script
+    encode = chat_encoder(AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True))
+    feeder = PromptFeeder(settings, client, stage, PromptFeeder.position(client, keys, 0), encode)
+    assert feeder.top_up(version=1) == 4  # TRIM + waiting on prompts, then XADD + HSET tasks + SET fed in the script
     assert PromptFeeder.position(client, keys, 0) == 4
+    # The task map: the groups' checks (HMGET), the sweep (XRANGE + HGET the head, HLEN, HDEL).
+    assert len(validation.fetch_tasks(client, keys.tasks, [f"{keys.run}-{n:08d}" for n in range(4)])) == 4
+    feeder.top_up(version=3)
+    feeder.sweep(version=9)
     client.set(keys.version, 1)
     assert len(client.xrange(keys.trained_log)) == 2
     assert client.hget(keys.stats, "step") == b"1"

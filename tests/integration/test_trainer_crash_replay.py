@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from helpers import wait_for
+from helpers import wait_for, write_ready
 from procs import start_service, trainer_state
-from synthetic import scored_groups
+from synthetic import Decode, scored_groups
 from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
 
@@ -38,10 +38,9 @@ def trainer_args(redis_url: str, keys: streams.RunKeys, model: Path, ckpt: Path)
     ]
 
 
-def fill_ready(client: redis.Redis, keys: streams.RunKeys) -> None:
+def fill_ready(client: redis.Redis, keys: streams.RunKeys, decode: Decode) -> None:
     for step in range(1, STEPS + 1):
-        for g in scored_groups(step, GROUPS_PER_STEP, "g"):
-            client.xadd(keys.stream("ready"), codec.encode(g))
+        write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "g"), decode)
 
 
 def committed_step(client: redis.Redis, keys: streams.RunKeys) -> int:
@@ -60,12 +59,12 @@ def losses(client: redis.Redis, keys: streams.RunKeys) -> dict[int, tuple[float,
 
 
 @pytest.fixture(scope="module")
-def reference_run(redis_server, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[float, float]], float]:
+def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[float, float]], float]:
     """The uninterrupted run: final weights' sha256, per-step (loss, grad norm), mean step time."""
     tmp = tmp_path_factory.mktemp("reference-run")
     keys = streams.RunKeys("ref" + str(time.time_ns())[-8:])
     client = streams.connect(redis_server.url)
-    fill_ready(client, keys)
+    fill_ready(client, keys, tiny_decode)
     t = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt")).wait_ready()
     started = time.monotonic()
     try:
@@ -80,10 +79,10 @@ def reference_run(redis_server, tiny_model_dir: Path, tmp_path_factory: pytest.T
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
-    seed: int, reference_run, redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path
+    seed: int, reference_run, redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     ref_sha, ref_losses, step_s = reference_run
-    fill_ready(rclient, keys)
+    fill_ready(rclient, keys, tiny_decode)
     args = trainer_args(redis_url, keys, tiny_model_dir, tmp_path / "ckpt")
     first = start_service("trainer", tmp_path, *args, tag="-first")
     rng = random.Random(seed)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import redis
 
-from helpers import wait_for
+from helpers import wait_for, write_ready
 from procs import start_service
-from synthetic import scored_groups
+from synthetic import Decode, scored_groups
 from rollstream.core import codec, streams, validation
 from rollstream.v1 import rollout_pb2
 
@@ -41,7 +41,7 @@ def _group(group_id: str, step: int) -> rollout_pb2.RolloutGroup:
 
 
 def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     long_prompt = _group("long-prompt", 1)
     long_prompt.prompt_ids.extend([5] * (120_000 - len(long_prompt.prompt_ids)))
@@ -57,8 +57,7 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
         c.reward = reward
     good_1, good_2 = _group("good-1", 5), _group("good-2", 6)
     # One read: the intake refuses three; the batch is good-1 + overflow, a step that is refused.
-    for g in (long_prompt, two_hundred, low, good_1, overflow):
-        rclient.xadd(keys.stream("ready"), codec.encode(g))
+    write_ready(rclient, keys, [long_prompt, two_hundred, low, good_1, overflow], tiny_decode)
 
     trainer = start_service(
         "trainer", tmp_path,
@@ -72,7 +71,7 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
         dead = _dead(rclient, keys)
         # good-1 is still held for the next step: not dead, not trained.
         assert not rclient.sismember(keys.groups("trained"), "good-1")
-        rclient.xadd(keys.stream("ready"), codec.encode(good_2))
+        write_ready(rclient, keys, [good_2], tiny_decode)
         wait_for(lambda: int(rclient.hget(keys.stats, "step") or 0) == 1, 120, "step 1 committed", [trainer])
 
         assert {m.decode() for m in rclient.smembers(keys.groups("trained"))} == {"good-1", "good-2"}

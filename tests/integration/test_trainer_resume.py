@@ -19,9 +19,9 @@ import grpc
 import pytest
 import redis
 
-from helpers import wait_for
+from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, generator_state, start_service, trainer_state
-from synthetic import scored_groups
+from synthetic import Decode, scored_groups
 from rollstream.core import codec, streams
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
@@ -45,7 +45,9 @@ def step_metrics(client: redis.Redis, keys: streams.RunKeys) -> list[rollout_pb2
     return [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in client.xrange(keys.metrics)]
 
 
-def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_resumed_trainer_process_continues_exactly(
+    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
     dir_a, dir_b = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
@@ -66,8 +68,7 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
     try:
         wait_for(lambda: generator_state(gen.grpc_address).policy_version == 0, 60, "generator at version 0", procs)
         for step in range(1, 3):
-            for g in groups_for(step, "first"):
-                rclient.xadd(keys.stream("ready"), codec.encode(g))
+            write_ready(rclient, keys, groups_for(step, "first"), tiny_decode)
         wait_for(lambda: trainer_state(address).step == 2, 120, "trainer A at step 2", procs)
         # An explicit path (inside the checkpoint folder: anywhere else is refused,
         # tests/integration/test_grpc_auth_services.py) is the operator's: written once, never
@@ -77,8 +78,7 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         assert (result.path, result.version) == (str(manual), 2)
         assert checkpoint.load_state(manual).step == 2
         for step in range(3, 5):
-            for g in groups_for(step, "first"):
-                rclient.xadd(keys.stream("ready"), codec.encode(g))
+            write_ready(rclient, keys, groups_for(step, "first"), tiny_decode)
         wait_for(lambda: trainer_state(address).step == 4, 120, "trainer A at step 4", procs)
         final_a = trainer_state(address, sha=True)
         wait_for(lambda: generator_state(gen.grpc_address).policy_version == 4, 60, "generator at version 4", procs)
@@ -113,10 +113,9 @@ def test_resumed_trainer_process_continues_exactly(redis_url: str, rclient: redi
         # A group sampled by version 3 of the abandoned lineage is dropped as stale, not trained.
         future = groups_for(9, "future")[0]
         future.policy_version = 3
-        rclient.xadd(keys.stream("ready"), codec.encode(future))
+        write_ready(rclient, keys, [future], tiny_decode)
         for step in (3, 4):
-            for g in groups_for(step, "again"):
-                rclient.xadd(keys.stream("ready"), codec.encode(g))
+            write_ready(rclient, keys, groups_for(step, "again"), tiny_decode)
         wait_for(lambda: trainer_state(address).step == 4, 120, "trainer B at step 4", procs)
         final_b = trainer_state(address, sha=True)
         # The step's commit (metrics) and then its checkpoint come after the step itself.
