@@ -50,21 +50,32 @@ from concurrent import futures
 from pathlib import Path
 
 
-def serve_sink(state_file: str, die_in_push: int) -> None:
+def serve_sink(state_file: str, die_in_push: int, secrets: str, nonce_delay_s: float, apply_s: float) -> None:
     """A receiver with the generator's receive path only (for --backend sink), forwarding as a
     generator does where the push names targets (rollstream.generator.relay). Each version it
     received whole (sha256 checked) is appended to STATE_FILE.served with the wall clock.
     `die_in_push` > 0: SIGKILL itself at the first chunk of its that-many-th push (a relay
-    killed mid-push)."""
+    killed mid-push). `secrets` (a folder of `rollstream secrets`' grpc/ files, or ""): pushes
+    are signed, as a generator with grpc_auth_file takes them (the same interceptor, nonces
+    proven with the generator's key, applied pushes acknowledged). `nonce_delay_s`: PushNonce
+    answers that late (a slow or stalled member). `apply_s`: once a payload is received whole
+    it waits this long before answering, as a generator's apply would (lock wait, decode, load)."""
     import signal
     import threading
 
     import grpc
 
-    from rollstream.core import weight_transfer
+    from rollstream.core import credentials, grpc_auth, push_signing, weight_transfer
     from rollstream.core.grpc_auth import ClientCredentials
     from rollstream.generator.relay import PeerChannels, RelayedStream
-    from rollstream.v1 import generator_pb2_grpc, weights_pb2
+    from rollstream.v1 import generator_pb2, generator_pb2_grpc, weights_pb2
+
+    nonces = push_signing.PushNonces()
+    table = prover = None
+    if secrets:
+        folder = credentials.grpc_dir(Path(secrets))
+        table = grpc_auth.parse_roles((folder / "roles.json").read_text(), "roles.json")
+        prover = push_signing.GeneratorProver(credentials.read_secret(folder / "generator.token", "generator token"))
 
     pushes = 0
     lock = threading.Lock()
@@ -85,22 +96,34 @@ def serve_sink(state_file: str, die_in_push: int) -> None:
                 pushes += 1
                 die = pushes == die_in_push
             stream = RelayedStream(request_iterator, address, peers, context.time_remaining())
-            version = 0
+            version, signed_header = 0, None
             try:
                 # Killed after its first chunk went on to its targets: their streams break off.
                 for header, _payload in weight_transfer.from_chunks(dying(stream) if die else stream):
-                    version = header.version
+                    version, signed_header = header.version, header
                 with lock:  # served: received whole and checked, before the targets answer
                     served.write(json.dumps({"version": version, "t": time.time()}) + "\n")
                     served.flush()
+                received = time.perf_counter() - start
+                time.sleep(apply_s)
             finally:
                 relayed = stream.finish(read_rest=False)
-            received = time.perf_counter() - start
-            return weights_pb2.PushResult(applied=True, version=version, apply_seconds=received, receive_seconds=received, relayed=relayed)
+            signed = push_signing.parse_signature(context.invocation_metadata())
+            ack = prover.ack(signed[0], signed_header) if prover is not None and signed is not None and signed_header is not None else b""
+            return weights_pb2.PushResult(
+                applied=True, version=version, apply_seconds=time.perf_counter() - start, receive_seconds=received, relayed=relayed, ack=ack,
+            )
+
+        def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+            time.sleep(nonce_delay_s)
+            nonce = nonces.issue()
+            proof = prover.prove(request.challenge, nonce, address) if prover is not None else b""
+            return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
     from rollstream.core.grpc_utils import CHANNEL_OPTIONS
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
+    interceptors = [grpc_auth.AuthInterceptor(table, nonces=nonces)] if table is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS, interceptors=interceptors)
     generator_pb2_grpc.add_GeneratorServicer_to_server(Sink(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
@@ -111,17 +134,25 @@ def serve_sink(state_file: str, die_in_push: int) -> None:
     server.wait_for_termination()
 
 
-def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_dir: str, workdir: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_dir: str, workdir: Path, secrets: str) -> tuple[subprocess.Popen[bytes], Path]:
+    from rollstream.core import credentials
+
     state_file = workdir / f"receiver{index}.state.json"
     if args.backend == "sink":
         die = args.kill_relay_round if index == 0 and args.fanout else 0
-        cmd = [sys.executable, __file__, "--serve-sink", str(state_file), "--die-in-push", str(die)]
+        delay = args.slow_nonce_s if index == args.slow_index else 0.0
+        cmd = [
+            sys.executable, __file__, "--serve-sink", str(state_file), "--die-in-push", str(die), "--sink-secrets", secrets,
+            "--nonce-delay-s", str(delay), "--apply-s", str(args.apply_s),
+        ]
     else:
         cmd = [
             sys.executable, "-m", "rollstream.generator", "--redis-url", redis_url, "--run", "fanout",
             "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file), "--log-level", "WARNING",
             "--generator-id", f"g{index}", "--threads", str(args.generator_threads),
         ]
+        if secrets:
+            cmd += credentials.service_flags(Path(secrets), "generator", redis_acl=False)
         if args.backend == "vllm":
             cmd += ["--cpu-kv-cache-gib", "1"] + (["--enforce-eager"] if args.enforce_eager else [])
     log = (workdir / f"receiver{index}.log").open("wb")
@@ -179,9 +210,16 @@ def main() -> None:
     parser.add_argument("--fanout", type=int, default=0, help="push down a relay tree of this fanout (0: the trainer pushes to every receiver)")
     parser.add_argument("--kill-relay-round", type=int, default=0, help="sink, with --fanout: receiver 0 (a root) kills itself at its Nth push's first chunk")
     parser.add_argument("--die-in-push", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--signed", action="store_true", help="signed pushes, as with grpc_auth_file: nonces, proofs, acknowledgements")
+    parser.add_argument("--nonce-timeout", type=float, default=3.0, help="the trainer's push_nonce_timeout_s")
+    parser.add_argument("--slow-index", type=int, default=-1, help="sink, --signed: this receiver answers PushNonce --slow-nonce-s late")
+    parser.add_argument("--slow-nonce-s", type=float, default=10.0)
+    parser.add_argument("--apply-s", type=float, default=0.0, help="sink: seconds each receiver takes after receiving a payload, as an apply")
+    parser.add_argument("--sink-secrets", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--nonce-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_sink:
-        serve_sink(args.serve_sink, args.die_in_push)
+        serve_sink(args.serve_sink, args.die_in_push, args.sink_secrets, args.nonce_delay_s, args.apply_s)
         return
     counts = [int(c) for c in args.counts.split(",")]
     if args.payload != "delta" and args.backend != "sink":
@@ -189,7 +227,8 @@ def main() -> None:
 
     import torch
 
-    from rollstream.core import deltas, modeling
+    from rollstream.core import credentials, deltas, modeling
+    from rollstream.core.grpc_auth import ClientCredentials, load_roles
     from rollstream.core.models import resolve_model
     from rollstream.launcher.redis_server import EmbeddedRedis
     from rollstream.trainer.optimizer import HostAdamW
@@ -201,7 +240,9 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rs-fanout-") as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis_server:
         workdir = Path(tmp)
-        procs = [start_receiver(args, i, redis_server.url, model_dir, workdir) for i in range(n_max)]
+        secrets = str(workdir / "secrets") if args.signed else ""
+        tokens = credentials.ensure_grpc_tokens(Path(secrets)) if secrets else {}
+        procs = [start_receiver(args, i, redis_server.url, model_dir, workdir, secrets) for i in range(n_max)]
         try:
             t = time.perf_counter()
             states = wait_ready(procs, args.backend, workdir)
@@ -212,7 +253,11 @@ def main() -> None:
             model, _ = modeling.load_model(model_dir)
             params = modeling.named_weights(model)
             opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
-            publisher = WeightPublisher(opt.sync_model(), anchor_interval=1_000_000)
+            publisher = WeightPublisher(
+                opt.sync_model(), anchor_interval=1_000_000, nonce_timeout_s=args.nonce_timeout,
+                creds=ClientCredentials(token=tokens["trainer"]) if tokens else None,
+                generator_key=load_roles(str(credentials.grpc_dir(Path(secrets)) / "roles.json")).generator_key if secrets else None,
+            )
             gen = torch.Generator().manual_seed(0)
             direction = {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
 
@@ -230,6 +275,8 @@ def main() -> None:
             def push(targets: list[str], published: Published) -> list:
                 outcomes = publisher.push(targets, published, args.push_timeout, fanout=args.fanout)
                 for o in outcomes:
+                    if not o.applied and args.slow_index >= 0 and o.address == addresses[args.slow_index]:
+                        continue  # the slow member: left out, then backed off (it would catch up)
                     if not o.applied and not (args.kill_relay_round and o.address == addresses[0]):
                         raise RuntimeError(f"push of version {published.info.version} to {o.address} not applied: {o.error}")
                     if not o.applied:
@@ -281,7 +328,8 @@ def main() -> None:
                         push(addresses[n:], published)  # untimed: keep every generator on the chain
                     row = summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu)
                     if sink:
-                        row.update(serving(workdir, n, published.info.version, step_end_wall, outcomes, nbytes))
+                        slow = addresses[args.slow_index] if 0 <= args.slow_index < n else ""
+                        row.update(serving(workdir, addresses[:n], published.info.version, step_end_wall, outcomes, nbytes, slow))
                     rounds[n].append(row)
         finally:
             for proc, _ in procs:
@@ -338,24 +386,33 @@ def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_
     }
 
 
-def serving(workdir: Path, n: int, version: int, step_end_wall: float, outcomes: list, nbytes: int) -> dict:
-    """Sinks: each receiver's step end -> served (its own wall clock, same machine), whether
-    every live one got the version whole, and what left the trainer: a payload per push it
-    made itself (outcomes without a relay), nonce calls aside."""
-    served = []
-    for i in range(n):
-        lines = (workdir / f"receiver{i}.state.json.served").read_text().splitlines() if (workdir / f"receiver{i}.state.json.served").exists() else []
+def serving(workdir: Path, addresses: list[str], version: int, step_end_wall: float, outcomes: list, nbytes: int, slow: str) -> dict:
+    """Sinks: each receiver's step end -> served (received whole; its own wall clock, same
+    machine), whether every live one got the version whole, what left the trainer (a payload
+    per push it made itself: outcomes without a relay, nonce calls aside), each relay hop's
+    cost (a receiver's served time less its relay's: one chunk when the relay forwards on
+    receipt, its whole apply when it forwards only after it), and the latest receiver other
+    than `slow` (the slow member's address, or "")."""
+    served: dict[str, float] = {}
+    for i, address in enumerate(addresses):
+        path = workdir / f"receiver{i}.state.json.served"
+        lines = path.read_text().splitlines() if path.exists() else []
         times = [json.loads(line)["t"] for line in lines if json.loads(line)["version"] == version]
         if times and times[-1] >= step_end_wall:  # sinks get one version every round: this round's is the last
-            served.append(times[-1] - step_end_wall)
-    sent = sum(1 for o in outcomes if not o.via)
+            served[address] = times[-1] - step_end_wall
+    sent = sum(1 for o in outcomes if not o.via and o.applied)
+    hops = [served[o.address] - served[o.via] for o in outcomes if o.via and o.address in served and o.via in served]
+    others = [s for a, s in served.items() if a != slow]
     return {
         "served": len(served),
         "applied": sum(1 for o in outcomes if o.applied),
-        "step_end_to_serving_s": {"median": round(statistics.median(served), 4), "max": round(max(served), 4)} if served else None,
+        "step_end_to_serving_s": {"median": round(statistics.median(served.values()), 4), "max": round(max(served.values()), 4)} if served else None,
+        "others_than_slow_max_s": round(max(others), 4) if others else None,
+        "hop_s": {"median": round(statistics.median(hops), 4), "max": round(max(hops), 4)} if hops else None,
         "trainer_payloads": sent,
         "trainer_bytes": sent * nbytes,
         "trainer_bytes_over_payload": sent,
+        "left_out": sorted(o.error.split(":")[0] for o in outcomes if not o.applied),
     }
 
 
@@ -363,7 +420,7 @@ def medians(rounds: list[dict]) -> dict:
     """Median over rounds of each scalar, and of each per-generator median / max."""
     out: dict = {"generators": rounds[0]["generators"]}
     for key, value in rounds[0].items():
-        if key == "generators" or any(r.get(key) is None for r in rounds):
+        if key == "generators" or isinstance(value, list) or any(r.get(key) is None for r in rounds):
             continue
         if isinstance(value, dict):
             out[key] = {k: round(statistics.median(r[key][k] for r in rounds), 4) for k in value}

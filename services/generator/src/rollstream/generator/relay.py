@@ -167,6 +167,7 @@ class RelayedStream:
         self._forwarder: Forwarder | None = None
         self._received: queue.Queue[weights_pb2.WeightChunk | BaseException | None] = queue.Queue()
         self._stop = threading.Event()  # the push was refused: read no further, cut the targets
+        self._whole = threading.Event()  # read to its end, and the targets' streams ended whole
         self._legs_lock = threading.Lock()
         self._legs_closed = False
         self._reader: threading.Thread | None = None
@@ -209,7 +210,9 @@ class RelayedStream:
         except BaseException as e:  # noqa: BLE001 - the apply raises it (a broken or refused stream)
             self._received.put(e)
         finally:
-            self._close_legs(whole and not self._stop.is_set())
+            if whole and not self._stop.is_set():
+                self._whole.set()
+            self._close_legs(self._whole.is_set())
             self._received.put(None)
 
     def _close_legs(self, complete: bool) -> None:
@@ -223,10 +226,10 @@ class RelayedStream:
         """`read_rest`: the push was good as far as this generator could tell (applied, or
         refused for its base only: the targets may hold the right one), so the rest of it is
         read for the targets and their outcomes are awaited. Else the targets' streams are
-        cut short, at once."""
+        cut short, at once, unless the push has been read whole already."""
         if self._outcomes is not None:
             return self._outcomes
-        if not read_rest:
+        if not read_rest and not self._whole.is_set():
             self._stop.set()
             self._close_legs(False)
             self._outcomes = []
