@@ -1,7 +1,9 @@
 """A custom reward service for rollstream that uses only a Redis client and protobuf.
 
-It reads RolloutGroups from rs:{<run>}:rollouts with its own consumer group, gives every
-completion a reward, and writes the group to rs:{<run>}:scored (or :ready when the
+It reads RolloutGroups from rs:{<run>}:rollouts with its own consumer group, looks up each
+group's task in the trainer's task map rs:{<run>}:tasks (a group of a task the trainer did
+not feed is dead-lettered; the answer and metadata to score with are the task's, never the
+group's), gives every completion a reward, and writes the group to rs:{<run>}:scored (or :ready when the
 reference stage is skipped), acknowledging the input in the same Lua script. It imports
 nothing from rollstream: the message classes come from proto/rollstream/v1/rollout.proto
 (python generate_stubs.py), and docs/custom-reward.md is the whole contract.
@@ -67,6 +69,7 @@ class ParityReward:
         prefix = f"rs:{{{args.run}}}:"  # the {run} hash tag: one Redis Cluster slot per run
         self.source, self.output = prefix + "rollouts", prefix + args.output_stage
         self.dead, self.stats = prefix + "dead", prefix + "stats"
+        self.tasks = prefix + "tasks"  # task_id -> PromptTask, written by the trainer only
         self.commit = self.r.register_script(COMMIT)
         self.stopping = False
         try:
@@ -119,9 +122,13 @@ class ParityReward:
                 continue
             try:
                 group = self.decode(fields)
+                task = self.task(group)
             except ValueError as e:
                 self.dead_letter(eid, fields, str(e), deliveries.get(eid, 1))
                 continue
+            # What the trainer asked, whatever the group claims (the trainer refuses a group
+            # whose answer, metadata or kind are not its task's).
+            group.answer, group.metadata_json, group.task_kind = task.answer, task.metadata_json, task.task_kind
             if not group.scored:  # already scored upstream: forward as it is
                 for c in group.completions:
                     reward, name = score(c, group.answer)
@@ -145,6 +152,15 @@ class ParityReward:
         if not group.group_id or not group.completions:
             raise ValueError("RolloutGroup without group_id or completions")
         return group
+
+    def task(self, group):
+        """The task the trainer fed for this group (HMGET rs:{<run>}:tasks <task_id>)."""
+        (raw,) = self.r.hmget(self.tasks, [group.task_id])
+        if raw is None:
+            raise ValueError(f"task {group.task_id!r} is not in {self.tasks}: not a task the trainer fed")
+        task = self.pb.PromptTask()
+        task.ParseFromString(raw)
+        return task
 
     def deliveries(self, ids: list[bytes]) -> dict[bytes, int]:
         """How often each entry was delivered (our pending entries list knows)."""

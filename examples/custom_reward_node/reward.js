@@ -2,7 +2,8 @@
 // proto/rollstream/v1/rollout.proto only: npm `redis` (node-redis) and `protobufjs`, nothing
 // of rollstream's.
 //
-// It reads RolloutGroups from rs:{<run>}:rollouts in a consumer group, gives every
+// It reads RolloutGroups from rs:{<run>}:rollouts in a consumer group, refuses (dead-letters)
+// a group whose task is not in the trainer's task map rs:{<run>}:tasks, gives every
 // completion a reward, and writes the group to rs:{<run>}:ready (or :scored when the run has
 // a reference stage), acknowledging the input in the same Lua script. What it does, in the
 // order of docs/custom-reward.md:
@@ -143,6 +144,7 @@ class RewardService {
     this.output = prefix + opts.outputStage;
     this.dead = prefix + "dead";
     this.stats = prefix + "stats";
+    this.tasks = prefix + "tasks"; // task_id -> PromptTask, written by the trainer only
     this.stopping = false;
     this.wake = null; // ends a back-off sleep early on SIGTERM
     this.ownCursor = "0";
@@ -325,6 +327,10 @@ class RewardService {
     let out;
     try {
       out = this.scoreEntry(entry.fields);
+      // A task the trainer fed, or nothing: a grader that needs the answer or the tests reads
+      // them from that PromptTask (answer, metadata_json), never from the group.
+      const [task] = await this.r.hmGet(this.tasks, [out.taskId]);
+      if (task === null) throw new BadEntry(`task ${JSON.stringify(out.taskId)} is not in ${this.tasks}: not a task the trainer fed`);
     } catch (e) {
       if (!(e instanceof BadEntry)) throw e;
       await this.deadLetter(entry, e.message);
@@ -352,14 +358,14 @@ class RewardService {
     const n = group.completions.length;
     if (!n) throw new BadEntry(`group ${group.groupId} has no completions`);
     if (group.groupSize && n !== group.groupSize) throw new BadEntry(`group ${group.groupId}: ${n} completions, the task asked for ${group.groupSize}`);
-    if (group.scored) return { data, counter: "reward_passthrough" }; // scored upstream: forwarded byte for byte
+    if (group.scored) return { data, counter: "reward_passthrough", taskId: group.taskId }; // scored upstream: forwarded byte for byte
     const scores = group.completions.map((c, i) => {
       const s = score(c);
       const finite = Number.isFinite(s.reward) && Math.abs(s.reward) <= 1e4 && s.components.every((rc) => Number.isFinite(rc.value) && Number.isFinite(rc.weight));
       if (!finite) throw new BadEntry(`group ${group.groupId} completion ${i}: the grader gave reward ${s.reward}, not finite with |reward| <= 1e4`);
       return s;
     });
-    return { data: spliceScores(data, scores, this.types.RewardComponent), counter: "scored" };
+    return { data: spliceScores(data, scores, this.types.RewardComponent), counter: "scored", taskId: group.taskId };
   }
 
   async deadLetter(entry, reason) {

@@ -53,10 +53,12 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
     prescored.scored = True
     prescored.completions[0].reward = 0.25
     write(rclient, keys, "rollouts", prescored)
+    # A group of a task the trainer never fed (written past helpers.write, which records one).
+    stranger = rclient.xadd(rollouts, codec.encode(rollout_group("stranger", ["ab"])))
     proc = start(custom_reward_stubs, redis_url, keys.run, log)
     try:
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 20, "two groups scored", procs=example(proc, log))
-        wait_for(lambda: rclient.xlen(keys.dead) == 1, 20, "one dead letter", procs=example(proc, log))
+        wait_for(lambda: rclient.xlen(keys.dead) == 2, 20, "two dead letters", procs=example(proc, log))
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert [c.reward for c in out["even-odd"].completions] == [1.0, 0.0]
         assert [[(rc.name, rc.value, rc.status) for rc in c.reward_components] for c in out["even-odd"].completions] == [
@@ -65,12 +67,14 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
         ]
         assert out["even-odd"].scored and list(out["even-odd"].completions[0].behaviour_logprobs) == [-0.5, -0.25]
         assert out["pre"] == prescored  # forwarded unchanged
-        ((_, fields),) = rclient.xrange(keys.dead)
+        (_, fields), (_, unknown) = rclient.xrange(keys.dead)
+        assert unknown[b"reason"].decode().endswith(f"is not in {keys.tasks}: not a task the trainer fed")
+        assert codec.decode(unknown, rollout_pb2.DeadLetter).source_id == stranger.decode()
         letter = codec.decode(fields, rollout_pb2.DeadLetter)  # readable by rollstream's own codec
         assert letter.source_id == bad.decode() and letter.consumer_group == GROUP
         assert "schema b'2' is not supported" in fields[b"reason"].decode() == letter.reason
         assert rclient.xpending(rollouts, GROUP)["pending"] == 0
-        assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 2, "dead_rollouts": 1}
+        assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 2, "dead_rollouts": 2}
         wait_for(lambda: rclient.xlen(rollouts) == 0, 20, "rollouts trimmed behind the acks", procs=example(proc, log))
     finally:
         proc.terminate()

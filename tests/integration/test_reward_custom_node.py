@@ -22,7 +22,7 @@ from rollstream.v1 import rollout_pb2
 from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
-from synthetic import rollout_group
+from synthetic import record_tasks, rollout_group
 
 GROUP = "reward"
 # A field number rollout.proto does not have (varint 7): what a newer writer might add.
@@ -66,6 +66,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
         c.token_ids.extend([7] * i)  # 2, 3, 4 tokens
         c.behaviour_logprobs.extend([-1.0] * i)
     data = group.SerializeToString() + UNKNOWN_FIELD
+    record_tasks(rclient, keys, [group])  # a task the trainer fed (helpers.write does it for the others)
     good = rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": data})
     prescored = rollout_group("pre", ["x"])
     prescored.scored = True
@@ -78,10 +79,12 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
         rclient.xadd(rollouts, {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b""}): "expected rollstream.v1.RolloutGroup",
         rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"}): "data does not parse",
         write(rclient, keys, "rollouts", short): "2 completions, the task asked for 4",
+        # A group of a task the trainer never fed (written past helpers.write, which records one).
+        rclient.xadd(rollouts, codec.encode(rollout_group("stranger", ["ab"]))): "is not in " + keys.tasks,
     }
     proc = start(node_folder, redis_url, keys, tmp_path)
     started.append(proc)
-    wait_for(lambda: rclient.xlen(keys.stream("ready")) == 2 and rclient.xlen(keys.dead) == 4, 60, "2 groups written, 4 dead letters", procs=[proc])
+    wait_for(lambda: rclient.xlen(keys.stream("ready")) == 2 and rclient.xlen(keys.dead) == 5, 60, "2 groups written, 5 dead letters", procs=[proc])
 
     entries = dict(rclient.xrange(keys.stream("ready")))
     out = {codec.decode(f, rollout_pb2.RolloutGroup).group_id: f[b"data"] for f in entries.values()}
@@ -112,7 +115,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
     for eid, why in bad.items():
         assert why in letters[eid].reason, letters[eid].reason
         assert letters[eid].original_fields["type"].startswith(b"rollstream.v1."), "the original entry is kept"
-    assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 1, "reward_passthrough": 1, "dead_rollouts": 4}
+    assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 1, "reward_passthrough": 1, "dead_rollouts": 5}
     assert good not in letters
     wait_for(lambda: rclient.xlen(rollouts) == 0, 30, "rollouts trimmed behind the acks", procs=[proc])
     assert proc.stop() == 0, proc.log()
