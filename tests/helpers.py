@@ -7,6 +7,7 @@
   tests that still exercise the real transformers code paths (the `tiny_model_dir` fixture).
 - `write`, `write_many`, `groups_in` -- put messages on a run's streams, read groups back.
 - `wait_healthy(address)` -- until a gRPC server reports SERVING.
+- `process_tree(pid)`, `tcp_sockets(pids)` -- the TCP sockets a run's processes hold.
 
 Imported as `helpers` (tests/ is on sys.path: pytest puts conftest.py's folder there).
 Process supervision is tests/procs.py, the Redis Cluster tests/cluster.py, synthetic
@@ -15,6 +16,7 @@ groups tests/synthetic.py.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import time
@@ -316,3 +318,61 @@ def skip_folder(items: list, folder: Path, reason: str) -> None:
     for item in items:
         if folder in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# --- sockets ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    """One TCP socket of a process (from /proc/net/tcp{,6}): listening, or a connection."""
+
+    pid: int
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    listening: bool
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (by /proc/<pid>/stat's parent), alive now."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += [child for child, parent in parents.items() if parent == pid]
+    return tree
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # The kernel writes each 32-bit word in host byte order (little-endian here).
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words)), int(port, 16)
+
+
+def tcp_sockets(pids: Sequence[int]) -> list[TcpSocket]:
+    """Every TCP socket (IPv4 and IPv6) that one of `pids` holds open."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*") if Path(f"/proc/{pid}/fd").exists() else []:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes:
+                found.append(TcpSocket(inodes[f[9]], _address(f[1]), _address(f[2]), listening=f[3] == "0A"))
+    return found

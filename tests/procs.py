@@ -48,12 +48,8 @@ class ChildProcess:
 @dataclass
 class ServiceProc(ChildProcess):
     state_file: Path
-    grpc_port: int = 0
+    grpc_address: str = ""  # from the state file: unix:/path (start_service's default) or 127.0.0.1:port
     http_port: int = 0
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
 
     def wait_ready(self, timeout_s: float = 120.0) -> "ServiceProc":
         """Wait for the state file, then for /readyz to answer 200 (fail if the process exits)."""
@@ -62,7 +58,7 @@ class ServiceProc(ChildProcess):
             if not self.state_file.exists():
                 return False
             state = json.loads(self.state_file.read_text())
-            self.grpc_port, self.http_port = state["grpc_port"], state["http_port"]
+            self.grpc_address, self.http_port = state["grpc_address"], state["http_port"]
             try:
                 return httpx.get(f"http://127.0.0.1:{self.http_port}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -78,9 +74,16 @@ STARTED: list[ChildProcess] = []
 
 
 def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
-    """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log."""
+    """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log.
+    Its gRPC listens on a unix socket in workdir/sockets (0700), as under `up`, unless ARGS
+    give a --grpc-port."""
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{name}{tag}"
+    if "--grpc-port" not in args:
+        sockets = workdir / "sockets"
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        sockets.chmod(0o700)
+        args = ("--grpc-socket", str(sockets / f"{label}.sock"), *args)
     state_file = workdir / f"{label}.state.json"
     state_file.unlink(missing_ok=True)
     log_path = workdir / f"{label}.log"

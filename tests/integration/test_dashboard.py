@@ -64,6 +64,18 @@ def test_page_and_script_are_served(run: tuple[TrainedRun, RunKeys]) -> None:
     assert script.status_code == 200 and "javascript" in script.headers["content-type"] and "api/pipeline" in script.text
 
 
+def test_api_answers_only_for_the_trainers_own_host(run: tuple[TrainedRun, RunKeys]) -> None:
+    """DNS rebinding: a page from evil.example that points its name at 127.0.0.1 sends Host:
+    evil.example; the trainer refuses it (421) before any route runs (issue 42)."""
+    r, _ = run
+    port = r.base.rsplit(":", 1)[1]
+    for path in ("/api/pipeline", "/api/steps", "/dashboard", "/metrics"):
+        assert httpx.get(r.base + path, headers={"Host": "evil.example"}, timeout=30).status_code == 421, path
+        assert httpx.get(r.base + path, headers={"Host": f"evil.example:{port}"}, timeout=30).status_code == 421, path
+    assert httpx.get(r.base + "/api/pipeline", headers={"Host": f"127.0.0.1:{port}"}, timeout=30).json()["run"]
+    assert httpx.get(r.base + "/api/steps", headers={"Host": f"localhost:{port}"}, timeout=30).status_code == 200
+
+
 def test_metrics_of_a_real_trainer(run: tuple[TrainedRun, RunKeys]) -> None:
     """Every documented trainer metric (but the CUDA-only ones) is on the live /metrics, with
     the pipeline gauges of this run and the step metrics of its steps."""

@@ -225,7 +225,9 @@ def _echo(request_iterator, context):  # type: ignore[no-untyped-def]
 
 
 class Server:
-    def __init__(self, roles: grpc_auth.RoleTable | None = None) -> None:
+    """On a unix socket in `folder`: a token goes over no plain TCP (grpc_auth.token_refusal)."""
+
+    def __init__(self, folder: Path, roles: grpc_auth.RoleTable | None = None) -> None:
         self.nonces = push_signing.PushNonces()
         self.generator = Generator(self.nonces)
         services = [
@@ -238,17 +240,19 @@ class Server:
                 ),
             ),
         ]
-        self.running = grpc_utils.serve(services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(roles or table(), nonces=self.nonces)])
+        self.running = grpc_utils.serve(
+            services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(roles or table(), nonces=self.nonces)], unix_socket=str(folder / "grpc.sock")
+        )
         self.running.set_serving(True)
-        self.address = f"127.0.0.1:{self.running.port}"
+        self.address = self.running.address
 
     def channel(self, token: str) -> grpc.Channel:
         return grpc_utils.channel(self.address, grpc_auth.ClientCredentials(token=token))
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("grpc"))
     yield s
     s.running.stop(0)
 
@@ -361,10 +365,10 @@ def test_a_signed_push_lands_once_and_only_with_its_own_header(server: Server) -
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one payload" in e.value.details()
 
 
-def test_a_roles_file_without_the_push_key_refuses_every_push() -> None:
+def test_a_roles_file_without_the_push_key_refuses_every_push(tmp_path: Path) -> None:
     old = grpc_auth.parse_roles(json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}), "old roles.json")
     assert old.push_key is None
-    s = Server(old)
+    s = Server(tmp_path, old)
     try:
         with grpc_utils.channel(s.address) as ch, pytest.raises(grpc.RpcError) as e:
             signed_push(ch, push_signing.PushSigner(TOKENS["trainer"]), header(), [b"x"])

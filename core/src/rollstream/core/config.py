@@ -87,6 +87,9 @@ class CommonSettings(BaseSettings):
     redis_url: RedisUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
     host: str = Field("127.0.0.1", description="address the gRPC and HTTP servers bind to")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0: pick a free one)")
+    grpc_socket: str = Field(
+        "", description="serve gRPC on this unix socket (an absolute path in a folder only its owner can enter) instead of host:grpc_port"
+    )
     http_port: int = Field(0, ge=0, le=65535, description="HTTP /healthz /readyz /metrics port (0: pick a free one)")
     consumer: str = Field("", description="consumer name in the stream groups (default: hostname-pid)")
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="DEBUG, INFO, WARNING or ERROR")
@@ -96,7 +99,7 @@ class CommonSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="dead-letter an entry delivered more often than this")
     read_count: int = Field(8, ge=1, description="entries read per XREADGROUP")
     block_ms: int = Field(500, ge=1, description="XREADGROUP block time")
-    state_file: str = Field("", description="write {grpc_port, http_port, pid} here once serving (for supervisors)")
+    state_file: str = Field("", description="write {grpc_address, grpc_port, http_port, pid} here once serving (for supervisors)")
     # Credentials (docs/security.md). Secrets come from files (or ROLLSTREAM_REDIS_PASSWORD),
     # never from flags: a flag shows in every process listing. load_settings gives no
     # SecretStr field a flag, and refuses one given as a flag without echoing its value.
@@ -109,6 +112,11 @@ class CommonSettings(BaseSettings):
     grpc_tls_key_file: str = Field("", description="PEM private key for grpc_tls_cert_file")
     grpc_tls_ca_file: str = Field("", description="PEM CA bundle: verifies peers (servers; clients too when set on a server)")
     allow_unauthenticated: bool = Field(False, description="serve gRPC without grpc_auth_file on a non-loopback host")
+    grpc_plaintext_token: bool = Field(
+        False,
+        description="UNSAFE: send this service's gRPC token over plain TCP (no TLS), where whoever holds the address hears it; "
+        "only where no one else can bind it (compose's per-container network namespaces)",
+    )
 
     @model_validator(mode="after")
     def _grpc_security(self) -> "CommonSettings":
@@ -122,7 +130,25 @@ class CommonSettings(BaseSettings):
             raise ValueError("grpc_tls_key_file: required with grpc_tls_cert_file")
         if self.grpc_tls_key_file and not self.grpc_tls_cert_file:
             raise ValueError("grpc_tls_cert_file: required with grpc_tls_key_file")
+        if self.grpc_socket:
+            check_socket_path(self.grpc_socket, "grpc_socket")
+        # A token goes only to a server this service has authenticated: one behind a unix
+        # socket in a private folder, or one whose TLS certificate the client checks. A
+        # TCP port can be taken by any local user while its server restarts (issue 42).
+        if self.grpc_token_file and not self.client_tls and not self.grpc_plaintext_token:
+            for name in TOKEN_ADDRESS_FIELDS:
+                address = getattr(self, name, "")
+                if address and not is_unix_address(address):
+                    raise ValueError(
+                        f"{name}: {address} is plain TCP and this service sends its gRPC token there: use a unix:/path address, "
+                        "TLS (grpc_tls_ca_file), or grpc_plaintext_token=true where no one else can bind that address"
+                    )
         return self
+
+    @property
+    def client_tls(self) -> bool:
+        """Whether this service's calls speak TLS (grpc_auth.ClientCredentials.from_settings)."""
+        return bool(self.grpc_tls_ca_file or self.grpc_tls_cert_file)
 
     @classmethod
     def settings_customise_sources(
@@ -156,6 +182,42 @@ class TorchSettings(CommonSettings):
 
 
 S = TypeVar("S", bound=CommonSettings)
+
+# The settings fields (of the services' own classes) naming a server a service calls with
+# its gRPC token: the generator's trainer, the reward stage's remote scorer.
+TOKEN_ADDRESS_FIELDS = ("trainer_address", "scorer_address")
+# sun_path is 108 bytes with its terminating NUL: a longer path cannot be bound.
+MAX_SOCKET_PATH = 107
+
+
+def is_unix_address(address: str) -> bool:
+    """Whether a gRPC target is a unix socket by path (`unix:/abs/path` or `unix:///abs/path`).
+    `unix-abstract:` is not: an abstract socket has no folder to keep others out."""
+    return address.startswith("unix:") and unix_path(address).startswith("/")
+
+
+def unix_path(address: str) -> str:
+    """The path of a `unix:` target (gRPC's two spellings: unix:/p and unix:///p)."""
+    rest = address.removeprefix("unix:")
+    return rest[2:] if rest.startswith("//") else rest
+
+
+def check_socket_path(path: str, field: str) -> str:
+    """ValueError naming `field` unless `path` is a socket path only its owner's processes can
+    create: absolute, short enough to bind, in an existing folder that is its owner's alone
+    (a unix socket in a folder others can enter could be taken while its server restarts)."""
+    p = Path(path)
+    if not p.is_absolute():
+        raise ValueError(f"{field}: {path} is not an absolute path")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ValueError(f"{field}: {path} is longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter folder")
+    try:
+        folder = p.parent.stat()
+    except OSError as e:
+        raise ValueError(f"{field}: its folder {p.parent} cannot be used: {e.strerror or e}") from None
+    if folder.st_mode & 0o077 or folder.st_uid != os.geteuid():
+        raise ValueError(f"{field}: its folder {p.parent} must be this user's only (mode 0700): others could take the socket's name")
+    return path
 
 
 def is_loopback(host: str) -> bool:

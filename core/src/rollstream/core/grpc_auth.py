@@ -20,8 +20,9 @@ grpc_tls_ca_file on top makes it require client certificates signed by that CA (
 Services call each other by role, whatever address discovery gave them (a pod IP, a port on
 loopback), so with TLS a service's certificate must name its role (DNS:trainer,
 DNS:generator): the trainer and generators check each other against that name
-(grpc_utils.channel's server_name). Tokens ride in plain metadata, so off loopback they
-should travel over TLS.
+(grpc_utils.channel's server_name). Tokens ride in plain metadata, so a client sends one
+only to a server it has authenticated: over a unix socket (in a folder only its owner can
+enter) or over TLS; over plain TCP only with grpc_plaintext_token (token_refusal).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from rollstream.core import logs, push_signing
+from rollstream.core.config import is_unix_address
 from rollstream.core.credentials import ROLES, read_secret
 
 GENERATOR = "rollstream.v1.Generator"
@@ -317,6 +319,7 @@ class _Security(Protocol):
     grpc_tls_cert_file: str
     grpc_tls_key_file: str
     grpc_tls_ca_file: str
+    grpc_plaintext_token: bool
 
 
 @dataclass(frozen=True)
@@ -358,6 +361,9 @@ class ClientCredentials:
     ca_pem: bytes | None = None  # verifies servers; None with tls: the system's roots
     cert_pem: bytes | None = None  # presented to servers that require client certificates
     key_pem: bytes | None = field(default=None, repr=False)
+    # UNSAFE (settings' grpc_plaintext_token): the token also over plain TCP, to a server
+    # nothing authenticates; for networks where no one else can bind the address.
+    plaintext_token: bool = False
 
     @classmethod
     def from_settings(cls, settings: _Security) -> ClientCredentials:
@@ -371,10 +377,26 @@ class ClientCredentials:
         if settings.grpc_tls_cert_file:
             cert = read_pem(settings.grpc_tls_cert_file, "grpc_tls_cert_file")
             key = read_pem(settings.grpc_tls_key_file, "grpc_tls_key_file")
-        return cls(token=token, tls=ca is not None or cert is not None, ca_pem=ca, cert_pem=cert, key_pem=key)
+        return cls(
+            token=token, tls=ca is not None or cert is not None, ca_pem=ca, cert_pem=cert, key_pem=key, plaintext_token=settings.grpc_plaintext_token
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem)
+
+
+def token_refusal(address: str, creds: ClientCredentials | None) -> str:
+    """Why `creds` must not be used to call `address` ("" when they may). A token goes to a
+    server behind a unix socket (its folder is the run owner's alone, so only the owner's
+    processes can have bound it) or over TLS (the server's certificate checked); over plain
+    TCP anyone who holds the port while the real server restarts receives it (issue 42),
+    unless the credentials say plaintext_token."""
+    if creds is None or not creds.token or creds.tls or creds.plaintext_token or is_unix_address(address):
+        return ""
+    return (
+        f"refusing to send a gRPC token to {address}: plain TCP, the server unauthenticated "
+        "(use a unix:/path address, TLS with grpc_tls_ca_file, or grpc_plaintext_token where no one else can bind it)"
+    )
 
 
 class _CallDetails(

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor, is_open
+from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor, is_open, token_refusal
 
 # Chunks are a few MiB; leave headroom for Generate responses with many completions.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -50,8 +50,9 @@ class Service:
 @dataclass
 class RunningServer:
     server: grpc.Server
-    port: int
+    port: int  # 0 on a unix socket
     health: health.HealthServicer
+    address: str  # what a client dials: host:port, or unix:/path
 
     def set_serving(self, serving: bool, names: Sequence[str] = ("",)) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -112,10 +113,12 @@ def serve(
     max_workers: int = 8,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    unix_socket: str = "",
 ) -> RunningServer:
     """Start a server for `services` plus health and reflection. `interceptors` see every
     call first (grpc_auth.AuthInterceptor); with `credentials` the port speaks TLS only.
-    `max_workers` threads are the services' own: open request streams get OPEN_STREAMS more."""
+    `max_workers` threads are the services' own: open request streams get OPEN_STREAMS more.
+    With `unix_socket` (a path) it listens there instead of on host:port: no TCP port at all."""
     pool = futures.ThreadPoolExecutor(max_workers=max_workers + OPEN_STREAMS, thread_name_prefix="grpc")
     server = grpc.server(pool, options=CHANNEL_OPTIONS, interceptors=[*interceptors, OpenStreamLimit(OPEN_STREAMS)])
     for s in services:
@@ -124,21 +127,28 @@ def serve(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    address = f"{host}:{port}"
+    address = f"unix:{unix_socket}" if unix_socket else f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind gRPC to {address}")
     server.start()
-    running = RunningServer(server=server, port=bound, health=health_servicer)
+    port = 0 if unix_socket else bound
+    running = RunningServer(server=server, port=port, health=health_servicer, address=address if unix_socket else f"{host}:{port}")
     running.set_serving(False, ["", *[s.name for s in services]])
     return running
 
 
 def channel(address: str, creds: ClientCredentials | None = None, server_name: str = "") -> grpc.Channel:
-    """A channel to `address`. With `creds`: TLS when creds.tls, and creds.token on every
-    call. `server_name` is the name the server's certificate must carry when it is not the
-    address's host (certificates name roles, addresses come from discovery: pod IPs, ports
-    on loopback); ignored without TLS."""
+    """A channel to `address` (host:port, or unix:/path). With `creds`: TLS when creds.tls,
+    and creds.token on every call. `server_name` is the name the server's certificate must
+    carry when it is not the address's host (certificates name roles, addresses come from
+    discovery: pod IPs, ports on loopback); ignored without TLS.
+
+    A token goes only to a server the client has authenticated (grpc_auth.token_refusal):
+    anything else is a ValueError before any connection is made."""
+    why = token_refusal(address, creds)
+    if why:
+        raise ValueError(why)
     if creds is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     if creds.tls:

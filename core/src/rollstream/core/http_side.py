@@ -1,8 +1,13 @@
-"""The HTTP side server every service runs: /healthz, /readyz and Prometheus /metrics."""
+"""The HTTP side server every service runs: /healthz, /readyz and Prometheus /metrics.
+
+It answers only requests whose Host names it (HostCheck): a web page a browser loaded from
+elsewhere can point its own DNS name at 127.0.0.1 (DNS rebinding) and would otherwise read
+the trainer's /api/* as same-origin."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import threading
 from collections.abc import Callable
@@ -27,8 +32,49 @@ class _Asgi:
         await self.app(scope, receive, send)
 
 
-def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: CollectorRegistry) -> FastAPI:
+def host_allowed(host_header: str, bound: str) -> bool:
+    """Whether a request's Host names this server: an IP address (no DNS name can be
+    rebound there; probes and Prometheus in a cluster dial pod IPs), `localhost`, or the
+    host it was configured to bind. Any port."""
+    name = host_header.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in ("localhost", bound.lower())
+
+
+class HostCheck:
+    """ASGI middleware: 400 without one Host header, 421 (misdirected) for a Host that is
+    not this server's (host_allowed); the app behind sees only requests that pass."""
+
+    def __init__(self, app: ASGIApp, bound: str):
+        self.app = app
+        self.bound = bound
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+            status = 400 if len(hosts) != 1 else 0 if host_allowed(hosts[0], self.bound) else 421
+            if status:
+                body = b"a request needs one Host header\n" if status == 400 else b"this server does not answer for that Host\n"
+                headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: CollectorRegistry, bound_host: str = "127.0.0.1") -> FastAPI:
+    """The HTTP side's app; `bound_host` (the host setting) is one more name its Host may carry."""
     app = FastAPI(title=f"rollstream-{service}", docs_url=None, redoc_url=None)
+    app.add_middleware(HostCheck, bound=bound_host)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

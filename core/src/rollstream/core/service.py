@@ -138,9 +138,10 @@ class ServiceHost:
         except ValueError as e:  # a file missing or unreadable: a configuration error (exit 2)
             raise self.redis.invalid(str(e)) from None
         self.grpc = grpc_utils.serve(
-            services, self.settings.host, self.settings.grpc_port, interceptors=security.interceptors, credentials=security.credentials
+            services, self.settings.host, self.settings.grpc_port, interceptors=security.interceptors, credentials=security.credentials,
+            unix_socket=self.settings.grpc_socket,
         )
-        app = build_app(self.name, self.readiness, self.registry)
+        app = build_app(self.name, self.readiness, self.registry, self.settings.host)
         for extend in self.http_extensions:
             extend(app)
         self.http = HttpSide(app, self.settings.host, self.settings.http_port).start()
@@ -148,10 +149,11 @@ class ServiceHost:
             path = Path(self.settings.state_file)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"pid": os.getpid(), "grpc_port": self.grpc.port, "http_port": self.http.port}))
+            state = {"pid": os.getpid(), "grpc_address": self.grpc.address, "grpc_port": self.grpc.port, "http_port": self.http.port}
+            tmp.write_text(json.dumps(state))
             tmp.replace(path)
         logs.event(
-            self.log, "serving", grpc=f"{self.settings.host}:{self.grpc.port}", http=f"{self.settings.host}:{self.http.port}",
+            self.log, "serving", grpc=self.grpc.address, http=f"{self.settings.host}:{self.http.port}",
             grpc_auth="on" if security.auth else "off", grpc_tls=security.tls,
         )
 
@@ -249,7 +251,7 @@ class ServiceHost:
     @property
     def grpc_address(self) -> str:
         assert self.grpc is not None
-        return f"{self.settings.host}:{self.grpc.port}"
+        return self.grpc.address
 
     def close(self) -> None:
         if self.grpc is not None:

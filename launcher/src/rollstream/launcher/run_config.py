@@ -29,7 +29,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, TorchSettings
+from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, TorchSettings, is_unix_address
 from rollstream.core.redis_policy import check_url
 from rollstream.generator.config import GeneratorSettings
 from rollstream.reference.config import ReferenceSettings
@@ -49,7 +49,8 @@ CREDENTIALS = {
     "grpc_tls_cert_file", "grpc_tls_key_file", "grpc_tls_ca_file", "redis_observer_password_file",
 }
 _EVERY_CHILD = {
-    "run", "redis_url", "host", "grpc_port", "http_port", "consumer", "log_json", "state_file", "model", "threads", "allow_unauthenticated",
+    "run", "redis_url", "host", "grpc_port", "grpc_socket", "http_port", "consumer", "log_json", "state_file", "model", "threads",
+    "allow_unauthenticated", "grpc_plaintext_token",
 } | CREDENTIALS
 SET_BY_UP: dict[str, set[str]] = {
     # The run's folders (trainer_folders) and where the trainer finds the generators.
@@ -130,6 +131,9 @@ class RunConfig(BaseSettings):
     def _check(self) -> "RunConfig":
         if self.external_reward and self.reward.scorer_address:
             raise ValueError("reward.scorer_address: only with the built-in reward service (an external one scores by itself)")
+        if self.reward.scorer_address and not is_unix_address(self.reward.scorer_address):
+            # The reward stage sends its token to the scorer: under `up` only over a unix socket.
+            raise ValueError(f"reward.scorer_address: {self.reward.scorer_address} is TCP; under `up` serve the scorer on a unix socket (unix:/path)")
         if self.colocated:
             from rollstream.launcher.colocated import refusal
 
