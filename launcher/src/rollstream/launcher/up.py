@@ -418,6 +418,7 @@ class ExternalReward:
             "output_stage": self.output_stage,
             "dead_stream": self.keys.dead,
             "stats_hash": self.keys.stats,
+            "task_map": self.keys.tasks,  # what to score against (docs/custom-reward.md)
             "max_deliveries": CommonSettings.model_fields["max_deliveries"].default,
             "claim_idle_ms": CommonSettings.model_fields["claim_idle_ms"].default,
         }
