@@ -151,6 +151,8 @@ def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_d
             "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file), "--log-level", "WARNING",
             "--generator-id", f"g{index}", "--threads", str(args.generator_threads),
         ]
+        if args.poll_steps:  # syncing from the trainer too, with its weights_applied lines (hops)
+            cmd += ["--trainer-address", (workdir / "trainer_address").read_text(), "--log-level", "INFO"]
         if secrets:
             cmd += credentials.service_flags(Path(secrets), "generator", redis_acl=False)
         if args.backend == "vllm":
@@ -188,6 +190,122 @@ def wait_ready(procs: list[tuple[subprocess.Popen[bytes], Path]], backend: str, 
     raise TimeoutError("receivers not ready")
 
 
+def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, workdir: Path, secrets: str) -> dict:
+    """--poll-steps: the trainer as it runs (rollstream.trainer.trainer's Trainer: its publisher,
+    BackgroundPush and TrainerServicer, served over gRPC) with n real generators that take its
+    pushes (--fanout: the relay tree) and also sync from it every sync_interval_s (the k8s
+    configuration: push_fanout = 2, generators with trainer_address). Steps back to back (the
+    synthetic gradient), each published, then pushed in the background as the trainer's loop
+    does (Trainer.train_and_push). Counts the FetchWeights calls that streamed a payload and
+    their bytes (a generator fetching what is being pushed to it: trainer egress twice over),
+    the payloads the trainer pushed itself, and each relay hop from the generators' own
+    weights_applied lines."""
+    import threading
+
+    import torch
+
+    from rollstream.core import credentials
+    from rollstream.core.config import load_settings
+    from rollstream.core.grpc_utils import Service
+    from rollstream.core.service import ServiceHost
+    from rollstream.trainer.checkpoint import CheckpointRequests
+    from rollstream.trainer.config import TrainerSettings
+    from rollstream.trainer.discovery import GeneratorDirectory
+    from rollstream.trainer.trainer import Trainer, TrainerServicer
+    from rollstream.v1 import trainer_pb2_grpc
+
+    fetched = {"calls": 0, "payloads": 0, "bytes": 0}
+    lock = threading.Lock()
+
+    class Counting(TrainerServicer):
+        """The trainer's servicer, the FetchWeights that stream something counted."""
+
+        def FetchWeights(self, request, context):  # type: ignore[no-untyped-def]
+            payloads = nbytes = 0
+            for chunk in super().FetchWeights(request, context):
+                payloads += chunk.HasField("header")
+                nbytes += len(chunk.data)
+                yield chunk
+            with lock:
+                fetched["calls"] += 1 if payloads else 0
+                fetched["payloads"] += payloads
+                fetched["bytes"] += nbytes
+
+    flags = credentials.service_flags(Path(secrets), "trainer", redis_acl=False) if secrets else []
+    settings = load_settings(
+        # On a unix socket: generators send their token only to a server nothing else can bind.
+        TrainerSettings, flags, run="fanout", model=model_dir, threads=1, grpc_socket=str(workdir / "trainer.sock"), push_fanout=args.fanout,
+        push_nonce_timeout_s=args.nonce_timeout,
+        push_timeout_s=args.push_timeout, anchor_interval=1_000_000,
+    )
+    with ServiceHost("trainer", settings) as host:
+        trainer = Trainer(settings, host)
+        host.start([Service("rollstream.v1.Trainer", Counting(trainer, GeneratorDirectory([]), CheckpointRequests()), trainer_pb2_grpc.add_TrainerServicer_to_server)])
+        (workdir / "trainer_address").write_text(host.grpc_address)
+        procs = [start_receiver(args, i, redis_url, model_dir, workdir, secrets) for i in range(n)]
+        try:
+            addresses = [f"127.0.0.1:{s['grpc_port']}" for s in wait_ready(procs, args.backend, workdir)]
+            gen = torch.Generator().manual_seed(0)
+            direction = {name: torch.randn(p.shape, generator=gen) for name, p in trainer.params.items()}
+            pushed: list = []
+            sizes: list[int] = []
+            start = time.perf_counter()
+            for _ in range(args.poll_steps):
+                for name, p in trainer.params.items():
+                    p.grad = direction[name] + 0.5 * torch.randn(p.shape, generator=gen)
+                encoder = trainer.publisher.begin_delta()
+                _norm, bits = trainer.optimizer.step(0.0, on_piece=encoder.add_piece)
+                published, stats = trainer.publisher.publish(bits, encoder)
+                sizes.append(stats.nbytes)
+                pushed += trainer.publisher.pushes.wait()
+                trainer.publisher.pushes.start(published.info.version, lambda p=published: trainer.publisher.push(addresses, p, args.push_timeout, fanout=args.fanout))
+            pushed += trainer.publisher.pushes.wait()
+            seconds = time.perf_counter() - start
+            time.sleep(2 * 2.0)  # two sync intervals (the default 2 s): a generator a push missed has fetched by now
+        finally:
+            for proc, _ in procs:
+                proc.terminate()
+            for proc, _ in procs:
+                proc.wait(timeout=120)
+            trainer.close()
+    with lock:
+        counts = dict(fetched)
+    sent = sum(1 for o in pushed if not o.via and o.applied)
+    return {
+        "generators": n,
+        "fanout": args.fanout,
+        "steps": args.poll_steps,
+        "seconds": round(seconds, 2),
+        "payload_bytes_median": int(statistics.median(sizes)),
+        "trainer_payloads_per_step": round(sent / args.poll_steps, 2),
+        "trainer_push_bytes": round(sent * statistics.mean(sizes)),
+        "applied_by_push": sum(1 for o in pushed if o.applied),
+        "pushes": len(pushed),
+        "not_applied": sorted({o.error.split(":")[0] for o in pushed if not o.applied}),
+        "fetch_calls_with_payloads": counts["calls"],
+        "fetched_payloads": counts["payloads"],
+        "fetched_bytes": counts["bytes"],
+        "hop_s": applied_hops(workdir, addresses, pushed),
+    }
+
+
+def applied_hops(workdir: Path, addresses: list[str], outcomes: list) -> dict | None:
+    """Real generators: per version, each relayed generator's receive end less its relay's,
+    from their weights_applied lines (receiver<i>.log: the line's time less its seconds)."""
+    import datetime
+    import re
+
+    received: dict[tuple[str, int], float] = {}
+    for i, address in enumerate(addresses):
+        for line in (workdir / f"receiver{i}.log").read_text().splitlines():
+            m = re.match(r"(\S+) .* weights_applied .*version=(\d+) .*seconds=([\d.]+)", line)
+            if m:
+                logged = datetime.datetime.fromisoformat(m.group(1)).timestamp()
+                received[(address, int(m.group(2)))] = logged - float(m.group(3))
+    hops = [received[(o.address, o.version)] - received[(o.via, o.version)] for o in outcomes if o.via and (o.address, o.version) in received and (o.via, o.version) in received]
+    return {"n": len(hops), "median": round(statistics.median(hops), 4), "max": round(max(hops), 4)} if hops else None
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -216,6 +334,7 @@ def main() -> None:
     parser.add_argument("--slow-nonce-s", type=float, default=10.0)
     parser.add_argument("--apply-s", type=float, default=0.0, help="sink: seconds each receiver takes after receiving a payload, as an apply")
     parser.add_argument("--sink-secrets", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--poll-steps", type=int, default=0, help="real generators: the sync race (sync_race), this many steps, with --counts N generators")
     parser.add_argument("--nonce-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_sink:
@@ -242,6 +361,11 @@ def main() -> None:
         workdir = Path(tmp)
         secrets = str(workdir / "secrets") if args.signed else ""
         tokens = credentials.ensure_grpc_tokens(Path(secrets)) if secrets else {}
+        if args.poll_steps:
+            race = sync_race(args, model_dir, redis_server.url, n_max, workdir, secrets)
+            print(json.dumps({"benchmark": "weight_fanout_sync_race", "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                              "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())], "model": model_dir, **race}, indent=2))
+            return
         procs = [start_receiver(args, i, redis_server.url, model_dir, workdir, secrets) for i in range(n_max)]
         try:
             t = time.perf_counter()
