@@ -358,8 +358,8 @@ class Generator:
             except (weight_transfer.TransferRefused, weight_store.StoreUnreadable):
                 raise
             except deltas.DeltaError as e:
-                if needed[0] is anchor:
-                    raise
+                if needed[0] is anchor or (have is not None and anchor.header.version < have):
+                    raise  # the anchor was tried, or would take us back (check_catch_up): this is the error
                 # Our version is in the chain but our weights are not its (a trainer that
                 # restarted from scratch): start over from its anchor, as from the trainer.
                 logs.event(self.log, "catch_up_refused_deltas", logging.WARNING, action="reading the anchor", error=str(e))
