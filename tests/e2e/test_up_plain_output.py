@@ -57,8 +57,8 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
         state = workdir / "state"
         wait_for(lambda: (state / "reward-0.json").exists() and (state / "redis.json").exists(), 300, "up to start its services",
                  check=up_running, poll_s=0.5)  # fmt: skip
-        port = int(json.loads((state / "redis.json").read_text())["url"].rsplit(":", 1)[1].split("/")[0])
-        admin = redis.Redis(port=port, username="admin", password=credentials.read_secret(workdir / "credentials" / "redis" / "admin.password", "a"))
+        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])["path"]  # up's Redis: a unix socket
+        admin = redis.Redis(unix_socket_path=sock, username="admin", password=credentials.read_secret(workdir / "credentials" / "redis" / "admin.password", "a"))
         wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
 
         # Groups the reward refuses (no completions), with markup for ids: their reasons are

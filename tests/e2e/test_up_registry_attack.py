@@ -77,11 +77,11 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
         up_running = still_running(proc, "up")
         wait_for(lambda: (state / "generator-0.json").exists() and (state / "redis.json").exists() and (state / "trainer.json").exists(),
                  300, "up to start its services", check=up_running, poll_s=0.5)  # fmt: skip
-        port = int(json.loads((state / "redis.json").read_text())["url"].rsplit(":", 1)[1].split("/")[0])
-        admin = redis.Redis(port=port, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "a"))
+        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])["path"]  # up's Redis: a unix socket
+        admin = redis.Redis(unix_socket_path=sock, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "a"))
         wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
-        real = f"127.0.0.1:{json.loads((state / 'generator-0.json').read_text())['grpc_port']}"
-        trainer = f"127.0.0.1:{json.loads((state / 'trainer.json').read_text())['grpc_port']}"
+        real = json.loads((state / "generator-0.json").read_text())["grpc_address"]
+        trainer = json.loads((state / "trainer.json").read_text())["grpc_address"]
 
         # The attacker: the generator's Redis password, nothing else.
         fake = FakeGenerator(real)
@@ -89,7 +89,7 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
         generator_pb2_grpc.add_GeneratorServicer_to_server(fake, fake_server)
         fake_port = fake_server.add_insecure_port("127.0.0.1:0")
         fake_server.start()
-        attacker = redis.Redis(port=port, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
+        attacker = redis.Redis(unix_socket_path=sock, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
 
         def registered_and_asked() -> bool:
             registry.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")

@@ -54,17 +54,18 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         state = tmp_path / "state"
         wait_for(lambda: (state / "generator-0.json").exists() and (state / "redis.json").exists(), 300, "up to start its services",
                  check=up_running, poll_s=0.5)  # fmt: skip
-        port = int(json.loads((tmp_path / "state" / "redis.json").read_text())["url"].rsplit(":", 1)[1].split("/")[0])
-        admin = redis.Redis(port=port, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "admin"))
+        url = json.loads((tmp_path / "state" / "redis.json").read_text())["url"]  # a unix socket in the 0700 workdir: no port
+        sock = redis.connection.parse_url(url)["path"]
+        admin = redis.Redis(unix_socket_path=sock, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "admin"))
         wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
 
         # Redis: no password, no access at all; a service's own user only for its own work.
-        anonymous = redis.Redis(port=port)
+        anonymous = redis.Redis(unix_socket_path=sock)
         with pytest.raises(redis.AuthenticationError):
             anonymous.xadd(keys.stream("ready"), forged_group(keys))
-        generator = redis.Redis(port=port, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
-        reward = redis.Redis(port=port, username="reward", password=credentials.read_secret(creds / "redis" / "reward.password", "r"))
-        observer = redis.Redis(port=port, username="observer", password=credentials.read_secret(creds / "redis" / "observer.password", "o"))
+        generator = redis.Redis(unix_socket_path=sock, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
+        reward = redis.Redis(unix_socket_path=sock, username="reward", password=credentials.read_secret(creds / "redis" / "reward.password", "r"))
+        observer = redis.Redis(unix_socket_path=sock, username="observer", password=credentials.read_secret(creds / "redis" / "observer.password", "o"))
         for refused in (
             lambda: reward.xadd(keys.stream("prompts"), {"x": "y"}),  # another stage's stream
             lambda: generator.xadd(keys.stream("ready"), forged_group(keys)),  # a self-rewarded group for the trainer
@@ -78,9 +79,9 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
             with pytest.raises(redis.exceptions.NoPermissionError):
                 refused()
 
-        # gRPC: the trainer's and generators' ports, from an outside process's point of view.
-        trainer_address = f"127.0.0.1:{json.loads((tmp_path / 'state' / 'trainer.json').read_text())['grpc_port']}"
-        generator_address = f"127.0.0.1:{json.loads((tmp_path / 'state' / 'generator-0.json').read_text())['grpc_port']}"
+        # gRPC: the trainer's and generators' sockets, from another process's point of view.
+        trainer_address = json.loads((tmp_path / "state" / "trainer.json").read_text())["grpc_address"]
+        generator_address = json.loads((tmp_path / "state" / "generator-0.json").read_text())["grpc_address"]
         generator_token = ClientCredentials(token=credentials.read_secret(creds / "grpc" / "generator.token", "g"))
         admin_token = ClientCredentials(token=credentials.read_secret(creds / "grpc" / "admin.token", "a"))
         anchor = [weights_pb2.WeightChunk(header=weights_pb2.WeightHeader(kind="anchor", version=10**6, total_bytes=1), data=b"x")]
@@ -110,7 +111,6 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         assert admin.acl_log() == []
 
         # The operator's view: `rollstream status` as admin works; without credentials it says why.
-        url = f"redis://127.0.0.1:{port}/0"
         ok = subprocess.run(
             [rollstream_cmd(), "status", "--redis-url", url, "--run", run, "--redis-username", "admin",
              "--redis-password-file", str(creds / "redis" / "admin.password")],

@@ -312,15 +312,15 @@ class FaultRun:
 
     def _owned(self, name: str, pid: int) -> bool:
         """The pid is really this run's process (not a reused pid): services carry their state
-        file in their command line, redis-server its port."""
+        file in their command line, redis-server its unix socket (its port, on TCP)."""
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             return False
         if name == "redis":
-            st = self.state("redis") or {}
-            port = str(st.get("url", "")).rsplit(":", 1)[-1].split("/")[0]
-            return "redis-server" in cmdline and f":{port}" in cmdline
+            url = str((self.state("redis") or {}).get("url", ""))
+            listens = redis.connection.parse_url(url).get("path") if url.startswith("unix") else ":" + url.rsplit(":", 1)[-1].split("/")[0]
+            return "redis-server" in cmdline and bool(listens) and str(listens) in cmdline
         return str(self.workdir / "state" / f"{name}.json") in cmdline
 
     # -- after the run ------------------------------------------------------------------

@@ -153,10 +153,11 @@ def connect(
         decode_responses=False,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
-        socket_keepalive=True,
         health_check_interval=30,
         **_no_client_commands(),
     )
+    if not url.startswith("unix"):  # TCP keepalive: a unix socket has none (redis-py refuses the option)
+        options["socket_keepalive"] = True
     if username:
         options["username"] = username
     if password:

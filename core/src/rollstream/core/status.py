@@ -11,6 +11,7 @@ wrote there is reported as such, not a crash.
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +26,19 @@ from rollstream.v1 import rollout_pb2
 
 T = TypeVar("T")
 _LAG_LIMIT = 10_000  # unread entries counted one by one (Redis 6.2 has no XINFO lag) up to this many
+
+
+# Bidirectional overrides and isolates: they reorder what follows them on a terminal line.
+_BIDI = frozenset(range(0x202A, 0x202F)) | frozenset(range(0x2066, 0x206A))
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab written as an escape (\\x1b,
+    \\u202e): what Redis or a log holds (a group id, a consumer name, a dead-letter reason)
+    must not drive the terminal it is printed on (ESC c resets it; rich passes ESC through)."""
+    return "".join(
+        c if c in "\n\t" or (unicodedata.category(c) != "Cc" and ord(c) not in _BIDI) else ascii(c)[1:-1] for c in text
+    )
 
 
 def _text(v: object) -> str:
@@ -153,20 +167,21 @@ def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: dia
         s = cur.stream(spec.stream)
         g = s.group(spec.group)
         r = diagnose.rate(prev, cur, spec)
-        # Text, never markup: consumer names and dead-letter reasons are whatever was written to Redis.
+        # Text, never markup, and printable: consumer names and dead-letter reasons are
+        # whatever was written to Redis.
         if g is None:
             consumers = Text("no consumer group", style="red") if s.length else Text("-")
         elif not g.consumers:
-            consumers = Text.assemble(f"{g.name}: ", ("no consumer", "red"))
+            consumers = Text.assemble(f"{printable(g.name)}: ", ("no consumer", "red"))
         else:
-            consumers = Text(f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers))
+            consumers = Text(printable(f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers)))
         table.add_row(
             spec.name, keys.stream(spec.stream), "…" if r is None else f"{r:.2f}", str(cur.backlog(spec.stream, spec.group)),
-            str(g.pending) if g is not None else "-", str(s.length), consumers, Text(cur.last_dead.get(spec.stream, "")),
+            str(g.pending) if g is not None else "-", str(s.length), consumers, Text(printable(cur.last_dead.get(spec.stream, ""))),
         )
     lines: list[Text | Table] = [table]
     gens = ", ".join(f"{g} v{'?' if v is None else v}" for g, v in sorted(cur.generators.items())) or "none registered"
-    lines.append(Text(f"generators (live): {gens}"))
+    lines.append(Text(printable(f"generators (live): {gens}")))
     if not any(g.consumers for g in cur.stream("rollouts").groups):
         # No reward stage has taken an entry yet: the built-in one is starting, or an outside
         # one (`up --reward external`) has not joined (Redis 6.2 lists a consumer only once it
@@ -180,11 +195,11 @@ def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: dia
     counters = "  ".join(f"{k}={v}" for k, v in sorted(cur.counters.items())) or "no counters yet"
     lines.append(Text(f"counters: {counters}", style="dim"))
     for err in extra.get("errors", []):
-        lines.append(Text(f"unreadable: {err}", style="yellow"))
+        lines.append(Text(printable(f"unreadable: {err}"), style="yellow"))
     findings = diagnose.diagnose(cur, prev, thresholds)
     head = findings[0]
-    lines.append(Text(head.line(), style=_STYLE[head.level]))
+    lines.append(Text(printable(head.line()), style=_STYLE[head.level]))
     for f in findings[1:]:
         if f.level in ("stuck", "warn"):
-            lines.append(Text("  also " + f.line(), style=_STYLE[f.level]))
+            lines.append(Text(printable("  also " + f.line()), style=_STYLE[f.level]))
     return RichGroup(*lines)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollstream.core.service import OWNER_ONLY_UMASK
+from rollstream.core.status import printable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -111,7 +112,8 @@ class Child:
         return 0.0 if ran > 60 else min(2.0 ** min(self.restarts, 5), 30.0)
 
     def grpc_address(self, timeout_s: float = 600.0) -> str:
-        """Wait for the service's state file (written once it serves) and return its address."""
+        """Wait for the service's state file (written once it serves) and return its gRPC
+        address (unix:/path under `up`)."""
         deadline = time.monotonic() + timeout_s
         while not self.state_file.exists():
             if self.proc is not None and self.proc.poll() is not None:
@@ -119,7 +121,7 @@ class Child:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start within {timeout_s}s; see {self.log_path}")
             time.sleep(0.2)
-        return f"127.0.0.1:{json.loads(self.state_file.read_text())['grpc_port']}"
+        return str(json.loads(self.state_file.read_text())["grpc_address"])
 
     def http_port(self) -> int:
         """The HTTP side's port (after grpc_address: the state file exists)."""
@@ -131,6 +133,7 @@ class Child:
 
 
 def tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` of a log, printable (a logged group id may hold terminal escapes)."""
     if not path.exists():
         return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return printable("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))

@@ -31,7 +31,7 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher import procs
 from rollstream.launcher.cli import plain_console
 from rollstream.launcher.procs import Child, ChildFailed, tail
-from rollstream.launcher.redis_server import EmbeddedRedis, free_port
+from rollstream.launcher.redis_server import SOCKET_NAME, EmbeddedRedis, check_socket_length
 from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, run_workdir, trainer_folders
 from rollstream.v1 import rollout_pb2
 
@@ -142,6 +142,18 @@ def _up(cfg: RunConfig) -> int:
             return 2
     workdir = run_workdir(cfg.workdir, cfg.run)
     workdir.mkdir(parents=True, exist_ok=True)
+    # Every gRPC server and the embedded Redis listen on unix sockets in the run's 0700
+    # folders, never on a TCP port: a port a restarting server gives up can be bound by any
+    # local user, who then hears every password and token sent to it (issue 42).
+    sockets = workdir / "sockets"
+    sockets.mkdir(exist_ok=True)
+    sockets.chmod(0o700)
+    try:
+        for longest in (sockets / "reference-0.sock", sockets / f"generator-{cfg.generators - 1}.sock", workdir / "redis" / SOCKET_NAME):
+            check_socket_length(longest)
+    except ValueError as e:
+        console.print(str(e), style="red")
+        return 2
     workdir.chmod(0o700)  # also a workdir an older run left open to others
     checkpoints = Path(cfg.trainer.checkpoint_dir)
     step_log = workdir / steplog.FILE_NAME
@@ -176,7 +188,8 @@ def _up(cfg: RunConfig) -> int:
         passwords = redis_acl.ensure_redis_credentials(creds, reference_stage=cfg.with_reference)
         admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
         embedded = EmbeddedRedis(
-            workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN], state_file=workdir / "state" / "redis.json"
+            workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN], state_file=workdir / "state" / "redis.json",
+            unix_socket=True,
         ).start()
         redis_url = embedded.url
         console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
@@ -204,14 +217,19 @@ def _up(cfg: RunConfig) -> int:
     def own(role: str) -> list[str]:
         return credentials.service_flags(creds, role, redis_acl=embedded is not None)
 
-    # A fixed port: generators keep the trainer's address across its restarts (catch-up).
-    trainer_port = free_port()
+    def socket(name: str) -> str:
+        """A child's gRPC socket: the same path across its restarts (the trainer's keeps the
+        generators' catch-up address), in a folder only this user can enter."""
+        return str(sockets / f"{name}.sock")
+
     trainer_values = child_toml(
-        cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_port=trainer_port, consumer="trainer-0",
+        cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_socket=socket("trainer"), consumer="trainer-0",
         **trainer_folders(workdir), metrics_file=str(step_log),
     )
     if cfg.colocated:
-        trainer = colocated_child(cfg, trainer_values, own, workdir, **shared, model=model, threads=trainer_threads, seed=cfg.generator.seed)
+        trainer = colocated_child(
+            cfg, trainer_values, own, workdir, **shared, model=model, threads=trainer_threads, seed=cfg.generator.seed, grpc_socket=socket("generator-0")
+        )
     else:
         trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
     children: list[Child] = [trainer]
@@ -239,7 +257,7 @@ def _up(cfg: RunConfig) -> int:
             generator_values = child_toml(
                 cfg.generator, "generator", **shared, model=model, threads=trainer_threads if max_staleness == 0 else side_threads,
                 trainer_address=trainer_address, weight_store=trainer_values["anchor_dir"], consumer=f"generator-{i}", max_staleness=max_staleness,
-                max_inflight_groups=(max_staleness + 1) * cfg.trainer.groups_per_step, seed=cfg.generator.seed + i,
+                max_inflight_groups=(max_staleness + 1) * cfg.trainer.groups_per_step, seed=cfg.generator.seed + i, grpc_socket=socket(f"generator-{i}"),
             )
             children.append(configured_child(f"generator-{i}", "generator", generator_values, own("generator"), workdir))
         output_stage = "scored" if cfg.with_reference else "ready"
@@ -251,10 +269,12 @@ def _up(cfg: RunConfig) -> int:
                 password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded is not None else None,
             )
         else:
-            reward_values = child_toml(cfg.reward, "reward", **shared, output_stage=output_stage, consumer="reward-0")
+            reward_values = child_toml(cfg.reward, "reward", **shared, output_stage=output_stage, consumer="reward-0", grpc_socket=socket("reward-0"))
             children.append(configured_child("reward-0", "reward", reward_values, own("reward"), workdir))
         if cfg.with_reference:
-            reference_values = child_toml(cfg.reference, "reference", **shared, model=model, threads=side_threads, consumer="reference-0")
+            reference_values = child_toml(
+                cfg.reference, "reference", **shared, model=model, threads=side_threads, consumer="reference-0", grpc_socket=socket("reference-0")
+            )
             children.append(configured_child("reference-0", "reference", reference_values, own("reference"), workdir))
         for child in children[1:]:
             child.start()
