@@ -325,16 +325,25 @@ class Generator:
             yield chunk
 
     def _refusal(self, header: weights_pb2.WeightHeader, signature: bytes, trainer_version: int | None) -> str:
-        if self.signed_catch_up:
-            if self.trainer_key is None:
-                return "roles.json has no trainer_push_key: run `rollstream secrets` again"
-            if not signature:
-                return "unsigned"
-            if not push_signing.verify_payload(self.trainer_key, self.settings.run, header, signature):
-                return "its signature is not the trainer's"
+        why = self._unsigned(header, signature)
+        if why:
+            return why
         held = self.weights.version
         if header.kind == "anchor" and held is not None and header.version < held and not (trainer_version is not None and trainer_version < held):
             return f"would take this generator back from version {held}"
+        return ""
+
+    def _unsigned(self, header: weights_pb2.WeightHeader, signature: bytes) -> str:
+        """Why `signature` is not the trainer's over `header` for this run ("": it is, or
+        catch-up is not signed here)."""
+        if not self.signed_catch_up:
+            return ""
+        if self.trainer_key is None:
+            return "roles.json has no trainer_push_key: run `rollstream secrets` again"
+        if not signature:
+            return "unsigned"
+        if not push_signing.verify_payload(self.trainer_key, self.settings.run, header, signature):
+            return "its signature is not the trainer's"
         return ""
 
     def catch_up_from_store(self, directory: Path) -> str:
@@ -345,8 +354,10 @@ class Generator:
         try:
             anchor, chain = weight_store.read_manifest(directory)
             have = self.weights.version
-            newest = chain[-1].header.version if chain else anchor.header.version
-            self.health.trainer_at("store", newest, have)
+            last = chain[-1] if chain else anchor
+            newest = last.header.version
+            if not self._unsigned(last.header, last.signature):  # a forged chain.json claims nothing
+                self.health.trainer_at("store", newest, have)
             if have == newest:
                 return ""
             if anchor.header.model_fingerprint != self.weights.fingerprint:
