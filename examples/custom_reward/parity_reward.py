@@ -34,13 +34,29 @@ MAX_DELIVERIES = 5  # an entry read this often without being acknowledged goes t
 # Write the output (or the dead letter), acknowledge the input, count it: one atomic step,
 # the script of docs/custom-reward.md. It writes only while the entry is still pending on
 # this consumer, so a commit retried after a lost reply, or one whose entry was taken over
-# meanwhile, writes nothing (returns 0). A script stops at the first error, so an output
-# that cannot be written never gets its input acknowledged (MULTI/EXEC would go on).
-# KEYS: input stream, output stream, stats hash. ARGV: group, consumer, entry id, stats
-# field, output MAXLEN ("0": none), then the output entry's field/value pairs.
+# meanwhile, writes nothing (returns 0). It checks every key and the counter before it
+# writes anything, so what a key holds (another type, a counter that is not an integer)
+# refuses the whole commit ("... nothing written"), never half of it.
+# KEYS: input stream, output stream, our counters (rs:{<run>}:stats:reward, the only hash
+# the reward user may write). ARGV: group, consumer, entry id, counter field, output MAXLEN
+# ("0": none), then the output entry's field/value pairs.
 COMMIT = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then
   return 0
+end
+-- Check before writing (Redis has no rollback): a key of another type, or a counter that
+-- is not an integer, refuses the commit whole, the entry still pending.
+local want = {'stream', 'stream', 'hash'}
+for k = 1, 3 do
+  local have = redis.call('TYPE', KEYS[k])['ok']
+  if have ~= 'none' and have ~= want[k] then
+    return redis.error_reply('WRONGTYPE ' .. KEYS[k] .. ' is a ' .. have .. ': nothing written')
+  end
+end
+local count = redis.call('HGET', KEYS[3], ARGV[4])
+local digits = count and string.match(count, '^%-?([1-9]%d*)$')
+if count and count ~= '0' and not (digits and #digits <= 18) then
+  return redis.error_reply('NOTCOUNTER ' .. ARGV[4] .. ' of ' .. KEYS[3] .. ' is not an integer: nothing written')
 end
 if ARGV[5] == '0' then
   redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
@@ -68,7 +84,7 @@ class ParityReward:
         self.claim_idle_ms = args.claim_idle_ms
         prefix = f"rs:{{{args.run}}}:"  # the {run} hash tag: one Redis Cluster slot per run
         self.source, self.output = prefix + "rollouts", prefix + args.output_stage
-        self.dead, self.stats = prefix + "dead", prefix + "stats"
+        self.dead, self.stats = prefix + "dead", prefix + "stats:reward"
         self.tasks = prefix + "tasks"  # task_id -> PromptTask, written by the trainer only
         self.commit = self.r.register_script(COMMIT)
         self.stopping = False
@@ -137,7 +153,20 @@ class ParityReward:
                     c.reward_components.add(name=name, value=reward, weight=1.0, status="ok")
                 group.scored = True
             out = [b"type", b"rollstream.v1.RolloutGroup", b"schema", SCHEMA, b"data", group.SerializeToString()]
-            self.commit(keys=[self.source, self.output, self.stats], args=[self.group, self.consumer, eid, "scored", "0", *out])
+            self.checked_commit([self.source, self.output, self.stats], [self.group, self.consumer, eid, "scored", "0", *out])
+
+    def checked_commit(self, keys: list[str], args: list) -> None:
+        """The commit script; while it refuses for what a key holds, say so and try again
+        every 10 s (the entry stays pending on us) until an operator fixes the key."""
+        while True:
+            try:
+                self.commit(keys=keys, args=args)
+                return
+            except redis.ResponseError as e:
+                if "nothing written" not in str(e) or self.stopping:
+                    raise
+                print(f"commit refused, retrying in 10 s: {e}", file=sys.stderr, flush=True)
+                time.sleep(10)
 
     def decode(self, fields: dict[bytes, bytes]):
         if fields.get(b"type") != b"rollstream.v1.RolloutGroup":
@@ -175,7 +204,7 @@ class ParityReward:
             dead_at=time.time(),  # seconds since the epoch
         )  # fmt: skip
         out = [b"type", b"rollstream.v1.DeadLetter", b"schema", SCHEMA, b"data", letter.SerializeToString(), b"reason", reason.encode()]
-        self.commit(keys=[self.source, self.dead, self.stats], args=[self.group, self.consumer, eid, "dead_rollouts", "100000", *out])
+        self.checked_commit([self.source, self.dead, self.stats], [self.group, self.consumer, eid, "dead_rollouts", "100000", *out])
         print(f"dead letter {eid.decode()}: {reason}", file=sys.stderr, flush=True)
 
     def trim(self) -> None:

@@ -39,14 +39,31 @@ const DEAD_TYPE = "rollstream.v1.DeadLetter";
 const DEAD_MAXLEN = "100000"; // the dead-letter stream is capped (approximately), as the built-in stages do
 
 // The commit script of docs/custom-reward.md, used for outputs and dead letters alike.
-// KEYS: input stream, output stream, stats hash.
+// KEYS: input stream, output stream, our counters (rs:{<run>}:stats:reward: the only hash the
+// reward user may write).
 // ARGV: group, consumer, entry id, stats field, output MAXLEN ("0": none), then the output
 // entry's field/value pairs. Writes only while the entry is still pending on this consumer:
 // a commit retried after a lost reply, or one that lost its entry to a take-over, writes
-// nothing (returns 0). The output first, the ack after it, the optional counter last.
+// nothing (returns 0). Every key and the counter are checked before anything is written: what
+// a key holds (another type, a counter that is not an integer) refuses the commit whole
+// ("... nothing written"); the loop says so and retries. Then the output, the ack, the counter.
 const COMMIT = `
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then
   return 0
+end
+-- Check before writing (Redis has no rollback): a key of another type, or a counter that
+-- is not an integer, refuses the commit whole, the entry still pending.
+local want = {'stream', 'stream', 'hash'}
+for k = 1, 3 do
+  local have = redis.call('TYPE', KEYS[k])['ok']
+  if have ~= 'none' and have ~= want[k] then
+    return redis.error_reply('WRONGTYPE ' .. KEYS[k] .. ' is a ' .. have .. ': nothing written')
+  end
+end
+local count = redis.call('HGET', KEYS[3], ARGV[4])
+local digits = count and string.match(count, '^%-?([1-9]%d*)$')
+if count and count ~= '0' and not (digits and #digits <= 18) then
+  return redis.error_reply('NOTCOUNTER ' .. ARGV[4] .. ' of ' .. KEYS[3] .. ' is not an integer: nothing written')
 end
 if ARGV[5] == '0' then
   redis.call('XADD', KEYS[2], '*', unpack(ARGV, 6))
@@ -143,7 +160,7 @@ class RewardService {
     this.source = prefix + "rollouts";
     this.output = prefix + opts.outputStage;
     this.dead = prefix + "dead";
-    this.stats = prefix + "stats";
+    this.stats = prefix + "stats:reward";
     this.tasks = prefix + "tasks"; // task_id -> PromptTask, written by the trainer only
     this.stopping = false;
     this.wake = null; // ends a back-off sleep early on SIGTERM
@@ -220,6 +237,8 @@ class RewardService {
         this.rereadQuietly = true;
         if (text.includes("NOGROUP")) {
           await this.ensureGroup().catch(() => {}); // the stream or group was deleted (a fresh run): join again
+        } else if (text.includes("nothing written")) {
+          log("commit_refused", { error: text }); // a key to fix: said each time, retried
         } else if (!outage) {
           outage = Date.now();
           log("redis_unavailable", { error: text });

@@ -49,7 +49,7 @@ from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REF
 from helpers import wait_for
 from rollstream.core import codec
 from rollstream.launcher.redis_server import free_port
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(3600)]
@@ -364,7 +364,7 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         # bit-identical weights through generators_dns), nothing dead, Redis with AOF.
         metrics = step_metrics(client, keys)
         assert [m.step for m in metrics] == list(range(1, len(metrics) + 1))
-        stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+        stats = read_counters(client, keys)[0]
         assert stats["trained"] >= 2 * GROUPS_PER_STEP and stats["pushes_applied"] >= 2, stats
         assert stats.get("pushes_not_applied", 0) == 0, stats
         assert client.xlen(keys.stream("dead")) == 0
@@ -444,7 +444,7 @@ def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docke
         assert up.returncode == 0, f"compose up failed:\n{up.stderr[-3000:]}\n{project.logs()[-6000:]}"
         assert set(project.states()) == {"redis", "trainer", "reward"}, "the generator service is behind its profile"
         project.wait_until("2 trainer steps", lambda: client.xlen(keys.metrics) >= 2, 900)
-        stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+        stats = read_counters(client, keys)[0]
         assert stats["trained"] >= 2 * GROUPS_PER_STEP, stats
         assert stats.get("pushes_applied", 0) == 0, "nothing is pushed inside the process"
         assert client.xlen(keys.stream("dead")) == 0

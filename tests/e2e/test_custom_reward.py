@@ -107,7 +107,7 @@ def test_trainer_trains_on_the_custom_services_scores(
         steps_total = sum(m.reward_mean * m.completions for m in steps)
         assert steps_total == pytest.approx(trained_total, abs=1e-4)
         assert all(m.completions == GROUPS_PER_STEP * GROUP_SIZE for m in steps)
-        assert int(rclient.hget(keys.stats, "scored") or 0) >= len(trained)
+        assert int(rclient.hget(keys.counters("reward"), "scored") or 0) >= len(trained)
         assert "must not import" not in custom_log.read_text()
     finally:
         custom.terminate()

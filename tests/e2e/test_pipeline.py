@@ -13,6 +13,7 @@ import redis
 
 from helpers import wait_for
 from procs import generator_state, start_service, trainer_state
+from rollstream.core.streams import read_counters
 from rollstream.core import codec, streams
 from rollstream.v1 import rollout_pb2
 
@@ -72,7 +73,7 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams
         wait_for(lambda: generator_state(gen_b.grpc_address).policy_version >= 4, 120, "late generator to catch up", procs)
 
         # Committed steps (the trainer's own counter moves before its push and commit).
-        wait_for(lambda: int(rclient.hget(keys.stats, "step") or 0) >= STEPS, 600, f"{STEPS} steps committed", procs)
+        wait_for(lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS, 600, f"{STEPS} steps committed", procs)
 
         # Exactness: every generator's engine weights equal the trainer's published bf16 weights.
         final = trainer_state(trainer.grpc_address, sha=True)
@@ -89,7 +90,7 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams
             key = keys.stream(stage)
             wait_for(lambda key=key, group=group: rclient.xpending(key, group)["pending"] == 0 and _undelivered(rclient, key, group) == 0, 120, f"{stage} drained", procs)
 
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        stats = read_counters(rclient, keys)[0]
         generated = {m.decode() for m in rclient.smembers(keys.groups("generated"))}
         trained = {m.decode() for m in rclient.smembers(keys.groups("trained"))}
         stale = {m.decode() for m in rclient.smembers(keys.groups("stale"))}

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, steplog
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 from helpers import MIN_WAIT_S, still_running, wait_for
@@ -107,7 +107,7 @@ def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_m
     metrics = step_metrics(rclient, keys)
     assert [m.mean_staleness for m in metrics] == [0.0] * 4
     assert [m.clip_fraction for m in metrics] == [0.0] * 4  # truncated IS replaces the clip
-    stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+    stats = read_counters(rclient, keys)[0]
     assert stats.get("stale", 0) == 0 and stats["trained"] == 8
     # Never more than the next step's batch sampled ahead (it may have started after step 4).
     assert stats["generated"] <= 8 + 2, stats

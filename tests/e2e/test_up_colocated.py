@@ -15,7 +15,7 @@ import redis
 from pydantic import ValidationError
 
 from rollstream.core import steplog
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.run_config import RunConfig
 
@@ -53,8 +53,8 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
             steps[mode] = steplog.read(workdir / steplog.FILE_NAME).steps
             completions[mode] = dict(scorer.seen)
             # The ledger: every group generated was trained once, none dropped.
-            stats = {k.decode(): v.decode() for k, v in rclient.hgetall(RunKeys(run).stats).items()}
-            assert stats["trained"] == "6" and stats.get("stale", "0") == "0" and stats.get("duplicates", "0") == "0", stats
+            stats = read_counters(rclient, RunKeys(run))[0]
+            assert stats["trained"] == 6 and stats.get("stale", 0) == 0 and stats.get("duplicates", 0) == 0, stats
             state = sorted(p.stem for p in (workdir / "state").glob("*.json"))
             if mode != "separate":
                 # One process holds the model: no generator child; its lines are in the trainer's log.

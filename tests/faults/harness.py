@@ -6,7 +6,7 @@ stream) plus a delay drawn from a seeded RNG, never at fixed times alone:
 
 - `kill9(name)`: SIGKILL a service (trainer, generator-0, reward-0, reference-0) or the
   embedded redis-server ("redis"); `up` must restart it.
-- `redis_sleep(s)`: `DEBUG SLEEP s` from a connection of its own (the server stalls).
+- `redis_sleep(s)`: the server stalls s seconds (SIGSTOP: the admin user has no DEBUG).
 - `redis_stop(s)`: SIGSTOP the redis-server, SIGCONT after s seconds.
 - `cpu_hog(n, s)`: n busy-loop processes for at most s seconds.
 
@@ -36,7 +36,7 @@ from helpers import wait_for
 from procs import alive
 from rollstream.core import codec, credentials, redis_acl
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, id_tuple
+from rollstream.core.streams import RunKeys, id_tuple, read_counters
 from rollstream.v1 import rollout_pb2
 
 SERVICES = ("trainer", "generator-0", "reward-0", "reference-0")
@@ -254,27 +254,10 @@ class FaultRun:
         return pid
 
     def redis_sleep(self, seconds: float) -> threading.Thread:
-        """`DEBUG SLEEP seconds` on a connection of its own, in a thread (it blocks that long)."""
-        url = self.redis_url()
-        step = self.max_step()
-        admin = self.admin()
-
-        def sleep() -> None:
-            client = redis.Redis.from_url(url, socket_timeout=seconds + 30, socket_connect_timeout=10, **admin)
-            try:
-                client.execute_command("DEBUG", "SLEEP", seconds)
-            except redis.TimeoutError:
-                pass  # the server was stalled by another fault as well: it slept all the same
-            except redis.RedisError as e:  # the run goes on; the test says the fault misfired
-                self.misfires.append(f"DEBUG SLEEP {seconds}: {e}")
-            finally:
-                client.close()
-
-        thread = threading.Thread(target=sleep, name="debug-sleep", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-        self._record(f"DEBUG SLEEP {seconds}", step)
-        return thread
+        """The server stalls `seconds`, as `DEBUG SLEEP seconds` made it: the admin user has no
+        DEBUG any more (@dangerous, issue 42), so a SIGSTOP does it, the same to every client
+        (connections accepted by the kernel, no reply until it ends)."""
+        return self.redis_stop(seconds)
 
     def redis_stop(self, seconds: float) -> threading.Thread:
         """SIGSTOP the redis-server; a thread sends SIGCONT after `seconds` (close() does too)."""
@@ -488,7 +471,7 @@ def check_invariants(
     generated = _members(client, keys.groups("generated"))
     trained = _members(client, keys.groups("trained"))
     stale = _members(client, keys.groups("stale"))
-    ledger.stats = {k.decode(): int(val) for k, val in client.hgetall(keys.stats).items() if val.lstrip(b"-").isdigit()}
+    ledger.stats = read_counters(client, keys)[0]
 
     dead: set[str] = set()
     dead_by_stage: dict[str, int] = {}

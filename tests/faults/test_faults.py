@@ -147,7 +147,8 @@ def test_invariant_checker_catches_a_broken_ledger(rclient: redis.Redis, keys: R
     rclient.sadd(keys.groups("generated"), "g1", "g2", "g3", "g4", "g5")
     rclient.sadd(keys.groups("trained"), "g1", "g2")
     rclient.sadd(keys.groups("stale"), "g3")
-    rclient.hset(keys.stats, mapping={"trained": 2, "stale": 1, "dead_scored": 1})
+    rclient.hset(keys.counters("trainer"), mapping={"trained": 2, "stale": 1})
+    rclient.hset(keys.counters("reference"), "dead_scored", 1)
     _dead_letter(rclient, keys, "scored", "g4", "group g4: 3 reference log-probs for 2 tokens")
     # g1 was read and acknowledged (not waiting though not trimmed yet); g5 is unread.
     rclient.xadd(ready, _group("g1"))
@@ -162,7 +163,7 @@ def test_invariant_checker_catches_a_broken_ledger(rclient: redis.Redis, keys: R
 
     rclient.sadd(keys.groups("generated"), "g6")  # lost: in no outcome
     rclient.sadd(keys.groups("stale"), "g2")  # two outcomes
-    rclient.hincrby(keys.stats, "trained", 1)  # counted twice
+    rclient.hincrby(keys.counters("trainer"), "trained", 1)  # counted twice
     _dead_letter(rclient, keys, "rollouts", "g7", "delivered 6 times (max_deliveries=5) without being acknowledged: each consumer stopped")
     bad = check_invariants(rclient, keys, steps=1, groups_per_step=2, versions={"trainer": 1, "generator-0": 0})
     found = "\n".join(bad.violations)

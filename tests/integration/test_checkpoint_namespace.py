@@ -101,7 +101,7 @@ def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
         procs.append(b)
         state = trainer_state(address, sha=True)
         assert (state.step, state.version, state.weights_sha256) == (STEPS, STEPS, final.weights_sha256)
-        assert rclient.hget(keys.stats, "steps_lost_on_resume") is None
+        assert rclient.hget(keys.counters("trainer"), "steps_lost_on_resume") is None
         assert str(root / "step-00000007") in b.log()
         assert b.stop() == 0
 
@@ -114,7 +114,7 @@ def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
         procs.append(c)
         state = trainer_state(address, sha=True)
         assert (state.step, state.weights_sha256) == (STEPS, final.weights_sha256)
-        assert rclient.hget(keys.stats, "steps_lost_on_resume") is None
+        assert rclient.hget(keys.counters("trainer"), "steps_lost_on_resume") is None
         assert "checkpoint_unusable" in c.log() and str(root / "step-00000006") in c.log()
         wait_for(lambda: kept_line(c, STEPS), 60, "C's final checkpoint", [c])  # A and B have exited: only C is watched
         assert checkpoint.verify(root / "step-00000007").step == STEPS

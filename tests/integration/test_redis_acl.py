@@ -143,8 +143,8 @@ def test_no_service_role_has_an_admin_command(role: str) -> None:
 
 def test_observer_has_read_commands_only() -> None:
     commands, keys = redis_acl.ROLE_RULES[redis_acl.OBSERVER]
-    assert keys == ("rollouts", "scored", "ready", "prompts", "dead", "stats", "version", "metrics", "generators", "generators:seen",
-                    "generators:versions")  # fmt: skip
+    assert keys == ("rollouts", "scored", "ready", "prompts", "dead", "stats:generator", "stats:reward", "stats:reference", "stats:trainer",
+                    "version", "metrics", "generators", "generators:seen", "generators:versions")  # fmt: skip
     assert set(commands) == {"ping", "info", "select", "cluster|slots", "command", "eval", "evalsha", "script|load", "exists",
                              "xinfo|groups", "xlen", "xrange", "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall",
                              "zrangebyscore"}  # fmt: skip
@@ -210,7 +210,7 @@ def test_generator_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     observer = connect_as("observer")
 
     def ledger(ops: streams.Ops) -> None:  # the generator's commit extra (generator/service.py turn)
-        ops.hincrby(keys.stats, "generated", 1)
+        ops.hincrby(keys.counters("generator"), "generated", 1)
         ops.sadd(keys.groups("generated"), "g-1")
 
     work_through_stage(admin, client, keys, "prompts", "generators", "rollouts", extra=ledger)
@@ -231,7 +231,7 @@ def test_reward_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) ->
     client = connect_as("reward")
 
     def count(ops: streams.Ops) -> None:  # reward/service.py process_batch
-        ops.hincrby(keys.stats, "scored", 1)
+        ops.hincrby(keys.counters("reward"), "scored", 1)
 
     work_through_stage(admin, client, keys, "rollouts", "reward", "scored", extra=count)
     # --output-stage ready (no reference stage), and XAUTOCLAIM as a custom reward may use it.
@@ -281,7 +281,7 @@ def test_reference_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     client = connect_as("reference")
 
     def count(ops: streams.Ops) -> None:  # reference/service.py ReferenceLoop.reference
-        ops.hincrby(keys.stats, "referenced", 1)
+        ops.hincrby(keys.counters("reference"), "referenced", 1)
 
     work_through_stage(admin, client, keys, "scored", "reference", "ready", extra=count)
     assert denials(admin) == []
@@ -294,13 +294,13 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys, t
 
     def step_ledger(ops: streams.Ops) -> None:  # trainer/service.py train_and_commit, drop_stale, duplicates
         ops.sadd(keys.groups("trained"), "g-1")
-        ops.hincrby(keys.stats, "trained", 1)
-        ops.hset(keys.stats, "step", 1)
+        ops.hincrby(keys.counters("trainer"), "trained", 1)
+        ops.hset(keys.counters("trainer"), "step", 1)
         ops.set(keys.version, 1)
         ops.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=1)), maxlen=100_000, approximate=True)
         ops.xadd(keys.trained_log, {"step": 1, "type": b"x"})
         ops.sadd(keys.groups("stale"), "g-2")
-        ops.hincrby(keys.stats, "duplicates", 1)
+        ops.hincrby(keys.counters("trainer"), "duplicates", 1)
 
     work_through_stage(admin, client, keys, "ready", "trainer", None, extra=step_ledger)
     # run(): the feeder's position, the version; replay_trained_log: the trained log, the step.
@@ -315,8 +315,8 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys, t
     feeder.sweep(version=9)
     client.set(keys.version, 1)
     assert len(client.xrange(keys.trained_log)) == 2
-    assert client.hget(keys.stats, "step") == b"1"
-    client.hincrby(keys.stats, "steps_lost_on_resume", 0)
+    assert client.hget(keys.counters("trainer"), "step") == b"1"
+    client.hincrby(keys.counters("trainer"), "steps_lost_on_resume", 0)
     assert client.sismember(keys.groups("trained"), "g-1") and not client.sismember(keys.groups("stale"), "g-9")
     # A checkpoint: the log's end recorded, then the log trimmed up to a kept checkpoint's end.
     end = client.xrevrange(keys.trained_log, count=1)[0][0]
@@ -366,7 +366,7 @@ def test_roles_are_refused_other_stages_keys(connect_as, keys: RunKeys) -> None:
     assert_denied(lambda: reward.xadd(keys.stream("scored") + "x", group))
     assert_denied(lambda: reward.set("anything", 1))
     # Inside a script too (Redis checks a script's calls as the caller).
-    assert_denied(lambda: reward.eval("return redis.call('SET', KEYS[1], 1)", 1, keys.stats))
+    assert_denied(lambda: reward.eval("return redis.call('SET', KEYS[1], 1)", 1, keys.counters("trainer")))
     stage = StreamStage(reward, keys, "rollouts", "reward", "c")
     assert_denied(lambda: stage.apply(_xadd_ops(keys.stream("prompts"), group)))
 
@@ -375,6 +375,66 @@ def _xadd_ops(key: str, fields: dict) -> streams.Ops:
     ops = streams.Ops()
     ops.xadd(key, fields)
     return ops
+
+
+@pytest.mark.parametrize("role", SERVICES)
+def test_a_role_writes_its_own_counters_and_no_one_elses(admin: redis.Redis, connect_as, keys: RunKeys, role: str) -> None:
+    """Issue 42 N3: with the generator's password, `HSET <stats> trained x` poisoned the
+    trainer's counter, and the trainer's commit failed after its SADD, again and again. Each
+    role now counts in its own hash, the only one its user may write, by a command or by a
+    script (the commit script runs as the caller); the observer writes none."""
+    client = connect_as(role)
+    others = [r for r in streams.COUNTER_ROLES if r != role]
+    for other in others:
+        key = keys.counters(other)
+        assert_denied(lambda key=key: client.hset(key, "trained", "x"))
+        assert_denied(lambda key=key: client.hincrby(key, "scored", 1))
+        assert_denied(lambda key=key: client.hget(key, "trained"))
+    # Inside its own commit script too: refused, and nothing written.
+    stage = StreamStage(client, keys, next(s for s, r in streams.STAGE_READER.items() if r == role), role, "c")
+    ops = streams.Ops()
+    ops.hincrby(keys.counters(others[0]), "trained", 1)
+    assert_denied(lambda: stage.apply(ops))
+    assert all(admin.exists(keys.counters(o)) == 0 for o in others)
+    # Its own counters: counted, by a command and in its commit script.
+    own = streams.Ops()
+    own.hincrby(stage.counters, "counted", 2)
+    stage.apply(own)
+    assert client.hincrby(keys.counters(role), "counted", 1) == 3
+    observer = connect_as(redis_acl.OBSERVER)
+    for each in streams.COUNTER_ROLES:
+        assert_denied(lambda each=each: observer.hset(keys.counters(each), "trained", "x"))
+    assert observer.hgetall(keys.counters(role)) == {b"counted": b"3"}
+    # The old shared hash is nobody's but the admin's.
+    assert_denied(lambda: client.hset(f"rs:{{{keys.run}}}:stats", "trained", "x"))
+    admin.delete(keys.counters(role))
+    admin.acl_log_reset()
+
+
+@pytest.mark.parametrize("user", [redis_acl.ADMIN, *SERVICES, redis_acl.OBSERVER])
+def test_no_user_can_make_the_server_write_a_file(server: EmbeddedRedis, passwords: dict[str, str], user: str) -> None:
+    """Issue 42 N1's tail: with the admin password, CONFIG SET dir/dbfilename and SAVE wrote
+    a file with the server owner's rights. No rollstream user has Redis's @dangerous
+    commands (the admin only INFO, ACL LOG and CLUSTER SLOTS of them, which read)."""
+    client = redis_policy.connect(server.url, user, passwords[user])
+    try:
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "SET", "dbfilename", "x.rdb"), ("CONFIG", "GET", "dir"), ("SAVE",),
+                        ("BGSAVE",), ("BGREWRITEAOF",), ("DEBUG", "SLEEP", "0"), ("FLUSHALL",), ("SHUTDOWN", "NOSAVE"),
+                        ("ACL", "SETUSER", "intruder", "on", ">pw", "+@all", "~*"), ("ACL", "LOAD"), ("ACL", "SAVE"),
+                        ("MODULE", "LOAD", "/tmp/x.so"), ("REPLICAOF", "127.0.0.1", "1"), ("CLIENT", "KILL", "USER", "trainer"),
+                        ("MIGRATE", "127.0.0.1", "1", "", "0", "1", "KEYS", "k")):  # fmt: skip
+            with pytest.raises(redis.RedisError) as e:
+                client.execute_command(*command)
+            # Redis 7 refuses DEBUG and MODULE to everyone before the ACL, by its own settings.
+            assert redis_policy.is_denied(e.value) or "command not allowed" in str(e.value), (command, e.value)
+        if user == redis_acl.ADMIN:  # what `up`, `rollstream status` and the tests use
+            assert client.info("server")["redis_version"]
+            assert isinstance(client.acl_log(), list)
+            with pytest.raises(redis.ResponseError, match="NOTBUSY"):
+                client.script_kill()  # a runaway script can still be stopped
+    finally:
+        client.close()
+    assert server.admin_client().ping()  # still up, as it was
 
 
 def test_generator_cannot_write_ready_or_scored(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
@@ -418,7 +478,8 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
         write(admin, keys, stage, rollout_group(f"{stage}-1", ["8"]))
         admin.xgroup_create(keys.stream(stage), group, id="0")
         admin.xreadgroup(group, f"{group}-0", {keys.stream(stage): ">"}, count=1)
-    admin.hset(keys.stats, mapping={"generated": 1, "step": 2})
+    admin.hset(keys.counters("generator"), "generated", 1)
+    admin.hset(keys.counters("trainer"), "step", 2)
     admin.set(keys.version, 2)
     admin.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
     admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
@@ -613,8 +674,9 @@ def test_tiny_pipeline_trains_with_every_service_as_its_role(
         procs.append(start_service("reward", tmp_path, *common, *role_flags(secrets_root, "reward"), "--output-stage", "ready").wait_ready())
         # The step's commit (its ledger, the version) lands after GetState already says the step.
         wait_for(lambda: int(admin.get(keys.version) or 0) >= steps, 240, f"{steps} steps as roles", procs=procs)
-        # The generator counts its back-pressure as the observer (its own user could not).
-        assert "observer" in {c["user"] for c in admin.client_list()}
+        # The generator counts its back-pressure as the observer: its own user may not read
+        # `scored` or `ready`, so doing it as itself would show in denials() below (the
+        # admin has no CLIENT LIST to see who is connected: @dangerous).
         assert trainer_state(trainer.grpc_address).step == steps
         assert admin.scard(keys.groups("trained")) == 2 * steps
         assert admin.xlen(keys.dead) == 0

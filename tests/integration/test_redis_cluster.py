@@ -23,6 +23,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
+from rollstream.core.streams import read_counters
 from rollstream.core import codec, redis_policy, registry, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
@@ -64,7 +65,7 @@ def run_on_node(cluster: RedisClusterNodes, node: int, prefix: str = "c") -> str
 
 def every_key(keys: streams.RunKeys) -> list[str]:
     return [
-        *(keys.stream(s) for s in streams.STAGES), keys.dead, keys.metrics, keys.stats, keys.version, keys.fed, keys.trained_log,
+        *(keys.stream(s) for s in streams.STAGES), keys.dead, keys.metrics, *map(keys.counters, streams.COUNTER_ROLES), keys.version, keys.fed, keys.trained_log,
         keys.generators, keys.generators_seen, keys.generators_versions, *(keys.groups(o) for o in ("generated", "trained", "stale")),
     ]  # fmt: skip
 
@@ -127,7 +128,7 @@ def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: Red
         _registry_cycle(cclient, keys)
         # The run's keys are stored on its node and nowhere else.
         stored = keys_on_node(cluster, node, keys)
-        assert {keys.stream("rollouts"), keys.stream("scored"), keys.dead, keys.stats, keys.groups("generated")} <= stored, stored
+        assert {keys.stream("rollouts"), keys.stream("scored"), keys.dead, keys.counters("reward"), keys.groups("generated")} <= stored, stored
         for other in set(range(3)) - {node}:
             assert keys_on_node(cluster, other, keys) == set()
 
@@ -146,21 +147,21 @@ def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
     assert stage.read(count=10, block_ms=50) == []
 
     def ledger(ops: streams.Ops) -> None:
-        ops.hincrby(keys.stats, "scored", 2)
+        ops.hincrby(keys.counters("reward"), "scored", 2)
         ops.sadd(keys.groups("generated"), "g1", "g2")
 
     outputs = [("scored", group("g1")), ("scored", group("g2"))]
     assert stage.commit(entries[:2], outputs, extra=ledger) is True
     assert stage.commit(entries[:2], outputs, extra=ledger) is False  # a retried commit writes nothing twice
     assert client.xlen(scored) == 2
-    assert int(client.hget(keys.stats, "scored")) == 2
+    assert int(client.hget(keys.counters("reward"), "scored")) == 2
     assert {m.decode() for m in client.smembers(keys.groups("generated"))} == {"g1", "g2"}
 
     stage.dead_letter(entries[2], "test: unusable")
     ((_id, dead_fields),) = client.xrange(keys.dead)
     letter = codec.decode(dead_fields, rollout_pb2.DeadLetter)
     assert (letter.source_stream, letter.reason, dead_fields[b"reason"]) == (source, "test: unusable", b"test: unusable")
-    assert int(client.hget(keys.stats, "dead_rollouts")) == 1
+    assert int(client.hget(keys.counters("reward"), "dead_rollouts")) == 1
     assert streams.waiting(client, source) == 0
     assert streams.waiting(client, scored) == 2  # no group reads `scored` here: all of it
 
@@ -224,7 +225,7 @@ def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient
 
         # The step's commit is what counts: the trainer's own counter (GetState) moves before
         # the push and the commit, so it can be ahead of Redis for a moment.
-        wait_for(lambda: int(cclient.hget(keys.stats, "step") or 0) >= STEPS, 240, f"{STEPS} steps committed on the cluster", procs=procs)
+        wait_for(lambda: int(cclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS, 240, f"{STEPS} steps committed on the cluster", procs=procs)
         trained_s = time.monotonic() - started
         print(f"\n[cluster] pipeline: services ready after {ready_s:.1f}s, {STEPS} steps after {trained_s:.1f}s")
 
@@ -232,7 +233,7 @@ def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient
         assert state.step == STEPS and state.version == STEPS
         assert int(cclient.get(keys.version)) == STEPS
         trained = {m.decode() for m in cclient.smembers(keys.groups("trained"))}
-        stats = {k.decode(): int(v) for k, v in cclient.hgetall(keys.stats).items()}
+        stats = read_counters(cclient, keys)[0]
         assert len(trained) == stats["trained"] == STEPS * GROUPS_PER_STEP, stats
         generated = {m.decode() for m in cclient.smembers(keys.groups("generated"))}
         assert trained <= generated

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,7 +125,7 @@ def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, 
     # The input was acknowledged in the same transaction, and counted.
     pending = client.xpending_range(keys.stream("scored"), "reference", min=entry_id, max=entry_id, count=1)
     assert pending == []
-    assert int(client.hget(keys.stats, "referenced") or 0) >= 1
+    assert int(client.hget(keys.counters("reference"), "referenced") or 0) >= 1
 
 
 def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
@@ -148,7 +149,7 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
     assert out_of_vocab.group_id not in ready_groups(client, keys)
     # Dead letters are acknowledged too: nothing of this run is left pending.
     assert client.xpending(keys.stream("scored"), "reference")["pending"] == 0
-    assert int(client.hget(keys.stats, "dead_scored") or 0) >= 4
+    assert int(client.hget(keys.counters("reference"), "dead_scored") or 0) >= 4
 
 
 def test_ref_logprobs_written_upstream_are_replaced_by_the_references_own(
@@ -202,7 +203,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
     """The stream loop's pieces in this process (real Redis, real gRPC server, the real
     commit), so that GetState can be asked at the moment the commit has made a group
     visible in ready: what a client polling ready, then GetState, would see. A commit that
-    fails leaves the count as it was."""
+    is refused waits, holding its entry, until the key is fixed."""
     keys = streams.RunKeys("refstate" + uuid.uuid4().hex[:8])
     settings = ReferenceSettings(redis_url=redis_server.url, run=keys.run, block_ms=10)
     client = streams.connect(redis_server.url)
@@ -227,18 +228,22 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
 
             monkeypatch.setattr(stage, "commit", commit_then_ask)
 
-            # A commit refused by Redis (ready is not a stream): nothing written, nothing counted.
+            # A commit refused by Redis (ready is not a stream): nothing written while it waits
+            # (not ready, retrying) for the key to be fixed; the entry stays pending.
+            host.redis.refused_retry_s = 0.05
             client.set(keys.stream("ready"), "not a stream")
             write(client, keys, "scored", scored_group_in_vocab(in_process.vocab_size, n=2, seed=7))
             batch = wait_for(lambda: host.read(stage, loop.parse), 30, "the group read")
-            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
-                loop.reference(batch)
-            assert stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed == 0
+            referencing = threading.Thread(target=loop.reference, args=(batch,), daemon=True)
+            referencing.start()
+            wait_for(lambda: not host.redis.ok, 30, "the commit refused")
+            assert "WRONGTYPE" in host.redis.detail
+            assert client.type(keys.stream("ready")) == b"string" and client.xpending(stage.stream, stage.group)["pending"] == 1
 
-            # The same entry, read again once ready is a stream: counted by the time it is there.
+            # Once ready is a stream, the same commit lands: counted by the time it is there.
             client.delete(keys.stream("ready"))
-            batch = wait_for(lambda: host.read(stage, loop.parse), 30, "the group read again")
-            loop.reference(batch)
+            referencing.join(60)
+            assert not referencing.is_alive()
             assert client.xlen(keys.stream("ready")) == 1
             assert counted_at_commit == [1]
     client.close()

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, streams
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many
@@ -74,7 +74,7 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
         assert letter.source_id == bad.decode() and letter.consumer_group == GROUP
         assert "schema b'2' is not supported" in fields[b"reason"].decode() == letter.reason
         assert rclient.xpending(rollouts, GROUP)["pending"] == 0
-        assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 2, "dead_rollouts": 2}
+        assert read_counters(rclient, keys)[0] == {"scored": 2, "dead_rollouts": 2}
         wait_for(lambda: rclient.xlen(rollouts) == 0, 20, "rollouts trimmed behind the acks", procs=example(proc, log))
     finally:
         proc.terminate()

@@ -16,7 +16,7 @@ import redis
 
 from rollstream.core import codec, redis_acl, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many
@@ -115,7 +115,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
     for eid, why in bad.items():
         assert why in letters[eid].reason, letters[eid].reason
         assert letters[eid].original_fields["type"].startswith(b"rollstream.v1."), "the original entry is kept"
-    assert {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()} == {"scored": 1, "reward_passthrough": 1, "dead_rollouts": 5}
+    assert read_counters(rclient, keys)[0] == {"scored": 1, "reward_passthrough": 1, "dead_rollouts": 5}
     assert good not in letters
     wait_for(lambda: rclient.xlen(rollouts) == 0, 30, "rollouts trimmed behind the acks", procs=[proc])
     assert proc.stop() == 0, proc.log()

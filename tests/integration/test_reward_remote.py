@@ -18,7 +18,7 @@ import redis
 
 from rollstream.core import streams
 from rollstream.core.service import ServiceHost
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import ScorePool
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
@@ -178,7 +178,7 @@ def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_ur
         assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
         assert metric(svc.http_port, "rollstream_reward_held_groups") == 0.0
         assert "scorer_unavailable" in svc.log() and "scorer_recovered" in svc.log()
-        assert rclient.hget(keys.stats, "scored") == b"5"
+        assert rclient.hget(keys.counters("reward"), "scored") == b"5"
     finally:
         svc.kill()
 
@@ -244,7 +244,7 @@ def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis
         ((_, fields),) = rclient.xrange(keys.dead)
         assert fields[b"reason"].decode() == "remote scorer rejected the group: INVALID_ARGUMENT: cannot grade bad"
         assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0
-        assert int(rclient.hget(keys.stats, "dead_rollouts") or 0) == 1
+        assert int(rclient.hget(keys.counters("reward"), "dead_rollouts") or 0) == 1
         # A rejection is the scorer answering: it does not open the circuit.
         assert metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 0.0
         assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="rejected"}') >= 1
@@ -266,7 +266,7 @@ def test_a_group_scored_then_refused_for_its_scores_counts_as_neither_scored_nor
         ((_, fields),) = rclient.xrange(keys.dead)
         assert fields[b"reason"].decode().startswith("scoring gave an unusable group")
         wait_for(lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0, 60, "every entry acknowledged", [svc])
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        stats = read_counters(rclient, keys)[0]
         assert stats == {"scored": 2, "dead_rollouts": 1}, stats
         assert metric(svc.http_port, 'rollstream_reward_groups_total{outcome="scored"}') == 2.0
         assert metric(svc.http_port, 'rollstream_reward_groups_total{outcome="passed_through"}') == 0.0

@@ -41,7 +41,7 @@ def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, r
             120, "both workers' counts to reach the stream", workers,
         )
         assert sum(counts) == N_GROUPS and min(counts) > 0, counts
-        assert int(rclient.hget(keys.stats, "scored") or 0) == N_GROUPS
+        assert int(rclient.hget(keys.counters("reward"), "scored") or 0) == N_GROUPS
     finally:
         for w in workers:
             w.kill()

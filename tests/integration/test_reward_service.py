@@ -16,7 +16,7 @@ import redis
 
 from rollstream.core import codec, grpc_utils, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.streams import RunKeys, StreamStage, read_counters
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from helpers import MIN_WAIT_S, REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
 from procs import start_reward
@@ -92,7 +92,7 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, REWARD_GROUP)
 
         assert rclient.xpending(rollouts, REWARD_GROUP)["pending"] == 0
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        stats = read_counters(rclient, keys)[0]
         assert stats == {
             "scored": 3,
             "reward_passthrough": 1,
@@ -132,7 +132,7 @@ def test_a_group_claiming_its_own_rewards_is_scored_again_by_default(tmp_path: P
         (out,) = groups_in(rclient, keys.stream("scored"))
         assert [c.reward for c in out.completions] == pytest.approx([0.1, 1.1])  # its own answers, scored here
         assert all(comp.name != "custom" for c in out.completions for comp in c.reward_components)
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        stats = read_counters(rclient, keys)[0]
         assert stats.get("reward_passthrough", 0) == 0 and stats["scored"] == 1
     finally:
         svc.stop()
@@ -316,7 +316,7 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
         # sq = x + x passes sq(2) == 4 only; the endless loop runs past the per-test limit: a
         # timeout (value 0), not a wrong answer.
         assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [(1.0, "ok"), (0.5, "ok"), (0.0, "timeout")]
-        stats = {k.decode(): int(v) for k, v in rclient.hgetall(keys.stats).items()}
+        stats = read_counters(rclient, keys)[0]
         assert stats == {"scored": 2, "reward_timeouts": 2}
 
         # The Score RPC scores in the same worker pool, so its time limit is as hard.

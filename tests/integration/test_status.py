@@ -102,7 +102,7 @@ def test_the_back_pressure_deadlock(rclient: redis.Redis, keys: RunKeys) -> None
     take(rclient, keys, "prompts", "generator", "generator-0", 0)
     fill(rclient, keys, "ready", 3)
     take(rclient, keys, "ready", "trainer", "trainer-0", 3)
-    rclient.hset(keys.stats, "groups_per_step", 8)
+    rclient.hset(keys.counters("trainer"), "groups_per_step", 8)
     f = headline(rclient, keys, NOW)
     assert (f.level, f.stage) == ("stuck", "generator") and "deadlock" in f.reason and "holds 3 groups" in f.reason
 
@@ -112,7 +112,7 @@ def test_a_training_trainer_is_the_bottleneck(rclient: redis.Redis, keys: RunKey
     take(rclient, keys, "prompts", "generator", "generator-0", 0)
     fill(rclient, keys, "ready", 10)
     take(rclient, keys, "ready", "trainer", "trainer-0", 8)
-    rclient.hset(keys.stats, "groups_per_step", 8)
+    rclient.hset(keys.counters("trainer"), "groups_per_step", 8)
     registry.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=0)
     f = headline(rclient, keys, NOW)
     assert (f.level, f.stage) == ("info", "trainer") and "training a step on 8 groups for " in f.reason and ", 2 more wait in ready" in f.reason
@@ -120,7 +120,8 @@ def test_a_training_trainer_is_the_bottleneck(rclient: redis.Redis, keys: RunKey
 
 def test_status_command_shows_the_pipeline_and_the_diagnosis(redis_url: str, rclient: redis.Redis, keys: RunKeys, capsys: pytest.CaptureFixture[str]) -> None:
     fill(rclient, keys, "rollouts", 3)
-    rclient.hset(keys.stats, mapping={"generated": 3, "step": 0})
+    rclient.hset(keys.counters("generator"), "generated", 3)
+    rclient.hset(keys.counters("trainer"), "step", 0)
     assert cli.main_code(["status", "--redis-url", redis_url, "--run", keys.run]) == 0
     out = capsys.readouterr().out
     assert keys.stream("rollouts") in out and "no consumer group" in out and "generated=3" in out

@@ -89,7 +89,7 @@ def test_commit_extra_ops_run_in_the_same_transaction(rclient: redis.Redis, keys
         handed.append(ops)
         assert rclient.xlen(keys.stream(DST)) == 0  # queued, not yet run
         ops.sadd(keys.groups("generated"), "g0", "g1")
-        ops.hincrby(keys.stats, "scored", 2)
+        ops.hincrby(keys.counters("reward"), "scored", 2)
         ops.set(keys.version, 3)
 
     stage.commit(entries, outputs=[(DST, _group(0))], extra=ledger)
@@ -98,7 +98,7 @@ def test_commit_extra_ops_run_in_the_same_transaction(rclient: redis.Redis, keys
     kinds = [c[0] for c in handed[0].commands]
     assert kinds == ["XADD", "SADD", "HINCRBY", "SET", "XACK"]
     assert rclient.smembers(keys.groups("generated")) == {b"g0", b"g1"}
-    assert rclient.hget(keys.stats, "scored") == b"2"
+    assert rclient.hget(keys.counters("reward"), "scored") == b"2"
     assert streams.current_version(rclient, keys) == 3
     assert rclient.xlen(keys.stream(DST)) == 1
     assert _pending_ids(rclient, keys) == []
@@ -135,7 +135,7 @@ def test_dead_letter_records_reason_and_original_fields_and_acks(rclient: redis.
     assert (letter.source_stream, letter.source_id) == (keys.stream(SRC), bad.decode())
     assert (letter.consumer_group, letter.consumer, letter.deliveries) == (GROUP, "A", 1)
     assert letter.dead_at > 0
-    assert rclient.hget(keys.stats, f"dead_{SRC}") == b"1"
+    assert rclient.hget(keys.counters("reward"), f"dead_{SRC}") == b"1"
     assert _pending_ids(rclient, keys) == [good]  # the dead one is acked, the good one not
 
 
@@ -321,12 +321,12 @@ def test_multi_exec_does_not_roll_back_a_command_failing_at_exec(rclient: redis.
     stage = _stage(rclient, keys, "A")
     assert _ids(stage.read(count=10, block_ms=10)) == [eid]
     pipe = rclient.pipeline(transaction=True)
-    pipe.hincrby(keys.stats, "scored", 1)
+    pipe.hincrby(keys.counters("reward"), "scored", 1)
     pipe.incr(keys.stream(SRC))  # WRONGTYPE at EXEC time
     pipe.xack(keys.stream(SRC), GROUP, eid)
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         pipe.execute()
-    assert rclient.hget(keys.stats, "scored") == b"1"
+    assert rclient.hget(keys.counters("reward"), "scored") == b"1"
     assert _pending_ids(rclient, keys) == []  # acked although the transaction "failed"
 
 
@@ -334,11 +334,11 @@ def test_multi_exec_aborts_everything_on_a_queue_time_error(rclient: redis.Redis
     """An error found while queueing (wrong arity, unknown command) makes EXEC answer
     EXECABORT: nothing at all is applied."""
     pipe = rclient.pipeline(transaction=True)
-    pipe.hincrby(keys.stats, "scored", 1)
+    pipe.hincrby(keys.counters("reward"), "scored", 1)
     pipe.execute_command("XADD", keys.stream(DST))  # wrong number of arguments
     with pytest.raises(redis.ResponseError, match="wrong number of arguments"):
         pipe.execute()
-    assert rclient.hget(keys.stats, "scored") is None
+    assert rclient.hget(keys.counters("reward"), "scored") is None
     assert not rclient.exists(keys.stream(DST))
 
 
@@ -351,14 +351,14 @@ def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(rc
     entries = stage.read(count=10, block_ms=10)
 
     def bad_ledger(ops: streams.Ops) -> None:
-        ops.hincrby(keys.stats, "scored", 1)
+        ops.hincrby(keys.counters("reward"), "scored", 1)
         ops.hincrby(keys.stream(SRC), "oops", 1)  # WRONGTYPE: the key is a stream
         ops.sadd(keys.groups("generated"), "g0")
 
     with pytest.raises(redis.ResponseError, match="WRONGTYPE HINCRBY on .*, a stream: nothing written"):
         stage.commit(entries, outputs=[(DST, _group(0))], extra=bad_ledger)
     assert rclient.xlen(keys.stream(DST)) == 0  # the output, before the bad command: not written
-    assert rclient.hget(keys.stats, "scored") is None
+    assert rclient.hget(keys.counters("reward"), "scored") is None
     assert not rclient.exists(keys.groups("generated"))
     assert _pending_ids(rclient, keys) == [eid]  # the ack never ran
 
@@ -366,23 +366,49 @@ def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(rc
     # A failed call in this process does not count a delivery (only a restart does).
     again = stage.read(count=10, block_ms=10)
     assert _ids(again) == [eid] and again[0].deliveries == 1
-    stage.commit(again, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1))
+    stage.commit(again, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1))
     assert _pending_ids(rclient, keys) == []
     assert rclient.xlen(keys.stream(DST)) == 1
-    assert rclient.hget(keys.stats, "scored") == b"1"
+    assert rclient.hget(keys.counters("reward"), "scored") == b"1"
 
 
-def test_an_error_the_type_check_cannot_foresee_stops_before_the_ack(rclient: redis.Redis, keys: RunKeys) -> None:
-    """A command that fails for another reason (here HINCRBY on a field holding text) stops
-    the script there: what came before stays (no rollback), the ack never runs."""
+def test_a_counter_that_is_not_an_integer_refuses_the_whole_commit(rclient: redis.Redis, keys: RunKeys) -> None:
+    """HINCRBY on a field holding text would fail after the output and the ledger set were
+    written (no rollback): the script reads each field it will count first, and refuses
+    the whole commit, naming the field, with nothing written and the input still pending.
+    Fields too long to count safely (19 digits could overflow) and leading zeros (which
+    HINCRBY refuses) are refused alike; an integer field is counted on."""
     (eid,) = _feed(rclient, keys, 1)
     stage = _stage(rclient, keys, "A", claim_idle_ms=60_000)
     entries = stage.read(count=10, block_ms=10)
-    rclient.hset(keys.stats, "text", "not a number")
-    with pytest.raises(redis.ResponseError, match="not an integer"):
-        stage.commit(entries, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "text", 1))
-    assert rclient.xlen(keys.stream(DST)) == 1
-    assert _pending_ids(rclient, keys) == [eid]
+    counters = keys.counters("reward")
+
+    def ledger(ops: streams.Ops) -> None:
+        ops.sadd(keys.groups("generated"), "g0")
+        ops.hincrby(counters, "scored", 1)
+
+    for poison in ("x", "9" * 19, "007", "1.5", "", "-0"):
+        rclient.hset(counters, "scored", poison)
+        with pytest.raises(redis.ResponseError, match=f"NOTCOUNTER field scored of {counters} holds .*not an integer counter: nothing written"):
+            stage.commit(entries, outputs=[(DST, _group(0))], extra=ledger)
+        assert rclient.xlen(keys.stream(DST)) == 0 and not rclient.exists(keys.groups("generated"))
+        assert _pending_ids(rclient, keys) == [eid]
+    rclient.hset(counters, "scored", "-" + "9" * 18)  # an integer, however odd: counted on
+    assert stage.commit(entries, outputs=[(DST, _group(0))], extra=ledger) is True
+    assert rclient.hget(counters, "scored") == b"-" + b"9" * 17 + b"8"
+    assert rclient.xlen(keys.stream(DST)) == 1 and _pending_ids(rclient, keys) == []
+
+
+def test_set_replaces_a_key_of_another_type(rclient: redis.Redis, keys: RunKeys) -> None:
+    """SET cannot fail on what the key holds (it replaces it): the script does not refuse a
+    commit for it, so the trainer's version written as a hash by someone else is just
+    written again."""
+    stage = _stage(rclient, keys, "A")
+    rclient.hset(keys.version, "x", 1)
+    ops = streams.Ops()
+    ops.set(keys.version, 3)
+    stage.apply(ops)
+    assert rclient.get(keys.version) == b"3"
 
 
 # --- back-pressure: what really waits -------------------------------------------------------
@@ -429,10 +455,10 @@ def test_a_commit_retried_after_a_lost_reply_writes_nothing_twice(rclient: redis
     _feed(rclient, keys, 1)
     stage = _stage(rclient, keys, "A")
     got = stage.read(count=1, block_ms=10)
-    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1)) is True
+    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)) is True
     # The same commit again, as after a timeout whose first try had gone through.
-    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.stats, "scored", 1)) is False
-    assert rclient.xlen(keys.stream(DST)) == 1 and rclient.hget(keys.stats, "scored") == b"1"
+    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)) is False
+    assert rclient.xlen(keys.stream(DST)) == 1 and rclient.hget(keys.counters("reward"), "scored") == b"1"
 
 
 def test_reread_after_a_failure_does_not_count_deliveries(rclient: redis.Redis, keys: RunKeys) -> None:
@@ -465,7 +491,7 @@ def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys
 def test_keys_of_a_run_share_one_cluster_slot(keys: RunKeys) -> None:
     from redis.crc import key_slot
 
-    names = [keys.stream(s) for s in streams.STAGES] + [keys.dead, keys.metrics, keys.stats, keys.version, keys.fed,
+    names = [keys.stream(s) for s in streams.STAGES] + [keys.dead, keys.metrics, *map(keys.counters, streams.COUNTER_ROLES), keys.version, keys.fed,
                                                         keys.trained_log, keys.generators, keys.generators_seen, keys.generators_versions,
                                                         keys.groups("trained")]
     assert all(n.startswith(f"rs:{{{keys.run}}}:") for n in names)

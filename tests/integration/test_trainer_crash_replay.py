@@ -47,7 +47,7 @@ def committed_step(client: redis.Redis, keys: streams.RunKeys) -> int:
     """The last step whose commit (ack, ledger, metrics: one transaction) reached Redis. The
     trainer's own step (GetState) counts a step before its push and commit, so a test that
     reads the metrics must wait for this one."""
-    return int(client.hget(keys.stats, "step") or 0)
+    return int(client.hget(keys.counters("trainer"), "step") or 0)
 
 
 def losses(client: redis.Redis, keys: streams.RunKeys) -> dict[int, tuple[float, float]]:
@@ -103,7 +103,7 @@ def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
         # The ledger: every group trained exactly once, nothing left pending, nothing dead.
         trained = rclient.smembers(keys.groups("trained"))
         assert len(trained) == STEPS * GROUPS_PER_STEP
-        assert int(rclient.hget(keys.stats, "trained")) == len(trained)
+        assert int(rclient.hget(keys.counters("trainer"), "trained")) == len(trained)
         assert rclient.xlen(keys.dead) == 0
         assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
     finally:

@@ -72,7 +72,7 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
         # good-1 is still held for the next step: not dead, not trained.
         assert not rclient.sismember(keys.groups("trained"), "good-1")
         write_ready(rclient, keys, [good_2], tiny_decode)
-        wait_for(lambda: int(rclient.hget(keys.stats, "step") or 0) == 1, 120, "step 1 committed", [trainer])
+        wait_for(lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) == 1, 120, "step 1 committed", [trainer])
 
         assert {m.decode() for m in rclient.smembers(keys.groups("trained"))} == {"good-1", "good-2"}
         assert set(dead) == {"long-prompt", "two-hundred", "low-behaviour", "overflow"}
@@ -80,7 +80,7 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
         assert "200 completions, more than the limit 4" in dead["two-hundred"]
         assert "behaviour_logprobs[0] = -200.0 is not a log-prob (finite, in [-87, 0])" in dead["low-behaviour"]
         assert dead["overflow"].startswith("step 1 refused: on its own this group's ")
-        assert int(rclient.hget(keys.stats, "nonfinite_steps") or 0) == 1
+        assert int(rclient.hget(keys.counters("trainer"), "nonfinite_steps") or 0) == 1
         assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
         assert "delivered" not in " ".join(dead.values())  # each refused for itself, at once
     finally:

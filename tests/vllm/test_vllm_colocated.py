@@ -30,7 +30,7 @@ from synthetic import scored_groups
 from rollstream.core import steplog
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
-from rollstream.core.streams import RunKeys
+from rollstream.core.streams import RunKeys, read_counters
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.vllm_backend import VllmBackend
@@ -149,7 +149,7 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
     assert sorted(p.stem for p in (tmp_path / "state").glob("*.json")) == ["reward-0", "trainer"]
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
-        stats = {str(k): str(v) for k, v in client.hgetall(RunKeys(run).stats).items()}
+        stats = {k: str(v) for k, v in read_counters(client, RunKeys(run))[0].items()}
     finally:
         client.close()
     # Every group the three steps trained was trained once: none stale, none duplicated.

@@ -3,7 +3,8 @@ stuck stage and why. Pure: no Redis, no clock. `rollstream status` (core/status.
 snapshots from Redis; the rules compare the current one with the previous one (rates, growth).
 
 The pipeline, stage by stage: each stage consumes one stream through its consumer group and
-counts what it did in the run's `stats` hash (plus `dead_<stream>` for what it dead-lettered):
+counts what it did in its own hash `stats:<role>` (plus `dead_<stream>` for what it dead-lettered;
+streams.read_counters sums the four into the snapshot's counters):
 
   generator  prompts  -> rollouts   generated
   reward     rollouts -> scored     scored, reward_passthrough
@@ -28,7 +29,7 @@ The rules, most serious first (`diagnose` returns every finding, the first is th
                     with no weights; or no generator registered at all
   dead letters      the dead-letter stream grew since the last look (with the last reason)
   trainer waiting   nothing unread in `ready` and no step in progress (fewer than a step's groups,
-                    the `groups_per_step` the trainer records in `stats`, pending on it): the
+                    the `groups_per_step` the trainer records in its counters, pending on it): the
                     bottleneck is the stage nearest the trainer with a backlog (or nothing is in
                     flight at all)
   bottleneck        otherwise the trainer is training or has groups waiting: it is the bottleneck
@@ -98,7 +99,7 @@ class Snapshot:
 
     at: float
     streams: dict[str, StreamState]  # by stage stream name: prompts, rollouts, scored, ready
-    counters: dict[str, int] = field(default_factory=dict)  # the run's stats hash
+    counters: dict[str, int] = field(default_factory=dict)  # every role's counters, summed (streams.read_counters)
     trainer_version: int = 0
     trainer_step: int = 0
     generators: dict[str, int | None] = field(default_factory=dict)  # live generator -> version (None: no weights)

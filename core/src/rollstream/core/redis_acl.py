@@ -20,13 +20,29 @@ does each user's real work as that user and checks the server's ACL LOG stays em
   XPENDING, XCLAIM, XACK; the commit script through EVALSHA (SCRIPT LOAD when the server
   does not have it yet), which runs XPENDING, TYPE, then the stage's writes (XADD, HINCRBY,
   ...) as the caller: Redis checks a script's commands and keys against the caller's ACL
-  too; dead letters (XADD `dead`, HINCRBY `stats`); trimming (XINFO GROUPS, XPENDING,
+  too, and HGET (the script reads each counter field it will HINCRBY first); dead letters
+  (XADD `dead`, HINCRBY the role's own `stats:<role>`); trimming (XINFO GROUPS, XPENDING,
   XTRIM).
 - back-pressure, streams.waiting: EVAL of a script running EXISTS, XINFO GROUPS, XLEN,
   XRANGE on the stream it measures.
 - the trainer's dashboard (core/dashboard.py, as `observer`): XINFO GROUPS/CONSUMERS, XLEN,
-  XRANGE, XREVRANGE, TYPE on every stage's stream and `dead`, HGETALL `stats` and the
-  registry, GET `version`, ZRANGEBYSCORE the heartbeats, TIME.
+  XRANGE, XREVRANGE, TYPE on every stage's stream and `dead`, HGETALL each role's
+  `stats:<role>` and the registry, GET `version`, ZRANGEBYSCORE the heartbeats, TIME.
+
+Counters: each writer counts in its own hash, `stats:<role>` (streams.RunKeys.counters),
+and only that role's user may write it. One shared `stats` hash let the generator's
+password poison the trainer's `trained` field (HSET it to "x"), and a key pattern cannot
+give a user some fields of a hash. Readers sum the four (streams.read_counters).
+
+The admin user (`up`'s own client, `rollstream status`, the tests' checks) has every key and
+command except Redis's @dangerous category (CONFIG, SAVE, BGSAVE, DEBUG, FLUSHALL, SHUTDOWN,
+ACL SETUSER/LOAD, MODULE, REPLICAOF, MIGRATE, CLIENT KILL, KEYS, ...): with the admin
+password, CONFIG SET dir/dbfilename + SAVE would write a file wherever the server's owner
+may. Back from that category, read-only: INFO (redis_policy.connect's cluster check, the
+server's version; @dangerous on 6.2 and 7), ACL LOG (what the server refused, for
+diagnosis), CLUSTER SLOTS (a cluster client's slot map). No rollstream user has a
+dangerous command that writes or reconfigures anything; changing the ACL is editing
+users.acl and restarting the server (`up` writes it at every start).
 
 What a key pattern cannot say: Redis 6.2 gives a user the same access to every key it may
 touch (read and write alike), and on 7 an EVAL's declared keys count as written too. A user
@@ -36,12 +52,13 @@ with read commands only (no XADD, no XACK, nothing that writes: a script it runs
 nothing either), and the generator's own user has neither `scored` nor `ready`: a stolen
 generator password cannot put a forged, self-rewarded group where the trainer reads. The
 trainer, which feeds `prompts`, could still read them. What each role cannot do is
-everything else: another stage's keys, the trainer's ledger and version (but the generator
-reads the version), any command outside its list, and every administrative command (DEBUG,
-CONFIG, FLUSHALL, KEYS, ACL, MONITOR, SHUTDOWN, SCRIPT FLUSH/KILL, MODULE, REPLICAOF,
-CLIENT, ...): those are the `admin` user's alone (the operator: `rollstream status`, `up`'s
-own reads). A script may still busy the server (a loop) until the admin's SCRIPT KILL: EVAL
-is the price of the atomic commit.
+everything else: another stage's keys, another role's counters, the trainer's ledger and
+version (but the generator reads the version), any command outside its list, and every
+administrative command (DEBUG, CONFIG, FLUSHALL, KEYS, ACL, MONITOR, SHUTDOWN, SCRIPT
+FLUSH/KILL, MODULE, REPLICAOF, CLIENT, ...); the `admin` user (the operator: `rollstream
+status`, `up`'s own reads) has the non-dangerous ones among them, SCRIPT KILL included. A
+script may still busy the server (a loop) until the admin's SCRIPT KILL: EVAL is the price
+of the atomic commit.
 
 A deployment with a reference stage (beta > 0) gets a reward user without `ready`
 (`reference_stage=True`: `rollstream up` decides it from its flags, `rollstream secrets
@@ -68,7 +85,10 @@ ACL_FILE = "users.acl"
 
 # Commands, grouped by what needs them (see the module docstring).
 _CONNECTION = ("ping", "info", "select", "cluster|slots", "command")
-_STAGE = ("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "evalsha", "script|load", "type", "xadd", "hincrby", "xinfo|groups", "xtrim")
+_STAGE = ("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "evalsha", "script|load", "type", "hget", "xadd", "hincrby", "xinfo|groups",
+          "xtrim")
+# The admin user: everything but @dangerous, and back from it only what reads (module docstring).
+ADMIN_RULES = "~* &* +@all -@dangerous +info +acl|log +cluster|slots"
 _WAITING = ("eval", "exists", "xlen", "xrange")
 
 # user -> (commands, keys under rs:{<run>}:). One table, the whole policy.
@@ -78,7 +98,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # the observer: neither `scored` nor `ready` is the generator's.
     "generator": (
         (*_CONNECTION, *_STAGE, "get", "sadd", "time", "hset", "zadd", "hdel", "zrem"),
-        ("prompts", "rollouts", "version", "dead", "stats", "groups:generated", "generators", "generators:seen",
+        ("prompts", "rollouts", "version", "dead", "stats:generator", "groups:generated", "generators", "generators:seen",
          "generators:versions"),
     ),
     # rollouts -> scored, or ready when the run has no reference stage (--output-stage); with
@@ -88,12 +108,12 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # The task map (HMGET `tasks`): what it scores with is what the trainer fed.
     "reward": (
         (*_CONNECTION, *_STAGE, "xautoclaim", "eval", "hmget"),
-        ("rollouts", "scored", "ready", "dead", "stats", "tasks"),
+        ("rollouts", "scored", "ready", "dead", "stats:reward", "tasks"),
     ),
     # scored -> ready.
     "reference": (
         (*_CONNECTION, *_STAGE),
-        ("scored", "ready", "dead", "stats"),
+        ("scored", "ready", "dead", "stats:reference"),
     ),
     # ready -> the step's ledger (groups sets, stats, version, metrics, trained_log); feeds
     # prompts (XADD + SET fed in the commit script, after waiting + trimming them); reads its
@@ -105,7 +125,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "trainer": (
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
          "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem", "hmget", "hlen"),
-        ("ready", "prompts", "fed", "version", "metrics", "stats", "trained_log", "dead", "groups:trained", "groups:stale",
+        ("ready", "prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale",
          "generators", "generators:seen", "generators:versions", "tasks"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the
@@ -115,8 +135,8 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     OBSERVER: (
         (*_CONNECTION, "eval", "evalsha", "script|load", "exists", "xinfo|groups", "xlen", "xrange",
          "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall", "zrangebyscore"),
-        ("rollouts", "scored", "ready", "prompts", "dead", "stats", "version", "metrics", "generators", "generators:seen",
-         "generators:versions"),
+        ("rollouts", "scored", "ready", "prompts", "dead", "stats:generator", "stats:reward", "stats:reference", "stats:trainer",
+         "version", "metrics", "generators", "generators:seen", "generators:versions"),
     ),
 }  # fmt: skip
 
@@ -138,7 +158,7 @@ def rules(role: str, reference_stage: bool = False) -> tuple[tuple[str, ...], tu
 def acl_rules(role: str, reference_stage: bool = False) -> str:
     """A user's rules, as on its `user` line after the password (no password)."""
     if role == ADMIN:
-        return "~* &* +@all"
+        return ADMIN_RULES
     commands, keys = rules(role, reference_stage)
     # resetchannels: no pub/sub for anyone (6.2's default would allow every channel).
     return " ".join(["resetchannels", *(f"~{key_pattern(k)}" for k in keys), "-@all", *(f"+{c}" for c in commands)])

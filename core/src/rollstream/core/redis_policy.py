@@ -23,6 +23,15 @@ ERROR line naming the user, what was being done and what to check, and raises
 config.load_or_exit): no loop's `except Exception` or `except ERRORS` takes it for a Redis
 outage, and the process ends through its usual cleanup. A supervisor restarting it sees
 the same line again, instead of a service that says "not ready" forever.
+
+A commit the stream stage's script refuses whole because of what a key holds (a key of
+the wrong type, a counter field that is not an integer: `is_refused_write`, nothing
+written) is neither: no retry soon changes it, but an operator can fix the key while the
+service waits, and exiting would crash-loop on the same entries, each restart counting a
+delivery until they are dead-lettered (a trainer would also lose the step it holds).
+`RedisHealth.call(..., wait_out_refusals=True)` (the commit path) therefore reports the
+service not ready with the refusal's text, logs an ERROR line naming the key (again every
+REMIND_EVERY_S), and retries every REFUSED_RETRY_S, holding its work; docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
 # While an outage lasts, repeat its log line this often (not on every retry).
 REMIND_EVERY_S = 30.0
+# A commit refused for what a key holds waits for an operator: retried this often.
+REFUSED_RETRY_S = 10.0
 # Replies a cluster or a replica gives while it settles; worth waiting out like a timeout.
 _TRANSIENT_REPLIES = ("LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "BUSY ")
 # A refusal inside a Lua script: Redis 7 keeps the NOPERM code; 6.2 reports a plain script
@@ -189,6 +200,16 @@ def is_denied(error: BaseException) -> bool:
     return text.upper().startswith(("NOPERM", "WRONGPASS", "NOAUTH")) or any(d in text for d in _DENIED_IN_SCRIPT)
 
 
+def is_refused_write(error: BaseException) -> bool:
+    """The commit script refused to write anything because of what a key holds (its own
+    checks, streams._RUN_COMMANDS, end in "nothing written"), or Redis refused a write on
+    a key of the wrong type or a field that is not an integer."""
+    if not isinstance(error, redis.ResponseError) or is_denied(error):
+        return False
+    text = str(error)
+    return "nothing written" in text or "WRONGTYPE" in text or "not an integer" in text
+
+
 def is_transient(error: BaseException) -> bool:
     if is_denied(error):
         return False  # AuthenticationError is a ConnectionError, but waiting will not fix it
@@ -230,6 +251,7 @@ class RedisHealth:
         self.stop = stop
         self.on_change = on_change
         self.user = user  # the Redis user we connect as, for the refusal line ("" : the default user)
+        self.refused_retry_s = REFUSED_RETRY_S
         self.ok = True
         self.detail = ""
         self._delay = BACKOFF_FIRST_S
@@ -258,19 +280,32 @@ class RedisHealth:
         refusal (is_denied) raises Misconfigured instead: retrying would never end."""
         if is_denied(error):
             raise self.refused(error, doing) from error
+        self._down(error, doing, "redis_unavailable", logging.WARNING, f"redis unavailable ({doing}): {short(error)}", None)
+
+    def refused_write(self, error: BaseException, doing: str) -> None:
+        """Record a commit refused for what a key holds (is_refused_write) and wait
+        REFUSED_RETRY_S before the caller retries it: not ready, said as a refusal."""
+        detail = f"redis refused a write ({doing}): {short(error)}; fix or delete that key as the admin user, the write is retried"
+        self._down(error, doing, "redis_write_refused", logging.ERROR, detail, self.refused_retry_s)
+
+    def _down(self, error: BaseException, doing: str, event: str, level: int, detail: str, wait_s: float | None) -> None:
+        """Not ready with `detail`; log `event` when this trouble starts and every
+        REMIND_EVERY_S; wait `wait_s` (None: the backoff, doubling)."""
         now = time.monotonic()
         with self._lock:
             first = self.ok
             if first:
                 self.ok, self._since, self._reminded = False, now, now
-            self.detail = f"redis unavailable ({doing}): {short(error)}"
-            delay, self._delay = self._delay, min(self._delay * 2, BACKOFF_MAX_S)
-            remind = not first and now - self._reminded >= REMIND_EVERY_S
+            changed = self.detail != detail
+            self.detail = detail
+            delay = wait_s if wait_s is not None else self._delay
+            if wait_s is None:
+                self._delay = min(self._delay * 2, BACKOFF_MAX_S)
+            remind = not first and (changed and wait_s is not None or now - self._reminded >= REMIND_EVERY_S)
             if remind:
                 self._reminded = now
         if first or remind:
-            logs.event(self.log, "redis_unavailable", logging.WARNING, doing=doing, error=short(error), retry_s=round(delay, 2),
-                       down_s=round(now - self._since, 1))
+            logs.event(self.log, event, level, doing=doing, error=short(error), retry_s=round(delay, 2), down_s=round(now - self._since, 1))
         if first and self.on_change is not None:
             self.on_change(False)
         self.stop.wait(delay)
@@ -286,16 +321,21 @@ class RedisHealth:
             if self.on_change is not None:
                 self.on_change(True)
 
-    def call(self, fn: Callable[[], T], doing: str) -> T:
+    def call(self, fn: Callable[[], T], doing: str, wait_out_refusals: bool = False) -> T:
         """`fn()` until it succeeds without a transient error; raises Stopped on stop, and
         Misconfigured on a refusal (is_denied). Use for idempotent calls only (a read, a
-        commit script, a SET)."""
+        commit script, a SET). `wait_out_refusals`: a write refused for what a key holds
+        (is_refused_write) is retried slowly too (refused_write), for a commit script
+        that writes nothing when it refuses."""
         while True:
             if self.stop.is_set():
                 raise Stopped(doing)
             try:
                 result = fn()
             except ERRORS as e:
+                if wait_out_refusals and is_refused_write(e):
+                    self.refused_write(e, doing)
+                    continue
                 if not (is_transient(e) or is_denied(e)):
                     raise
                 self.failed(e, doing)  # a refusal raises Misconfigured there

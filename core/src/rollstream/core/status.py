@@ -45,18 +45,6 @@ def _text(v: object) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def parse_counters(raw: dict) -> dict[str, int]:
-    """The run's counters (HGETALL of its stats hash); a field that is not an integer
-    (someone wrote to the hash) is skipped."""
-    out = {}
-    for k, v in raw.items():
-        try:
-            out[_text(k)] = int(v)
-        except ValueError:
-            continue
-    return out
-
-
 class _Reader:
     """Reads that turn a foreign key's error (WRONGTYPE and the like) into a note."""
 
@@ -128,7 +116,8 @@ def collect(client: redis_policy.Client, keys: streams.RunKeys, workdir: Path | 
     seconds, micros = client.time()
     at = int(seconds) + int(micros) / 1e6
     states = {stage: _stream(client, keys.stream(stage), read) for stage in streams.STAGES}
-    counters = parse_counters(read(lambda: client.hgetall(keys.stats), {}, keys.stats))
+    counters, unreadable = streams.read_counters(client, keys)
+    read.errors.extend(unreadable)
     version = read(lambda: streams.current_version(client, keys), 0, keys.version)
     live = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
     versions = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)

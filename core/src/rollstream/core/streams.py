@@ -15,7 +15,8 @@ One `StreamStage` is one consumer of one input stream. Its contract:
   a lost reply, or one racing a take-over, writes nothing twice. The trainer still
   deduplicates by group_id (a stage slower than claim_idle_ms is taken over and its work
   done twice; only the first commit lands).
-- `dead_letter()` moves an entry to `rs:{<run>}:dead` with its reason, atomically with its ack.
+- `dead_letter()` moves an entry to `rs:{<run>}:dead` with its reason, atomically with its ack,
+  counted as `dead_<source>` in the reading role's own counters (RunKeys.counters).
 - `trim()` deletes entries that every consumer group has acknowledged.
 """
 
@@ -34,6 +35,10 @@ from rollstream.core.config import CommonSettings, consumer_name
 from rollstream.v1 import rollout_pb2
 
 STAGES = ("prompts", "rollouts", "scored", "ready")
+# The role that reads each stage: what it dead-letters from that stage (dead_<stage>) is
+# counted in its own counters (RunKeys.counters).
+STAGE_READER = {"prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
+COUNTER_ROLES = ("generator", "reward", "reference", "trainer")
 
 M = TypeVar("M")
 
@@ -61,10 +66,14 @@ class RunKeys:
     def metrics(self) -> str:
         return f"{self.prefix}metrics"
 
-    @property
-    def stats(self) -> str:
-        """Hash of counters: generated, trained, stale, dead, ... (HINCRBY, in the same transactions)."""
-        return f"{self.prefix}stats"
+    def counters(self, role: str) -> str:
+        """Hash of one role's counters (`rs:{<run>}:stats:<role>`: generated, scored, trained,
+        dead_<stage>, ..., HINCRBY in the same scripts as the work they count). Each role's
+        ACL may write its own hash only, so no writer can poison another's counter; readers
+        sum them (read_counters)."""
+        if role not in COUNTER_ROLES:
+            raise ValueError(f"no counters for role {role!r}: one of {', '.join(COUNTER_ROLES)}")
+        return f"{self.prefix}stats:{role}"
 
     @property
     def version(self) -> str:
@@ -122,10 +131,14 @@ class Entry:
 #
 # The inputs must all still be pending on this consumer, else nothing is written and 0 is
 # returned (the idempotence of the module docstring). Redis has no rollback, so the script
-# then checks every key's type against its command and refuses the whole list (writing
-# nothing) if one would fail with WRONGTYPE. Under maxmemory, Redis refuses a script's first
-# write (OOM) before anything is applied. What remains, an error in a command itself, stops
-# at that command (redis.call raises), with the ack last.
+# then checks, before writing anything, that no command can fail on what the keys hold:
+# each key's type against its command (WRONGTYPE), and each field it will HINCRBY, which
+# must be absent or an integer that cannot overflow (at most 18 digits). One bad key or
+# field refuses the whole list with an error that names it and ends in "nothing written"
+# (redis_policy.is_refused_write). SET is not checked: it replaces whatever the key holds.
+# Under maxmemory, Redis refuses a script's first write (OOM) before anything is applied.
+# What remains, an error in a command itself, stops at that command (redis.call raises),
+# with the ack last.
 _RUN_COMMANDS = """
 local group, consumer = ARGV[1], ARGV[2]
 local m = tonumber(ARGV[3])
@@ -135,18 +148,28 @@ for j = 1, m do
     return 0
   end
 end
-local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set', SET = 'string'}
+local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set'}
 local first = 4 + m
 local n = tonumber(ARGV[first])
 local i = first + 1
 for _ = 1, n do
   local argc = tonumber(ARGV[i])
-  local want = expected[string.upper(ARGV[i + 1])]
+  local name = string.upper(ARGV[i + 1])
+  local want = expected[name]
   if want then
     local key = KEYS[tonumber(ARGV[i + 2])]
     local have = redis.call('TYPE', key)['ok']
     if have ~= 'none' and have ~= want then
-      return redis.error_reply('WRONGTYPE ' .. ARGV[i + 1] .. ' on ' .. key .. ', a ' .. have .. ': nothing written')
+      return redis.error_reply('WRONGTYPE ' .. name .. ' on ' .. key .. ', a ' .. have .. ': nothing written')
+    end
+    if name == 'HINCRBY' and have == 'hash' then
+      local value = redis.call('HGET', key, ARGV[i + 3])
+      local digits = value and string.match(value, '^%-?([1-9]%d*)$')
+      if value and value ~= '0' and not (digits and #digits <= 18) then
+        local shown = string.gsub(string.sub(value, 1, 40), '[^%w%p ]', '?')
+        return redis.error_reply('NOTCOUNTER field ' .. ARGV[i + 3] .. ' of ' .. key .. " holds '" .. shown ..
+          "', not an integer counter: nothing written")
+      end
     end
   end
   i = i + 1 + argc
@@ -244,6 +267,29 @@ def current_version(client: redis_policy.Client, keys: RunKeys) -> int:
         return 0
 
 
+def read_counters(client: redis_policy.Client, keys: RunKeys) -> tuple[dict[str, int], list[str]]:
+    """The run's counters: every role's hash (RunKeys.counters) summed field by field (each
+    role writes its own fields, so a sum is a merge: `step` and `groups_per_step` are the
+    trainer's alone). Also what could not be read, one line each: a key that is not a hash,
+    a field that is not an integer (skipped; the commit that would count it refuses)."""
+    totals: dict[str, int] = {}
+    problems: list[str] = []
+    for role in COUNTER_ROLES:
+        key = keys.counters(role)
+        try:
+            raw = client.hgetall(key)
+        except redis.ResponseError as e:
+            problems.append(f"{key}: {redis_policy.short(e)}")
+            continue
+        for field, value in raw.items():
+            name = _text(field)
+            try:
+                totals[name] = totals.get(name, 0) + int(value)
+            except ValueError:
+                problems.append(f"{key}: field {name!r} is not an integer")
+    return totals, problems
+
+
 def waiting(client: redis_policy.Client, stream: str, limit: int = 1000) -> int:
     """Entries of `stream` some consumer group has not acknowledged yet (pending + unread),
     counting unread ones up to `limit`: what back-pressure should count, not XLEN, which
@@ -256,7 +302,8 @@ class StreamStage:
 
     With `health`, transient Redis errors in `commit` and `dead_letter` are waited out
     (the script is idempotent, so a retry after a lost reply writes nothing twice), so work
-    done is never thrown away for a blip; `read` errors propagate to the caller's loop."""
+    done is never thrown away for a blip, and so is a commit the script refuses whole (a
+    poisoned key: slowly, until fixed); `read` errors propagate to the caller's loop."""
 
     def __init__(
         self,
@@ -275,6 +322,11 @@ class StreamStage:
         self.keys = keys
         self.source = source
         self.stream = keys.stream(source)
+        if source not in STAGE_READER:
+            raise ValueError(f"no stage {source!r}: one of {', '.join(STAGE_READER)}")
+        # The reading role's own counters: its dead letters (dead_<source>) and, through
+        # services, what it did (the only counter hash its ACL lets it write).
+        self.counters = keys.counters(STAGE_READER[source])
         self.group = group
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
@@ -459,8 +511,11 @@ class StreamStage:
         """Write `outputs` (stage name, message), run `extra`, then ack `entries`, in one script:
         atomic against crashes, and idempotent. Returns False (nothing written) when the
         entries are no longer pending on us: an earlier try of this very commit went
-        through, or another consumer took them over. A key of the wrong type refuses the
-        whole commit before anything is written (WRONGTYPE); the entries stay pending."""
+        through, or another consumer took them over. A key of the wrong type or a counter
+        field that is not an integer refuses the whole commit before anything is written;
+        the entries stay pending. With `health`, such a refusal is waited out like an
+        outage but said as what it is (redis_policy.RedisHealth.call, wait_out_refusals):
+        not ready, an ERROR line naming the key, a slow retry until an operator fixes it."""
         ops = Ops()
         for stage, message in outputs:
             ops.xadd(self.keys.stream(stage), codec.encode(message))
@@ -479,7 +534,7 @@ class StreamStage:
         try:
             if self.health is None:
                 return run()
-            return self.health.call(run, f"commit to {self.stream}")
+            return self.health.call(run, f"commit to {self.stream}", wait_out_refusals=True)
         except (*redis_policy.ERRORS, redis_policy.Stopped):
             # Whatever we hold is still pending: re-read our own pending entries first next time.
             self.reread_own_pending()
@@ -504,7 +559,7 @@ class StreamStage:
         fields["reason"] = reason.encode()  # readable with plain redis-cli
         ops = Ops()
         ops.xadd(self.keys.dead, fields, maxlen=100_000)
-        ops.hincrby(self.keys.stats, f"dead_{self.source}", 1)
+        ops.hincrby(self.counters, f"dead_{self.source}", 1)
         ops.xack(self.stream, self.group, entry.id)
         # Not moved (False) when the entry was taken over meanwhile: its new owner decides.
         if self._execute(ops, [entry.id]) and self.on_dead_letter is not None:

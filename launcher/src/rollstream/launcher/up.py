@@ -25,7 +25,6 @@ from rich.console import Console
 from rich.text import Text
 
 from rollstream.core import codec, credentials, redis_acl, redis_policy, steplog, streams, validation
-from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher import procs
@@ -142,6 +141,7 @@ def _up(cfg: RunConfig) -> int:
             return 2
     workdir = run_workdir(cfg.workdir, cfg.run)
     workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o700)  # also a workdir an older run left open to others
     # Every gRPC server and the embedded Redis listen on unix sockets in the run's 0700
     # folders, never on a TCP port: a port a restarting server gives up can be bound by any
     # local user, who then hears every password and token sent to it (issue 42).
@@ -154,7 +154,6 @@ def _up(cfg: RunConfig) -> int:
     except ValueError as e:
         console.print(str(e), style="red")
         return 2
-    workdir.chmod(0o700)  # also a workdir an older run left open to others
     checkpoints = Path(cfg.trainer.checkpoint_dir)
     step_log = workdir / steplog.FILE_NAME
     steps = cfg.trainer.steps  # 0: until stopped
@@ -326,7 +325,7 @@ def _up(cfg: RunConfig) -> int:
                             f"loss {m.loss:+.4f}  staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
-                    stats = pipeline_status.parse_counters(client.hgetall(keys.stats))
+                    stats = streams.read_counters(client, keys)[0]
                     if redis_down:
                         console.print("Redis answers again", style="green")
                         redis_down = False
@@ -364,7 +363,7 @@ def _up(cfg: RunConfig) -> int:
         result["versions"] = versions
         result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
-            result["stats"] = pipeline_status.parse_counters(client.hgetall(keys.stats))
+            result["stats"] = streams.read_counters(client, keys)[0]
         except redis_policy.ERRORS as e:
             console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
         client.close()
@@ -437,7 +436,7 @@ class ExternalReward:
             "output_stream": self.keys.stream(self.output_stage),
             "output_stage": self.output_stage,
             "dead_stream": self.keys.dead,
-            "stats_hash": self.keys.stats,
+            "stats_hash": self.keys.counters("reward"),
             "task_map": self.keys.tasks,  # what to score against (docs/custom-reward.md)
             "max_deliveries": CommonSettings.model_fields["max_deliveries"].default,
             "claim_idle_ms": CommonSettings.model_fields["claim_idle_ms"].default,

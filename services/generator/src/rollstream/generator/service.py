@@ -136,7 +136,7 @@ class GeneratorLoop:
             groups = [g for _, g in done]
 
             def ledger(ops: streams.Ops) -> None:
-                ops.hincrby(keys.stats, "generated", len(groups))
+                ops.hincrby(stage.counters, "generated", len(groups))
                 ops.sadd(keys.groups("generated"), *[g.group_id for g in groups])
 
             committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)

@@ -218,7 +218,7 @@ class ReferenceLoop:
 
         # 2. Write to ready and ack in one transaction (a crash before EXEC leaves them pending).
         def ledger(ops: streams.Ops) -> None:
-            ops.hincrby(stage.keys.stats, "referenced", referenced)
+            ops.hincrby(stage.counters, "referenced", referenced)
 
         # GetState counts the groups before they show in ready, so whoever sees one there and
         # then asks GetState finds it counted; a commit that fails takes the count back (the

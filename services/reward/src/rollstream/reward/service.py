@@ -221,7 +221,7 @@ class RewardLoop:
         def count_in_redis(ops: streams.Ops) -> None:
             for name, n in stats.items():
                 if n:
-                    ops.hincrby(stage.keys.stats, name, n)
+                    ops.hincrby(stage.counters, name, n)
 
         stage.commit(done, outputs=outputs, extra=count_in_redis)
 

@@ -12,10 +12,12 @@ from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2
 
 
-def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy.Client, keys: streams.RunKeys) -> None:
+def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy.Client, stage: streams.StreamStage) -> None:
     """Train again, step by step and in their order, the groups trained after the checkpoint
     we resumed from (their acknowledgements outlived the update they fed, which died with
-    the process). Same groups, same optimizer state and RNG: the same weights, bit for bit."""
+    the process). Same groups, same optimizer state and RNG: the same weights, bit for bit.
+    The run's step is the trainer's own counter (`stage.counters`, its hash alone)."""
+    keys = stage.keys
     logged = host.redis.call(lambda: client.xrange(keys.trained_log), "reading the trained log")
     steps: dict[int, list[rollout_pb2.RolloutGroup]] = {}
     for eid, fields in logged:
@@ -32,13 +34,20 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
             break
         trainer.replay_step(steps[step])
         replayed += 1
-    last = host.redis.call(lambda: client.hget(keys.stats, "step"), "reading the run's step")
-    lost = int(last or 0) - trainer.step
+    last = host.redis.call(lambda: client.hget(stage.counters, "step"), "reading the run's step")
+    try:
+        run_step = int(last or 0)
+    except ValueError:  # not the trainer's (an operator's mistake): the next step's commit writes it again
+        logs.event(host.log, "run_step_unreadable", logging.ERROR, key=stage.counters, value=repr(last[:40] if last else last))
+        run_step = trainer.step
+    lost = run_step - trainer.step
     if lost > 0:
         # Resumed from an older checkpoint than the latest: those steps' groups stay counted
         # as trained, but their updates are not in these weights. Say so, loudly.
-        host.redis.call(lambda: client.hincrby(keys.stats, "steps_lost_on_resume", lost), "counting lost steps")
-        logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=int(last or 0), resumed_step=trainer.step, lost=lost)
+        counted = streams.Ops()
+        counted.hincrby(stage.counters, "steps_lost_on_resume", lost)
+        stage.apply(counted)
+        logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=run_step, resumed_step=trainer.step, lost=lost)
     if replayed:
         logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
 

@@ -142,7 +142,7 @@ class TrainerLoop:
                 continue  # already held (re-read after a failed call): not a duplicate group
             seen = group.group_id in {g.group_id for _, g in self.batch} or group.group_id in {g.group_id for _, g in new}
             if seen or self.client.sismember(keys.groups("trained"), group.group_id) or self.client.sismember(keys.groups("stale"), group.group_id):
-                self.stage.commit([entry], extra=lambda ops: ops.hincrby(keys.stats, "duplicates", 1))
+                self.stage.commit([entry], extra=lambda ops: ops.hincrby(self.stage.counters, "duplicates", 1))
                 trainer.count_dropped("duplicate", 1)
                 continue
             new.append((entry, group))
