@@ -258,8 +258,9 @@ class BackgroundPush:
     and trains the next one while it goes out. Pushes stay ordered and one is in flight at a
     time (`start` waits for the one before), so at most two payloads are held: the one going
     out and the one the step just made. `version`: the newest version whose push has ended,
-    all that pollers are told (GetState) and served (FetchWeights): a generator being pushed a
-    version never fetches it too, and one the push missed fetches it once the push is over."""
+    all that pollers are told and served (the trainer's GetState and FetchWeights): a
+    generator being pushed a version never fetches it too, and one the push missed fetches it
+    once the push is over."""
 
     def __init__(self, version: int):
         self._version = version
@@ -444,9 +445,7 @@ class WeightPublisher:
             raise deltas.DeltaError(f"generator model {fingerprint} is not the trainer's {self.fingerprint}")
         with self._lock:
             anchor, chain = self._anchor, list(self._deltas)
-        # Not a version still being pushed (BackgroundPush.version): its push brings it.
-        served = self.pushes.version
-        return [p for p in weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info) if p.info.version <= served]
+        return weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
 
     def catch_up_chunks(self, payloads: Sequence[Published]) -> Iterator[weights_pb2.WeightChunk]:
         """FetchWeights' stream for `payloads`: each payload's first chunk with the trainer's

@@ -391,6 +391,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             payloads = self.trainer.publisher.catch_up_payloads(request.have_version, request.model_fingerprint)
         except deltas.DeltaError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        # Not a version still being pushed (BackgroundPush.version): its push brings it.
+        payloads = [p for p in payloads if p.info.version <= self.trainer.publisher.pushes.version]
         yield from self.trainer.publisher.catch_up_chunks(payloads)  # each payload signed
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
