@@ -90,6 +90,7 @@ NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
 NONCE_TIMEOUT_S = 3.0  # the trainer's push_nonce_timeout_s default
 BACKOFF_FIRST_S = 10.0  # an address that failed is left out this long, twice as long at each failure after
 BACKOFF_MAX_S = 300.0
+BACKED_OFF = "backed off"  # how the outcome of an address left out begins
 
 
 class AddressBackoff:
@@ -109,7 +110,7 @@ class AddressBackoff:
         now = self._clock()
         with self._lock:
             waiting = {a: until - now for a in addresses if (until := self._until.get(a, (0.0, 0.0))[0]) > now}
-        left_out = [PushOutcome(a, False, -1, f"backed off: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True) for a, s in waiting.items()]
+        left_out = [PushOutcome(a, False, -1, f"{BACKED_OFF}: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True) for a, s in waiting.items()]
         return [a for a in addresses if a not in waiting], left_out
 
     def update(self, outcomes: Iterable[PushOutcome], keep: Sequence[str]) -> None:

@@ -26,7 +26,7 @@ from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.optimizer import HostAdamW
-from rollstream.trainer.publisher import Published, PushOutcome, WeightPublisher
+from rollstream.trainer.publisher import BACKED_OFF, Published, PushOutcome, WeightPublisher
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -325,7 +325,7 @@ class Trainer:
         start = time.perf_counter()
         outcomes = self.publisher.push(addresses, published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         for o in outcomes:
-            if not o.applied:
+            if not o.applied and not o.error.startswith(BACKED_OFF):  # those: once when they failed, then in `pushed`
                 logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, version=version, error=o.error)
         self.metrics.phase_seconds.labels(phase="push").observe(time.perf_counter() - start)
         logs.event(
