@@ -61,7 +61,7 @@ def test_the_file_names_everything_and_no_secret(tmp_path: Path) -> None:
         "output_stream": "rs:{demo}:ready",
         "output_stage": "ready",
         "dead_stream": "rs:{demo}:dead",
-        "stats_hash": "rs:{demo}:stats",
+        "stats_hash": "rs:{demo}:stats:reward",
         "task_map": "rs:{demo}:tasks",
         "max_deliveries": 5,
         "claim_idle_ms": 30000,
