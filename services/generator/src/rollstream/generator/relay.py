@@ -1,12 +1,13 @@
 """Forwarding a push down the relay tree (issue 30; the tree: rollstream.trainer.relay).
 
 A push whose first chunk names targets (`WeightChunk.forward`) is forwarded by its receiver
-to each of them, chunk by chunk as the chunks arrive, each on a stream of its own, while the
-receiver applies the push itself: a tree of depth d costs d chunks of latency, not d
-payloads. Each target gets the first chunk with its own subtree as `forward`, and the
+to each of them, chunk by chunk as the chunks arrive, each on a stream of its own, from a
+reader thread of its own, while the receiver applies the push beside it: the targets'
+streams end when the receiver's does, not after its apply, so a tree of depth d costs d
+chunks of latency, not d applies. Each target gets the first chunk with its own subtree as `forward`, and the
 trainer's signature made for it as its metadata, so it checks the push exactly as one from
 the trainer. The receiver's answer (PushResult.relayed) carries every outcome of its
-subtree; a target that fails is reported with every generator below it as not reached (the
+subtree, each with its generator's own acknowledgement (ack), which the trainer checks; a target that fails is reported with every generator below it as not reached (the
 trainer pushes to those again, with fresh nonces: a relay holds no signature for them that
 has not been spent or may not be).
 """

@@ -23,7 +23,13 @@ role writes). Each push asks that generator for a one-time nonce, with a challen
 pushed unless the answer carries a generator's proof (and, for a registry address, proves
 that very address); the push then carries the trainer's signature over the nonce and the
 payload's header (rollstream.core.push_signing): one unary call, one signature and one
-verification per generator per push.
+verification per generator per push. A generator is counted as holding the version only with
+its acknowledgement (its signature over that nonce and header), whoever reports it.
+
+No member holds the others back (issue 42): a nonce is asked within nonce_timeout_s, down a
+relay tree each root's subtree is pushed as soon as its own nonces are in, an address that
+failed is left out a while (AddressBackoff), and the trainer pushes in the background
+(BackgroundPush), telling pollers a version only once its push has ended.
 """
 
 from __future__ import annotations
