@@ -24,7 +24,7 @@ import redis
 from helpers import wait_for
 from procs import start_service
 from synthetic import record_tasks, scored_groups, tokenizer_decode
-from rollstream.core import codec, redis_policy, streams
+from rollstream.core import codec, redis_policy
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.v1 import rollout_pb2
 
@@ -86,7 +86,7 @@ def test_a_poisoned_counter_holds_the_commit_until_fixed(
         thread, result = _in_thread(commit)
         assert refusals.down.wait(WAIT_S), "the stage never reported the refusal"
         # Held, not half-written: nothing in ready or dead, both entries pending on us.
-        assert rclient.xlen(keys.stream("ready")) == 0 and rclient.exists(keys.dead) == 0
+        assert rclient.xlen(keys.stream("ready")) == 0 and rclient.xlen(keys.dead) == 0
         assert rclient.xpending(keys.stream("rollouts"), "reward")["pending"] == 2
         assert not refusals.health.ok and keys.counters("reward") in refusals.health.detail and counter in refusals.health.detail
         assert "nothing written" in refusals.health.detail and "unavailable" not in refusals.health.detail

@@ -415,6 +415,32 @@ def test_a_role_writes_its_own_counters_and_no_one_elses(admin: redis.Redis, con
     admin.acl_log_reset()
 
 
+def test_dead_is_a_stream_from_the_first_stage_on(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
+    """Issue 42 N3's `dead_<stage>`: every stage writes `dead`, and every role may HINCRBY
+    (some HSET, SADD) it, so while it did not exist one HINCRBY made it a hash and every
+    dead letter after failed. The first stage to start makes it a stream; a stage that
+    finds it poisoned already still starts (its dead letters say why, refused)."""
+    generator = connect_as("generator")
+    reward = connect_as("reward")
+    stage = StreamStage(reward, keys, "rollouts", "reward", "c")
+    assert admin.type(keys.dead) == b"stream" and admin.xlen(keys.dead) == 0
+    for poison in (lambda: generator.hincrby(keys.dead, "x", 1), lambda: generator.hset(keys.dead, "x", 1), lambda: generator.sadd(keys.dead, "x")):
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            poison()
+    entry = admin.xadd(keys.stream("rollouts"), {"type": b"garbage"})
+    (got,) = stage.read(count=1, block_ms=10)
+    stage.dead_letter(got, "garbage")
+    assert admin.xlen(keys.dead) == 1 and got.id == entry
+    assert admin.hget(keys.counters("reward"), "dead_rollouts") == b"1"
+    # Poisoned before any stage started (an admin's mistake, or a role before the first start).
+    admin.delete(keys.dead)
+    admin.hset(keys.dead, "x", 1)
+    StreamStage(reward, keys, "rollouts", "reward", "c")
+    assert admin.type(keys.dead) == b"hash"
+    admin.delete(keys.dead, keys.counters("reward"))
+    admin.acl_log_reset()
+
+
 @pytest.mark.parametrize("user", [redis_acl.ADMIN, *SERVICES, redis_acl.OBSERVER])
 def test_no_user_can_make_the_server_write_a_file(server: EmbeddedRedis, passwords: dict[str, str], user: str) -> None:
     """Issue 42 N1's tail: with the admin password, CONFIG SET dir/dbfilename and SAVE wrote

@@ -39,6 +39,8 @@ STAGES = ("prompts", "rollouts", "scored", "ready")
 # counted in its own counters (RunKeys.counters).
 STAGE_READER = {"prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
 COUNTER_ROLES = ("generator", "reward", "reference", "trainer")
+# The consumer group that keeps `dead` a stream (StreamStage.__init__); nobody reads with it.
+DEAD_GROUP = "keep"
 
 M = TypeVar("M")
 
@@ -342,6 +344,16 @@ class StreamStage:
         self._reread_quietly = False
         self._run_commands = client.register_script(_RUN_COMMANDS)
         self.ensure_group(self.client, self.stream, self.group)
+        # `dead`, which every stage writes, made a stream now: while it does not exist, any
+        # role (all may HINCRBY, some HSET or SADD) could create it as another type, and
+        # every dead letter after would be refused. A key changes type only by DEL, which no
+        # stage role but the trainer has. A group with nothing to read is what creates an
+        # empty stream; one already poisoned is said by the first dead letter's refusal.
+        try:
+            self.ensure_group(self.client, keys.dead, DEAD_GROUP)
+        except redis.ResponseError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
 
     @staticmethod
     def ensure_group(client: redis_policy.Client, stream: str, group: str) -> None:
