@@ -111,7 +111,7 @@ def next_bits(bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v + 1 for k, v in bits.items()}
 
 
-def signed_publisher(nonce_timeout_s: float = 1.0) -> WeightPublisher:
+def signed_publisher(nonce_timeout_s: float = 5.0) -> WeightPublisher:
     return WeightPublisher(
         BITS, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, nonce_timeout_s=nonce_timeout_s
     )
