@@ -121,15 +121,21 @@ def test_a_training_trainer_is_the_bottleneck(rclient: redis.Redis, keys: RunKey
 def test_status_command_shows_the_pipeline_and_the_diagnosis(redis_url: str, rclient: redis.Redis, keys: RunKeys, capsys: pytest.CaptureFixture[str]) -> None:
     fill(rclient, keys, "rollouts", 3)
     rclient.hset(keys.counters("generator"), "generated", 3)
-    rclient.hset(keys.counters("trainer"), "step", 0)
+    rclient.hset(keys.counters("trainer"), mapping={"step": 0, "trained": 2})
+    rclient.hset(keys.counters("reward"), mapping={"scored": 1, "dead_rollouts": 1})
+    rclient.hset(keys.counters("reference"), "dead_rollouts", 1)  # each role's counters, summed
     assert cli.main_code(["status", "--redis-url", redis_url, "--run", keys.run]) == 0
     out = capsys.readouterr().out
     assert keys.stream("rollouts") in out and "no consumer group" in out and "generated=3" in out
+    assert "dead_rollouts=2" in out and "scored=1" in out and "trained=2" in out
     assert "STUCK: reward: 3 entries wait in rollouts and no consumer group reads it" in out
     # a key of the wrong type is reported, not a crash
     rclient.set(keys.stream("ready"), "not a stream")
+    rclient.hset(keys.counters("trainer"), "trained", "x")  # a poisoned counter: named, the others still shown
     assert cli.main_code(["status", "--redis-url", redis_url, "--run", keys.run]) == 0
-    assert "holds a string, not a stream" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "holds a string, not a stream" in out
+    assert f"{keys.counters('trainer')}: field 'trained' is not an integer" in out and "generated=3" in out
 
 
 def test_status_watch_refreshes_with_rates(redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path) -> None:
