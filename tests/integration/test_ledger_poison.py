@@ -150,20 +150,27 @@ def test_without_the_policy_a_refusal_is_an_error_not_an_outage(rclient: redis.R
     assert rclient.xlen(keys.stream("ready")) == 0
 
 
-def test_the_trainer_waits_out_a_poisoned_trained_counter_and_trains_each_group_once(
-    redis_url: str, rclient: redis.Redis, keys: RunKeys, tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("poison", ["field", "key"])
+def test_the_trainer_waits_out_a_poisoned_counter_and_trains_each_group_once(
+    redis_url: str, rclient: redis.Redis, keys: RunKeys, tiny_model_dir: Path, tmp_path: Path, poison: str
 ) -> None:
-    """The review's attack, by an admin's mistake now that no role can: `trained` holds
-    text before the first step. The step's commit is refused whole (groups:trained stays
-    empty, the groups pending), the trainer says why and keeps running (no crash loop), and
-    once the field is fixed the step commits: each group trained once."""
+    """The review's attack, by an admin's mistake now that no role can. `field`: `trained`
+    holds text before the first step; the step's commit is refused whole (groups:trained
+    stays empty, the groups pending). `key`: the trainer's counters are a string; it starts
+    anyway (replay cannot read the run's step: said) and waits at its first write. Either
+    way the trainer says why, not ready, and keeps running (no crash loop); once the key is
+    fixed the step commits: each group trained once."""
     groups = scored_groups(1, 2)
     for i, g in enumerate(groups):
         g.group_id = g.task_id = f"group-{i}"
     record_tasks(rclient, keys, groups, tokenizer_decode(tiny_model_dir))  # as if this trainer had fed them
     for g in groups:
         rclient.xadd(keys.stream("ready"), codec.encode(g))
-    rclient.hset(keys.counters("trainer"), "trained", "x")
+    counters = keys.counters("trainer")
+    if poison == "field":
+        rclient.hset(counters, "trained", "x")
+    else:
+        rclient.set(counters, "x")
     trainer = start_service(
         "trainer", tmp_path,
         "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1", "--consumer", "trainer-0",
@@ -171,21 +178,28 @@ def test_the_trainer_waits_out_a_poisoned_trained_counter_and_trains_each_group_
         "--max-staleness", "100", "--block-ms", "100", "--steps", "1", "--linger",
     )  # fmt: skip
     try:
-        # It trains the step, then its commit is refused: not ready (never ready yet), saying why.
-        wait_for(lambda: "redis_write_refused" in trainer.log(), 180, "the step's commit refused", [trainer])
+        # Refused: not ready (never ready yet), saying why.
+        wait_for(lambda: "redis_write_refused" in trainer.log(), 180, "a write refused", [trainer])
         port = json.loads(trainer.state_file.read_text())["http_port"]
         answer = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
         assert answer.status_code == 503 and "refused a write" in answer.json()["detail"], answer.text
-        assert f"field trained of {keys.counters('trainer')} holds 'x'" in answer.json()["detail"]
+        if poison == "field":
+            assert f"field trained of {counters} holds 'x'" in answer.json()["detail"]
+            assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 2  # the step trained, held
+            assert rclient.hget(counters, "trained") == b"x" and rclient.hget(counters, "step") is None
+        else:
+            assert f"WRONGTYPE HSET on {counters}, a string" in answer.json()["detail"]
+            assert "run_step_unreadable" in trainer.log()
         assert rclient.scard(keys.groups("trained")) == 0 and rclient.xlen(keys.metrics) == 0
-        assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 2
-        assert rclient.hget(keys.counters("trainer"), "trained") == b"x" and rclient.hget(keys.counters("trainer"), "step") is None
         assert trainer.proc.poll() is None, trainer.log()[-3000:]
-        rclient.hset(keys.counters("trainer"), "trained", 0)  # the operator's fix
-        wait_for(lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) == 1, 120, "step 1 committed", [trainer])
+        if poison == "field":  # the operator's fix
+            rclient.hset(counters, "trained", 0)
+        else:
+            rclient.delete(counters)
+        wait_for(lambda: int(rclient.hget(counters, "step") or 0) == 1, 120, "step 1 committed", [trainer])
         assert rclient.scard(keys.groups("trained")) == 2
         assert rclient.sismember(keys.groups("trained"), "group-0") and rclient.sismember(keys.groups("trained"), "group-1")
-        assert rclient.hget(keys.counters("trainer"), "trained") == b"2"
+        assert rclient.hget(counters, "trained") == b"2"
         assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
         assert trainer.proc.poll() is None and "step_not_recorded" not in trainer.log().lower()
     finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import redis
+
 from rollstream.core import codec, logs, redis_policy, streams
 from rollstream.core.service import ServiceHost
 from rollstream.trainer.trainer import Trainer
@@ -34,11 +36,13 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
             break
         trainer.replay_step(steps[step])
         replayed += 1
-    last = host.redis.call(lambda: client.hget(stage.counters, "step"), "reading the run's step")
     try:
-        run_step = int(last or 0)
-    except ValueError:  # not the trainer's (an operator's mistake): the next step's commit writes it again
-        logs.event(host.log, "run_step_unreadable", logging.ERROR, key=stage.counters, value=repr(last[:40] if last else last))
+        run_step = int(host.redis.call(lambda: client.hget(stage.counters, "step"), "reading the run's step") or 0)
+    except (redis.ResponseError, ValueError) as e:
+        # Not the trainer's writing (an operator's mistake): no lost steps can be told, and no
+        # crash loop for it. The next step's commit writes the field again, or, the key being
+        # of another type, is refused (not ready) until it is fixed.
+        logs.event(host.log, "run_step_unreadable", logging.ERROR, key=stage.counters, error=str(e)[:200])
         run_step = trainer.step
     lost = run_step - trainer.step
     if lost > 0:
