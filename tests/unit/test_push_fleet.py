@@ -28,7 +28,7 @@ from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.publisher import WeightPublisher
+from rollstream.trainer.publisher import AddressBackoff, PushOutcome, WeightPublisher
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 
@@ -183,6 +183,23 @@ def test_a_relay_forwards_the_whole_push_before_its_own_apply_reads_it(serve: Ca
         peers.close()
 
 
+def test_a_target_the_relay_could_not_reach_is_reported_unreachable(serve: Callable[..., FakeGenerator]) -> None:
+    """A target that takes the stream and never answers: the relay's call to it ends at the
+    relay's own deadline, and it is reported unreachable (the trainer leaves it out a while),
+    not as a push it refused."""
+    stuck = serve(signed=False, hold=threading.Event())
+    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=1, sha256="ab" * 32, model_fingerprint="f")
+    chunks = [weights_pb2.WeightChunk(header=header, data=b"a", forward=[weights_pb2.RelayTarget(address=stuck.address)])]
+    peers = PeerChannels(ClientCredentials())
+    stream = RelayedStream(iter(chunks), "relay", peers, time_left_s=3.5)  # the target's call: 1.5 s
+    try:
+        assert [c.data for c in stream] == [b"a"]
+        [outcome] = stream.finish(read_rest=True)
+        assert outcome.address == stuck.address and not outcome.applied and outcome.unreachable and "DEADLINE_EXCEEDED" in outcome.error
+    finally:
+        peers.close()
+
+
 def fetched(servicer: TrainerServicer) -> list[int]:
     """The versions a generator holding version 0 gets from FetchWeights now."""
     chunks = servicer.FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), None)  # type: ignore[arg-type]
@@ -213,3 +230,36 @@ def test_getstate_tells_no_version_while_its_push_is_going_out(serve: Callable[.
     finally:
         hold.set()
         trainer.close()
+
+
+def test_a_failed_address_is_left_out_longer_the_more_it_cost() -> None:
+    """AddressBackoff on a clock of the test's own: 10 s after a cheap failure, doubled while
+    it keeps failing, capped; ten times what a failure cost when that is longer (a stream held
+    until push_timeout_s); forgotten once it answers, or once it leaves the list."""
+    now = [0.0]
+    backoff = AddressBackoff(clock=lambda: now[0])
+
+    def fail(address: str, seconds: float) -> None:
+        backoff.update([PushOutcome(address, False, -1, "no nonce", seconds, unreachable=True)], keep=["a", "b"])
+
+    def left_out_for(address: str) -> float:
+        """How long `address` is still left out, found by stepping the clock a second at a time."""
+        start = now[0]
+        while address in backoff.backed_off():
+            now[0] += 1.0
+        waited, now[0] = now[0] - start, start
+        return waited
+
+    fail("a", 0.5)
+    assert left_out_for("a") == 10.0
+    live, skipped = backoff.split(["a", "b"])
+    assert live == ["b"] and [o.address for o in skipped] == ["a"] and skipped[0].error.startswith("backed off")
+    for expected in (20.0, 40.0, 80.0, 160.0, 300.0, 300.0):
+        fail("a", 0.5)
+        assert left_out_for("a") == expected
+    fail("b", 120.0)  # took its nonce, then held the stream until the push's deadline
+    assert left_out_for("b") == 1200.0
+    backoff.update([PushOutcome("a", True, 3, "", 0.1)], keep=["a", "b"])
+    assert backoff.backed_off() == ["b"]
+    backoff.update([], keep=["a"])
+    assert backoff.backed_off() == []

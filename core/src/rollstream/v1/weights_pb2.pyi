@@ -45,7 +45,7 @@ class RelayTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., signature: _Optional[str] = ..., forward: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ...) -> None: ...
 
 class RelayedPush(_message.Message):
-    __slots__ = ("address", "applied", "version", "error", "seconds", "via", "orphaned", "ack")
+    __slots__ = ("address", "applied", "version", "error", "seconds", "via", "orphaned", "ack", "unreachable")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class RelayedPush(_message.Message):
     VIA_FIELD_NUMBER: _ClassVar[int]
     ORPHANED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     address: str
     applied: bool
     version: int
@@ -62,7 +63,8 @@ class RelayedPush(_message.Message):
     via: str
     orphaned: bool
     ack: bytes
-    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., via: _Optional[str] = ..., orphaned: _Optional[bool] = ..., ack: _Optional[bytes] = ...) -> None: ...
+    unreachable: bool
+    def __init__(self, address: _Optional[str] = ..., applied: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., via: _Optional[str] = ..., orphaned: _Optional[bool] = ..., ack: _Optional[bytes] = ..., unreachable: _Optional[bool] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("applied", "version", "error", "apply_seconds", "receive_seconds", "lock_wait_seconds", "decode_seconds", "load_seconds", "relayed", "ack")

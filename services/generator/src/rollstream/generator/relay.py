@@ -58,7 +58,7 @@ class PeerChannels:
 
 def not_reached(target: weights_pb2.RelayTarget, via: str, why: str) -> list[weights_pb2.RelayedPush]:
     """`target`, failed for `why`, and every generator below it, orphaned."""
-    return [weights_pb2.RelayedPush(address=target.address, applied=False, error=why, via=via), *orphans(target)]
+    return [weights_pb2.RelayedPush(address=target.address, applied=False, error=why, via=via, unreachable=True), *orphans(target)]
 
 
 def orphans(target: weights_pb2.RelayTarget) -> list[weights_pb2.RelayedPush]:

@@ -96,15 +96,18 @@ NONCE_METHOD = "/rollstream.v1.Generator/PushNonce"
 NONCE_TIMEOUT_S = 3.0  # the trainer's push_nonce_timeout_s default
 BACKOFF_FIRST_S = 10.0  # an address that failed is left out this long, twice as long at each failure after
 BACKOFF_MAX_S = 300.0
+BACKOFF_PER_COST = 10.0  # and at least this many times what the failure cost the push (its seconds)
 BACKED_OFF = "backed off"  # how the outcome of an address left out begins
 
 
 class AddressBackoff:
     """Addresses whose last push failed (no nonce in time, a refused or broken call, a relay's
     claim for it without its acknowledgement), left out of pushes for a while: BACKOFF_FIRST_S,
-    doubled at each failure in a row up to BACKOFF_MAX_S. A stranger in the registry costs one
-    nonce deadline, then one more every few minutes at most, never one a step; a generator
-    left out catches up by itself (FetchWeights or the store), as one the push missed."""
+    doubled at each failure in a row up to BACKOFF_MAX_S, and at least BACKOFF_PER_COST times
+    what the failure took (one that took a nonce and then held its stream until push_timeout_s,
+    120 s, is left out 20 minutes, not 10 s). A stranger in the registry costs one nonce
+    deadline, then one more every few minutes at most, never one a step; a generator left out
+    catches up by itself (FetchWeights or the store), as one the push missed."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
@@ -129,7 +132,7 @@ class AddressBackoff:
                     self._until.pop(o.address, None)
                 elif not o.orphaned:
                     last = self._until.get(o.address, (0.0, 0.0))[1]
-                    wait = min(BACKOFF_MAX_S, 2 * last) if last else BACKOFF_FIRST_S
+                    wait = max(min(BACKOFF_MAX_S, 2 * last) if last else BACKOFF_FIRST_S, BACKOFF_PER_COST * o.seconds)
                     self._until[o.address] = (now + wait, wait)
             kept = set(keep)
             for gone in [a for a in self._until if a not in kept]:
@@ -662,7 +665,7 @@ def push_forwarding(
     # its own subtree it is believed only where that generator's acknowledgement says so.
     relayed = [
         gate.believed(
-            PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned),
+            PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned, unreachable=r.unreachable),
             metadata[r.address], header, r.ack,
         )
         for r in result.relayed
