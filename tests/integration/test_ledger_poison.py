@@ -131,6 +131,20 @@ def test_a_stop_ends_the_wait(rclient: redis.Redis, keys: RunKeys) -> None:
     assert rclient.xlen(keys.stream("ready")) == 0 and rclient.xpending(keys.stream("rollouts"), "reward")["pending"] == 1
 
 
+def test_a_loop_meeting_a_key_of_another_type_says_so(rclient: redis.Redis, keys: RunKeys, caplog: pytest.LogCaptureFixture) -> None:
+    """A service loop's read of a key someone replaced (WRONGTYPE) goes through the same
+    policy (ServiceHost.run_loop -> RedisHealth.failed): a refusal, said at ERROR and
+    retried slowly, not "redis unavailable" backed off from forever."""
+    rclient.set(keys.stream("ready"), "not a stream")
+    refusals = Refusals()
+    with pytest.raises(redis.ResponseError) as e:
+        rclient.xreadgroup("trainer", "t", {keys.stream("ready"): ">"}, count=1)
+    with caplog.at_level(logging.INFO, logger="test-ledger"):
+        refusals.health.failed(e.value, "trainer loop")
+    assert refusals.down.is_set() and refusals.health.detail.startswith("redis refused (trainer loop): ResponseError: WRONGTYPE")
+    assert [r.getMessage() for r in caplog.records if r.name == "test-ledger"] == ["redis_write_refused"]
+
+
 def test_without_the_policy_a_refusal_is_an_error_not_an_outage(rclient: redis.Redis, keys: RunKeys) -> None:
     """What the classification says: a refused write is neither transient (an outage to
     back off from) nor a denied user (exit 2)."""
@@ -182,7 +196,7 @@ def test_the_trainer_waits_out_a_poisoned_counter_and_trains_each_group_once(
         wait_for(lambda: "redis_write_refused" in trainer.log(), 180, "a write refused", [trainer])
         port = json.loads(trainer.state_file.read_text())["http_port"]
         answer = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
-        assert answer.status_code == 503 and "refused a write" in answer.json()["detail"], answer.text
+        assert answer.status_code == 503 and "redis refused (commit to" in answer.json()["detail"], answer.text
         if poison == "field":
             assert f"field trained of {counters} holds 'x'" in answer.json()["detail"]
             assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 2  # the step trained, held

@@ -277,15 +277,21 @@ class RedisHealth:
 
     def failed(self, error: BaseException, doing: str) -> None:
         """Record a failure and wait before the caller retries (returns early on stop). A
-        refusal (is_denied) raises Misconfigured instead: retrying would never end."""
+        refusal (is_denied) raises Misconfigured instead: retrying would never end. A key
+        that holds what the call cannot use (is_refused_write: a loop's read of a key of
+        another type, say) is said as such and retried slowly (refused_write), not taken
+        for an outage."""
         if is_denied(error):
             raise self.refused(error, doing) from error
+        if is_refused_write(error):
+            self.refused_write(error, doing)
+            return
         self._down(error, doing, "redis_unavailable", logging.WARNING, f"redis unavailable ({doing}): {short(error)}", None)
 
     def refused_write(self, error: BaseException, doing: str) -> None:
-        """Record a commit refused for what a key holds (is_refused_write) and wait
-        REFUSED_RETRY_S before the caller retries it: not ready, said as a refusal."""
-        detail = f"redis refused a write ({doing}): {short(error)}; fix or delete that key as the admin user, the write is retried"
+        """Record a call refused for what a key holds (is_refused_write; mostly a commit)
+        and wait REFUSED_RETRY_S before the caller retries it: not ready, said as a refusal."""
+        detail = f"redis refused ({doing}): {short(error)}; fix or delete that key as the admin user, retried every {self.refused_retry_s:g} s"
         self._down(error, doing, "redis_write_refused", logging.ERROR, detail, self.refused_retry_s)
 
     def _down(self, error: BaseException, doing: str, event: str, level: int, detail: str, wait_s: float | None) -> None:
