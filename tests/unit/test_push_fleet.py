@@ -2,13 +2,15 @@
 servers: a PushNonce that never answers costs one short deadline once (the address is then
 backed off), a relay's word that a generator below it applied a push is believed only with
 that generator's own signed acknowledgement, a relay forwards the whole push to its targets
-before its own apply has read it, and a version is neither told nor served to pollers while
-its push is going out."""
+before its own apply has read it, a version is neither told nor served to pollers while
+its push is going out, and a generator that stops reading its push or never answers it costs
+a push (or a relay) push_stall_s, not push_timeout_s."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -22,13 +24,16 @@ from synthetic import scored_groups
 from rollstream.core import credentials, grpc_auth, push_signing
 from rollstream.core.config import load_settings
 from rollstream.core.credentials import ROLES
+from rollstream.core.deltas import encode_anchor
+from rollstream.core.grpc_utils import CHANNEL_OPTIONS
 from rollstream.core.grpc_auth import ClientCredentials
+from rollstream.core.deltas import PayloadInfo
 from rollstream.core.service import ServiceHost
 from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.publisher import AddressBackoff, PushOutcome, WeightPublisher
+from rollstream.trainer.publisher import AddressBackoff, PushOutcome, Published, WeightPublisher
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 
@@ -41,15 +46,20 @@ WAIT_S = 60.0  # for events: generous, never a measure of speed
 class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     """PushNonce and PushWeights behind the real interceptor (signed pushes), with a prover of
     the generator's key. `hang_nonce`: PushNonce never answers (until the test ends);
-    `hold`: PushWeights waits for it before answering; `lie_about`: a relay's report that
-    these addresses below it applied the push, forwarding nothing and with no ack of theirs."""
+    `hold`: PushWeights waits for it before answering (`fail_late`: then fails the call);
+    `read_only`: PushWeights takes that many chunks, then reads no more until the test ends;
+    `lie_about`: a relay's report that these addresses below it applied the push, forwarding
+    nothing and with no ack of theirs."""
 
     nonces: push_signing.PushNonces
     hang_nonce: bool = False
     hold: threading.Event | None = None
+    fail_late: bool = False
+    read_only: int = 0
     lie_about: list[str] = field(default_factory=list)
     address: str = ""
     nonce_calls: int = 0
+    push_calls: int = 0
     payloads: int = 0
     received: list[bytes] = field(default_factory=list)
     entered: threading.Event = field(default_factory=threading.Event)
@@ -65,13 +75,18 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         return generator_pb2.PushNonceResponse(nonce=nonce, address=self.address, proof=proof)
 
     def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.push_calls += 1
         self.entered.set()
         header = None
         for chunk in request_iterator:
             header = chunk.header if header is None else header
             self.received.append(chunk.data)
+            if len(self.received) == self.read_only:
+                self.released.wait()
         if self.hold is not None:
             self.hold.wait()
+            if self.fail_late:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "failed after holding the push")
         self.payloads += 1
         self.done.set()
         signed = push_signing.parse_signature(context.invocation_metadata())
@@ -88,7 +103,10 @@ def serve() -> Iterator[Callable[..., FakeGenerator]]:
         nonces = push_signing.PushNonces()
         gen = FakeGenerator(nonces, **kw)  # type: ignore[arg-type]
         interceptors = [grpc_auth.AuthInterceptor(ROLE_TABLE, nonces=nonces)] if signed else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
+        # No BDP probing: the receive window stays small (64 KiB), so a receiver that stops
+        # reading holds a chunk or two, as a real one's would with a few MiB of window.
+        options = [*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors, options=options)
         generator_pb2_grpc.add_GeneratorServicer_to_server(gen, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -212,7 +230,7 @@ def test_getstate_tells_no_version_while_its_push_is_going_out(serve: Callable[.
     newer, so no generator being pushed a version also fetches it. Once the push ends, both do."""
     hold = threading.Event()
     slow = serve(signed=False, hold=hold)
-    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=300)
+    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=300, push_stall_s=300)
     trainer = Trainer(settings, ServiceHost("trainer", settings))
     servicer = TrainerServicer(trainer, GeneratorDirectory([]), CheckpointRequests())
     recorded: list[int] = []
@@ -263,3 +281,82 @@ def test_a_failed_address_is_left_out_longer_the_more_it_cost() -> None:
     assert backoff.backed_off() == ["b"]
     backoff.update([], keep=["a"])
     assert backoff.backed_off() == []
+
+
+def eventually(condition: Callable[[], bool]) -> bool:
+    """Whether `condition` holds within WAIT_S (for a callback on gRPC's own thread)."""
+    end = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def in_background(push: Callable[[], list[PushOutcome]]) -> tuple[threading.Event, list[PushOutcome]]:
+    """`push` on a thread; an event set when it returned, and its outcomes."""
+    ended, outcomes = threading.Event(), []
+
+    def run() -> None:
+        outcomes.extend(push())
+        ended.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return ended, outcomes
+
+
+BIG = {"w": np.random.default_rng(0).integers(0, 2**16, size=(4096, 4096), dtype=np.uint16)}  # a 32 MiB anchor: 8 chunks
+
+
+@pytest.mark.parametrize("fanout", [0, 1])
+def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(serve: Callable[..., FakeGenerator], fanout: int) -> None:
+    """A generator that answers its nonce, takes one chunk and reads no more: gRPC's flow
+    control holds the trainer's sends to it, and the push cuts it once it has taken nothing for
+    push_stall_s (push_timeout_s is 600 s), directly and as a relay's child; the others get
+    the push, and the stalled address is backed off."""
+    honest, stalled = serve(), serve(read_only=1)
+    publisher = WeightPublisher(
+        BIG, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, stall_s=5.0
+    )
+    anchor = Published(PayloadInfo("anchor", 0, 0, publisher.fingerprint), encode_anchor(BIG, 0, publisher.fingerprint))
+    try:
+        ended, outcomes = in_background(lambda: publisher.push([honest.address, stalled.address], anchor, timeout_s=600, fanout=fanout))
+        assert ended.wait(WAIT_S), "the push still waits for the generator that stopped reading"
+        by_address = {o.address: o for o in outcomes}
+        assert by_address[honest.address].applied, by_address[honest.address].error
+        assert not by_address[stalled.address].applied and "stalled" in by_address[stalled.address].error
+        assert stalled.entered.is_set() and 1 <= len(stalled.received) < 8 and stalled.payloads == 0
+        assert publisher.backoff.backed_off() == [stalled.address]
+    finally:
+        publisher.close()
+
+
+def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None) -> None:
+    """A generator that takes every chunk of the step's push and never answers: the next step
+    commits once push_stall_s has passed after its last chunk (push_timeout_s is 600 s), while
+    that call is still open; the next push leaves it out (no second push open at it, so no
+    version overtakes another there) and reaches the others; its answer, a failure when it
+    comes, backs it off."""
+    hold = threading.Event()
+    silent, honest = serve(signed=False, hold=hold, fail_late=True), serve(signed=False)
+    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=600, push_stall_s=5)
+    trainer = Trainer(settings, ServiceHost("trainer", settings))
+    addresses = [silent.address, honest.address]
+    try:
+        trainer.train_and_push(scored_groups(2, 4), lambda: addresses, False, lambda metrics, outcomes: None)
+        ended, outcomes = in_background(lambda: trainer.train_and_push(scored_groups(2, 4), lambda: addresses, False, lambda metrics, outcomes: None)[2])
+        assert ended.wait(WAIT_S), "the step still waits for the push of a generator that never answers"
+        assert silent.entered.is_set() and not silent.done.is_set() and not hold.is_set()  # its call is still open
+        first = {o.address: o for o in outcomes}
+        assert first[honest.address].applied and first[silent.address].unanswered and not first[silent.address].applied
+        second = {o.address: o for o in trainer.publisher.pushes.wait()}
+        assert second[honest.address].applied and second[honest.address].version == 2
+        assert second[silent.address].unanswered and "version 1 is not answered yet" in second[silent.address].error
+        assert silent.push_calls == 1 and honest.payloads == 2
+        assert trainer.publisher.backoff.backed_off() == []
+        hold.set()
+        assert eventually(lambda: trainer.publisher.backoff.backed_off() == [silent.address]), "its late failure was not counted"
+        assert trainer.publisher.unanswered.open() == {}
+    finally:
+        hold.set()
+        trainer.close()

@@ -8,7 +8,10 @@ oversized one (declared, or sent beyond what was declared) is cut without being 
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -27,6 +30,78 @@ def push_stream(ch: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
     """Generator.PushWeights taking serialized WeightChunks as they are (no request
     serializer): a pusher serializes a payload's chunks once for every stream it sends them on."""
     return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
+
+
+class Leg(enum.Enum):
+    """How a WatchedPush's wait ended."""
+
+    ENDED = "ended"  # the call answered or failed: its future holds which
+    STALLED = "stalled"  # the receiver took no chunk for the stall deadline: cancelled
+    UNANSWERED = "unanswered"  # every chunk taken, no answer yet: the call goes on
+
+
+class WatchedPush:
+    """A PushWeights call watched for the receiver's progress (issue 42: a receiver that stops
+    reading costs a short deadline, not the push's). gRPC takes the next chunk from `chunks`
+    only once the one before was sent, and HTTP/2 flow control holds a send while the receiver
+    reads nothing (a chunk or two in flight at most), so the time since gRPC last took a chunk
+    is how long the receiver has taken nothing; time spent inside `chunks` (a relay waiting
+    for its own stream) is not counted."""
+
+    def __init__(self, push: grpc.StreamUnaryMultiCallable, chunks: Iterable[bytes], timeout_s: float, metadata: tuple[tuple[str, str], ...] = ()):
+        self._chunks = iter(chunks)
+        self._cond = threading.Condition()
+        self._taken = time.monotonic()  # when gRPC last took a chunk (the call's start before any)
+        self._pulling = False  # inside `chunks`: the sender's own wait
+        self._sent_at: float | None = None  # every chunk taken
+        self._ended = False
+        self.future: grpc.Future = push.future(self, timeout=timeout_s, metadata=metadata)
+        self.future.add_done_callback(self._end)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        with self._cond:
+            self._pulling = True
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            self._chunks = iter(())  # the payload is no longer held for this call
+            with self._cond:
+                self._sent_at = time.monotonic()
+            raise
+        finally:
+            with self._cond:
+                self._pulling = False
+                self._taken = time.monotonic()
+                self._cond.notify_all()
+
+    def _end(self, _: object) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wait(self, stall_s: float, answer_s: float) -> Leg:
+        """Until the call ends (ENDED), the receiver takes no chunk for `stall_s` (STALLED: the
+        call is cancelled), or `answer_s` passes after the last chunk was taken without an
+        answer (UNANSWERED: the call goes on; its answer comes to `future`)."""
+        with self._cond:
+            while not self._ended:
+                now = time.monotonic()
+                if self._sent_at is not None:
+                    left = self._sent_at + answer_s - now
+                    if left <= 0:
+                        return Leg.UNANSWERED
+                elif self._pulling:
+                    left = stall_s  # woken when the chunk comes
+                elif (left := self._taken + stall_s - now) <= 0:
+                    break
+                self._cond.wait(left)
+            else:
+                return Leg.ENDED
+        # Outside the lock: a done callback may run on this thread. False: it ended meanwhile.
+        return Leg.STALLED if self.future.cancel() else Leg.ENDED
 
 
 class Payload(Protocol):

@@ -10,6 +10,12 @@ the trainer. The receiver's answer (PushResult.relayed) carries every outcome of
 subtree, each with its generator's own acknowledgement (ack), which the trainer checks; a target that fails is reported with every generator below it as not reached (the
 trainer pushes to those again, with fresh nonces: a relay holds no signature for them that
 has not been spent or may not be).
+
+A target that stops reading is cut after RELAY_STALL_S without taking a chunk, and one that has
+every chunk is waited for RELAY_STALL_S per level of its subtree (weight_transfer.WatchedPush),
+then cut too: both reported unreachable (the trainer leaves them out a while), so a stalled
+child holds neither this relay's stream (its chunks queue beside it, bounded by the push's
+max bytes) nor, past that deadline, this relay's answer to the trainer.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from rollstream.v1 import weights_pb2
 
 RELAY_TIMEOUT_S = 120.0  # a forwarded push, as the trainer's own push_timeout_s default
 RELAY_MARGIN_S = 2.0  # each level ends its targets' calls this much before its own deadline
+# The trainer's push_stall_s default (a relay is not told the trainer's: a trainer set lower
+# than this stops waiting for a relay whose child stalls before the relay reports it).
+RELAY_STALL_S = 5.0
 MAX_TARGETS = 64  # the trainer's push_fanout at most: a push naming more is malformed (a thread each)
 
 
@@ -131,11 +140,25 @@ class _Leg:
     def _run(self, peers: PeerChannels, timeout_s: float) -> None:
         start = time.perf_counter()
         metadata = ((push_signing.METADATA_KEY, self.target.signature),) if self.target.signature else ()
-        try:
-            result = peers.push_call(self.target.address)(self._requests(), timeout=timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            self._result = not_reached(self.target, self.via, f"relay {self.via} -> {self.target.address}: {rpc_error_text(e)}")
+        leg = weight_transfer.WatchedPush(peers.push_call(self.target.address), self._requests(), timeout_s, metadata)
+        answer_s = RELAY_STALL_S * height(self.target)
+        ended = leg.wait(RELAY_STALL_S, answer_s)
+        why = ""
+        if ended is weight_transfer.Leg.STALLED:
+            why = f"stalled: took no chunk for {RELAY_STALL_S:g} s"
+        elif ended is weight_transfer.Leg.UNANSWERED and leg.future.cancel():
+            why = f"no answer within {answer_s:g} s of its last chunk"
+        else:
+            try:
+                result = leg.future.result()
+            except grpc.RpcError as e:
+                why = rpc_error_text(e)
+        if why:
+            self._result = not_reached(self.target, self.via, f"relay {self.via} -> {self.target.address}: {why}")
             self._failed.set()
+            with contextlib.suppress(queue.Empty):  # the chunks queued for it are freed
+                while True:
+                    self._chunks.get_nowait()
             return
         seconds = time.perf_counter() - start
         self._result = [
@@ -144,6 +167,11 @@ class _Leg:
             ),
             *result.relayed,
         ]
+
+
+def height(target: weights_pb2.RelayTarget) -> int:
+    """The levels of `target`'s subtree (1: it forwards to none)."""
+    return 1 + max((height(t) for t in target.forward), default=0)
 
 
 class RelayedStream:

@@ -130,6 +130,13 @@ class TrainerSettings(TorchSettings):
         3.0, gt=0,
         description="how long a generator has to answer PushNonce before it is left out of that push (and backed off a while): one stranger costs this, not push_timeout_s",
     )
+    # A healthy receiver takes a 4 MiB chunk in milliseconds (tens on a loaded 2-core box), and
+    # an apply that is not waiting for a batch answers in under a second (docs/design-notes.md).
+    push_stall_s: float = Field(
+        5.0, gt=0,
+        description="a generator that takes no chunk of a push for this long is cut and left out a while; one that has every chunk "
+        "is waited for this long (per level of a relay tree), then the push ends without its answer and the next step goes on",
+    )
     # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
     # "Scaling out"): down a relay tree it sends each payload push_fanout times, whatever N.
     push_fanout: int = Field(

@@ -77,6 +77,7 @@ class PushOutcome:
     orphaned: bool = False  # never pushed to: a relay above it failed (RelayedPush.orphaned)
     unreachable: bool = False  # no nonce, a failed call, an unproven claim made, or backed off: AddressBackoff
     unproven: bool = False  # claimed applied without its acknowledgement (PushGate.believed)
+    unanswered: bool = False  # sent whole, no answer when the push stopped waiting (Unanswered): neither applied nor failed
 
     @classmethod
     def of(cls, address: str, result: weights_pb2.PushResult, seconds: float) -> "PushOutcome":
@@ -98,6 +99,8 @@ BACKOFF_FIRST_S = 10.0  # an address that failed is left out this long, twice as
 BACKOFF_MAX_S = 300.0
 BACKOFF_PER_COST = 10.0  # and at least this many times what the failure cost the push (its seconds)
 BACKED_OFF = "backed off"  # how the outcome of an address left out begins
+STALL_S = 5.0  # the trainer's push_stall_s default
+UNANSWERED = "unanswered"  # how the outcome of a push that stopped waiting for an answer begins
 
 
 class AddressBackoff:
@@ -122,18 +125,23 @@ class AddressBackoff:
         left_out = [PushOutcome(a, False, -1, f"{BACKED_OFF}: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True) for a, s in waiting.items()]
         return [a for a in addresses if a not in waiting], left_out
 
-    def update(self, outcomes: Iterable[PushOutcome], keep: Sequence[str]) -> None:
+    def update(self, outcomes: Iterable[PushOutcome], keep: Sequence[str] | None = None) -> None:
         """Back off the addresses that failed, forget those that answered, and any no longer in `keep`
-        (the addresses pushed to: the table is never larger than the registry)."""
+        (the addresses pushed to: the table is never larger than the registry). An unanswered
+        outcome is neither: its answer is counted when it comes (Unanswered)."""
         now = self._clock()
         with self._lock:
             for o in outcomes:
+                if o.unanswered:
+                    continue
                 if not o.unreachable:
                     self._until.pop(o.address, None)
                 elif not o.orphaned:
                     last = self._until.get(o.address, (0.0, 0.0))[1]
                     wait = max(min(BACKOFF_MAX_S, 2 * last) if last else BACKOFF_FIRST_S, BACKOFF_PER_COST * o.seconds)
                     self._until[o.address] = (now + wait, wait)
+            if keep is None:
+                return
             kept = set(keep)
             for gone in [a for a in self._until if a not in kept]:
                 del self._until[gone]
@@ -142,6 +150,50 @@ class AddressBackoff:
         now = self._clock()
         with self._lock:
             return sorted(a for a, (until, _) in self._until.items() if until > now)
+
+
+class Unanswered:
+    """Calls whose payload went out whole but whose answer had not come when the push stopped
+    waiting (stall_s after the last chunk, per level of a relay tree): a generator applying
+    slowly (its weights lock held by a batch being sampled) or one that never answers. The
+    push ends without them. Their addresses are left out of the next pushes while the call is
+    open, so the trainer never has two pushes open at a generator (no version overtakes
+    another there) and a silent one costs one wait, not one a step; the answer, when it comes,
+    is counted by AddressBackoff as any outcome (a call that fails at push_timeout_s leaves
+    its address out ten times that)."""
+
+    def __init__(self, backoff: AddressBackoff):
+        self._backoff = backoff
+        self._open: dict[str, int] = {}  # address -> the version its open call pushes
+        self._lock = threading.Lock()
+
+    def split(self, addresses: Sequence[str]) -> tuple[list[str], list[PushOutcome]]:
+        """The addresses with no call open, and an outcome for each one that has."""
+        with self._lock:
+            busy = {a: self._open[a] for a in addresses if a in self._open}
+        left_out = [PushOutcome(a, False, -1, f"{UNANSWERED}: its push of version {v} is not answered yet", 0.0, unanswered=True) for a, v in busy.items()]
+        return [a for a in addresses if a not in busy], left_out
+
+    def open(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._open)
+
+    def hold(self, addresses: Sequence[str], version: int, future: grpc.Future, outcomes: Callable[[], list[PushOutcome]]) -> None:
+        """`addresses` (a generator, or a relay and its subtree) are open until `future` ends;
+        then `outcomes` are counted."""
+        with self._lock:
+            for a in addresses:
+                self._open[a] = version
+        future.add_done_callback(lambda _: self._answered(addresses, version, outcomes))
+
+    def _answered(self, addresses: Sequence[str], version: int, outcomes: Callable[[], list[PushOutcome]]) -> None:
+        done = outcomes()
+        self._backoff.update(done)
+        with self._lock:
+            for a in addresses:
+                self._open.pop(a, None)
+        for o in done:
+            log.info("push_answered_late: %s version %d applied=%s %s", o.address, version, o.applied, o.error)
 
 
 @dataclass(frozen=True)
@@ -320,7 +372,7 @@ class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
         encode_threads: int = 0, anchor_dir: Path | None = None, generator_key: Ed25519PublicKey | None = None, run: str = "",
-        nonce_timeout_s: float = NONCE_TIMEOUT_S,
+        nonce_timeout_s: float = NONCE_TIMEOUT_S, stall_s: float = STALL_S,
     ):
         """`creds`: the trainer's token, which signs pushes and is never sent (generators
         accept PushWeights by the trainer's signature only), and TLS material; None pushes
@@ -330,7 +382,9 @@ class WeightPublisher:
         `generator_key`: roles.json's generator_proof_key; with it, nothing is pushed to an
         address whose PushNonce answer does not prove a generator's token, and no generator is
         believed to have applied a push without its acknowledgement. `nonce_timeout_s`: how
-        long a generator has to answer PushNonce before it is left out of that push. `run`: what the
+        long a generator has to answer PushNonce before it is left out of that push. `stall_s`: how
+        long a push waits for a generator that takes no chunk (then it is cut and backed off), and
+        for its answer once it has every chunk (then the push ends without it: Unanswered). `run`: what the
         catch-up signatures (FetchWeights, the store's chain.json) are bound to."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
@@ -352,7 +406,9 @@ class WeightPublisher:
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
         self.generator_key = generator_key
         self.nonce_timeout_s = nonce_timeout_s
+        self.stall_s = stall_s
         self.backoff = AddressBackoff()
+        self.unanswered = Unanswered(self.backoff)
         self.pushes = BackgroundPush(version)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=MAX_PUSH_STREAMS, thread_name_prefix="push")
@@ -485,14 +541,16 @@ class WeightPublisher:
         header = published.header()
         gate = PushGate(self.signer, self.generator_key, from_registry)
         live, skipped = self.backoff.split(addresses)
+        live, busy = self.unanswered.split(live)
+        watch = Watch(self.stall_s, self.unanswered)
         if fanout < 1 or len(live) <= fanout:
-            futures = [self._pool.submit(push_one, calls[a], a, wire, header, gate, self.nonce_timeout_s, timeout_s) for a in live]
+            futures = [self._pool.submit(push_one, calls[a], a, wire, header, gate, self.nonce_timeout_s, timeout_s, watch) for a in live]
             done = [f.result() for f in futures]
         else:
             outcomes: dict[str, PushOutcome] = {}
             pending = list(live)
             for _ in range(RELAY_ROUNDS):
-                for o in self._relay_round(pending, calls, wire, header, gate, timeout_s, fanout):
+                for o in self._relay_round(pending, calls, wire, header, gate, timeout_s, fanout, watch):
                     outcomes[o.address] = o
                 # Orphans (a relay above them failed) go down a tree of their own, with fresh nonces.
                 pending = [a for a in pending if outcomes[a].orphaned]
@@ -500,12 +558,12 @@ class WeightPublisher:
                     break
             done = list(outcomes.values())
         self.backoff.update(done, keep=addresses)
-        by_address = {o.address: o for o in [*skipped, *done]}
+        by_address = {o.address: o for o in [*skipped, *busy, *done]}
         return [by_address[a] for a in addresses]
 
     def _relay_round(
         self, addresses: Sequence[str], calls: Mapping[str, PushCall], wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate,
-        timeout_s: float, fanout: int,
+        timeout_s: float, fanout: int, watch: Watch,
     ) -> list[PushOutcome]:
         """Every generator's nonce asked at once, each within nonce_timeout_s; each root of the
         tree pushed to as soon as its own subtree has answered (push_subtree), so no subtree
@@ -513,7 +571,7 @@ class WeightPublisher:
         start = time.perf_counter()
         signing = {a: self._pool.submit(sign_one, calls[a], a, header, gate, self.nonce_timeout_s) for a in addresses}
         futures = [
-            self._pool.submit(push_subtree, root, fanout, signing, calls, wire, gate, header, start + timeout_s) for root in relay.tree(list(addresses), fanout)
+            self._pool.submit(push_subtree, root, fanout, signing, calls, wire, gate, header, start + timeout_s, watch) for root in relay.tree(list(addresses), fanout)
         ]
         return [o for f in futures for o in f.result()]
 
@@ -617,7 +675,7 @@ def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gat
 
 def push_subtree(
     root: relay.Node, fanout: int, signing: Mapping[str, Future[tuple[Metadata, str]]], calls: Mapping[str, PushCall], wire: Iterable[bytes],
-    gate: PushGate, header: weights_pb2.WeightHeader, deadline: float,
+    gate: PushGate, header: weights_pb2.WeightHeader, deadline: float, watch: Watch,
 ) -> list[PushOutcome]:
     """`root`'s subtree once each of its nonces has come or timed out: those that answered, as
     a tree of their own (the first in tree order at its top), get the payload; those that did
@@ -630,17 +688,59 @@ def push_subtree(
         return left_out
     answered = list(metadata)
     top = relay.Node(answered[0], relay.tree(answered[1:], fanout) if len(answered) > 1 else [])
-    return [*left_out, *push_forwarding(calls[top.address], top, wire, metadata, gate, header, deadline - time.perf_counter())]
+    return [*left_out, *push_forwarding(calls[top.address], top, wire, metadata, gate, header, deadline - time.perf_counter(), watch)]
+
+
+@dataclass(frozen=True)
+class Watch:
+    """How a push watches its calls (weight_transfer.WatchedPush): cut after `stall_s` without
+    a chunk taken, and no longer waited for `stall_s` per level of the tree below it after its
+    last chunk (`unanswered` then holds it)."""
+
+    stall_s: float
+    unanswered: Unanswered
+
+    def send(
+        self, call: PushCall, root: relay.Node, chunks: Iterable[bytes], metadata: Metadata, timeout_s: float, version: int,
+        outcomes: Callable[[weights_pb2.PushResult | None, str, float], list[PushOutcome]],
+    ) -> list[PushOutcome]:
+        """`chunks` to `root` (with its subtree named in them), then `outcomes` of its answer
+        (None and why: a failed or stalled call) and the seconds it took; or, past the wait for
+        its answer, an unanswered outcome for each address of the subtree."""
+        start = time.perf_counter()
+        leg = weight_transfer.WatchedPush(call.push, chunks, max(1.0, timeout_s), metadata)
+        ended = leg.wait(self.stall_s, self.stall_s * height(root))
+        if ended is weight_transfer.Leg.STALLED:
+            return outcomes(None, f"stalled: took no chunk for {self.stall_s:g} s", time.perf_counter() - start)
+
+        def answer() -> list[PushOutcome]:
+            try:
+                return outcomes(leg.future.result(), "", time.perf_counter() - start)
+            except grpc.RpcError as e:
+                return outcomes(None, rpc_error_text(e), time.perf_counter() - start)
+            except grpc.FutureCancelledError:
+                return outcomes(None, "cancelled", time.perf_counter() - start)
+
+        if ended is weight_transfer.Leg.ENDED:
+            return answer()
+        addresses = root.addresses()
+        self.unanswered.hold(addresses, version, leg.future, answer)
+        why = f"{UNANSWERED}: sent whole, no answer within {self.stall_s * height(root):g} s; counted when it comes"
+        return [PushOutcome(a, False, -1, why, time.perf_counter() - start, via="" if a == root.address else root.address, unanswered=True) for a in addresses]
+
+
+def height(node: relay.Node) -> int:
+    """The levels of `node`'s subtree (1: no children)."""
+    return 1 + max((height(c) for c in node.children), default=0)
 
 
 def push_forwarding(
     call: PushCall, root: relay.Node, wire: Iterable[bytes], metadata: Mapping[str, Metadata], gate: PushGate, header: weights_pb2.WeightHeader,
-    timeout_s: float,
+    timeout_s: float, watch: Watch,
 ) -> list[PushOutcome]:
     """The payload to `root`, its first chunk naming root's subtree (the relay tree below it)
     with each generator's signature in it; the outcomes of root and of every generator below
     it, each believed applied only with its own acknowledgement (PushGate.believed)."""
-    start = time.perf_counter()
     signatures = {a: dict(md).get(push_signing.METADATA_KEY, "") for a, md in metadata.items()}
     forward = relay.targets(root.children, signatures)
     below = set(root.addresses()[1:])
@@ -655,42 +755,48 @@ def push_forwarding(
     def orphans(why: str, addresses: Iterable[str]) -> list[PushOutcome]:
         return [PushOutcome(a, False, -1, f"not reached: {root.address} {why}", 0.0, orphaned=True) for a in sorted(addresses)]
 
-    try:
-        result = call.push(chunks(), timeout=max(1.0, timeout_s), metadata=metadata[root.address])
-    except grpc.RpcError as e:
-        failed = PushOutcome(root.address, False, -1, rpc_error_text(e), time.perf_counter() - start, unreachable=True)
-        return [failed, *orphans("did not take the push", below)]
-    own = gate.believed(PushOutcome.of(root.address, result, time.perf_counter() - start), metadata[root.address], header, result.ack)
-    # Only root's subtree: a relay's report on any other generator is not its to make, and on
-    # its own subtree it is believed only where that generator's acknowledgement says so.
-    relayed = [
-        gate.believed(
-            PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned, unreachable=r.unreachable),
-            metadata[r.address], header, r.ack,
-        )
-        for r in result.relayed
-        if r.address in below
-    ]
-    # A relay that claimed an apply without the generator's acknowledgement is left out for a while.
-    claimants = {o.via for o in relayed if o.unproven}
-    reported = [dataclasses.replace(o, unreachable=True) if o.address in claimants else o for o in [own, *relayed]]
-    # A relay that answered but reported nobody below it (it forwarded nothing: an older
-    # generator, or one that crashed forwarding) orphans its subtree.
-    return [*reported, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
+    def outcomes(result: weights_pb2.PushResult | None, error: str, seconds: float) -> list[PushOutcome]:
+        if result is None:
+            return [PushOutcome(root.address, False, -1, error, seconds, unreachable=True), *orphans("did not take the push", below)]
+        own = gate.believed(PushOutcome.of(root.address, result, seconds), metadata[root.address], header, result.ack)
+        # Only root's subtree: a relay's report on any other generator is not its to make, and on
+        # its own subtree it is believed only where that generator's acknowledgement says so.
+        relayed = [
+            gate.believed(
+                PushOutcome(r.address, r.applied, r.version if r.applied else -1, r.error, r.seconds, via=r.via, orphaned=r.orphaned, unreachable=r.unreachable),
+                metadata[r.address], header, r.ack,
+            )
+            for r in result.relayed
+            if r.address in below
+        ]
+        # A relay that claimed an apply without the generator's acknowledgement is left out for a while.
+        claimants = {o.via for o in relayed if o.unproven}
+        reported = [dataclasses.replace(o, unreachable=True) if o.address in claimants else o for o in [own, *relayed]]
+        # A relay that answered but reported nobody below it (it forwarded nothing: an older
+        # generator, or one that crashed forwarding) orphans its subtree.
+        return [*reported, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
+
+    return watch.send(call, root, chunks(), metadata[root.address], timeout_s, header.version, outcomes)
 
 
 def push_one(
-    call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float, timeout_s: float
+    call: PushCall, address: str, wire: Iterable[bytes], header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float, timeout_s: float,
+    watch: Watch | None = None,
 ) -> PushOutcome:
     """One payload to one generator: its nonce and proof (PushGate, within nonce_timeout_s),
-    the signature, then the chunks (`wire`, iterated afresh by each stream). Every failure is
-    an outcome, never an exception."""
+    the signature, then the chunks (`wire`, iterated afresh by each stream), watched (`watch`;
+    None: the defaults, with an Unanswered of its own). Every failure is an outcome, never an exception."""
     start = time.perf_counter()
     metadata, why = sign_one(call, address, header, gate, nonce_timeout_s)
     if why:
         return PushOutcome(address, False, -1, why, time.perf_counter() - start, unreachable=True)
-    try:
-        result = call.push(iter(wire), timeout=max(1.0, timeout_s - (time.perf_counter() - start)), metadata=metadata)
-    except grpc.RpcError as e:
-        return PushOutcome(address, False, -1, rpc_error_text(e), time.perf_counter() - start, unreachable=True)
-    return gate.believed(PushOutcome.of(address, result, time.perf_counter() - start), metadata, header, result.ack)
+    if watch is None:
+        watch = Watch(STALL_S, Unanswered(AddressBackoff()))
+
+    def outcomes(result: weights_pb2.PushResult | None, error: str, seconds: float) -> list[PushOutcome]:
+        if result is None:
+            return [PushOutcome(address, False, -1, error, seconds, unreachable=True)]
+        return [gate.believed(PushOutcome.of(address, result, seconds), metadata, header, result.ack)]
+
+    [outcome] = watch.send(call, relay.Node(address), iter(wire), metadata, timeout_s - (time.perf_counter() - start), header.version, outcomes)
+    return outcome

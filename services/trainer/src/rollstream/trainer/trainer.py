@@ -168,7 +168,7 @@ class Trainer:
             bits = self._published_bits(self.optimizer.sync_model())
         self.publisher = WeightPublisher(
             bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.encode_threads(),
-            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None, nonce_timeout_s=s.push_nonce_timeout_s,
+            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None, nonce_timeout_s=s.push_nonce_timeout_s, stall_s=s.push_stall_s,
             generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None, run=s.run,
         )
         self.metrics = Metrics.register(host.registry)
