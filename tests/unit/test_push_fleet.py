@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -24,21 +25,21 @@ from synthetic import scored_groups
 from rollstream.core import credentials, grpc_auth, push_signing
 from rollstream.core.config import load_settings
 from rollstream.core.credentials import ROLES
-from rollstream.core.deltas import encode_anchor
-from rollstream.core.grpc_utils import CHANNEL_OPTIONS
+from rollstream.core.deltas import PayloadInfo, encode_anchor
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.deltas import PayloadInfo
+from rollstream.core.grpc_utils import CHANNEL_OPTIONS
 from rollstream.core.service import ServiceHost
 from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.publisher import AddressBackoff, PushOutcome, Published, WeightPublisher
+from rollstream.trainer.publisher import AddressBackoff, Published, PushOutcome, WeightPublisher
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
 ROLE_TABLE = grpc_auth.parse_roles(json.dumps(credentials.roles_table(TOKENS)), "test")
+T = TypeVar("T")
 WAIT_S = 60.0  # for events: generous, never a measure of speed
 
 
@@ -293,9 +294,9 @@ def eventually(condition: Callable[[], bool]) -> bool:
     return True
 
 
-def in_background(push: Callable[[], list[PushOutcome]]) -> tuple[threading.Event, list[PushOutcome]]:
+def in_background(push: Callable[[], list[T]]) -> tuple[threading.Event, list[T]]:
     """`push` on a thread; an event set when it returned, and its outcomes."""
-    ended, outcomes = threading.Event(), []
+    ended, outcomes = threading.Event(), list[T]()
 
     def run() -> None:
         outcomes.extend(push())
@@ -360,3 +361,27 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
     finally:
         hold.set()
         trainer.close()
+
+
+@pytest.mark.parametrize("stall", ["stops reading", "never answers"])
+def test_a_relay_child_that_stalls_holds_neither_the_relay_stream_nor_its_answer(serve: Callable[..., FakeGenerator], stall: str) -> None:
+    """A relay's target that takes one chunk and reads no more, or takes every chunk and never
+    answers, with 600 s left on the relay's own call: the relay's apply still reads its whole
+    stream, and its answer reports the target unreachable after RELAY_STALL_S, not at the
+    relay's deadline (120 s)."""
+    target = serve(signed=False, read_only=1) if stall == "stops reading" else serve(signed=False, hold=threading.Event())
+    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=8 * 4 << 20, sha256="ab" * 32, model_fingerprint="f")
+    data = b"x" * (4 << 20)
+    chunks = [weights_pb2.WeightChunk(header=header, data=data, forward=[weights_pb2.RelayTarget(address=target.address)])]
+    chunks += [weights_pb2.WeightChunk(data=data) for _ in range(7)]
+    peers = PeerChannels(ClientCredentials())
+    stream = RelayedStream(iter(chunks), "relay", peers, time_left_s=600)
+    try:
+        assert len(list(stream)) == 8  # the relay's own stream is not held by its target
+        ended, outcomes = in_background(lambda: stream.finish(read_rest=True))
+        assert ended.wait(WAIT_S), f"the relay's answer still waits for a target that {stall}"
+        [outcome] = outcomes
+        assert outcome.address == target.address and not outcome.applied and outcome.unreachable
+        assert ("stalled" if stall == "stops reading" else "no answer within") in outcome.error
+    finally:
+        peers.close()
