@@ -130,9 +130,11 @@ def next_bits(bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v + 1 for k, v in bits.items()}
 
 
-def signed_publisher(nonce_timeout_s: float = 5.0) -> WeightPublisher:
+def signed_publisher(nonce_timeout_s: float = 5.0, stall_s: float = 30.0) -> WeightPublisher:
+    """`stall_s`: generous where no test of it (an honest generator must answer within it)."""
     return WeightPublisher(
-        BITS, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, nonce_timeout_s=nonce_timeout_s
+        BITS, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key,
+        nonce_timeout_s=nonce_timeout_s, stall_s=stall_s,
     )
 
 
@@ -317,7 +319,7 @@ def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(serve: Callabl
     the push, and the stalled address is backed off."""
     honest, stalled = serve(), serve(read_only=1)
     publisher = WeightPublisher(
-        BIG, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, stall_s=5.0
+        BIG, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, stall_s=10.0
     )
     anchor = Published(PayloadInfo("anchor", 0, 0, publisher.fingerprint), encode_anchor(BIG, 0, publisher.fingerprint))
     try:
@@ -340,7 +342,7 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
     comes, backs it off."""
     hold = threading.Event()
     silent, honest = serve(signed=False, hold=hold, fail_late=True), serve(signed=False)
-    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=600, push_stall_s=5)
+    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=600, push_stall_s=10)
     trainer = Trainer(settings, ServiceHost("trainer", settings))
     addresses = [silent.address, honest.address]
     try:

@@ -27,9 +27,11 @@ verification per generator per push. A generator is counted as holding the versi
 its acknowledgement (its signature over that nonce and header), whoever reports it.
 
 No member holds the others back (issue 42): a nonce is asked within nonce_timeout_s, down a
-relay tree each root's subtree is pushed as soon as its own nonces are in, an address that
-failed is left out a while (AddressBackoff), and the trainer pushes in the background
-(BackgroundPush), telling pollers a version only once its push has ended.
+relay tree each root's subtree is pushed as soon as its own nonces are in, a stream that takes
+no chunk for stall_s is cut, one that took every chunk is waited for stall_s per tree level and
+then left to answer in the background (Watch, Unanswered), an address that failed is left out
+a while (AddressBackoff), and the trainer pushes in the background (BackgroundPush), telling
+pollers a version only once its push has ended.
 """
 
 from __future__ import annotations
@@ -589,7 +591,7 @@ class WeightPublisher:
             return {a: push_call(self._channels[a]) for a in addresses}
 
     def close(self) -> None:
-        self.pushes.wait()  # bounded by push_timeout_s: its calls have deadlines
+        self.pushes.wait()  # bounded by the nonce and stall deadlines (Watch); calls still open are cancelled below
         if self.anchor_dir is not None:  # the chain first: no generator reads files that are going
             (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
         _unlink_files([self._anchor, *self._deltas])
