@@ -39,6 +39,32 @@ def forged_group(keys: RunKeys) -> dict[bytes, bytes]:
     return codec.encode(group)
 
 
+def forged_answers(admin: redis.Redis, keys: RunKeys, model: Path) -> dict[str, rollout_pb2.RolloutGroup]:
+    """Issue 42's forged answers, as the generator's user can write them to `rollouts`: a
+    made-up task, a real task claiming another answer (its text that answer, its tokens that
+    text), a real task whose text is not its tokens. Each at most 6 tokens (the run's limit)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    _, fields = admin.xrange(keys.stream("prompts"), count=1)[0]  # what a generator reads with XREADGROUP
+    task = codec.decode(fields, rollout_pb2.PromptTask)
+    chat = [{"role": m.role, "content": m.content} for m in task.messages]
+    prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    claimed = str(int(task.answer) + 100)
+
+    def group(group_id: str, task_id: str, answer: str, text: str, tokens_of: str) -> rollout_pb2.RolloutGroup:
+        ids = tokenizer.encode(tokens_of, add_special_tokens=False)
+        completion = rollout_pb2.Completion(token_ids=ids, behaviour_logprobs=[-0.1] * len(ids), text=text, finish_reason="stop")
+        return rollout_pb2.RolloutGroup(group_id=group_id, task_id=task_id, policy_version=int(admin.get(keys.version) or 0), prompt_ids=prompt,
+                                        answer=answer, task_kind="arithmetic", group_size=4, completions=[completion] * 4)  # fmt: skip
+
+    return {
+        "made-up-task": group("made-up-task", f"{keys.run}-99999999", "5", "5", "5"),
+        "forged-answer": group("forged-answer", task.task_id, claimed, claimed, claimed),
+        "text-not-tokens": group("text-not-tokens", task.task_id, task.answer, task.answer, "zzz"),
+    }
+
+
 def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
     run = "guarded"
     keys = RunKeys(run)
@@ -46,6 +72,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run, "--workdir", str(tmp_path),
         "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
         "--no-colocate",  # a generator process, its own ports and credentials to attack
+        "--trainer.checkpoint-every", "0",  # the trained log keeps every step: what the forged group trained with
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds = tmp_path / "credentials"
@@ -71,6 +98,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
             lambda: generator.xadd(keys.stream("ready"), forged_group(keys)),  # a self-rewarded group for the trainer
             lambda: observer.xadd(keys.stream("ready"), forged_group(keys)),  # the generator's back-pressure reads only
             lambda: generator.set(keys.version, 10**6),  # the trainer's version
+            lambda: generator.hset(keys.tasks, f"{run}-99999999", b"x"),  # the trainer's task map
             lambda: generator.xadd(keys.metrics, {"x": "y"}),
             lambda: generator.execute_command("DEBUG", "SLEEP", "6"),
             lambda: generator.flushall(),
@@ -78,6 +106,10 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 refused()
+
+        forged = forged_answers(admin, keys, tiny_model_dir)
+        for g in forged.values():  # XADD to rollouts: the generator's own lane
+            generator.xadd(keys.stream("rollouts"), codec.encode(g))
 
         # gRPC: the trainer's and generators' sockets, from another process's point of view.
         trainer_address = json.loads((tmp_path / "state" / "trainer.json").read_text())["grpc_address"]
@@ -107,7 +139,24 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         steps_then = admin.xlen(keys.metrics)
         wait_for(lambda: admin.xlen(keys.metrics) >= steps_then + 2, 300, "2 more steps after the attacks", check=up_running, poll_s=0.5)
         assert not admin.sismember(keys.groups("trained"), "forged")
-        assert admin.xlen(keys.dead) == 0
+
+        def dead_letters() -> dict[str, str]:
+            out = {}
+            for _, fields in admin.xrange(keys.dead):
+                letter = codec.decode(fields, rollout_pb2.DeadLetter)
+                out[codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id] = letter.reason
+            return out
+
+        wait_for(lambda: "forged-answer" in {m.decode() for m in admin.smembers(keys.groups("trained"))} and len(dead_letters()) == 2, 300,
+                 "the forged groups refused or trained as scored", check=up_running, poll_s=0.5)  # fmt: skip
+        dead = dead_letters()  # nothing honest among them
+        assert set(dead) == {"made-up-task", "text-not-tokens"}, dead
+        assert f"is not in {keys.tasks}" in dead["made-up-task"] and "is not its token_ids decoded" in dead["text-not-tokens"]
+        # The forged answer was scored against the real one (format only: 0.1), and trains no signal.
+        trained = [codec.decode({k: v for k, v in f.items() if k != b"step"}, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.trained_log)]
+        (as_trained,) = [g for g in trained if g.group_id == "forged-answer"]
+        assert as_trained.answer == str(int(forged["forged-answer"].answer) - 100)
+        assert [c.reward for c in as_trained.completions] == pytest.approx([0.1] * 4)
         assert admin.acl_log() == []
 
         # The operator's view: `rollstream status` as admin works; without credentials it says why.
