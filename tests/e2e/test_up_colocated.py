@@ -33,7 +33,7 @@ MODES = {
 
 
 def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, tmp_path: Path) -> None:
-    scorer, server, port = serve_text_scorer()
+    scorer, server, address = serve_text_scorer(tmp_path / "scorer")
     steps: dict[str, list[dict]] = {}
     completions: dict[str, dict[tuple[str, int], str]] = {}
     try:
@@ -46,7 +46,7 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
             cmd = [
                 rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "3", "--run", run, "--workdir", str(workdir),
                 "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6",
-                "--threads", "1", "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", f"127.0.0.1:{port}", *flags,
+                "--threads", "1", "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", address, *flags,
             ]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout + done.stderr

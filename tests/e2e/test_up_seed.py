@@ -41,18 +41,22 @@ class TextScorer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreResponse(scores=scores)
 
 
-def serve_text_scorer() -> tuple[TextScorer, grpc.Server, int]:
-    """A TextScorer serving on a loopback port: (scorer, server, port); stop the server after."""
+def serve_text_scorer(folder: Path) -> tuple[TextScorer, grpc.Server, str]:
+    """A TextScorer serving on a unix socket in `folder` (0700: `up` sends the reward's token
+    there, and only over a socket nobody else can take): (scorer, server, address); stop the
+    server after."""
     scorer = TextScorer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     reward_pb2_grpc.add_RewardServicer_to_server(scorer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    address = f"unix:{folder / 'scorer.sock'}"
+    server.add_insecure_port(address)
     server.start()
-    return scorer, server, port
+    return scorer, server, address
 
 
 def test_two_run_names_with_one_seed_sample_alike(tiny_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
-    scorer, server, port = serve_text_scorer()
+    scorer, server, address = serve_text_scorer(tmp_path / "scorer")
     rewards: dict[str, list[float]] = {}
     completions: dict[str, dict[tuple[str, int], str]] = {}
     try:
@@ -62,7 +66,7 @@ def test_two_run_names_with_one_seed_sample_alike(tiny_model_dir: Path, redis_ur
             cmd = [
                 rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "3", "--run", run, "--workdir", str(workdir),
                 "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-                "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", f"127.0.0.1:{port}",
+                "--generator.seed", "7", "--trainer.lr", "1e-2", "--reward.scorer-address", address,
             ]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout + done.stderr
