@@ -321,7 +321,9 @@ class BackgroundPush:
     """The step's push on a thread of its own: the loop commits a step, hands its payload over
     and trains the next one while it goes out. Pushes stay ordered and one is in flight at a
     time (`start` waits for the one before), so at most two payloads are held: the one going
-    out and the one the step just made. `version`: the newest version whose push has ended,
+    out and the one the step just made. A push ends once every generator has answered, been
+    cut, or taken every chunk and not answered within the stall deadline (Watch): a call
+    still open then holds no payload, only its address out of the next pushes (Unanswered). `version`: the newest version whose push has ended,
     all that pollers are told and served (the trainer's GetState and FetchWeights): a
     generator being pushed a version never fetches it too, and one the push missed fetches it
     once the push is over."""
