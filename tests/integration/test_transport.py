@@ -25,6 +25,7 @@ from rollstream.core.streams import RunKeys
 from rollstream.generator.config import GeneratorSettings
 from rollstream.launcher.procs import tail
 from rollstream.reward.config import RewardSettings
+from rollstream.reward.remote import scorer_channel, service_config
 from rollstream.v1 import rollout_pb2
 
 TOKEN = "t" * 43
@@ -61,6 +62,9 @@ def test_no_token_goes_to_a_plain_tcp_server(squatter: socket.socket) -> None:
     address = "127.0.0.1:%d" % squatter.getsockname()[1]
     with pytest.raises(ValueError, match="refusing to send a gRPC token to 127.0.0.1"):
         grpc_utils.channel(address, ClientCredentials(token=TOKEN))
+    # The reward's channel to a remote scorer (its own retry options) too.
+    with pytest.raises(ValueError, match="refusing to send a gRPC token to 127.0.0.1"):
+        scorer_channel(address, ClientCredentials(token=TOKEN), service_config(1, 0.1, 1.0))
     assert accepted_nothing(squatter)
     # Without a token, over TLS, or where the operator said the network cannot be squatted: a channel.
     for creds in (None, ClientCredentials(), ClientCredentials(token=TOKEN, tls=True), ClientCredentials(token=TOKEN, plaintext_token=True)):

@@ -138,25 +138,28 @@ def serve(
     return running
 
 
-def channel(address: str, creds: ClientCredentials | None = None, server_name: str = "") -> grpc.Channel:
+def channel(
+    address: str, creds: ClientCredentials | None = None, server_name: str = "", options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A channel to `address` (host:port, or unix:/path). With `creds`: TLS when creds.tls,
     and creds.token on every call. `server_name` is the name the server's certificate must
     carry when it is not the address's host (certificates name roles, addresses come from
-    discovery: pod IPs, ports on loopback); ignored without TLS.
+    discovery: pod IPs, ports on loopback); ignored without TLS. `options`: channel options
+    beyond CHANNEL_OPTIONS (a service config, say).
 
     A token goes only to a server the client has authenticated (grpc_auth.token_refusal):
     anything else is a ValueError before any connection is made."""
     why = token_refusal(address, creds)
     if why:
         raise ValueError(why)
-    if creds is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    if creds.tls:
-        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
-        ch = grpc.secure_channel(address, creds.channel_credentials(), options=options)
+    all_options = CHANNEL_OPTIONS + list(options)
+    if creds is not None and creds.tls:
+        ch = grpc.secure_channel(
+            address, creds.channel_credentials(), options=all_options + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
+        )
     else:
-        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    if creds.token:
+        ch = grpc.insecure_channel(address, options=all_options)
+    if creds is not None and creds.token:
         ch = grpc.intercept_channel(ch, TokenInterceptor(creds.token))
     return ch
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import grpc
 
 from rollstream.core import grpc_utils
-from rollstream.core.grpc_auth import ClientCredentials, TokenInterceptor
+from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
 if TYPE_CHECKING:
@@ -70,21 +70,17 @@ def service_config(retries: int, backoff_s: float, backoff_max_s: float) -> str:
 
 
 def scorer_channel(address: str, creds: ClientCredentials | None, config: str) -> grpc.Channel:
-    """grpc_utils.channel with the retry service config among the options. (channel() takes
-    no extra options; an `options` argument there would make this a one-line call.)"""
-    options = grpc_utils.CHANNEL_OPTIONS + [
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", config),
-        # Ours, not one a DNS TXT record could substitute.
-        ("grpc.service_config_disable_resolution", 1),
-    ]
-    if creds is not None and creds.tls:
-        ch = grpc.secure_channel(address, creds.channel_credentials(), options=options)
-    else:
-        ch = grpc.insecure_channel(address, options=options)
-    if creds is not None and creds.token:
-        ch = grpc.intercept_channel(ch, TokenInterceptor(creds.token))
-    return ch
+    """grpc_utils.channel with the retry service config among its options."""
+    return grpc_utils.channel(
+        address,
+        creds,
+        options=[
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", config),
+            # Ours, not one a DNS TXT record could substitute.
+            ("grpc.service_config_disable_resolution", 1),
+        ],
+    )
 
 
 class ScorerUnavailable(Exception):
