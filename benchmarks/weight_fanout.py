@@ -258,7 +258,7 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
                 published, stats = trainer.publisher.publish(bits, encoder)
                 sizes.append(stats.nbytes)
                 pushed += trainer.publisher.pushes.wait()
-                trainer.publisher.pushes.start(published.info.version, lambda p=published: trainer.publisher.push(addresses, p, args.push_timeout, fanout=args.fanout))
+                trainer.publisher.pushes.start(published.info.version, lambda p=published: trainer.publisher.fleet.push(addresses, p, args.push_timeout, fanout=args.fanout))
             pushed += trainer.publisher.pushes.wait()
             seconds = time.perf_counter() - start
             time.sleep(2 * 2.0)  # two sync intervals (the default 2 s): a generator a push missed has fetched by now
@@ -397,7 +397,7 @@ def main() -> None:
             dead: set[str] = set()
 
             def push(targets: list[str], published: Published) -> list:
-                outcomes = publisher.push(targets, published, args.push_timeout, fanout=args.fanout)
+                outcomes = publisher.fleet.push(targets, published, args.push_timeout, fanout=args.fanout)
                 for o in outcomes:
                     if not o.applied and args.slow_index >= 0 and o.address == addresses[args.slow_index]:
                         continue  # the slow member: left out, then backed off (it would catch up)

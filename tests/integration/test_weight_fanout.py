@@ -61,7 +61,7 @@ def test_one_encode_pushed_to_every_generator(generators: list[ServiceProc], tin
         for version in (1, 2):
             bits = perturbed(bits, seed=version)
             published, _ = publisher.publish(bits)
-            outcomes = publisher.push(addresses, published, timeout_s=120)
+            outcomes = publisher.fleet.push(addresses, published, timeout_s=120)
             assert [o.address for o in outcomes] == addresses
             for o in outcomes:
                 assert o.applied and o.version == version, o.error
@@ -72,16 +72,16 @@ def test_one_encode_pushed_to_every_generator(generators: list[ServiceProc], tin
                 assert served_sha(g) == (version, deltas.weights_sha256(bits))
         # One channel per generator, kept between pushes; a generator no longer pushed to
         # loses its channel.
-        assert sorted(publisher._channels) == sorted(addresses)
+        assert sorted(publisher.fleet._channels) == sorted(addresses)
         bits = perturbed(bits, seed=3)
         published, _ = publisher.publish(bits)
-        outcomes = publisher.push(addresses[:2], published, timeout_s=120)
+        outcomes = publisher.fleet.push(addresses[:2], published, timeout_s=120)
         assert all(o.applied for o in outcomes)
-        assert sorted(publisher._channels) == sorted(addresses[:2])
+        assert sorted(publisher.fleet._channels) == sorted(addresses[:2])
         # The third generator missed version 3: it refuses version 4's delta (and would catch up).
         bits = perturbed(bits, seed=4)
         published, _ = publisher.publish(bits)
-        late = publisher.push(addresses[2:], published, timeout_s=120)[0]
+        late = publisher.fleet.push(addresses[2:], published, timeout_s=120)[0]
         assert not late.applied and "base is version 3" in late.error
     finally:
         publisher.close()
@@ -103,7 +103,7 @@ def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url:
         for version in (1, 2, 3, 4):  # 3 is an anchor: 4's delta is over it
             bits = perturbed(bits, seed=version)
             published, _ = publisher.publish(bits)
-            [outcome] = publisher.push([pushed.grpc_address], published, timeout_s=120)
+            [outcome] = publisher.fleet.push([pushed.grpc_address], published, timeout_s=120)
             assert outcome.applied and outcome.version == version, outcome.error
             expected = (version, deltas.weights_sha256(bits))
             wait_for(lambda: served_sha(missed) == expected, 120, f"the missed generator serving version {version} from the store", [missed])

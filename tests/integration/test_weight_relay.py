@@ -31,7 +31,7 @@ def test_a_push_goes_down_the_tree_and_around_a_dead_relay(generators: list[Serv
     try:
         bits = perturbed(bits, seed=1)
         published, _ = publisher.publish(bits)
-        outcomes = publisher.push(addresses, published, timeout_s=120, fanout=2)
+        outcomes = publisher.fleet.push(addresses, published, timeout_s=120, fanout=2)
         assert [o.address for o in outcomes] == addresses
         assert all(o.applied and o.version == 1 for o in outcomes), [o.error for o in outcomes]
         # The tree, breadth first: the trainer sends to g0 and g1 only; g0 forwards to g2 and g3, g1 to g4.
@@ -42,7 +42,7 @@ def test_a_push_goes_down_the_tree_and_around_a_dead_relay(generators: list[Serv
         generators[1].stop()  # a relay gone: g4 below it is orphaned, then reached in a round of its own
         bits = perturbed(bits, seed=2)
         published, _ = publisher.publish(bits)
-        outcomes = {o.address: o for o in publisher.push(addresses, published, timeout_s=120, fanout=2)}
+        outcomes = {o.address: o for o in publisher.fleet.push(addresses, published, timeout_s=120, fanout=2)}
         assert not outcomes[addresses[1]].applied
         for i in (0, 2, 3, 4):
             assert outcomes[addresses[i]].applied and outcomes[addresses[i]].version == 2, outcomes[addresses[i]].error
@@ -74,7 +74,7 @@ def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
         addresses = [g.grpc_address for g in generators]
         bits = perturbed(bits, seed=1)
         published, _ = publisher.publish(bits)
-        outcomes = publisher.push(addresses, published, timeout_s=120, fanout=1)  # a chain: g0 -> g1 -> g2 -> g3
+        outcomes = publisher.fleet.push(addresses, published, timeout_s=120, fanout=1)  # a chain: g0 -> g1 -> g2 -> g3
         assert [o.via for o in outcomes] == ["", *addresses[:3]]
         assert all(o.applied and o.version == 1 for o in outcomes), [o.error for o in outcomes]
         creds = ClientCredentials(token=secrets.tokens["admin"])

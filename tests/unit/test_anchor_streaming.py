@@ -143,7 +143,7 @@ def test_a_file_anchor_is_pushed_from_its_file_with_the_same_bytes(tmp_path: Pat
     assert isinstance(wire, FileWire) and isinstance(reference.wire_chunks(), list)
     assert list(wire) == list(wire) == reference.wire_chunks()  # read afresh by each iteration
     assert len(reference.wire_chunks()) == 3
-    outcomes = in_file.push([address for _, address in receivers], anchor, timeout_s=60)
+    outcomes = in_file.fleet.push([address for _, address in receivers], anchor, timeout_s=60)
     assert all(o.applied and o.version == 0 for o in outcomes), outcomes
     for receiver, _ in receivers:
         assert receiver.payloads == [(reference.header(), reference.payload)]

@@ -33,7 +33,8 @@ from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.publisher import AddressBackoff, Published, PushOutcome, WeightPublisher
+from rollstream.trainer.fleet import AddressBackoff, PushOutcome
+from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 
@@ -151,12 +152,12 @@ def test_a_pushnonce_that_never_answers_costs_one_short_deadline_once(serve: Cal
         for version in (1, 2):
             bits = next_bits(bits)
             published, _ = publisher.publish(bits)
-            outcomes = {o.address: o for o in publisher.push(addresses, published, timeout_s=300, fanout=fanout)}
+            outcomes = {o.address: o for o in publisher.fleet.push(addresses, published, timeout_s=300, fanout=fanout)}
             assert outcomes[honest.address].applied and outcomes[other.address].applied, [o.error for o in outcomes.values()]
             assert not outcomes[stranger.address].applied
             assert ("no nonce" if version == 1 else "backed off") in outcomes[stranger.address].error
         assert stranger.nonce_calls == 1 and stranger.payloads == 0
-        assert publisher.backoff.backed_off() == [stranger.address]
+        assert publisher.fleet.backoff.backed_off() == [stranger.address]
         assert (honest.payloads, other.payloads) == (2, 2)
     finally:
         publisher.close()
@@ -171,11 +172,11 @@ def test_a_relay_that_lies_about_its_subtree_is_not_believed(serve: Callable[...
     publisher = signed_publisher()
     try:
         published, _ = publisher.publish(next_bits(BITS))
-        outcomes = {o.address: o for o in publisher.push([liar.address, child.address], published, timeout_s=300, fanout=1)}
+        outcomes = {o.address: o for o in publisher.fleet.push([liar.address, child.address], published, timeout_s=300, fanout=1)}
         assert outcomes[liar.address].applied  # its own apply, acknowledged
         assert not outcomes[child.address].applied and "acknowledgement" in outcomes[child.address].error
         assert child.payloads == 0
-        assert liar.address in publisher.backoff.backed_off() and child.address not in publisher.backoff.backed_off()
+        assert liar.address in publisher.fleet.backoff.backed_off() and child.address not in publisher.fleet.backoff.backed_off()
     finally:
         publisher.close()
 
@@ -323,13 +324,13 @@ def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(serve: Callabl
     )
     anchor = Published(PayloadInfo("anchor", 0, 0, publisher.fingerprint), encode_anchor(BIG, 0, publisher.fingerprint))
     try:
-        ended, outcomes = in_background(lambda: publisher.push([honest.address, stalled.address], anchor, timeout_s=600, fanout=fanout))
+        ended, outcomes = in_background(lambda: publisher.fleet.push([honest.address, stalled.address], anchor, timeout_s=600, fanout=fanout))
         assert ended.wait(WAIT_S), "the push still waits for the generator that stopped reading"
         by_address = {o.address: o for o in outcomes}
         assert by_address[honest.address].applied, by_address[honest.address].error
         assert not by_address[stalled.address].applied and "stalled" in by_address[stalled.address].error
         assert stalled.entered.is_set() and 1 <= len(stalled.received) < 8 and stalled.payloads == 0
-        assert publisher.backoff.backed_off() == [stalled.address]
+        assert publisher.fleet.backoff.backed_off() == [stalled.address]
     finally:
         publisher.close()
 
@@ -356,10 +357,10 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
         assert second[honest.address].applied and second[honest.address].version == 2
         assert second[silent.address].unanswered and "version 1 is not answered yet" in second[silent.address].error
         assert silent.push_calls == 1 and honest.payloads == 2
-        assert trainer.publisher.backoff.backed_off() == []
+        assert trainer.publisher.fleet.backoff.backed_off() == []
         hold.set()
-        assert eventually(lambda: trainer.publisher.backoff.backed_off() == [silent.address]), "its late failure was not counted"
-        assert trainer.publisher.unanswered.open() == {}
+        assert eventually(lambda: trainer.publisher.fleet.backoff.backed_off() == [silent.address]), "its late failure was not counted"
+        assert trainer.publisher.fleet.unanswered.open() == {}
     finally:
         hold.set()
         trainer.close()

@@ -42,7 +42,7 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import Encode, PromptFeeder
 from rollstream.trainer.optimizer import NonFiniteStep
-from rollstream.trainer.publisher import PushOutcome
+from rollstream.trainer.fleet import PushOutcome
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
 

@@ -26,7 +26,8 @@ from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.optimizer import HostAdamW
-from rollstream.trainer.publisher import BACKED_OFF, Published, PushOutcome, WeightPublisher
+from rollstream.trainer.fleet import BACKED_OFF, PushOutcome
+from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -301,7 +302,7 @@ class Trainer:
         new version copied by the followers, the previous push waited for, `record` (the loop's
         commit of the groups and ledger, with that push's outcomes), the groups counted as
         trained, and only then the new version's push started in the background
-        (publisher.BackgroundPush): the next step does not wait for it. Returns the previous
+        (fleet.BackgroundPush): the next step does not wait for it. Returns the previous
         push's outcomes; last_phases gains push_s (the copies and the wait for the previous push;
         the push itself is the `push` phase of the metrics, timed on its own thread) and commit_s.
         Raises NonFiniteStep with nothing applied, published or pushed."""
@@ -324,14 +325,14 @@ class Trainer:
     def _push(self, addresses: list[str], published: Published, from_registry: bool, version: int) -> list[PushOutcome]:
         """One version's push (on BackgroundPush's thread), logged when it ends."""
         start = time.perf_counter()
-        outcomes = self.publisher.push(addresses, published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
+        outcomes = self.publisher.fleet.push(addresses, published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         for o in outcomes:
             if not o.applied and not o.error.startswith(BACKED_OFF):  # those: once when they failed, then in `pushed`
                 logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, version=version, error=o.error)
         self.metrics.phase_seconds.labels(phase="push").observe(time.perf_counter() - start)
         logs.event(
             self.log, "pushed", version=version, applied=sum(o.applied for o in outcomes), generators=len(outcomes),
-            seconds=round(time.perf_counter() - start, 3), backed_off=len(self.publisher.backoff.backed_off()),
+            seconds=round(time.perf_counter() - start, 3), backed_off=len(self.publisher.fleet.backoff.backed_off()),
         )
         return outcomes
 
@@ -349,7 +350,7 @@ class Trainer:
         version of the abandoned run, or the same number from another lineage); unreachable ones catch up later."""
         self.publisher.pushes.reached(self.version)
         anchor = self.publisher.catch_up_payloads(-1, "")[0]
-        outcomes = self.publisher.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
+        outcomes = self.publisher.fleet.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
 
     def count_dropped(self, outcome: str, n: int) -> None:
