@@ -428,3 +428,14 @@ def test_parse_tests_explains_bad_metadata() -> None:
         sandbox.parse_tests({})
     with pytest.raises(ValueError, match="test 1 is neither"):
         sandbox.parse_tests({"tests": ["assert 1", {"input": "x"}]})
+
+
+def test_a_sandbox_that_cannot_run_is_found_at_start() -> None:
+    """recipes.sandbox_problems, which the reward logs at start (code_sandbox_unavailable): a
+    code kind whose sandbox cannot start is named with why; one that can (here) is not."""
+    from rollstream.reward.recipes import ComponentSpec, sandbox_problems
+
+    broken = ComponentSpec(component="code", weight=1.0, params={"python": "/nonexistent/python3", "wall_s": 240.0, "test_timeout_s": 60.0})
+    working = ComponentSpec(component="code", weight=1.0, params={"wall_s": 240.0, "test_timeout_s": 60.0})
+    problems = sandbox_problems({"broken_code": [broken], "code": [working], "arithmetic": []})
+    assert list(problems) == ["broken_code"] and "/nonexistent/python3" in problems["broken_code"]

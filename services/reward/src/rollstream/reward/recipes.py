@@ -375,6 +375,24 @@ def code_backstop_s(spec: ComponentSpec) -> float:
     return float(CodeParams.model_validate(spec.params).wall_s) + 5.0
 
 
+def sandbox_problems(specs: Mapping[str, Sequence[ComponentSpec]]) -> dict[str, str]:
+    """Task kind -> why its code component's sandbox cannot run here, for each kind whose
+    sandbox cannot (one trivial program per distinct set of limits). Where it cannot, every
+    completion of that kind scores 0 with status error (SandboxUnavailable): the service says
+    so once at start instead."""
+    why: dict[sandbox.SandboxLimits, str] = {}
+    problems: dict[str, str] = {}
+    for kind, components in specs.items():
+        for spec in components:
+            if spec.component == "code":
+                limits = CodeParams.model_validate(spec.params).limits()
+                if limits not in why:
+                    why[limits] = sandbox.unavailable(limits)
+                if why[limits]:
+                    problems[kind] = why[limits]
+    return problems
+
+
 def build_recipes(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_s: float | None) -> Recipes:
     """Build every recipe; ValueError names the kind and entry of a bad one."""
     table: dict[str, Recipe] = {}

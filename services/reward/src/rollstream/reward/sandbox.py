@@ -240,6 +240,15 @@ def choose_python(configured: str) -> str:
     )
 
 
+def unavailable(limits: SandboxLimits) -> str:
+    """Why the sandbox cannot run here ("" when it can), from one trivial program."""
+    try:
+        run_tests("", ["assert True"], limits)
+    except SandboxUnavailable as e:
+        return str(e)
+    return ""
+
+
 def run_tests(code: str, tests: list[str | dict[str, str]], limits: SandboxLimits) -> RunResult:
     """Run `code` against `tests` in the sandbox. Never raises for anything the program
     does; raises SandboxUnavailable when the sandbox itself cannot run."""

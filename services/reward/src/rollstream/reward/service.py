@@ -31,7 +31,7 @@ from rollstream.core.service import Every, ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import ScorePool
-from rollstream.reward.recipes import Score
+from rollstream.reward.recipes import Score, sandbox_problems
 from rollstream.reward.remote import RemoteScorer, ScorerUnavailable
 from rollstream.reward.scoring import Metrics, RewardServicer, Scored, Scorer
 from rollstream.v1 import reward_pb2_grpc, rollout_pb2
@@ -61,6 +61,11 @@ def run(settings: RewardSettings) -> int:
             pool.warm_up()
             if settings.scorer_address:
                 remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
+            else:
+                for kind, why in sandbox_problems(settings.recipe_specs()).items():
+                    # k8s/ runs this pod with the runtime's default seccomp profile; code tasks
+                    # need k8s-code-sandbox/ (docs/deploy.md).
+                    logs.event(host.log, "code_sandbox_unavailable", logging.WARNING, task_kind=kind, error=why, consequence="its completions score 0 (status error)")
             client = host.connect_redis()
             try:
                 stage = host.open_stage(client, SOURCE_STAGE, settings.group)
