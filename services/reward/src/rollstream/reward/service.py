@@ -22,6 +22,7 @@ again (never acknowledged with made-up zeros).
 from __future__ import annotations
 
 import logging
+import threading
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -61,11 +62,8 @@ def run(settings: RewardSettings) -> int:
             pool.warm_up()
             if settings.scorer_address:
                 remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
-            else:
-                for kind, why in sandbox_problems(settings.recipe_specs()).items():
-                    # k8s/ runs this pod with the runtime's default seccomp profile; code tasks
-                    # need k8s-code-sandbox/ (docs/deploy.md).
-                    logs.event(host.log, "code_sandbox_unavailable", logging.WARNING, task_kind=kind, error=why, consequence="its completions score 0 (status error)")
+            else:  # beside the start, not before readiness: a sandbox's interpreter can take seconds to start
+                threading.Thread(target=say_sandbox_problems, args=(settings, host.log), name="sandbox-probe", daemon=True).start()
             client = host.connect_redis()
             try:
                 stage = host.open_stage(client, SOURCE_STAGE, settings.group)
@@ -85,6 +83,13 @@ def run(settings: RewardSettings) -> int:
                 remote.close()
             pool.close()
     return 0
+
+
+def say_sandbox_problems(settings: RewardSettings, log: logging.Logger) -> None:
+    """A WARNING for each code task kind whose sandbox cannot run here (k8s/ runs this pod with
+    the runtime's default seccomp profile; code tasks need k8s-code-sandbox/, docs/deploy.md)."""
+    for kind, why in sandbox_problems(settings.recipe_specs()).items():
+        logs.event(log, "code_sandbox_unavailable", logging.WARNING, task_kind=kind, error=why, consequence="its completions score 0 (status error)")
 
 
 @dataclass
