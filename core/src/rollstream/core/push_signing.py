@@ -105,11 +105,7 @@ class GeneratorProver:
 
 
 def verify_proof(key: Ed25519PublicKey, challenge: bytes, nonce: bytes, address: str, proof: bytes) -> bool:
-    try:
-        key.verify(proof, proof_text(challenge, nonce, address))
-    except InvalidSignature:
-        return False
-    return True
+    return _valid(key, proof, proof_text(challenge, nonce, address))
 
 
 def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
@@ -135,11 +131,7 @@ def ack_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
 
 
 def verify_ack(key: Ed25519PublicKey, nonce: bytes, header: weights_pb2.WeightHeader, ack: bytes) -> bool:
-    try:
-        key.verify(ack, ack_text(nonce, header))
-    except InvalidSignature:
-        return False
-    return True
+    return _valid(key, ack, ack_text(nonce, header))
 
 
 class PushSigner:
@@ -170,11 +162,7 @@ def parse_signature(metadata: Iterable[tuple[str, Any]] | None) -> tuple[bytes, 
 
 
 def verify(key: Ed25519PublicKey, nonce: bytes, signature: bytes, header: weights_pb2.WeightHeader) -> bool:
-    try:
-        key.verify(signature, signed_text(nonce, header))
-    except InvalidSignature:
-        return False
-    return True
+    return _valid(key, signature, signed_text(nonce, header))
 
 
 # -- catch-up: what a generator fetches or reads from the store ---------------------------
@@ -215,19 +203,11 @@ class TrainerSigner:
 
 
 def verify_payload(key: Ed25519PublicKey, run: str, header: weights_pb2.WeightHeader, signature: bytes) -> bool:
-    try:
-        key.verify(signature, payload_text(run, header))
-    except InvalidSignature:
-        return False
-    return True
+    return _valid(key, signature, payload_text(run, header))
 
 
 def verify_state(key: Ed25519PublicKey, run: str, challenge: bytes, version: int, fingerprint: str, signature: bytes) -> bool:
-    try:
-        key.verify(signature, state_text(run, challenge, version, fingerprint))
-    except InvalidSignature:
-        return False
-    return True
+    return _valid(key, signature, state_text(run, challenge, version, fingerprint))
 
 
 class PushNonces:
@@ -280,3 +260,11 @@ class PushNonces:
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode()
+
+
+def _valid(key: Ed25519PublicKey, signature: bytes, text: bytes) -> bool:
+    try:
+        key.verify(signature, text)
+    except InvalidSignature:
+        return False
+    return True
