@@ -20,12 +20,13 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_store, weight_transfer
@@ -292,15 +293,9 @@ class Generator:
         """Raises CatchUpRefused unless GetState's answer is the trainer's, over our challenge
         (with signed catch-up). A forged one would cost at most a fetch, whose payloads are
         checked in turn; this one makes the version a rollback may trust (check_catch_up)."""
-        if not self.signed_catch_up:
-            return
-        why = ""
-        if self.trainer_key is None:
-            why = "roles.json has no trainer_push_key: run `rollstream secrets` again"
-        elif not state.signature:
-            why = "unsigned"
-        elif not push_signing.verify_state(self.trainer_key, self.settings.run, challenge, state.version, state.model_fingerprint, state.signature):
-            why = "its signature is not the trainer's"
+        why = self._unsigned(
+            state.signature, lambda key: push_signing.verify_state(key, self.settings.run, challenge, state.version, state.model_fingerprint, state.signature)
+        )
         if why:
             self.metrics.payloads_refused.inc()
             logs.event(self.log, "trainer_state_refused", logging.WARNING, address=self.settings.trainer_address, reason=why, claimed_version=state.version)
@@ -325,7 +320,7 @@ class Generator:
             yield chunk
 
     def _refusal(self, header: weights_pb2.WeightHeader, signature: bytes, trainer_version: int | None) -> str:
-        why = self._unsigned(header, signature)
+        why = self._unsigned_payload(header, signature)
         if why:
             return why
         held = self.weights.version
@@ -333,16 +328,21 @@ class Generator:
             return f"would take this generator back from version {held}"
         return ""
 
-    def _unsigned(self, header: weights_pb2.WeightHeader, signature: bytes) -> str:
+    def _unsigned_payload(self, header: weights_pb2.WeightHeader, signature: bytes) -> str:
         """Why `signature` is not the trainer's over `header` for this run ("": it is, or
         catch-up is not signed here)."""
+        return self._unsigned(signature, lambda key: push_signing.verify_payload(key, self.settings.run, header, signature))
+
+    def _unsigned(self, signature: bytes, valid: Callable[[Ed25519PublicKey], bool]) -> str:
+        """Why `signature` is not the trainer's ("": `valid` says it is, or catch-up is not
+        signed here)."""
         if not self.signed_catch_up:
             return ""
         if self.trainer_key is None:
             return "roles.json has no trainer_push_key: run `rollstream secrets` again"
         if not signature:
             return "unsigned"
-        if not push_signing.verify_payload(self.trainer_key, self.settings.run, header, signature):
+        if not valid(self.trainer_key):
             return "its signature is not the trainer's"
         return ""
 
@@ -356,7 +356,7 @@ class Generator:
             have = self.weights.version
             last = chain[-1] if chain else anchor
             newest = last.header.version
-            if not self._unsigned(last.header, last.signature):  # a forged chain.json claims nothing
+            if not self._unsigned_payload(last.header, last.signature):  # a forged chain.json claims nothing
                 self.health.trainer_at("store", newest, have)
             if have == newest:
                 return ""
