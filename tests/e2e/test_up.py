@@ -179,13 +179,16 @@ def test_up_scores_with_a_remote_scorer(tiny_model_dir: Path, redis_url: str, rc
     """`up --scorer-address`: the built-in reward stage scores every completion with it."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     reward_pb2_grpc.add_RewardServicer_to_server(QuarterScorer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    # On a unix socket in a 0700 folder: `up` sends the reward's token only to a server nobody else can be.
+    (tmp_path / "scorer").mkdir(mode=0o700)
+    address = f"unix:{tmp_path / 'scorer' / 'scorer.sock'}"
+    server.add_insecure_port(address)
     server.start()
     try:
         cmd = [
             rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "2", "--run", run_name, "--workdir", str(tmp_path),
             "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-            "--reward.scorer-address", f"127.0.0.1:{port}",
+            "--reward.scorer-address", address,
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     finally:
