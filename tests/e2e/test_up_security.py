@@ -46,7 +46,7 @@ def forged_answers(admin: redis.Redis, keys: RunKeys, model: Path) -> dict[str, 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
-    _, fields = admin.xrange(keys.stream("prompts"), count=1)[0]  # what a generator reads with XREADGROUP
+    _, fields = admin.xrevrange(keys.stream("prompts"), count=1)[0]  # what a generator reads with XREADGROUP: the newest task
     task = codec.decode(fields, rollout_pb2.PromptTask)
     chat = [{"role": m.role, "content": m.content} for m in task.messages]
     prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -73,6 +73,9 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
         "--no-colocate",  # a generator process, its own ports and credentials to attack
         "--trainer.checkpoint-every", "0",  # the trained log keeps every step: what the forged group trained with
+        # The forged groups wait behind the generator's in each stream: on a loaded machine they reach the
+        # trainer steps after they were written, and must neither go stale nor find their task swept.
+        "--trainer.max-staleness", "1000",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds = tmp_path / "credentials"
@@ -147,8 +150,11 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
                 out[codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id] = letter.reason
             return out
 
-        wait_for(lambda: "forged-answer" in {m.decode() for m in admin.smembers(keys.groups("trained"))} and len(dead_letters()) == 2, 300,
-                 "the forged groups refused or trained as scored", check=up_running, poll_s=0.5)  # fmt: skip
+        try:
+            wait_for(lambda: "forged-answer" in {m.decode() for m in admin.smembers(keys.groups("trained"))} and len(dead_letters()) == 2, 300,
+                     "the forged groups refused or trained as scored", check=up_running, poll_s=0.5)  # fmt: skip
+        except AssertionError as e:
+            raise AssertionError(f"{e}; dead letters {dead_letters()}, forged-answer stale: {admin.sismember(keys.groups('stale'), 'forged-answer')}") from None
         dead = dead_letters()  # nothing honest among them
         assert set(dead) == {"made-up-task", "text-not-tokens"}, dead
         assert f"is not in {keys.tasks}" in dead["made-up-task"] and "is not its token_ids decoded" in dead["text-not-tokens"]
