@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import signal
@@ -304,6 +305,8 @@ def install(run: Run) -> Row:
     missing = sorted(expected - {w.name for w in wheels})
     if missing:
         return Row("install", "failed", error=f"wheels named in manifest.json are missing: {', '.join(missing)}")
+    for packed in sorted((run.kit / "tokenizer").glob("*.xz")):  # kit 1's tokenizer.json, xz'd to save the call's carry
+        packed.with_suffix("").write_bytes(lzma.decompress(packed.read_bytes()))
     for lib in sorted((run.kit / "lib").glob("*.so")):
         # The compiled kernel goes where `pip install -e` builds it: in the trainer's package.
         # A new file renamed into place: a process may have the old one mapped.
