@@ -46,7 +46,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.chunks: list[weights_pb2.WeightChunk] = []
         self.nonces_asked = threading.Event()
 
-    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
         self.metadata += list(context.invocation_metadata())
         with channel(self.real_address) as ch:  # PushNonce is open: no credential needed
             answer = generator_pb2_grpc.GeneratorStub(ch).PushNonce(request, timeout=30)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from rich.console import Console
@@ -143,7 +144,7 @@ def test_http_side_answers_only_for_its_own_host() -> None:
         side.stop()
 
 
-def test_control_characters_from_redis_are_escaped(rclient, keys: RunKeys, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_control_characters_from_redis_are_escaped(rclient: redis.Redis, keys: RunKeys, tmp_path: Path) -> None:
     evil = "g\x1bc\x1b]0;owned\x07\u202e"
     rclient.xgroup_create(keys.stream("rollouts"), "reward", id="0", mkstream=True)
     rclient.xadd(keys.stream("rollouts"), {"x": "y"})

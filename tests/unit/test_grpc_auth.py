@@ -208,12 +208,12 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return weights_pb2.PushResult(applied=True)
 
-    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
         return generator_pb2.PushNonceResponse(nonce=self.nonces.issue())
 
 
 class Trainer(trainer_pb2_grpc.TrainerServicer):
-    def FetchWeights(self, request, context):  # type: ignore[no-untyped-def]
+    def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
         yield weights_pb2.WeightChunk(data=b"w")
 
     def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]

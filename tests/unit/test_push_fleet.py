@@ -68,7 +68,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     done: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)  # set at teardown
 
-    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
         self.nonce_calls += 1
         if self.hang_nonce:
             self.released.wait()

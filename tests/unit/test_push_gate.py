@@ -32,7 +32,7 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
         self.address = ""
         self.payloads = 0
 
-    def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
         nonce = self.nonces.issue()
         address = self.proves if self.proves is not None else self.address
         proof = self.prover.prove(request.challenge, nonce, address) if self.prover else b""
