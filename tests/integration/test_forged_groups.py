@@ -22,8 +22,7 @@ from rollstream.core import codec, redis_acl, redis_policy
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.feeder import PromptFeeder
-from rollstream.trainer.service import chat_encoder
+from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
 
 from helpers import wait_for

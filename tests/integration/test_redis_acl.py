@@ -38,7 +38,7 @@ from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder
-from rollstream.trainer.service import chat_encoder
+from rollstream.trainer.feeder import chat_encoder
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write

@@ -30,6 +30,16 @@ Encode = Callable[[Sequence[tuple[str, str]]], list[int]]
 SWEEP_CHUNK = 1000  # task ids per HDEL
 
 
+def chat_encoder(tokenizer: Any) -> Encode:
+    """Chat messages -> prompt ids, as the generator renders them (backends.encode_chat)."""
+
+    def encode(messages: Sequence[tuple[str, str]]) -> list[int]:
+        chat = [{"role": r, "content": c} for r, c in messages]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    return encode
+
+
 class PromptFeeder:
     def __init__(self, settings: TrainerSettings, client: redis_policy.Client, stage: streams.StreamStage, fed: int, encode: Encode):
         self.settings = settings

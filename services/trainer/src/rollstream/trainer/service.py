@@ -30,7 +30,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rollstream.core import codec, logs, redis_policy, steplog, streams, validation
 from rollstream.core.config import load_or_exit
@@ -40,21 +39,11 @@ from rollstream.trainer import checkpoint, pipeline_view, replay
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.feeder import Encode, PromptFeeder
+from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.fleet import PushOutcome
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
-
-
-def chat_encoder(tokenizer: Any) -> Encode:
-    """Chat messages -> prompt ids, as the generator renders them (backends.encode_chat)."""
-
-    def encode(messages: Sequence[tuple[str, str]]) -> list[int]:
-        chat = [{"role": r, "content": c} for r, c in messages]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-    return encode
 
 
 class StepNotRecorded(RuntimeError):
