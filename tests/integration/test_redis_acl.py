@@ -37,8 +37,7 @@ from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.core.streams import RunKeys, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.feeder import PromptFeeder
-from rollstream.trainer.feeder import chat_encoder
+from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
