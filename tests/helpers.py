@@ -376,3 +376,13 @@ def tcp_sockets(pids: Sequence[int]) -> list[TcpSocket]:
             if f[9] in inodes:
                 found.append(TcpSocket(inodes[f[9]], _address(f[1]), _address(f[2]), listening=f[3] == "0A"))
     return found
+
+
+def dead_letters(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
+    """group_id -> reason, for every dead letter of the run (each holds a RolloutGroup)."""
+    out = {}
+    for _id, fields in client.xrange(keys.dead):
+        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        group = codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
+        out[group.group_id] = letter.reason
+    return out

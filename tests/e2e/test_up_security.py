@@ -22,7 +22,7 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
-from helpers import MIN_WAIT_S, code_of, still_running, wait_for
+from helpers import MIN_WAIT_S, code_of, dead_letters, still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -143,19 +143,10 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         wait_for(lambda: admin.xlen(keys.metrics) >= steps_then + 2, 300, "2 more steps after the attacks", check=up_running, poll_s=0.5)
         assert not admin.sismember(keys.groups("trained"), "forged")
 
-        def dead_letters() -> dict[str, str]:
-            out = {}
-            for _, fields in admin.xrange(keys.dead):
-                letter = codec.decode(fields, rollout_pb2.DeadLetter)
-                out[codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id] = letter.reason
-            return out
-
-        try:
-            wait_for(lambda: "forged-answer" in {m.decode() for m in admin.smembers(keys.groups("trained"))} and len(dead_letters()) == 2, 300,
-                     "the forged groups refused or trained as scored", check=up_running, poll_s=0.5)  # fmt: skip
-        except AssertionError as e:
-            raise AssertionError(f"{e}; dead letters {dead_letters()}, forged-answer stale: {admin.sismember(keys.groups('stale'), 'forged-answer')}") from None
-        dead = dead_letters()  # nothing honest among them
+        wait_for(lambda: "forged-answer" in {m.decode() for m in admin.smembers(keys.groups("trained"))} and len(dead_letters(admin, keys)) == 2, 300,
+                 "the forged groups refused or trained as scored", check=up_running, poll_s=0.5,
+                 details=lambda: f"dead letters {dead_letters(admin, keys)}, forged-answer stale: {admin.sismember(keys.groups('stale'), 'forged-answer')}")  # fmt: skip
+        dead = dead_letters(admin, keys)  # nothing honest among them
         assert set(dead) == {"made-up-task", "text-not-tokens"}, dead
         assert f"is not in {keys.tasks}" in dead["made-up-task"] and "is not its token_ids decoded" in dead["text-not-tokens"]
         # The forged answer was scored against the real one (format only: 0.1), and trains no signal.

@@ -25,7 +25,7 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
 
-from helpers import wait_for
+from helpers import dead_letters, wait_for
 from procs import start_service
 from synthetic import tokenizer_decode
 
@@ -76,16 +76,6 @@ def feeder(client: redis_policy.Client, keys: RunKeys, model: Path, buffer: int,
     stage = StreamStage.for_service(client, settings, "ready", "trainer")
     encode = chat_encoder(AutoTokenizer.from_pretrained(str(model), local_files_only=True))
     return PromptFeeder(settings, client, stage, PromptFeeder.position(client, keys, 0), encode)
-
-
-def dead_letters(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
-    """group_id -> reason, for every dead letter of the run."""
-    out = {}
-    for _id, fields in client.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)
-        group = codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
-        out[group.group_id] = letter.reason
-    return out
 
 
 def group_for(task_id: str, group_id: str, answer: str, texts: list[str], prompt_ids: list[int]) -> rollout_pb2.RolloutGroup:

@@ -17,21 +17,11 @@ from pathlib import Path
 
 import redis
 
-from helpers import wait_for, write_ready
+from helpers import dead_letters, wait_for, write_ready
 from procs import start_service
 from synthetic import Decode, scored_groups
-from rollstream.core import codec, streams, validation
+from rollstream.core import streams, validation
 from rollstream.v1 import rollout_pb2
-
-
-def _dead(client: redis.Redis, keys: streams.RunKeys) -> dict[str, str]:
-    """group_id -> reason, for every dead letter of the run."""
-    out = {}
-    for _id, fields in client.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)
-        group = codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
-        out[group.group_id] = letter.reason
-    return out
 
 
 def _group(group_id: str, step: int) -> rollout_pb2.RolloutGroup:
@@ -67,8 +57,8 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
     )  # fmt: skip
     try:
         trainer.wait_ready()
-        wait_for(lambda: len(_dead(rclient, keys)) == 4, 120, "4 dead letters", [trainer], details=lambda: str(_dead(rclient, keys)))
-        dead = _dead(rclient, keys)
+        wait_for(lambda: len(dead_letters(rclient, keys)) == 4, 120, "4 dead letters", [trainer], details=lambda: str(dead_letters(rclient, keys)))
+        dead = dead_letters(rclient, keys)
         # good-1 is still held for the next step: not dead, not trained.
         assert not rclient.sismember(keys.groups("trained"), "good-1")
         write_ready(rclient, keys, [good_2], tiny_decode)
