@@ -11,7 +11,6 @@ decoded. Real redis-server with the ACL users, real services, the real feeder.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,42 +27,6 @@ from rollstream.v1 import rollout_pb2
 from helpers import dead_letters, wait_for
 from procs import start_service
 from synthetic import tokenizer_decode
-
-
-@pytest.fixture(scope="module")
-def secrets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("secrets")
-
-
-@pytest.fixture(scope="module")
-def passwords(secrets_root: Path) -> dict[str, str]:
-    return redis_acl.ensure_redis_credentials(secrets_root)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, secrets_root: Path, passwords: dict[str, str]) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis-tasks"), aclfile=redis_acl.acl_file(secrets_root), admin_password=passwords["admin"]) as r:
-        yield r
-
-
-@pytest.fixture
-def admin(server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = server.admin_client()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def connect_as(server: EmbeddedRedis, passwords: dict[str, str]) -> Iterator[Callable[[str], redis_policy.Client]]:
-    clients: list[redis_policy.Client] = []
-
-    def connect(role: str) -> redis_policy.Client:
-        clients.append(redis_policy.connect(server.url, role, passwords[role]))
-        return clients[-1]
-
-    yield connect
-    for c in clients:
-        c.close()
 
 
 def role_flags(secrets_root: Path, role: str) -> list[str]:

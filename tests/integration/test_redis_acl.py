@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,45 +51,7 @@ ADMIN_ONLY = ("debug", "config", "flushall", "flushdb", "shutdown", "keys", "sca
               "swapdb", "move", "rename", "object", "memory", "latency", "slowlog", "lastsave", "pfdebug", "cluster")  # fmt: skip
 
 
-# -- the server ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def secrets_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("secrets")
-
-
-@pytest.fixture(scope="module")
-def passwords(secrets_root: Path) -> dict[str, str]:
-    return redis_acl.ensure_redis_credentials(secrets_root)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, secrets_root: Path, passwords: dict[str, str]) -> Iterator[EmbeddedRedis]:
-    aclfile = redis_acl.acl_file(secrets_root)
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis-acl"), aclfile=aclfile, admin_password=passwords["admin"]) as r:
-        yield r
-
-
-@pytest.fixture
-def admin(server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = server.admin_client()
-    client.acl_log_reset()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def connect_as(server: EmbeddedRedis, passwords: dict[str, str]) -> Iterator[Callable[[str], redis_policy.Client]]:
-    clients: list[redis_policy.Client] = []
-
-    def connect(role: str) -> redis_policy.Client:
-        clients.append(redis_policy.connect(server.url, role, passwords[role]))
-        return clients[-1]
-
-    yield connect
-    for c in clients:
-        c.close()
+# -- the server (its fixtures: conftest.py) ----------------------------------------------
 
 
 def denials(admin: redis.Redis, user: str | None = None) -> list[str]:
