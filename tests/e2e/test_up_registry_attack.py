@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.nonces_asked.set()
         return answer
 
-    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         self.metadata += list(context.invocation_metadata())
         self.chunks += list(request_iterator)
         return weights_pb2.PushResult(applied=True, version=self.chunks[0].header.version if self.chunks else 0)

@@ -109,7 +109,7 @@ class Receiver(generator_pb2_grpc.GeneratorServicer):
     def __init__(self) -> None:
         self.payloads: list[tuple[weights_pb2.WeightHeader, bytes]] = []
 
-    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         received = list(weight_transfer.from_chunks(request_iterator))
         self.payloads += received
         return weights_pb2.PushResult(applied=True, version=received[-1][0].version)

@@ -200,7 +200,7 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
     def GetState(self, request, context):  # type: ignore[no-untyped-def]
         return generator_pb2.GeneratorState(generator_id="g")
 
-    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         try:
             for _ in request_iterator:
                 self.chunks_read += 1

@@ -76,7 +76,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         proof = push_signing.GeneratorProver(TOKENS["generator"]).prove(request.challenge, nonce, self.address)
         return generator_pb2.PushNonceResponse(nonce=nonce, address=self.address, proof=proof)
 
-    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         self.push_calls += 1
         self.entered.set()
         header = None
@@ -93,8 +93,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.done.set()
         signed = push_signing.parse_signature(context.invocation_metadata())
         ack = push_signing.GeneratorProver(TOKENS["generator"]).ack(signed[0], header) if signed and header is not None else b""
-        lies = [weights_pb2.RelayedPush(address=a, applied=True, version=header.version, via=self.address) for a in self.lie_about]
-        return weights_pb2.PushResult(applied=True, version=header.version if header is not None else 0, ack=ack, relayed=lies)
+        version = header.version if header is not None else 0
+        lies = [weights_pb2.RelayedPush(address=a, applied=True, version=version, via=self.address) for a in self.lie_about]
+        return weights_pb2.PushResult(applied=True, version=version, ack=ack, relayed=lies)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
         proof = self.prover.prove(request.challenge, nonce, address) if self.prover else b""
         return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
-    def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
         header = next(iter(request_iterator)).header
         for _ in request_iterator:
             pass
