@@ -126,7 +126,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
          "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem", "hmget", "hlen"),
         ("ready", "prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale",
-         "generators", "generators:seen", "generators:versions", "tasks"),
+         "generators", "generators:seen", "generators:versions", "tasks", "evals", "eval_results"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the
     # trainer's dashboard (status.collect over every stage, the ledger's counters, the
@@ -136,7 +136,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (*_CONNECTION, "eval", "evalsha", "script|load", "exists", "xinfo|groups", "xlen", "xrange",
          "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall", "zrangebyscore"),
         ("rollouts", "scored", "ready", "prompts", "dead", "stats:generator", "stats:reward", "stats:reference", "stats:trainer",
-         "version", "metrics", "generators", "generators:seen", "generators:versions"),
+         "version", "metrics", "evals", "generators", "generators:seen", "generators:versions"),
     ),
 }  # fmt: skip
 

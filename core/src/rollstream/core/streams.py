@@ -114,6 +114,17 @@ class RunKeys:
         reward scores with its answers, the trainer checks groups against it."""
         return f"{self.prefix}tasks"
 
+    @property
+    def evals(self) -> str:
+        """Stream of EvalMetrics: one entry per held-out evaluation round (trainer/evaluation.py)."""
+        return f"{self.prefix}evals"
+
+    @property
+    def eval_results(self) -> str:
+        """Hash task_id -> one eval group's result (JSON), written with the group's ack and
+        dropped when its round is reported: a restarted trainer finishes the round."""
+        return f"{self.prefix}eval_results"
+
     def groups(self, outcome: str) -> str:
         """Set of group ids per outcome: generated, trained, stale (the accounting ledger)."""
         return f"{self.prefix}groups:{outcome}"

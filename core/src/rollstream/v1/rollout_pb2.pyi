@@ -29,7 +29,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptTask(_message.Message):
-    __slots__ = ("task_id", "messages", "prompt_ids", "answer", "metadata_json", "group_size", "sampling", "fed_at_version", "task_kind")
+    __slots__ = ("task_id", "messages", "prompt_ids", "answer", "metadata_json", "group_size", "sampling", "fed_at_version", "task_kind", "eval")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class PromptTask(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TASK_KIND_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -48,7 +49,8 @@ class PromptTask(_message.Message):
     sampling: SamplingParams
     fed_at_version: int
     task_kind: str
-    def __init__(self, task_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fed_at_version: _Optional[int] = ..., task_kind: _Optional[str] = ...) -> None: ...
+    eval: bool
+    def __init__(self, task_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., fed_at_version: _Optional[int] = ..., task_kind: _Optional[str] = ..., eval: _Optional[bool] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -93,7 +95,7 @@ class Completion(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("group_id", "task_id", "policy_version", "prompt_ids", "completions", "answer", "metadata_json", "task_kind", "generator_id", "scored", "has_ref_logprobs", "created_at", "group_size")
+    __slots__ = ("group_id", "task_id", "policy_version", "prompt_ids", "completions", "answer", "metadata_json", "task_kind", "generator_id", "scored", "has_ref_logprobs", "created_at", "group_size", "eval")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class RolloutGroup(_message.Message):
     HAS_REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     task_id: str
     policy_version: int
@@ -120,7 +123,8 @@ class RolloutGroup(_message.Message):
     has_ref_logprobs: bool
     created_at: float
     group_size: int
-    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., task_kind: _Optional[str] = ..., generator_id: _Optional[str] = ..., scored: _Optional[bool] = ..., has_ref_logprobs: _Optional[bool] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ...) -> None: ...
+    eval: bool
+    def __init__(self, group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., answer: _Optional[str] = ..., metadata_json: _Optional[str] = ..., task_kind: _Optional[str] = ..., generator_id: _Optional[str] = ..., scored: _Optional[bool] = ..., has_ref_logprobs: _Optional[bool] = ..., created_at: _Optional[float] = ..., group_size: _Optional[int] = ..., eval: _Optional[bool] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("source_stream", "source_id", "consumer_group", "consumer", "reason", "deliveries", "original_fields", "dead_at")
@@ -192,3 +196,29 @@ class StepMetrics(_message.Message):
     time: float
     zero_variance_groups: int
     def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., groups: _Optional[int] = ..., completions: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., entropy: _Optional[float] = ..., stale_dropped: _Optional[int] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., train_tokens_per_s: _Optional[float] = ..., delta_bytes: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., grad_norm: _Optional[float] = ..., time: _Optional[float] = ..., zero_variance_groups: _Optional[int] = ...) -> None: ...
+
+class EvalMetrics(_message.Message):
+    __slots__ = ("step", "version", "version_max", "prompts", "prompts_fed", "samples", "reward_mean", "accuracy", "pass_at_k", "completion_tokens", "time")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_MAX_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    PASS_AT_K_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    version: int
+    version_max: int
+    prompts: int
+    prompts_fed: int
+    samples: int
+    reward_mean: float
+    accuracy: float
+    pass_at_k: float
+    completion_tokens: float
+    time: float
+    def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., version_max: _Optional[int] = ..., prompts: _Optional[int] = ..., prompts_fed: _Optional[int] = ..., samples: _Optional[int] = ..., reward_mean: _Optional[float] = ..., accuracy: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., completion_tokens: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...

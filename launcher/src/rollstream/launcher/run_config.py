@@ -54,7 +54,7 @@ _EVERY_CHILD = {
 } | CREDENTIALS
 SET_BY_UP: dict[str, set[str]] = {
     # The run's folders (trainer_folders) and where the trainer finds the generators.
-    "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
+    "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "export_dir", "tracker_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
     # The trainer's address and anchor_dir (the weight store); staleness; max_staleness + 1
     # steps of groups in flight.
     "generator": _EVERY_CHILD | {"trainer_address", "weight_store", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
@@ -167,7 +167,10 @@ def trainer_folders(workdir: Path) -> dict[str, Any]:
     """The trainer's fields `up` derives from the workdir (set before validation: the trainer's
     own checks need checkpoint_dir). A restarted trainer resumes its newest checkpoint and
     lingers after its last step, so the generators can catch up; the anchor lives on disk."""
-    return {"checkpoint_dir": str(workdir / "checkpoints"), "anchor_dir": str(workdir / "anchor"), "resume": "auto", "linger": True}
+    return {
+        "checkpoint_dir": str(workdir / "checkpoints"), "anchor_dir": str(workdir / "anchor"), "resume": "auto", "linger": True,
+        "export_dir": str(workdir / "model"), "tracker_dir": str(workdir / "trackers"),
+    }
 
 
 def profile_path(profile: str) -> Path:

@@ -94,6 +94,33 @@ class TrainerSettings(TorchSettings):
         "1 = the latest only, 0 = all",
     )
     resume: str = Field("", description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)")
+    # The trained model (trainer/export.py)
+    export_dir: str = Field(
+        "", description="when training ends (after its last step, or on a stop), write the model here as a Hugging Face folder: config, "
+        "generation config, tokenizer and chat template, safetensors (LoRA: a PEFT adapter folder); `rollstream up` sets WORKDIR/model; empty: none",
+    )
+    export_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="the exported weights: bfloat16 = the served weights bit for bit, float32 = the optimizer's masters"
+    )
+    # Held-out evaluation (trainer/evaluation.py): rounds of eval tasks through the same streams,
+    # scored by the same reward service, never trained on.
+    eval_prompts: int = Field(0, ge=0, le=100_000, description="prompts per held-out evaluation round (0: no evaluation)")
+    eval_every: int = Field(
+        0, ge=0, description="a round every N steps, besides the one before the first step and the one after the last (0: only those two)"
+    )
+    eval_samples: int = Field(1, ge=1, le=64, description="completions per eval prompt: 1 = greedy; more = sampled at `temperature`, reported as pass@k")
+    eval_dataset_path: str = Field(
+        "", description="eval prompts from this JSONL/Parquet file or datasets.save_to_disk folder (the training task's fields); "
+        "empty: the training task's own generator with eval_seed (arithmetic, countdown)",
+    )
+    eval_seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (another seed than the training one: other prompts)")
+    eval_timeout_s: float = Field(600.0, gt=0, description="how long the end of a run waits for its last round; then the round is reported with what came in")
+    # Trackers (trainer/trackers.py): TRL's `report_to`
+    report_to: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NoDecode] = Field(
+        [], description="where each step's and each eval round's metrics and the run configuration also go: tensorboard, mlflow (a local file store), "
+        "wandb (offline: no network), comma-separated; each needs its extra (pip install 'rollstream-trainer[tensorboard]')",
+    )
+    tracker_dir: str = Field("", description="the trackers' folder (tensorboard events, mlflow's file store, wandb's offline runs); `rollstream up` sets WORKDIR/trackers")
     # Observability
     metrics_file: str = Field(
         "", description="append one JSON line per step here (StepMetrics + phase times; `rollstream plot` reads it); empty: none. "
@@ -145,7 +172,7 @@ class TrainerSettings(TorchSettings):
     )
     group: str = Field("trainer", description="consumer group on the ready stream")
 
-    @field_validator("generators", "betas", "lora_target_modules", mode="before")
+    @field_validator("generators", "betas", "lora_target_modules", "report_to", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         # Flags and env give "a:1,b:2" or "0.9,0.999" (or JSON); TOML gives a list.
@@ -163,6 +190,8 @@ class TrainerSettings(TorchSettings):
             raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest' / 'auto'")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty")
+        if self.report_to and not self.tracker_dir:
+            raise ValueError("tracker_dir is required with report_to")
         if self.kl_reference == "lora_base" and not self.lora_rank:
             raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
         return self
