@@ -8,9 +8,12 @@ itself to a good one. Reading (`read`): a line that is not a JSON object (torn, 
 someone wrote) is skipped and counted, never fatal; when a step appears twice (a trainer that
 resumed from an older checkpoint trains those step numbers again) the last line wins.
 
-A record holds every StepMetrics field (proto/rollstream/v1/rollout.proto), the step's phase
-times in seconds where known (`forward_s`, `backward_s`, `optimizer_s`, `delta_encode_s`,
-`push_s`, `commit_s`), `schema`, `run` and `utc` (the wall time, ISO 8601).
+A step record holds every StepMetrics field (proto/rollstream/v1/rollout.proto), the step's
+phase times in seconds where known (`forward_s`, `backward_s`, `optimizer_s`, `delta_encode_s`,
+`push_s`, `commit_s`), `schema`, `run` and `utc` (the wall time, ISO 8601). A held-out
+evaluation round is a line of its own (`eval_record`): `"kind": "eval"`, its `step`, and every
+other EvalMetrics field prefixed `eval_`; `read` keeps those apart (`StepLog.evals`), so an
+eval line never stands for the step line of the same number. Lines without `kind` are steps.
 """
 
 from __future__ import annotations
@@ -26,24 +29,48 @@ from pathlib import Path
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from rollstream.v1 import rollout_pb2
+
 SCHEMA = 1
 FILE_NAME = "steps.jsonl"  # in an `up` run folder
 
 
-def record(metrics: Message, run: str = "", phases: Mapping[str, float] | None = None) -> dict:
-    """A step's JSON-able record: the StepMetrics fields (float32 fields rounded to the 7
-    significant digits they hold), the phase times and the wall time."""
-    out: dict = {"schema": SCHEMA, "run": run}
+EVAL_KIND = "eval"  # the `kind` of a held-out evaluation line
+
+
+def _fields(metrics: Message, prefix: str = "", skip: tuple[str, ...] = ()) -> dict:
+    """The message's fields by name (with `prefix`), float32 ones rounded to the 7 significant
+    digits they hold."""
+    out: dict = {}
     for f in metrics.DESCRIPTOR.fields:
+        if f.name in skip:
+            continue
         value = getattr(metrics, f.name)
         if f.type == FieldDescriptor.TYPE_FLOAT:
             value = float(f"{value:.7g}")
-        out[f.name] = value
+        out[prefix + f.name] = value
+    return out
+
+
+def _utc(when: float) -> str | None:
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds") if when else None
+
+
+def record(metrics: Message, run: str = "", phases: Mapping[str, float] | None = None) -> dict:
+    """A step's JSON-able record: the StepMetrics fields, the phase times and the wall time."""
+    out: dict = {"schema": SCHEMA, "run": run, **_fields(metrics)}
     for name, seconds in (phases or {}).items():
         out[name] = round(float(seconds), 6)
-    when = out.get("time") or 0.0
-    out["utc"] = datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds") if when else None
+    out["utc"] = _utc(out.get("time") or 0.0)
     return out
+
+
+def eval_record(metrics: rollout_pb2.EvalMetrics, run: str) -> dict:
+    """A held-out evaluation round's JSON-able record: `kind` "eval", its `step`, and every
+    other EvalMetrics field as `eval_<field>` (eval_accuracy, eval_reward_mean, ...), so its
+    names never collide with a step's (reward_mean is the training reward)."""
+    return {"schema": SCHEMA, "run": run, "kind": EVAL_KIND, "step": metrics.step, **_fields(metrics, "eval_", skip=("step",)),
+            "utc": _utc(metrics.time)}  # fmt: skip
 
 
 def _finite(value: object) -> object:
@@ -78,17 +105,20 @@ def append(path: Path | str, rec: Mapping) -> None:
 
 @dataclass
 class StepLog:
-    """What `read` found: the steps (ascending, the last line of each step number) and the
-    lines skipped (line number and why)."""
+    """What `read` found: the steps (ascending, the last line of each step number), the
+    held-out evaluation rounds (the same), and the lines skipped (line number and why)."""
 
     steps: list[dict] = field(default_factory=list)
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
 
 
 def read(path: Path | str) -> StepLog:
     """Every readable record of the file at `path` (which must exist). Lines that are not JSON
-    objects with an integer `step` are skipped and listed in `skipped`."""
+    objects with an integer `step`, or of a `kind` this version does not know, are skipped and
+    listed in `skipped`."""
     by_step: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
     skipped: list[tuple[int, str]] = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -104,5 +134,11 @@ def read(path: Path | str) -> StepLog:
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
                 skipped.append((number, "not a step record (no integer 'step')"))
                 continue
-            by_step[rec["step"]] = rec
-    return StepLog([by_step[k] for k in sorted(by_step)], skipped)
+            kind = rec.get("kind")
+            if kind is None:
+                by_step[rec["step"]] = rec
+            elif kind == EVAL_KIND:
+                evals[rec["step"]] = rec
+            else:
+                skipped.append((number, f"unknown kind {str(kind)[:40]!r}"))
+    return StepLog([by_step[k] for k in sorted(by_step)], skipped, [evals[k] for k in sorted(evals)])
