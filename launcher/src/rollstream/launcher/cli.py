@@ -11,6 +11,8 @@
   rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
                       line naming the bottleneck or the stuck stage (core/diagnose.py)
   rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
+  rollstream export   a run's checkpoint as a Hugging Face folder (transformers, vLLM, peft
+                      for a LoRA run's adapter) (trainer/export.py)
   rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
                       and with --tls a CA and a certificate per role (docs/security.md)
 """
@@ -222,6 +224,32 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint as a Hugging Face folder; 2 with the cause on bad input."""
+    console = plain_console(stderr=True)
+    try:
+        from rollstream.trainer import export
+    except ImportError as e:  # the launcher without its [up] extra
+        console.print(f"rollstream export needs the trainer package (pip install 'rollstream-launcher[up]'): {e}", style="red")
+        return 2
+    out = Path(args.out)
+    try:
+        path, notes = export.find_checkpoint(Path(args.run), args.step)
+        for note in notes:
+            console.print(f"warning: {note}", style="yellow", soft_wrap=True)
+        export.check_output(out)  # before minutes of loading
+        trained = export.from_checkpoint(path)
+        written = export.export(trained, out, args.dtype, merge=args.merge)
+    except export.ExportError as e:
+        console.print(str(e), style="red", soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        console.print(f"interrupted: nothing written to {out}", style="yellow")
+        return 130
+    print(f"exported step {trained.step} (version {trained.version}) of {path} as {args.dtype} to {written} ({export.folder_bytes(written) / 1e6:.1f} MB)")
+    return 0
+
+
 def cmd_secrets(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if (args.namespace or args.dns) and not args.tls:
@@ -260,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
     pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
     pl.set_defaults(func=cmd_plot)
+    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (model or LoRA adapter, tokenizer)", formatter_class=HelpFormatter)
+    ex.add_argument("run", help="an `up` run folder (its checkpoints/), a checkpoint_dir, or one checkpoint folder")
+    ex.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest whole one)")
+    ex.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+        help="bfloat16: the weights the trainer served at that step, bit for bit; float32: its fp32 master weights",
+    )
+    ex.add_argument("--merge", action="store_true", help="LoRA runs: the merged weights as a full model instead of the adapter folder")
+    ex.add_argument("--out", required=True, help="the folder to write (new, empty, or an earlier export, which is replaced once the new one is whole)")
+    ex.set_defaults(func=cmd_export)
     se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment", formatter_class=HelpFormatter)
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
