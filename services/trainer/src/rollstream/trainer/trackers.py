@@ -1,0 +1,260 @@
+"""Trackers: TRL's `report_to`. Each step's metrics, each eval round's and the run configuration
+also go to TensorBoard, MLflow or W&B, through each library's own writer, under `tracker_dir`:
+
+  tensorboard  tracker_dir/tensorboard: torch.utils.tensorboard's SummaryWriter (event files)
+  mlflow       tracker_dir/mlruns: a local file store (tracking URI file:...), experiment = the
+               run's name, one MLflow run per trainer start; config as params, metrics by step
+  wandb        tracker_dir/wandb/offline-run-*: W&B in offline mode (no network, ever;
+               `wandb sync` uploads it later); config as the run's config
+
+Each is an optional extra (pip install 'rollstream-trainer[tensorboard]', [mlflow], [wandb]):
+a missing one fails at start, when the settings load (config.py calls missing_extras). A
+tracker that fails later (a full disk, a library error) is logged once and turned off: the
+figures are a copy, the run goes on. Non-finite values are left out (the step log has them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from google.protobuf.message import Message
+from pydantic import SecretStr
+
+from rollstream.core import logs, steplog
+
+if TYPE_CHECKING:
+    from rollstream.trainer.config import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Tracker(ABC):
+    """One backend: written to by one thread at a time (Trackers holds a lock)."""
+
+    module: ClassVar[str]  # what its extra installs: imported only when the backend is used
+
+    @abstractmethod
+    def __init__(self, folder: Path, run: str) -> None: ...
+
+    @abstractmethod
+    def log_config(self, config: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class TensorBoard(Tracker):
+    module = "tensorboard"
+
+    def __init__(self, folder: Path, run: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard"))
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        # TensorBoard's text plugin renders markdown: the configuration as a JSON code block.
+        self.writer.add_text("config", "```json\n" + json.dumps(dict(config), indent=2, sort_keys=True) + "\n```")
+        self.writer.flush()
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, global_step=step)
+        # A step takes seconds: flushed each time, a killed trainer's curve loses no point.
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflow(Tracker):
+    module = "mlflow"
+
+    def __init__(self, folder: Path, run: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        # MlflowClient, not mlflow's module-level functions: no process-wide tracking URI or
+        # active run that anything else in the process could see or change.
+        self.client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+        experiment = self.client.get_experiment_by_name(run)
+        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(run)
+        self.run_id = self.client.create_run(experiment_id, run_name=run).info.run_id
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        # Params are strings of at most MAX_PARAM_VAL_LENGTH characters, at most
+        # MAX_PARAMS_TAGS_PER_BATCH a call; set once (MLflow refuses to change one).
+        params = [Param(key, value[:MAX_PARAM_VAL_LENGTH]) for key, value in flatten(config).items()]
+        for start in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[start : start + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+        from mlflow.utils.time import get_current_time_millis
+
+        now = get_current_time_millis()
+        self.client.log_batch(self.run_id, metrics=[Metric(name, value, now, step) for name, value in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandB(Tracker):
+    module = "wandb"
+    STEP = "step"  # the x-axis of every chart (see log_metrics)
+
+    def __init__(self, folder: Path, run: str) -> None:
+        import wandb
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            dir=str(folder), project=run, name=run, mode="offline",
+            settings=wandb.Settings(
+                silent=True, console="off", disable_git=True, save_code=False,
+                x_disable_stats=True, x_disable_machine_info=True, x_save_requirements=False,
+            ),
+        )  # fmt: skip
+        # An eval round is reported when its last group is in, after later steps may have been
+        # logged, and W&B drops a row whose own step is behind its last: so every row carries
+        # the trainer's step as a metric and the charts use that as their x-axis.
+        self.run.define_metric(self.STEP)
+        self.run.define_metric("*", step_metric=self.STEP)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self.run.config.update(dict(config), allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log({**metrics, self.STEP: step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# report_to's names (config.py's Literal) -> backend; a new one is a class and a line here.
+BACKENDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "mlflow": MLflow, "wandb": WandB}
+
+# No network exists where rollstream trains, and none is wanted: MLflow's usage telemetry and
+# W&B's error reports stay off (both read these before their first use, in this process and
+# in W&B's service process that inherits the environment). MLflow 3 put its file store in
+# maintenance mode and refuses it unless allowed: its SQL store needs SQLAlchemy and Alembic
+# (a database migration at every open), and a folder of plain files is what a run folder holds.
+_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_ERROR_REPORTING": "false", "WANDB_MODE": "offline"}
+
+
+def missing_extras(report_to: Sequence[str], modules: Mapping[str, str] | None = None) -> str:
+    """Why report_to cannot work here ("" when it can): the backends whose package is not
+    installed, with the pip command. `modules`: backend name -> module to look for (default:
+    each backend's own)."""
+    modules = modules if modules is not None else {name: cls.module for name, cls in BACKENDS.items()}
+    missing = [name for name in report_to if importlib.util.find_spec(modules[name]) is None]
+    if not missing:
+        return ""
+    packages = " and ".join(modules[name] for name in missing)
+    return (
+        f"report_to = {list(report_to)} needs the {packages} package{'s' if len(missing) > 1 else ''}: "
+        f"pip install 'rollstream-trainer[{','.join(missing)}]'"
+    )
+
+
+class Trackers:
+    """The run's trackers (none when report_to is empty). Never raises from logging: a backend
+    that fails is logged (tracker_failed, ERROR) and turned off."""
+
+    def __init__(self, backends: Mapping[str, Tracker] | None = None) -> None:
+        self.backends: dict[str, Tracker] = dict(backends or {})
+        self._lock = threading.Lock()  # the loop's steps and the eval code's rounds
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings, run: str) -> Trackers:
+        if not settings.report_to:
+            return cls()
+        os.environ.update(_ENV)
+        folder = Path(settings.tracker_dir)
+        backends: dict[str, Tracker] = {}
+        for name in settings.report_to:
+            try:
+                backends[name] = BACKENDS[name](folder, run)
+            except Exception as e:  # any library error: the run trains without this tracker
+                _failed(name, "opening", e)
+        if backends:
+            logs.event(log, "trackers_open", trackers=",".join(backends), folder=str(folder))
+        return cls(backends)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._each("logging the configuration", lambda t: t.log_config(config))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """`metrics` by name ("train/reward_mean", "eval/accuracy") at trainer step `step`;
+        non-finite values are left out."""
+        finite = {name: float(v) for name, v in metrics.items() if math.isfinite(v)}
+        if finite:
+            self._each(f"logging step {step}", lambda t: t.log_metrics(finite, step))
+
+    def close(self) -> None:
+        self._each("closing", lambda t: t.close())
+        self.backends.clear()
+
+    def _each(self, doing: str, call: Callable[[Tracker], None]) -> None:
+        with self._lock:
+            for name, tracker in list(self.backends.items()):
+                try:
+                    call(tracker)
+                except Exception as e:  # a full disk, a library error: this copy of the figures stops, the run goes on
+                    _failed(name, doing, e)
+                    del self.backends[name]
+                    try:
+                        tracker.close()
+                    except Exception:  # already failed and reported
+                        pass
+
+
+def _failed(name: str, doing: str, error: BaseException) -> None:
+    logs.event(log, "tracker_failed", logging.ERROR, tracker=name, doing=doing, error=f"{type(error).__name__}: {error}", turned_off=True)
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested mappings as `a.b` keys, every value as text (lists as JSON): MLflow's params."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def run_config(settings: TrainerSettings) -> dict[str, Any]:
+    """The settings as JSON values, secrets left out: redis_url (it can hold a password), the
+    SecretStr fields, and the fields that name where a password or token is kept."""
+    secret = {
+        name for name, info in type(settings).model_fields.items()
+        if name == "redis_url" or info.annotation is SecretStr or "password" in name or "token_file" in name
+    }  # fmt: skip
+    return settings.model_dump(mode="json", exclude=secret)
+
+
+def step_metrics(metrics: Message, phases: Mapping[str, float]) -> dict[str, float]:
+    """A committed step's figures for the trackers: StepMetrics' numeric fields as
+    train/<name> (float32 ones at the 7 digits they hold, as in steps.jsonl), its phase times
+    as time/<phase> (seconds)."""
+    record = steplog.record(metrics)
+    out = {
+        f"train/{name}": float(value) for name, value in record.items()
+        if name not in ("schema", "step", "time") and isinstance(value, int | float) and not isinstance(value, bool)
+    }  # fmt: skip
+    out.update({f"time/{phase.removesuffix('_s')}": float(seconds) for phase, seconds in phases.items()})
+    return out
