@@ -381,6 +381,8 @@ def _up(cfg: RunConfig) -> int:
             # What resume needs (docs/reliability.md, "Checkpoints"): the trainer prunes the rest.
             held = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file())
             console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
+        if (exported := Path(trainer_values["export_dir"])).is_dir():  # the trained model (trainer/export.py)
+            console.print(f"model: {exported}", soft_wrap=True)
         if step_log.exists():
             _plot_curve(step_log, workdir / "curves.png", console)
     return 0
