@@ -1,6 +1,7 @@
 """A real trainer that has trained a few steps (on synthetic scored groups written to `ready`),
 its step log, and the rest of a run's streams as they stand mid-way (a generator group on
-`prompts`, reward and reference consumers with a backlog, a live generator in the registry):
+`prompts`, reward and reference consumers with a backlog, a live generator in the registry,
+two held-out rounds in the step log and the last in `evals`, as the trainer reports them):
 what the dashboard tests (tests/integration/test_dashboard.py, tests/browser) look at."""
 
 from __future__ import annotations
@@ -14,11 +15,19 @@ import redis
 from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
 from synthetic import scored_groups, tokenizer_decode
-from rollstream.core import codec, registry, streams
+from rollstream.core import codec, registry, steplog, streams
 from rollstream.core.streams import RunKeys
+from rollstream.v1 import rollout_pb2
 
 STEPS = 3
 GROUPS_PER_STEP = 2
+# Held-out rounds before the first step and after the last: (step, accuracy).
+EVAL_ROUNDS = ((0, 0.25), (STEPS, 0.75))
+
+
+def eval_round(step: int, accuracy: float) -> rollout_pb2.EvalMetrics:
+    return rollout_pb2.EvalMetrics(step=step, version=step, version_max=step, prompts=8, prompts_fed=8, samples=4, reward_mean=accuracy + 0.125,
+                                   accuracy=accuracy, pass_at_k=1.0, completion_tokens=5.5, time=1_790_000_000.0 + step)  # fmt: skip
 
 
 @dataclass
@@ -62,6 +71,9 @@ def start_trained_run(tmp_path: Path, redis_url: str, client: redis.Redis, keys:
         _backlog(client, keys, "rollouts", "reward", "reward-0", 3, 1)
         _backlog(client, keys, "scored", "reference", "reference-0", 2, 1)
         registry.heartbeat(client, keys, "gen-0", "127.0.0.1:1", version=STEPS)
+        for step, accuracy in EVAL_ROUNDS:
+            steplog.append(steps_file, steplog.eval_record(eval_round(step, accuracy), run=keys.run))
+            client.xadd(keys.evals, codec.encode(eval_round(step, accuracy)))
     except BaseException:
         trainer.stop()
         raise

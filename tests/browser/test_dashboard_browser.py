@@ -1,7 +1,8 @@
 """The dashboard in a real browser (Debian's chromium, headless): a real trainer that trained a
 few steps, a real Redis holding every stage's stream (tests/dashboard_run.py). The page's
 script runs (--virtual-time-budget lets its fetches and timers finish), then the DOM must name
-every stage and hold a curve with data points, and the screenshot must show the reward
+every stage, hold the curves that move with their data points and the held-out rounds, name
+the constant curves it left out (KL: beta is 0), and the screenshot must show the reward
 curve's colour. Skipped, saying why, where chromium is absent (scripts/test.sh installs it
 as root on Debian)."""
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dashboard_run import STEPS, TrainedRun, start_trained_run
+from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
 from rollstream.core.streams import RunKeys
 
 pytestmark = pytest.mark.browser
@@ -60,10 +61,16 @@ def test_dom_names_every_stage_and_draws_curves(run: TrainedRun, tmp_path: Path)
     assert 'id="headline"' in dom and re.search(r'id="headline"[^>]*data-level="(ok|info|warn|stuck)"', dom)
     assert f"trainer step {STEPS}, policy version {STEPS}" in dom
     curves = dict(re.findall(r'class="curve" data-metric="([a-z_]+)" data-points="(\d+)"', dom))
-    assert set(curves) == {"reward_mean", "kl", "train_tokens_per_s", "mean_staleness", "delta_bytes"}, curves
-    assert all(int(n) == STEPS for n in curves.values()), curves
-    assert dom.count('class="point"') >= STEPS * len(curves)
+    # What moves over the three steps is charted; KL (beta 0) is not, and is named as left out.
+    assert {"reward_mean", "train_tokens_per_s", "phases"} <= set(curves), curves
+    assert "kl" not in curves and re.search(r'id="left-out"[^>]*>constant over the run, not charted: [^<]*KL to reference = 0[;<]', dom)
+    assert {"eval_accuracy", "eval_reward_mean"} <= set(curves), curves
+    held_out = {k: int(n) for k, n in curves.items() if k.startswith("eval_")}
+    steps = {k: int(n) for k, n in curves.items() if not k.startswith("eval_")}
+    assert all(n == len(EVAL_ROUNDS) for n in held_out.values()) and all(n == STEPS for n in steps.values()), curves
+    assert dom.count('class="point"') >= STEPS * len(steps)
     assert "<polyline" in dom and 'stroke="#d62728"' in dom
+    assert "held-out: accuracy 75% (pass@4 100%), reward 0.88 at step 3, version 3, 8 prompts" in dom
 
 
 def test_screenshot_shows_the_reward_curve(run: TrainedRun, tmp_path: Path) -> None:
@@ -74,5 +81,6 @@ def test_screenshot_shows_the_reward_curve(run: TrainedRun, tmp_path: Path) -> N
     assert done.returncode == 0 and png.is_file(), done.stderr[-2000:]
     image = Image.open(png).convert("RGB")
     assert image.size == (1280, 1100)
-    close = sum(1 for px in image.getdata() if all(abs(a - b) <= 24 for a, b in zip(px, REWARD_RGB)))
+    rgb = image.tobytes()
+    close = sum(1 for px in zip(rgb[0::3], rgb[1::3], rgb[2::3]) if all(abs(a - b) <= 24 for a, b in zip(px, REWARD_RGB)))
     assert close >= 50, f"only {close} pixels of the reward curve's colour in the screenshot"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from dashboard_run import STEPS, TrainedRun, start_trained_run
+from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
 from rollstream.core import dashboard, redis_policy, registry, streams
 from rollstream.launcher.redis_server import free_port
 from rollstream.core.streams import RunKeys
@@ -45,6 +45,7 @@ def test_pipeline_json_names_every_stage(run: tuple[TrainedRun, RunKeys]) -> Non
     assert p["generators"] == [{"id": "gen-0", "version": STEPS}]
     assert p["headline"] and p["findings"][0]["line"] == p["headline"]
     assert p["last_step"]["step"] == STEPS
+    assert p["last_eval"]["kind"] == "eval" and p["last_eval"]["step"] == STEPS and p["last_eval"]["eval_accuracy"] == 0.75
     assert "redis_url" not in str(p) and "password" not in str(p)
 
 
@@ -53,7 +54,10 @@ def test_steps_json_is_the_step_log(run: tuple[TrainedRun, RunKeys]) -> None:
     got = httpx.get(r.base + "/api/steps", timeout=30).json()
     assert [s["step"] for s in got["steps"]] == list(range(1, STEPS + 1))
     assert all("reward_mean" in s and "kl" in s and "delta_bytes" in s for s in got["steps"])
-    assert [s["step"] for s in httpx.get(r.base + "/api/steps?since=2", timeout=30).json()["steps"]] == [3]
+    # The held-out rounds apart, every one whatever `since` (a round is reported after later steps).
+    assert [(e["step"], e["eval_accuracy"]) for e in got["evals"]] == list(EVAL_ROUNDS)
+    later = httpx.get(r.base + "/api/steps?since=2", timeout=30).json()
+    assert [s["step"] for s in later["steps"]] == [3] and len(later["evals"]) == len(EVAL_ROUNDS)
 
 
 def test_page_and_script_are_served(run: tuple[TrainedRun, RunKeys]) -> None:
@@ -89,6 +93,12 @@ def test_metrics_of_a_real_trainer(run: tuple[TrainedRun, RunKeys]) -> None:
     assert re.search(r'^rollstream_trainer_generator_policy_version\{generator="gen-0"\} 3\.0$', text, re.M)
     assert re.search(r"^rollstream_trainer_pipeline_up 1\.0$", text, re.M)
     assert re.search(rf"^rollstream_trainer_steps_total {STEPS}\.0$", text, re.M)
+    # the last held-out round, from the `evals` stream
+    assert re.search(r"^rollstream_trainer_eval_accuracy 0\.75$", text, re.M)
+    assert re.search(r"^rollstream_trainer_eval_pass_at_k 1\.0$", text, re.M)
+    assert re.search(r"^rollstream_trainer_eval_reward_mean 0\.875$", text, re.M)
+    assert re.search(rf"^rollstream_trainer_eval_step {STEPS}\.0$", text, re.M)
+    assert re.search(rf"^rollstream_trainer_eval_policy_version {STEPS}\.0$", text, re.M)
     assert re.search(rf'^rollstream_trainer_groups_total\{{outcome="trained"\}} {2 * STEPS}\.0$', text, re.M)
     assert re.search(rf"^rollstream_trainer_group_staleness_versions_count {2 * STEPS}\.0$", text, re.M)
     for phase in ("forward", "backward", "optimizer", "delta_encode", "push", "commit"):
@@ -143,3 +153,4 @@ def test_view_without_redis_says_so() -> None:
     families = {f.name: f for f in view.collect()}
     assert [s.value for s in families["rollstream_trainer_pipeline_up"].samples] == [0.0]
     assert families["rollstream_trainer_stream_lag"].samples == []
+    assert families["rollstream_trainer_eval_accuracy"].samples == []  # no round seen: no sample, not a 0

@@ -462,7 +462,7 @@ def test_observer_counts_back_pressure(admin: redis.Redis, connect_as, keys: Run
 
 def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
     """The trainer's dashboard looks as the observer (core/dashboard.py): every stage, its
-    consumers, the ledger's counters, the registry, the last step and dead letter; the
+    consumers, the ledger's counters, the registry, the last step, held-out round and dead letter; the
     server refuses nothing and the snapshot notes no unreadable key."""
     for stage, group in (("prompts", "generator"), ("rollouts", "reward"), ("scored", "reference"), ("ready", "trainer")):
         write(admin, keys, stage, rollout_group(f"{stage}-0", ["8"]))
@@ -473,6 +473,7 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
     admin.hset(keys.counters("trainer"), "step", 2)
     admin.set(keys.version, 2)
     admin.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
+    admin.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=2, version=2, version_max=2, prompts=4, prompts_fed=4, samples=1, accuracy=0.5)))
     admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
     registry.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
     view = dashboard.PipelineView(lambda: connect_as("observer"), keys)
@@ -481,7 +482,7 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
     assert {s["name"]: (s["lag"], s["pending"], len(s["consumers"])) for s in got["stages"]} == {
         "generator": (1, 1, 1), "reward": (1, 1, 1), "reference": (1, 1, 1), "trainer": (1, 1, 1)}
     assert got["generators"] == [{"id": "gen-0", "version": 2}] and got["dead"] == 1 and got["last_step"]["step"] == 2
-    assert got["trainer"]["version"] == 2
+    assert got["trainer"]["version"] == 2 and got["last_eval"]["eval_accuracy"] == 0.5
     assert denials(admin) == []
 
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from rollstream.launcher import cli
-from rollstream.core import diagnose, registry, status, streams
+from rollstream.core import codec, diagnose, registry, status, streams
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
 
@@ -164,3 +164,33 @@ def test_a_crash_loop_recorded_by_up(rclient: redis.Redis, keys: RunKeys, tmp_pa
     assert (f.level, f.stage) == ("stuck", "reward-0") and "restarted 4 times" in f.reason
     (tmp_path / "restarts.json").write_text("garbage")
     assert status.collect(rclient, keys, tmp_path)[0].restarts == {}
+
+
+def test_status_shows_the_last_held_out_round_and_the_evaluated_groups(redis_url: str, rclient: redis.Redis, keys: RunKeys,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The last entry of `evals` is shown as one line; held-out groups are in the ledger as
+    `evaluated` beside trained and stale (the trainer never trains them)."""
+    rclient.hset(keys.counters("generator"), "generated", 40)
+    rclient.hset(keys.counters("trainer"), mapping={"step": 15, "trained": 24, "stale": 0, "evaluated": 16})
+    for step, accuracy in ((0, 0.25), (15, 0.953125)):
+        rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(
+            step=step, version=step, version_max=step, prompts=32, prompts_fed=32, samples=4, reward_mean=1.02, accuracy=accuracy, pass_at_k=1.0,
+            completion_tokens=6.0, time=1_790_000_000.0,
+        )))  # fmt: skip
+    snap, extra = status.collect(rclient, keys)
+    assert extra["last_eval"].step == 15 and not extra["errors"]
+    assert snap.consumed(diagnose.PIPELINE[-1]) == 40  # trained + stale + evaluated
+    assert cli.main_code(["status", "--redis-url", redis_url, "--run", keys.run]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "held-out: accuracy 95% (pass@4 100%), reward 1.02 at step 15, version 15, 32 prompts" in out
+    assert "groups: generated 40 trained 24 stale 0 evaluated 16" in out
+
+    # A round that was cut short, and one that is not a share: shown as such, named, not a crash.
+    rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=16, version=15, version_max=16, prompts=30, prompts_fed=32, samples=1,
+                                                                  accuracy=0.5)))  # fmt: skip
+    assert status.eval_line(status.collect(rclient, keys)[1]["last_eval"]) == (
+        "held-out: accuracy 50%, reward 0.00 at step 16, versions 15-16, 30 of 32 prompts (incomplete)"
+    )
+    rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=17, accuracy=1.5)))
+    snap, extra = status.collect(rclient, keys)
+    assert extra["last_eval"] is None and extra["errors"] == ["last eval entry unreadable: EvalMetrics step 17: accuracy 1.5 is not a share within [0, 1]"]

@@ -141,3 +141,15 @@ def test_a_slow_batch_is_not_a_stuck_stage() -> None:
     prev = Snapshot(**{**s, "at": 50.0, "counters": {**s["counters"], "scored": 30}})
     assert head(Snapshot(**s), prev).level != "stuck"
     assert head(Snapshot(**s), Snapshot(**{**s, "at": 50.0})).level == "stuck"
+
+
+def test_held_out_groups_count_as_the_trainers_progress() -> None:
+    """The trainer acknowledges a held-out round's groups as `evaluated`, never trained: an
+    idle-looking trainer that evaluated since the last look is reading, not stuck."""
+    s = healthy()
+    s["streams"] = {**s["streams"], "ready": stream(4, "trainer", pending=4, idle=(600.0,))}
+    prev = Snapshot(**{**s, "at": 90.0})
+    cur = Snapshot(**{**s, "counters": {**s["counters"], "evaluated": 10}})
+    assert rate(prev, cur, PIPELINE[-1]) == 1.0
+    assert all(f.stage != "trainer" or f.level != "stuck" for f in diagnose(cur, prev, T))
+    assert any(f.level == "stuck" and f.stage == "trainer" for f in diagnose(Snapshot(**s), prev, T))  # nothing done: not reading

@@ -1,11 +1,12 @@
 """The run's dashboard on the trainer's HTTP side: `GET /dashboard` (one HTML page with its
 script, package data under rollstream/core/static, no build step), `GET /api/pipeline` (the
 snapshot `rollstream status` shows, as JSON: stages, backlog, consumers, versions, the
-diagnosis) and `GET /api/steps` (the step log's records, core/steplog.py).
+last step and held-out round, the diagnosis) and `GET /api/steps` (the step log's records
+and its held-out rounds, core/steplog.py).
 
 The same snapshot feeds the pipeline metrics on the trainer's /metrics (`PipelineView` is
 also a Prometheus collector): lag, pending, length and consumers per stage, dead letters,
-each live generator's policy version.
+each live generator's policy version, and the last held-out round (from the `evals` stream).
 
 Guards:
 - The trainer's loop is never held up: the view has its own Redis connection with short
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
+from typing import cast
 
 from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -91,7 +93,7 @@ class PipelineView(Collector):
             self._history.popleft()
         prev = self._history[0] if self._history else None
         self._history.append(snap)
-        return self.scrubbed(self.to_json(snap, extra, prev))
+        return cast(dict, self.scrubbed(self.to_json(snap, extra, prev)))  # a dict scrubbed is a dict
 
     def scrubbed(self, value: object) -> object:
         """Every string in `value` (keys too) scrubbed: whatever a field comes to hold."""
@@ -116,7 +118,7 @@ class PipelineView(Collector):
                 "last_dead": self.scrub(cur.last_dead.get(spec.stream, "")),
             })  # fmt: skip
         findings = diagnose.diagnose(cur, prev)
-        last = extra.get("last_step")
+        last, held_out = extra.get("last_step"), extra.get("last_eval")
         return {
             "ok": True,
             "run": self.keys.run,
@@ -127,6 +129,7 @@ class PipelineView(Collector):
             "dead": cur.dead,
             "counters": dict(sorted(cur.counters.items())),
             "last_step": steplog.record(last, run=self.keys.run) if last is not None else None,  # as steps.jsonl holds it
+            "last_eval": steplog.eval_record(held_out, run=self.keys.run) if held_out is not None else None,
             "findings": [{"level": f.level, "stage": f.stage, "reason": self.scrub(f.reason), "line": self.scrub(f.line())} for f in findings],
             "headline": self.scrub(findings[0].line()),
             "errors": [self.scrub(e) for e in extra.get("errors", [])],
@@ -173,20 +176,35 @@ class PipelineView(Collector):
         for g in view.get("generators", []):
             gens.add_metric([g["id"]], float(-1 if g["version"] is None else g["version"]))
         yield gens
+        # The last held-out round (no sample before the first): its fields in the step log's names.
+        held_out = view.get("last_eval") or {}
+        for field, name, doc in (
+            ("eval_accuracy", "eval_accuracy", "share of the last held-out round's completions with full marks (pass@1)"),
+            ("eval_pass_at_k", "eval_pass_at_k", "share of the last held-out round's prompts with a completion with full marks among its samples"),
+            ("eval_reward_mean", "eval_reward_mean", "mean reward of the last held-out round's completions"),
+            ("step", "eval_step", "the step after which the last held-out round was fed (0: before the first)"),
+            ("eval_version", "eval_policy_version", "the (oldest) policy version that sampled the last held-out round"),
+        ):
+            family = GaugeMetricFamily(p + name, doc)
+            if held_out:
+                family.add_metric([], float(held_out[field]))
+            yield family
 
 
 def read_steps(path: str, since: int = 0) -> dict:
-    """The step log's records with step > since (at most MAX_STEPS, the latest)."""
+    """The step log's records with step > since (at most MAX_STEPS, the latest), and every
+    held-out round (`evals`: few, and a round is reported after later steps' lines, so
+    `since` does not apply to them)."""
     if not path:
-        return {"steps": [], "skipped": 0, "note": "no metrics_file configured"}
+        return {"steps": [], "evals": [], "skipped": 0, "note": "no metrics_file configured"}
     try:
         log = steplog.read(path)
     except FileNotFoundError:
-        return {"steps": [], "skipped": 0, "note": "no step written yet"}
+        return {"steps": [], "evals": [], "skipped": 0, "note": "no step written yet"}
     except OSError as e:
-        return {"steps": [], "skipped": 0, "note": f"unreadable: {e.strerror}"}
+        return {"steps": [], "evals": [], "skipped": 0, "note": f"unreadable: {e.strerror}"}
     steps = [r for r in log.steps if r["step"] > since][-MAX_STEPS:]
-    return {"steps": steps, "skipped": len(log.skipped)}
+    return {"steps": steps, "evals": log.evals[-MAX_STEPS:], "skipped": len(log.skipped)}
 
 
 def install(app: FastAPI, view: PipelineView, steps_file: str) -> None:

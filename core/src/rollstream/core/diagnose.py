@@ -9,7 +9,7 @@ streams.read_counters sums the four into the snapshot's counters):
   generator  prompts  -> rollouts   generated
   reward     rollouts -> scored     scored, reward_passthrough
   reference  scored   -> ready      referenced              (only in runs with a reference stage)
-  trainer    ready    -> a step     trained, stale, duplicates
+  trainer    ready    -> a step     trained, stale, duplicates, evaluated (held-out groups: counted, never trained)
 
 A stream's backlog is what its group has not acknowledged: unread (lag) + pending. `prompts`
 always holds about `prompt_buffer` tasks (the trainer keeps it full): backlog there is normal.
@@ -57,7 +57,7 @@ PIPELINE = (
     StageSpec("generator", "prompts", "generator", ("generated",)),
     StageSpec("reward", "rollouts", "reward", ("scored", "reward_passthrough")),
     StageSpec("reference", "scored", "reference", ("referenced",)),
-    StageSpec("trainer", "ready", "trainer", ("trained", "stale", "duplicates")),
+    StageSpec("trainer", "ready", "trainer", ("trained", "stale", "duplicates", "evaluated")),
 )
 
 
@@ -256,7 +256,7 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
     else:
         since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
         doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"
-        more = f", {ready.lag} more wait in ready" if ready.lag else ""
-        found.append(Finding("info", "trainer", f"{doing}{more}{_rate_text(r['trainer'])}: the step is the long pole"))
+        queued = f", {ready.lag} more wait in ready" if ready.lag else ""
+        found.append(Finding("info", "trainer", f"{doing}{queued}{_rate_text(r['trainer'])}: the step is the long pole"))
     found.sort(key=lambda f: _ORDER[f.level])
     return found

@@ -1,7 +1,9 @@
 """`rollstream status`: a run's pipeline read from Redis (`collect` -> diagnose.Snapshot), and
 its rich view (`render`): per stage the rate between two looks, backlog, pending, consumers
 with their idle times and the last dead-letter reason; the trainer's step and version, each
-generator's version; and one line naming the bottleneck or the stuck stage (core/diagnose.py).
+generator's version; the last step and the last held-out evaluation round (`evals`); the
+groups' ledger (held-out groups are `evaluated`, never trained); and one line naming the
+bottleneck or the stuck stage (core/diagnose.py).
 
 Everything is read as the admin user (or any user allowed XINFO, XRANGE, HGETALL, GET, TIME
 on the run's keys); nothing is written. A key that holds something else than rollstream
@@ -11,6 +13,7 @@ wrote there is reported as such, not a crash.
 from __future__ import annotations
 
 import json
+import math
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
@@ -75,12 +78,11 @@ def _stream(client: redis_policy.Client, key: str, read: _Reader) -> diagnose.St
         read.errors.append(f"{key}: holds a {kind}, not a stream")
         return diagnose.StreamState()
     groups = []
-    for info in read(lambda: client.xinfo_groups(key), [], key):
+    infos: list[dict] = read(lambda: client.xinfo_groups(key), [], key)
+    for info in infos:
         name = _text(info["name"])
-        consumers = tuple(
-            diagnose.Consumer(_text(c["name"]), int(c["pending"]), int(c["idle"]) / 1000)
-            for c in read(lambda name=name: client.xinfo_consumers(key, name), [], key)
-        )
+        found: list[dict] = read(lambda: client.xinfo_consumers(key, name), [], key)
+        consumers = tuple(diagnose.Consumer(_text(c["name"]), int(c["pending"]), int(c["idle"]) / 1000) for c in found)
         groups.append(diagnose.Group(name, int(info["pending"]), _lag(client, key, info), consumers))
     return diagnose.StreamState(length=int(client.xlen(key)), exists=True, groups=tuple(groups))
 
@@ -88,7 +90,8 @@ def _stream(client: redis_policy.Client, key: str, read: _Reader) -> diagnose.St
 def _last_dead(client: redis_policy.Client, keys: streams.RunKeys, read: _Reader) -> dict[str, str]:
     """Source stage -> the reason of its latest dead letter (among the last 200)."""
     out: dict[str, str] = {}
-    for _eid, fields in read(lambda: client.xrevrange(keys.dead, count=200), [], keys.dead):
+    letters: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.dead, count=200), [], keys.dead)
+    for _eid, fields in letters:
         try:
             letter = codec.decode(fields, rollout_pb2.DeadLetter)
             source, reason = letter.source_stream.rsplit(":", 1)[-1], letter.reason
@@ -119,12 +122,12 @@ def collect(client: redis_policy.Client, keys: streams.RunKeys, workdir: Path | 
     counters, unreadable = streams.read_counters(client, keys)
     read.errors.extend(unreadable)
     version = read(lambda: streams.current_version(client, keys), 0, keys.version)
-    live = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
-    versions = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)
+    live: dict[str, str] = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
+    versions: dict[str, int | None] = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)
     dead_kind = _text(read(lambda: client.type(keys.dead), b"none", keys.dead))
     dead = int(client.xlen(keys.dead)) if dead_kind == "stream" else 0
-    extra: dict = {"generators": live, "errors": read.errors, "last_step": None}
-    last = read(lambda: client.xrevrange(keys.metrics, count=1), [], keys.metrics)
+    extra: dict = {"generators": live, "errors": read.errors, "last_step": None, "last_eval": None}
+    last: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.metrics, count=1), [], keys.metrics)
     if last:
         try:
             m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
@@ -132,12 +135,53 @@ def collect(client: redis_policy.Client, keys: streams.RunKeys, workdir: Path | 
             extra["last_step"] = m
         except codec.EntryError as e:
             read.errors.append(f"last metrics entry unreadable: {e}")
+    last_eval: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.evals, count=1), [], keys.evals)
+    if last_eval:
+        try:
+            extra["last_eval"] = check_eval(codec.decode(last_eval[0][1], rollout_pb2.EvalMetrics))
+        except codec.EntryError as e:
+            read.errors.append(f"last eval entry unreadable: {e}")
     snap = diagnose.Snapshot(
         at=at, streams=states, counters=counters, trainer_version=version, trainer_step=counters.get("step", 0),
         generators={g: versions.get(g) for g in live}, dead=dead,
         last_dead=_last_dead(client, keys, read) if dead else {}, restarts=restarts(workdir),
     )
     return snap, extra
+
+
+def check_eval(m: rollout_pb2.EvalMetrics) -> rollout_pb2.EvalMetrics:
+    """`m` when it can be shown as a held-out round: finite, shares within [0, 1]."""
+    for name in ("reward_mean", "accuracy", "pass_at_k", "completion_tokens"):
+        value = getattr(m, name)
+        if not math.isfinite(value):
+            raise codec.EntryError(f"EvalMetrics step {m.step}: {name} is {value!r}")
+    for name in ("accuracy", "pass_at_k"):
+        if not 0.0 <= getattr(m, name) <= 1.0:
+            raise codec.EntryError(f"EvalMetrics step {m.step}: {name} {getattr(m, name)!r} is not a share within [0, 1]")
+    return m
+
+
+def eval_line(m: rollout_pb2.EvalMetrics) -> str:
+    """A held-out round in one line: "held-out: accuracy 95% (pass@4 100%), reward 1.02 at
+    step 15, version 15, 32 prompts"."""
+    at_k = f" (pass@{m.samples} {100 * m.pass_at_k:.0f}%)" if m.samples > 1 else ""
+    version = f"versions {m.version}-{m.version_max}" if m.version_max > m.version else f"version {m.version}"
+    prompts = f"{m.prompts} prompts" if m.prompts >= m.prompts_fed else f"{m.prompts} of {m.prompts_fed} prompts (incomplete)"
+    return f"held-out: accuracy {100 * m.accuracy:.0f}%{at_k}, reward {m.reward_mean:.2f} at step {m.step}, {version}, {prompts}"
+
+
+def step_line(m: rollout_pb2.StepMetrics) -> str:
+    """A step's numbers that move, in one line (GRPO's loss is ~1e-8 when the mean advantage
+    is 0: three significant digits, and the gradient norm beside it)."""
+    length = m.tokens / m.completions if m.completions else 0.0
+    return (f"reward {m.reward_mean:.3f} ±{m.reward_std:.3f}, loss {m.loss:+.3g}, grad norm {m.grad_norm:.3g}, kl {m.kl:.4f}, "
+            f"entropy {m.entropy:.3f}, {length:.1f} tokens/completion, {m.step_seconds:.1f}s, {m.train_tokens_per_s:.0f} tok/s, "
+            f"staleness {m.mean_staleness:.2f}")  # fmt: skip
+
+
+# The groups' ledger, as counted (streams.read_counters): every generated group ends trained,
+# stale, evaluated (a held-out round's), dead, or still waits.
+LEDGER = ("generated", "trained", "stale", "evaluated")
 
 
 _STYLE = {"stuck": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
@@ -178,8 +222,10 @@ def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: dia
         lines.append(Text(f"waiting for a reward consumer on {keys.stream('rollouts')}", style="yellow"))
     m = extra.get("last_step")
     if m is not None:
-        lines.append(Text(f"last step {m.step}: reward {m.reward_mean:.3f} ±{m.reward_std:.3f}, loss {m.loss:+.4f}, kl {m.kl:.4f}, "
-                          f"{m.step_seconds:.1f}s, {m.train_tokens_per_s:.0f} tok/s, staleness {m.mean_staleness:.2f}"))  # fmt: skip
+        lines.append(Text(f"last step {m.step}: {step_line(m)}"))
+    if extra.get("last_eval") is not None:
+        lines.append(Text(eval_line(extra["last_eval"])))
+    lines.append(Text("groups: " + "  ".join(f"{k} {cur.counters.get(k, 0)}" for k in LEDGER)))
     lines.append(Text(f"dead letters: {cur.dead}" + (f"  restarts by up: {cur.restarts}" if cur.restarts else "")))
     counters = "  ".join(f"{k}={v}" for k, v in sorted(cur.counters.items())) or "no counters yet"
     lines.append(Text(f"counters: {counters}", style="dim"))
