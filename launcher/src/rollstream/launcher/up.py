@@ -320,9 +320,12 @@ def _up(cfg: RunConfig) -> int:
                 try:
                     reward_line = external.poll(client, console) if external is not None else ""
                     for m in progress.poll(client, keys):
+                        # GRPO's loss is ~1e-8 when the mean advantage is 0 (+0.0000 at 4
+                        # decimals): 3 significant digits, and the gradient norm, which moves.
                         console.print(
                             f"step {m.step:>3}/{steps or '-'}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
-                            f"loss {m.loss:+.4f}  staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
+                            f"loss {m.loss:+.3g}  grad norm {m.grad_norm:.3g}  length {m.tokens / max(m.completions, 1):.1f} tokens  "
+                            f"staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
                     stats = streams.read_counters(client, keys)[0]
@@ -342,7 +345,8 @@ def _up(cfg: RunConfig) -> int:
                     Text(
                         reward_line
                         or f"steps {len(progress.by_step)}/{steps or '-'}  elapsed {time.monotonic() - started:.0f}s  "
-                        f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}"
+                        f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}  "
+                        f"evaluated {stats.get('evaluated', 0)}"
                     )
                 )
                 time.sleep(0.5)
