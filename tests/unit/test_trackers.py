@@ -1,22 +1,21 @@
 """report_to (trainer/trackers.py): each backend writes steps, eval rounds and the run
 configuration through its own library, and what it wrote is read back with that library's own
-reader (TensorBoard's EventAccumulator, MLflow's MlflowClient, W&B's DataStore over the offline
-run's .wandb file). A tracker that fails is logged once and turned off; a missing extra fails
-at start with the pip command."""
+reader (tests/tracker_readers.py: TensorBoard's EventAccumulator, MLflow's MlflowClient, W&B's
+DataStore over the offline run's .wandb file). A tracker that fails is logged once and turned
+off; a missing extra fails at start with the pip command."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rollstream.core.config import ConfigError
 
-from rollstream.core.config import load_settings
+import tracker_readers
+from rollstream.core.config import ConfigError, load_settings
 from rollstream.trainer import trackers
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.trackers import Trackers
@@ -56,102 +55,47 @@ def assert_config(config: dict[str, object]) -> None:
 
 
 def test_tensorboard_reads_back_every_step(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     s = settings(tmp_path, "tensorboard")
     write_run(s)
-    events = EventAccumulator(str(tmp_path / "trackers" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-
-    def series(tag: str) -> dict[int, float]:
-        return {e.step: e.value for e in events.Scalars(tag)}
-
-    assert series("train/reward_mean") == REWARDS
-    assert series("train/loss") == LOSSES
-    assert series("train/groups") == {1: 2.0, 2: 2.0, 3: 2.0}
-    assert series("time/forward") == {1: 0.5, 2: 0.5, 3: 0.5}
-    assert series("eval/accuracy") == EVALS
-    assert "eval/pass_at_k" not in events.Tags()["scalars"]  # NaN: left out
-    assert "train/step" not in events.Tags()["scalars"] and "train/time" not in events.Tags()["scalars"]
-    (text,) = events.Tensors("config/text_summary")
-    markdown = text.tensor_proto.string_val[0].decode()
-    config = json.loads(markdown.removeprefix("```json\n").removesuffix("\n```"))
-    assert_config(config)
-    assert config["report_to"] == ["tensorboard"]
+    written = tracker_readers.tensorboard(tmp_path / "trackers")
+    assert written.series["train/reward_mean"] == REWARDS
+    assert written.series["train/loss"] == LOSSES
+    assert written.series["train/groups"] == {1: 2.0, 2: 2.0, 3: 2.0}
+    assert written.series["time/forward"] == {1: 0.5, 2: 0.5, 3: 0.5}
+    assert written.series["eval/accuracy"] == EVALS
+    assert not {"eval/pass_at_k", "train/step", "train/time"} & written.series.keys()  # NaN left out; step and time are no curves
+    assert_config(written.config)
+    assert written.config["report_to"] == ["tensorboard"]
 
 
 def test_mlflow_file_store_reads_back_every_step(tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
     s = settings(tmp_path, "mlflow")
     write_run(s)
-    client = MlflowClient(tracking_uri=(tmp_path / "trackers" / "mlruns").resolve().as_uri())
-    experiment = client.get_experiment_by_name(RUN)
-    assert experiment is not None
-    (run,) = client.search_runs([experiment.experiment_id])
+    written, run = tracker_readers.mlflow(tmp_path / "trackers", RUN)
     assert run.info.run_name == RUN and run.info.status == "FINISHED"
-
-    def series(key: str) -> dict[int, float]:
-        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-
-    assert series("train/reward_mean") == REWARDS
-    assert series("train/loss") == LOSSES
-    assert series("eval/accuracy") == EVALS
-    assert series("eval/pass_at_k") == {}
-    params = run.data.params  # text: strings as they are, the rest as JSON
+    assert written.series["train/reward_mean"] == REWARDS
+    assert written.series["train/loss"] == LOSSES
+    assert written.series["eval/accuracy"] == EVALS
+    assert "eval/pass_at_k" not in written.series
+    params = written.config  # text: strings as they are, the rest as JSON
     assert params["lr"] == "1e-05" and params["groups_per_step"] == "8" and params["token_budget"] == "4096"
     assert params["betas"] == "[0.9, 0.999]" and params["report_to"] == '["mlflow"]' and params["model"] == s.model
     assert "redis_url" not in params and "redis_password" not in params and "redis_password_file" not in params
 
 
-def wandb_records(folder: Path) -> list[Any]:
-    """Every record of the one offline run under `folder`, through W&B's own DataStore."""
-    from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal import datastore
-
-    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
-    store = datastore.DataStore()
-    store.open_for_scan(str(path))
-    out = []
-    while (data := store.scan_data()) is not None:
-        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # the module picks its classes by protobuf version
-        record.ParseFromString(data)
-        out.append(record)
-    return out
-
-
-def failures(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    """The tracker_failed events' fields (logs.event puts them on the record)."""
-    return [getattr(r, "fields") for r in caplog.records if r.getMessage() == "tracker_failed"]
-
-
-def key_of(item: Any) -> str:
-    """A history or config item's name: W&B's core writes it as `nested_key` (a path)."""
-    return str(item.key) or ".".join(item.nested_key)
-
-
 def test_wandb_offline_run_reads_back_every_step(tmp_path: Path) -> None:
     s = settings(tmp_path, "wandb")
     write_run(s)
-    records = wandb_records(tmp_path / "trackers")
-    by_step: dict[int, dict[str, float]] = defaultdict(dict)
-    config: dict[str, object] = {}
-    for r in records:
-        kind = r.WhichOneof("record_type")
-        if kind == "history":
-            row = {key_of(item): json.loads(item.value_json) for item in r.history.item}
-            by_step[row["step"]].update(row)
-        elif kind == "run":
-            assert r.run.project == RUN and r.run.display_name == RUN
-        elif kind == "config":
-            config.update({key_of(u): json.loads(u.value_json) for u in r.config.update})
-    assert {step: row["train/reward_mean"] for step, row in by_step.items() if "train/reward_mean" in row} == REWARDS
-    assert {step: row["train/loss"] for step, row in by_step.items() if "train/loss" in row} == LOSSES
+    written, records = tracker_readers.wandb(tmp_path / "trackers")
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == RUN and run.display_name == RUN
+    assert written.series["train/reward_mean"] == REWARDS
+    assert written.series["train/loss"] == LOSSES
     # Step 0's round came in after step 1 was logged and is still there, at step 0.
-    assert {step: row["eval/accuracy"] for step, row in by_step.items() if "eval/accuracy" in row} == EVALS
-    assert not any("eval/pass_at_k" in row for row in by_step.values())
-    assert_config(config)
-    assert config["report_to"] == ["wandb"]
+    assert written.series["eval/accuracy"] == EVALS
+    assert "eval/pass_at_k" not in written.series
+    assert_config(written.config)
+    assert written.config["report_to"] == ["wandb"]
 
 
 def test_run_config_leaves_secrets_out(tmp_path: Path) -> None:
@@ -185,9 +129,12 @@ def test_a_missing_extra_fails_at_start_with_the_pip_command(tmp_path: Path, mon
         settings(tmp_path, "wandb")
 
 
-def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def failures(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The tracker_failed events' fields (logs.event puts them on the record)."""
+    return [getattr(r, "fields") for r in caplog.records if r.getMessage() == "tracker_failed"]
 
+
+def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="rollstream.trainer.trackers")
     t = Trackers.from_settings(settings(tmp_path, "tensorboard,mlflow"), RUN)
     t.log_metrics({"train/loss": 0.5}, 1)
@@ -199,9 +146,7 @@ def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog:
     (fields,) = failures(caplog)
     assert fields["tracker"] == "mlflow" and fields["doing"] == "logging step 2" and fields["turned_off"] is True
     # The other tracker went on.
-    events = EventAccumulator(str(tmp_path / "trackers" / "tensorboard"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+    assert tracker_readers.tensorboard(tmp_path / "trackers").series["train/loss"] == {1: 0.5, 2: 0.5, 3: 0.5}
 
 
 def test_a_tracker_that_cannot_open_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -42,6 +42,7 @@ from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.fleet import PushOutcome
+from rollstream.trainer.trackers import Trackers, run_config, step_metrics
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
 
@@ -73,12 +74,14 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
     view = pipeline_view.install(settings, host) if settings.dashboard else None
     host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
     client = host.connect_redis()
+    trackers = Trackers.from_settings(settings, settings.run)  # report_to; a tracker that fails is turned off, never raised
     try:
+        trackers.log_config(run_config(settings))
         keys = streams.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
         fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
         feeder = PromptFeeder(settings, client, stage, fed, chat_encoder(trainer.tokenizer))
-        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, directory, checkpoints)
+        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, directory, checkpoints, trackers)
         # Also without a checkpoint: a trainer killed before its first one starts from the
         # model again, and the steps it trained are replayed from there.
         replay.replay_trained_log(trainer, host, client, stage)
@@ -96,6 +99,7 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
         loop.finish()
     finally:
+        trackers.close()
         checkpoints.close()
         trainer.close()
         client.close()
@@ -116,6 +120,7 @@ class TrainerLoop:
     feeder: PromptFeeder
     directory: GeneratorDirectory
     checkpoints: CheckpointRequests
+    trackers: Trackers = field(default_factory=Trackers)  # report_to: each step's metrics, the eval code's rounds
     batch: validation.Groups = field(default_factory=list)
 
     def turn(self) -> None:
@@ -322,7 +327,9 @@ class TrainerLoop:
 
     def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float]) -> None:
         """Append the committed step's line to metrics_file (core/steplog.py). A disk that
-        refuses it costs the curve a point, never the run: logged, and training goes on."""
+        refuses it costs the curve a point, never the run: logged, and training goes on. The
+        same figures go to the trackers (report_to)."""
+        self.trackers.log_metrics(step_metrics(metrics, phases), metrics.step)
         path = self.trainer.settings.metrics_file
         if not path:
             return
