@@ -43,7 +43,7 @@ def write_run(s: TrainerSettings) -> None:
         metrics = rollout_pb2.StepMetrics(step=step, version=step, reward_mean=REWARDS[step], loss=LOSSES[step], groups=2, time=1.8e9 + step)
         t.log_metrics(trackers.step_metrics(metrics, {"forward_s": 0.5, "optimizer_s": 0.25}), step)
         if step == 1:
-            t.log_metrics({"eval/accuracy": EVALS[0]}, 0)
+            t.log_metrics(trackers.eval_metrics(rollout_pb2.EvalMetrics(step=0, accuracy=EVALS[0], prompts=20, samples=1)), 0)
     t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan")}, 3)
     t.close()
     assert not t.backends
@@ -63,7 +63,9 @@ def test_tensorboard_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["train/groups"] == {1: 2.0, 2: 2.0, 3: 2.0}
     assert written.series["time/forward"] == {1: 0.5, 2: 0.5, 3: 0.5}
     assert written.series["eval/accuracy"] == EVALS
-    assert not {"eval/pass_at_k", "train/step", "train/time"} & written.series.keys()  # NaN left out; step and time are no curves
+    assert written.series["eval/prompts"] == {0: 20.0}
+    assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
+    assert not {"train/step", "train/time", "eval/step", "eval/time"} & written.series.keys()  # the x-axis, and no curve
     assert_config(written.config)
     assert written.config["report_to"] == ["tensorboard"]
 
@@ -76,7 +78,7 @@ def test_mlflow_file_store_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["train/reward_mean"] == REWARDS
     assert written.series["train/loss"] == LOSSES
     assert written.series["eval/accuracy"] == EVALS
-    assert "eval/pass_at_k" not in written.series
+    assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
     params = written.config  # text: strings as they are, the rest as JSON
     assert params["lr"] == "1e-05" and params["groups_per_step"] == "8" and params["token_budget"] == "4096"
     assert params["betas"] == "[0.9, 0.999]" and params["report_to"] == '["mlflow"]' and params["model"] == s.model
@@ -93,7 +95,7 @@ def test_wandb_offline_run_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["train/loss"] == LOSSES
     # Step 0's round came in after step 1 was logged and is still there, at step 0.
     assert written.series["eval/accuracy"] == EVALS
-    assert "eval/pass_at_k" not in written.series
+    assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
     assert_config(written.config)
     assert written.config["report_to"] == ["wandb"]
 

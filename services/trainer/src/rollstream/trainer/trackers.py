@@ -26,10 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from pydantic import SecretStr
 
-from rollstream.core import logs, steplog
+from rollstream.core import logs
 
 if TYPE_CHECKING:
     from rollstream.trainer.config import TrainerSettings
@@ -247,14 +248,24 @@ def run_config(settings: TrainerSettings) -> dict[str, Any]:
     return settings.model_dump(mode="json", exclude=secret)
 
 
-def step_metrics(metrics: Message, phases: Mapping[str, float]) -> dict[str, float]:
-    """A committed step's figures for the trackers: StepMetrics' numeric fields as
-    train/<name> (float32 ones at the 7 digits they hold, as in steps.jsonl), its phase times
-    as time/<phase> (seconds)."""
-    record = steplog.record(metrics)
-    out = {
-        f"train/{name}": float(value) for name, value in record.items()
-        if name not in ("schema", "step", "time") and isinstance(value, int | float) and not isinstance(value, bool)
-    }  # fmt: skip
-    out.update({f"time/{phase.removesuffix('_s')}": float(seconds) for phase, seconds in phases.items()})
+def figures(message: Message, prefix: str) -> dict[str, float]:
+    """A metrics message's numeric fields as <prefix>/<name>, float32 ones at the 7 significant
+    digits they hold (as steps.jsonl has them); `step` is the x-axis and `time` no curve."""
+    out: dict[str, float] = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        if f.name in ("step", "time") or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[f"{prefix}/{f.name}"] = float(f"{value:.7g}") if f.type == FieldDescriptor.TYPE_FLOAT else float(value)
     return out
+
+
+def step_metrics(metrics: Message, phases: Mapping[str, float]) -> dict[str, float]:
+    """A committed step's figures: StepMetrics as train/<field>, its phase times as
+    time/<phase> (seconds)."""
+    return figures(metrics, "train") | {f"time/{phase.removesuffix('_s')}": float(seconds) for phase, seconds in phases.items()}
+
+
+def eval_metrics(metrics: Message) -> dict[str, float]:
+    """A held-out round's figures (EvalMetrics) as eval/<field>: eval/accuracy, eval/pass_at_k, ..."""
+    return figures(metrics, "eval")
