@@ -98,7 +98,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # the observer: neither `scored` nor `ready` is the generator's.
     "generator": (
         (*_CONNECTION, *_STAGE, "get", "sadd", "time", "hset", "zadd", "hdel", "zrem"),
-        ("prompts", "rollouts", "version", "dead", "stats:generator", "groups:generated", "generators", "generators:seen",
+        ("prompts", "eval_prompts", "rollouts", "version", "dead", "stats:generator", "groups:generated", "generators", "generators:seen",
          "generators:versions"),
     ),
     # rollouts -> scored, or ready when the run has no reference stage (--output-stage); with
@@ -125,7 +125,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "trainer": (
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
          "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem", "hmget", "hlen"),
-        ("ready", "prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale",
+        ("ready", "prompts", "eval_prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale",
          "generators", "generators:seen", "generators:versions", "tasks", "evals", "eval_results"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the

@@ -212,13 +212,14 @@ class ServiceHost:
 
     # -- the stream stage: read, dead-letter, loop --------------------------------------
 
-    def read(self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0) -> list[tuple[Entry, M]]:
+    def read(self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0, wait: bool = True) -> list[tuple[Entry, M]]:
         """One read's worth of parsed entries (`parse` decodes and validates, raising
-        codec.EntryError with the reason). What does not parse goes to the dead letters
-        alone, counted and logged; entries read again (a dead consumer's, or ours before a
-        restart) are counted and logged too."""
+        codec.EntryError with the reason), waiting up to block_ms for new ones unless `wait`
+        is False. What does not parse goes to the dead letters alone, counted and logged;
+        entries read again (a dead consumer's, or ours before a restart) are counted and
+        logged too."""
         s = self.settings
-        batch = stage.read_valid(count or s.read_count, s.block_ms, parse)
+        batch = stage.read_valid(count or s.read_count, s.block_ms if wait else None, parse)
         redelivered = [e.deliveries for e, _ in batch if e.deliveries > 1]
         if redelivered:
             self.metrics.redelivered.inc(len(redelivered))

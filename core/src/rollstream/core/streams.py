@@ -37,7 +37,7 @@ from rollstream.v1 import rollout_pb2
 STAGES = ("prompts", "rollouts", "scored", "ready")
 # The role that reads each stage: what it dead-letters from that stage (dead_<stage>) is
 # counted in its own counters (RunKeys.counters).
-STAGE_READER = {"prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
+STAGE_READER = {"prompts": "generator", "eval_prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
 COUNTER_ROLES = ("generator", "reward", "reference", "trainer")
 # The consumer group that keeps `dead` a stream (StreamStage.__init__); nobody reads with it.
 DEAD_GROUP = "keep"
@@ -161,7 +161,7 @@ for j = 1, m do
     return 0
   end
 end
-local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', HSET = 'hash', SADD = 'set'}
+local expected = {XADD = 'stream', XACK = 'stream', HINCRBY = 'hash', HSET = 'hash', HDEL = 'hash', SADD = 'set'}
 local first = 4 + m
 local n = tonumber(ARGV[first])
 local i = first + 1
@@ -249,6 +249,10 @@ class Ops:
 
     def hset(self, key: str, field: str, value: Arg) -> None:
         self.commands.append(("HSET", key, [field, value]))
+
+    def hdel(self, key: str, *fields: str) -> None:
+        if fields:
+            self.commands.append(("HDEL", key, list(fields)))
 
     def keys_and_argv(self, source: str, group: str, consumer: str, inputs: Sequence[bytes]) -> tuple[list[str], list[Arg]]:
         keys = [source]
@@ -388,7 +392,9 @@ class StreamStage:
 
     # -- reading ---------------------------------------------------------------------
 
-    def read(self, count: int, block_ms: int) -> list[Entry]:
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` entries: ours pending, others' orphans, then new ones (waiting up to
+        `block_ms` for them; None: not at all)."""
         try:
             entries = self._read_own_pending(count) if not self._own_pending_done else []
             if not entries:
@@ -405,7 +411,7 @@ class StreamStage:
                 self.ensure_group(self.client, self.stream, self.group)
             raise
 
-    def read_valid(self, count: int, block_ms: int, parse: Callable[[Entry], M]) -> list[tuple[Entry, M]]:
+    def read_valid(self, count: int, block_ms: int | None, parse: Callable[[Entry], M]) -> list[tuple[Entry, M]]:
         """`read`, then `parse` each entry (decode + validate, raising codec.EntryError with
         the reason); an entry that fails goes to the dead-letter stream alone, with its
         reason, and the others are returned."""
@@ -492,7 +498,7 @@ class StreamStage:
         if entries:
             self.client.xclaim(self.stream, self.group, self.consumer, 0, [e.id for e in entries], justid=True)
 
-    def _read_new(self, count: int, block_ms: int) -> list[Entry]:
+    def _read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         return self._entries(self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms))
 
     @staticmethod

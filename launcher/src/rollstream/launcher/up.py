@@ -14,7 +14,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from rollstream.v1 import rollout_pb2
 class Progress:
     by_step: dict[int, rollout_pb2.StepMetrics] = field(default_factory=dict)
     last_id: bytes = b"0-0"
+    evals: dict[int, rollout_pb2.EvalMetrics] = field(default_factory=dict)  # held-out rounds by step
+    evals_last_id: bytes = b"0-0"
 
     @property
     def steps(self) -> list[rollout_pb2.StepMetrics]:
@@ -60,13 +62,36 @@ class Progress:
             self.by_step[m.step] = m
         return new
 
+    def poll_evals(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.EvalMetrics]:
+        """New held-out rounds (one that does not decode is skipped, as in `poll`)."""
+        new = []
+        for eid, fields in client.xrange(keys.evals, min=b"(" + self.evals_last_id, count=1000):
+            self.evals_last_id = eid
+            try:
+                m = codec.decode(fields, rollout_pb2.EvalMetrics)
+            except codec.EntryError:
+                continue
+            if m.step not in self.evals:
+                new.append(m)
+            self.evals[m.step] = m
+        return new
+
+
+def eval_line(m: rollout_pb2.EvalMetrics) -> str:
+    """A held-out round as `up` prints it."""
+    when = "before training" if m.step == 0 else f"after step {m.step}"
+    versions = f"version {m.version}" if m.version == m.version_max else f"versions {m.version}-{m.version_max}"
+    k = f"  pass@{m.samples} {100 * m.pass_at_k:.0f}%" if m.samples > 1 else ""
+    missing = f" of {m.prompts_fed} (the rest timed out)" if m.prompts < m.prompts_fed else ""
+    return f"held-out {when}: accuracy {100 * m.accuracy:.0f}%{k}  reward {m.reward_mean:.3f}  {m.prompts}{missing} prompts, {versions}"
+
 
 def _mean(xs: list[float], digits: int) -> float | None:
     """Rounded mean, or None (JSON null) when there is nothing to average."""
     return round(sum(xs) / len(xs), digits) if xs else None
 
 
-def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
+def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float, evals: Sequence[rollout_pb2.EvalMetrics] = ()) -> dict:
     rewards = [m.reward_mean for m in steps]
     return {
         "steps": len(steps),
@@ -78,6 +103,11 @@ def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float) -> dict:
         "train_tokens_per_s": _mean([m.train_tokens_per_s for m in steps], 1),
         "delta_fraction_of_dense": [round(m.delta_bytes / m.dense_bytes, 5) for m in steps if m.dense_bytes],
         "mean_staleness": _mean([m.mean_staleness for m in steps], 3),
+        "held_out": [
+            {"step": m.step, "accuracy": round(m.accuracy, 4), "pass_at_k": round(m.pass_at_k, 4), "reward_mean": round(m.reward_mean, 4),
+             "prompts": m.prompts, "samples": m.samples, "version": m.version, "version_max": m.version_max}
+            for m in evals
+        ],
     }
 
 
@@ -328,6 +358,8 @@ def _up(cfg: RunConfig) -> int:
                             f"staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
+                    for e in progress.poll_evals(client, keys):
+                        console.print(eval_line(e))
                     stats = streams.read_counters(client, keys)[0]
                     if redis_down:
                         console.print("Redis answers again", style="green")
@@ -338,7 +370,8 @@ def _up(cfg: RunConfig) -> int:
                         redis_down = True
                     time.sleep(1.0)
                     continue
-                if steps and progress.by_step and max(progress.by_step) >= steps:
+                # The trainer reports the round after the last step before it stops training.
+                if steps and progress.by_step and max(progress.by_step) >= steps and (not cfg.trainer.eval_prompts or steps in progress.evals):
                     finished = True
                     break
                 status.update(
@@ -363,7 +396,7 @@ def _up(cfg: RunConfig) -> int:
             # are not acknowledged), but a clean exit flushes its logs and metrics.
             child.stop(timeout_s=120.0 if child is trainer else 30.0)
         wall = time.monotonic() - started
-        result = summary(progress.steps, wall)
+        result = summary(progress.steps, wall, [progress.evals[k] for k in sorted(progress.evals)])
         result["versions"] = versions
         result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
@@ -379,6 +412,9 @@ def _up(cfg: RunConfig) -> int:
                 Text.assemble(("done", "bold"), f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
                 f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})")
             )
+        if len(progress.evals) >= 2:
+            first, last = progress.evals[min(progress.evals)], progress.evals[max(progress.evals)]
+            console.print(f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}")
         elif stopping:
             console.print("stopped before the first step")
         if checkpoints.is_dir():

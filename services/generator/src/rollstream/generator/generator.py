@@ -475,6 +475,7 @@ class Generator:
                     metadata_json=task.metadata_json,
                     task_kind=task.task_kind,
                     group_size=task.group_size,
+                    eval=task.eval,
                     generator_id=self.generator_id,
                     created_at=time.time(),
                 )

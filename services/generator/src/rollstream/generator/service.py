@@ -1,9 +1,11 @@
 """The generator service: rs:{<run>}:prompts -> sampled rollout groups -> rs:{<run>}:rollouts,
 plus the weight path from the trainer.
 
-Loop (one thread, `GeneratorLoop.turn`): wait while downstream is full or we are too many versions
-behind, read PromptTasks, sample `group_size` completions each (generator.py), write the
-RolloutGroups and ack the tasks in one transaction. Beside it: gRPC threads (PushWeights
+Loop (one thread, `GeneratorLoop.turn`): wait while we are too many versions behind; take the
+trainer's held-out evaluation tasks first (rs:{<run>}:eval_prompts: never held back by the
+training groups downstream, which wait for the trainer and would otherwise block the round the
+trainer waits for); else, while downstream has room, read PromptTasks; sample `group_size`
+completions each (generator.py), write the RolloutGroups and ack the tasks in one transaction. Beside it: gRPC threads (PushWeights
 applies payloads between batches), the weight-sync thread (catches up from the store or the
 trainer whatever fails; readiness red while too far behind) and the heartbeat thread (keeps
 this generator in the Redis registry the trainer pushes to).
@@ -67,12 +69,13 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         if settings.redis_observer_password_file:
             observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
         stage = host.open_stage(client, "prompts", settings.group)
+        evals = host.open_stage(client, "eval_prompts", settings.group)
         beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
         beat.start()
         # Ready from here while no more than max_staleness behind the trainer (CatchUpHealth).
         gen.health.sampling(f"sampling from {stage.stream}", gen.weights.version)
         logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
-        host.run_loop(stage, GeneratorLoop(gen, host, stage, client, observer).turn, "generator loop")
+        host.run_loop(stage, GeneratorLoop(gen, host, stage, evals, client, observer).turn, "generator loop", on_redis_error=evals.reread_own_pending)
     finally:
         host.stop.set()
         if beat is not None:
@@ -100,37 +103,52 @@ def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: G
 
 @dataclass
 class GeneratorLoop:
-    """What a turn uses: the generator, its stage, its Redis clients (`observer` counts what waits downstream)."""
+    """What a turn uses: the generator, its stages (training tasks, evaluation tasks), its Redis
+    clients (`observer` counts what waits downstream)."""
 
     gen: Generator
     host: ServiceHost
     stage: streams.StreamStage
+    evals: streams.StreamStage
     client: redis_policy.Client
     observer: redis_policy.Client
 
     def turn(self) -> None:
         gen, stage, host, keys, s = self.gen, self.stage, self.host, self.stage.keys, self.gen.settings
+        current = streams.current_version(self.client, keys)
+        gen.health.trainer_at("redis", current, gen.weights.version)
+        behind = current - (gen.weights.version or 0)
+        if behind > s.max_staleness:
+            gen.sync_wake.set()
+            host.stop.wait(0.2)
+            return
+        # Evaluation tasks first, whatever waits downstream: a round is a few tasks the trainer
+        # takes off `ready` at once, and it waits for them at the end of a run.
+        taken = host.read(self.evals, gen.parse_task, count=s.tasks_per_batch, wait=False)
+        if taken:
+            self.write(self.evals, taken)
+            return
         # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
         inflight = sum(streams.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
         # Tasks another generator has taken and is sampling now are in flight too: without them
         # every generator would fill the same room (check, then read), and with max_staleness 0
         # the extra groups come out stale.
         inflight += stage.held_by_others()
-        current = streams.current_version(self.client, keys)
-        gen.health.trainer_at("redis", current, gen.weights.version)
-        behind = current - (gen.weights.version or 0)
-        if inflight >= s.max_inflight_groups or behind > s.max_staleness:
-            if behind > s.max_staleness:
-                gen.sync_wake.set()
+        if inflight >= s.max_inflight_groups:
             host.stop.wait(0.2)
             return
         # No more tasks than the room left: a batch that overshoots max_inflight_groups is sampled
         # ahead of the version that will train it, and with max_staleness 0 dropped as stale.
         taken = host.read(stage, gen.parse_task, count=min(s.tasks_per_batch, s.max_inflight_groups - inflight))
-        if not taken:
-            return
+        if taken:
+            self.write(stage, taken)
+
+    def write(self, stage: streams.StreamStage, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> None:
+        """Sample the tasks taken from `stage`, write their groups to rollouts and ack the tasks,
+        with the ledger, in one transaction."""
+        keys, host = stage.keys, self.host
         with host.metrics.batch_seconds.time():
-            done = self.sample(taken)
+            done = self.sample(stage, taken)
             if not done:
                 return
             groups = [g for _, g in done]
@@ -142,9 +160,10 @@ class GeneratorLoop:
             committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
         stage.trim()
         # Not committed: another consumer took these tasks over meanwhile and writes them itself.
-        logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version, groups=logs.group_ids(groups))
+        logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version,
+                   source=stage.stream, groups=logs.group_ids(groups))
 
-    def sample(self, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> validation.Groups:
+    def sample(self, stage: streams.StreamStage, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> validation.Groups:
         """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
         a task that fails alone goes to the dead letters (it must not take its batch with it)."""
         if len(taken) > 1:
@@ -157,5 +176,5 @@ class GeneratorLoop:
             try:
                 done.append((entry, self.gen.generate([task])[0]))
             except Exception as e:  # noqa: BLE001
-                self.stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
+                stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
         return done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -191,6 +192,10 @@ class TrainerSettings(TorchSettings):
             raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest' / 'auto'")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty")
+        if self.eval_prompts and self.task in ("jsonl", "dataset") and not self.eval_dataset_path:
+            raise ValueError(f"eval_dataset_path is required for held-out evaluation (eval_prompts > 0) with task = {self.task!r}")
+        if self.eval_dataset_path and not Path(self.eval_dataset_path).exists():
+            raise ValueError(f"eval_dataset_path {self.eval_dataset_path!r}: no such file or folder")
         if self.report_to and not self.tracker_dir:
             raise ValueError("tracker_dir is required with report_to")
         if self.report_to and (missing := missing_extras(self.report_to)):

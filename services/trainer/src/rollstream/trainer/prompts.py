@@ -15,12 +15,14 @@ with the recipe named by the task kind (using the answer and metadata).
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -111,8 +113,9 @@ def _metadata_json(raw: Any) -> str:
     return json.dumps(raw)
 
 
-def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str) -> Iterator[Prompt]:
-    """Rows of `data` as prompts, reshuffled every epoch."""
+def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str,
+          epochs: int | None = None) -> Iterator[Prompt]:
+    """Rows of `data` as prompts, reshuffled every epoch (`epochs` of them; None: endless)."""
     wanted = [prompt_field, answer_field] + ([metadata_field] if metadata_field else [])
     for name in wanted:
         if name not in data.column_names:
@@ -120,7 +123,7 @@ def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, ta
     if len(data) == 0:
         raise ValueError(f"{source}: no rows")
     epoch = 0
-    while True:
+    while epochs is None or epoch < epochs:
         for row in data.shuffle(seed=seed + epoch):
             yield Prompt(
                 messages=_messages(row[prompt_field]),
@@ -131,7 +134,7 @@ def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, ta
         epoch += 1
 
 
-def from_file(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "") -> Iterator[Prompt]:
+def from_file(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "", epochs: int | None = None) -> Iterator[Prompt]:
     """Rows of a local JSONL or Parquet file, reshuffled every epoch. `prompt_field` holds
     either a string (one user message) or a list of {role, content} chat messages;
     `metadata_field` (optional) an object or JSON text, passed to the reward recipe."""
@@ -139,10 +142,11 @@ def from_file(path: str, prompt_field: str, answer_field: str, task_kind: str, s
 
     kind = "parquet" if path.endswith(".parquet") else "json"
     data = load_dataset(kind, data_files=path, split="train")
-    yield from _rows(data, path, prompt_field, answer_field, task_kind, seed, metadata_field)
+    yield from _rows(data, path, prompt_field, answer_field, task_kind, seed, metadata_field, epochs)
 
 
-def from_disk(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "", split: str = "train") -> Iterator[Prompt]:
+def from_disk(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "", split: str = "train",
+              epochs: int | None = None) -> Iterator[Prompt]:
     """A data set saved with `save_to_disk` (a Dataset, or a DatasetDict and its `split`)."""
     from datasets import Dataset, DatasetDict, load_from_disk
 
@@ -152,7 +156,7 @@ def from_disk(path: str, prompt_field: str, answer_field: str, task_kind: str, s
             raise ValueError(f"{path}: no split {split!r} (splits: {sorted(loaded)})")
         loaded = loaded[split]
     assert isinstance(loaded, Dataset)
-    yield from _rows(loaded, path, prompt_field, answer_field, task_kind, seed, metadata_field)
+    yield from _rows(loaded, path, prompt_field, answer_field, task_kind, seed, metadata_field, epochs)
 
 
 def from_settings(settings: "TrainerSettings") -> Iterator[Prompt]:
@@ -168,3 +172,28 @@ def from_settings(settings: "TrainerSettings") -> Iterator[Prompt]:
         case "dataset":
             return from_disk(s.dataset_path, s.prompt_field, s.answer_field, s.task_kind, s.seed, s.metadata_field)
     raise ValueError(f"unknown task {s.task!r}")
+
+
+def held_out(settings: "TrainerSettings") -> list[Prompt]:
+    """The evaluation set: the first `eval_prompts` prompts of eval_dataset_path (a JSONL or
+    Parquet file, or a save_to_disk folder, with the training task's fields; shuffled with
+    eval_seed, each row at most once), else of the built-in task's generator seeded with
+    eval_seed. The same prompts every round, so rounds compare."""
+    s = settings
+    source: Iterator[Prompt]
+    if s.eval_dataset_path:
+        read = from_disk if Path(s.eval_dataset_path).is_dir() else from_file
+        source = read(s.eval_dataset_path, s.prompt_field, s.answer_field, s.task_kind, s.eval_seed, s.metadata_field, epochs=1)
+    elif s.task == "arithmetic":
+        source = arithmetic(s.eval_seed, s.max_operand)
+    elif s.task == "countdown":
+        source = countdown(s.eval_seed)
+    else:
+        raise ValueError(f"eval_dataset_path is required for held-out prompts of task {s.task!r}")
+    # Each prompt once: a small task (100 sums at max_operand 9) repeats within 32 draws.
+    distinct: dict[tuple[tuple[str, str], ...], Prompt] = {}
+    for prompt in itertools.islice(source, 100 * s.eval_prompts):
+        distinct.setdefault(prompt.messages, prompt)
+        if len(distinct) == s.eval_prompts:
+            break
+    return list(distinct.values())

@@ -12,7 +12,11 @@ One loop, top to bottom:
   4. encode the exact delta, then in one transaction: ack the groups, record them as trained,
      set the version, append the step's metrics; then push it to every generator in the
      background (the next step trains meanwhile; its commit waits for this push first);
-  5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py).
+  5. every `checkpoint_every` steps, and on SaveCheckpoint, a checkpoint (checkpoint.py);
+  6. held-out evaluation (evaluation.py): a round fed before the first step, every `eval_every`
+     steps (in the step's commit) and after the last; its groups, which the task map says are
+     evaluation groups, are recorded and acknowledged, never trained; a run ends once its last
+     round is reported.
 `--resume` restores one, trains again the groups logged as trained after it (replay.py: so a crash
 loses no trained work), moves the run's version to it and pushes its anchor.
 Redis trouble never ends the loop: it waits (rollstream.core.redis_policy), and from the
@@ -39,6 +43,7 @@ from rollstream.trainer import checkpoint, export, pipeline_view, replay
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.fleet import PushOutcome
@@ -80,8 +85,10 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         keys = streams.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
         fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
-        feeder = PromptFeeder(settings, client, stage, fed, chat_encoder(trainer.tokenizer))
-        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, directory, checkpoints, trackers)
+        encode = chat_encoder(trainer.tokenizer)
+        feeder = PromptFeeder(settings, client, stage, fed, encode)
+        evaluator = host.redis.call(lambda: Evaluator(settings, client, stage, encode), "reading the evaluation rounds")
+        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, evaluator, directory, checkpoints, trackers)
         # Also without a checkpoint: a trainer killed before its first one starts from the
         # model again, and the steps it trained are replayed from there.
         replay.replay_trained_log(trainer, host, client, stage)
@@ -118,6 +125,7 @@ class TrainerLoop:
     keys: streams.RunKeys
     stage: streams.StreamStage
     feeder: PromptFeeder
+    evaluator: Evaluator
     directory: GeneratorDirectory
     checkpoints: CheckpointRequests
     trackers: Trackers = field(default_factory=Trackers)  # report_to: each step's metrics, the eval code's rounds
@@ -128,7 +136,12 @@ class TrainerLoop:
         once it holds a step's worth."""
         trainer, s, keys = self.trainer, self.trainer.settings, self.keys
         self.checkpoints.serve(self.save)
-        self.feeder.top_up(trainer.version)
+        if self.evaluator.due(trainer.step):  # before the first step (the others are fed with their step's commit)
+            ops = streams.Ops()
+            self.evaluator.feed(ops, trainer.step, trainer.version)
+            self.stage.apply(ops)
+        if not self.trained_enough():
+            self.feeder.top_up(trainer.version)
         held_ids = {e.id for e, _ in self.batch}
         new: validation.Groups = []
         for entry, group in self.host.read(self.stage, lambda e: validation.parse_group(e, trainer.limits, stage="ready", need_ref=trainer.need_ref)):
@@ -141,8 +154,9 @@ class TrainerLoop:
                 continue
             new.append((entry, group))
         self.batch.extend(self.checked(new))
+        self.report_evals(timed_out=self.trained_enough())
         self.drop_stale()
-        if len(self.batch) < s.groups_per_step:
+        if len(self.batch) < s.groups_per_step or self.trained_enough():
             self.stage.touch([e for e, _ in self.batch])  # still ours: keep other consumers off them
             return
         taken = self.batch[: s.groups_per_step]
@@ -154,16 +168,20 @@ class TrainerLoop:
         if s.checkpoint_every and self.trainer.step % s.checkpoint_every == 0:
             self.save_periodic()
 
-    def finished(self) -> bool:
+    def trained_enough(self) -> bool:
         s = self.trainer.settings
         return s.steps > 0 and self.trainer.step >= s.steps
+
+    def finished(self) -> bool:
+        """The last step trained and the last evaluation round reported."""
+        return self.trained_enough() and not self.evaluator.waiting()
 
     def finish(self) -> None:
         """After the loop: the final checkpoint of a finished run; with linger, checkpoints still served."""
         s = self.trainer.settings
         self.count_pushes(self.trainer.publisher.pushes.wait())  # the last step's push, counted as the others are at the next commit
         logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
-        if self.finished() and s.checkpoint_dir:
+        if self.trained_enough() and s.checkpoint_dir:
             # A finished run keeps its final state as a checkpoint, not only in the trained log.
             newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
             if newest is None or newest.state.step != self.trainer.step:
@@ -228,7 +246,9 @@ class TrainerLoop:
         """The groups of `new` that answer a task this trainer fed, as they say, with text that
         is their tokens (validation.check_against_task); the others are dead-lettered with the
         reason. What trains is what the trainer asked, sampled as the reward saw it. Stale
-        groups pass (drop_stale counts them; their task may already be swept)."""
+        groups pass (drop_stale counts them; their task may already be swept). Groups of an
+        evaluation task (the task map's word, not the group's) go to the evaluator, checked
+        the same way, and are not returned."""
         if not new:
             return []
         tasks = validation.fetch_tasks(self.client, self.keys.tasks, [g.task_id for _, g in new])
@@ -238,9 +258,14 @@ class TrainerLoop:
             return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
         kept: validation.Groups = []
+        evals: validation.Groups = []
         for entry, group in new:
             task = tasks.get(group.task_id)
             try:
+                if task is not None and task.eval:
+                    validation.check_against_task(group, task, decode)
+                    evals.append((entry, group))
+                    continue
                 if not self.stale(group):
                     if task is None:
                         raise codec.EntryError(validation.unknown_task(group, self.keys.tasks))
@@ -249,7 +274,25 @@ class TrainerLoop:
                 self.stage.dead_letter(entry, str(e))
                 continue
             kept.append((entry, group))
+        self.evaluator.take(evals)
         return kept
+
+    def report_evals(self, timed_out: bool = False) -> None:
+        """Report the evaluation rounds that are complete (with `timed_out`, also those that
+        waited eval_timeout_s): in the evals stream (evaluator), then the step log, Prometheus
+        and the log."""
+        for m in self.evaluator.report_ready(timed_out):
+            self.trainer.metrics.observe_eval(m)
+            logs.event(
+                self.host.log, "evaluated", step=m.step, version=m.version, version_max=m.version_max, prompts=m.prompts, prompts_fed=m.prompts_fed,
+                samples=m.samples, accuracy=round(m.accuracy, 4), pass_at_k=round(m.pass_at_k, 4), reward=round(m.reward_mean, 4),
+            )
+            path = self.trainer.settings.metrics_file
+            if path:
+                try:
+                    steplog.append(path, steplog.eval_record(m, run=self.keys.run))
+                except OSError as e:
+                    logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, eval_step=m.step, error=str(e))
 
     def train_and_commit(self, taken: validation.Groups) -> bool:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;
@@ -270,6 +313,8 @@ class TrainerLoop:
                 ops.hset(counters, "step", trainer.step)
                 ops.set(keys.version, trainer.version)
                 ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
+                if self.evaluator.due(trainer.step):  # with the version it evaluates: generators see both at once
+                    self.evaluator.feed(ops, trainer.step, trainer.version)
                 if log_trained:
                     for entry, _ in taken:
                         ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})

@@ -62,7 +62,7 @@ class Metrics:
         return cls(
             steps=Counter(p + "steps", "optimizer steps committed", registry=registry),
             policy_version=Gauge(p + "policy_version", "current policy version", registry=registry),
-            groups=Counter(p + "groups", "groups consumed from ready, by outcome (trained, stale, duplicate)", ["outcome"], registry=registry),
+            groups=Counter(p + "groups", "groups consumed from ready, by outcome (trained, stale, duplicate, evaluated)", ["outcome"], registry=registry),
             tokens=Counter(p + "tokens", "completion tokens trained", registry=registry),
             zero_variance_groups=Counter(p + "zero_variance_groups", "trained groups whose rewards were all equal (no gradient; dapo drops them)", registry=registry),
             reward_mean=Gauge(p + "reward_mean", "mean reward of the last step's completions", registry=registry),
@@ -98,6 +98,10 @@ class Metrics:
         self.delta_bytes.observe(nbytes)
         self.delta_dense_ratio.set(fraction)
 
+    def observe_eval(self, m: "rollout_pb2.EvalMetrics") -> None:
+        # The round's figures are gauges of the pipeline view (core/dashboard.py), read from the evals stream.
+        self.groups.labels(outcome="evaluated").inc(m.prompts)
+
 
 class Trainer:
     def __init__(self, settings: TrainerSettings, host: ServiceHost):
@@ -117,7 +121,10 @@ class Trainer:
         # group size, bounded rewards (rollstream.core.validation).
         self.limits = validation.Limits(
             vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward,
-            max_context_tokens=context_length(self.model_dir), group_size=s.group_size, max_group_size=s.group_size,
+            max_context_tokens=context_length(self.model_dir),
+            # Evaluation groups hold eval_samples completions: the size is then checked against
+            # each group's own task (TrainerLoop.checked), which holds the run's for training tasks.
+            group_size=s.group_size if not s.eval_prompts else 0, max_group_size=max(s.group_size, s.eval_samples),
         )
         self.need_ref = s.beta > 0 and s.kl_reference == "service"
         self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
