@@ -29,7 +29,7 @@ def tensorboard(folder: Path) -> Written:
     for tag in events.Tags()["scalars"]:
         out.series[tag] = {e.step: e.value for e in events.Scalars(tag)}
     if "config/text_summary" in events.Tags()["tensors"]:
-        (text,) = events.Tensors("config/text_summary")
+        text = events.Tensors("config/text_summary")[-1]  # one a trainer start: the last
         markdown = text.tensor_proto.string_val[0].decode()
         out.config = json.loads(markdown.removeprefix("```json\n").removesuffix("\n```"))
     return out

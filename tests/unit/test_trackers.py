@@ -137,7 +137,7 @@ def failures(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 
 
 def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="rollstream.trainer.trackers")
+    caplog.set_level(logging.ERROR, logger="rollstream.trainer")
     t = Trackers.from_settings(settings(tmp_path, "tensorboard,mlflow"), RUN)
     t.log_metrics({"train/loss": 0.5}, 1)
     # MLflow's store gone from under it (a disk swapped, a folder cleaned): its next write fails.
@@ -152,7 +152,7 @@ def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog:
 
 
 def test_a_tracker_that_cannot_open_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="rollstream.trainer.trackers")
+    caplog.set_level(logging.ERROR, logger="rollstream.trainer")
     (tmp_path / "trackers").mkdir()
     (tmp_path / "trackers" / "mlruns").write_text("a file where MLflow's store would go")
     t = Trackers.from_settings(settings(tmp_path, "mlflow"), RUN)

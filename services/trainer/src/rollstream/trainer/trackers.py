@@ -35,7 +35,8 @@ from rollstream.core import logs
 if TYPE_CHECKING:
     from rollstream.trainer.config import TrainerSettings
 
-log = logging.getLogger(__name__)
+# The trainer host's own logger: its lines say "trainer" also where a generator shares the process (colocated).
+log = logging.getLogger("rollstream.trainer")
 
 
 class Tracker(ABC):
