@@ -35,7 +35,7 @@ def settings(tmp_path: Path, report_to: str) -> TrainerSettings:
 def write_run(s: TrainerSettings) -> None:
     """What the trainer writes: the configuration, three steps (StepMetrics and phase times, as
     log_step does), eval rounds at steps 0 and 3 (step 0's reported late, after step 1: an
-    eval round is reported when its last group is in), and a NaN that is left out."""
+    eval round is reported when its last group is in), and a NaN and a None that are left out."""
     t = Trackers.from_settings(s, RUN)
     assert sorted(t.backends) == sorted(s.report_to)
     t.log_config(trackers.run_config(s))
@@ -44,7 +44,7 @@ def write_run(s: TrainerSettings) -> None:
         t.log_metrics(trackers.step_metrics(metrics, {"forward_s": 0.5, "optimizer_s": 0.25}), step)
         if step == 1:
             t.log_metrics(trackers.eval_metrics(rollout_pb2.EvalMetrics(step=0, accuracy=EVALS[0], prompts=20, samples=1)), 0)
-    t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan")}, 3)
+    t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan"), "eval/nothing": None}, 3)  # type: ignore[dict-item]
     t.close()
     assert not t.backends
 
@@ -65,7 +65,7 @@ def test_tensorboard_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["eval/accuracy"] == EVALS
     assert written.series["eval/prompts"] == {0: 20.0}
     assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
-    assert not {"train/step", "train/time", "eval/step", "eval/time"} & written.series.keys()  # the x-axis, and no curve
+    assert not {"train/step", "train/time", "eval/step", "eval/time", "eval/nothing"} & written.series.keys()  # the x-axis, and no curve
     assert_config(written.config)
     assert written.config["report_to"] == ["tensorboard"]
 

@@ -200,8 +200,8 @@ class Trackers:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """`metrics` by name ("train/reward_mean", "eval/accuracy") at trainer step `step`;
-        non-finite values are left out."""
-        finite = {name: float(v) for name, v in metrics.items() if math.isfinite(v)}
+        non-finite values, and what is no number, are left out."""
+        finite = {name: x for name, x in ((name, _number(v)) for name, v in metrics.items()) if math.isfinite(x)}
         if finite:
             self._each(f"logging step {step}", lambda t: t.log_metrics(finite, step))
 
@@ -221,6 +221,14 @@ class Trackers:
                         tracker.close()
                     except Exception:  # already failed and reported
                         pass
+
+
+def _number(value: object) -> float:
+    """`value` as a float; NaN for what is none (left out like a NaN)."""
+    try:
+        return float(value)  # type: ignore[arg-type]  # anything float() takes: numpy scalars, tensors of one
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _failed(name: str, doing: str, error: BaseException) -> None:
