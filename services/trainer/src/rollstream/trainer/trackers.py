@@ -10,7 +10,8 @@ also go to TensorBoard, MLflow or W&B, through each library's own writer, under 
 Each is an optional extra (pip install 'rollstream-trainer[tensorboard]', [mlflow], [wandb]):
 a missing one fails at start, when the settings load (config.py calls missing_extras). A
 tracker that fails later (a full disk, a library error) is logged once and turned off: the
-figures are a copy, the run goes on. Non-finite values are left out (the step log has them).
+figures are a copy, the run goes on (steps.jsonl is the complete record). Non-finite values
+are left out.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class Trackers:
 
 
 def _number(value: object) -> float:
-    """`value` as a float; NaN for what is none (left out like a NaN)."""
+    """`value` as a float; NaN (left out) for what is no number."""
     try:
         return float(value)  # type: ignore[arg-type]  # anything float() takes: numpy scalars, tensors of one
     except (TypeError, ValueError):
