@@ -187,7 +187,8 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
             tail = "\n".join(up_log.read_text(errors="replace").splitlines()[-30:])
             raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}\n{tail}")
     # The step log's wall time is the step's end; a replayed step (trainer restart) keeps the last record.
-    by_step = {int(r["step"]): r for r in records}
+    # Held-out rounds are lines of their own ("kind": "eval", core/steplog.py): not steps.
+    by_step = {int(r["step"]): r for r in records if "kind" not in r}
     steps, last = [], started_wall
     for k in sorted(by_step):
         r = by_step[k]
