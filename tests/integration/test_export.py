@@ -1,5 +1,5 @@
 """Export with real processes: a trainer service stopped with SIGTERM (what `rollstream up`
-sends on Ctrl-C) leaves its export_dir holding the model it served, bit for bit; a `rollstream
+sends on Ctrl-C), with a push to count, leaves its export_dir holding the model it served, bit for bit; a `rollstream
 export` killed with kill -9 in the middle of writing leaves nothing under --out, and the next
 export writes the folder (and removes the dead one's temp folder)."""
 
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import wait_for, write_ready
-from procs import start_service, trainer_state
+from procs import free_port, start_service, trainer_state
 from synthetic import Decode, scored_groups
 from rollstream.core import deltas, modeling, streams
 from rollstream.core.config import load_settings
@@ -44,6 +44,9 @@ def test_a_stopped_trainer_exports_what_it_served(
         "trainer", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
         "--consumer", "trainer-0", "--groups-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
         "--lr", "1e-2", "--max-staleness", "100", "--block-ms", "100", "--export-dir", str(out),  # --steps 0: until stopped
+        # A generator that is not there: each step's push has an outcome, which the stop
+        # counts in Redis before the export (a stopped service's Redis calls raise Stopped).
+        "--generators", f"127.0.0.1:{free_port()}",
     ).wait_ready()
     try:
         write_ready(rclient, keys, scored_groups(1, 2, "s", group_size=2), tiny_decode)

@@ -103,7 +103,10 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
             trainer.push_anchor(loop.push_targets(), directory.from_registry)
         # After Redis trouble the batch is kept: its entries are still pending on us, and
         # when they are read again `turn` skips them.
-        host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
+        # Stopped in the middle of a turn (a stopping service's Redis calls raise Stopped) is
+        # a stop like any other: the run still ends with finish (the export).
+        with contextlib.suppress(redis_policy.Stopped):
+            host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
         loop.finish()
     finally:
         trackers.close()
@@ -216,7 +219,7 @@ class TrainerLoop:
             ops.hincrby(self.stage.counters, "pushes_applied", applied)
             ops.hincrby(self.stage.counters, "pushes_not_applied", len(outcomes) - applied)
 
-        with contextlib.suppress(*redis_policy.ERRORS):  # counts, not the run's state
+        with contextlib.suppress(*redis_policy.ERRORS, redis_policy.Stopped):  # counts, not the run's state: never worth the export after them
             self.stage.commit([], extra=ledger)
 
     def drop_stale(self) -> None:
