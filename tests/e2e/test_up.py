@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=MIN_WAIT_S)
         assert status.returncode == 0, status.stderr
         assert keys.stream("ready") in status.stdout and "trained=" in status.stdout
+        assert "groups: generated " in status.stdout and " evaluated 0" in status.stdout  # no held-out rounds in this run
         # every stage has its consumer, the generator its version, and one diagnosis line
         assert "generator-0 v" in status.stdout and "reference: reference-0" in status.stdout
         assert any(line.startswith(("bottleneck: ", "ok: ", "warning: ", "STUCK: ")) for line in status.stdout.splitlines()), status.stdout
@@ -74,6 +76,10 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
             proc.kill()
     assert proc.returncode == 0, out
     assert "step   1/1000000" in out and "done" in out
+    # Stopped, it leaves the model it trained (trainer/export.py), and says where.
+    assert json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] >= 3 and f"model: {tmp_path / 'model'}" in out
+    # The step line's loss in significant digits (GRPO's is ~1e-8), with the gradient norm and the completion length.
+    assert re.search(r"step 1/1000000 reward \S+ ±\S+ loss [+-]\S+ grad norm \S+ length \S+ tokens staleness", " ".join(out.split())), out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] >= 3 and len(summary["reward_curve"]) == summary["steps"]
     assert not [name for name, pid in pids.items() if alive(pid)], "services left running after Ctrl-C"
@@ -97,6 +103,8 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
     assert [r["step"] for r in log.steps] == [1, 2, 3, 4] and not log.skipped
     assert all(r["forward_s"] > 0 and r["optimizer_s"] > 0 and r["push_s"] >= 0 and r["run"] == run_name for r in log.steps)
     assert f"curves: {tmp_path / 'curves.png'}" in done.stderr and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A LoRA run's model is its PEFT adapter folder, of the last step.
+    assert json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] == 4 and (tmp_path / "model" / "adapter_config.json").is_file()
 
 
 def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
