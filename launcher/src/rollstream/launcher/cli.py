@@ -7,6 +7,8 @@
                       profile (--profile, default demo), ROLLSTREAM_* variables and flags,
                       all generated from the services' settings classes (run_config.py):
                       `rollstream up --help` lists them
+  rollstream eval     `up` that trains nothing: one held-out round of a model (or of a run's
+                      exported model) through the same generator and reward services
   rollstream config   the run configuration `up` would use, every value with its source
   rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
                       line naming the bottleneck or the stuck stage (core/diagnose.py)
@@ -57,6 +59,55 @@ def cmd_up(argv: list[str]) -> int:
         plain_console(stderr=True).print(str(e), style="red")
         return 2
     return up.cmd_up(cfg)
+
+
+# `rollstream eval`'s own flags, and the run configuration's fields they stand for.
+EVAL_FLAGS = {"--dataset": "--trainer.eval-dataset-path", "--prompts": "--trainer.eval-prompts", "--samples": "--trainer.eval-samples"}
+EVAL_PROMPTS = 100  # held-out prompts when --prompts is not given
+
+
+def eval_argv(argv: list[str]) -> list[str]:
+    """`rollstream eval`'s flags as `up`'s: --dataset, --prompts and --samples for the trainer's
+    eval_* fields; --model a model folder or an `up` run folder (its exported model/); the run
+    named `eval` unless --run says otherwise; and eval_only: one round, no training."""
+    out: list[str] = []
+    given: set[str] = set()
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        has_value = bool(eq) or i + 1 < len(argv)
+        if flag in (*EVAL_FLAGS, "--model", "--run") and has_value:
+            if not eq:
+                i += 1
+                value = argv[i]
+            given.add(flag)
+            if flag == "--model" and (Path(value) / "model" / "config.json").is_file():
+                value = str(Path(value) / "model")
+            out += [EVAL_FLAGS.get(flag, flag), value]
+        else:
+            out.append(argv[i])
+        i += 1
+    if "--prompts" not in given and not any(a.startswith("--trainer.eval-prompts") for a in argv):
+        out += ["--trainer.eval-prompts", str(EVAL_PROMPTS)]
+    if "--run" not in given:
+        out += ["--run", "eval"]
+    return [*out, "--trainer.eval-only"]
+
+
+def cmd_eval(argv: list[str]) -> int:
+    """`up` that trains nothing: the held-out accuracy of a model with the same generator and
+    reward services as training, to compare before and after."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(
+            "usage: rollstream eval --model DIR_OR_RUN [--dataset FILE] [--prompts N] [--samples K] [any `rollstream up` flag]\n\n"
+            "One held-out round of the model (a Hugging Face folder, or an `up` run folder: its exported model/) through the same\n"
+            "generator and reward services as training, then stop: accuracy (full marks), pass@K with --samples K > 1 (else greedy),\n"
+            f"mean reward. --dataset: a JSONL/Parquet file or save_to_disk folder with the training fields (default: the task's own\n"
+            f"held-out prompts, --trainer.eval-seed); --prompts: how many (default {EVAL_PROMPTS}). The result is in\n"
+            "runs/eval/summary.json (held_out) and runs/eval/steps.jsonl. Every `rollstream up --help` flag applies."
+        )
+        return 0
+    return cmd_up(eval_argv(argv))
 
 
 def cmd_config(argv: list[str]) -> int:
@@ -281,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Listed for --help; their flags are generated from settings classes (main_code).
     sub.add_parser("up", help="run the whole system locally (flags: rollstream up --help)", add_help=False)
+    sub.add_parser("eval", help="the held-out accuracy of a model or a run's exported model, through the same services (flags: rollstream eval --help)", add_help=False)
     sub.add_parser("config", help="print the run configuration `up` would use, with each value's source", add_help=False)
     sub.add_parser("status", help="show a run's streams, consumer groups and counters (flags: rollstream status --help)", add_help=False)
     pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG", formatter_class=HelpFormatter)
@@ -314,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main_code(argv: list[str] | None = None) -> int:
     """Run one command and return its exit status (for tests: main() exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    generated = {"up": cmd_up, "config": cmd_config, "status": cmd_status}
+    generated = {"up": cmd_up, "eval": cmd_eval, "config": cmd_config, "status": cmd_status}
     if argv and argv[0] in generated:
         return generated[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)

@@ -77,9 +77,9 @@ class Progress:
         return new
 
 
-def eval_line(m: rollout_pb2.EvalMetrics) -> str:
-    """A held-out round as `up` prints it."""
-    when = "before training" if m.step == 0 else f"after step {m.step}"
+def eval_line(m: rollout_pb2.EvalMetrics, trained: bool = True) -> str:
+    """A held-out round as `up` prints it (`trained` False: `rollstream eval`'s one round)."""
+    when = ("before training" if m.step == 0 else f"after step {m.step}") if trained else f"of the model (step {m.step})"
     versions = f"version {m.version}" if m.version == m.version_max else f"versions {m.version}-{m.version_max}"
     k = f"  pass@{m.samples} {100 * m.pass_at_k:.0f}%" if m.samples > 1 else ""
     missing = f" of {m.prompts_fed} (the rest timed out)" if m.prompts < m.prompts_fed else ""
@@ -359,7 +359,7 @@ def _up(cfg: RunConfig) -> int:
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
                     for e in progress.poll_evals(client, keys):
-                        console.print(eval_line(e))
+                        console.print(eval_line(e, trained=not cfg.trainer.eval_only))
                     stats = streams.read_counters(client, keys)[0]
                     if redis_down:
                         console.print("Redis answers again", style="green")
@@ -371,7 +371,8 @@ def _up(cfg: RunConfig) -> int:
                     time.sleep(1.0)
                     continue
                 # The trainer reports the round after the last step before it stops training.
-                if steps and progress.by_step and max(progress.by_step) >= steps and (not cfg.trainer.eval_prompts or steps in progress.evals):
+                trained = cfg.trainer.eval_only or (steps and progress.by_step and max(progress.by_step) >= steps)
+                if trained and (not cfg.trainer.eval_prompts or (progress.evals if cfg.trainer.eval_only else steps in progress.evals)):
                     finished = True
                     break
                 status.update(
@@ -423,7 +424,7 @@ def _up(cfg: RunConfig) -> int:
             console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
         if (exported := Path(trainer_values["export_dir"])).is_dir():  # the trained model (trainer/export.py)
             console.print(f"model: {exported}", soft_wrap=True)
-        if step_log.exists():
+        if step_log.exists() and not cfg.trainer.eval_only:
             _plot_curve(step_log, workdir / "curves.png", console)
     return 0
 

@@ -116,6 +116,7 @@ class TrainerSettings(TorchSettings):
         "empty: the training task's own generator with eval_seed (arithmetic, countdown)",
     )
     eval_seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (another seed than the training one: other prompts)")
+    eval_only: bool = Field(False, description="train nothing: one held-out round of the model as it is, reported, then stop (`rollstream eval`)")
     eval_timeout_s: float = Field(600.0, gt=0, description="how long the end of a run waits for its last round; then the round is reported with what came in")
     # Trackers (trainer/trackers.py): TRL's `report_to`
     report_to: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NoDecode] = Field(
@@ -192,6 +193,8 @@ class TrainerSettings(TorchSettings):
             raise ValueError("checkpoint_dir is required with checkpoint_every > 0 or resume = 'latest' / 'auto'")
         if self.lora_rank and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty")
+        if self.eval_only and not self.eval_prompts:
+            raise ValueError("eval_only needs eval_prompts > 0 (how many held-out prompts to evaluate)")
         if self.eval_prompts and self.task in ("jsonl", "dataset") and not self.eval_dataset_path:
             raise ValueError(f"eval_dataset_path is required for held-out evaluation (eval_prompts > 0) with task = {self.task!r}")
         if self.eval_dataset_path and not Path(self.eval_dataset_path).exists():

@@ -2,7 +2,7 @@
 
 A round is the `eval_prompts` prompts of the held-out set (prompts.held_out: the same ones every
 round), fed after step N: N = 0 before the first step, every `eval_every` steps, and the last
-step. Each task asks `eval_samples` completions (1: greedy).
+step (with eval_only, one round of the model as it is, and no training: `rollstream eval`). Each task asks `eval_samples` completions (1: greedy).
 
 1. Feed (`feed`: in the step's own commit script, so the round and the version it evaluates
    appear together; at start for step 0). Each task goes to rs:{run}:eval_prompts and into the
@@ -157,7 +157,7 @@ class Evaluator:
         s = self.settings
         if not self.enabled or step in self.fed_steps:
             return False
-        return step == 0 or (s.eval_every > 0 and step % s.eval_every == 0) or (s.steps > 0 and step == s.steps)
+        return s.eval_only or step == 0 or (s.eval_every > 0 and step % s.eval_every == 0) or (s.steps > 0 and step == s.steps)
 
     def feed(self, ops: streams.Ops, step: int, version: int) -> None:
         """Add the round after `step` to `ops` (run with the step's commit, or alone)."""

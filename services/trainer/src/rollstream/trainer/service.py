@@ -172,19 +172,20 @@ class TrainerLoop:
             self.save_periodic()
 
     def trained_enough(self) -> bool:
+        """The last step trained (eval_only: nothing to train)."""
         s = self.trainer.settings
-        return s.steps > 0 and self.trainer.step >= s.steps
+        return s.eval_only or (s.steps > 0 and self.trainer.step >= s.steps)
 
     def finished(self) -> bool:
-        """The last step trained and the last evaluation round reported."""
-        return self.trained_enough() and not self.evaluator.waiting()
+        """The last step trained and the last evaluation round fed and reported."""
+        return self.trained_enough() and not self.evaluator.due(self.trainer.step) and not self.evaluator.waiting()
 
     def finish(self) -> None:
         """After the loop: the final checkpoint of a finished run; with linger, checkpoints still served."""
         s = self.trainer.settings
         self.count_pushes(self.trainer.publisher.pushes.wait())  # the last step's push, counted as the others are at the next commit
         logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
-        if self.trained_enough() and s.checkpoint_dir:
+        if self.trained_enough() and s.checkpoint_dir and not s.eval_only:
             # A finished run keeps its final state as a checkpoint, not only in the trained log.
             newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
             if newest is None or newest.state.step != self.trainer.step:
