@@ -47,7 +47,7 @@ from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.fleet import PushOutcome
-from rollstream.trainer.trackers import Trackers, run_config, step_metrics
+from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
 
@@ -283,10 +283,11 @@ class TrainerLoop:
 
     def report_evals(self, timed_out: bool = False) -> None:
         """Report the evaluation rounds that are complete (with `timed_out`, also those that
-        waited eval_timeout_s): in the evals stream (evaluator), then the step log, Prometheus
-        and the log."""
+        waited eval_timeout_s): in the evals stream (evaluator), then the step log, Prometheus,
+        the trackers and the log."""
         for m in self.evaluator.report_ready(timed_out):
             self.trainer.metrics.observe_eval(m)
+            self.trackers.log_metrics(eval_metrics(m), m.step)
             logs.event(
                 self.host.log, "evaluated", step=m.step, version=m.version, version_max=m.version_max, prompts=m.prompts, prompts_fed=m.prompts_fed,
                 samples=m.samples, accuracy=round(m.accuracy, 4), pass_at_k=round(m.pass_at_k, 4), reward=round(m.reward_mean, 4),
