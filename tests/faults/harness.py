@@ -471,6 +471,7 @@ def check_invariants(
     generated = _members(client, keys.groups("generated"))
     trained = _members(client, keys.groups("trained"))
     stale = _members(client, keys.groups("stale"))
+    evaluated = _members(client, keys.groups("evaluated"))  # held-out groups: never trained
     ledger.stats = read_counters(client, keys)[0]
 
     dead: set[str] = set()
@@ -495,7 +496,7 @@ def check_invariants(
                 dead.add(gid)
 
     waiting_all = waiting_groups(client, keys)
-    finished = trained | stale | dead
+    finished = trained | stale | dead | evaluated
     waiting = waiting_all - finished
     ledger.generated, ledger.trained, ledger.stale, ledger.dead = len(generated), len(trained), len(stale), len(dead & generated)
     ledger.waiting, ledger.duplicates_waiting = len(waiting & generated), len(waiting_all & finished)

@@ -19,7 +19,7 @@ from rollstream.launcher.cli import build_parser
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {name: p for name, p in sub.choices.items() if name not in ("up", "config", "status")}
+    return {name: p for name, p in sub.choices.items() if name not in ("up", "eval", "config", "status")}
 
 
 def entries(help_text: str) -> dict[str, str]:

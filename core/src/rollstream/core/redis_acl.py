@@ -125,7 +125,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "trainer": (
         (*_CONNECTION, *_STAGE, *_WAITING, "get", "set", "hget", "hset", "sadd", "sismember", "del",
          "xrevrange", "time", "zrangebyscore", "hgetall", "hdel", "zrem", "hmget", "hlen"),
-        ("ready", "prompts", "eval_prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale",
+        ("ready", "prompts", "eval_prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale", "groups:evaluated",
          "generators", "generators:seen", "generators:versions", "tasks", "evals", "eval_results"),
     ),
     # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the

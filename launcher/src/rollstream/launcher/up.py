@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.text import Text
 
 from rollstream.core import codec, credentials, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher import procs
@@ -76,14 +77,6 @@ class Progress:
             self.evals[m.step] = m
         return new
 
-
-def eval_line(m: rollout_pb2.EvalMetrics, trained: bool = True) -> str:
-    """A held-out round as `up` prints it (`trained` False: `rollstream eval`'s one round)."""
-    when = ("before training" if m.step == 0 else f"after step {m.step}") if trained else f"of the model (step {m.step})"
-    versions = f"version {m.version}" if m.version == m.version_max else f"versions {m.version}-{m.version_max}"
-    k = f"  pass@{m.samples} {100 * m.pass_at_k:.0f}%" if m.samples > 1 else ""
-    missing = f" of {m.prompts_fed} (the rest timed out)" if m.prompts < m.prompts_fed else ""
-    return f"held-out {when}: accuracy {100 * m.accuracy:.0f}%{k}  reward {m.reward_mean:.3f}  {m.prompts}{missing} prompts, {versions}"
 
 
 def _mean(xs: list[float], digits: int) -> float | None:
@@ -358,8 +351,8 @@ def _up(cfg: RunConfig) -> int:
                             f"staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
-                    for e in progress.poll_evals(client, keys):
-                        console.print(eval_line(e, trained=not cfg.trainer.eval_only))
+                    for held_out in progress.poll_evals(client, keys):
+                        console.print(pipeline_status.eval_line(held_out))
                     stats = streams.read_counters(client, keys)[0]
                     if redis_down:
                         console.print("Redis answers again", style="green")

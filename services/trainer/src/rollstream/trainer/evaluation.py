@@ -13,7 +13,8 @@ step (with eval_only, one round of the model as it is, and no training: `rollstr
 2. Take (`take`): the trainer's loop hands over every group whose task in its map is an
    evaluation task, checked against it as a training group is. Its result (the version that
    sampled it, rewards, full marks, tokens) goes into rs:{run}:eval_results with the group's
-   acknowledgement and the trainer's `evaluated` counter, in one script: nothing trains on it.
+   acknowledgement, the trainer's `evaluated` counter and the set groups:evaluated, in one
+   script: nothing trains on it.
 3. Report (`report_ready`): once every task of a round has its result, or at the end of a run
    after eval_timeout_s with what came in: an EvalMetrics entry in rs:{run}:evals, and the
    round's results and tasks deleted, in one script; the caller then writes steps.jsonl,
@@ -188,11 +189,13 @@ class Evaluator:
         is only acknowledged."""
         entries: list[streams.Entry] = []
         new: dict[str, Result] = {}
+        group_ids: list[str] = []
         for entry, group in groups:
             entries.append(entry)
             live = self.rounds.get(self.step_of(group.task_id))
             if live is not None and group.task_id not in live.results and group.task_id not in new:
                 new[group.task_id] = Result.of(group)
+                group_ids.append(group.group_id)
         if not entries:
             return
         counters = self.stage.counters
@@ -201,6 +204,7 @@ class Evaluator:
             for task_id, result in new.items():
                 ops.hset(self.keys.eval_results, task_id, result.to_json())
             ops.hincrby(counters, "evaluated", len(new))
+            ops.sadd(self.keys.groups("evaluated"), *group_ids)  # the ledger's fifth outcome, beside trained, stale, dead, waiting
             ops.hincrby(counters, "eval_duplicates", len(entries) - len(new))
 
         self.stage.commit(entries, extra=ledger)
