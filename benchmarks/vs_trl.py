@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -165,13 +166,15 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     return result("trl", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
 
 
-def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
+def run_rollstream(args: argparse.Namespace, model: str, seed: int, evaluate: bool = True) -> dict:
+    """`rollstream up` on one seed; with evaluate False, held-out evaluation off (--eval-cost)."""
     python = sys.executable  # rollstream's side runs from the venv running this script
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
         cmd = [
             python, "-m", "rollstream.launcher.cli", "up", "--model", model, "--trainer.steps", str(args.steps), "--generator.seed", str(seed),
             "--run", f"vs-trl-{seed}", "--workdir", workdir, "--trainer.max-new-tokens", str(args.max_new_tokens),
             *(f"--{service}.device={args.device}" for service in ("trainer", "generator", "reference")), *args.up_arg,
+            *([] if evaluate else ["--trainer.eval-prompts=0"]),
         ]
         started_wall = time.time()
         started = time.monotonic()
@@ -186,6 +189,7 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
         if proc.returncode != 0 or not records:
             tail = "\n".join(up_log.read_text(errors="replace").splitlines()[-30:])
             raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}\n{tail}")
+        held_out = held_out_rounds(records, Path(workdir) / "logs", started_wall)
     # The step log's wall time is the step's end; a replayed step (trainer restart) keeps the last record.
     # Held-out rounds are lines of their own ("kind": "eval", core/steplog.py): not steps.
     by_step = {int(r["step"]): r for r in records if "kind" not in r}
@@ -198,14 +202,57 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int) -> dict:
             **{key: r[key] for key in UPDATE_TIMES if key in r},
         })
         last = r["time"]
-    return result("rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
+    out = result("rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None, held_out)
+    out["eval"] = evaluate
+    return out
 
 
-def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int], gpu_peaks: dict[str, int] | None = None) -> dict:
-    out = {
+def log_events(logs: Path, services: tuple[str, ...]) -> list[tuple[float, str, dict[str, str]]]:
+    """The event lines of `services` in the run's logs (text format: `ts level service event k=v ...`),
+    as (seconds since the epoch, event, fields), in time order."""
+    events = []
+    for path in sorted(logs.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            head = line.split(maxsplit=4)
+            if len(head) < 4 or not head[0][:4].isdigit() or head[2] not in services:
+                continue  # a traceback's, a library's or another service's line
+            try:
+                ts = time.mktime(time.strptime(head[0][:19], "%Y-%m-%dT%H:%M:%S")) + float(head[0][19:] or 0)  # local time, as logs.py writes it
+                fields = dict(kv.split("=", 1) for kv in shlex.split(head[4]) if "=" in kv) if len(head) > 4 else {}
+            except ValueError:
+                continue
+            events.append((ts, head[3], fields))
+    return sorted(events, key=lambda e: e[0])
+
+
+def held_out_rounds(records: list[dict], logs: Path, started_wall: float) -> list[dict]:
+    """The run's held-out rounds from the step log's eval lines, each with `t` (seconds from launch
+    to its report) and `seconds`: from the generator's or trainer's last logged event before its
+    first evaluation batch was written (the generator starts the batch then: a step's end, the
+    batch before) to its `evaluated` line. None where the logs do not tell."""
+    events = log_events(logs, ("generator", "trainer")) if logs.is_dir() else []
+    rounds = []
+    for r in sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"]):
+        step = int(r["step"])
+        marker = f"-eval-{step:08d}-"  # evaluation group ids: <run>-eval-<step>-<n> (trainer/evaluation.py)
+        first = next((i for i, (_, name, f) in enumerate(events) if name == "groups_written" and marker in f.get("groups", "")), None)
+        done = next((ts for ts, name, f in events if name == "evaluated" and f.get("step") == str(step)), None)
+        seconds = round(done - events[first - 1][0], 2) if first and done is not None else None
+        rounds.append({
+            "step": step, "version": r.get("eval_version"), "prompts": r.get("eval_prompts"), "samples": r.get("eval_samples"),
+            "accuracy": r.get("eval_accuracy"), "reward": r.get("eval_reward_mean"), "pass_at_k": r.get("eval_pass_at_k"),
+            "completion_tokens": r.get("eval_completion_tokens"), "t": round(r["eval_time"] - started_wall, 2) if "eval_time" in r else None, "seconds": seconds,
+        })
+    return rounds
+
+
+def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int], gpu_peaks: dict[str, int] | None = None,
+           held_out: list[dict] | None = None) -> dict:
+    out: dict = {
         "system": system, "seed": seed,
         "reward_by_step": [round(s["reward"], 3) for s in steps],
         "wall_s": round(wall, 1),
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],  # a shared machine's load moves these figures
         "step_s": [s["step_s"] for s in steps],
         "peak_rss_gb": {k: round(v / 1e9, 2) for k, v in sorted(peaks.items(), key=lambda kv: -kv[1])},
         "steps": steps,
@@ -215,6 +262,10 @@ def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[s
     for level in LEVELS:
         out[f"step_at_{level}"] = first_step_at(steps, level)
         out[f"s_to_{level}"] = first_time_at(steps, level)
+    if held_out is not None:
+        out["held_out"] = held_out
+        out["held_out_accuracy"] = {str(r["step"]): r["accuracy"] for r in held_out}  # by step: before (0) and after (the last)
+        out["held_out_s"] = sum(r["seconds"] for r in held_out) if all(r["seconds"] is not None for r in held_out) else None
     print(json.dumps({k: v for k, v in out.items() if k != "steps"}), file=sys.stderr, flush=True)
     return out
 
@@ -226,6 +277,28 @@ def median_or_none(values: list[float | None]) -> float | None:
     return statistics.median([v if v is not None else float("inf") for v in values])
 
 
+def eval_cost(runs: list[dict]) -> dict:
+    """What held-out evaluation costs the time to 0.85, seed by seed: seconds with it and without,
+    their ratio, and the held-out accuracy before and after; then the median ratio."""
+    by_seed = []
+    for seed in sorted({r["seed"] for r in runs if r["system"] == "rollstream"}):
+        on = next((r for r in runs if r["system"] == "rollstream" and r["seed"] == seed and r["eval"]), None)
+        off = next((r for r in runs if r["system"] == "rollstream" and r["seed"] == seed and not r["eval"]), None)
+        if on is None or off is None:
+            continue
+        s_on, s_off = on["s_to_0.85"], off["s_to_0.85"]
+        accuracy = list(on.get("held_out_accuracy", {}).values())
+        by_seed.append({
+            "seed": seed, "s_to_0.85_eval": s_on, "s_to_0.85_no_eval": s_off,
+            "ratio": round(s_on / s_off, 3) if s_on is not None and s_off else None,
+            "step_at_0.85": [on["step_at_0.85"], off["step_at_0.85"]],
+            "held_out_accuracy_before": accuracy[0] if accuracy else None, "held_out_accuracy_after": accuracy[-1] if len(accuracy) > 1 else None,
+            "held_out_s": on.get("held_out_s"),
+        })
+    ratios = [s["ratio"] for s in by_seed if s["ratio"] is not None]
+    return {"by_seed": by_seed, "median_ratio": statistics.median(ratios) if ratios else None, "max_ratio": max(ratios, default=None)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)")
@@ -234,6 +307,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="the generation budget of both sides (larger: generation outweighs training)")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
     parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
+    parser.add_argument("--eval-cost", action="store_true", help="rollstream twice a seed: held-out evaluation as set, and off (--trainer.eval-prompts=0)")
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
     parser.add_argument("--trl-venv", default=".venv-trl")
     parser.add_argument("--trl-python", default="", help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)")
@@ -248,14 +322,23 @@ def main() -> None:
     model = str(resolve_model(args.model))
     runs = []
     for i, seed in enumerate(args.seeds):
-        order = [run_trl, run_rollstream] if i % 2 == 0 else [run_rollstream, run_trl]
-        for fn in order:
-            if args.only and fn.__name__ != f"run_{args.only}":
+        order: list[str] = ["trl", "rollstream"] if i % 2 == 0 else ["rollstream", "trl"]
+        for system in order:
+            if args.only and system != args.only:
                 continue
-            runs.append(fn(args, model, seed))
+            if system == "trl":
+                runs.append(run_trl(args, model, seed))
+                continue
+            # --eval-cost: evaluation on, then off at even seeds' turn, off then on at odd ones.
+            for evaluate in ([True, False] if i % 2 == 0 else [False, True]) if args.eval_cost else [True]:
+                runs.append(run_rollstream(args, model, seed, evaluate))
     summary = {}
-    for system in ("trl", "rollstream"):
-        mine = [r for r in runs if r["system"] == system]
+    groups = {
+        "trl": [r for r in runs if r["system"] == "trl"],
+        "rollstream": [r for r in runs if r["system"] == "rollstream" and r["eval"]],
+        "rollstream_eval_off": [r for r in runs if r["system"] == "rollstream" and not r["eval"]],
+    }
+    for system, mine in groups.items():
         if not mine:
             continue
         summary[system] = {
@@ -265,6 +348,8 @@ def main() -> None:
             "median_step_s": statistics.median(s for r in mine for s in r["step_s"][1:]) if any(len(r["step_s"]) > 1 for r in mine) else None,
             "peak_rss_gb_max_process": max(max(r["peak_rss_gb"].values(), default=0) for r in mine),
         }
+    if args.eval_cost:
+        summary["eval_cost"] = eval_cost(runs)
     print(json.dumps({
         "benchmark": "vs_trl",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
