@@ -117,7 +117,9 @@ class TrainerSettings(TorchSettings):
     )
     eval_seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (another seed than the training one: other prompts)")
     eval_only: bool = Field(False, description="train nothing: one held-out round of the model as it is, reported, then stop (`rollstream eval`)")
-    eval_timeout_s: float = Field(600.0, gt=0, description="how long the end of a run waits for its last round; then the round is reported with what came in")
+    eval_timeout_s: float = Field(
+        600.0, gt=0, description="how long a round waits for its groups (some may have died upstream); then it is reported with what came in"
+    )
     # Trackers (trainer/trackers.py): TRL's `report_to`
     report_to: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NoDecode] = Field(
         [], description="where each step's and each eval round's metrics and the run configuration also go: tensorboard, mlflow (a local file store), "

@@ -15,8 +15,8 @@ step (with eval_only, one round of the model as it is, and no training: `rollstr
    sampled it, rewards, full marks, tokens) goes into rs:{run}:eval_results with the group's
    acknowledgement, the trainer's `evaluated` counter and the set groups:evaluated, in one
    script: nothing trains on it.
-3. Report (`report_ready`): once every task of a round has its result, or at the end of a run
-   after eval_timeout_s with what came in: an EvalMetrics entry in rs:{run}:evals, and the
+3. Report (`report_ready`): once every task of a round has its result, or eval_timeout_s after
+   it was fed with what came in (groups dead-lettered upstream never come): an EvalMetrics entry in rs:{run}:evals, and the
    round's results and tasks deleted, in one script; the caller then writes steps.jsonl,
    Prometheus, the trackers and the log.
 
@@ -211,13 +211,13 @@ class Evaluator:
         for task_id, result in new.items():
             self.rounds[self.step_of(task_id)].results[task_id] = result
 
-    def report_ready(self, timed_out: bool = False) -> list[rollout_pb2.EvalMetrics]:
-        """Report every round whose tasks all have results (with `timed_out`: every round fed
-        eval_timeout_s ago or more, with what came in); returns their metrics, oldest first."""
+    def report_ready(self) -> list[rollout_pb2.EvalMetrics]:
+        """Report every round whose tasks all have results, or that was fed eval_timeout_s ago
+        or more (with what came in); returns their metrics, oldest first."""
         now = time.time()
         done = [
             r for r in sorted(self.rounds.values(), key=lambda r: r.step)
-            if len(r.results) >= r.fed or (timed_out and now - r.fed_at >= self.settings.eval_timeout_s)
+            if len(r.results) >= r.fed or now - r.fed_at >= self.settings.eval_timeout_s
         ]
         reported = []
         for r in done:
@@ -238,8 +238,3 @@ class Evaluator:
     def waiting(self) -> bool:
         """A round fed and not yet reported."""
         return bool(self.rounds)
-
-    def overdue(self) -> bool:
-        """Some round has waited eval_timeout_s."""
-        now = time.time()
-        return any(now - r.fed_at >= self.settings.eval_timeout_s for r in self.rounds.values())

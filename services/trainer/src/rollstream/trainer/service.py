@@ -157,7 +157,7 @@ class TrainerLoop:
                 continue
             new.append((entry, group))
         self.batch.extend(self.checked(new))
-        self.report_evals(timed_out=self.trained_enough())
+        self.report_evals()
         self.drop_stale()
         if len(self.batch) < s.groups_per_step or self.trained_enough():
             self.stage.touch([e for e, _ in self.batch])  # still ours: keep other consumers off them
@@ -281,11 +281,10 @@ class TrainerLoop:
         self.evaluator.take(evals)
         return kept
 
-    def report_evals(self, timed_out: bool = False) -> None:
-        """Report the evaluation rounds that are complete (with `timed_out`, also those that
-        waited eval_timeout_s): in the evals stream (evaluator), then the step log, Prometheus,
-        the trackers and the log."""
-        for m in self.evaluator.report_ready(timed_out):
+    def report_evals(self) -> None:
+        """Report the evaluation rounds that are complete or waited eval_timeout_s: in the evals
+        stream (evaluator), then the step log, Prometheus, the trackers and the log."""
+        for m in self.evaluator.report_ready():
             self.trainer.metrics.observe_eval(m)
             self.trackers.log_metrics(eval_metrics(m), m.step)
             logs.event(
