@@ -237,20 +237,27 @@ def save(path: Path, state: CheckpointState, optimizer_tensors: Mapping[str, tor
             f.write(state.to_json())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        if path.exists():
-            os.rename(path, old)  # a directory cannot be renamed over a non-empty one
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(tmp)
+        move_into_place(tmp, path, path.parent / f".{path.name}.old-{os.getpid()}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
 
 
-def _fsync_dir(path: Path) -> None:
+def move_into_place(tmp: Path, path: Path, old: Path) -> None:
+    """Rename the folder `tmp`, written and fsynced whole, to `path`; a folder already there is
+    first renamed to `old` (a folder cannot be renamed over a non-empty one) and removed after,
+    so `path` never names a partial folder."""
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_path(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: its entries' names)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

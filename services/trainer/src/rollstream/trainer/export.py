@@ -305,25 +305,13 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         for file in tmp.rglob("*"):
             if file.is_file():
-                _fsync(file)
-        _fsync(tmp)
-        if out.exists():
-            os.rename(out, old)  # a folder cannot be renamed over a non-empty one
-        os.rename(tmp, out)
-        _fsync(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
+                checkpoint.fsync_path(file)
+        checkpoint.fsync_path(tmp)
+        checkpoint.move_into_place(tmp, out, old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # a file or a folder
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def folder_bytes(path: Path) -> int:
