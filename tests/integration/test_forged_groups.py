@@ -26,7 +26,7 @@ from rollstream.v1 import rollout_pb2
 
 from helpers import dead_letters, wait_for
 from procs import start_service
-from synthetic import tokenizer_decode
+from synthetic import Decode, tokenizer_decode
 
 
 def role_flags(secrets_root: Path, role: str) -> list[str]:
@@ -45,6 +45,16 @@ def group_for(task_id: str, group_id: str, answer: str, texts: list[str], prompt
     return rollout_pb2.RolloutGroup(
         group_id=group_id, task_id=task_id, policy_version=0, prompt_ids=prompt_ids, answer=answer, task_kind="arithmetic", group_size=len(texts),
         completions=[rollout_pb2.Completion(text=t, token_ids=[5, 6], behaviour_logprobs=[-0.5, -0.5], finish_reason="stop") for t in texts],
+    )  # fmt: skip
+
+
+def honest(task: rollout_pb2.PromptTask, group_id: str, tokens: list[list[int]], decode: Decode) -> rollout_pb2.RolloutGroup:
+    """A group of `task` as the reward writes it to `ready`: the task's prompt, each completion's text its tokens decoded."""
+    completions = [rollout_pb2.Completion(token_ids=t, behaviour_logprobs=[-4.0] * len(t), text=decode(t), reward=float(k), finish_reason="length")
+                   for k, t in enumerate(tokens)]  # fmt: skip
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id, task_id=task.task_id, policy_version=0, prompt_ids=task.prompt_ids, completions=completions, answer=task.answer,
+        metadata_json=task.metadata_json, task_kind=task.task_kind, group_size=task.group_size, scored=True,
     )  # fmt: skip
 
 
@@ -111,26 +121,17 @@ def test_trainer_trains_only_the_tokens_of_the_text_of_a_task_it_fed(
         tasks = [rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, f"{keys.run}-{n:08d}")) for n in range(2)]
         assert all(t.prompt_ids for t in tasks)  # rendered by the trainer, with its tokenizer
         decode = tokenizer_decode(tiny_model_dir)
-
-        def honest(task: rollout_pb2.PromptTask, group_id: str, tokens: list[list[int]]) -> rollout_pb2.RolloutGroup:
-            completions = [rollout_pb2.Completion(token_ids=t, behaviour_logprobs=[-4.0] * len(t), text=decode(t), reward=float(k), finish_reason="length")
-                           for k, t in enumerate(tokens)]  # fmt: skip
-            return rollout_pb2.RolloutGroup(
-                group_id=group_id, task_id=task.task_id, policy_version=0, prompt_ids=task.prompt_ids, completions=completions, answer=task.answer,
-                metadata_json=task.metadata_json, task_kind=task.task_kind, group_size=task.group_size, scored=True,
-            )  # fmt: skip
-
         tokens = [[40, 41, 42], [50, 51, 52, 53]]
-        unknown = honest(tasks[0], "unknown", tokens)
+        unknown = honest(tasks[0], "unknown", tokens, decode)
         unknown.task_id = f"{keys.run}-00000099"
-        text = honest(tasks[0], "text", tokens)
+        text = honest(tasks[0], "text", tokens, decode)
         text.completions[1].text = "The answer is " + tasks[0].answer
-        prompt = honest(tasks[1], "prompt", tokens)
+        prompt = honest(tasks[1], "prompt", tokens, decode)
         prompt.prompt_ids[-1] = prompt.prompt_ids[-1] + 1
-        answer = honest(tasks[1], "answer", tokens)
+        answer = honest(tasks[1], "answer", tokens, decode)
         answer.answer = answer.answer + "0"
         # The forged ones first: the code before the task map trained the first two it read.
-        for g in (unknown, text, prompt, answer, honest(tasks[0], tasks[0].task_id, tokens), honest(tasks[1], tasks[1].task_id, tokens)):
+        for g in (unknown, text, prompt, answer, honest(tasks[0], tasks[0].task_id, tokens, decode), honest(tasks[1], tasks[1].task_id, tokens, decode)):
             admin.xadd(keys.stream("ready"), codec.encode(g))
         wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
@@ -190,3 +191,50 @@ def test_the_map_is_swept_behind_staleness_and_survives_a_restart(connect_as, ad
     second.top_up(version=60)
     assert held()[:7] == [False] * 6 + [True]  # up to task 6, which the generator still holds
     assert admin.hlen(keys.tasks) == second.fed - 6
+
+
+def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_lettered(
+    tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path
+) -> None:
+    """Issue 43's held-out groups against forgers: a group whose task is a training task is
+    trained though it claims `eval`; a group of an evaluation task is evaluated (never trained)
+    though it claims none; a group of an `eval`-looking task id the trainer never fed (a garbage
+    round) is dead-lettered with the reason, and the trainer goes on to report the round."""
+    trainer = start_service(
+        "trainer", tmp_path, "--redis-url", server.url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
+        "--consumer", "trainer-0", "--groups-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
+        "--lr", "1e-3", "--beta", "0", "--max-staleness", "100", "--block-ms", "100", "--steps", "1", "--linger",
+        "--eval-prompts", "2", "--eval-every", "0", *role_flags(secrets_root, "trainer"),
+    )  # fmt: skip
+    try:
+        trainer.wait_ready()
+        train_ids = [f"{keys.run}-{n:08d}" for n in range(2)]
+        eval_ids = [f"{keys.run}-eval-00000000-{n:05d}" for n in range(2)]  # the round before the first step
+        wait_for(lambda: admin.hlen(keys.tasks) == 4, 60, "2 training and 2 evaluation tasks fed", [trainer])
+        tasks = {t: rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, t)) for t in train_ids + eval_ids}
+        assert [tasks[t].eval for t in train_ids + eval_ids] == [False, False, True, True] and admin.xlen(keys.stream("eval_prompts")) == 2
+        decode = tokenizer_decode(tiny_model_dir)
+        tokens = [[40, 41, 42], [50, 51, 52, 53]]
+        claims_eval = honest(tasks[train_ids[0]], train_ids[0], tokens, decode)
+        claims_eval.eval = True
+        claims_training = honest(tasks[eval_ids[0]], eval_ids[0], tokens[:1], decode)
+        assert not claims_training.eval
+        garbage = honest(tasks[eval_ids[1]], "garbage", tokens[:1], decode)
+        garbage.task_id, garbage.eval = f"{keys.run}-eval-xx-yy", True
+        for g in (claims_eval, claims_training, garbage, honest(tasks[train_ids[1]], train_ids[1], tokens, decode)):
+            admin.xadd(keys.stream("ready"), codec.encode(g))
+        wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
+        assert admin.xlen(keys.evals) == 0  # one of the round's two tasks answered
+        admin.xadd(keys.stream("ready"), codec.encode(honest(tasks[eval_ids[1]], eval_ids[1], tokens[:1], decode)))
+        wait_for(lambda: admin.xlen(keys.evals) >= 1, 120, "the round of step 0 reported", [trainer])
+        trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
+        evaluated = {m.decode() for m in admin.smembers(keys.groups("evaluated"))}
+        stats = {k.decode(): int(v) for k, v in admin.hgetall(keys.counters("trainer")).items()}
+        rounds = [codec.decode(f, rollout_pb2.EvalMetrics) for _, f in admin.xrange(keys.evals)]
+        dead = dead_letters(admin, keys)
+    finally:
+        assert trainer.stop() == 0, trainer.log()[-3000:]
+    assert trained == set(train_ids) and evaluated == set(eval_ids)
+    assert stats["trained"] == 2 and stats["evaluated"] == 2 and stats.get("eval_duplicates", 0) == 0, stats
+    assert [(m.step, m.prompts, m.prompts_fed, m.samples) for m in rounds] == [(0, 2, 2, 1)]
+    assert set(dead) == {"garbage"} and f"task '{keys.run}-eval-xx-yy' is not in {keys.tasks}" in dead["garbage"]
