@@ -37,6 +37,7 @@ from procs import alive
 from rollstream.core import codec, credentials, redis_acl
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.streams import RunKeys, id_tuple, read_counters
+from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
 
 SERVICES = ("trainer", "generator-0", "reward-0", "reference-0")
@@ -69,6 +70,10 @@ class RunShape:
     # `up --generator.backend`: "vllm" needs vllm in this venv, so such a run is a vLLM-tier
     # test (tests/vllm/test_vllm_colocated.py), eager (the engine starts in seconds on CPU)
     generator_backend: str = "transformers"
+    # Held-out rounds (`up --trainer.eval-*`): None leaves the profile's (the demo's: 32 greedy prompts at the first and last step).
+    eval_prompts: int | None = None
+    eval_every: int | None = None
+    eval_samples: int | None = None
 
     @property
     def colocated(self) -> bool:
@@ -120,6 +125,8 @@ class FaultRun:
             "--colocate" if s.colocate else "--no-colocate",
             *(["--colocate-async", "--trainer.max-staleness", "1"] if s.colocate_async else []),
             "--generator.backend", s.generator_backend, *(["--generator.enforce-eager"] if s.generator_backend == "vllm" else []),
+            *[arg for flag, value in (("prompts", s.eval_prompts), ("every", s.eval_every), ("samples", s.eval_samples)) if value is not None
+              for arg in (f"--trainer.eval-{flag}", str(value))],
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -164,17 +171,21 @@ class FaultRun:
         if self.proc is not None and self.proc.poll() is not None:
             raise FaultRunError(f"`rollstream up` exited with {self.proc.returncode} while waiting for {what}\n{self.logs_tail()}")
 
+    def connected(self) -> redis.Redis:
+        """An admin client of the run's Redis (again after a restarted redis-server moved)."""
+        url = self.redis_url()
+        if self._client is None or url != self._client_url:
+            if self._client is not None:
+                self._client.close()
+            self._client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, **self.admin())
+            self._client_url = url
+        return self._client
+
     def max_step(self) -> int | None:
         """The highest step in the metrics stream, or None while Redis does not answer (a
         fault may be stalling it: that is the point)."""
         try:
-            url = self.redis_url()
-            if self._client is None or url != self._client_url:
-                if self._client is not None:
-                    self._client.close()
-                self._client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, **self.admin())
-                self._client_url = url
-            entries = self._client.xrevrange(self.keys.metrics, count=50)
+            entries = self.connected().xrevrange(self.keys.metrics, count=50)
         except redis.RedisError:
             return None
         steps = [0]
@@ -184,6 +195,15 @@ class FaultRun:
             except codec.EntryError:
                 continue
         return max(steps)
+
+    def eval_rounds(self) -> dict[int, bool] | None:
+        """The held-out rounds fed so far, each with whether it is reported (the trainer's
+        markers in eval_results, trainer/evaluation.py), or None while Redis does not answer."""
+        try:
+            markers = self.connected().hgetall(self.keys.eval_results)
+        except redis.RedisError:
+            return None
+        return {int(k.decode().removeprefix(ROUND_PREFIX)): bool(json.loads(v).get("reported")) for k, v in markers.items() if k.decode().startswith(ROUND_PREFIX)}
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Wait until the metrics stream shows `step` >= 1 (or later); returns the step seen."""
@@ -392,6 +412,7 @@ class Ledger:
     stale: int = 0
     dead: int = 0
     waiting: int = 0
+    evaluated: int = 0  # held-out groups (never trained)
     duplicates_waiting: int = 0  # copies still queued of groups already trained/stale/dead (harmless)
     dead_letters: list[tuple[str, str]] = field(default_factory=list)  # (source stage, reason)
     stats: dict[str, int] = field(default_factory=dict)
@@ -400,7 +421,7 @@ class Ledger:
     def describe(self) -> str:
         reasons = "\n".join(f"  [{s}] {r[:300]}" for s, r in self.dead_letters[:20])
         return (
-            f"groups: generated={self.generated} trained={self.trained} stale={self.stale} dead={self.dead} "
+            f"groups: generated={self.generated} trained={self.trained} stale={self.stale} dead={self.dead} evaluated={self.evaluated} "
             f"waiting={self.waiting} (+{self.duplicates_waiting} queued duplicates of finished groups)\n"
             f"stats: {self.stats}\ndead letters ({len(self.dead_letters)}):\n{reasons}\n"
             + ("violations:\n" + "\n".join(f"  - {v}" for v in self.violations) if self.violations else "no violations")
@@ -500,9 +521,11 @@ def check_invariants(
     waiting = waiting_all - finished
     ledger.generated, ledger.trained, ledger.stale, ledger.dead = len(generated), len(trained), len(stale), len(dead & generated)
     ledger.waiting, ledger.duplicates_waiting = len(waiting & generated), len(waiting_all & finished)
+    ledger.evaluated = len(evaluated)
 
     # 1. One outcome per group, and no group lost.
-    for a_name, a, b_name, b in (("trained", trained, "stale", stale), ("trained", trained, "dead", dead), ("stale", stale, "dead", dead)):
+    for a_name, a, b_name, b in (("trained", trained, "stale", stale), ("trained", trained, "dead", dead), ("stale", stale, "dead", dead),
+                                 ("evaluated", evaluated, "trained", trained), ("evaluated", evaluated, "stale", stale), ("evaluated", evaluated, "dead", dead)):
         both = a & b
         if both:
             v.append(f"{len(both)} group(s) both {a_name} and {b_name}: {sorted(both)[:5]}")
@@ -519,6 +542,8 @@ def check_invariants(
         v.append(f"stats trained={st.get('trained', 0)} but {len(trained)} distinct groups trained (a group counted twice, or one not recorded)")
     if len(trained) != steps * groups_per_step:
         v.append(f"{len(trained)} groups marked trained, expected {steps} steps x {groups_per_step} = {steps * groups_per_step} (in the final weights)")
+    if st.get("evaluated", 0) != len(evaluated):
+        v.append(f"stats evaluated={st.get('evaluated', 0)} but {len(evaluated)} distinct groups evaluated")
     if st.get("stale", 0) != len(stale):
         v.append(f"stats stale={st.get('stale', 0)} but {len(stale)} distinct stale groups")
     for stage, n in sorted(dead_by_stage.items()):

@@ -19,6 +19,7 @@ checker fails each kind of violation, so a passing fault run means something.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from collections.abc import Callable
@@ -28,7 +29,9 @@ import pytest
 import redis
 
 from faults.harness import FaultRun, RunShape, check_invariants
-from rollstream.core import codec
+from helpers import wait_for
+from procs import alive
+from rollstream.core import codec, steplog
 from rollstream.core.redis_policy import SOCKET_TIMEOUT_S
 from rollstream.core.streams import RunKeys
 from rollstream.v1 import rollout_pb2
@@ -129,6 +132,74 @@ def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> 
             client.close()
         print(f"\n[{case}] seed={seed} faults={[(f.what, f.at_step) for f in run.faults]}\n{ledger.describe()}")
         assert not ledger.violations, f"{context}\n{ledger.describe()}\n{run.logs_tail()}"
+
+
+# Rounds of 8 prompts x 4 samples at steps 0, 2, 4, ... 10: long enough on the tiny model to be
+# caught in flight (fed, not yet reported) by a poll every 20 ms.
+EVAL_SHAPE = dataclasses.replace(SHAPE, colocate=True, eval_prompts=8, eval_every=2, eval_samples=4)
+EVAL_KILL_TRIES = 3  # a kill that lands after the round was reported is tried again at the next round
+
+
+@pytest.mark.faults
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kill -9 of `up --colocate`'s trainer (and its generator with it) while a held-out round
+    is fed and not reported: the restarted trainer completes the round from what its markers
+    and results in Redis say, reports every round exactly once and complete, and the ledger
+    holds with the held-out groups counted apart (evaluated, never trained)."""
+    case = "colocated-kill9-trainer-mid-eval"
+    seed = BASE_SEED + zlib.crc32(case.encode()) % 1000
+    shape = EVAL_SHAPE
+    assert shape.eval_prompts and shape.eval_every
+    rounds = list(range(0, shape.steps + 1, shape.eval_every))
+    with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=shape, run=f"{case}-{seed}") as run:
+        run.start()
+        first = run.rng.choice(rounds[1:3])  # a round fed with a step's commit (not the one at start), seeded
+        landed: list[int] = []
+        kills = 0
+        for _ in range(EVAL_KILL_TRIES):
+
+            def in_flight() -> int | None:
+                fed = run.eval_rounds() or {}
+                waiting = [step for step, reported in fed.items() if not reported and step >= first]
+                return min(waiting, default=None)
+
+            step = wait_for(in_flight, RUN_S, f"a held-out round from step {first} fed and not reported", check=lambda: run._check_upalive("a round"),
+                            details=run.logs_tail, poll_s=0.02)  # fmt: skip
+            assert step is not None  # wait_for returns once it is
+            pid = run.kill9("trainer")
+            kills += 1
+            wait_for(lambda: not alive(pid), 60, f"the killed trainer (pid {pid}) to be gone", poll_s=0.05)
+            # Only the trainer reports a round: unreported now, it was in flight when the trainer died.
+            if not (run.eval_rounds() or {}).get(step, True):
+                landed.append(step)
+                break
+            first = step + 1
+        assert landed, f"[{case}] no kill landed while a round was in flight ({EVAL_KILL_TRIES} tries)\n{run.logs_tail()}"
+        rc = run.wait_exit(RUN_S)
+        summary = run.summary()
+        context = f"[{case}] seed={seed} round in flight at the kill: {landed}; up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'restarts', 'stats')} }"
+        assert rc == 0, f"{context}\n{run.logs_tail()}"
+        assert summary.get("restarts", {}).get("trainer", 0) >= kills, f"{context}\n{run.logs_tail()}"
+        assert summary.get("steps") == shape.steps, f"{context}\n{run.logs_tail()}"
+
+        client = run.open_ledger()
+        try:
+            reported = [codec.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in client.xrange(run.keys.evals)]
+            ledger = check_invariants(client, run.keys, steps=shape.steps, groups_per_step=shape.groups_per_step, versions=summary["versions"], colocated=True)
+        finally:
+            client.close()
+        # Every round reported once, with all its prompts (none by the timeout's partial report).
+        assert [m.step for m in reported] == rounds, f"{context}: rounds reported {[m.step for m in reported]}"
+        assert all(m.prompts == m.prompts_fed == shape.eval_prompts and m.samples == shape.eval_samples for m in reported), f"{context}: {reported}"
+        assert [h["step"] for h in summary["held_out"]] == rounds, f"{context}: {summary['held_out']}"
+        lines = [json.loads(line) for line in (run.workdir / steplog.FILE_NAME).read_text().splitlines() if line.strip()]
+        eval_lines = [r["step"] for r in lines if r.get("kind") == steplog.EVAL_KIND]
+        assert eval_lines.count(landed[0]) == 1 and all(eval_lines.count(s) <= 1 for s in rounds), f"{context}: eval lines at steps {eval_lines}"
+        print(f"\n{context}\n{ledger.describe()}")
+        assert not ledger.violations, f"{context}\n{ledger.describe()}\n{run.logs_tail()}"
+        assert ledger.evaluated == len(rounds) * shape.eval_prompts and ledger.stats.get("evaluated") == ledger.evaluated, f"{context}\n{ledger.describe()}"
 
 
 def _group(gid: str) -> dict[str, bytes]:
