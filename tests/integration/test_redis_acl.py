@@ -105,7 +105,7 @@ def test_no_service_role_has_an_admin_command(role: str) -> None:
 def test_observer_has_read_commands_only() -> None:
     commands, keys = redis_acl.ROLE_RULES[redis_acl.OBSERVER]
     assert keys == ("rollouts", "scored", "ready", "prompts", "dead", "stats:generator", "stats:reward", "stats:reference", "stats:trainer",
-                    "version", "metrics", "generators", "generators:seen", "generators:versions")  # fmt: skip
+                    "version", "metrics", "evals", "generators", "generators:seen", "generators:versions")  # fmt: skip
     assert set(commands) == {"ping", "info", "select", "cluster|slots", "command", "eval", "evalsha", "script|load", "exists",
                              "xinfo|groups", "xlen", "xrange", "xinfo|consumers", "xrevrange", "type", "time", "get", "hgetall",
                              "zrangebyscore"}  # fmt: skip
