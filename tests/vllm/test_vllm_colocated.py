@@ -136,12 +136,18 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
         str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(smollm2_dir), "--run", run, "--workdir", str(tmp_path),
         "--redis-url", redis_server.url, "--trainer.steps", "3", "--trainer.group-size", "4", "--trainer.groups-per-step", "2",
         "--trainer.max-staleness", staleness, "--threads", "2", variant, "--generator.backend", "vllm", "--generator.enforce-eager",
+        "--trainer.eval-prompts", "4",  # held-out rounds (issue 43), greedy, before the first step and after the last
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "with generator-0 in its process, vLLM" in done.stdout + done.stderr
-    steps = steplog.read(tmp_path / steplog.FILE_NAME).steps
+    log_read = steplog.read(tmp_path / steplog.FILE_NAME)
+    steps = log_read.steps
     assert [s["step"] for s in steps] == [1, 2, 3]
+    # The engine's greedy rounds (temperature 0), each complete, at the version of its step when synchronous.
+    assert [(e["step"], e["eval_prompts"], e["eval_prompts_fed"], e["eval_samples"]) for e in log_read.evals] == [(0, 4, 4, 1), (3, 4, 4, 1)], log_read.evals
+    assert all(e["eval_version_max"] <= e["step"] and (staleness == "1" or e["eval_version"] == e["step"]) for e in log_read.evals), log_read.evals
+    assert "held-out: accuracy " in done.stdout + done.stderr
     assert all(s["mean_staleness"] <= int(staleness) for s in steps), steps
     assert any(s["delta_bytes"] > 0 for s in steps), f"the weights never moved: {steps}"
     log = (tmp_path / "logs" / "trainer.log").read_text()
@@ -154,6 +160,7 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
         client.close()
     # Every group the three steps trained was trained once: none stale, none duplicated.
     assert stats["trained"] == "6" and stats.get("stale", "0") == "0" and stats.get("duplicates", "0") == "0", stats
+    assert stats["evaluated"] == "8" and stats.get("eval_duplicates", "0") == "0", stats
 
 
 @pytest.mark.e2e
