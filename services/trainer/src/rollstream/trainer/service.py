@@ -151,7 +151,9 @@ class TrainerLoop:
             if entry.id in held_ids:
                 continue  # already held (re-read after a failed call): not a duplicate group
             seen = group.group_id in {g.group_id for _, g in self.batch} or group.group_id in {g.group_id for _, g in new}
-            if seen or self.client.sismember(keys.groups("trained"), group.group_id) or self.client.sismember(keys.groups("stale"), group.group_id):
+            # Evaluated too: a copy arriving after its round was reported (its task gone from the map) is no dead letter.
+            finished = any(self.client.sismember(keys.groups(outcome), group.group_id) for outcome in ("trained", "stale", "evaluated"))
+            if seen or finished:
                 self.stage.commit([entry], extra=lambda ops: ops.hincrby(self.stage.counters, "duplicates", 1))
                 trainer.count_dropped("duplicate", 1)
                 continue
