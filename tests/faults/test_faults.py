@@ -179,7 +179,7 @@ def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_m
         assert landed, f"[{case}] no kill landed while a round was in flight ({EVAL_KILL_TRIES} tries)\n{run.logs_tail()}"
         rc = run.wait_exit(RUN_S)
         summary = run.summary()
-        context = f"[{case}] seed={seed} round in flight at the kill: {landed}; up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'restarts', 'stats')} }"
+        context = f"[{case}] seed={seed} kills={kills}, the last with round {landed} in flight; up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'restarts', 'stats')} }"
         assert rc == 0, f"{context}\n{run.logs_tail()}"
         assert summary.get("restarts", {}).get("trainer", 0) >= kills, f"{context}\n{run.logs_tail()}"
         assert summary.get("steps") == shape.steps, f"{context}\n{run.logs_tail()}"
