@@ -199,7 +199,8 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
     """Issue 43's held-out groups against forgers: a group whose task is a training task is
     trained though it claims `eval`; a group of an evaluation task is evaluated (never trained)
     though it claims none; a group of an `eval`-looking task id the trainer never fed (a garbage
-    round) is dead-lettered with the reason, and the trainer goes on to report the round."""
+    round), or one claiming a version the trainer has not published, is dead-lettered with the
+    reason, and the trainer goes on to report the round."""
     trainer = start_service(
         "trainer", tmp_path, "--redis-url", server.url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
         "--consumer", "trainer-0", "--groups-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
@@ -225,11 +226,14 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
             admin.xadd(keys.stream("ready"), codec.encode(g))
         wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
         assert admin.xlen(keys.evals) == 0  # one of the round's two tasks answered
+        future = honest(tasks[eval_ids[1]], "future", tokens[:1], decode)
+        future.policy_version = 999  # would make the round read "versions 0-999"
+        admin.xadd(keys.stream("ready"), codec.encode(future))
         admin.xadd(keys.stream("ready"), codec.encode(honest(tasks[eval_ids[1]], eval_ids[1], tokens[:1], decode)))
         wait_for(lambda: admin.xlen(keys.evals) >= 1, 120, "the round of step 0 reported", [trainer])
         # A copy of an evaluated group after its round was reported (its task left the map): a duplicate, not a dead letter.
         admin.xadd(keys.stream("ready"), codec.encode(claims_training))
-        wait_for(lambda: admin.hget(keys.counters("trainer"), "duplicates") == b"1" or admin.xlen(keys.dead) > 1, 120, "the copy handled", [trainer])
+        wait_for(lambda: admin.hget(keys.counters("trainer"), "duplicates") == b"1" or admin.xlen(keys.dead) > 2, 120, "the copy handled", [trainer])
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
         evaluated = {m.decode() for m in admin.smembers(keys.groups("evaluated"))}
         stats = {k.decode(): int(v) for k, v in admin.hgetall(keys.counters("trainer")).items()}
@@ -240,4 +244,5 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
     assert trained == set(train_ids) and evaluated == set(eval_ids)
     assert stats["trained"] == 2 and stats["evaluated"] == 2 and stats.get("eval_duplicates", 0) == 0 and stats["duplicates"] == 1, stats
     assert [(m.step, m.prompts, m.prompts_fed, m.samples) for m in rounds] == [(0, 2, 2, 1)]
-    assert set(dead) == {"garbage"} and f"task '{keys.run}-eval-xx-yy' is not in {keys.tasks}" in dead["garbage"]
+    assert set(dead) == {"garbage", "future"} and f"task '{keys.run}-eval-xx-yy' is not in {keys.tasks}" in dead["garbage"]
+    assert "policy_version 999 is newer than the trainer's 1" in dead["future"]

@@ -270,6 +270,8 @@ class TrainerLoop:
             try:
                 if task is not None and task.eval:
                     validation.check_against_task(group, task, decode)
+                    if group.policy_version > self.trainer.version:  # a round's versions are the report's: none from the future
+                        raise codec.EntryError(f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {self.trainer.version}")
                     evals.append((entry, group))
                     continue
                 if not self.stale(group):
