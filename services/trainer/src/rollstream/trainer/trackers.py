@@ -143,7 +143,12 @@ class WandB(Tracker):
         self.run.log({**metrics, self.STEP: step})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return while W&B's service process still writes the run's file (CI read
+        # it with its last record cut short under load); teardown waits for that process.
+        wandb.teardown()
 
 
 # report_to's names (config.py's Literal) -> backend; a new one is a class and a line here.
