@@ -44,7 +44,7 @@ def write_run(s: TrainerSettings) -> None:
         t.log_metrics(trackers.step_metrics(metrics, {"forward_s": 0.5, "optimizer_s": 0.25}), step)
         if step == 1:
             t.log_metrics(trackers.eval_metrics(rollout_pb2.EvalMetrics(step=0, accuracy=EVALS[0], prompts=20, samples=1)), 0)
-    t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan"), "eval/nothing": None}, 3)  # type: ignore[dict-item]
+    t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan"), "eval/nothing": None}, 3)  # type: ignore[dict-item]  # a value that is no number, on purpose
     t.close()
     assert not t.backends
 

@@ -113,9 +113,12 @@ def from_checkpoint(path: Path) -> Trained:
     fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
     if state.model_fingerprint != fingerprint:
         raise ExportError(f"{path}: checkpoint is for model {state.model_fingerprint}, {model_dir} is {fingerprint}")
+    # state.json's strings, narrowed to the optimizer's choices (the trainer wrote them from its settings).
+    moments: Literal["float32", "bfloat16"] = "bfloat16" if state.moments_dtype == "bfloat16" else "float32"
+    layout: Literal["split", "fp32"] = "split" if state.master_layout == "split" else "fp32"  # load_state reads either layout
     optimizer = HostAdamW(
         params, lr=_setting(settings, "lr"), betas=tuple(_setting(settings, "betas")), weight_decay=_setting(settings, "weight_decay"),
-        bucket_mb=_setting(settings, "bucket_mb"), moments_dtype=state.moments_dtype, master_layout=state.master_layout,  # type: ignore[arg-type]
+        bucket_mb=_setting(settings, "bucket_mb"), moments_dtype=moments, master_layout=layout,
     )
     try:
         trained_bits = optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
