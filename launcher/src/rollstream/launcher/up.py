@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import tomli_w
@@ -36,6 +36,9 @@ from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, chi
 from rollstream.v1 import rollout_pb2
 
 
+StepM = TypeVar("StepM", rollout_pb2.StepMetrics, rollout_pb2.EvalMetrics)
+
+
 @dataclass
 class Progress:
     by_step: dict[int, rollout_pb2.StepMetrics] = field(default_factory=dict)
@@ -50,33 +53,32 @@ class Progress:
     def poll(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
         """New step metrics (an entry that does not decode or check is skipped: anyone can
         write to the stream, and the display must not die of it)."""
-        new = []
-        for eid, fields in client.xrange(keys.metrics, min=b"(" + self.last_id, count=1000):
-            self.last_id = eid
-            try:
-                m = codec.decode(fields, rollout_pb2.StepMetrics)
-                validation.check_metrics(m)
-            except codec.EntryError:
-                continue
-            if m.step not in self.by_step:
-                new.append(m)
-            self.by_step[m.step] = m
+        self.last_id, new = read_by_step(client, keys.metrics, self.last_id, rollout_pb2.StepMetrics, self.by_step, validation.check_metrics)
         return new
 
     def poll_evals(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.EvalMetrics]:
         """New held-out rounds (one that does not decode is skipped, as in `poll`)."""
-        new = []
-        for eid, fields in client.xrange(keys.evals, min=b"(" + self.evals_last_id, count=1000):
-            self.evals_last_id = eid
-            try:
-                m = codec.decode(fields, rollout_pb2.EvalMetrics)
-            except codec.EntryError:
-                continue
-            if m.step not in self.evals:
-                new.append(m)
-            self.evals[m.step] = m
+        self.evals_last_id, new = read_by_step(client, keys.evals, self.evals_last_id, rollout_pb2.EvalMetrics, self.evals)
         return new
 
+
+def read_by_step(client: redis_policy.Client, stream: str, after: bytes, message: type[StepM], by_step: dict[int, StepM],
+                 check: Callable[[StepM], None] | None = None) -> tuple[bytes, list[StepM]]:
+    """The entries of `stream` after id `after`, decoded as `message` (and checked), into
+    `by_step`; returns the last id read and the messages of steps not seen before."""
+    new = []
+    for eid, fields in client.xrange(stream, min=b"(" + after, count=1000):
+        after = eid
+        try:
+            m = codec.decode(fields, message)
+            if check is not None:
+                check(m)
+        except codec.EntryError:
+            continue
+        if m.step not in by_step:
+            new.append(m)
+        by_step[m.step] = m
+    return after, new
 
 
 def _mean(xs: list[float], digits: int) -> float | None:

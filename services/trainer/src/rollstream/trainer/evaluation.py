@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from rollstream.core import codec, redis_policy, streams
 from rollstream.trainer import prompts
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.feeder import Encode
+from rollstream.trainer.feeder import Encode, feed_task
 from rollstream.v1 import rollout_pb2
 
 ROUND_PREFIX = "round:"  # eval_results field of a round's marker; task ids are the other fields
@@ -137,21 +137,14 @@ class Evaluator:
         """The rounds fed before this process (a restart): markers and results from Redis."""
         if not self.enabled:
             return
-        stored = self.client.hgetall(self.keys.eval_results)
-        for name, value in stored.items():
-            name = name.decode() if isinstance(name, bytes) else name
-            if name.startswith(ROUND_PREFIX):
-                marker = json.loads(value)
-                step = int(name.removeprefix(ROUND_PREFIX))
-                self.fed_steps.add(step)
-                if not marker.get("reported"):
-                    self.rounds.setdefault(step, Round(step, int(marker["fed"]), float(marker["at"])))
-        for name, value in stored.items():
-            name = name.decode() if isinstance(name, bytes) else name
-            if not name.startswith(ROUND_PREFIX):
-                step = self.step_of(name)
-                if step in self.rounds:
-                    self.rounds[step].results[name] = Result.from_json(value)
+        stored = {(k.decode() if isinstance(k, bytes) else k): v for k, v in self.client.hgetall(self.keys.eval_results).items()}
+        markers = {int(k.removeprefix(ROUND_PREFIX)): json.loads(v) for k, v in stored.items() if k.startswith(ROUND_PREFIX)}
+        self.fed_steps.update(markers)
+        self.rounds = {step: Round(step, int(m["fed"]), float(m["at"])) for step, m in markers.items() if not m.get("reported")}
+        for task_id, value in stored.items():
+            live = self.rounds.get(self.step_of(task_id)) if not task_id.startswith(ROUND_PREFIX) else None
+            if live is not None:
+                live.results[task_id] = Result.from_json(value)
 
     def due(self, step: int) -> bool:
         """Whether a round is to be fed after `step` and has not been."""
@@ -173,11 +166,7 @@ class Evaluator:
                 task_id=self.task_id(step, n), messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages], answer=p.answer,
                 group_size=s.eval_samples, sampling=sampling, fed_at_version=version, task_kind=p.task_kind, metadata_json=p.metadata_json, eval=True,
             )
-            ops.xadd(stream, codec.encode(task))
-            known = rollout_pb2.PromptTask()
-            known.CopyFrom(task)
-            known.prompt_ids.extend(self.encode(p.messages))
-            ops.hset(self.keys.tasks, task.task_id, known.SerializeToString())
+            feed_task(ops, self.keys, stream, task, self.encode(p.messages))
         at = time.time()
         ops.hset(self.keys.eval_results, f"{ROUND_PREFIX}{step:08d}", json.dumps({"fed": len(self.prompts), "at": at, "version": version}))
         self.fed_steps.add(step)

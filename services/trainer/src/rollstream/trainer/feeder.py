@@ -40,6 +40,16 @@ def chat_encoder(tokenizer: Any) -> Encode:
     return encode
 
 
+def feed_task(ops: streams.Ops, keys: streams.RunKeys, stream: str, task: rollout_pb2.PromptTask, prompt_ids: Sequence[int]) -> None:
+    """Add `task` to `stream` and to the task map, with its prompt ids as the trainer rendered
+    them (what groups of it are checked against), in the same `ops`."""
+    ops.xadd(stream, codec.encode(task))
+    known = rollout_pb2.PromptTask()
+    known.CopyFrom(task)
+    known.prompt_ids.extend(prompt_ids)
+    ops.hset(keys.tasks, task.task_id, known.SerializeToString())
+
+
 class PromptFeeder:
     def __init__(self, settings: TrainerSettings, client: redis_policy.Client, stage: streams.StreamStage, fed: int, encode: Encode):
         self.settings = settings
@@ -90,11 +100,7 @@ class PromptFeeder:
                 task_kind=p.task_kind,
                 metadata_json=p.metadata_json,
             )
-            ops.xadd(stream, codec.encode(task))
-            known = rollout_pb2.PromptTask()
-            known.CopyFrom(task)
-            known.prompt_ids.extend(self.encode(p.messages))
-            ops.hset(self.keys.tasks, task.task_id, known.SerializeToString())
+            feed_task(ops, self.keys, stream, task, self.encode(p.messages))
         ops.set(self.keys.fed, self.fed + missing)
         self.stage.apply(ops)
         self.fed += missing
