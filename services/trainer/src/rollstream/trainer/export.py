@@ -30,6 +30,7 @@ the next export to the same place).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from rollstream.core import deltas, modeling
+from rollstream.core import deltas, logs, modeling
 from rollstream.core.models import ModelNotFoundError, resolve_model
 from rollstream.trainer import checkpoint, lora
 from rollstream.trainer.config import TrainerSettings
@@ -319,3 +320,18 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def export_at_end(trainer: "Trainer", log: logging.Logger) -> None:
+    """The trained model as a Hugging Face folder in export_dir, when the trainer's loop ends
+    with steps trained, finished or stopped. A failure is logged and the run goes on
+    (`rollstream export` writes the folder from a checkpoint)."""
+    s = trainer.settings
+    if not s.export_dir or trainer.step == 0:  # nothing trained: the model is the base model
+        return
+    try:
+        path = export(from_trainer(trainer), Path(s.export_dir), s.export_dtype)
+    except Exception as e:  # noqa: BLE001 - a full disk, a folder in the way: never the run's end
+        logs.event(log, "export_failed", logging.ERROR, path=s.export_dir, step=trainer.step, error=str(e))
+        return
+    logs.event(log, "exported", path=str(path), step=trainer.step, version=trainer.version, dtype=s.export_dtype, mb=round(folder_bytes(path) / 1e6, 1))

@@ -192,25 +192,10 @@ class TrainerLoop:
             newest = checkpoint.scan(Path(s.checkpoint_dir)).latest
             if newest is None or newest.state.step != self.trainer.step:
                 self.save_periodic()
-        self.export_model()
+        export.export_at_end(self.trainer, self.host.log)
         if s.linger:
             while not self.host.stop.wait(0.2):
                 self.checkpoints.serve(self.save)
-
-    def export_model(self) -> None:
-        """The trained model as a Hugging Face folder in export_dir (trainer/export.py), when the
-        loop ends with steps trained, finished or stopped. A failure is logged and the run goes on
-        (`rollstream export` writes the folder from a checkpoint)."""
-        trainer, s = self.trainer, self.trainer.settings
-        if not s.export_dir or trainer.step == 0:  # nothing trained: the model is the base model
-            return
-        try:
-            path = export.export(export.from_trainer(trainer), Path(s.export_dir), s.export_dtype)
-        except Exception as e:  # noqa: BLE001 - a full disk, a folder in the way: never the run's end
-            logs.event(self.host.log, "export_failed", logging.ERROR, path=s.export_dir, step=trainer.step, error=str(e))
-            return
-        logs.event(self.host.log, "exported", path=str(path), step=trainer.step, version=trainer.version, dtype=s.export_dtype,
-                   mb=round(export.folder_bytes(path) / 1e6, 1))
 
     def count_pushes(self, outcomes: list[PushOutcome]) -> None:
         """A push's outcomes in the ledger where no step's commit carries them (the last one)."""
