@@ -275,7 +275,7 @@ def test_gradient_offload_gives_the_same_step(max_grad_norm: float) -> None:
                 _loss(model, x).backward()
                 if offload:
                     assert all(p.grad is None for p in model.parameters())  # nothing left on the model
-                    assert opt.host_grad is not None and bool(opt.host_grad.abs().sum() > 0)
+                    assert opt.grad_norm() > 0  # (waits for the host thread's adds)
             norm, _ = opt.step(max_grad_norm)
             norms.append(norm)
         runs[offload] = (norms, {n: m.clone() for n, m in opt.master.items()})

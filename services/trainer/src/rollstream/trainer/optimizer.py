@@ -47,11 +47,14 @@ Why the masters and moments are not pinned: they never cross the bus (only gradi
 bf16 weights do), and pinning 8-12 bytes per parameter of page-locked memory would be a
 large, slow allocation for nothing; only the staging buffers are pinned.
 
-Gradient offload (`grad_offload`): each parameter's gradient is moved into an fp32 host
-accumulator as soon as backward has produced it (a post-accumulate-grad hook) and freed on
-the device, so the device never holds the full gradient; the step then reads the host
-accumulator (4 more bytes a parameter). The hook's copy is synchronous: it trades step time
-for device memory.
+Gradient offload (`grad_offload`, grad_offload.py): each parameter's gradient leaves the
+device as soon as backward has produced it (a post-accumulate-grad hook), so the device never
+holds the full gradient. It goes down in its own dtype (bf16) into a ring of pinned staging
+slots on a side stream and is freed on the device once copied; a host thread adds it, widened
+to fp32, into the host accumulator in the order the hooks fired (the bits of a synchronous
+fp32 add), while backward goes on. A full ring makes the hook wait. The step, grad_norm and
+discard_grads wait for the pending adds first. Host memory: 4 more bytes a parameter, and
+4 staging slots of one bucket's fp32 size.
 
 step() returns the bf16 bits of every parameter: they are what gets published, and the
 model computes with exactly these values. In the split layout they are views of `hi`: they
@@ -72,6 +75,7 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from rollstream.core import progress
 from rollstream.trainer import split_kernel as split_kernel_module
+from rollstream.trainer.grad_offload import GradOffload
 from rollstream.trainer.split_kernel import TORCH_VECTOR_WIDTH, AdamWStep
 
 MomentsDtype = Literal["float32", "bfloat16"]
@@ -258,12 +262,9 @@ class HostAdamW:
         self._spare_bits: np.ndarray | None = None
         self._keep_spare = self.device.type == "cuda" if spare_bits is None else spare_bits
 
-        self.host_grad: torch.Tensor | None = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        if grad_offload:
-            self.host_grad = torch.zeros(total, dtype=torch.float32)
-            for name, p in self.params.items():
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._offload_hook(name)))
+        # Gradient offload: the hooks fill host_grad (grad_offload.py); wait for them before reading it.
+        self._grad_offload = GradOffload(self.params, self.layout, slot_bytes=width * 4) if grad_offload else None
+        self.host_grad = self._grad_offload.accumulator if self._grad_offload is not None else None
 
     # -- layout ----------------------------------------------------------------------
 
@@ -277,16 +278,6 @@ class HostAdamW:
                 b.pieces.append(Piece(name, pos - off, pos - b.start, count))
                 pos += count
         return buckets
-
-    def _offload_hook(self, name: str):
-        off, n, _shape = self.layout[name]
-
-        def hook(p: torch.Tensor) -> None:
-            assert self.host_grad is not None and p.grad is not None
-            self.host_grad[off : off + n].add_(_flat(p.grad).to(device="cpu", dtype=torch.float32))
-            p.grad = None  # freed on the device: the host accumulator holds it now
-
-        return hook
 
     # -- the masters ------------------------------------------------------------------
 
@@ -349,8 +340,9 @@ class HostAdamW:
 
     def grad_norm(self) -> float:
         """Total 2-norm of the accumulated gradients (before clipping; also read by step.nonfinite_groups)."""
-        if self.host_grad is not None:
-            grads = [self.host_grad[off : off + n] for off, n, _ in self.layout.values()]
+        if self._grad_offload is not None:
+            self._grad_offload.wait()
+            grads = [self._grad_offload.accumulator[off : off + n] for off, n, _ in self.layout.values()]
         else:
             grads = [p.grad for p in self.params.values() if p.grad is not None]
         if not grads:
@@ -366,8 +358,8 @@ class HostAdamW:
         """Drop the accumulated gradients without a step (a step refused for non-finite values)."""
         for p in self.params.values():
             p.grad = None
-        if self.host_grad is not None:
-            self.host_grad.zero_()
+        if self._grad_offload is not None:
+            self._grad_offload.zero()
 
     @torch.no_grad()
     def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
@@ -426,6 +418,8 @@ class HostAdamW:
         if on_piece is not None and not self.split and old_bits is None:
             raise RuntimeError("no previous bits to encode a delta from: sync_model() or load_state() first")
         fetch_grads = adam and self.host_grad is None
+        if adam and self._grad_offload is not None:
+            self._grad_offload.wait()  # every add issued by backward is in host_grad
         fetched = self._fetch(0) if fetch_grads else None
         put: list[torch.cuda.Event | None] = [None, None]
         for k, b in enumerate(self.buckets):
