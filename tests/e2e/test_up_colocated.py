@@ -1,7 +1,8 @@
 """`rollstream up --colocate`: the trainer and the generator in one process, the generator
 sampling from the trainer's own model. It must train exactly as the separate services do
-(same samples, same rewards, same losses, same deltas: the trainer's model holds the bits it
-publishes), with one process where there were two, and refuse what it cannot share.
+(same samples, same rewards, same losses: the trainer's model holds the bits it publishes),
+with one process where there were two, and refuse what it cannot share. With no remote
+generator registered nobody reads a delta, so none is encoded (issue 44).
 `--colocate-async`: the generator samples from its own copy while the trainer steps; at the
 same version it samples exactly what the others do, and its groups are never too stale."""
 
@@ -72,9 +73,13 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
     assert len(trained) == 6
     at = {mode: {k: v for k, v in seen.items() if k[0] in trained} for mode, seen in completions.items()}
     assert at["colocated"] == at["separate"] and len(at["separate"]) == 6 * 4
-    fields = ("step", "version", "reward_mean", "loss", "delta_bytes", "grad_norm", "mean_staleness")
+    fields = ("step", "version", "reward_mean", "loss", "grad_norm", "mean_staleness")
     assert [{f: s[f] for f in fields} for s in steps["colocated"]] == [{f: s[f] for f in fields} for s in steps["separate"]]
     assert any(s["delta_bytes"] > 0 for s in steps["separate"]), "the weights never moved: the comparison would prove nothing"
+    # The separate generator reads every delta; the colocated one samples the trainer's own weights.
+    assert not any("delta_skipped" in s for s in steps["separate"]), steps["separate"]
+    for mode in ("colocated", "async"):
+        assert all(s["delta_bytes"] == 0 and s.get("delta_skipped") == "no reader" for s in steps[mode]), steps[mode]
     # Asynchronous: the first step's tasks can only have been sampled by version 0, from the
     # generator's own copy, and are what the trainer's model sampled; later ones by whichever
     # version was copied last, at most one behind the step that trained them.

@@ -97,7 +97,7 @@ def read_manifest(directory: Path) -> tuple[StoredPayload, list[StoredPayload]]:
             for p in body["payloads"]
         ]
     except FileNotFoundError as e:
-        raise StoreUnreadable(f"{path}: no chain yet (the trainer writes it when it publishes its first version)") from e
+        raise StoreUnreadable(f"{path}: no chain yet (the trainer writes it with its first version, and not while nobody reads deltas)") from e
     except (OSError, ValueError, KeyError, TypeError, AttributeError, json_format.ParseError) as e:
         raise StoreUnreadable(f"{path}: not a weight chain: {e}") from e
     if not payloads or payloads[0].header.kind != "anchor" or any(p.header.kind != "delta" for p in payloads[1:]):

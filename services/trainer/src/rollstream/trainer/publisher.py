@@ -6,6 +6,10 @@ anchor and every delta since it, so a generator holding any version from that an
 they are files there, named by the store's chain.json (rollstream.core.weight_store), which
 generators sharing that volume read for themselves. Pushing each version to the generators
 is fleet.py's (Fleet, BackgroundPush).
+
+While nobody reads a delta (Readers) the trainer encodes none: `skip` advances the version
+and drops the chain, which would have a hole; `reanchor` starts a new one from the current
+bits the moment a reader appears (docs/design-notes.md, "No delta while nobody reads it").
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +27,7 @@ from typing import BinaryIO
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import deltas, push_signing, weight_store, weight_transfer
+from rollstream.core import deltas, push_signing, registry, weight_store, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.trainer.fleet import NONCE_TIMEOUT_S, STALL_S, BackgroundPush, Fleet
 from rollstream.v1 import weights_pb2
@@ -30,6 +35,55 @@ from rollstream.v1 import weights_pb2
 log = logging.getLogger(__name__)
 ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
 DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor
+# A FetchWeights makes its caller a reader this long: a generator polls every sync_interval_s
+# (2 s), so it is seen again long before; the registry forgets a silent generator as late.
+READER_GRACE_S = registry.TTL_S
+NO_READER = f"no reader: no configured push target, no registered generator with an address, no FetchWeights in {READER_GRACE_S:.0f} s"
+
+
+class Readers:
+    """Who may read the next version's delta, as the trainer last saw it. While nobody does, the
+    trainer encodes no delta (Trainer.train_step); the version still advances. Conservative:
+    a wrong skip costs an anchor when the reader shows up, a wrong encode only the encoder's
+    time, so each of these counts as a reader:
+    - configured push targets or a DNS name (GeneratorDirectory not from the registry),
+      whatever they resolve to at the moment;
+    - a live registry generator with an address: every standalone generator registers one
+      (host:port or advertise_address), and a weight store's readers are such generators;
+      only a colocated generator registers none (it samples the trainer's own weights);
+    - a FetchWeights in the last READER_GRACE_S (a caller missing from the registry);
+    - no look yet (a trainer before its loop's first look at the registry, or outside a loop)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._looked = False
+        self._configured = False
+        self._targets: list[str] = []
+        self._fetched_at: float | None = None
+        self._lock = threading.Lock()
+
+    def saw(self, targets: Sequence[str], from_registry: bool) -> None:
+        """The push targets now (the loop's look, after each step and at its start)."""
+        with self._lock:
+            self._looked, self._configured, self._targets = True, not from_registry, list(targets)
+
+    def fetched(self) -> None:
+        """A FetchWeights came."""
+        with self._lock:
+            self._fetched_at = self._clock()
+
+    def reader(self) -> str:
+        """Who reads, in words ("": nobody)."""
+        with self._lock:
+            if not self._looked:
+                return "no look at the push targets yet"
+            if self._configured:
+                return "configured push targets (generators / generators_dns)"
+            if self._targets:
+                return f"registered generators: {', '.join(self._targets[:4])}{' ...' if len(self._targets) > 4 else ''}"
+            if self._fetched_at is not None and (ago := self._clock() - self._fetched_at) < READER_GRACE_S:
+                return f"a FetchWeights {ago:.0f} s ago"
+            return ""
 
 
 class PayloadFile(weight_store.FileSlices):
@@ -170,6 +224,8 @@ class WeightPublisher:
             except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
                 log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
         self._deltas: list[Published] = []  # since the anchor
+        self._anchor: Published | None = None  # None: no chain (deltas skipped), until reanchor
+        self.readers = Readers()
         # The push key signs what generators catch up from too (push_signing.TrainerSigner).
         self.catch_up_signer = push_signing.TrainerSigner(creds.token, run) if creds is not None and creds.token else None
         self.fleet = Fleet(creds, generator_key, nonce_timeout_s, stall_s)
@@ -184,6 +240,40 @@ class WeightPublisher:
 
     def bits(self) -> dict[str, np.ndarray]:
         return self._bits
+
+    @property
+    def has_chain(self) -> bool:
+        """Whether an anchor and every delta since it reach the current version (False once a
+        version was published without a delta: `skip`)."""
+        with self._lock:
+            return self._anchor is not None
+
+    def reanchor(self) -> Published:
+        """A new chain from the bits published now: their anchor (filed with chain.json as any
+        anchor), no deltas; the next delta is encoded from these bits. Under the trainer's
+        weights lock: in the split master layout the bits are the masters' views, which a step
+        rewrites in place."""
+        self._set_anchor(dict(self._bits), self._version)
+        with self._lock:
+            assert self._anchor is not None
+            return self._anchor
+
+    def skip(self, new_bits: Mapping[str, np.ndarray]) -> deltas.DeltaStats:
+        """The next version, published without a delta (nobody reads it: Readers). The chain
+        would now have a hole, so it goes, chain.json first: while deltas are skipped the
+        store holds no chain (a reader finds "no chain yet" and asks the trainer or waits,
+        never applies a version older than the trainer's as the newest), and catch-up needs
+        `reanchor` first. Returns the stats of an empty delta (nbytes 0)."""
+        with self._lock:
+            dropped = [self._anchor, *self._deltas] if self._anchor is not None else []
+            self._bits = dict(new_bits)
+            self._version += 1
+            self._anchor, self._deltas = None, []
+        if dropped:
+            self._write_manifest()  # no chain: chain.json removed before its files
+            _unlink_files(dropped)
+        values = sum(b.size for b in self._bits.values())
+        return deltas.DeltaStats(total_values=values, dense_bytes=2 * values)
 
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
         info = deltas.PayloadInfo("anchor", version, version, self.fingerprint)
@@ -219,6 +309,8 @@ class WeightPublisher:
         anchor_interval deltas of 2-6 % of the bf16 weights each would otherwise sit in the
         trainer's memory, issue 28) and the bytes returned live as long as the push."""
         base = self._version
+        if not self.has_chain:  # the base's bits may be gone (rewritten in place): nothing to anchor the delta on
+            raise deltas.DeltaError(f"no chain reaches version {base} (deltas were skipped): reanchor before publishing a delta")
         if encoder is None:
             encoder = self.begin_delta()
         elif encoder.base_version != base or encoder.base is not self._bits:
@@ -252,7 +344,7 @@ class WeightPublisher:
         if self.anchor_dir is None:
             return
         with self._lock:
-            kept = [self._anchor, *self._deltas]
+            kept = [self._anchor, *self._deltas] if self._anchor is not None else []
         files: list[weight_store.StoredPayload] = []
         for p in kept:
             if not isinstance(p.payload, PayloadFile):
@@ -261,17 +353,23 @@ class WeightPublisher:
         try:
             if files:
                 weight_store.write_manifest(self.anchor_dir, files[0], files[1:])
-            else:  # an anchor in memory: no chain, so generators ask the trainer at once
+            else:  # no chain, or an anchor in memory: generators ask the trainer at once
                 (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
         except OSError as e:
             log.warning("weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.anchor_dir, e)
 
-    def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
-        """What a generator holding `have_version` (-1: nothing) needs, in order."""
+    def check_fingerprint(self, fingerprint: str) -> None:
+        """Raises DeltaError when a caller's model (its fingerprint; "": not said) is not this one."""
         if fingerprint and fingerprint != self.fingerprint:
             raise deltas.DeltaError(f"generator model {fingerprint} is not the trainer's {self.fingerprint}")
+
+    def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
+        """What a generator holding `have_version` (-1: nothing) needs, in order."""
+        self.check_fingerprint(fingerprint)
         with self._lock:
             anchor, chain = self._anchor, list(self._deltas)
+        if anchor is None:
+            raise deltas.DeltaError(f"no chain reaches version {self._version} yet (deltas were skipped): try again")
         return weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
 
     def catch_up_chunks(self, payloads: Sequence[Published]) -> Iterator[weights_pb2.WeightChunk]:
@@ -291,7 +389,7 @@ class WeightPublisher:
         self.pushes.wait()  # bounded by the nonce and stall deadlines (Watch); calls still open are cancelled below
         if self.anchor_dir is not None:  # the chain first: no generator reads files that are going
             (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
-        _unlink_files([self._anchor, *self._deltas])
+        _unlink_files([p for p in [self._anchor, *self._deltas] if p is not None])
         self.fleet.close()
 
 

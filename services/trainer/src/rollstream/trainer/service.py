@@ -89,6 +89,8 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         feeder = PromptFeeder(settings, client, stage, fed, encode)
         evaluator = host.redis.call(lambda: Evaluator(settings, client, stage, encode), "reading the evaluation rounds")
         loop = TrainerLoop(trainer, host, client, keys, stage, feeder, evaluator, directory, checkpoints, trackers)
+        # Who reads a delta, before the first step (replayed ones too): with none, none is encoded.
+        trainer.publisher.readers.saw(loop.push_targets(), directory.from_registry)
         # Also without a checkpoint: a trainer killed before its first one starts from the
         # model again, and the steps it trained are replayed from there.
         replay.replay_trained_log(trainer, host, client, stage)
@@ -327,7 +329,7 @@ class TrainerLoop:
         except NonFiniteStep as e:
             self.refuse_step(taken, e)
             return False
-        self.log_step(metrics, trainer.last_phases)
+        self.log_step(metrics, trainer.last_phases, trainer.last_skipped, trainer.last_reanchor)
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(
@@ -335,6 +337,7 @@ class TrainerLoop:
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
+            **({"delta_skipped": trainer.last_skipped} if trainer.last_skipped else {}),
             tis_truncated=round(trainer.last_truncated_fraction, 4),
             zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
@@ -363,8 +366,10 @@ class TrainerLoop:
         logs.event(host.log, "step_refused", logging.ERROR, reason=str(error), groups=len(taken), refused=len(refused),
                    refused_groups=logs.group_ids(g for e, g in taken if e.id in refused))
 
-    def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float]) -> None:
-        """Append the committed step's line to metrics_file (core/steplog.py). A disk that
+    def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float], skipped: str = "", reanchored: str = "") -> None:
+        """Append the committed step's line to metrics_file (core/steplog.py), with
+        `delta_skipped` (why no delta was encoded: delta_bytes is then 0) and `reanchored` (why
+        an anchor was written at its end) when they happened. A disk that
         refuses it costs the curve a point, never the run: logged, and training goes on. The
         same figures go to the trackers (report_to)."""
         self.trackers.log_metrics(step_metrics(metrics, phases), metrics.step)
@@ -372,7 +377,9 @@ class TrainerLoop:
         if not path:
             return
         try:
-            steplog.append(path, steplog.record(metrics, run=self.keys.run, phases=phases))
+            rec = steplog.record(metrics, run=self.keys.run, phases=phases)
+            rec.update({k: v for k, v in (("delta_skipped", skipped), ("reanchored", reanchored)) if v})
+            steplog.append(path, rec)
         except OSError as e:
             logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, step=metrics.step, error=str(e))
 

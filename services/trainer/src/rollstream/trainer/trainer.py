@@ -27,7 +27,7 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.fleet import BACKED_OFF, PushOutcome
-from rollstream.trainer.publisher import Published, WeightPublisher
+from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -54,6 +54,8 @@ class Metrics:
     phase_seconds: Histogram
     delta_bytes: Histogram
     delta_dense_ratio: Gauge
+    deltas_skipped: Counter
+    reanchors: Counter
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> "Metrics":
@@ -81,9 +83,11 @@ class Metrics:
             delta_bytes=Histogram(p + "delta_bytes", "size of each published weight payload (delta or anchor)",
                                   buckets=(64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib, 256 * mib, 1 << 30, 4 << 30, 16 << 30), registry=registry),
             delta_dense_ratio=Gauge(p + "delta_dense_ratio", "last payload's size / the dense bf16 weights'", registry=registry),
+            deltas_skipped=Counter(p + "deltas_skipped", "versions published without a delta: nobody would read it (publisher.Readers)", registry=registry),
+            reanchors=Counter(p + "reanchors", "anchors written because a reader appeared after deltas were skipped", registry=registry),
         )
 
-    def observe_step(self, m: "rollout_pb2.StepMetrics", stalenesses: list[int], nbytes: int, fraction: float) -> None:
+    def observe_step(self, m: "rollout_pb2.StepMetrics", stalenesses: list[int], nbytes: int, fraction: float, skipped: bool = False) -> None:
         self.steps.inc()
         self.policy_version.set(m.version)
         self.groups.labels(outcome="trained").inc(m.groups)
@@ -95,6 +99,9 @@ class Metrics:
         for s in stalenesses:
             self.staleness.observe(s)
         self.step_seconds.observe(m.step_seconds)
+        if skipped:  # no payload: counted, not observed as a size
+            self.deltas_skipped.inc()
+            return
         self.delta_bytes.observe(nbytes)
         self.delta_dense_ratio.set(fraction)
 
@@ -153,6 +160,8 @@ class Trainer:
         self.groups_stale = 0
         self.last_truncated_fraction = 0.0
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
+        self.last_skipped = ""  # why the last step's delta was not encoded ("": it was)
+        self.last_reanchor = ""  # why the last step's end wrote an anchor for a reader that appeared ("": it did not)
         # Held through each step: in the split master layout the published bits are the
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
         # sha256) waits for the step and its version to be published.
@@ -261,15 +270,19 @@ class Trainer:
         (step.nonfinite_groups; nothing applied)."""
         return nonfinite_groups(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off)
 
-    def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published, deltas.DeltaStats]:
-        """One GRPO step (step.py), published as the next version. Raises NonFiniteStep
+    def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published | None, deltas.DeltaStats]:
+        """One GRPO step (step.py), published as the next version: with its delta, or None when
+        nobody would read one (publisher.Readers; last_skipped says why). Raises NonFiniteStep
         with nothing applied or published."""
         start = time.perf_counter()
-        # Full fine-tuning: the trained parameters are the published weights, so the delta is
-        # encoded tensor by tensor during the optimizer step. With LoRA the published weights
-        # are merged after it.
-        encoder = self.publisher.begin_delta() if self.lora is None else None
-        with self.weights_lock:
+        with self.weights_lock:  # the choice and the chain it needs, atomic with the step (reanchor)
+            reader = self.publisher.readers.reader()
+            if reader and not self.publisher.has_chain:  # normally anchored at once when the reader came
+                self._reanchor_locked(reader)
+            # Full fine-tuning: the trained parameters are the published weights, so the delta is
+            # encoded tensor by tensor during the optimizer step. With LoRA the published weights
+            # are merged after it.
+            encoder = self.publisher.begin_delta() if self.lora is None and reader else None
             r = train_step(
                 self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off,
                 on_piece=encoder.add_piece if encoder is not None else None,
@@ -278,7 +291,14 @@ class Trainer:
             # were consumed, with an empty delta.
             new_bits = self.publisher.bits() if r.trained_bits is None else self._published_bits(r.trained_bits)
             encode_start = time.perf_counter()
-            published, stats = self.publisher.publish(new_bits, encoder)
+            published: Published | None = None
+            if reader:
+                published, stats = self.publisher.publish(new_bits, encoder)
+            else:
+                if self.publisher.has_chain:  # once, as skipping starts; each step's line says it too
+                    logs.event(self.log, "deltas_skipped", version=self.version + 1, reason=NO_READER)
+                stats = self.publisher.skip(new_bits)
+        self.last_skipped = "" if reader else "no reader"
         # delta_encode_s: what encoding took after the optimizer step (with delta_encode_threads,
         # most of it overlaps the step and is inside optimizer_s).
         self.last_phases = {
@@ -296,7 +316,7 @@ class Trainer:
             mean_staleness=sum(self.version - 1 - g.policy_version for g in groups) / len(groups),
             grad_norm=r.grad_norm, time=time.time(), zero_variance_groups=r.zero_variance_groups,
         )
-        self.metrics.observe_step(metrics, [self.version - 1 - g.policy_version for g in groups], stats.nbytes, stats.fraction_of_dense)
+        self.metrics.observe_step(metrics, [self.version - 1 - g.policy_version for g in groups], stats.nbytes, stats.fraction_of_dense, skipped=published is None)
         for phase, seconds in self.last_phases.items():
             self.metrics.phase_seconds.labels(phase=phase.removesuffix("_s")).observe(seconds)
         return metrics, published, stats
@@ -309,10 +329,15 @@ class Trainer:
         new version copied by the followers, the previous push waited for, `record` (the loop's
         commit of the groups and ledger, with that push's outcomes), the groups counted as
         trained, and only then the new version's push started in the background
-        (fleet.BackgroundPush): the next step does not wait for it. Returns the previous
+        (fleet.BackgroundPush): the next step does not wait for it. The push targets are the
+        readers' look for the next step (publisher.Readers); a step that skipped its delta
+        pushes nothing, and when a reader has appeared since, the anchor is written now, at
+        this version (last_reanchor says why), for it to catch up from. Returns the previous
         push's outcomes; last_phases gains push_s (the copies and the wait for the previous push;
         the push itself is the `push` phase of the metrics, timed on its own thread) and commit_s.
         Raises NonFiniteStep with nothing applied, published or pushed."""
+        if not self.publisher.readers.reader():  # about to skip the delta: look again first
+            self.publisher.readers.saw(targets(), from_registry)
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
         for follow in self.followers:
@@ -326,8 +351,43 @@ class Trainer:
         self.metrics.phase_seconds.labels(phase="push_wait").observe(push_s)
         self.metrics.phase_seconds.labels(phase="commit").observe(self.last_phases["commit_s"])
         addresses, version = targets(), self.version
+        self.publisher.readers.saw(addresses, from_registry)
+        self.last_reanchor = ""
+        if published is None:
+            reader = self.publisher.readers.reader()
+            if reader and self.reanchor(reader):
+                self.last_reanchor = reader
+            self.publisher.pushes.reached(version)  # nothing pushed: a new reader catches up from the anchor
+            return metrics, stats, before
         self.publisher.pushes.start(version, lambda: self._push(addresses, published, from_registry, version))
         return metrics, stats, before
+
+    def reanchor(self, why: str) -> bool:
+        """After skipped deltas, a new chain from the current bits (publisher.reanchor), under
+        the weights lock, for a reader that appeared (`why`); False when there is a chain
+        already (another thread wrote it first)."""
+        if self.publisher.has_chain:  # the common case, without waiting for a step to end
+            return False
+        with self.weights_lock:
+            if self.publisher.has_chain:
+                return False
+            self._reanchor_locked(why)
+        return True
+
+    def _reanchor_locked(self, why: str) -> None:
+        start = time.perf_counter()
+        anchor = self.publisher.reanchor()
+        self.metrics.reanchors.inc()
+        logs.event(self.log, "reanchored", version=anchor.info.version, reason=why, seconds=round(time.perf_counter() - start, 3),
+                   filed=not isinstance(anchor.payload, bytes))
+
+    def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
+        """FetchWeights' payloads. A fetch is a reader (publisher.Readers): after skipped
+        deltas the anchor is written first, at the current version."""
+        self.publisher.check_fingerprint(fingerprint)  # before anything costly
+        self.publisher.readers.fetched()
+        self.reanchor("a FetchWeights")
+        return self.publisher.catch_up_payloads(have_version, fingerprint)
 
     def _push(self, addresses: list[str], published: Published, from_registry: bool, version: int) -> list[PushOutcome]:
         """One version's push (on BackgroundPush's thread), logged when it ends."""
@@ -356,6 +416,11 @@ class Trainer:
         """After a resume, every generator gets the restored version as an anchor, whatever it holds (a later
         version of the abandoned run, or the same number from another lineage); unreachable ones catch up later."""
         self.publisher.pushes.reached(self.version)
+        self.publisher.readers.saw(targets, from_registry)
+        if not targets:  # nobody to push to (the replayed steps may have skipped their deltas)
+            logs.event(self.log, "anchor_pushed", version=self.version, applied=0, generators=0)
+            return
+        self.reanchor("after a resume: push targets")
         anchor = self.publisher.catch_up_payloads(-1, "")[0]
         outcomes = self.publisher.fleet.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
         logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
@@ -397,7 +462,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
         try:
-            payloads = self.trainer.publisher.catch_up_payloads(request.have_version, request.model_fingerprint)
+            payloads = self.trainer.catch_up_payloads(request.have_version, request.model_fingerprint)
         except deltas.DeltaError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         # Not a version still being pushed (BackgroundPush.version): its push brings it.
