@@ -199,6 +199,7 @@ def main() -> None:
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (the optimizer state stays in host memory either way)")
     parser.add_argument("--tracemalloc", action="store_true", help="also trace the Python heap (slower; its own bookkeeping is counted in RSS)")
+    parser.add_argument("--no-reader", action="store_true", help="as a colocated run's trainer: nobody reads a delta, so none is encoded and no anchor kept (issue 44)")
     args = parser.parse_args()
 
     if args.tracemalloc:
@@ -287,14 +288,17 @@ def main() -> None:
     rec.mark("trainer_ready")
 
     opt, pub = trainer.optimizer, trainer.publisher
+    if args.no_reader:
+        pub.readers.saw([], from_registry=True)  # what the loop sees in a colocated run's registry
     vocab = trainer.limits.vocab_size
-    step_times = []
+    step_times, step_phases = [], []
     for step in range(1, args.steps + 1):
         step_no[0] = step
         groups = demo_groups(trainer.tokenizer, step, args.groups, args.group_size, args.new_tokens, vocab)
         t = time.perf_counter()
         _metrics, published, stats = trainer.train_step(groups)
         step_times.append(round(time.perf_counter() - t, 2))
+        step_phases.append({k: round(v, 3) for k, v in trainer.last_phases.items()})
         del published, groups
         rec.mark(f"step{step}_done", delta_mb=round(stats.nbytes / MB, 1))
         if args.checkpoint_every and step % args.checkpoint_every == 0:
@@ -337,6 +341,8 @@ def main() -> None:
         "weights_sha256": deltas.weights_sha256(pub.bits()),
         "init_s": round(init_s, 1),
         "step_s": step_times,
+        "no_reader": args.no_reader,
+        "step_phases": step_phases,
         "phases": rec.phases,
         "parts_mb": parts_mb,
         "imports_rss_mb": imports_rss,

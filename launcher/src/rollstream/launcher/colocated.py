@@ -5,8 +5,9 @@ Nothing is pushed, fetched or decoded between the two: the generator stamps its 
 the trainer's version, and everything else is the two services as they are: the same streams,
 reward and reference services, ledger, checkpoints and exactly-once accounting (the
 generator's loop is generator/service.py's sample_forever, the trainer's is
-trainer/service.py's serve). The trainer still encodes and publishes each delta, so remote
-generators registered for the run are pushed to as usual. Two variants:
+trainer/service.py's serve). The trainer encodes a delta only while someone would read it
+(publisher.Readers): with no remote generator registered for the run, none; one that
+registers gets the current version's anchor, then every delta, as usual. Two variants:
 
 - Synchronous (default): the generator samples from the trainer's own model
   (TransformersBackend.sharing, TrainerWeights), under the trainer's weights lock, which the
