@@ -43,6 +43,18 @@ or end in the middle of a parameter. A step:
      and the weights of bucket k-1 go up.
 On a CPU-only machine the same code runs with plain synchronous copies and no streams.
 
+The overlapped update (step with `model`): the norm, the clip factor and the refusal of a
+non-finite step are decided on the caller's thread, then step 2 runs on a thread of its own
+and step() returns. The next forward goes on meanwhile: each module waits only for the
+buckets of its own weights (in layout order, which is the forward's), the decoder's end for
+all of them, and backward for the whole update, whose last act is dropping the gradients.
+So the step's wall time approaches max(forward + backward, optimizer) instead of their sum,
+with the same buckets, in the same order, as the sequential step: the same bits. Why not
+during the last backward instead (ZeRO-Offload's and LSRL's overlap): a bucket's AdamW
+needs the clip factor, and the refusal needs every gradient finite, and both depend on the
+last gradient backward makes (docs/design-notes.md, "The optimizer step overlapped with
+the next forward").
+
 Why the masters and moments are not pinned: they never cross the bus (only gradients and
 bf16 weights do), and pinning 8-12 bytes per parameter of page-locked memory would be a
 large, slow allocation for nothing; only the staging buffers are pinned.
@@ -65,7 +77,9 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,6 +181,18 @@ class NonFiniteStep(ArithmeticError):
     """A step whose loss or gradients are not finite: nothing was applied."""
 
 
+@dataclass
+class _InFlight:
+    """An update running on the optimizer's worker thread (HostAdamW.step with `model`): when
+    it ends, and per bucket whether its weights are on their way into the model (`uploaded`,
+    set once the copy is issued; `copied`, the CUDA event of that copy, None on the CPU)."""
+
+    done: Future[None]  # set by the worker thread
+    uploaded: list[threading.Event]
+    copied: list[torch.cuda.Event | None]
+    failed: bool = False
+
+
 class HostAdamW:
     def __init__(
         self,
@@ -266,6 +292,15 @@ class HostAdamW:
         self._grad_offload = GradOffload(self.params, self.layout, slot_bytes=width * 4) if grad_offload else None
         self.host_grad = self._grad_offload.accumulator if self._grad_offload is not None else None
 
+        # The update in flight (step with `model`) and its thread; the buckets each parameter
+        # lies in, and the models whose forward waits for them (hooks made once per model).
+        self._in_flight: _InFlight | None = None
+        self._buckets_of: dict[str, list[int]] = {name: [] for name in self.params}
+        for k, b in enumerate(self.buckets):
+            for pc in b.pieces:
+                self._buckets_of[pc.name].append(k)
+        self._gates: dict[int, list[torch.utils.hooks.RemovableHandle]] = {}
+
     # -- layout ----------------------------------------------------------------------
 
     def _cut(self, bucket_elems: int) -> list[Bucket]:
@@ -306,6 +341,7 @@ class HostAdamW:
         return _Masters(self)
 
     def master_of(self, name: str) -> torch.Tensor:
+        self.wait()
         off, n, shape = self.layout[name]
         if not self.split:
             return self.flat_master[off : off + n].view(shape)
@@ -320,6 +356,7 @@ class HostAdamW:
     def published_bits(self) -> dict[str, np.ndarray]:
         """The bf16 rounding of the masters: the weights the model computes with and
         publishes (split layout: views of hi, no copy)."""
+        self.wait()
         if self.split:
             return self._split_bits(_bits_of(self.hi))
         out = np.empty(self.numel, dtype=np.uint16)
@@ -333,13 +370,60 @@ class HostAdamW:
     @torch.no_grad()
     def sync_model(self) -> dict[str, np.ndarray]:
         """Write the served bits into the model's parameters; return those bits."""
+        self.wait()
         self._copier.begin()
-        return self._update_buckets(clip=1.0, adam=False)
+        return self._update_buckets(1.0, False, None, self._new_bits())
+
+    # -- the update in flight -------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Until the update in flight (step with `model`) is done: masters and moments final,
+        the new weights in the model (the compute stream waits for their copies) and the
+        gradients dropped. Raises the update's error, if it failed. Every method that reads
+        or changes the optimizer's state calls it first; any thread may."""
+        update = self._in_flight
+        if update is not None:
+            update.done.result()
+            self._copier.end()
+
+    def _await_buckets(self, buckets: list[int]) -> None:
+        """A forward pre-hook's wait: until these buckets' new weights are on their way into
+        the model; on CUDA the compute stream then waits for their copies, not this thread."""
+        update = self._in_flight
+        if update is None or update.done.done():
+            self.wait()
+            return
+        for k in buckets:
+            update.uploaded[k].wait()
+            copied = update.copied[k]
+            if copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(copied)
+        if update.failed:
+            self.wait()  # raises the update's error
+
+    def _gate(self, model: torch.nn.Module) -> None:
+        """Make `model`'s forward wait, module by module, for the buckets of the trained
+        parameters each module holds, and its decoder's end wait for the whole update (the
+        LM head's weight is read outside any module call: modeling.head_logprobs). So the
+        next forward runs while the update goes on, and uses no weight before it is final."""
+        if id(model) in self._gates:
+            return
+        names = {id(p): name for name, p in self.params.items()}
+        hooks = []
+        for module in model.modules():
+            held = sorted({k for p in module.parameters(recurse=False) if id(p) in names for k in self._buckets_of[names[id(p)]]})
+            if held:
+                hooks.append(module.register_forward_pre_hook(lambda _m, _args, held=held: self._await_buckets(held)))
+        get_decoder = getattr(model, "get_decoder", None)
+        if get_decoder is not None:
+            hooks.append(get_decoder().register_forward_hook(lambda _m, _args, _out: self.wait()))
+        self._gates[id(model)] = hooks
 
     # -- the step -----------------------------------------------------------------------
 
     def grad_norm(self) -> float:
         """Total 2-norm of the accumulated gradients (before clipping; also read by step.nonfinite_groups)."""
+        self.wait()
         if self._grad_offload is not None:
             self._grad_offload.wait()
             grads = [self._grad_offload.accumulator[off : off + n] for off, n, _ in self.layout.values()]
@@ -356,18 +440,29 @@ class HostAdamW:
 
     def discard_grads(self) -> None:
         """Drop the accumulated gradients without a step (a step refused for non-finite values)."""
+        self.wait()
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
         for p in self.params.values():
             p.grad = None
         if self._grad_offload is not None:
             self._grad_offload.zero()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
         """One AdamW step from the accumulated gradients (then cleared). Returns (grad norm
         before clipping, the new bf16 bits of every parameter); `on_piece` gets each piece
         of each parameter, old and new bits, during the step. A non-finite gradient norm
         applies nothing (and calls nothing): the gradients are dropped and NonFiniteStep is
-        raised."""
+        raised.
+
+        With `model` (the one holding the parameters), the norm is taken and the buckets are
+        stepped on a thread of their own after step() returns: the bits returned are final
+        once wait() returns, `on_piece` is called from that thread, and the model's next
+        forward runs meanwhile, each module waiting only for the buckets of its own weights
+        (_gate); its backward waits for the whole update (step._accumulate). The same
+        buckets in the same order: the same bits as without `model`."""
         norm = self.grad_norm()
         if not math.isfinite(norm):
             self.discard_grads()
@@ -378,9 +473,32 @@ class HostAdamW:
             clip = float(torch.clamp(max_grad_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
         self.step_count += 1
         self._copier.begin()
-        bits = self._update_buckets(clip=clip, adam=True, on_piece=on_piece)
-        self.discard_grads()  # every fetch was waited for: the device memory may go
-        return norm, bits
+        new_bits = self._new_bits()
+        if model is None:
+            self._update_buckets(clip, True, on_piece, new_bits)
+            self._drop_grads()  # every fetch was waited for: the device memory may go
+            return norm, self._split_bits(new_bits)
+        self._gate(model)
+        update = _InFlight(Future(), [threading.Event() for _ in self.buckets], [None] * len(self.buckets))
+        self._in_flight = update
+        threading.Thread(target=self._run_update, args=(update, clip, on_piece, new_bits), name="host-adamw").start()
+        return norm, self._split_bits(new_bits)
+
+    def _run_update(self, update: _InFlight, clip: float, on_piece: OnPiece | None, new_bits: np.ndarray) -> None:
+        """step()'s buckets on the update's own thread; every bucket counts as uploaded once
+        it ends, so that no forward waits forever for an update that failed (it raises)."""
+        try:
+            with torch.no_grad():  # thread-local: the step's no_grad is the caller's thread's
+                self._update_buckets(clip, True, on_piece, new_bits, update)
+                self._drop_grads()
+        except BaseException as e:
+            update.failed = True
+            update.done.set_exception(e)
+        else:
+            update.done.set_result(None)
+        finally:
+            for uploaded in update.uploaded:
+                uploaded.set()
 
     def _fetch(self, k: int) -> torch.cuda.Event | None:
         """Start bringing bucket k's gradients into the staging slot k % 2."""
@@ -412,8 +530,14 @@ class HostAdamW:
             return spare
         return np.empty(self.numel, dtype=np.uint16)
 
-    def _update_buckets(self, clip: float, adam: bool, on_piece: OnPiece | None = None) -> dict[str, np.ndarray]:
-        new_bits = _bits_of(self.hi) if self.split else self._bits_buffer()
+    def _new_bits(self) -> np.ndarray:
+        """Where a step's or a sync's bits go: hi itself (split layout) or a buffer."""
+        return _bits_of(self.hi) if self.split else self._bits_buffer()
+
+    def _update_buckets(self, clip: float, adam: bool, on_piece: OnPiece | None, new_bits: np.ndarray, update: _InFlight | None = None) -> dict[str, np.ndarray]:
+        """Step (adam) or only copy out (sync_model) every bucket, writing the bits into
+        `new_bits` and the model; with `update`, each bucket is marked once its copy into
+        the model is issued."""
         old_bits = self._bits if not self.split and self._bits.size == self.numel else None
         if on_piece is not None and not self.split and old_bits is None:
             raise RuntimeError("no previous bits to encode a delta from: sync_model() or load_state() first")
@@ -456,6 +580,9 @@ class HostAdamW:
                 [(out[pc.bucket_start : pc.bucket_start + pc.count], _flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces],
                 self._copier.h2d,
             )
+            if update is not None:
+                update.copied[k] = put[k % 2]
+                update.uploaded[k].set()
             if on_piece is not None and adam:
                 for pc in b.pieces:
                     at = b.start + pc.bucket_start
@@ -519,6 +646,7 @@ class HostAdamW:
         """Masters and moments by parameter name (views, no copies): master/<name> (fp32
         layout) or master_hi/<name> (bf16: the served weights) and master_lo/<name> (int16)
         (split layout), exp_avg/<name>, exp_avg_sq/<name>."""
+        self.wait()
         out: dict[str, torch.Tensor] = {}
         for name, (off, n, shape) in self.layout.items():
             if self.split:
@@ -535,6 +663,7 @@ class HostAdamW:
         """Restore masters, moments and the step count (as saved by state_tensors, in either
         master layout: a checkpoint of the other one is converted exactly), write the served
         bits into the model, and return them."""
+        self.wait()
         split_keys = {f"{kind}/{n}" for kind in ("master_hi", "master_lo", "exp_avg", "exp_avg_sq") for n in self.layout}
         fp32_keys = {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in self.layout}
         saved_split = set(tensors) == split_keys

@@ -15,7 +15,8 @@
   4. optimizer      one HostAdamW step: grad-norm clip, AdamW on the fp32 masters, new bf16
                     weights in the model and returned as bits (each bucket's pieces, old and
                     new bits, also handed to `on_piece`: the publisher encodes the delta on
-                    the way)
+                    the way); with `background`, the buckets are stepped after this returns,
+                    while the next step's forward runs (HostAdamW.step with the model)
   5. metrics        the micro-batches' sums, per token
 
 A non-finite loss or gradient norm applies nothing: the gradients are dropped and
@@ -233,6 +234,7 @@ def _accumulate(
             raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
         sums.forward_s += time.perf_counter() - start
         start = time.perf_counter()
+        optimizer.wait()  # the previous step's update (step with background): backward writes the gradients it drops
         parts.loss.backward()
         sums.backward_s += time.perf_counter() - start
         if logprobs is not None:
@@ -256,13 +258,17 @@ def train_step(
     pad_id: int,
     adapters_off: AdaptersOff | None = None,
     on_piece: OnPiece | None = None,
+    background: bool = False,
 ) -> StepResult:
     """One update of `model` (through `optimizer`, which holds its trained parameters) on
     validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
     given `adapters_off` (LoRA, kl_reference = lora_base), the model's base under it.
     `on_piece(name, start, old, new)` gets each piece of each trained parameter, its bf16 bits
     before and after, during the optimizer step (HostAdamW.step); it is not called when
-    nothing is applied.
+    nothing is applied. With `background`, the optimizer's buckets are stepped on a thread of
+    their own after this returns (HostAdamW.step with the model): trained_bits and the model's
+    weights are final once optimizer.wait() returns, and the next step's forward overlaps the
+    update, each module waiting only for its own weights.
     Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
     if not groups:
         raise ValueError("a step needs at least one group")
@@ -284,7 +290,7 @@ def train_step(
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
-    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm, on_piece) if rows else (0.0, None)
+    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm, on_piece, model if background else None) if rows else (0.0, None)
     optimizer_s = time.perf_counter() - start
 
     # 5. Metrics.
