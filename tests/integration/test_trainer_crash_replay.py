@@ -7,7 +7,9 @@ Both runs train 6 steps on the same groups written straight into the ready strea
 test plays the upstream stages), with a checkpoint every 3 steps. The kill moment is drawn
 from a seeded RNG: a step k to reach (0 to 5), then a delay of up to 1.5 of the uninterrupted
 run's mean step time, so before the first step, between steps, mid-step and mid-checkpoint
-are all possible; each seed is a reproducible case.
+are all possible; each seed is a reproducible case. No generator reads the weights here, so
+every step's update runs on while the next step starts (the trainer's optimizer_overlap):
+a kill mid-step is also a kill mid-overlap.
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ class Trained:
 
 def from_trainer(trainer: "Trainer") -> Trained:
     """The live trainer's state (call between steps: the split layout's bits are rewritten in place by a step)."""
+    trainer.optimizer.wait()  # an overlapped step's update makes the bits
     return Trained(trainer.model_dir, trainer.optimizer, trainer.lora, trainer.publisher.bits(), trainer.step, trainer.version, "trainer")
 
 

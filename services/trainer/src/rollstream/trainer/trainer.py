@@ -162,9 +162,11 @@ class Trainer:
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
         self.last_skipped = ""  # why the last step's delta was not encoded ("": it was)
         self.last_reanchor = ""  # why the last step's end wrote an anchor for a reader that appeared ("": it did not)
+        self.overlapped = False  # whether the last step's update ran on while the next forward started
         # Held through each step: in the split master layout the published bits are the
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
-        # sha256) waits for the step and its version to be published.
+        # sha256) waits for the step and its version to be published, and for an overlapped
+        # step's update, which goes on after the lock is let go (optimizer.wait).
         self.weights_lock = threading.Lock()
         # In-process copies of the weights, called in this thread after each step changes them
         # (the asynchronous colocated generator's, launcher/colocated.py): nothing else writes
@@ -283,9 +285,18 @@ class Trainer:
             # encoded tensor by tensor during the optimizer step. With LoRA the published weights
             # are merged after it.
             encoder = self.publisher.begin_delta() if self.lora is None and reader else None
+            # Nothing reads the new weights before the next forward (no delta, no merge, no
+            # follower): the update runs on while the loop commits and the next step's forward
+            # starts, each module waiting for its own weights (HostAdamW.step with the model).
+            # Whatever reads them later waits for it (optimizer.wait).
+            background = self.lora is None and not reader and not self.followers
+            if background != self.overlapped:  # said when it starts and when it stops
+                logs.event(self.log, "optimizer_overlap", on=background, reason="nothing reads the weights before the next forward" if background
+                           else "LoRA merges after the update" if self.lora is not None else "a follower copies the weights" if self.followers else f"a delta for {reader}")
+                self.overlapped = background
             r = train_step(
                 self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off,
-                on_piece=encoder.add_piece if encoder is not None else None,
+                on_piece=encoder.add_piece if encoder is not None else None, background=background,
             )
             # No update (dapo filtered every group): the version still advances, since the groups
             # were consumed, with an empty delta.
@@ -376,6 +387,7 @@ class Trainer:
 
     def _reanchor_locked(self, why: str) -> None:
         start = time.perf_counter()
+        self.optimizer.wait()  # the anchor is the bits: the update in flight must have made them
         anchor = self.publisher.reanchor()
         self.metrics.reanchors.inc()
         logs.event(self.log, "reanchored", version=anchor.info.version, reason=why, seconds=round(time.perf_counter() - start, 3),
@@ -448,6 +460,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         sha, version = "", t.publisher.pushes.version
         if request.with_weights_sha256:
             with t.weights_lock:  # the bits and the version of one published step
+                t.optimizer.wait()  # ... whose update has ended (an overlapped step's goes on after it)
                 sha, version = deltas.weights_sha256(t.publisher.bits()), t.version
         if len(request.challenge) > push_signing.MAX_CHALLENGE_BYTES:  # sign nothing large
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"challenge over {push_signing.MAX_CHALLENGE_BYTES} bytes")
