@@ -24,9 +24,9 @@ have used it applies nothing.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -37,15 +37,42 @@ import torch
 _SLOT_ALIGN = 8
 
 
+class _Pending:
+    """One offloader's slices in flight: counted, so that wait() can block until none are
+    left, and the first failure among them."""
+
+    def __init__(self) -> None:
+        self._done = threading.Condition()
+        self.count = 0
+        self.failed: list[BaseException] = []
+
+    def add(self) -> None:
+        with self._done:
+            self.count += 1
+
+    def finished(self) -> None:
+        with self._done:
+            self.count -= 1
+            if self.count == 0:
+                self._done.notify_all()
+
+    def wait(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self.count == 0)
+
+
 @dataclass(frozen=True)
 class _Add:
-    """One slice on its way: `src` (a view of staging slot `slot`) is added into `dst` (a
-    view of the accumulator) once `event` (CUDA; None on the CPU) says the copy is done."""
+    """One slice on its way: `src` (a view of staging slot `slot`, given back to `free`
+    after) is added into `dst` (a view of the accumulator) once `event` (CUDA; None on the
+    CPU) says the copy is done."""
 
     slot: int
     src: torch.Tensor
     dst: torch.Tensor
     event: torch.cuda.Event | None
+    free: queue.Queue[int]
+    pending: _Pending
 
 
 def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -54,24 +81,47 @@ def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
 
 
-def _drain(work: queue.Queue[_Add | None], free: queue.Queue[int], failed: list[BaseException]) -> None:
-    """The host thread: adds slices in queue order until a None arrives. It holds no
-    reference to the GradOffload, so that the offloader can be collected (which sends the None)."""
+def _drain(work: queue.Queue[_Add]) -> None:
+    """The host thread: adds slices in queue order, forever."""
     while True:
         item = work.get()
-        if item is None:
-            work.task_done()
-            return
         try:
             if item.event is not None:
                 item.event.synchronize()
-            if not failed:  # after a failure the accumulation is dropped anyway: skip the adds
+            if not item.pending.failed:  # after a failure the accumulation is dropped anyway
                 _add(item.dst, item.src)
         except BaseException as e:  # kept for wait() to raise on the caller's thread
-            failed.append(e)
+            item.pending.failed.append(e)
         finally:
-            free.put(item.slot)
-            work.task_done()
+            item.free.put(item.slot)
+            item.pending.finished()
+
+
+# One host thread for the process, started on first use, that never ends. A thread that
+# ends while the interpreter exits, after running torch's parallel CPU kernels, aborted the
+# process ("terminate called without an active exception", 3 exits in 30); a thread blocked
+# on an empty queue is simply gone with the process.
+_work: queue.Queue[_Add] = queue.Queue()
+_thread: threading.Thread | None = None
+_start = threading.Lock()
+
+
+def _host_thread() -> queue.Queue[_Add]:
+    global _thread
+    with _start:
+        if _thread is None:
+            _thread = threading.Thread(target=_drain, args=(_work,), name="grad-offload", daemon=True)
+            _thread.start()
+    return _work
+
+
+def _after_fork() -> None:
+    """A forked child has no host thread (and the queue's lock may be held): start afresh."""
+    global _work, _thread, _start
+    _work, _thread, _start = queue.Queue(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class GradOffload:
@@ -102,17 +152,13 @@ class GradOffload:
         self._free: queue.Queue[int] = queue.Queue()
         for k in range(slots):
             self._free.put(k)
-        self._work: queue.Queue[_Add | None] = queue.Queue()
-        self._failed: list[BaseException] = []
-        self._thread = threading.Thread(target=_drain, args=(self._work, self._free, self._failed), name="grad-offload", daemon=True)
-        self._thread.start()
-        weakref.finalize(self, self._work.put, None)  # stops the thread with the offloader
+        self._pending = _Pending()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(name, layout[name][0])) for name, p in params.items()]
 
     @property
     def pending(self) -> int:
         """Slices handed over whose add has not finished yet."""
-        return self._work.unfinished_tasks
+        return self._pending.count
 
     def _hook(self, name: str, offset: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -147,15 +193,16 @@ class GradOffload:
                     event.record(stream)
             else:
                 src.copy_(flat[start : start + count])
-            self._work.put(_Add(slot, src, self.accumulator[offset + start : offset + start + count], event))
+            self._pending.add()
+            _host_thread().put(_Add(slot, src, self.accumulator[offset + start : offset + start + count], event, self._free, self._pending))
 
     def wait(self) -> None:
         """Return once every gradient handed over so far is in the accumulator. If the host
         thread failed, the accumulation is incomplete: it is zeroed and the failure raised."""
-        self._work.join()
-        if self._failed:
-            error = self._failed[0]
-            self._failed.clear()
+        self._pending.wait()
+        if self._pending.failed:
+            error = self._pending.failed[0]
+            self._pending.failed.clear()
             self.accumulator.zero_()
             raise RuntimeError(f"gradient offload: adding a gradient into the host accumulator failed ({error!r}); this step's gradients were dropped") from error
 
