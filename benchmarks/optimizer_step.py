@@ -4,6 +4,7 @@ memory) against the physical limit and against a naive per-parameter offload.
     .venv/bin/python benchmarks/optimizer_step.py --size 0.1b            # CPU (the default)
     .venv/bin/python benchmarks/optimizer_step.py --size 1.5b --device cuda
     .venv/bin/python benchmarks/optimizer_step.py --size 0.5b --master-layout fp32 --moments-dtype float32 --skip-baseline
+    python3 benchmarks/optimizer_step.py --size 1.5b --device cuda --repeats 1 --skip-baseline --skip-delta-after   # GPU kit 1
 
 Builds a Qwen2-style model from a config (random bf16 weights, no download) and random bf16
 gradients, then times, in one run:
@@ -14,14 +15,17 @@ gradients, then times, in one run:
               caller's thread, as the trainer did) and on the way (each bucket's piece of
               each tensor handed to a DeltaEncoder, with its old bits, on `--encode-threads`
               threads as the bucket is stepped: HostAdamW.step's on_piece, what the trainer
-              does now);
+              does now; --skip-delta-after leaves the first out: ~21 s a step at 1.5B on
+              the H200, and no longer the trainer's way);
   limit       max(N / fused CPU AdamW rate, 2N bytes / pinned D2H rate, 2N bytes / pinned H2D
               rate), each rate measured here on large buffers: what perfect overlap could reach;
   baseline    LSRL-style: parameter by parameter, the gradient to a pageable fp32 copy, one
               torch.optim.AdamW (default implementation) per parameter on a pageable fp32 master,
               the bf16 result copied back; nothing overlapped.
 On a CPU device there are no copies across a bus: the limit is the AdamW rate alone.
-Prints one JSON object; docs/benchmarks.md records results.
+Prints one JSON object, which names the optimizer path that ran (`optimizer`: the split
+layout's compiled kernel or torch operations, and the kernel's threads); docs/benchmarks.md
+records results.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets OpenMP's passive wait policy, as in the trainer
 import devices  # benchmarks/devices.py
 import torch
+from gpu_step import optimizer_path  # benchmarks/gpu_step.py
 from rollstream.core import deltas
 from rollstream.trainer.config import auto_encode_threads
 from rollstream.trainer.optimizer import HostAdamW
@@ -51,7 +57,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], None], prepare: Callable[[], None], device: torch.device, repeats: int) -> list[float]:
+def timed(fn: Callable[[], object], prepare: Callable[[], None], device: torch.device, repeats: int) -> list[float]:
     """Run prepare() then time fn(), `repeats` times after one warm-up."""
     times = []
     for i in range(repeats + 1):
@@ -103,6 +109,7 @@ def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor],
     """LSRL-style: one parameter at a time, synchronous, pageable memory."""
     with torch.no_grad():
         for p, master, opt in zip(params, masters, opts, strict=True):
+            assert p.grad is not None  # make_grads gave every parameter one
             master.grad = p.grad.to(device="cpu", dtype=torch.float32)
             opt.step()
             master.grad = None
@@ -110,7 +117,7 @@ def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor],
             p.grad = None
 
 
-def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> dict[str, object]:
+def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     """The step alone, then the step with its delta encoded after it and on the way."""
     opt = HostAdamW(
         named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
@@ -138,13 +145,13 @@ def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], N
         for n, b in opt.published_bits().items():
             prev[n][...] = b  # each delta is one step's, as in the trainer
 
-    after = timed(step_then_delta, reset, device, args.repeats)
+    after = [] if args.skip_delta_after else timed(step_then_delta, reset, device, args.repeats)
     with ThreadPoolExecutor(args.encode_threads) as pool:
         on_the_way = timed(step_with_delta_on_the_way, reset, device, args.repeats)
     last = stats[-1]
     return {
         "step_only": step_only, "step_then_delta": after, "step_with_delta_on_the_way": on_the_way, "buckets": len(opt.buckets),
-        "split_kernel": opt.uses_split_kernel,
+        "split_kernel": opt.uses_split_kernel, "optimizer": optimizer_path(opt, args.master_layout, args.moments_dtype, False),
         "delta": {"bytes": last.nbytes, "fraction_of_dense": round(last.fraction_of_dense, 4), "changed_values": last.changed_values},
     }
 
@@ -174,6 +181,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory")
+    parser.add_argument("--skip-delta-after", action="store_true", help="time the delta on the way only, not also encoded after the step")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -215,16 +223,18 @@ def main() -> None:
         "moments_dtype": args.moments_dtype,
         "master_layout": args.master_layout,
         "split_kernel": timings["split_kernel"],
+        "optimizer": timings["optimizer"],
         "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
         "limit": limit,
         "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),
         "encode_threads": args.encode_threads,
         "delta": timings["delta"],
-        **{key: {"median_s": round(statistics.median(timings[key]), 4), "min_s": round(min(timings[key]), 4)} for key in ("step_then_delta", "step_with_delta_on_the_way")},
+        **{key: {"median_s": round(statistics.median(timings[key]), 4), "min_s": round(min(timings[key]), 4)}
+           for key in ("step_then_delta", "step_with_delta_on_the_way") if timings[key]},
     }
     if not args.skip_baseline:
         masters = [p.detach().to(device="cpu", dtype=torch.float32) for p in params]
-        opts = [torch.optim.AdamW([m], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0) for m in masters]
+        opts: list[torch.optim.Optimizer] = [torch.optim.AdamW([m], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0) for m in masters]
         base = timed(lambda: baseline_step(params, masters, opts), prepare, device, args.repeats)
         result["baseline"] = {"median_s": round(statistics.median(base), 4), "min_s": round(min(base), 4)}
         result["baseline_over_offloaded"] = round(statistics.median(base) / statistics.median(offloaded), 2)

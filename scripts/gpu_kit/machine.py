@@ -1,7 +1,9 @@
 """What the kit runs on, as one JSON object: the GPU and its driver, torch and CUDA, host
-memory and cores, and for every package the checks import, its version and where it was
-imported from (the carried wheels lead PYTHONPATH; the rest is the image's). Exits non-zero
-if any of those imports fails, naming it: then no check could pass.
+memory and cores, for every package the checks import, its version and where it was
+imported from (the carried wheels lead PYTHONPATH; the rest is the image's), and the
+optimizer path every check's HostAdamW steps with (`optimizer`: the split layout's compiled
+AdamW, carried in each kit's lib/, or torch operations where it is missing or does not load).
+Exits non-zero if any of those imports fails, naming it: then no check could pass.
 
     python scripts/gpu_kit/machine.py [--device cuda|cpu]      (run by checks.py)
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -44,6 +47,21 @@ def nvidia_smi() -> str:
         return f"nvidia-smi: {e}"
 
 
+def optimizer_path() -> dict[str, object]:
+    """The path a HostAdamW in the split layout (the trainer's default) steps with in this tree:
+    HostAdamW.uses_split_kernel of one made here, the kernel's file, and its threads (its
+    default: the process's torch threads; the trainer's are its `threads` setting)."""
+    import torch
+
+    from rollstream.trainer.optimizer import HostAdamW
+
+    spec = importlib.util.find_spec("rollstream.trainer._split_adamw")
+    opt = HostAdamW({"probe": torch.nn.Parameter(torch.zeros(64))}, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, master_layout="split")
+    kernel = opt.uses_split_kernel
+    return {"path": "split_kernel" if kernel else "torch", "uses_split_kernel": kernel,
+            "kernel": spec.origin if spec is not None else None, "kernel_threads": torch.get_num_threads() if kernel else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -64,6 +82,8 @@ def main() -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001
             failed.append(f"{module}:\n{traceback.format_exc(limit=3)}")
+    if not failed:
+        out["optimizer"] = optimizer_path()
     if "torch" in packages:
         import torch
 

@@ -91,14 +91,17 @@ class Capturing:
         self.grads: dict[str, torch.Tensor] = {}
         self.norms: list[float] = []
 
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
         self.grads = {n: p.grad.detach().to(device="cpu", dtype=torch.float32) for n, p in modeling.named_weights(self.model).items()}
-        norm, bits = self.opt.step(max_grad_norm, on_piece)
+        norm, bits = self.opt.step(max_grad_norm, on_piece, model)
         self.norms.append(norm)
         return norm, bits
 
     def discard_grads(self) -> None:
         self.opt.discard_grads()
+
+    def wait(self) -> None:
+        self.opt.wait()
 
 
 def fp32_reference(opt: HostAdamW) -> tuple[dict[str, torch.Tensor], torch.optim.AdamW]:
@@ -144,7 +147,8 @@ def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model
         assert capturing.norms[-1] == pytest.approx(ref_norm, rel=1e-5)
         reference.step()
         for n, m in masters.items():
-            torch.testing.assert_close(opt.master[n], m.detach(), rtol=2**-22, atol=1e-7, msg=lambda text, n=n, step=step: f"step {step}: master {n}: {text}")
+            where = f"step {step}: master {n}"
+            torch.testing.assert_close(opt.master[n], m.detach(), rtol=2**-22, atol=1e-7, msg=lambda text: f"{where}: {text}")
 
 
 def test_gradient_offload_matches_the_device_path(tiny_model_dir: Path) -> None:

@@ -21,6 +21,7 @@ with its archive kept, 3.3 minutes cold (downloading 334 MiB and packing it), at
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -56,13 +57,13 @@ def kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_kit(kit: Path, python: Path, state: Path, out: Path, *args: str) -> tuple[int, dict]:
+def run_kit(kit: Path, python: Path, state: Path, out: Path, *args: str, repo: Path = REPO) -> tuple[int, dict]:
     """`bash KIT/run.sh --device cpu ARGS` from the repository root, as the device call runs it."""
     env = {**os.environ, "ROLLSTREAM_PY": str(python), "ROLLSTREAM_KIT_STATE": str(state), "OUT": str(out)}
     env.pop("PYTHONPATH", None)
     # The kit's own budget stops its checks (x CPU_SLACK here); this only catches a hung install.
     limit_s = checks.BUDGET_S["trainer"] * checks.CPU_SLACK + 900
-    proc = subprocess.run(["bash", str(kit / "run.sh"), "--device", "cpu", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=limit_s)
+    proc = subprocess.run(["bash", str(kit / "run.sh"), "--device", "cpu", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=limit_s)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     return proc.returncode, json.loads((out / "summary.json").read_text())
 
@@ -71,6 +72,29 @@ def tracked_bytes() -> int:
     """The working tree a device call sends besides the kit (tracked files)."""
     names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
+
+
+def fresh_tree(dest: Path) -> Path:
+    """What a device call runs in: a copy of the working tree (tracked files, and untracked
+    ones git does not ignore), without the ignored build outputs, such as the compiled AdamW
+    kernel (`pip install -e services/trainer` builds it here, not there)."""
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, names):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def kernels_in(tree: Path) -> list[Path]:
+    return sorted((tree / "services" / "trainer" / "src" / "rollstream" / "trainer").glob("_split_adamw*.so"))
+
+
+def assert_split_kernel_in(summary: dict, tree: Path) -> None:
+    """The summary names the optimizer path: the compiled split AdamW, the kit's copy in `tree`."""
+    assert summary["optimizer"]["path"] == "split_kernel" and summary["optimizer"]["uses_split_kernel"] is True, summary["optimizer"]
+    assert summary["optimizer"]["kernel"] in map(str, kernels_in(tree))
+    assert summary["checks"][3]["note"] == "optimizer path: split_kernel"
 
 
 def statuses(summary: dict) -> dict[str, str]:
@@ -116,13 +140,17 @@ def test_each_kit_fits_one_call(kits: Path) -> None:
 # 2-core machine (load 20) the two runs took over 15 minutes, the suite's default limit.
 @pytest.mark.timeout(3600)
 def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+    """Each kit in a fresh copy of the tree, as each device call gets (kit 2's without the
+    kernel kit 1 installed in its own: a machine that came back fresh), on one state folder."""
     state = tmp_path / "state"
-    rc, summary = run_kit(kits / "trainer", device_python3, state, tmp_path / "out1")
+    tree1, tree2 = fresh_tree(tmp_path / "tree1"), fresh_tree(tmp_path / "tree2")
+    assert not kernels_in(tree1) and not kernels_in(tree2)
+    rc, summary = run_kit(kits / "trainer", device_python3, state, tmp_path / "out1", repo=tree1)
     assert_what_comes_back(tmp_path / "out1")
     expected = SETUP + [c.name for c in checks.CHECKS["trainer"]]
     assert [row["name"] for row in summary["checks"]] == expected
     assert all(status == "ok" for status in statuses(summary).values()), summary
-    assert rc == 0
+    assert rc == 0 and summary["exit_status"] == 0 and summary["skipped"] == []
     for row in summary["checks"]:
         if row["cap_s"] is not None:
             assert row["seconds"] <= row["cap_s"] + 5, row
@@ -131,14 +159,20 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert machine["packages"]["protobuf"]["from"].startswith(str(state / "site"))
     assert machine["packages"]["torch"]["from"].startswith(str(device_python3.parents[2]))  # the image's torch
     assert (state / "model.part1").is_file(), "kit 1 keeps its part of the demo model for kit 2"
+    assert_split_kernel_in(summary, tree1)
     results = {row["name"]: row["result"] for row in summary["checks"]}
     assert results["gpu_step_1.5b"]["host"]["tokens_per_s"] > 0
+    assert_rl_step(results["gpu_step_1.5b_64x2048"])
+    optimizer = results["optimizer_step_1.5b"]
+    assert optimizer["optimizer"]["path"] == "split_kernel" and optimizer["offloaded_over_limit"] > 0
+    assert optimizer["step_with_delta_on_the_way"]["median_s"] > 0 and "step_then_delta" not in optimizer and "baseline" not in optimizer
     assert_largest_split(results["largest_split_14b"])
 
-    rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2")
+    rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2", repo=tree2)
     assert_what_comes_back(tmp_path / "out2")
     assert statuses(summary) == dict.fromkeys(SETUP + [c.name for c in checks.CHECKS["system"]], "ok"), summary
-    assert rc == 0
+    assert rc == 0 and summary["exit_status"] == 0
+    assert_split_kernel_in(summary, tree2)  # kit 2 carries the kernel too: `up`'s trainer steps with it
     results = {row["name"]: row["result"] for row in summary["checks"]}
     run = results["up_demo_128"]["runs"][0]
     assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
@@ -152,17 +186,49 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert results["trainer_memory"]["peak_rss_mb"] > 0
 
 
+def assert_step_figures(run: dict, path: dict) -> None:
+    """What every optimizer's run of gpu_step.py reports (docs/gpu.md)."""
+    assert run["step_s"] > 0 and run["tokens_per_s"] > 0 and "gpu_idle_fraction" in run
+    assert all(set(p) == {"forward_s", "backward_s", "optimizer_s"} for p in run["phases"]) and run["phases"]
+    assert run["peak_host_gib"] > 0 and run["peak_host_bytes_per_parameter"] > 0
+    assert run["optimizer"] == path, run["optimizer"]
+
+
+def assert_rl_step(result: dict) -> None:
+    """gpu_step.py step at an RL batch's shape (tiny, float32, on the CPU: 8 x 64 tokens in
+    micro-batches of 128 padded tokens, gradients accumulated over 4): forward and backward
+    alone, then the host optimizer overlapped with the next forward, sequential with its
+    delta, and with gradient offload (no resident baseline without a GPU)."""
+    assert (result["sequences"], result["seq_tokens"], result["token_budget"], result["micro_batches"]) == (8, 64, 128, 4)
+    assert result["forward_backward_alone"]["s"] > 0
+    path = {"path": "split_kernel", "master_layout": "split", "moments_dtype": "bfloat16", "grad_offload": False, "kernel_threads": 2}
+    assert "resident" not in result
+    assert_step_figures(result["host_overlapped"], path)
+    assert result["host_overlapped"]["overlapped"] is True and "delta" not in result["host_overlapped"]
+    assert_step_figures(result["host"], path)
+    assert result["host"]["overlapped"] is False and result["host"]["delta"]["bytes"] > 0
+    assert_step_figures(result["host_offload"], {**path, "grad_offload": True})
+    assert result["offload_backward_over_host"] > 0
+
+
 def assert_largest_split(result: dict) -> None:
-    """gpu_step.py largest in the split layout with bf16 moments (tiny, float32, on the CPU)."""
+    """gpu_step.py largest in the split layout with bf16 moments (tiny, float32, on the CPU),
+    4 sequences in 2 micro-batches: forward and backward alone, the overlapped step, one
+    with its delta, then sampling."""
     assert result["master_layout"] == "split" and result["moments_dtype"] == "bfloat16"
     assert result["host_bytes_per_parameter"] == 8
+    assert (result["sequences"], result["micro_batches"], result["delta"]) == (4, 2, True)
     (row,) = result["sizes"]
     assert row["fits"] is True and row["parameters"] > 0
     assert row["host_gib_needed"] >= row["host_gib_optimizer"] > 0
-    assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["train_tokens"] == 2 * 128
-    assert set(row["phases"]) == {"forward_s", "backward_s", "optimizer_s"}
-    assert list(row["timeline"]) == ["start", "counted", "model", "optimizer", "step", "sampling"]
-    assert row["peak_host_gib"] > 0 and row["peak_host_is"] == "this size"
+    assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["train_tokens"] == 4 * 128
+    assert row["overlapped"] is True and row["forward_backward_alone"]["s"] > 0
+    assert row["step_over_forward_backward"] == round(row["step_s"] / row["forward_backward_alone"]["s"], 3)
+    assert [set(p) for p in row["phases"]] == [{"forward_s", "backward_s", "optimizer_s"}]
+    assert row["with_delta"]["delta"]["bytes"] > 0 and row["with_delta"]["step_s"] > 0
+    assert row["optimizer"] == {"path": "split_kernel", "master_layout": "split", "moments_dtype": "bfloat16", "grad_offload": False, "kernel_threads": 2}
+    assert list(row["timeline"]) == ["start", "counted", "model", "forward_backward", "optimizer", "step", "with_delta", "sampling"]
+    assert row["peak_host_gib"] > 0 and row["peak_host_is"] == "this size" and row["peak_host_bytes_per_parameter"] > 0
     sampling = row["sampling"]  # then sampled from the same model, as colocated
     assert sampling["rows"] == 8 and sampling["new_tokens"] == 4 and 0 < sampling["tokens"] <= 8 * 4 and sampling["tokens_per_s"] > 0
 
@@ -170,9 +236,9 @@ def assert_largest_split(result: dict) -> None:
 # The install and one check on the CPU: a few minutes on a loaded 2-core machine.
 @pytest.mark.timeout(1800)
 def test_the_14b_check_runs_alone(kits: Path, device_python3: Path, tmp_path: Path) -> None:
-    """docs/gpu.md's one-off call, `run.sh --only largest_split_14b --budget-s 225`, at its CPU
+    """docs/gpu.md's one-off call, `run.sh --only largest_split_14b --budget-s 300`, at its CPU
     size: the setup rows and that one check, nothing else (the budget x CPU_SLACK here)."""
-    budget = str(225 * checks.CPU_SLACK)
+    budget = str(300 * checks.CPU_SLACK)
     rc, summary = run_kit(kits / "trainer", device_python3, tmp_path / "state", tmp_path / "out", "--only", "largest_split_14b", "--budget-s", budget)
     assert_what_comes_back(tmp_path / "out")
     assert statuses(summary) == dict.fromkeys([*SETUP, "largest_split_14b"], "ok"), summary
@@ -180,6 +246,27 @@ def test_the_14b_check_runs_alone(kits: Path, device_python3: Path, tmp_path: Pa
     row = summary["checks"][-1]
     assert row["seconds"] <= row["cap_s"] + 5, row
     assert_largest_split(row["result"])
+
+
+def test_a_check_the_budget_skipped_sets_the_exit_status(tmp_path: Path) -> None:
+    """A check the budget leaves unrun: the call exits BUDGET_SKIPPED (3, not 0), and the
+    summary says which and why. A kit of no wheels (build.py's own finish) on this venv's
+    python, which has every package, so that only the budget stands in the way."""
+    spec = importlib.util.spec_from_file_location("gpu_kit_build", REPO / "scripts" / "gpu_kit" / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    kit = tmp_path / "kit"
+    build.finish(kit, "trainer", {}, f"{sys.version_info.major}.{sys.version_info.minor}", {})
+    # largest_split_14b needs min_s x CPU_SLACK seconds left: far more than this budget.
+    rc, summary = run_kit(kit, Path(sys.executable), tmp_path / "state", tmp_path / "out", "--only", "largest_split_14b", "--budget-s", "120")
+    assert rc == checks.BUDGET_SKIPPED == 3
+    assert summary["exit_status"] == 3
+    assert statuses(summary) == {"checksums": "ok", "install": "ok", "model": "skipped", "machine": "ok", "largest_split_14b": "skipped"}, summary
+    (skipped,) = summary["skipped"]
+    assert skipped["name"] == "largest_split_14b" and skipped["by"] == "budget"
+    assert "budget" in skipped["why"] and "--only largest_split_14b" in skipped["why"]
+    assert_what_comes_back(tmp_path / "out")
 
 
 def test_only_a_check_the_kit_has(kits: Path, device_python3: Path, tmp_path: Path) -> None:
@@ -374,6 +461,7 @@ def test_kit3_calls_in_sequence_install_and_import_vllm(vllm_kits: Path, vllm_py
     # On the CPU the CUDA kernels cannot load: they need CUDA's runtime and torch's CUDA libraries.
     assert "cannot open shared object file" in probe["kernels"]["vllm._C_stable_libtorch"]
     assert probe["asked_for_missing"] == []
+    assert summary["optimizer"]["path"] == "split_kernel", "kit 3 carries the compiled AdamW too"
 
     (fallback,) = calls(vllm_kits / "vllm-fallback" / "rs")
     rc, summary = run_kit(fallback, vllm_python3, state, tmp_path / "out-rs")
