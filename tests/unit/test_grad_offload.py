@@ -103,6 +103,27 @@ def test_accumulator_and_step_have_the_bits_of_the_synchronous_offload(layout: M
                 t.copy_(p)
 
 
+def test_offload_under_the_overlapped_step_gives_the_sequential_bits() -> None:
+    """HostAdamW.step with the model runs the update on its own thread while the next
+    micro-batches' forward starts; their backward waits for it (as step._accumulate does),
+    so the hooks never add into an accumulator the update is still reading or clearing."""
+    masters = {}
+    for overlap in (False, True):
+        model = _net(torch.bfloat16)
+        opt = _offloaded(model)
+        xs = _xs(12)
+        for step in range(4):
+            for x in xs[3 * step : 3 * step + 3]:
+                if overlap:
+                    opt.wait()
+                _loss(model, x).backward()
+            opt.step(MAX_NORM, model=model if overlap else None)
+        opt.wait()
+        masters[overlap] = {n: m.clone() for n, m in opt.master.items()}
+    for n, m in masters[False].items():
+        assert torch.equal(_bits(masters[True][n]), _bits(m)), n
+
+
 SMALL_BUCKET_MB = 0.02  # one bucket, and a staging slot that holds the small model's weight
 
 
