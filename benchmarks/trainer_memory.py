@@ -199,7 +199,11 @@ def main() -> None:
     parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (the optimizer state stays in host memory either way)")
     parser.add_argument("--tracemalloc", action="store_true", help="also trace the Python heap (slower; its own bookkeeping is counted in RSS)")
-    parser.add_argument("--no-reader", action="store_true", help="as a colocated run's trainer: nobody reads a delta, so none is encoded and no anchor kept (issue 44)")
+    parser.add_argument(
+        "--reader", choices=["yes", "no", "alternate"], default="yes",
+        help="whether anyone reads the deltas: yes (as before); no (a colocated run's trainer: none encoded, no anchor kept; issue 44); "
+        "alternate (no on odd steps, yes on even ones, the anchor written before those outside their time: both in one process)",
+    )
     args = parser.parse_args()
 
     if args.tracemalloc:
@@ -288,17 +292,23 @@ def main() -> None:
     rec.mark("trainer_ready")
 
     opt, pub = trainer.optimizer, trainer.publisher
-    if args.no_reader:
-        pub.readers.saw([], from_registry=True)  # what the loop sees in a colocated run's registry
+
+    def reader_at(step: int) -> bool:
+        return args.reader == "yes" or (args.reader == "alternate" and step % 2 == 0)
+
     vocab = trainer.limits.vocab_size
     step_times, step_phases = [], []
     for step in range(1, args.steps + 1):
         step_no[0] = step
         groups = demo_groups(trainer.tokenizer, step, args.groups, args.group_size, args.new_tokens, vocab)
-        t = time.perf_counter()
+        if args.reader != "yes":  # what the loop sees: a colocated run's registry, or a generator with an address
+            pub.readers.saw(["reader:1"] if reader_at(step) else [], from_registry=True)
+            if reader_at(step):
+                trainer.reanchor("benchmark: a reader")  # after skipped deltas: the anchor, not timed
+        t, cpu = time.perf_counter(), time.process_time()
         _metrics, published, stats = trainer.train_step(groups)
         step_times.append(round(time.perf_counter() - t, 2))
-        step_phases.append({k: round(v, 3) for k, v in trainer.last_phases.items()})
+        step_phases.append({"reader": reader_at(step), "cpu_s": round(time.process_time() - cpu, 2), **{k: round(v, 3) for k, v in trainer.last_phases.items()}})
         del published, groups
         rec.mark(f"step{step}_done", delta_mb=round(stats.nbytes / MB, 1))
         if args.checkpoint_every and step % args.checkpoint_every == 0:
@@ -341,7 +351,7 @@ def main() -> None:
         "weights_sha256": deltas.weights_sha256(pub.bits()),
         "init_s": round(init_s, 1),
         "step_s": step_times,
-        "no_reader": args.no_reader,
+        "reader": args.reader,
         "step_phases": step_phases,
         "phases": rec.phases,
         "parts_mb": parts_mb,

@@ -62,6 +62,7 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
                 assert state == ["reward-0", "trainer"], state
                 log = (workdir / "logs" / "trainer.log").read_text()
                 assert " generator started " in log and " trainer serving " in log and "push_not_applied" not in log
+                assert "no delta (no reader)" in done.stdout + done.stderr  # up's step lines say it, not "0.00% of dense"
             else:
                 assert state == ["generator-0", "reward-0", "trainer"], state
     finally:

@@ -131,6 +131,12 @@ def configured_child(name: str, service: str, values: dict[str, Any], flags: lis
     return Child(name, [service, "--config", str(path), *flags], child_env(service, values), workdir)
 
 
+def delta_text(m: rollout_pb2.StepMetrics) -> str:
+    """The step's delta for the console: an encoded one always has bytes (a header at least),
+    so 0 is a step whose delta nobody would read (the step log's delta_skipped)."""
+    return f"delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense" if m.delta_bytes else "no delta (no reader)"
+
+
 def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callable[[str], list[str]], workdir: Path, **generator_values: Any) -> Child:
     """The trainer and the generator in one process (launcher/colocated.py), named `trainer`:
     its gRPC and HTTP sides and its state file are the trainer's. The generator's settings go
@@ -350,7 +356,7 @@ def _up(cfg: RunConfig) -> int:
                         console.print(
                             f"step {m.step:>3}/{steps or '-'}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
                             f"loss {m.loss:+.3g}  grad norm {m.grad_norm:.3g}  length {m.tokens / max(m.completions, 1):.1f} tokens  "
-                            f"staleness {m.mean_staleness:.2f}  delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense  "
+                            f"staleness {m.mean_staleness:.2f}  {delta_text(m)}  "
                             f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                         )
                     for held_out in progress.poll_evals(client, keys):
