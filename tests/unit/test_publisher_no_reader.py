@@ -111,6 +111,7 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         for step in (3, 4, 5):
             _, published, stats = trainer.train_step(scored_groups(step, 2))
             assert published is not None and published.info.kind == "delta" and stats.nbytes > 0 and trainer.last_skipped == ""
+            assert trainer.last_reanchor == ("registered generators: 127.0.0.1:9" if step == 3 else "")  # the step log's `reanchored`
         assert counted(host, "reanchors") == 1
 
         # A generator holding nothing reads the store: anchor 2, deltas 3..5.

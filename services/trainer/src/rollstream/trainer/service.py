@@ -369,7 +369,7 @@ class TrainerLoop:
     def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float], skipped: str = "", reanchored: str = "") -> None:
         """Append the committed step's line to metrics_file (core/steplog.py), with
         `delta_skipped` (why no delta was encoded: delta_bytes is then 0) and `reanchored` (why
-        an anchor was written at its end) when they happened. A disk that
+        an anchor was written at its start or end, for a reader that appeared) when they happened. A disk that
         refuses it costs the curve a point, never the run: logged, and training goes on. The
         same figures go to the trackers (report_to)."""
         self.trackers.log_metrics(step_metrics(metrics, phases), metrics.step)

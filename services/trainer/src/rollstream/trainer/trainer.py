@@ -161,7 +161,7 @@ class Trainer:
         self.last_truncated_fraction = 0.0
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
         self.last_skipped = ""  # why the last step's delta was not encoded ("": it was)
-        self.last_reanchor = ""  # why the last step's end wrote an anchor for a reader that appeared ("": it did not)
+        self.last_reanchor = ""  # why an anchor was written at the last step's start or end, for a reader that appeared ("": none)
         self.overlapped = False  # whether the last step's update ran on while the next forward started
         # Held through each step: in the split master layout the published bits are the
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
@@ -279,8 +279,10 @@ class Trainer:
         start = time.perf_counter()
         with self.weights_lock:  # the choice and the chain it needs, atomic with the step (reanchor)
             reader = self.publisher.readers.reader()
-            if reader and not self.publisher.has_chain:  # normally anchored at once when the reader came
+            self.last_reanchor = ""
+            if reader and not self.publisher.has_chain:  # a reader the loop saw just before this step
                 self._reanchor_locked(reader)
+                self.last_reanchor = reader
             # Full fine-tuning: the trained parameters are the published weights, so the delta is
             # encoded tensor by tensor during the optimizer step. With LoRA the published weights
             # are merged after it.
@@ -363,7 +365,6 @@ class Trainer:
         self.metrics.phase_seconds.labels(phase="commit").observe(self.last_phases["commit_s"])
         addresses, version = targets(), self.version
         self.publisher.readers.saw(addresses, from_registry)
-        self.last_reanchor = ""
         if published is None:
             reader = self.publisher.readers.reader()
             if reader and self.reanchor(reader):
