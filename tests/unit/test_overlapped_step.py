@@ -144,3 +144,23 @@ def test_a_refused_step_after_an_overlapped_one_applies_nothing(tiny_model_dir: 
         train_step(model, opt, poisoned, config(), pad_id=tokenizer.pad_token_id, background=True)
     assert opt.step_count == 1
     assert all(torch.equal(v, after_one[k]) for k, v in opt.state_tensors().items())
+
+
+def test_each_device_gradient_goes_once_its_last_piece_is_down(tiny_model_dir: Path) -> None:
+    """The next forward of an overlapped step needs device room: a parameter's gradient is
+    dropped as soon as the bucket holding its last piece has come down, not at the update's end."""
+    model, tokenizer = modeling.load_model(tiny_model_dir)
+    model.train()
+    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    opt.sync_model()
+    seen: dict[str, bool] = {}
+
+    def on_piece(name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
+        last = start + new.size == opt.layout[name][1]
+        seen[name] = seen.get(name, False) or last
+        assert (opt.params[name].grad is None) == last, (name, start)
+
+    train_step(model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=on_piece, background=True)
+    opt.wait()
+    assert set(seen) == set(opt.params) and all(seen.values())
+    assert any(len(held) > 1 for held in opt._buckets_of.values())  # a parameter cut by buckets was in it

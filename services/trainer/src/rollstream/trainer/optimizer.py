@@ -47,7 +47,9 @@ The overlapped update (step with `model`): the norm, the clip factor and the ref
 non-finite step are decided on the caller's thread, then step 2 runs on a thread of its own
 and step() returns. The next forward goes on meanwhile: each module waits only for the
 buckets of its own weights (in layout order, which is the forward's), the decoder's end for
-all of them, and backward for the whole update, whose last act is dropping the gradients.
+all of them, and backward for the whole update, whose last act is dropping the gradients
+(each parameter's device gradient goes as soon as the bucket with its last piece has come
+down, so the next forward has the room).
 So the step's wall time approaches max(forward + backward, optimizer) instead of their sum,
 with the same buckets, in the same order, as the sequential step: the same bits. Why not
 during the last backward instead (ZeRO-Offload's and LSRL's overlap): a bucket's AdamW
@@ -299,6 +301,12 @@ class HostAdamW:
         for k, b in enumerate(self.buckets):
             for pc in b.pieces:
                 self._buckets_of[pc.name].append(k)
+        # The parameters whose last piece is in bucket k: their device gradients may go once
+        # bucket k's have come down (an overlapped update's next forward needs the room).
+        self._last_in: list[list[str]] = [[] for _ in self.buckets]
+        for name, held in self._buckets_of.items():
+            if held:  # (an empty parameter is in no bucket)
+                self._last_in[held[-1]].append(name)
         self._gates: dict[int, list[torch.utils.hooks.RemovableHandle]] = {}
 
     # -- layout ----------------------------------------------------------------------
@@ -557,6 +565,8 @@ class HostAdamW:
                     next_fetch = self._fetch(k + 1) if k + 1 < len(self.buckets) else None
                     self._copier.wait(fetched)
                     fetched = next_fetch
+                    for name in self._last_in[k]:
+                        self.params[name].grad = None  # on the host now, in full
                     grad = self._grad_in[k % 2][:n]
                     if self._widen_grads:
                         grad = self._grad32[:n].copy_(grad)
