@@ -101,8 +101,12 @@ def test_metrics_of_a_real_trainer(run: tuple[TrainedRun, RunKeys]) -> None:
     assert re.search(rf"^rollstream_trainer_eval_policy_version {STEPS}\.0$", text, re.M)
     assert re.search(rf'^rollstream_trainer_groups_total\{{outcome="trained"\}} {2 * STEPS}\.0$', text, re.M)
     assert re.search(rf"^rollstream_trainer_group_staleness_versions_count {2 * STEPS}\.0$", text, re.M)
-    for phase in ("forward", "backward", "optimizer", "delta_encode", "push", "commit"):
+    for phase in ("forward", "backward", "optimizer", "delta_encode", "push_wait", "commit"):
         assert re.search(rf'^rollstream_trainer_step_phase_seconds_count\{{phase="{phase}"\}} {STEPS}\.0$', text, re.M), phase
+    # No generator read a delta while it trained (gen-0 registers afterwards): none was
+    # encoded or pushed (publisher.Readers).
+    assert re.search(rf"^rollstream_trainer_deltas_skipped_total {STEPS}\.0$", text, re.M)
+    assert not re.search(r'^rollstream_trainer_step_phase_seconds_count\{phase="push"\}', text, re.M)
     assert re.search(r"^rollstream_trainer_process_resident_memory_bytes [0-9.e+]+$", text, re.M)
 
 
