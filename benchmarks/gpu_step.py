@@ -268,7 +268,7 @@ def one_step(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.RolloutG
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     try:
-        r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]
+        r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
                        background=overlapped)
         if cuda and not overlapped:
             torch.cuda.synchronize(device)
