@@ -391,14 +391,18 @@ class HostAdamW:
         or changes the optimizer's state calls it first; any thread may."""
         update = self._in_flight
         if update is not None:
-            update.done.result()
+            update.done.result()  # a failed update stays in flight: every wait raises its error
             self._copier.end()
+            if self._in_flight is update:  # (not a newer one): the gating hooks then cost a read
+                self._in_flight = None
 
     def _await_buckets(self, buckets: list[int]) -> None:
         """A forward pre-hook's wait: until these buckets' new weights are on their way into
         the model; on CUDA the compute stream then waits for their copies, not this thread."""
         update = self._in_flight
-        if update is None or update.done.done():
+        if update is None:  # nothing in flight (the common case, every module of every forward)
+            return
+        if update.done.done():
             self.wait()
             return
         for k in buckets:
