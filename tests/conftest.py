@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, connect
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import connect
 
 import procs
 from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model

@@ -16,7 +16,7 @@ from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
 from synthetic import scored_groups, tokenizer_decode
 from rollstream.core import codec, registry, steplog, streams
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 STEPS = 3

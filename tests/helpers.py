@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollstream.core import codec
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 from synthetic import Decode, record_tasks
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rollstream.core import dashboard, metrics, service, streams
+from rollstream.core import dashboard, metrics, run_keys, service
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "observability.md"
@@ -49,7 +49,7 @@ def service_registry(name: str) -> CollectorRegistry:
         def unreachable():
             raise ConnectionError("no Redis in this test")
 
-        registry.register(dashboard.PipelineView(unreachable, streams.RunKeys("names")))
+        registry.register(dashboard.PipelineView(unreachable, run_keys.RunKeys("names")))
     Metrics.register(registry)
     return registry
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 # A tokenizer's decode, special tokens skipped: the text the trainer checks a completion against.

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 
 pytestmark = pytest.mark.browser
 

@@ -49,7 +49,7 @@ from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REF
 from helpers import wait_for
 from rollstream.core import codec
 from rollstream.launcher.redis_server import free_port
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(3600)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import codec, streams
+from rollstream.core import codec, run_keys, streams
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE as EXAMPLE
@@ -54,7 +54,7 @@ def test_example_source_imports_only_redis_protobuf_and_the_stdlib() -> None:
 
 
 def test_trainer_trains_on_the_custom_services_scores(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, custom_reward_stubs: Path, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, custom_reward_stubs: Path, tmp_path: Path
 ) -> None:
     # An audit group on `ready` that never reads: the trainer trims `ready` only behind every
     # group, so every group the custom service wrote stays there for the checks below.

@@ -13,8 +13,8 @@ import redis
 
 from helpers import wait_for
 from procs import generator_state, start_service, trainer_state
-from rollstream.core.streams import read_counters
-from rollstream.core import codec, streams
+from rollstream.core.run_keys import read_counters
+from rollstream.core import codec, run_keys
 from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ def stream_group_ids(client: redis.Redis, key: str) -> set[str]:
     return ids
 
 
-def write_malformed(client: redis.Redis, keys: streams.RunKeys) -> None:
+def write_malformed(client: redis.Redis, keys: run_keys.RunKeys) -> None:
     """One bad entry per stream, each wrong in a different way."""
     client.xadd(keys.stream("prompts"), {"type": b"rollstream.v1.Nonsense", "schema": b"1", "data": b""})
     client.xadd(keys.stream("rollouts"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"1", "data": b"\xff\xfe\xfd"})
@@ -41,7 +41,7 @@ def write_malformed(client: redis.Redis, keys: streams.RunKeys) -> None:
     client.xadd(keys.stream("ready"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"99", "data": b""})
 
 
-def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
     common = ["--redis-url", redis_url, "--run", keys.run, "--claim-idle-ms", "1500", "--threads", "1"]
     model = ["--model", str(tiny_model_dir)]
     trainer = start_service(

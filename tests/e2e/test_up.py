@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, steplog
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
 from helpers import MIN_WAIT_S, still_running, wait_for

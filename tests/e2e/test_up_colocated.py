@@ -16,7 +16,7 @@ import redis
 from pydantic import ValidationError
 
 from rollstream.core import steplog
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.run_config import RunConfig
 

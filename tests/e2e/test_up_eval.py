@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, steplog
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from rollstream.core import credentials
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 
 from helpers import MIN_WAIT_S, process_tree, still_running, tcp_sockets, wait_for
 from procs import alive

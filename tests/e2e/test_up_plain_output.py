@@ -21,7 +21,7 @@ from helpers import still_running, wait_for
 from procs import alive
 from rollstream.core import codec, credentials
 from rollstream.launcher.procs import tail
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 MARKUP_IDS = ["evil[/]", "[bold", "[link=https://example.com]x[/link]"]

@@ -29,7 +29,7 @@ import redis
 from rollstream.core import credentials, registry
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 from helpers import code_of, still_running, wait_for

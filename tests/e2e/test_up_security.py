@@ -19,7 +19,7 @@ import redis
 from rollstream.core import codec, credentials
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import generator_pb2_grpc, rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 from helpers import MIN_WAIT_S, code_of, dead_letters, still_running, wait_for

@@ -36,7 +36,7 @@ from helpers import wait_for
 from procs import alive
 from rollstream.core import codec, credentials, redis_acl
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, id_tuple, read_counters
+from rollstream.core.run_keys import RunKeys, id_tuple, read_counters
 from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
 

@@ -33,7 +33,7 @@ from helpers import wait_for
 from procs import alive
 from rollstream.core import codec, steplog
 from rollstream.core.redis_policy import SOCKET_TIMEOUT_S
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 SHAPE = RunShape(steps=10)

@@ -24,7 +24,7 @@ import redis
 from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import streams
+from rollstream.core import run_keys
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc
@@ -38,7 +38,7 @@ def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult
         return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
 
 
-def feed(client: redis.Redis, keys: streams.RunKeys, steps: range, decode: Decode) -> None:
+def feed(client: redis.Redis, keys: run_keys.RunKeys, steps: range, decode: Decode) -> None:
     for step in steps:
         write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "ns", group_size=2), decode)
 
@@ -54,7 +54,7 @@ def trainer_names(root: Path) -> list[str]:
 
 
 def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"

@@ -13,7 +13,8 @@ import redis
 
 from helpers import write
 from rollstream.launcher import cli, up
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import StreamStage
 from rollstream.v1 import rollout_pb2
 
 # An unmatched closing tag (MarkupError), an unclosed one, and tags rich would swallow.

@@ -16,7 +16,7 @@ import redis
 from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
 from rollstream.core import dashboard, redis_policy, registry, streams
 from rollstream.launcher.redis_server import free_port
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 
 from metric_names import documented_trainer_names
 

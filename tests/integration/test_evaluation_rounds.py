@@ -10,7 +10,8 @@ import redis
 from transformers import AutoTokenizer
 
 from rollstream.core import codec
-from rollstream.core.streams import Ops, RunKeys, StreamStage, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.core.streams import Ops, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.evaluation import ROUND_PREFIX, Evaluator
 from rollstream.trainer.feeder import chat_encoder

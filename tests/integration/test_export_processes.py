@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from helpers import wait_for, write_ready
 from procs import free_port, start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import deltas, modeling, streams
+from rollstream.core import deltas, modeling, run_keys
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import export
@@ -37,7 +37,7 @@ def exported_bits(folder: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_stopped_trainer_exports_what_it_served(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     out = tmp_path / "model"
     trainer = start_service(

@@ -18,7 +18,8 @@ import redis
 from transformers import AutoTokenizer
 
 from rollstream.core import codec, redis_acl, redis_policy
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import StreamStage
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollstream.core import codec, deltas, modeling, streams, weight_transfer
+from rollstream.core import codec, deltas, modeling, run_keys, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
@@ -132,7 +132,7 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
     """Tasks that once crashed the generator five times (and took their batch with them) are
     refused one by one, each with its own reason; the good tasks of the same read are
     sampled and written, and the generator keeps serving."""
-    keys = streams.RunKeys(run_name)
+    keys = run_keys.RunKeys(run_name)
 
     def task(task_id: str, **change) -> rollout_pb2.PromptTask:
         t = rollout_pb2.PromptTask(
@@ -198,7 +198,7 @@ def _arithmetic_task(task_id: str) -> rollout_pb2.PromptTask:
     )
 
 
-def _peer_takes(rclient, keys: streams.RunKeys, tasks: int, held: int) -> list[bytes]:
+def _peer_takes(rclient, keys: run_keys.RunKeys, tasks: int, held: int) -> list[bytes]:
     """`tasks` prompt tasks on the stream, `held` of them taken by another generator ("peer")
     that has not finished them: pending with it in the generators' group."""
     for i in range(tasks):
@@ -212,7 +212,7 @@ def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: s
     """Generators share max_inflight_groups: the tasks a peer has taken and is sampling count
     as in flight, so this one takes only the room left (with max_staleness 0, more would be
     sampled only to be dropped as stale), and the rest once the peer is done."""
-    keys = streams.RunKeys(run_name)
+    keys = run_keys.RunKeys(run_name)
     rollouts = keys.stream("rollouts")
     held = _peer_takes(rclient, keys, tasks=6, held=3)
     gen = start_service(
@@ -235,7 +235,7 @@ def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: s
 def test_tasks_a_dead_peer_held_past_claim_idle_do_not_block_the_room(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient) -> None:
     """A peer that died holding the whole room: its tasks, idle past claim_idle_ms, are not
     counted as in flight; this generator claims them and samples every task."""
-    keys = streams.RunKeys(run_name)
+    keys = run_keys.RunKeys(run_name)
     _peer_takes(rclient, keys, tasks=6, held=4)
     gen = start_service(
         "generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1",

@@ -25,7 +25,8 @@ from helpers import wait_for
 from procs import start_service
 from synthetic import record_tasks, scored_groups, tokenizer_decode
 from rollstream.core import codec, redis_policy
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import StreamStage
 from rollstream.v1 import rollout_pb2
 
 WAIT_S = 60.0  # for an event; never a timing assumption

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from rollstream.core.grpc_utils import channel
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
 from helpers import MIN_WAIT_S, LoggedProc, groups_in, wait_for, wait_healthy, write_many

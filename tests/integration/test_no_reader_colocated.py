@@ -19,13 +19,13 @@ import tomli_w
 from helpers import wait_for, write_ready
 from procs import free_port, generator_state, start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import registry, steplog, streams, weight_store
+from rollstream.core import registry, run_keys, steplog, weight_store
 
 GROUPS_PER_STEP = 2
 
 
 def test_a_generator_joining_a_colocated_run_gets_the_exact_weights(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     anchor_dir, step_log = tmp_path / "anchor", tmp_path / "steps.jsonl"
     sockets = tmp_path / "sockets"

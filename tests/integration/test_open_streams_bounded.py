@@ -18,7 +18,7 @@ from helpers import wait_for, wait_healthy
 from procs import start_reward
 from rollstream.core import credentials, grpc_utils
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
 
 # More streams than the server has threads, own and open ones together.

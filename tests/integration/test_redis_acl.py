@@ -30,11 +30,12 @@ import redis
 from transformers import AutoTokenizer
 
 from rollstream.launcher import cli
-from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, streams, validation
+from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, run_keys, streams, validation
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
@@ -177,9 +178,9 @@ def test_generator_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     work_through_stage(admin, client, keys, "prompts", "generators", "rollouts", extra=ledger)
     # Back-pressure (as the observer) and staleness (turn), the registry heartbeat and leave
     # (heartbeat_forever, run).
-    assert sum(streams.waiting(observer, keys.stream(name), limit=64) for name in ("rollouts", "scored", "ready")) == 3
+    assert sum(run_keys.waiting(observer, keys.stream(name), limit=64) for name in ("rollouts", "scored", "ready")) == 3
     admin.set(keys.version, 7)
-    assert streams.current_version(client, keys) == 7
+    assert run_keys.current_version(client, keys) == 7
     registry.heartbeat(client, keys, "gen-0", "127.0.0.1:5000", version=6)
     assert admin.hget(keys.generators, "gen-0") == b"127.0.0.1:5000"
     assert registry.versions(admin, keys) == {"gen-0": 6}
@@ -349,14 +350,14 @@ def test_a_role_writes_its_own_counters_and_no_one_elses(admin: redis.Redis, con
     role now counts in its own hash, the only one its user may write, by a command or by a
     script (the commit script runs as the caller); the observer writes none."""
     client = connect_as(role)
-    others = [r for r in streams.COUNTER_ROLES if r != role]
+    others = [r for r in run_keys.COUNTER_ROLES if r != role]
     for other in others:
         key = keys.counters(other)
         assert_denied(lambda key=key: client.hset(key, "trained", "x"))
         assert_denied(lambda key=key: client.hincrby(key, "scored", 1))
         assert_denied(lambda key=key: client.hget(key, "trained"))
     # Inside its own commit script too: refused, and nothing written.
-    stage = StreamStage(client, keys, next(s for s, r in streams.STAGE_READER.items() if r == role), role, "c")
+    stage = StreamStage(client, keys, next(s for s, r in run_keys.STAGE_READER.items() if r == role), role, "c")
     ops = streams.Ops()
     ops.hincrby(keys.counters(others[0]), "trained", 1)
     assert_denied(lambda: stage.apply(ops))
@@ -367,7 +368,7 @@ def test_a_role_writes_its_own_counters_and_no_one_elses(admin: redis.Redis, con
     stage.apply(own)
     assert client.hincrby(keys.counters(role), "counted", 1) == 3
     observer = connect_as(redis_acl.OBSERVER)
-    for each in streams.COUNTER_ROLES:
+    for each in run_keys.COUNTER_ROLES:
         assert_denied(lambda each=each: observer.hset(keys.counters(each), "trained", "x"))
     assert observer.hgetall(keys.counters(role)) == {b"counted": b"3"}
     # The old shared hash is nobody's but the admin's.
@@ -436,27 +437,27 @@ def test_generator_cannot_write_ready_or_scored(admin: redis.Redis, connect_as, 
     for name in ("ready", "scored"):
         assert_denied(lambda name=name: generator.xadd(keys.stream(name), forged))
         assert_denied(lambda name=name: generator.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream(name)))
-        assert_denied(lambda name=name: streams.waiting(generator, keys.stream(name)))
+        assert_denied(lambda name=name: run_keys.waiting(generator, keys.stream(name)))
     stage = StreamStage(generator, keys, "prompts", "generators", "c")
     assert_denied(lambda: stage.apply(_xadd_ops(keys.stream("ready"), forged)))
     assert admin.exists(keys.stream("ready"), keys.stream("scored")) == 0
 
 
 def test_observer_counts_back_pressure(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
-    """streams.waiting as the observer on each stream it counts: no group yet, groups with
+    """run_keys.waiting as the observer on each stream it counts: no group yet, groups with
     pending and unread entries, a stream that does not exist; the server refuses nothing."""
     observer = connect_as("observer")
-    assert streams.waiting(observer, keys.stream("ready")) == 0  # no such stream yet
+    assert run_keys.waiting(observer, keys.stream("ready")) == 0  # no such stream yet
     for i in range(3):
         write(admin, keys, "scored", rollout_group(f"s{i}", ["8"]))
-    assert streams.waiting(observer, keys.stream("scored")) == 3  # no group: its length
+    assert run_keys.waiting(observer, keys.stream("scored")) == 3  # no group: its length
     write(admin, keys, "rollouts", rollout_group("r0", ["8"]))
     write(admin, keys, "rollouts", rollout_group("r1", ["8"]))
     admin.xgroup_create(keys.stream("rollouts"), "reward", id="0")
     admin.xreadgroup("reward", "c", {keys.stream("rollouts"): ">"}, count=1)
-    assert streams.waiting(observer, keys.stream("rollouts")) == 2  # one pending, one unread
+    assert run_keys.waiting(observer, keys.stream("rollouts")) == 2  # one pending, one unread
     write(admin, keys, "ready", rollout_group("g0", ["8"]))
-    assert streams.waiting(observer, keys.stream("ready"), limit=64) == 1
+    assert run_keys.waiting(observer, keys.stream("ready"), limit=64) == 1
     assert denials(admin) == []
 
 

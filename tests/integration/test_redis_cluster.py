@@ -23,8 +23,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
-from rollstream.core.streams import read_counters
-from rollstream.core import codec, redis_policy, registry, streams
+from rollstream.core.run_keys import read_counters
+from rollstream.core import codec, redis_policy, registry, run_keys, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
 
@@ -63,14 +63,14 @@ def run_on_node(cluster: RedisClusterNodes, node: int, prefix: str = "c") -> str
     raise AssertionError(f"no run name found for node {node}")
 
 
-def every_key(keys: streams.RunKeys) -> list[str]:
+def every_key(keys: run_keys.RunKeys) -> list[str]:
     return [
-        *(keys.stream(s) for s in streams.STAGES), keys.dead, keys.metrics, *map(keys.counters, streams.COUNTER_ROLES), keys.version, keys.fed, keys.trained_log,
+        *(keys.stream(s) for s in run_keys.STAGES), keys.dead, keys.metrics, *map(keys.counters, run_keys.COUNTER_ROLES), keys.version, keys.fed, keys.trained_log,
         keys.generators, keys.generators_seen, keys.generators_versions, *(keys.groups(o) for o in ("generated", "trained", "stale")),
     ]  # fmt: skip
 
 
-def keys_on_node(cluster: RedisClusterNodes, node: int, keys: streams.RunKeys) -> set[str]:
+def keys_on_node(cluster: RedisClusterNodes, node: int, keys: run_keys.RunKeys) -> set[str]:
     """The run's keys stored on one node (a plain client on that node: SCAN sees its keyspace only)."""
     client = cluster.node_client(node)
     try:
@@ -111,7 +111,7 @@ def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: Red
     seed = cluster.node_client(0)
     try:
         for node, run in runs.items():
-            keys = streams.RunKeys(run)
+            keys = run_keys.RunKeys(run)
             slot = key_slot(run.encode())
             # Every key of the run hashes to the run's slot: client side, and as the server says.
             for key in every_key(keys):
@@ -123,7 +123,7 @@ def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: Red
         seed.close()
 
     for node, run in runs.items():
-        keys = streams.RunKeys(run)
+        keys = run_keys.RunKeys(run)
         _stage_cycle(cclient, keys)
         _registry_cycle(cclient, keys)
         # The run's keys are stored on its node and nowhere else.
@@ -133,17 +133,17 @@ def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: Red
             assert keys_on_node(cluster, other, keys) == set()
 
 
-def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
+def _stage_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
     source, scored = keys.stream("rollouts"), keys.stream("scored")
     stage = streams.StreamStage(client, keys, "rollouts", "reward", "reward-0", claim_idle_ms=60_000, max_deliveries=5)
     for gid in ("g1", "g2", "g3"):
         write(client, keys, "rollouts", group(gid))
-    assert streams.waiting(client, source) == 3  # unread by the group
+    assert run_keys.waiting(client, source) == 3  # unread by the group
 
     entries = stage.read(count=10, block_ms=100)
     assert [codec.decode(e.fields, rollout_pb2.RolloutGroup).group_id for e in entries] == ["g1", "g2", "g3"]
     assert all(e.deliveries == 1 for e in entries)
-    assert streams.waiting(client, source) == 3  # pending now
+    assert run_keys.waiting(client, source) == 3  # pending now
     assert stage.read(count=10, block_ms=50) == []
 
     def ledger(ops: streams.Ops) -> None:
@@ -162,8 +162,8 @@ def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
     letter = codec.decode(dead_fields, rollout_pb2.DeadLetter)
     assert (letter.source_stream, letter.reason, dead_fields[b"reason"]) == (source, "test: unusable", b"test: unusable")
     assert int(client.hget(keys.counters("reward"), "dead_rollouts")) == 1
-    assert streams.waiting(client, source) == 0
-    assert streams.waiting(client, scored) == 2  # no group reads `scored` here: all of it
+    assert run_keys.waiting(client, source) == 0
+    assert run_keys.waiting(client, scored) == 2  # no group reads `scored` here: all of it
 
     # Restart under the same consumer name: its pending entry comes back first (a 2nd
     # delivery); another consumer takes it over once idle; the first one's commit is refused.
@@ -182,10 +182,10 @@ def _stage_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
 
     # Everything acknowledged: trim empties the input stream.
     assert stage.trim() == 4
-    assert client.xlen(source) == 0 and streams.waiting(client, source) == 0
+    assert client.xlen(source) == 0 and run_keys.waiting(client, source) == 0
 
 
-def _registry_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
+def _registry_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
     registry.heartbeat(client, keys, "gen-a", "10.0.0.1:5001")
     registry.heartbeat(client, keys, "gen-b", "10.0.0.2:5001")
     assert registry.live(client, keys) == {"gen-a": "10.0.0.1:5001", "gen-b": "10.0.0.2:5001"}
@@ -206,7 +206,7 @@ def _registry_cycle(client: RedisCluster, keys: streams.RunKeys) -> None:
 def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient: RedisCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
     # A run on node 2: the URL names node 0, so every command of the services is routed.
     run = run_on_node(cluster, 2, prefix="p")
-    keys = streams.RunKeys(run)
+    keys = run_keys.RunKeys(run)
     common = ["--redis-url", cluster.url, "--run", run, "--claim-idle-ms", "1500", "--threads", "1"]
     model = ["--model", str(tiny_model_dir)]
     started = time.monotonic()
@@ -274,10 +274,10 @@ def test_a_lost_xreadgroup_reply_is_read_again(where: str, cluster: RedisCluster
         # COMMAND GETKEYS it needs to route an XREADGROUP): only the read itself stalls.
         default = client.get_default_node().port
         node = next(i for i, p in enumerate(cluster.ports) if p != default)
-        keys = streams.RunKeys(run_on_node(cluster, node, prefix="l"))
+        keys = run_keys.RunKeys(run_on_node(cluster, node, prefix="l"))
         admin = cluster.node_client(node)
     else:
-        keys = streams.RunKeys("l" + uuid.uuid4().hex[:10])
+        keys = run_keys.RunKeys("l" + uuid.uuid4().hex[:10])
         admin = redis.Redis.from_url(url)
     try:
         stage = streams.StreamStage(client, keys, "rollouts", "reward", "reward-0", claim_idle_ms=60_000)
@@ -311,7 +311,7 @@ def test_a_lost_xreadgroup_reply_is_read_again(where: str, cluster: RedisCluster
 def test_services_wait_out_a_whole_cluster_restart(tmp_path: Path) -> None:
     with RedisClusterNodes(tmp_path / "restart") as nodes:
         client = redis_policy.connect(nodes.url)
-        keys = streams.RunKeys("w")
+        keys = run_keys.RunKeys("w")
         stop = threading.Event()
         health = redis_policy.RedisHealth(logging.getLogger("test.cluster"), stop)
         try:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core import codec, streams
+from rollstream.core import codec, run_keys, streams
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.service import Every, ServiceHost
@@ -37,8 +37,8 @@ CHUNK_TOKENS = 5
 TEMPERATURE = 0.9
 
 @pytest.fixture(scope="module")
-def keys() -> streams.RunKeys:
-    return streams.RunKeys("ref" + uuid.uuid4().hex[:10])
+def keys() -> run_keys.RunKeys:
+    return run_keys.RunKeys("ref" + uuid.uuid4().hex[:10])
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="module")
-def reference(redis_server: EmbeddedRedis, keys: streams.RunKeys, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+def reference(redis_server: EmbeddedRedis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
     proc = start_service(
         "reference",
         tmp_path_factory.mktemp("reference"),
@@ -77,7 +77,7 @@ def in_process(tiny_model_dir: Path) -> ReferenceModel:
     return ReferenceModel.load(tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE)
 
 
-def ready_groups(client: redis.Redis, keys: streams.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
+def ready_groups(client: redis.Redis, keys: run_keys.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
     out = {}
     for _id, fields in client.xrange(keys.stream("ready")):
         group = codec.decode(fields, rollout_pb2.RolloutGroup)
@@ -85,11 +85,11 @@ def ready_groups(client: redis.Redis, keys: streams.RunKeys) -> dict[str, rollou
     return out
 
 
-def wait_ready_group(client: redis.Redis, keys: streams.RunKeys, group_id: str) -> rollout_pb2.RolloutGroup:
+def wait_ready_group(client: redis.Redis, keys: run_keys.RunKeys, group_id: str) -> rollout_pb2.RolloutGroup:
     return wait_for(lambda: ready_groups(client, keys).get(group_id), 20, f"group {group_id} in ready")
 
 
-def dead_reasons(client: redis.Redis, keys: streams.RunKeys) -> dict[str, str]:
+def dead_reasons(client: redis.Redis, keys: run_keys.RunKeys) -> dict[str, str]:
     """source entry id -> reason, from the dead-letter stream."""
     out = {}
     for _id, fields in client.xrange(keys.dead):
@@ -104,7 +104,7 @@ def assert_close(got: list[float], want: list[float], atol: float = 1e-5) -> Non
     assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) <= atol, (got, want)
 
 
-def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
     sent = scored_group_in_vocab(in_process.vocab_size, n=4, seed=1)
     entry_id = write(client, keys, "scored", sent)
 
@@ -128,7 +128,7 @@ def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, 
     assert int(client.hget(keys.counters("reference"), "referenced") or 0) >= 1
 
 
-def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
     garbage = client.xadd(keys.stream("scored"), {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"})
     wrong_type = write(client, keys, "scored", rollout_pb2.PromptTask(task_id="not-a-group"))
     no_completions = write(client, keys, "scored", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1, 2]))
@@ -153,7 +153,7 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
 
 
 def test_ref_logprobs_written_upstream_are_replaced_by_the_references_own(
-    reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel
+    reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel
 ) -> None:
     """The reward's Redis user can write `scored`: a group claiming ref log-probs there (a
     forged -9999 a token would make the KL term ~1e4 a token) gets this service's own."""
@@ -170,7 +170,7 @@ def test_ref_logprobs_written_upstream_are_replaced_by_the_references_own(
         assert_close(list(c.ref_logprobs), w)
 
 
-def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel, tiny_model_dir: Path) -> None:
+def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel, tiny_model_dir: Path) -> None:
     wait_healthy(reference.grpc_address, timeout_s=10, service="rollstream.v1.Reference")
     sequences = [([5, 9, 13], [2, 4, 6, 8, 10, 12, 14]), ([7] * 20, [1]), ([3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7])]
     with channel(reference.grpc_address) as ch:
@@ -204,7 +204,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
     commit), so that GetState can be asked at the moment the commit has made a group
     visible in ready: what a client polling ready, then GetState, would see. A commit that
     is refused waits, holding its entry, until the key is fixed."""
-    keys = streams.RunKeys("refstate" + uuid.uuid4().hex[:8])
+    keys = run_keys.RunKeys("refstate" + uuid.uuid4().hex[:8])
     settings = ReferenceSettings(redis_url=redis_server.url, run=keys.run, block_ms=10)
     client = streams.connect(redis_server.url)
     with ServiceHost("reference", settings) as host:
@@ -249,7 +249,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
     client.close()
 
 
-def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: streams.RunKeys, in_process: ReferenceModel) -> None:
+def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
     def metrics() -> str:
         return httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=30).text
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from rollstream.core import codec, streams
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many

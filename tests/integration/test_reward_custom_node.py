@@ -16,7 +16,7 @@ import redis
 
 from rollstream.core import codec, redis_acl, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 
 from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many

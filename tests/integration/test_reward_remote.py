@@ -18,7 +18,7 @@ import redis
 
 from rollstream.core import streams
 from rollstream.core.service import ServiceHost
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import ScorePool
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from helpers import assert_scored_exactly_once, groups_in, wait_for, write_many
 from procs import start_reward
 from synthetic import rollout_group

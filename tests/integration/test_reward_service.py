@@ -16,7 +16,8 @@ import redis
 
 from rollstream.core import codec, grpc_utils, streams
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys, StreamStage, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.core.streams import StreamStage
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from helpers import MIN_WAIT_S, REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
 from procs import start_reward

@@ -16,7 +16,7 @@ from helpers import wait_for
 from procs import start_service
 from rollstream.core.grpc_utils import channel
 from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc
 
 

@@ -16,7 +16,7 @@ import redis
 
 from rollstream.launcher import cli
 from rollstream.core import codec, diagnose, registry, status, streams
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 from helpers import wait_for, write

@@ -9,8 +9,9 @@ import time
 import pytest
 import redis
 
-from rollstream.core import codec, streams
-from rollstream.core.streams import Entry, RunKeys, StreamStage
+from rollstream.core import codec, run_keys, streams
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import Entry, StreamStage
 from rollstream.v1 import rollout_pb2
 
 from helpers import write
@@ -99,7 +100,7 @@ def test_commit_extra_ops_run_in_the_same_transaction(rclient: redis.Redis, keys
     assert kinds == ["XADD", "SADD", "HINCRBY", "SET", "XACK"]
     assert rclient.smembers(keys.groups("generated")) == {b"g0", b"g1"}
     assert rclient.hget(keys.counters("reward"), "scored") == b"2"
-    assert streams.current_version(rclient, keys) == 3
+    assert run_keys.current_version(rclient, keys) == 3
     assert rclient.xlen(keys.stream(DST)) == 1
     assert _pending_ids(rclient, keys) == []
 
@@ -262,11 +263,11 @@ def test_trim_deletes_only_what_every_group_acknowledged(rclient: redis.Redis, k
     assert slow.trim() == 0  # idempotent
 
     slow.commit([e for e in got if e.id == ids[2]])
-    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 2
+    assert run_keys.trim_acknowledged(rclient, keys.stream(SRC)) == 2
     assert _stream_ids(rclient, keys.stream(SRC)) == ids[4:]  # slow never read 4 and 5
 
     slow.commit(slow.read(count=10, block_ms=10))
-    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 2
+    assert run_keys.trim_acknowledged(rclient, keys.stream(SRC)) == 2
     assert rclient.xlen(keys.stream(SRC)) == 0
     # The groups still work after the stream is emptied.
     (new,) = _feed(rclient, keys, 1, start=9)
@@ -287,7 +288,7 @@ def test_trim_survives_the_last_pending_entry_acked_by_another_worker_midway(red
     ids = _feed(client, keys, 4)
     other = StreamStage(client, keys, SRC, GROUP, "other")
     pending = other.read(count=3, block_ms=10)
-    assert streams.trim_acknowledged(client, keys.stream(SRC)) == 3
+    assert run_keys.trim_acknowledged(client, keys.stream(SRC)) == 3
     assert _stream_ids(client, keys.stream(SRC)) == ids[3:]  # never delivered: kept
     client.close()
 
@@ -303,9 +304,9 @@ def test_trim_keeps_everything_for_a_group_that_has_not_read(rclient: redis.Redi
 
 def test_trim_without_any_group_deletes_nothing(rclient: redis.Redis, keys: RunKeys) -> None:
     ids = _feed(rclient, keys, 3)
-    assert streams.trim_acknowledged(rclient, keys.stream(SRC)) == 0
+    assert run_keys.trim_acknowledged(rclient, keys.stream(SRC)) == 0
     assert _stream_ids(rclient, keys.stream(SRC)) == ids
-    assert streams.trim_acknowledged(rclient, keys.stream("no-such-stage")) == 0
+    assert run_keys.trim_acknowledged(rclient, keys.stream("no-such-stage")) == 0
     assert not rclient.exists(keys.stream("no-such-stage"))
 
 
@@ -416,20 +417,20 @@ def test_set_replaces_a_key_of_another_type(rclient: redis.Redis, keys: RunKeys)
 
 def test_waiting_counts_unacknowledged_entries_not_stream_length(rclient: redis.Redis, keys: RunKeys) -> None:
     stream = keys.stream(SRC)
-    assert streams.waiting(rclient, stream) == 0  # no stream yet
+    assert run_keys.waiting(rclient, stream) == 0  # no stream yet
     _feed(rclient, keys, 5)
-    assert streams.waiting(rclient, stream) == 5  # no group reads it yet: all of it waits
+    assert run_keys.waiting(rclient, stream) == 5  # no group reads it yet: all of it waits
     stage = _stage(rclient, keys, "A")
-    assert streams.waiting(rclient, stream) == 5  # a group that has read nothing: 5 unread
+    assert run_keys.waiting(rclient, stream) == 5  # a group that has read nothing: 5 unread
     got = stage.read(count=3, block_ms=10)
-    assert streams.waiting(rclient, stream) == 5  # 3 pending + 2 unread
+    assert run_keys.waiting(rclient, stream) == 5  # 3 pending + 2 unread
     stage.commit(got[:2])
     # Two acknowledged and not trimmed: XLEN still says 5, but only 3 wait.
-    assert rclient.xlen(stream) == 5 and streams.waiting(rclient, stream) == 3
-    assert streams.waiting(rclient, stream, limit=1) == 2  # unread counted up to the limit
+    assert rclient.xlen(stream) == 5 and run_keys.waiting(rclient, stream) == 3
+    assert run_keys.waiting(rclient, stream, limit=1) == 2  # unread counted up to the limit
     # A second group that has read nothing makes everything wait again: the slowest counts.
     StreamStage.ensure_group(rclient, stream, "audit")
-    assert streams.waiting(rclient, stream) == 5
+    assert run_keys.waiting(rclient, stream) == 5
 
 
 def test_held_by_others_counts_what_other_live_consumers_hold(rclient: redis.Redis, keys: RunKeys) -> None:
@@ -491,7 +492,7 @@ def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys
 def test_keys_of_a_run_share_one_cluster_slot(keys: RunKeys) -> None:
     from redis.crc import key_slot
 
-    names = [keys.stream(s) for s in streams.STAGES] + [keys.dead, keys.metrics, *map(keys.counters, streams.COUNTER_ROLES), keys.version, keys.fed,
+    names = [keys.stream(s) for s in run_keys.STAGES] + [keys.dead, keys.metrics, *map(keys.counters, run_keys.COUNTER_ROLES), keys.version, keys.fed,
                                                         keys.trained_log, keys.generators, keys.generators_seen, keys.generators_versions,
                                                         keys.groups("trained")]
     assert all(n.startswith(f"rs:{{{keys.run}}}:") for n in names)

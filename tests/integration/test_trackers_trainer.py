@@ -14,13 +14,13 @@ import tracker_readers
 from helpers import MIN_WAIT_S, wait_for, write_ready
 from procs import start_service
 from synthetic import Decode, scored_groups
-from rollstream.core import steplog, streams
+from rollstream.core import run_keys, steplog
 
 STEPS = 3
 
 
 def test_a_trainer_reports_every_step_to_tensorboard_mlflow_and_wandb(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     write_ready(rclient, keys, [g for step in range(1, STEPS + 1) for g in scored_groups(step, 1)], tiny_decode)
     trackers, steps_file = tmp_path / "trackers", tmp_path / "steps.jsonl"

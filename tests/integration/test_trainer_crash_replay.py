@@ -24,14 +24,14 @@ import redis
 from helpers import wait_for, write_ready
 from procs import start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import codec, streams
+from rollstream.core import codec, run_keys, streams
 from rollstream.v1 import rollout_pb2
 
 STEPS = 6
 GROUPS_PER_STEP = 2
 
 
-def trainer_args(redis_url: str, keys: streams.RunKeys, model: Path, ckpt: Path) -> list[str]:
+def trainer_args(redis_url: str, keys: run_keys.RunKeys, model: Path, ckpt: Path) -> list[str]:
     return [
         "--redis-url", redis_url, "--run", keys.run, "--model", str(model), "--threads", "1",
         "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "4", "--max-new-tokens", "6",
@@ -40,19 +40,19 @@ def trainer_args(redis_url: str, keys: streams.RunKeys, model: Path, ckpt: Path)
     ]
 
 
-def fill_ready(client: redis.Redis, keys: streams.RunKeys, decode: Decode) -> None:
+def fill_ready(client: redis.Redis, keys: run_keys.RunKeys, decode: Decode) -> None:
     for step in range(1, STEPS + 1):
         write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "g"), decode)
 
 
-def committed_step(client: redis.Redis, keys: streams.RunKeys) -> int:
+def committed_step(client: redis.Redis, keys: run_keys.RunKeys) -> int:
     """The last step whose commit (ack, ledger, metrics: one transaction) reached Redis. The
     trainer's own step (GetState) counts a step before its push and commit, so a test that
     reads the metrics must wait for this one."""
     return int(client.hget(keys.counters("trainer"), "step") or 0)
 
 
-def losses(client: redis.Redis, keys: streams.RunKeys) -> dict[int, tuple[float, float]]:
+def losses(client: redis.Redis, keys: run_keys.RunKeys) -> dict[int, tuple[float, float]]:
     out = {}
     for _id, fields in client.xrange(keys.metrics):
         m = codec.decode(fields, rollout_pb2.StepMetrics)
@@ -64,7 +64,7 @@ def losses(client: redis.Redis, keys: streams.RunKeys) -> dict[int, tuple[float,
 def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[float, float]], float]:
     """The uninterrupted run: final weights' sha256, per-step (loss, grad norm), mean step time."""
     tmp = tmp_path_factory.mktemp("reference-run")
-    keys = streams.RunKeys("ref" + str(time.time_ns())[-8:])
+    keys = run_keys.RunKeys("ref" + str(time.time_ns())[-8:])
     client = streams.connect(redis_server.url)
     fill_ready(client, keys, tiny_decode)
     t = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt")).wait_ready()
@@ -81,7 +81,7 @@ def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_p
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
-    seed: int, reference_run, redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    seed: int, reference_run, redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     ref_sha, ref_losses, step_s = reference_run
     fill_ready(rclient, keys, tiny_decode)

@@ -20,7 +20,7 @@ import redis
 from helpers import dead_letters, wait_for, write_ready
 from procs import start_service
 from synthetic import Decode, scored_groups
-from rollstream.core import streams, validation
+from rollstream.core import run_keys, validation
 from rollstream.v1 import rollout_pb2
 
 
@@ -31,7 +31,7 @@ def _group(group_id: str, step: int) -> rollout_pb2.RolloutGroup:
 
 
 def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     long_prompt = _group("long-prompt", 1)
     long_prompt.prompt_ids.extend([5] * (120_000 - len(long_prompt.prompt_ids)))

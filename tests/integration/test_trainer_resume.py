@@ -22,7 +22,7 @@ import redis
 from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, generator_state, start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import codec, streams
+from rollstream.core import codec, run_keys
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
@@ -41,12 +41,12 @@ def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult
         return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
 
 
-def step_metrics(client: redis.Redis, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
+def step_metrics(client: redis.Redis, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
     return [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in client.xrange(keys.metrics)]
 
 
 def test_resumed_trainer_process_continues_exactly(
-    redis_url: str, rclient: redis.Redis, keys: streams.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
 ) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"

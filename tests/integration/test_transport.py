@@ -22,7 +22,7 @@ from rollstream.core import codec, grpc_utils, status
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.grpc_auth import AuthInterceptor, ClientCredentials, RoleTable
 from rollstream.core.http_side import HttpSide, build_app
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.generator.config import GeneratorSettings
 from rollstream.launcher.procs import tail
 from rollstream.reward.config import RewardSettings

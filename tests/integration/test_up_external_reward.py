@@ -13,7 +13,8 @@ from rich.console import Console
 
 from rollstream.core import status as pipeline_status
 from rollstream.launcher.up import EXTERNAL_REWARD_FILE, ExternalReward
-from rollstream.core.streams import RunKeys, StreamStage
+from rollstream.core.run_keys import RunKeys
+from rollstream.core.streams import StreamStage
 
 
 def watch(keys: RunKeys, password_file: Path | None = None) -> ExternalReward:

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from rollstream.core import dashboard, redis_policy
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 
 
 def test_json_safe_nulls_non_finite_floats_at_any_depth() -> None:

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from rollstream.core import registry
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.trainer import discovery
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from rollstream.core import validation
 from rollstream.core.codec import EntryError
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 
 from synthetic import Decode

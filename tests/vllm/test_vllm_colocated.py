@@ -30,7 +30,7 @@ from synthetic import scored_groups
 from rollstream.core import steplog
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
-from rollstream.core.streams import RunKeys, read_counters
+from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.vllm_backend import VllmBackend

@@ -17,7 +17,7 @@ import torch
 
 from helpers import wait_for, write
 from procs import ServiceProc, start_service
-from rollstream.core import codec, deltas, modeling, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, modeling, run_keys, streams, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.generator.backends import SampleRequest, TransformersBackend
@@ -32,12 +32,12 @@ STORY = "Tell me a story about a lighthouse keeper and a storm."
 
 
 @pytest.fixture(scope="module")
-def run() -> streams.RunKeys:
-    return streams.RunKeys("v" + uuid.uuid4().hex[:10])
+def run() -> run_keys.RunKeys:
+    return run_keys.RunKeys("v" + uuid.uuid4().hex[:10])
 
 
 @pytest.fixture(scope="module")
-def generator(redis_server: EmbeddedRedis, run: streams.RunKeys, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+def generator(redis_server: EmbeddedRedis, run: run_keys.RunKeys, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
     cores = str(os.cpu_count() or 1)
     proc = start_service(
         "generator", tmp_path_factory.mktemp("gen"),
@@ -93,7 +93,7 @@ def outputs(group: rollout_pb2.RolloutGroup) -> list[tuple[list[int], list[float
     return [(list(c.token_ids), list(c.behaviour_logprobs)) for c in group.completions]
 
 
-def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(generator: ServiceProc, redis_server: EmbeddedRedis, run: streams.RunKeys) -> None:
+def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(generator: ServiceProc, redis_server: EmbeddedRedis, run: run_keys.RunKeys) -> None:
     client = streams.connect(redis_server.url)
     try:
         for i, question in enumerate((QUESTION, STORY)):

@@ -32,7 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rollstream.core import diagnose, redis_policy, status, steplog, streams
+from rollstream.core import diagnose, redis_policy, run_keys, status, steplog
 
 SOCKET_TIMEOUT_S = 1.0  # the view's own Redis calls: a stalled Redis costs a look, not a thread
 MIN_INTERVAL_S = 1.0  # looks closer together than this answer from the last one
@@ -47,7 +47,7 @@ def static_text(name: str) -> str:
 class PipelineView(Collector):
     """Cached looks at the run's pipeline in Redis, as JSON and as Prometheus gauges."""
 
-    def __init__(self, connect: Callable[[], redis_policy.Client], keys: streams.RunKeys, secrets: tuple[str, ...] = (),
+    def __init__(self, connect: Callable[[], redis_policy.Client], keys: run_keys.RunKeys, secrets: tuple[str, ...] = (),
                  service: str = "trainer", clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self._connect = connect
         self.keys = keys

@@ -4,7 +4,7 @@ snapshots from Redis; the rules compare the current one with the previous one (r
 
 The pipeline, stage by stage: each stage consumes one stream through its consumer group and
 counts what it did in its own hash `stats:<role>` (plus `dead_<stream>` for what it dead-lettered;
-streams.read_counters sums the four into the snapshot's counters):
+run_keys.read_counters sums the four into the snapshot's counters):
 
   generator  prompts  -> rollouts   generated
   reward     rollouts -> scored     scored, reward_passthrough
@@ -99,7 +99,7 @@ class Snapshot:
 
     at: float
     streams: dict[str, StreamState]  # by stage stream name: prompts, rollouts, scored, ready
-    counters: dict[str, int] = field(default_factory=dict)  # every role's counters, summed (streams.read_counters)
+    counters: dict[str, int] = field(default_factory=dict)  # every role's counters, summed (run_keys.read_counters)
     trainer_version: int = 0
     trainer_step: int = 0
     generators: dict[str, int | None] = field(default_factory=dict)  # live generator -> version (None: no weights)

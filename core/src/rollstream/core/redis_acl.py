@@ -23,16 +23,16 @@ does each user's real work as that user and checks the server's ACL LOG stays em
   too, and HGET (the script reads each counter field it will HINCRBY first); dead letters
   (XADD `dead`, HINCRBY the role's own `stats:<role>`); trimming (XINFO GROUPS, XPENDING,
   XTRIM).
-- back-pressure, streams.waiting: EVAL of a script running EXISTS, XINFO GROUPS, XLEN,
+- back-pressure, run_keys.waiting: EVAL of a script running EXISTS, XINFO GROUPS, XLEN,
   XRANGE on the stream it measures.
 - the trainer's dashboard (core/dashboard.py, as `observer`): XINFO GROUPS/CONSUMERS, XLEN,
   XRANGE, XREVRANGE, TYPE on every stage's stream and `dead`, HGETALL each role's
   `stats:<role>` and the registry, GET `version`, ZRANGEBYSCORE the heartbeats, TIME.
 
-Counters: each writer counts in its own hash, `stats:<role>` (streams.RunKeys.counters),
+Counters: each writer counts in its own hash, `stats:<role>` (run_keys.RunKeys.counters),
 and only that role's user may write it. One shared `stats` hash let the generator's
 password poison the trainer's `trained` field (HSET it to "x"), and a key pattern cannot
-give a user some fields of a hash. Readers sum the four (streams.read_counters).
+give a user some fields of a hash. Readers sum the four (run_keys.read_counters).
 
 The admin user (`up`'s own client, `rollstream status`, the tests' checks) has every key and
 command except Redis's @dangerous category (CONFIG, SAVE, BGSAVE, DEBUG, FLUSHALL, SHUTDOWN,
@@ -128,7 +128,7 @@ ROLE_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("ready", "prompts", "eval_prompts", "fed", "version", "metrics", "stats:trainer", "trained_log", "dead", "groups:trained", "groups:stale", "groups:evaluated",
          "generators", "generators:seen", "generators:versions", "tasks", "evals", "eval_results"),
     ),
-    # The generator's back-pressure (streams.waiting on rollouts, scored, ready) and the
+    # The generator's back-pressure (run_keys.waiting on rollouts, scored, ready) and the
     # trainer's dashboard (status.collect over every stage, the ledger's counters, the
     # registry, the last step): read commands only, so neither it nor a script it runs
     # writes anything anywhere.

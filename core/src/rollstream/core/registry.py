@@ -11,7 +11,7 @@ drops it from every key and pushes to it no more; a restarted generator register
 from __future__ import annotations
 
 from rollstream.core import redis_policy
-from rollstream.core.streams import RunKeys
+from rollstream.core.run_keys import RunKeys
 
 TTL_S = 30.0
 BEAT_EVERY_S = TTL_S / 6

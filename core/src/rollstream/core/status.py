@@ -24,7 +24,7 @@ from rich.console import Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
-from rollstream.core import codec, diagnose, redis_policy, registry, streams, validation
+from rollstream.core import codec, diagnose, redis_policy, registry, run_keys, validation
 from rollstream.v1 import rollout_pb2
 
 T = TypeVar("T")
@@ -87,7 +87,7 @@ def _stream(client: redis_policy.Client, key: str, read: _Reader) -> diagnose.St
     return diagnose.StreamState(length=int(client.xlen(key)), exists=True, groups=tuple(groups))
 
 
-def _last_dead(client: redis_policy.Client, keys: streams.RunKeys, read: _Reader) -> dict[str, str]:
+def _last_dead(client: redis_policy.Client, keys: run_keys.RunKeys, read: _Reader) -> dict[str, str]:
     """Source stage -> the reason of its latest dead letter (among the last 200)."""
     out: dict[str, str] = {}
     letters: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.dead, count=200), [], keys.dead)
@@ -112,16 +112,16 @@ def restarts(workdir: Path | None) -> dict[str, int]:
         return {}
 
 
-def collect(client: redis_policy.Client, keys: streams.RunKeys, workdir: Path | None = None) -> tuple[diagnose.Snapshot, dict]:
+def collect(client: redis_policy.Client, keys: run_keys.RunKeys, workdir: Path | None = None) -> tuple[diagnose.Snapshot, dict]:
     """A snapshot of the run (its `at` is the Redis server's clock, in seconds), and what the
     view shows besides: the last step's metrics, the live generators, errors met."""
     read = _Reader()
     seconds, micros = client.time()
     at = int(seconds) + int(micros) / 1e6
-    states = {stage: _stream(client, keys.stream(stage), read) for stage in streams.STAGES}
-    counters, unreadable = streams.read_counters(client, keys)
+    states = {stage: _stream(client, keys.stream(stage), read) for stage in run_keys.STAGES}
+    counters, unreadable = run_keys.read_counters(client, keys)
     read.errors.extend(unreadable)
-    version = read(lambda: streams.current_version(client, keys), 0, keys.version)
+    version = read(lambda: run_keys.current_version(client, keys), 0, keys.version)
     live: dict[str, str] = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
     versions: dict[str, int | None] = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)
     dead_kind = _text(read(lambda: client.type(keys.dead), b"none", keys.dead))
@@ -179,7 +179,7 @@ def step_line(m: rollout_pb2.StepMetrics) -> str:
             f"staleness {m.mean_staleness:.2f}")  # fmt: skip
 
 
-# The groups' ledger, as counted (streams.read_counters): every generated group ends trained,
+# The groups' ledger, as counted (run_keys.read_counters): every generated group ends trained,
 # stale, evaluated (a held-out round's), dead, or still waits.
 LEDGER = ("generated", "trained", "stale", "evaluated")
 
@@ -187,7 +187,7 @@ LEDGER = ("generated", "trained", "stale", "evaluated")
 _STYLE = {"stuck": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
 
 
-def render(keys: streams.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None = None,
+def render(keys: run_keys.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None = None,
            thresholds: diagnose.Thresholds = diagnose.Thresholds()) -> RichGroup:  # fmt: skip
     """The view: the stage table, the trainer and generators, counters, and the diagnosis."""
     table = Table(title=f"run {keys.run}: trainer step {cur.trainer_step}, policy version {cur.trainer_version}", title_justify="left")

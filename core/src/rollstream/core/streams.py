@@ -32,102 +32,13 @@ from google.protobuf.message import Message
 
 from rollstream.core import codec, redis_policy
 from rollstream.core.config import CommonSettings, consumer_name
+from rollstream.core.run_keys import STAGE_READER, RunKeys, as_text, trim_acknowledged
 from rollstream.v1 import rollout_pb2
 
-STAGES = ("prompts", "rollouts", "scored", "ready")
-# The role that reads each stage: what it dead-letters from that stage (dead_<stage>) is
-# counted in its own counters (RunKeys.counters).
-STAGE_READER = {"prompts": "generator", "eval_prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
-COUNTER_ROLES = ("generator", "reward", "reference", "trainer")
 # The consumer group that keeps `dead` a stream (StreamStage.__init__); nobody reads with it.
 DEAD_GROUP = "keep"
 
 M = TypeVar("M")
-
-
-@dataclass(frozen=True)
-class RunKeys:
-    """Every Redis key of a run: `rs:{<run>}:<name>`. A run name isolates experiments sharing
-    one Redis; the braces are a Redis Cluster hash tag, so all of a run's keys live in one
-    slot and the commit script may touch any of them (many runs spread over the shards)."""
-
-    run: str
-
-    @property
-    def prefix(self) -> str:
-        return f"rs:{{{self.run}}}:"
-
-    def stream(self, stage: str) -> str:
-        return f"{self.prefix}{stage}"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.prefix}dead"
-
-    @property
-    def metrics(self) -> str:
-        return f"{self.prefix}metrics"
-
-    def counters(self, role: str) -> str:
-        """Hash of one role's counters (`rs:{<run>}:stats:<role>`: generated, scored, trained,
-        dead_<stage>, ..., HINCRBY in the same scripts as the work they count). Each role's
-        ACL may write its own hash only, so no writer can poison another's counter; readers
-        sum them (read_counters)."""
-        if role not in COUNTER_ROLES:
-            raise ValueError(f"no counters for role {role!r}: one of {', '.join(COUNTER_ROLES)}")
-        return f"{self.prefix}stats:{role}"
-
-    @property
-    def version(self) -> str:
-        """The trainer's current policy version (string integer)."""
-        return f"{self.prefix}version"
-
-    @property
-    def fed(self) -> str:
-        """Prompts fed so far (string integer), written with the tasks: the feeder's position."""
-        return f"{self.prefix}fed"
-
-    @property
-    def trained_log(self) -> str:
-        """Groups trained since the last checkpoint, with their step: replayed on resume."""
-        return f"{self.prefix}trained_log"
-
-    @property
-    def generators(self) -> str:
-        """Hash generator_id -> gRPC address, for discovery when none are configured."""
-        return f"{self.prefix}generators"
-
-    @property
-    def generators_seen(self) -> str:
-        """Sorted set generator_id -> last heartbeat (ms, server clock): liveness of the registry."""
-        return f"{self.prefix}generators:seen"
-
-    @property
-    def generators_versions(self) -> str:
-        """Hash generator_id -> the policy version it held at its last heartbeat (-1: none yet)."""
-        return f"{self.prefix}generators:versions"
-
-    @property
-    def tasks(self) -> str:
-        """Hash task_id -> PromptTask bytes (its prompt_ids rendered): every task the trainer
-        fed and has not yet swept. The trainer alone writes it, with the prompts it feeds; the
-        reward scores with its answers, the trainer checks groups against it."""
-        return f"{self.prefix}tasks"
-
-    @property
-    def evals(self) -> str:
-        """Stream of EvalMetrics: one entry per held-out evaluation round (trainer/evaluation.py)."""
-        return f"{self.prefix}evals"
-
-    @property
-    def eval_results(self) -> str:
-        """Hash task_id -> one eval group's result (JSON), written with the group's ack and
-        dropped when its round is reported: a restarted trainer finishes the round."""
-        return f"{self.prefix}eval_results"
-
-    def groups(self, outcome: str) -> str:
-        """Set of group ids per outcome: generated, trained, stale (the accounting ledger)."""
-        return f"{self.prefix}groups:{outcome}"
 
 
 @dataclass
@@ -200,26 +111,6 @@ end
 return 1
 """
 
-# How many entries of a stream are still waiting for some consumer group: for each group,
-# its pending entries plus the entries after its last-delivered id (counted up to a limit
-# server-side, so no payload crosses the wire); the largest over the groups. A stream no
-# group reads yet: all of it. Redis 7's XINFO `lag` says the same, but 6.2 lacks it.
-_WAITING = """
-local limit = tonumber(ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return redis.call('XLEN', KEYS[1]) end
-local most = 0
-for _, g in ipairs(groups) do
-  local info = {}
-  for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
-  local unread = #redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', limit)
-  local waiting = info['pending'] + unread
-  if waiting > most then most = waiting end
-end
-return most
-"""
-
 Arg = bytes | str | int | float
 
 
@@ -272,46 +163,6 @@ Extra = Callable[[Ops], None]
 def connect(url: str) -> redis_policy.Client:
     """A client with the project's Redis policy (rollstream.core.redis_policy)."""
     return redis_policy.connect(url)
-
-
-def current_version(client: redis_policy.Client, keys: RunKeys) -> int:
-    """The trainer's policy version. A value that is not an integer (written by someone
-    else) reads as 0 until the trainer's next step writes it again: no reader dies of it."""
-    value = client.get(keys.version)
-    try:
-        return int(value) if value is not None else 0
-    except ValueError:
-        return 0
-
-
-def read_counters(client: redis_policy.Client, keys: RunKeys) -> tuple[dict[str, int], list[str]]:
-    """The run's counters: every role's hash (RunKeys.counters) summed field by field (each
-    role writes its own fields, so a sum is a merge: `step` and `groups_per_step` are the
-    trainer's alone). Also what could not be read, one line each: a key that is not a hash,
-    a field that is not an integer (skipped; the commit that would count it refuses)."""
-    totals: dict[str, int] = {}
-    problems: list[str] = []
-    for role in COUNTER_ROLES:
-        key = keys.counters(role)
-        try:
-            raw = client.hgetall(key)
-        except redis.ResponseError as e:
-            problems.append(f"{key}: {redis_policy.short(e)}")
-            continue
-        for field, value in raw.items():
-            name = _text(field)
-            try:
-                totals[name] = totals.get(name, 0) + int(value)
-            except ValueError:
-                problems.append(f"{key}: field {name!r} is not an integer")
-    return totals, problems
-
-
-def waiting(client: redis_policy.Client, stream: str, limit: int = 1000) -> int:
-    """Entries of `stream` some consumer group has not acknowledged yet (pending + unread),
-    counting unread ones up to `limit`: what back-pressure should count, not XLEN, which
-    includes acknowledged entries not trimmed yet."""
-    return int(client.eval(_WAITING, 1, stream, limit))
 
 
 class StreamStage:
@@ -466,7 +317,7 @@ class StreamStage:
             if "NOGROUP" in str(e):  # stream or group gone (a flushed Redis): nobody holds anything; read() makes it again
                 return 0
             raise
-        others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if _text(c["name"]) != self.consumer)
+        others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if as_text(c["name"]) != self.consumer)
         if others == 0:
             return 0
         return others - len(self._idle_on_others(int(summary["pending"])))
@@ -475,7 +326,7 @@ class StreamStage:
         """Ids of the entries idle past claim_idle_ms on *other* consumers, among the first
         `count` pending entries idle that long: orphans, up for a take-over."""
         pending = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms)
-        return [p["message_id"] for p in pending if _text(p["consumer"]) != self.consumer]
+        return [p["message_id"] for p in pending if as_text(p["consumer"]) != self.consumer]
 
     def _claim_stale(self, count: int) -> list[Entry]:
         """Take over entries idle for claim_idle_ms on *other* consumers (XAUTOCLAIM would also
@@ -564,7 +415,7 @@ class StreamStage:
             if self.health is None:
                 return run()
             return self.health.call(run, f"commit to {self.stream}", wait_out_refusals=True)
-        except (*redis_policy.ERRORS, redis_policy.Stopped):
+        except redis_policy.ERRORS + (redis_policy.Stopped,):
             # Whatever we hold is still pending: re-read our own pending entries first next time.
             self.reread_own_pending()
             raise
@@ -601,40 +452,5 @@ class StreamStage:
         return trim_acknowledged(self.client, self.stream)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _as_bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
-
-
-def id_tuple(eid: bytes | str) -> tuple[int, int]:
-    """A stream entry id as (ms, seq), for comparisons."""
-    ms, _, seq = _text(eid).partition("-")
-    return int(ms), int(seq or 0)
-
-
-def trim_acknowledged(client: redis_policy.Client, stream: str) -> int:
-    """XTRIM MINID to the oldest entry some group still needs (pending or undelivered)."""
-    try:
-        groups = client.xinfo_groups(stream)
-    except redis.ResponseError:
-        return 0
-    if not groups:
-        return 0  # nobody has read it yet: everything is still needed
-    needed_by_group: list[tuple[int, int]] = []
-    for g in groups:
-        # Everything up to last-delivered is acknowledged unless pending. This reading of
-        # last-delivered may already be stale; it only grows, so a stale one trims less.
-        ms, seq = id_tuple(g["last-delivered-id"])
-        needed = (ms, seq + 1)
-        if g["pending"]:
-            # Another consumer may ack the last pending entry between the two calls: then
-            # XPENDING has no min, and the bound above holds.
-            oldest = client.xpending(stream, g["name"])["min"]
-            if oldest is not None:
-                needed = id_tuple(oldest)
-        needed_by_group.append(needed)
-    floor = min(needed_by_group)
-    return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))

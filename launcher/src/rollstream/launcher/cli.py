@@ -36,7 +36,7 @@ from rich.text import Text
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, CliSuppress, SettingsConfigDict, SettingsError
 
-from rollstream.core import credentials, diagnose, redis_acl, redis_policy, steplog, streams
+from rollstream.core import credentials, diagnose, redis_acl, redis_policy, run_keys, steplog
 from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, RedisUrl
 
@@ -213,7 +213,7 @@ def cmd_status(argv: list[str]) -> int:
     except ValueError as e:
         console.print(str(e), style="red")
         return 2
-    keys = streams.RunKeys(args.run)
+    keys = run_keys.RunKeys(args.run)
     workdir = Path(args.workdir) if args.workdir else None
     thresholds = diagnose.Thresholds(idle_s=args.idle_s, max_staleness=args.max_staleness)
     if not console.is_terminal:

@@ -24,7 +24,7 @@ import tomli_w
 from rich.console import Console
 from rich.text import Text
 
-from rollstream.core import codec, credentials, redis_acl, redis_policy, steplog, streams, validation
+from rollstream.core import codec, credentials, redis_acl, redis_policy, run_keys, steplog, validation
 from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX, CommonSettings
 from rollstream.core.grpc_auth import ClientCredentials
@@ -50,13 +50,13 @@ class Progress:
     def steps(self) -> list[rollout_pb2.StepMetrics]:
         return [self.by_step[k] for k in sorted(self.by_step)]
 
-    def poll(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.StepMetrics]:
+    def poll(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
         """New step metrics (an entry that does not decode or check is skipped: anyone can
         write to the stream, and the display must not die of it)."""
         self.last_id, new = read_by_step(client, keys.metrics, self.last_id, rollout_pb2.StepMetrics, self.by_step, validation.check_metrics)
         return new
 
-    def poll_evals(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[rollout_pb2.EvalMetrics]:
+    def poll_evals(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.EvalMetrics]:
         """New held-out rounds (one that does not decode is skipped, as in `poll`)."""
         self.evals_last_id, new = read_by_step(client, keys.evals, self.evals_last_id, rollout_pb2.EvalMetrics, self.evals)
         return new
@@ -223,7 +223,7 @@ def _up(cfg: RunConfig) -> int:
         ).start()
         redis_url = embedded.url
         console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
-    keys = streams.RunKeys(cfg.run)
+    keys = run_keys.RunKeys(cfg.run)
     try:
         client = redis_policy.connect(redis_url, *admin_redis)
         if cfg.fresh:
@@ -361,7 +361,7 @@ def _up(cfg: RunConfig) -> int:
                         )
                     for held_out in progress.poll_evals(client, keys):
                         console.print(pipeline_status.eval_line(held_out))
-                    stats = streams.read_counters(client, keys)[0]
+                    stats = run_keys.read_counters(client, keys)[0]
                     if redis_down:
                         console.print("Redis answers again", style="green")
                         redis_down = False
@@ -402,7 +402,7 @@ def _up(cfg: RunConfig) -> int:
         result["versions"] = versions
         result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
         try:
-            result["stats"] = streams.read_counters(client, keys)[0]
+            result["stats"] = run_keys.read_counters(client, keys)[0]
         except redis_policy.ERRORS as e:
             console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
         client.close()
@@ -454,7 +454,7 @@ class ExternalReward:
     a consumer in `group` on the rollouts stream (docs/custom-reward.md)."""
 
     redis_url: str
-    keys: streams.RunKeys
+    keys: run_keys.RunKeys
     group: str
     output_stage: str
     username: str  # the Redis ACL user of the reward role ("" for an external Redis: its URL decides)

@@ -19,7 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from rollstream.core import logs, redis_acl, redis_policy, registry, streams, validation
+from rollstream.core import logs, redis_acl, redis_policy, registry, run_keys, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -58,7 +58,7 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
     empty for a generator colocated with its trainer: registered with its version, so status
     and the dashboard see it, but with no address, so nothing is pushed to it."""
     settings = gen.settings
-    keys = streams.RunKeys(settings.run)
+    keys = run_keys.RunKeys(settings.run)
     client = observer = None
     beat = None
     try:
@@ -88,7 +88,7 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
             observer.close()
 
 
-def heartbeat_forever(client: redis_policy.Client, keys: streams.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:
+def heartbeat_forever(client: redis_policy.Client, keys: run_keys.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:
     """Keep this generator in the registry, with the version it holds; the trainer forgets
     generators that stop beating."""
     while not host.stop.is_set():
@@ -115,7 +115,7 @@ class GeneratorLoop:
 
     def turn(self) -> None:
         gen, stage, host, keys, s = self.gen, self.stage, self.host, self.stage.keys, self.gen.settings
-        current = streams.current_version(self.client, keys)
+        current = run_keys.current_version(self.client, keys)
         gen.health.trainer_at("redis", current, gen.weights.version)
         behind = current - (gen.weights.version or 0)
         if behind > s.max_staleness:
@@ -129,7 +129,7 @@ class GeneratorLoop:
             self.write(self.evals, taken)
             return
         # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
-        inflight = sum(streams.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+        inflight = sum(run_keys.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
         # Tasks another generator has taken and is sampling now are in flight too: without them
         # every generator would fill the same room (check, then read), and with max_staleness 0
         # the extra groups come out stale.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from rollstream.core import redis_policy, registry, streams
+from rollstream.core import redis_policy, registry, run_keys
 
 
 class DiscoveryError(ValueError):
@@ -58,7 +58,7 @@ class GeneratorDirectory:
         writes: then each generator must prove the address it is dialed at (publisher)."""
         return not (self.configured or self.dns_name)
 
-    def addresses(self, client: redis_policy.Client, keys: streams.RunKeys) -> list[str]:
+    def addresses(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[str]:
         if self.configured or self.dns_name:
             resolved = resolve_all(self.dns_name) if self.dns_name else []
             self.last = sorted(set(self.configured) | set(resolved))

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rollstream.core import codec, redis_policy, streams
+from rollstream.core import codec, redis_policy, run_keys, streams
 from rollstream.trainer import prompts
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.feeder import Encode, feed_task
@@ -221,7 +221,7 @@ class Evaluator:
             del self.rounds[r.step]
             reported.append(metrics)
         if reported:
-            streams.trim_acknowledged(self.client, self.keys.stream("eval_prompts"))
+            run_keys.trim_acknowledged(self.client, self.keys.stream("eval_prompts"))
         return reported
 
     def waiting(self) -> bool:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rollstream.core import codec, redis_policy, streams
+from rollstream.core import codec, redis_policy, run_keys, streams
 from rollstream.trainer import prompts
 from rollstream.trainer.config import TrainerSettings
 from rollstream.v1 import rollout_pb2
@@ -40,7 +40,7 @@ def chat_encoder(tokenizer: Any) -> Encode:
     return encode
 
 
-def feed_task(ops: streams.Ops, keys: streams.RunKeys, stream: str, task: rollout_pb2.PromptTask, prompt_ids: Sequence[int]) -> None:
+def feed_task(ops: streams.Ops, keys: run_keys.RunKeys, stream: str, task: rollout_pb2.PromptTask, prompt_ids: Sequence[int]) -> None:
     """Add `task` to `stream` and to the task map, with its prompt ids as the trainer rendered
     them (what groups of it are checked against), in the same `ops`."""
     ops.xadd(stream, codec.encode(task))
@@ -69,7 +69,7 @@ class PromptFeeder:
         self.marks: deque[tuple[int, int]] = deque()
 
     @staticmethod
-    def position(client: redis_policy.Client, keys: streams.RunKeys, checkpoint_fed: int) -> int:
+    def position(client: redis_policy.Client, keys: run_keys.RunKeys, checkpoint_fed: int) -> int:
         """Prompts fed so far: Redis's count, else (a run from before it was kept) the checkpoint's."""
         value = client.get(keys.fed)
         return int(value) if value is not None else checkpoint_fed
@@ -82,10 +82,10 @@ class PromptFeeder:
     def top_up(self, version: int) -> int:
         s = self.settings
         stream = self.keys.stream("prompts")
-        streams.trim_acknowledged(self.client, stream)
+        run_keys.trim_acknowledged(self.client, stream)
         self.mark(version, stream)
         self.sweep(version)
-        missing = s.prompt_buffer - streams.waiting(self.client, stream, limit=s.prompt_buffer)
+        missing = s.prompt_buffer - run_keys.waiting(self.client, stream, limit=s.prompt_buffer)
         if missing <= 0:
             return 0
         ops = streams.Ops()

@@ -3,7 +3,7 @@ start, beside the loop in service.py, which it does not touch."""
 
 from __future__ import annotations
 
-from rollstream.core import dashboard, redis_acl, redis_policy, streams
+from rollstream.core import dashboard, redis_acl, redis_policy, run_keys
 from rollstream.core.credentials import read_secret
 from rollstream.core.service import ServiceHost
 from rollstream.trainer.config import TrainerSettings
@@ -25,7 +25,7 @@ def install(settings: TrainerSettings, host: ServiceHost) -> dashboard.PipelineV
     timeout = dashboard.SOCKET_TIMEOUT_S
     view = dashboard.PipelineView(
         lambda: redis_policy.connect(s.redis_url, username, password, socket_timeout_s=timeout, connect_timeout_s=timeout),
-        streams.RunKeys(s.run), secrets=secrets,
+        run_keys.RunKeys(s.run), secrets=secrets,
     )
     host.registry.register(view)
     host.http_extensions.append(lambda app: dashboard.install(app, view, s.metrics_file))

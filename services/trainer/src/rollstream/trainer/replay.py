@@ -8,7 +8,7 @@ import logging
 
 import redis
 
-from rollstream.core import codec, logs, redis_policy, streams
+from rollstream.core import codec, logs, redis_policy, run_keys, streams
 from rollstream.core.service import ServiceHost
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2
@@ -56,7 +56,7 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
         logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
 
 
-def trained_log_end(client: redis_policy.Client, keys: streams.RunKeys) -> str:
+def trained_log_end(client: redis_policy.Client, keys: run_keys.RunKeys) -> str:
     """The id of the trained log's last entry ("" when empty): what a checkpoint has trained
     through, and where a resume's replay starts after."""
     last = client.xrevrange(keys.trained_log, count=1)

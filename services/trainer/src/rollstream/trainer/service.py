@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, logs, redis_policy, steplog, streams, validation
+from rollstream.core import codec, logs, redis_policy, run_keys, steplog, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -82,7 +82,7 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
     trackers = Trackers.from_settings(settings, settings.run)  # report_to; a tracker that fails is turned off, never raised
     try:
         trackers.log_config(run_config(settings))
-        keys = streams.RunKeys(settings.run)
+        keys = run_keys.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
         fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
         encode = chat_encoder(trainer.tokenizer)
@@ -127,7 +127,7 @@ class TrainerLoop:
     trainer: Trainer
     host: ServiceHost
     client: redis_policy.Client
-    keys: streams.RunKeys
+    keys: run_keys.RunKeys
     stage: streams.StreamStage
     feeder: PromptFeeder
     evaluator: Evaluator
@@ -398,7 +398,7 @@ class TrainerLoop:
             return saved, trainer.version
 
         def trim_log(through: str) -> None:
-            ms, seq = streams.id_tuple(through)
+            ms, seq = run_keys.id_tuple(through)
             self.host.redis.call(lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False), "trimming the trained log")
 
         return trainer.save_own_checkpoint(self.feeder.fed, self.stage.consumer, log_end, trim_log), trainer.version
