@@ -38,6 +38,7 @@ The rules, most serious first (`diagnose` returns every finding, the first is th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,6 +60,7 @@ PIPELINE = (
     StageSpec("reference", "scored", "reference", ("referenced",)),
     StageSpec("trainer", "ready", "trainer", ("trained", "stale", "duplicates", "evaluated")),
 )
+_GEN, _TRAINER = PIPELINE[0], PIPELINE[-1]
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,17 @@ class Snapshot:
         """Whether the run has this stage: the reference stage only when `scored` is used."""
         return spec.name != "reference" or self.stream("scored").exists
 
+    def stages(self) -> list[StageSpec]:
+        return [s for s in PIPELINE if self.active(s)]
+
+    def ready(self) -> Group | None:
+        return self.stream("ready").group(_TRAINER.group)
+
+    def training(self) -> bool:
+        """A step in progress: the trainer holds a step's groups (groups_per_step) pending."""
+        ready, per_step = self.ready(), self.counters.get("groups_per_step", 0)
+        return ready is not None and per_step > 0 and ready.pending >= per_step
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -153,24 +166,17 @@ def _rate_text(r: float | None) -> str:
     return "" if r is None else f" ({r:.2f}/s)"
 
 
-def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresholds()) -> list[Finding]:
-    """Every finding, most serious first; never empty (an idle run is `ok`)."""
-    found: list[Finding] = []
-    stages = [s for s in PIPELINE if cur.active(s)]
-    gen_spec, trainer_spec = PIPELINE[0], PIPELINE[-1]
-    downstream = sum(cur.backlog(s.stream, s.group) for s in stages if s is not gen_spec)
-
-    # crash loop
+def _crash_loops(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
     for name, n in sorted(cur.restarts.items()):
         more = n - (prev.restarts.get(name, 0) if prev is not None else 0)
         if n >= t.crash_restarts or (prev is not None and more > 0):
-            found.append(Finding("stuck", name, f"restarted {n} times by `up`{f' ({more} since the last look)' if prev is not None and more else ''}: a crash loop? see its log (WORKDIR/logs/{name}.log)"))
+            yield Finding("stuck", name, f"restarted {n} times by `up`{f' ({more} since the last look)' if prev is not None and more else ''}: a crash loop? see its log (WORKDIR/logs/{name}.log)")
 
-    # deadlock: the trainer waits on a partial batch, the generators wait on that same batch
-    ready = cur.stream("ready").group(trainer_spec.group)
-    gen_group = cur.stream("prompts").group(gen_spec.group)
-    upstream_of_ready = sum(cur.backlog(s.stream, s.group) for s in stages if s not in (gen_spec, trainer_spec))
-    per_step = cur.counters.get("groups_per_step", 0)
+
+def _deadlock(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
+    ready, per_step = cur.ready(), cur.counters.get("groups_per_step", 0)
+    gen_group = cur.stream("prompts").group(_GEN.group)
+    upstream_of_ready = sum(cur.backlog(s.stream, s.group) for s in cur.stages() if s not in (_GEN, _TRAINER))
     # A step in progress holds groups_per_step groups pending; fewer is a partial batch. Not
     # knowing groups_per_step, only a trainer that made no progress since the last look counts.
     partial = per_step > 0 or prev is not None
@@ -179,84 +185,94 @@ def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresh
         and upstream_of_ready == 0
         and gen_group is not None and gen_group.lag > 0 and gen_group.consumers
         and all(c.idle_s >= t.idle_s for c in gen_group.consumers)
-        and (prev is None or cur.consumed(trainer_spec) == prev.consumed(trainer_spec))
+        and (prev is None or cur.consumed(_TRAINER) == prev.consumed(_TRAINER))
     ):  # fmt: skip
-        found.append(Finding(
+        yield Finding(
             "stuck", "generator",
             f"deadlock: the trainer holds {ready.pending} groups and waits for a full step, while the generators (idle "
             f"{min(c.idle_s for c in gen_group.consumers):.0f}s) are held back by those very groups: max_inflight_groups below groups_per_step?",
-        ))  # fmt: skip
+        )  # fmt: skip
 
-    training = ready is not None and per_step > 0 and ready.pending >= per_step
-    for spec in stages:
+
+def _stages(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
+    downstream = sum(cur.backlog(s.stream, s.group) for s in cur.stages() if s is not _GEN)
+    for spec in cur.stages():
         g = cur.stream(spec.stream).group(spec.group)
         backlog = cur.backlog(spec.stream, spec.group)
         if backlog == 0:
             continue
         if g is None:
-            found.append(Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and no consumer group reads it: is the {spec.name} running?"))
+            yield Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and no consumer group reads it: is the {spec.name} running?")
             continue
         if not g.consumers:
-            found.append(Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and group '{g.name}' has no consumer: is the {spec.name} running?"))
+            yield Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and group '{g.name}' has no consumer: is the {spec.name} running?")
             continue
         idle = min(c.idle_s for c in g.consumers)
         # A batch slower than idle_s (CPU sampling) leaves its consumer idle too: with an
         # earlier look, only a stage that consumed nothing since counts.
         progressed = prev is not None and cur.consumed(spec) > prev.consumed(spec)
         if idle >= t.idle_s and not progressed:
-            if spec is gen_spec and downstream > 0:
+            if spec is _GEN and downstream > 0:
                 continue  # held back by back-pressure: the groups downstream are the story
-            if spec is trainer_spec and training:
+            if spec is _TRAINER and cur.training():
                 continue  # a step in progress reads nothing until it commits
-            found.append(Finding(
+            yield Finding(
                 "stuck", spec.name,
                 f"not reading {spec.stream}: {backlog} waiting ({g.pending} pending), every consumer idle for {idle:.0f}s or more (dead or hung?)",
-            ))
+            )
             continue
         if prev is not None and cur.at > prev.at:
             before = prev.backlog(spec.stream, spec.group)
-            if backlog > before and cur.consumed(spec) == prev.consumed(spec) and not (spec is gen_spec and downstream > 0):
-                found.append(Finding(
+            if backlog > before and cur.consumed(spec) == prev.consumed(spec) and not (spec is _GEN and downstream > 0):
+                yield Finding(
                     "warn", spec.name, f"falling behind: backlog in {spec.stream} grew {before} -> {backlog} in {cur.at - prev.at:.0f}s and it consumed nothing",
-                ))
+                )
 
-    # generators behind the trainer
+
+def _generators_behind(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
     if cur.stream("prompts").exists and not cur.generators and (cur.trainer_step > 0 or cur.stream("prompts").length > 0):
-        found.append(Finding("warn", "generator", "no generator registered (no heartbeat in the registry): nothing samples, and the trainer pushes weights nowhere"))
+        yield Finding("warn", "generator", "no generator registered (no heartbeat in the registry): nothing samples, and the trainer pushes weights nowhere")
     for name, v in sorted(cur.generators.items()):
         if v is None:
-            found.append(Finding("warn", name, f"holds no weights yet; the trainer is at v{cur.trainer_version}"))
+            yield Finding("warn", name, f"holds no weights yet; the trainer is at v{cur.trainer_version}")
         elif cur.trainer_version - v > t.max_staleness:
             pushes = cur.counters.get("pushes_not_applied", 0)
-            found.append(Finding(
+            yield Finding(
                 "warn", name,
                 f"at policy v{v}, the trainer at v{cur.trainer_version}: {cur.trainer_version - v} versions behind (max_staleness {t.max_staleness}), "
                 f"its groups come out stale (pushes not applied so far: {pushes})",
-            ))
+            )
 
-    # dead letters growing
+
+def _dead_letters(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
     if prev is not None and cur.dead > prev.dead:
         last = "; ".join(f"{k}: {v}" for k, v in sorted(cur.last_dead.items()))
-        found.append(Finding("warn", "dead letters", f"+{cur.dead - prev.dead} since the last look ({cur.dead} in all){f'; last: {last}' if last else ''}"))
+        yield Finding("warn", "dead letters", f"+{cur.dead - prev.dead} since the last look ({cur.dead} in all){f'; last: {last}' if last else ''}")
 
-    # where the flow stops: the stage nearest the trainer with a backlog. The trainer holds a
-    # step's groups pending while it trains them: that many pending is a step in progress.
+
+def _flow(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
+    stages, ready, training = cur.stages(), cur.ready(), cur.training()
     r = {spec.name: rate(prev, cur, spec) for spec in stages}
     if ready is None or (ready.lag == 0 and not training):
-        waiting = [(spec, cur.backlog(spec.stream, spec.group)) for spec in stages if spec is not trainer_spec]
+        waiting = [(spec, cur.backlog(spec.stream, spec.group)) for spec in stages if spec is not _TRAINER]
         holding = [(spec, n) for spec, n in waiting if n > 0]
         held = f" (it holds {ready.pending} pending)" if ready is not None and ready.pending else ""
         if holding:
             spec, n = holding[-1]
-            found.append(Finding(
-                "info", spec.name, f"the trainer waits for groups{held}; nearest backlog: {n} in {spec.stream}{_rate_text(r[spec.name])}",
-            ))
+            yield Finding("info", spec.name, f"the trainer waits for groups{held}; nearest backlog: {n} in {spec.stream}{_rate_text(r[spec.name])}")
         else:
-            found.append(Finding("ok", "", f"nothing waiting anywhere (trainer step {cur.trainer_step}, v{cur.trainer_version})"))
-    else:
-        since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
-        doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"
-        queued = f", {ready.lag} more wait in ready" if ready.lag else ""
-        found.append(Finding("info", "trainer", f"{doing}{queued}{_rate_text(r['trainer'])}: the step is the long pole"))
-    found.sort(key=lambda f: _ORDER[f.level])
-    return found
+            yield Finding("ok", "", f"nothing waiting anywhere (trainer step {cur.trainer_step}, v{cur.trainer_version})")
+        return
+    since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
+    doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"
+    queued = f", {ready.lag} more wait in ready" if ready.lag else ""
+    yield Finding("info", "trainer", f"{doing}{queued}{_rate_text(r['trainer'])}: the step is the long pole")
+
+
+# The rules of the module docstring; `diagnose` keeps this order among findings of one level.
+RULES = (_crash_loops, _deadlock, _stages, _generators_behind, _dead_letters, _flow)
+
+
+def diagnose(cur: Snapshot, prev: Snapshot | None = None, t: Thresholds = Thresholds()) -> list[Finding]:
+    """Every finding, most serious first; never empty (an idle run is `ok`)."""
+    return sorted((f for rule in RULES for f in rule(cur, prev, t)), key=lambda f: _ORDER[f.level])
