@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rollstream.reward import sandbox, sandbox_harness
+from rollstream.reward import sandbox, sandbox_judge
 from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes
 from rollstream.reward.sandbox import SandboxLimits, run_tests
 from rollstream.reward.scoring import score_items
@@ -433,7 +433,7 @@ def test_what_a_failed_judgement_says() -> None:
 
 def test_what_is_sent_to_the_program() -> None:
     # The steps RUNNER gets: the expected side of a judged assertion is not among them.
-    steps, expected = sandbox_harness.plan("x = [3, 1]\nassert f(x) == 'sekrit'\nassert g(x)\nassert 'also' in h()")
+    steps, expected = sandbox_judge.plan("x = [3, 1]\nassert f(x) == 'sekrit'\nassert g(x)\nassert 'also' in h()")
     assert steps == [("x", "x = [3, 1]"), ("r", "(\nf(x)\n)", 0), ("x", "assert g(x)"), ("r", "(\nh()\n)", 1)]
     assert [(op, value, left) for op, _, value, left in expected] == [("==", "sekrit", True), ("in", "also", False)]
     assert "sekrit" not in repr(steps) and "also" not in repr(steps)
