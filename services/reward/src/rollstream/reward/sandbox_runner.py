@@ -7,8 +7,8 @@ The harness (sandbox_harness.py) runs it as `python -I -S -c <this file's text>`
 the fence, where this file's folder is not mounted: standard library only.
 fd 3: marshal of {"io", "code", "steps", "index"}; fd 4: one JSON list a line: ["h"] at
 start; ["r", k, value] / ["u", k, hex type name] per judged assertion; ["e", hex text] for
-an exception; ["d"] at the end. Values are tagged lists of hex strings (see `decode` in
-the harness), so no json module is needed here.
+an exception; ["d"] at the end. Values are tagged lists of hex strings (`encoder`), so no
+json module is needed here.
 """
 
 import marshal
@@ -16,19 +16,9 @@ import os
 import sys
 
 
-def main():
-    write, exit, BaseExc, SysExit, type_, hex_ = os.write, os._exit, BaseException, SystemExit, type, hex
-    fhex = float.hex
-
-    def emit(text):
-        data = (text + "\n").encode()
-        while data:
-            data = data[write(4, data):]
-
-    emit('["h"]')
-    with open(3, "rb") as f:
-        job = marshal.loads(f.read())
-    modules = sys.modules
+def encoder():
+    """The value encoder (sandbox_judge.decode reads it), bound before the program may rebind builtins."""
+    type_, hex_, fhex, modules = type, hex, float.hex, sys.modules
     sequences = {list: "l", tuple: "t", set: "S", frozenset: "F"}
 
     def stdlib_type(module, name):
@@ -62,6 +52,22 @@ def main():
         if t is stdlib_type("decimal", "Decimal"):
             return '["D","%s"]' % str(v).encode("ascii").hex()
         raise TypeError(t.__name__)
+
+    return encode
+
+
+def main():
+    write, exit, BaseExc, SysExit, type_ = os.write, os._exit, BaseException, SystemExit, type
+
+    def emit(text):
+        data = (text + "\n").encode()
+        while data:
+            data = data[write(4, data):]
+
+    emit('["h"]')
+    with open(3, "rb") as f:
+        job = marshal.loads(f.read())
+    encode = encoder()
 
     def failed(e):
         try:
