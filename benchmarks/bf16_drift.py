@@ -87,7 +87,7 @@ def main() -> None:
     model, tokenizer = modeling.load_model(model_dir, dtype="float32", device="cpu")
     params = modeling.named_weights(model)
     opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
-                    master_layout="fp32")  # reads flat_master
+                    master_layout="fp32", moments_dtype="float32")  # reads flat_master
     opt.sync_model()
     batch = modeling.make_batch(sequences, tokenizer.pad_token_id)
     adv = torch.tensor([a for a, n in zip(advantages, batch.lengths, strict=True) for _ in range(n)], dtype=torch.float32)
@@ -100,7 +100,7 @@ def main() -> None:
 
     # 2. The gradient of the trainer's own loss on this batch, once.
     keep = KeepGrads(params)
-    train_step(model, keep, groups, StepConfig.from_settings(settings), pad_id=tokenizer.pad_token_id)  # type: ignore[arg-type]
+    train_step(model, keep, groups, StepConfig.from_settings(settings), pad_id=tokenizer.pad_token_id)  # type: ignore[arg-type]  # KeepGrads keeps the gradients, it is no HostAdamW
     masters0 = opt.flat_master.clone()
     bits0 = opt.sync_model()
     base_bf16 = surrogate()

@@ -348,7 +348,7 @@ def host_optimizer(model: torch.nn.Module, grad_offload: bool, moments_dtype: st
     copy of the model on the host). `sync`: write the served bits into the model. Not needed
     where the parameters are bf16 already: the masters are then exactly the weights, whose bf16
     rounding in either layout is the weights themselves."""
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments_dtype,  # type: ignore[arg-type]
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments_dtype,  # type: ignore[arg-type]  # a --moments-dtype string, one of the literals
                     master_layout=master_layout, grad_offload=grad_offload)
     if sync:
         opt.sync_model()
@@ -604,7 +604,7 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         progress(result, f"{size}: {'stepped' if row['fits'] else 'does not fit: ' + row['why']}")
         # Freeing ~100 GiB of host memory takes seconds: after the row is out. The step's bits
         # are views of the optimizer's (split layout): they go too.
-        model = opt = r = None  # noqa: F841
+        model = opt = r = None
         if not row["fits"]:
             break
     return result

@@ -201,7 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fsync = {"appendfsync": args.appendfsync} if args.appendfsync else {}
         server = None if args.redis_url else EmbeddedRedis(Path(tmp) / "redis", **fsync).start()
-        url = args.redis_url or server.url  # type: ignore[union-attr]
+        url = args.redis_url or server.url  # type: ignore[union-attr]  # server is None only where --redis-url is given
         try:
             raw_rate(url, min(2_000, args.entries), args.read_count, args.payload_bytes)  # warm-up
             raws, stagess = [], []

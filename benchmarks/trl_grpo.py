@@ -76,7 +76,7 @@ def main() -> None:
         def __init__(self) -> None:
             self.last = time.monotonic()
 
-        def on_log(self, _args, state, _control, logs=None, **_kw):  # type: ignore[no-untyped-def]
+        def on_log(self, _args, state, _control, logs=None, **_kw):
             if logs and "reward" in logs:
                 now = time.monotonic()
                 emit({"step": state.global_step, "reward": logs["reward"], "reward_std": logs.get("reward_std"), "t": round(now - STARTED, 2), "step_s": round(now - self.last, 2)})

@@ -90,7 +90,7 @@ def main() -> None:
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
     results: dict[str, list[dict]] = {"backend": [], "generate": []}
-    for name, fn in (("backend", run_backend), ("generate", run_generate)):
+    for _name, fn in (("backend", run_backend), ("generate", run_generate)):
         fn()  # warm-up (CUDA graphs / compilation, caches)
     for _ in range(args.rounds):
         for name, fn in (("backend", run_backend), ("generate", run_generate)):

@@ -83,13 +83,13 @@ def serve_sink(state_file: str, die_in_push: int, secrets: str, nonce_delay_s: f
     peers = PeerChannels(ClientCredentials())
     address = ""
 
-    def dying(chunks):  # type: ignore[no-untyped-def]
+    def dying(chunks):
         for chunk in chunks:
             os.kill(os.getpid(), signal.SIGKILL)
             yield chunk
 
     class Sink(generator_pb2_grpc.GeneratorServicer):
-        def PushWeights(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        def PushWeights(self, request_iterator, context):
             nonlocal pushes
             start = time.perf_counter()
             with lock:
@@ -114,7 +114,7 @@ def serve_sink(state_file: str, die_in_push: int, secrets: str, nonce_delay_s: f
                 applied=True, version=version, apply_seconds=time.perf_counter() - start, receive_seconds=received, relayed=relayed, ack=ack,
             )
 
-        def PushNonce(self, request, context):  # type: ignore[no-untyped-def]
+        def PushNonce(self, request, context):
             time.sleep(nonce_delay_s)
             nonce = nonces.issue()
             proof = prover.prove(request.challenge, nonce, address) if prover is not None else b""
@@ -220,7 +220,7 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
     class Counting(TrainerServicer):
         """The trainer's servicer, the FetchWeights that stream something counted."""
 
-        def FetchWeights(self, request, context):  # type: ignore[no-untyped-def]
+        def FetchWeights(self, request, context):
             payloads = nbytes = 0
             for chunk in super().FetchWeights(request, context):
                 payloads += chunk.HasField("header")
@@ -376,7 +376,7 @@ def main() -> None:
 
             model, _ = modeling.load_model(model_dir)
             params = modeling.named_weights(model)
-            opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
+            opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
             publisher = WeightPublisher(
                 opt.sync_model(), anchor_interval=1_000_000, nonce_timeout_s=args.nonce_timeout,
                 creds=ClientCredentials(token=tokens["trainer"]) if tokens else None,

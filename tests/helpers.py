@@ -120,7 +120,7 @@ def code_of(call: Callable[[], object]) -> grpc.StatusCode:
     try:
         call()
     except grpc.RpcError as e:
-        return e.code()  # type: ignore[attr-defined]
+        return e.code()
     return grpc.StatusCode.OK
 
 

@@ -176,7 +176,7 @@ class ParityReward:
         group = self.pb.RolloutGroup()
         try:
             group.ParseFromString(fields.get(b"data", b""))
-        except Exception as e:  # protobuf's DecodeError
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError or whatever its parser raises on hostile bytes
             raise ValueError(f"data does not parse as rollstream.v1.RolloutGroup: {e}") from None
         if not group.group_id or not group.completions:
             raise ValueError("RolloutGroup without group_id or completions")

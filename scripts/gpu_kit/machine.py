@@ -56,7 +56,7 @@ def optimizer_path() -> dict[str, object]:
     from rollstream.trainer.optimizer import HostAdamW
 
     spec = importlib.util.find_spec("rollstream.trainer._split_adamw")
-    opt = HostAdamW({"probe": torch.nn.Parameter(torch.zeros(64))}, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, master_layout="split")
+    opt = HostAdamW({"probe": torch.nn.Parameter(torch.zeros(64))}, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, master_layout="split", moments_dtype="float32")
     kernel = opt.uses_split_kernel
     return {"path": "split_kernel" if kernel else "torch", "uses_split_kernel": kernel,
             "kernel": spec.origin if spec is not None else None, "kernel_threads": torch.get_num_threads() if kernel else None}
@@ -80,7 +80,7 @@ def main() -> None:
     for module in ROLLSTREAM:
         try:
             importlib.import_module(module)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - any import error is the finding
             failed.append(f"{module}:\n{traceback.format_exc(limit=3)}")
     if not failed:
         out["optimizer"] = optimizer_path()

@@ -50,7 +50,7 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=0o022, env=env)
     printed: list[str] = []  # up's output so far, read on a thread (a wait never blocks on it)
     assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: printed.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader = threading.Thread(target=lambda: printed.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]  # proc.stdout is asserted above; the lambda loses the narrowing
     reader.start()
     try:
         up_running = still_running(proc, "up")

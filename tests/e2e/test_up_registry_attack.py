@@ -59,7 +59,7 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.chunks += list(request_iterator)
         return weights_pb2.PushResult(applied=True, version=self.chunks[0].header.version if self.chunks else 0)
 
-    def GetState(self, request, context):  # type: ignore[no-untyped-def]
+    def GetState(self, request, context):
         return generator_pb2.GeneratorState(generator_id="fake")
 
 
@@ -69,7 +69,7 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
     cmd = [
         str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run,
         "--workdir", str(tmp_path), "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-        "--no-colocate",  # the real generator as a process, beside the fake one
+        "--colocate", "off",  # the real generator as a process, beside the fake one
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds, state = tmp_path / "credentials", tmp_path / "state"

@@ -30,19 +30,19 @@ import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before CUDA init
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-from synthetic import scored_groups  # noqa: E402  tests/synthetic.py
-from rollstream.core import deltas, modeling  # noqa: E402
-from rollstream.trainer import checkpoint  # noqa: E402
-from rollstream.trainer.grpo import LossConfig  # noqa: E402
-from rollstream.trainer.optimizer import HostAdamW, MasterLayout, OnPiece, served_bits  # noqa: E402
-from rollstream.trainer.step import StepConfig, train_step  # noqa: E402
+from synthetic import scored_groups  # tests/synthetic.py
+from rollstream.core import deltas, modeling
+from rollstream.trainer import checkpoint
+from rollstream.trainer.grpo import LossConfig
+from rollstream.trainer.optimizer import HostAdamW, MasterLayout, OnPiece, served_bits
+from rollstream.trainer.step import StepConfig, train_step
 
 DEVICE = os.environ.get("ROLLSTREAM_GPU_TIER_DEVICE", "cuda")
 pytestmark = [
@@ -71,7 +71,7 @@ def load(model_dir: Path, grad_offload: bool = False, master_layout: MasterLayou
     model, tokenizer = modeling.load_model(model_dir, dtype="bfloat16", device=DEVICE)
     model.train()
     opt = HostAdamW(modeling.named_weights(model), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=BUCKET_MB, grad_offload=grad_offload,
-                    master_layout=master_layout)
+                    master_layout=master_layout, moments_dtype="float32")
     opt.sync_model()
     return model, opt, tokenizer.pad_token_id
 
@@ -118,7 +118,7 @@ def test_offloaded_step_is_fp32_master_adamw_bit_for_bit(tiny_model_dir: Path, l
     capturing = Capturing(model, opt)
     cfg = step_config()
     for step in range(3):
-        train_step(model, capturing, scored_groups(step, 4), cfg, pad_id=pad)  # type: ignore[arg-type]
+        train_step(model, capturing, scored_groups(step, 4), cfg, pad_id=pad)  # type: ignore[arg-type]  # Capturing wraps HostAdamW's calls, it is not one
         for n, m in masters.items():
             m.grad = capturing.grads[n]
         reference.step()
@@ -139,7 +139,7 @@ def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model
     masters, reference = fp32_reference(opt)
     capturing = Capturing(model, opt)
     for step in range(3):
-        train_step(model, capturing, scored_groups(step, 4), step_config(max_grad_norm=1e-3), pad_id=pad)  # type: ignore[arg-type]
+        train_step(model, capturing, scored_groups(step, 4), step_config(max_grad_norm=1e-3), pad_id=pad)  # type: ignore[arg-type]  # Capturing wraps HostAdamW's calls, it is not one
         for n, m in masters.items():
             m.grad = capturing.grads[n]
         ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 1e-3))

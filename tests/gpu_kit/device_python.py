@@ -76,7 +76,7 @@ def make(root: Path, image_extras: tuple[str, ...] = ()) -> Path:
     image has that the project venv does not, installed into it (their wheels downloaded once,
     kept in WHEELS)."""
     venv = root / "torch-venv"
-    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True)  # type: ignore[attr-defined]  (the base, not this venv)
+    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True)  # type: ignore[attr-defined]  # the base python, not this venv's
     python = venv / "bin" / "python3"
     venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     link_image_packages(root / "image-packages")

@@ -95,7 +95,7 @@ def test_kill_9_mid_export_leaves_no_model(tiny_model_dir: Path, tmp_path: Path)
     out = tmp_path / "model"
     # kill -9 as soon as the temp folder holds a file (config.json: the weights come next). A
     # kill that comes after the rename proves nothing: then again (the export is not timed).
-    for attempt in range(3):
+    for _attempt in range(3):
         proc = subprocess.Popen(export_cmd(tmp_path, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             temp = tmp_path / f".model.export-tmp-{proc.pid}"

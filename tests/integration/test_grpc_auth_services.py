@@ -158,7 +158,7 @@ def poisoned_anchor(bits: dict[str, np.ndarray], version: int) -> list[weights_p
     return list(weight_transfer.to_chunks(payload, deltas.PayloadInfo("anchor", version, version, fingerprint), chunk_bytes=64 * 1024))
 
 
-def push(address: str, creds: ClientCredentials | None, chunks, server_name: str = "") -> weights_pb2.PushResult:  # type: ignore[no-untyped-def]
+def push(address: str, creds: ClientCredentials | None, chunks, server_name: str = "") -> weights_pb2.PushResult:
     with channel(address, creds, server_name) as ch:
         return generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(chunks), timeout=60)
 

@@ -528,7 +528,7 @@ def test_default_user_and_wrong_password_are_refused(server: EmbeddedRedis, capl
     assert "'reward'" in str(refused.value) and "redis_password_file" in str(refused.value)
     lines = [r for r in caplog.records if r.name == "test-acl"]
     assert [r.getMessage() for r in lines] == ["redis_refused_access"]
-    assert lines[0].levelno == logging.ERROR and lines[0].fields["user"] == "reward"  # type: ignore[attr-defined]
+    assert lines[0].levelno == logging.ERROR and lines[0].fields["user"] == "reward"  # type: ignore[attr-defined]  # logs.event's attribute, not LogRecord's
     assert health.ok  # never reported as an outage
 
 

@@ -222,7 +222,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
             commit = stage.commit
 
             def commit_then_ask(*args: object, **kwargs: object) -> bool:
-                done = commit(*args, **kwargs)  # type: ignore[arg-type]
+                done = commit(*args, **kwargs)  # type: ignore[arg-type]  # the commit's own arguments, passed through
                 counted_at_commit.append(stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed)
                 return done
 

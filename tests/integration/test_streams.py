@@ -279,7 +279,7 @@ def test_trim_survives_the_last_pending_entry_acked_by_another_worker_midway(red
     CI with two reward workers): XPENDING then has no min. Trim to last-delivered, no crash."""
 
     class AckedMidway(redis.Redis):
-        def xinfo_groups(self, name):  # type: ignore[no-untyped-def, override]
+        def xinfo_groups(self, name):
             groups = super().xinfo_groups(name)
             other.commit(pending)  # the other worker's commit lands between the two calls
             return groups

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import shapes  # noqa: E402  benchmarks/shapes.py
+import shapes  # benchmarks/shapes.py
 
 
 def test_rotary_buffers_are_those_of_a_model_built_normally() -> None:

@@ -197,7 +197,7 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
         self.chunks_read = 0
         self.nonces = nonces
 
-    def GetState(self, request, context):  # type: ignore[no-untyped-def]
+    def GetState(self, request, context):
         return generator_pb2.GeneratorState(generator_id="g")
 
     def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
@@ -216,11 +216,11 @@ class Trainer(trainer_pb2_grpc.TrainerServicer):
     def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
         yield weights_pb2.WeightChunk(data=b"w")
 
-    def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+    def SaveCheckpoint(self, request, context):
         return trainer_pb2.SaveCheckpointResult(path="ok")
 
 
-def _echo(request_iterator, context):  # type: ignore[no-untyped-def]
+def _echo(request_iterator, context):
     yield from request_iterator
 
 

@@ -113,7 +113,7 @@ def run_grpo(seqs: list[dict], denom: float, clip_eps: float, beta: float):
     logp leaves)."""
     leaves = [torch.tensor(s["logp"], dtype=torch.float64, requires_grad=True) for s in seqs]
     logp = torch.cat(leaves)
-    cat = lambda key: torch.tensor([x for s in seqs for x in s[key]], dtype=torch.float64)  # noqa: E731
+    cat = lambda key: torch.tensor([x for s in seqs for x in s[key]], dtype=torch.float64)  # noqa: E731 - a one-line helper, named where it is used
     lengths = torch.tensor([len(s["logp"]) for s in seqs], dtype=torch.long)
     seq = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
     seq_adv = torch.tensor([s["adv"][0] for s in seqs], dtype=torch.float64)

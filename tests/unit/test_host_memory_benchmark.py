@@ -24,7 +24,7 @@ def test_host_memory_benchmark_at_the_tiny_shape() -> None:
     result = json.loads(done.stdout)
     runs = {r["layout"]: r for r in result["runs"]}
     assert set(runs) == {"split+bfloat16", "fp32+float32"}
-    for layout, run in runs.items():
+    for run in runs.values():
         assert "error" not in run and "skipped" not in run, run
         assert run["size"] == "tiny" and run["parameters"] == 3279104
         assert isinstance(run["peak_reset"], bool)  # False where /proc/self/clear_refs is refused: then the baseline is the peak so far

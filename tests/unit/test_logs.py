@@ -130,7 +130,7 @@ def test_fields_ride_on_the_record(caplog: pytest.LogCaptureFixture) -> None:
         logs.event(log, "refused", level=logging.ERROR, user="reward")
     (record,) = [r for r in caplog.records if r.name == log.name]
     assert record.getMessage() == "refused" and record.levelno == logging.ERROR
-    assert record.fields == {"user": "reward"}  # type: ignore[attr-defined]
+    assert record.fields == {"user": "reward"}  # type: ignore[attr-defined]  # logs.event's attribute, not LogRecord's
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -104,7 +104,7 @@ def serve() -> Iterator[Callable[..., FakeGenerator]]:
 
     def start(signed: bool = True, **kw: object) -> FakeGenerator:
         nonces = push_signing.PushNonces()
-        gen = FakeGenerator(nonces, **kw)  # type: ignore[arg-type]
+        gen = FakeGenerator(nonces, **kw)  # type: ignore[arg-type]  # FakeGenerator's keyword options, passed through
         interceptors = [grpc_auth.AuthInterceptor(ROLE_TABLE, nonces=nonces)] if signed else []
         # No BDP probing: the receive window stays small (64 KiB), so a receiver that stops
         # reading holds a chunk or two, as a real one's would with a few MiB of window.
@@ -225,7 +225,7 @@ def test_a_target_the_relay_could_not_reach_is_reported_unreachable(serve: Calla
 
 def fetched(servicer: TrainerServicer) -> list[int]:
     """The versions a generator holding version 0 gets from FetchWeights now."""
-    chunks = servicer.FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), None)  # type: ignore[arg-type]
+    chunks = servicer.FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), None)
     return [c.header.version for c in chunks if c.HasField("header")]
 
 
@@ -243,12 +243,12 @@ def test_getstate_tells_no_version_while_its_push_is_going_out(serve: Callable[.
         trainer.train_and_push(scored_groups(2, 4), lambda: [slow.address], False, lambda metrics, outcomes: recorded.append(metrics.version))
         assert recorded == [1] and trainer.version == 1  # committed before the push ended
         assert slow.entered.wait(WAIT_S)
-        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 0  # type: ignore[arg-type]
+        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 0
         assert fetched(servicer) == []
         hold.set()
         [outcome] = trainer.publisher.pushes.wait()
         assert outcome.applied and outcome.version == 1
-        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 1  # type: ignore[arg-type]
+        assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 1
         assert fetched(servicer) == [1]
     finally:
         hold.set()

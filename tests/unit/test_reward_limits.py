@@ -79,7 +79,7 @@ def test_recipes(default_timeout_s: float = 0.5) -> Recipes:
     )
 
 
-test_recipes.__test__ = False  # type: ignore[attr-defined] - a factory, not a test
+test_recipes.__test__ = False  # type: ignore[attr-defined]  # a factory, not a test
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def builtin_pool() -> Iterator[ScorePool]:
 
 
 def statuses(score: object) -> list[tuple[str, float, str]]:
-    return [(c.name, c.value, c.status) for c in score.components]  # type: ignore[attr-defined]
+    return [(c.name, c.value, c.status) for c in score.components]  # type: ignore[attr-defined]  # a RewardScore, typed loosely here
 
 
 def worker_pids(pool: ScorePool) -> set[int]:
@@ -166,7 +166,7 @@ def test_a_worker_killed_mid_task_is_replaced_and_the_task_run_again(pool: Score
     os.kill(int(marker.read_text()), signal.SIGKILL)
     scoring.join(timeout=MIN_WAIT_S)
     assert not scoring.is_alive()
-    killed, other = result[0]  # type: ignore[misc]
+    killed, other = result[0]  # type: ignore[misc]  # the thread's one result: a list of two scores
     assert statuses(killed) == [("answer", 1.0, "ok")]  # run again on a fresh worker, not lost
     assert statuses(other) == [("format", 1.0, "ok")]
 
@@ -208,8 +208,8 @@ def test_a_deadline_cancels_what_is_left(pool: ScorePool, tmp_path: Path) -> Non
 def test_recipes_are_rebuilt_in_the_workers_from_plain_data() -> None:
     spec = ComponentSpec(component="exact", weight=2.0, name="answer", timeout_s=3.0, params={"case_sensitive": False})
     source = recipe_source({"exact": [spec]}, 5.0)
-    assert source.args[0] == {"exact": [spec.model_dump()]}  # type: ignore[attr-defined]
-    assert json.loads(json.dumps(source.args[0])) == source.args[0]  # type: ignore[attr-defined]
+    assert source.args[0] == {"exact": [spec.model_dump()]}  # type: ignore[attr-defined]  # recipe_source's functools.partial
+    assert json.loads(json.dumps(source.args[0])) == source.args[0]  # type: ignore[attr-defined]  # recipe_source's functools.partial
     p = ScorePool(source, workers=1)
     try:
         (s,) = p.score_many([("exact", Sample("PARIS", "paris"))])
@@ -289,7 +289,7 @@ def test_a_submit_that_fails_cancels_the_components_submitted_before_it(monkeypa
     def submit_then_fail(task: object) -> None:
         if submitted:
             raise RuntimeError("the pool went away")
-        real_submit(task)  # type: ignore[arg-type]
+        real_submit(task)  # type: ignore[arg-type]  # the pool's own task, passed through
         submitted.append(task)
 
     monkeypatch.setattr(p, "_submit", submit_then_fail)
@@ -297,7 +297,7 @@ def test_a_submit_that_fails_cancels_the_components_submitted_before_it(monkeypa
         with pytest.raises(RuntimeError, match="went away"):
             p.score_many([("spin", Sample("x"))])
         (first,) = submitted
-        wait_for(first.future.done, MIN_WAIT_S, "the queued component to be cancelled")  # type: ignore[attr-defined]
-        assert first.future.cancelled()  # type: ignore[attr-defined]
+        wait_for(first.future.done, MIN_WAIT_S, "the queued component to be cancelled")  # type: ignore[attr-defined]  # a pool task, held as an object
+        assert first.future.cancelled()  # type: ignore[attr-defined]  # a pool task, held as an object
     finally:
         p.close()

@@ -269,7 +269,7 @@ def test_group_rule(mutate: Callable[[rollout_pb2.RolloutGroup], None], stage: s
     g = good_group(8)
     mutate(g)
     with pytest.raises(EntryError, match=reason) as err:
-        check_group(g, LIMITS, stage=stage, need_ref=need_ref)  # type: ignore[arg-type]
+        check_group(g, LIMITS, stage=stage, need_ref=need_ref)  # type: ignore[arg-type]  # a stage name from the cases, one of the literals
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
 
 
@@ -284,7 +284,7 @@ def test_group_token_ids_unchecked_without_a_vocab() -> None:
 
 def test_group_unknown_stage_is_a_caller_bug_not_a_bad_entry() -> None:
     with pytest.raises(ValueError, match="unknown stage 'prompts'") as err:
-        check_group(good_group(), LIMITS, stage="prompts")  # type: ignore[arg-type]
+        check_group(good_group(), LIMITS, stage="prompts")  # type: ignore[arg-type]  # an unknown stage on purpose
     assert not isinstance(err.value, EntryError)
 
 
@@ -375,5 +375,5 @@ def test_metrics_rule(mutate: Callable[[rollout_pb2.StepMetrics], None], reason:
 
 def test_limits_are_frozen() -> None:
     with pytest.raises(AttributeError):
-        LIMITS.vocab_size = 1  # type: ignore[misc]
+        LIMITS.vocab_size = 1  # type: ignore[misc]  # frozen on purpose: the test checks it refuses
     assert validation.Limits() == Limits(vocab_size=0, task_kinds=None)

@@ -377,7 +377,7 @@ def test_groups_pass_exactly_when_trainable() -> None:
         # read from every stage, and under both sets of limits.
         for limits in (LIMITS, OPEN_LIMITS):
             for at in STAGES:
-                ok = _passes(lambda: check_group(g, limits, stage=at, need_ref=need_ref))  # type: ignore[arg-type]
+                ok = _passes(lambda: check_group(g, limits, stage=at, need_ref=need_ref))  # type: ignore[arg-type]  # a stage name from STAGES, one of the literals
                 assert ok == is_trainable(g, limits, at, need_ref), (ok, at, need_ref, limits, g)
         seen["passed" if ok else "refused"] += 1  # the last verdict: ready, OPEN_LIMITS
 
@@ -420,7 +420,7 @@ def _check_decoded(msg: Any, stage: str) -> bool:
         ok = _passes(lambda: check_task(msg, LIMITS))
         assert ok == task_ok(msg, LIMITS), msg
     elif isinstance(msg, rollout_pb2.RolloutGroup):
-        ok = _passes(lambda: check_group(msg, LIMITS, stage=stage, need_ref=False))  # type: ignore[arg-type]
+        ok = _passes(lambda: check_group(msg, LIMITS, stage=stage, need_ref=False))  # type: ignore[arg-type]  # a stage name from STAGES, one of the literals
         assert ok == is_trainable(msg, LIMITS, stage, False), msg
     else:
         ok = _passes(lambda: check_metrics(msg))

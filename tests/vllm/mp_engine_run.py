@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tier_helpers import adamw_like_step  # noqa: E402
+from tier_helpers import adamw_like_step
 
-from rollstream.core import deltas  # noqa: E402
-from rollstream.generator.backends import SampleRequest  # noqa: E402
-from rollstream.generator.host_weights import HostWeights  # noqa: E402
+from rollstream.core import deltas
+from rollstream.generator.backends import SampleRequest
+from rollstream.generator.host_weights import HostWeights
 
 
 def peak_rss_bytes() -> dict[str, int]:
@@ -62,7 +62,7 @@ def main(model_dir: str, prompt: list[int]) -> None:
     refused = ""
     try:
         backend.load_weights({"model.layers.0.mlp.down_proj.weight": bits["model.layers.0.mlp.down_proj.weight"] ^ 1}, version=4)
-    except Exception as e:  # reported to the test
+    except Exception as e:  # noqa: BLE001 - reported to the test
         refused = str(e)
     print(json.dumps({
         "touched": sorted(touched),

@@ -191,7 +191,7 @@ def test_an_update_between_steps_is_recorded_per_token(engine, reference: Transf
         fourth_step.wait(timeout=300)
         try:
             backend.load_weights(v6, version=6)
-        except BaseException as e:  # surfaced below
+        except BaseException as e:  # noqa: BLE001 - surfaced below
             update_error.append(e)
 
     pusher = threading.Thread(target=push_mid_batch)

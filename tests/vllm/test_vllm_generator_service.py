@@ -132,7 +132,7 @@ def test_pushed_deltas_change_outputs_exactly_and_refused_ones_change_nothing(ge
     assert result.applied and result.version == 1, result.error
     after = [generate(generator, t) for t in probes]
     reference.load_weights(v1)
-    for t, g, old in zip(probes, after, before):
+    for _t, g, old in zip(probes, after, before):
         assert g.policy_version == 1
         c = g.completions[0]
         assert list(c.versions) == [rollout_pb2.VersionSpan(version=1, start=0, end=len(c.token_ids))]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from rollstream.generator.vllm_backend import VllmBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import shapes  # noqa: E402  (benchmarks/shapes.py: the model folder)
+import shapes  # benchmarks/shapes.py: the model folder
 
 pytestmark = pytest.mark.vllm
 
@@ -199,10 +199,10 @@ def test_a_refused_patch_writes_nothing(engine) -> None:
 
 
 def test_the_mode_follows_the_platform_and_the_vllm() -> None:
-    from rollstream.generator.vllm_backend import _transfer_mode
+    from rollstream.generator.vllm_transfer import choose_mode
 
-    assert _transfer_mode(on_cpu=True, checkpoint_patches=True, tensor_parallel_size=1) == "reload"
-    assert _transfer_mode(on_cpu=False, checkpoint_patches=True, tensor_parallel_size=2) == "patch"
-    assert _transfer_mode(on_cpu=False, checkpoint_patches=False, tensor_parallel_size=1) == "inplace"
+    assert choose_mode(on_cpu=True, checkpoint_patches=True, tensor_parallel_size=1) == "reload"
+    assert choose_mode(on_cpu=False, checkpoint_patches=True, tensor_parallel_size=2) == "patch"
+    assert choose_mode(on_cpu=False, checkpoint_patches=False, tensor_parallel_size=1) == "inplace"
     # TP > 1 on 0.26: the writer knows TP = 1's layout only.
-    assert _transfer_mode(on_cpu=False, checkpoint_patches=False, tensor_parallel_size=2) == "reload"
+    assert choose_mode(on_cpu=False, checkpoint_patches=False, tensor_parallel_size=2) == "reload"

@@ -52,7 +52,7 @@ def greedy(prompt: list[int], tokens: int = 16) -> list[SampleRequest]:
     return [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=tokens, seed=1)]
 
 
-def apply_delta(backend, host: HostWeights, new: dict[str, np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+def apply_delta(backend, host: HostWeights, new: dict[str, np.ndarray]) -> None:
     """As the generator does: encode (trainer), decode against the host copy, load, commit."""
     version = (host.version or 0) + 1
     payload, _ = deltas.encode_delta(host.bits, new, host.version or 0, version, host.fingerprint)
@@ -69,7 +69,7 @@ def reference_logprobs(reference: TransformersBackend, bits: dict[str, np.ndarra
     return logps.float().cpu().numpy()
 
 
-def check_greedy(backend, reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int]):  # type: ignore[no-untyped-def]
+def check_greedy(backend, reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int]):
     sample = backend.sample(greedy(prompt))[0][0]
     reference.load_weights(bits)
     expected = reference.sample(greedy(prompt, len(sample.token_ids)))[0][0]

@@ -82,7 +82,7 @@ class PipelineView(Collector):
             if self._client is None:
                 self._client = self._connect()
             snap, extra = status.collect(self._client, self.keys)
-        except (*redis_policy.ERRORS, OSError, ValueError) as e:
+        except redis_policy.ERRORS + (OSError, ValueError) as e:
             if self._client is not None:
                 with contextlib.suppress(Exception):  # closing a broken client
                     self._client.close()

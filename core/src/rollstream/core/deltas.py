@@ -111,7 +111,7 @@ def _bits_hash(bits: np.ndarray) -> str:
 def _maybe_zstd(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[np.ndarray, bool]:
     """The bytes of `raw` (a C-contiguous little-endian array), zstd-compressed when that is
     smaller, as uint8: no copy of `raw` (zstd reads any buffer)."""
-    packed = cctx.compress(raw)
+    packed = cctx.compress(raw)  # type: ignore[arg-type]  # a buffer; numpy's stubs say so from Python 3.12
     if len(packed) < raw.nbytes:
         return np.frombuffer(packed, dtype=np.uint8), True
     return raw.view(np.uint8), False

@@ -420,7 +420,7 @@ class TokenInterceptor(
         metadata = tuple(m for m in (details.metadata or ()) if m[0] != METADATA_KEY) + self._metadata
         return _CallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
 
-    def _intercept(self, continuation, client_call_details, request_or_iterator):  # type: ignore[no-untyped-def]
+    def _intercept(self, continuation, client_call_details, request_or_iterator):
         return continuation(self._with_token(client_call_details), request_or_iterator)
 
     # The four call shapes differ only in whether the request is one message or an iterator.

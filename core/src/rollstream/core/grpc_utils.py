@@ -166,4 +166,4 @@ def channel(
 
 def rpc_error_text(error: grpc.RpcError) -> str:
     """An RPC error as one line: its status code and details."""
-    return f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]
+    return f"{error.code().name}: {error.details()}"

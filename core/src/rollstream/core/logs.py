@@ -111,4 +111,4 @@ def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields
 def group_ids(groups: object) -> str:
     """The `groups=` field of an event that moves groups: their ids, comma-separated (anything
     with a `group_id`)."""
-    return ",".join(str(g.group_id) for g in groups)  # type: ignore[attr-defined]
+    return ",".join(str(g.group_id) for g in groups)  # type: ignore[attr-defined]  # anything with a group_id

@@ -29,7 +29,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=True)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' decorator on .to() hides its signature
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -89,7 +89,7 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
     width = max(total)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    rows, cols, targets, lengths = [], [], [], []
+    rows, cols, targets, lengths = [], list[int](), list[int](), []
     for i, (prompt, completion) in enumerate(sequences):
         if not prompt:
             # The first completion token is predicted from the last prompt position.
@@ -138,7 +138,7 @@ def make_shared_batch(
     ids = torch.full((len(units), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(units), width), dtype=torch.long)
     segment = torch.full((len(units), width), -2, dtype=torch.long)  # -1: the prompt, k: completion k, -2: padding
-    rows, cols, targets, lengths = [], [], [], []
+    rows, cols, targets, lengths = [], [], list[int](), []
     for b, (prompt, completions) in enumerate(units):
         if not prompt:
             raise ValueError(f"unit {b} has an empty prompt")  # its first completion token has nothing to be predicted from
@@ -195,7 +195,7 @@ def completion_logprobs(
     if batch.targets.numel() == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return empty, empty
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).last_hidden_state
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).last_hidden_state  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
     picked = hidden[batch.rows, batch.cols]  # [N, H]
     return head_logprobs(model, picked, batch.targets, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy)
 
@@ -211,7 +211,7 @@ def head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / temperature)[target] for each row of `hidden` [N, H], through
     the LM head `chunk_tokens` rows at a time: never a full [N, vocab] fp32 logits tensor."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
     inv_temp = 1.0 / temperature
     logps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):

@@ -220,7 +220,7 @@ def resolve_model(spec: str | os.PathLike[str] | None, cache_dir: Path | None = 
     None or "smollm2-135m" is the demo default; anything else must be a local folder with a
     config.json (a Hugging Face hub id like "org/name" is refused: there is no network).
     """
-    if _is_default(spec):
+    if spec is None or _is_default(spec):
         return default_model_dir(cache_dir)
     path = Path(spec).expanduser()
     if not path.is_dir():

@@ -48,6 +48,6 @@ def track(items: Iterable[T], description: str, total: float | None = None) -> I
         yield from items
         return
     if total is None:
-        total = len(items) if hasattr(items, "__len__") else None  # type: ignore[arg-type]
+        total = len(items) if hasattr(items, "__len__") else None  # type: ignore[arg-type]  # hasattr checked: a Sized Iterable
     with _progress(as_bytes=False) as progress:
         yield from progress.track(items, total=total, description=description)

@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlparse, urlsplit
 
 import redis
@@ -71,7 +71,7 @@ _TRANSIENT_REPLIES = ("LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READO
 _DENIED_IN_SCRIPT = ("NOPERM", "The user executing the script can't")
 
 T = TypeVar("T")
-Client = redis.Redis | RedisCluster
+Client: TypeAlias = redis.Redis | RedisCluster
 # What a Redis call can raise: redis-py's errors, and the cluster client's "no node reachable",
 # which is not a RedisError. Loops catch this tuple.
 ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)

@@ -102,7 +102,7 @@ def _dtype_name(name: str, array: np.ndarray, bf16: frozenset[str] | set[str]) -
 def _data(array: np.ndarray) -> memoryview:
     """A tensor's bytes as written: C order, little-endian; a view when it already is."""
     array = np.asarray(array, order="C")  # not ascontiguousarray: it turns 0-d into 1-d
-    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
+    return memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # a buffer; numpy's stubs say so from Python 3.12
 
 
 def loads(buf: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray]]:

@@ -185,6 +185,8 @@ class ServiceHost:
         Its refusals name that user; the service's readiness follows its own user only."""
         s = self.settings
         url = s.redis_url
+        username: str | None
+        password: str | None
         try:
             if as_user:
                 if any(redis_policy.url_credentials(url)):
@@ -269,7 +271,7 @@ class ServiceHost:
 
     def __exit__(self, *exc: object) -> bool:
         # Misconfigured has logged its one line already; it exits with status 2.
-        if exc[0] is not None and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):  # type: ignore[arg-type]
+        if exc[0] is not None and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):  # type: ignore[arg-type]  # __exit__'s first argument: the exception's class
             self.log.exception("service failed")
         self.close()
         os.umask(self._previous_umask)

@@ -81,7 +81,7 @@ def _stream(client: redis_policy.Client, key: str, read: _Reader) -> diagnose.St
     infos: list[dict] = read(lambda: client.xinfo_groups(key), [], key)
     for info in infos:
         name = _text(info["name"])
-        found: list[dict] = read(lambda: client.xinfo_consumers(key, name), [], key)
+        found: list[dict] = read(lambda: client.xinfo_consumers(key, name), [], key)  # noqa: B023 - read() calls it at once
         consumers = tuple(diagnose.Consumer(_text(c["name"]), int(c["pending"]), int(c["idle"]) / 1000) for c in found)
         groups.append(diagnose.Group(name, int(info["pending"]), _lag(client, key, info), consumers))
     return diagnose.StreamState(length=int(client.xlen(key)), exists=True, groups=tuple(groups))
@@ -193,7 +193,7 @@ def render(keys: run_keys.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: di
     table = Table(title=f"run {keys.run}: trainer step {cur.trainer_step}, policy version {cur.trainer_version}", title_justify="left")
     for col, justify in (("stage", "left"), ("stream", "left"), ("rate/s", "right"), ("backlog", "right"), ("pending", "right"),
                          ("length", "right"), ("consumers (idle)", "left"), ("last dead letter", "left")):  # fmt: skip
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]  # each one of rich's JustifyMethod literals
     for spec in diagnose.PIPELINE:
         if not cur.active(spec):
             continue

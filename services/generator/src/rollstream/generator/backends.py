@@ -101,7 +101,7 @@ class TransformersBackend:
     def _take(self, model: torch.nn.Module, tokenizer: "PreTrainedTokenizerBase", shared: bool) -> None:
         self.model, self.tokenizer, self.shared = model, tokenizer, shared
         self.device = next(model.parameters()).device
-        eos = self.model.generation_config.eos_token_id
+        eos = self.model.generation_config.eos_token_id  # type: ignore[union-attr]  # nn.Module's __getattr__ types transformers' attribute as Tensor | Module
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
@@ -197,7 +197,7 @@ class TransformersBackend:
                 Sample(
                     token_ids=token_ids,
                     logprobs=out_logps[i, :n].tolist(),
-                    text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    text=self.tokenizer.decode(token_ids, skip_special_tokens=True),  # type: ignore[arg-type]  # one sequence's ids decode to one str
                     finish_reason="stop" if bool(stopped[i]) else "length",
                 )
             )

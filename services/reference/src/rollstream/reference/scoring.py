@@ -59,7 +59,7 @@ def shared_prompt_logprobs(
     if not completions or any(len(c) == 0 for c in completions):
         raise ValueError("every completion needs at least one token")
     device = next(model.parameters()).device
-    decoder = model.get_decoder()
+    decoder = model.get_decoder()  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
     first = decoder(input_ids=torch.tensor([list(prompt)], device=device), use_cache=True)
     cache = first.past_key_values
     cache.batch_repeat_interleave(len(completions))
@@ -92,7 +92,7 @@ class ReferenceModel:
         self.temperature = temperature
         self.share_prompts = share_prompts
         self.device = next(model.parameters()).device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         # One forward at a time: the stream loop and gRPC calls share the model, and the
         # token budget bounds memory only if micro-batches do not run side by side.

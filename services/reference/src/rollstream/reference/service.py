@@ -106,10 +106,10 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
         sequences = [(list(s.prompt_ids), list(s.completion_ids)) for s in request.sequences]
         for i, (prompt, completion) in enumerate(sequences):
             try:
-                scorer.model.check(prompt, completion)
+                scorer.model.check(prompt, completion)  # type: ignore[union-attr]  # context.abort raised above: grpc has no types to say so
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sequence {i}: {e}")
-        values = scorer.score(sequences)
+        values = scorer.score(sequences)  # type: ignore[union-attr]  # context.abort raised above: grpc has no types to say so
         return reference_pb2.LogprobsResponse(sequences=[reference_pb2.SequenceLogprobs(logprobs=v) for v in values])
 
     def GetState(self, request: reference_pb2.ReferenceStateRequest, context: grpc.ServicerContext) -> reference_pb2.ReferenceState:

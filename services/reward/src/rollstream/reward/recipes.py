@@ -195,7 +195,7 @@ def _countdown(s: Sample) -> float:
     if not isinstance(numbers, list) or not all(isinstance(n, int) for n in numbers):
         raise ValueError('countdown metadata_json needs "numbers": a list of integers')
     try:
-        target_int = int(target)  # type: ignore[arg-type]
+        target_int = int(target)
     except (TypeError, ValueError):
         raise ValueError(f"countdown target {target!r} is not an integer") from None
     return verifiers.countdown_value(s.completion, numbers, target_int)
@@ -356,7 +356,7 @@ def default_specs(answer_weight: float = 1.0, format_weight: float = 0.1) -> dic
     """The built-in recipes. `arithmetic` is the demo's (its semantics are part of the demo)."""
 
     def spec(component: str, name: str, weight: float, **params: Any) -> ComponentSpec:
-        return ComponentSpec(component=component, name=name, weight=weight, params=params)  # type: ignore[arg-type]
+        return ComponentSpec(component=component, name=name, weight=weight, params=params)  # type: ignore[arg-type, call-arg]  # pydantic checks the name and fills timeout_s's Field default
 
     return {
         "arithmetic": [spec("arithmetic_answer", "answer", answer_weight), spec("arithmetic_format", "format", format_weight)],

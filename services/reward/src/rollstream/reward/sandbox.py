@@ -206,7 +206,7 @@ def parse_tests(metadata: dict[str, object]) -> list[str | dict[str, str]]:
         io_test = isinstance(t, dict) and isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str)
         if not (isinstance(t, str) or io_test):
             raise ValueError(f"test {i} is neither a string of Python nor an {{input, output}} object")
-    return tests  # type: ignore[return-value]
+    return tests
 
 
 def _world_runnable(path: Path) -> bool:

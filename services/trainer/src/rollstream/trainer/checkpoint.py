@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
@@ -47,8 +47,8 @@ from safetensors import safe_open
 
 from rollstream.core import progress
 
-FORMAT = "rollstream-trainer-checkpoint"
-FORMAT_VERSION = 1
+FORMAT: Final = "rollstream-trainer-checkpoint"
+FORMAT_VERSION: Final = 1
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"

@@ -90,7 +90,7 @@ def _drain(work: queue.Queue[_Add]) -> None:
                 item.event.synchronize()
             if not item.pending.failed:  # after a failure the accumulation is dropped anyway
                 _add(item.dst, item.src)
-        except BaseException as e:  # kept for wait() to raise on the caller's thread
+        except BaseException as e:  # noqa: BLE001 - kept for wait() to raise on the caller's thread
             item.pending.failed.append(e)
         finally:
             item.free.put(item.slot)

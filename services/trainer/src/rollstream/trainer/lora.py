@@ -48,7 +48,7 @@ class LoraModel:
         self.base: dict[str, torch.nn.Parameter] = modeling.named_weights(model)
         name_of = {id(p): name for name, p in self.base.items()}
         config = LoraConfig(
-            r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.peft_targets(),
+            r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.peft_targets(),  # type: ignore[arg-type]  # peft says int; a float scales the same (alpha / r)
             lora_dropout=0.0, bias="none", use_rslora=False, use_dora=False,
         )
         self.model = get_peft_model(model, config)
@@ -76,7 +76,7 @@ class LoraModel:
         layer = self.layers[name]
         a = layer.lora_A[ADAPTER].weight.float()
         b = layer.lora_B[ADAPTER].weight.float()
-        delta = b @ a
+        delta = b @ a  # type: ignore[operator]  # nn.Module's __getattr__ types peft's layers as Tensor | Module
         if layer.fan_in_fan_out:
             delta = delta.T
         return layer.get_base_layer().weight.float() + delta * layer.scaling[ADAPTER]

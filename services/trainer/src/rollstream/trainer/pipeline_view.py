@@ -14,6 +14,8 @@ def install(settings: TrainerSettings, host: ServiceHost) -> dashboard.PipelineV
     connection with short timeouts, as the read-only observer where a password file for it is
     given; the pipeline gauges on /metrics and the dashboard's routes."""
     s = settings
+    username: str | None
+    password: str | None
     try:
         if s.redis_observer_password_file:
             username, password = redis_acl.OBSERVER, read_secret(s.redis_observer_password_file, "redis_observer_password_file")

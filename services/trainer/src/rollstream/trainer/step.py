@@ -207,7 +207,7 @@ def _accumulate(
     raises NonFiniteStep. `logprobs`, when given, gets each row's detached log pi."""
     loss_cfg = cfg.loss
     sums = _Sums()
-    dtype = model.get_input_embeddings().weight.dtype  # a shared batch's mask adds to the attention scores
+    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method; a shared batch's mask adds to the attention scores
     for part in _micro_batches(rows, cfg.token_budget, cfg.share_prompts):
         micro = part.rows
         start = time.perf_counter()

@@ -195,7 +195,7 @@ class Trackers:
         for name in settings.report_to:
             try:
                 backends[name] = BACKENDS[name](folder, run)
-            except Exception as e:  # any library error: the run trains without this tracker
+            except Exception as e:  # noqa: BLE001 - any library error: the run trains without this tracker
                 _failed(name, "opening", e)
         if backends:
             logs.event(log, "trackers_open", trackers=",".join(backends), folder=str(folder))
@@ -220,12 +220,12 @@ class Trackers:
             for name, tracker in list(self.backends.items()):
                 try:
                     call(tracker)
-                except Exception as e:  # a full disk, a library error: this copy of the figures stops, the run goes on
+                except Exception as e:  # noqa: BLE001 - a full disk, a library error: this copy of the figures stops, the run goes on
                     _failed(name, doing, e)
                     del self.backends[name]
                     try:
                         tracker.close()
-                    except Exception:  # already failed and reported
+                    except Exception:  # noqa: BLE001 - already failed and reported
                         pass
 
 
