@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 GiB = 2**30
 LAYOUTS = ("split+bfloat16", "split+float32", "fp32+bfloat16", "fp32+float32")
@@ -161,19 +162,21 @@ def parameter_count(shape: tuple[int, int, int, int, int, int, bool]) -> int:
     return sum(math.prod(s) for s in parameter_shapes(shape).values())
 
 
-def _optimizer_buffers(opt: object) -> dict[str, int]:
-    """Bytes of every buffer HostAdamW allocates itself, by attribute (the accounting)."""
+def _optimizer_buffers(opt: Any) -> dict[str, int]:
+    """Bytes of every buffer HostAdamW allocates itself or in the objects of its options, by
+    attribute (the accounting); a buffer two of them hold counts once."""
     import numpy as np
     import torch
 
     out: dict[str, int] = {}
-    for name, value in vars(opt).items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value.numel() * value.element_size()
-        elif isinstance(value, np.ndarray) and value.base is None:
-            out[name] = value.nbytes
-        elif isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-            out[name] = sum(v.numel() * v.element_size() for v in value)
+    seen: set[int] = set()
+    for name, value in [item for holder in (opt, opt.masters, opt.moments, opt.grads) for item in vars(holder).items()]:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() not in seen:
+                out[name] = out.get(name, 0) + v.numel() * v.element_size()
+                seen.add(v.data_ptr())
+            elif isinstance(v, np.ndarray) and v.base is None:
+                out[name] = out.get(name, 0) + v.nbytes
     return {k: v for k, v in out.items() if v}
 
 

@@ -220,6 +220,7 @@ def main() -> None:
     from rollstream.trainer import publisher as publisher_mod
     from rollstream.trainer import trainer as trainer_mod
     from rollstream.trainer.config import TrainerSettings
+    from rollstream.trainer.masters import Fp32Masters
 
     device = devices.resolve(args.device)
     if device.type == "cuda":
@@ -324,9 +325,9 @@ def main() -> None:
         "grads": grads_at_step.get("grads", 0),
         "masters_fp32": unique_bytes(opt.flat_master, opt.hi, opt.lo),  # split layout: hi + lo are the fp32 masters
         "moments": unique_bytes(opt.exp_avg, opt.exp_avg_sq),
-        "optimizer_staging": unique_bytes(opt._grad_in, opt._bf16_out, opt._grad32, getattr(opt, "_m32", None), getattr(opt, "_v32", None), opt._master32, opt._int32, opt.host_grad),
+        "optimizer_staging": unique_bytes(opt._bf16_out, opt.moments._wide, opt.host_grad, *(vars(o).get(k) for o in (opt.grads, opt.masters) for k in ("_staging", "_grad32", "_master32", "_int32"))),
         # Split layout: the published bits are the masters' hi plane, counted above.
-        "bits_buffers": unique_bytes(opt._bits, opt._spare_bits, pub._bits) if not opt.split else unique_bytes(opt._bits, opt._spare_bits),
+        "bits_buffers": unique_bytes(opt.masters.bits, opt.masters._spare, pub._bits) if isinstance(opt.masters, Fp32Masters) else 0,
         "anchor_payload": unique_bytes(pub._anchor),
         "delta_payloads": unique_bytes(pub._deltas),
     }

@@ -142,7 +142,7 @@ def main() -> None:
             address = f"127.0.0.1:{state['grpc_port']}"
             model, _ = modeling.load_model(model_dir)
             params = modeling.named_weights(model)
-            opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0)
+            opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
             # Copies: the split layout's bits are views of its masters, which the next step changes in place.
             prev = {k: v.copy() for k, v in opt.sync_model().items()}
             fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})

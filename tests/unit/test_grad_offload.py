@@ -51,7 +51,7 @@ def _xs(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _offloaded(model: torch.nn.Module, layout: MasterLayout = "split") -> HostAdamW:
-    return HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, grad_offload=True, bucket_mb=TINY_BUCKET_MB)
+    return HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, grad_offload=True, bucket_mb=TINY_BUCKET_MB, moments_dtype="float32")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def test_accumulator_and_step_have_the_bits_of_the_synchronous_offload(layout: M
     # The reference step: a HostAdamW on fp32 copies of the weights, fed the synchronously
     # accumulated gradients as plain .grad.
     ref_params = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in model.named_parameters()}
-    ref_opt = HostAdamW(ref_params, lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, bucket_mb=TINY_BUCKET_MB)
+    ref_opt = HostAdamW(ref_params, lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, bucket_mb=TINY_BUCKET_MB, moments_dtype="float32")
     xs = _xs(12)
     for step in range(4):
         acc = {n: torch.zeros(p.numel()) for n, p in twin.named_parameters()}
@@ -140,7 +140,7 @@ def _small_xs(n: int, seed: int) -> list[torch.Tensor]:
 
 
 def _small_offloaded(model: torch.nn.Module) -> HostAdamW:
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, grad_offload=True, bucket_mb=SMALL_BUCKET_MB)
+    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, grad_offload=True, bucket_mb=SMALL_BUCKET_MB, moments_dtype="float32")
     assert opt._grad_offload is not None and opt._grad_offload.slot_bytes >= 4 * 64 * 64
     return opt
 

@@ -78,7 +78,7 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
     stepped, and the step's results are still the sequential ones."""
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
     opt.sync_model()
     embedding = model.get_input_embeddings()
     embedding_buckets = set(opt._buckets_of[next(n for n, p in opt.params.items() if p is embedding.weight)])
@@ -104,7 +104,7 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
 
     reference, _ = modeling.load_model(tiny_model_dir)
     reference.train()
-    ref_opt = HostAdamW(modeling.named_weights(reference), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    ref_opt = HostAdamW(modeling.named_weights(reference), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
     ref_opt.sync_model()
     for step in range(2):
         train_step(reference, ref_opt, scored_groups(step, 3), cfg, pad_id=tokenizer.pad_token_id)
@@ -117,7 +117,7 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
 def test_a_failed_update_surfaces_and_no_forward_waits_forever(tiny_model_dir: Path) -> None:
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
     opt.sync_model()
 
     def broken(name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
@@ -133,7 +133,7 @@ def test_a_failed_update_surfaces_and_no_forward_waits_forever(tiny_model_dir: P
 def test_a_refused_step_after_an_overlapped_one_applies_nothing(tiny_model_dir: Path) -> None:
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
     opt.sync_model()
     train_step(model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, background=True)
     opt.wait()
@@ -151,7 +151,7 @@ def test_each_device_gradient_goes_once_its_last_piece_is_down(tiny_model_dir: P
     dropped as soon as the bucket holding its last piece has come down, not at the update's end."""
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB)
+    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
     opt.sync_model()
     seen: dict[str, bool] = {}
 

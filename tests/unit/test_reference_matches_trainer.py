@@ -35,7 +35,7 @@ def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], to
     version 0 (HostAdamW.sync_model) through step.train_step itself, one group per sequence."""
     model, tokenizer = modeling.load_model(tiny_model_dir, dtype=dtype)
     model.train()
-    optimizer = HostAdamW(modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
+    optimizer = HostAdamW(modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
     optimizer.sync_model()
     groups = [
         rollout_pb2.RolloutGroup(prompt_ids=p, completions=[rollout_pb2.Completion(token_ids=c, behaviour_logprobs=[0.0] * len(c), reward=0.0)])

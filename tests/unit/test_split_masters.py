@@ -33,7 +33,7 @@ def test_every_finite_master_is_kept_exactly_and_served_as_its_bf16_rounding() -
     back bit for bit and is served as its bf16 rounding, ties away from zero."""
     values = _finite_patterns()
     param = torch.nn.Parameter(torch.zeros_like(values))
-    opt = HostAdamW({"w": param}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5)
+    opt = HostAdamW({"w": param}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5, moments_dtype="float32")
     zeros = torch.zeros_like(values)
     served = opt.load_state({"master/w": values, "exp_avg/w": zeros, "exp_avg_sq/w": zeros}, 0)["w"]
     assert torch.equal(opt.master["w"].view(torch.int32), values.view(torch.int32))
@@ -52,7 +52,7 @@ def test_version_0_is_torchs_rounding_of_the_model() -> None:
     lower, so the served bits are torch's bf16 rounding of every weight; the others are
     the model's values exactly."""
     values = _finite_patterns()
-    opt = HostAdamW({"w": torch.nn.Parameter(values.clone())}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5)
+    opt = HostAdamW({"w": torch.nn.Parameter(values.clone())}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5, moments_dtype="float32")
     served = opt.sync_model()["w"]
     assert np.array_equal(served, values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     w = values.view(torch.int32)

@@ -34,7 +34,7 @@ def load(model_dir: Path, adam_eps: float = 1e-8) -> tuple[torch.nn.Module, Host
     """The model at version 0 and its optimizer, as the Trainer builds them."""
     model, tokenizer = modeling.load_model(model_dir)
     model.train()
-    optimizer = HostAdamW(modeling.named_weights(model), lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=adam_eps)
+    optimizer = HostAdamW(modeling.named_weights(model), lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=adam_eps, moments_dtype="float32")
     optimizer.sync_model()
     return model, optimizer, tokenizer.pad_token_id
 
