@@ -16,7 +16,7 @@ gradients stay referenced by this script throughout (step() drops p.grad; re-ass
 the same tensors means no memory is freed that later allocations could hide under the
 peak). Measured bytes a parameter = (VmHWM at the end - baseline) / parameters: the
 optimizer, the scratch of its steps, the delta encoder's work and the publisher's kept
-deltas (payload sizes reported beside it). At the trainer's default lr (1e-5, --lr) random
+deltas (payload sizes reported beside it). At lr 1e-5 (--lr, the measured runs') random
 gradients change 8-23% of the bf16 weights a step, where real RL steps change 2-6%
 (docs/benchmarks.md): the same gradients every step make each an Adam first step (every
 master moves by the full lr, m/sqrt(v) = sign(g)), and N(0, 0.02) weights have finer bf16
@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--trace-encoder", action="store_true", help="record the peak each tensor's delta encode adds (the 4 largest per run)")
     parser.add_argument("--encoder-only", action="store_true", help="a DeltaEncoder on its own pool instead of the WeightPublisher (no gRPC stack needed)")
     parser.add_argument("--shared-storage", action="store_true", help="weights and gradients as views of one buffer each: a smaller baseline, the same optimizer")
-    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW's lr (the trainer's default); lower, fewer bf16 values change a step (1e-6: real GRPO densities)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW's lr (the measured runs'); lower, fewer bf16 values change a step (1e-6: real GRPO densities)")
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes.py

@@ -570,3 +570,12 @@ def differs_from_profile(settings: CommonSettings, profile: str, section: str) -
     expected = getattr(run_config.load(["--profile", profile]), section)
     skip = run_config.SET_BY_UP[section]
     return {f: (getattr(settings, f), getattr(expected, f)) for f in type(settings).model_fields if f not in skip and getattr(settings, f) != getattr(expected, f)}
+
+
+def differs_from_derived(settings: dict[str, Any]) -> dict[str, tuple[object, object]]:
+    """{service.field: (deployed, derived)} for each value the deployed trainer decides for another
+    deployed service (what `up` derives, run_config.derived) that this one has otherwise."""
+    from rollstream.launcher import run_config
+
+    derived = run_config.derived(settings["trainer"])
+    return {f"{s}.{f}": (getattr(settings[s], f), v) for s in derived if s in settings for f, v in derived[s].items() if getattr(settings[s], f) != v}

@@ -31,6 +31,7 @@ from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.colocated import refusal as colocation_refusal
 from deploy_files import (
     built_tags,
+    differs_from_derived,
     differs_from_profile,
     K8S_DIR,
     K8S_ONE_GPU_DIR,
@@ -654,7 +655,7 @@ def test_the_trainer_trains_as_the_gpu_profile_says(settings: dict) -> None:
     """k8s/ is `rollstream up --profile gpu`'s run: every trainer setting that is not placement
     (what `up` sets per child) is the profile's."""
     assert differs_from_profile(settings["trainer"][1], "gpu", "trainer") == {}
-    assert settings["generator"][1].max_staleness == settings["trainer"][1].max_staleness
+    assert differs_from_derived({name: s for name, (_, s) in settings.items()}) == {}  # what `up` gives the generators and the reference
 
 
 # -- k8s-code-sandbox/: the reward pod under the code sandbox's seccomp profile ---------------

@@ -17,6 +17,7 @@ import tomli_w
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.launcher import run_config
 from rollstream.launcher.run_config import SECTIONS, SET_BY_UP
+from rollstream.reference.config import ReferenceSettings
 from rollstream.trainer.config import TrainerSettings
 
 ROLLSTREAM = Path(sys.executable).parent / "rollstream"
@@ -65,7 +66,7 @@ def test_the_child_reads_what_the_run_configuration_says(tmp_path: Path) -> None
     child = load_settings(TrainerSettings, ["--config", str(path)])
     differ = {f for f in TrainerSettings.model_fields if getattr(child, f) != getattr(cfg.trainer, f)}
     assert differ <= SET_BY_UP["trainer"], differ
-    assert (child.loss, child.betas, child.lr, child.steps) == ("dapo", (0.8, 0.9), 2e-5, 15)  # flags, then the demo profile
+    assert (child.loss, child.betas, child.lr, child.steps) == ("dapo", (0.8, 0.9), 2e-5, 15)  # flags, the default, the demo profile
 
 
 def test_sources_in_order_flags_over_environment_over_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -97,6 +98,19 @@ def test_a_field_up_sets_is_refused_from_every_source(section: str, monkeypatch:
         run_config.load([f"--{section}.consumer", "mine"])
 
 
+def test_what_the_trainer_decides_for_another_service_is_derived_never_given(tmp_path: Path) -> None:
+    profile = tmp_path / "p.toml"
+    profile.write_text("[reference]\ntemperature = 0.7\n")
+    with pytest.raises(ConfigError, match=r"reference\.temperature: `rollstream up` sets it for every run \(from the trainer's settings\)"):
+        run_config.load(["--profile", str(profile)])
+    cfg = run_config.load(["--profile", "gpu", "--trainer.temperature", "0.7", "--trainer.max-staleness", "2", "--trainer.groups-per-step", "3"])
+    derived = run_config.derived(cfg.trainer)
+    assert derived == {"generator": {"max_staleness": 2, "max_inflight_groups": 9}, "reference": {"temperature": 0.7}}
+    path = tmp_path / "reference.toml"
+    path.write_text(tomli_w.dumps(run_config.child_toml(cfg.reference, "reference", **derived["reference"])))
+    assert load_settings(ReferenceSettings, ["--config", str(path)]).temperature == 0.7  # the child's log-probs are of the trainer's logits / T
+
+
 @pytest.mark.parametrize(
     ("argv", "field"),
     [
@@ -108,6 +122,8 @@ def test_a_field_up_sets_is_refused_from_every_source(section: str, monkeypatch:
         (["--redis-url", "http://x"], "redis_url"),
         (["--trainer.task", "jsonl"], "dataset_path"),
         (["--external-reward", "--reward.scorer-address", "127.0.0.1:1"], "reward.scorer_address"),
+        (["--trainer.group-size", "300"], "trainer.group_size is over generator.max_group_size"),
+        (["--trainer.max-new-tokens", "20", "--generator.max-task-new-tokens", "19"], "trainer.max_new_tokens is over generator.max_task_new_tokens"),
         (["--profile", "no-such-profile"], "no-such-profile"),
     ],
 )
@@ -142,8 +158,8 @@ def test_up_help_lists_each_section_field_once_with_its_default_and_the_profile(
         for name in cls.model_fields:
             flag = f"--{section}.{name.replace('_', '-')} "
             assert (flag in shown.stdout) == (name not in SET_BY_UP[section]), flag
-    assert "--trainer.lr float" in shown.stdout and "(default: 1e-05)" in shown.stdout
-    assert "The demo profile sets: colocate = True, trainer.steps = 15, trainer.lr = 2e-05" in " ".join(shown.stdout.split())
+    assert "--trainer.lr float" in shown.stdout and "(default: 2e-05)" in shown.stdout
+    assert "The demo profile sets: colocate = True, trainer.steps = 15, trainer.token_budget = 512" in " ".join(shown.stdout.split())
 
 
 def test_config_command_prints_toml_with_sources(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def write_run(s: TrainerSettings) -> None:
 
 
 def assert_config(config: dict[str, object]) -> None:
-    assert config["lr"] == 1e-5 and config["groups_per_step"] == 8 and config["token_budget"] == 4096
+    assert config["lr"] == 2e-5 and config["groups_per_step"] == 8 and config["token_budget"] == 4096
     assert "redis_url" not in config and "redis_password" not in config and "redis_password_file" not in config
 
 
@@ -80,7 +80,7 @@ def test_mlflow_file_store_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["eval/accuracy"] == EVALS
     assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
     params = written.config  # text: strings as they are, the rest as JSON
-    assert params["lr"] == "1e-05" and params["groups_per_step"] == "8" and params["token_budget"] == "4096"
+    assert params["lr"] == "2e-05" and params["groups_per_step"] == "8" and params["token_budget"] == "4096"
     assert params["betas"] == "[0.9, 0.999]" and params["report_to"] == '["mlflow"]' and params["model"] == s.model
     assert "redis_url" not in params and "redis_password" not in params and "redis_password_file" not in params
 
@@ -105,7 +105,7 @@ def test_run_config_leaves_secrets_out(tmp_path: Path) -> None:
     config = trackers.run_config(s)
     assert "hunter2" not in json.dumps(config)
     assert not {"redis_url", "redis_password", "redis_password_file", "grpc_token_file", "redis_observer_password_file"} & config.keys()
-    assert config["token_budget"] == 4096 and config["max_new_tokens"] == 12 and config["betas"] == [0.9, 0.999]
+    assert config["token_budget"] == 4096 and config["max_new_tokens"] == 16 and config["betas"] == [0.9, 0.999]
     assert trackers.flatten({"a": {"b": 1, "c": [1, 2]}, "d": "x"}) == {"a.b": "1", "a.c": "[1, 2]", "d": "x"}
 
 

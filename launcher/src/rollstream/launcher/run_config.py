@@ -55,12 +55,24 @@ _EVERY_CHILD = {
 SET_BY_UP: dict[str, set[str]] = {
     # The run's folders (trainer_folders) and where the trainer finds the generators.
     "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "export_dir", "tracker_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
-    # The trainer's address and anchor_dir (the weight store); staleness; max_staleness + 1
-    # steps of groups in flight.
+    # The trainer's address and anchor_dir (the weight store); what the trainer's values decide (`derived`).
     "generator": _EVERY_CHILD | {"trainer_address", "weight_store", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
     "reward": _EVERY_CHILD | {"output_stage"},  # `scored` when a reference stage follows, else `ready`
-    "reference": set(_EVERY_CHILD),
+    "reference": _EVERY_CHILD | {"temperature"},
 }
+
+
+def derived(trainer: TrainerSettings) -> dict[str, dict[str, Any]]:
+    """The other services' fields that the trainer's settings decide, as `up` passes them
+    (never given: SET_BY_UP); compose.yaml and k8s/ write the same (tests/deploy check)."""
+    return {
+        # The trainer's staleness, and max_staleness + 1 steps of groups in flight: with 1 the
+        # next batch is sampled while the trainer trains on this one, with 0 only once it is
+        # trained (acknowledged with the new version). More would only be dropped as stale.
+        "generator": {"max_staleness": trainer.max_staleness, "max_inflight_groups": (trainer.max_staleness + 1) * trainer.groups_per_step},
+        # The KL compares log pi_ref with the trainer's log pi, both of logits / temperature.
+        "reference": {"temperature": trainer.temperature},
+    }
 
 
 class RunConfig(BaseSettings):
@@ -116,7 +128,8 @@ class RunConfig(BaseSettings):
             section = dict(data.get(name) or {})
             given = sorted(set(section) & SET_BY_UP[name])
             if given:
-                raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run (set the top-level value, if there is one)")
+                hint = "from the trainer's settings" if given[0] in derived(TrainerSettings.model_validate({})).get(name, {}) else "set the top-level value, if there is one"
+                raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run ({hint})")
             data[name] = section
         workdir = run_workdir(str(data.get("workdir") or ""), str(data.get("run") or cls.model_fields["run"].default))
         data["trainer"].update(trainer_folders(workdir))
@@ -134,6 +147,10 @@ class RunConfig(BaseSettings):
         if self.reward.scorer_address and not is_unix_address(self.reward.scorer_address):
             # The reward stage sends its token to the scorer: under `up` only over a unix socket.
             raise ValueError(f"reward.scorer_address: {self.reward.scorer_address} is TCP; under `up` serve the scorer on a unix socket (unix:/path)")
+        # A generator dead-letters a task over its limits: here, every task of the run.
+        for asks, limit in (("group_size", "max_group_size"), ("max_new_tokens", "max_task_new_tokens")):
+            if getattr(self.trainer, asks) > getattr(self.generator, limit):
+                raise ValueError(f"trainer.{asks} is over generator.{limit}: the generators would refuse every task")
         if self.colocated:
             from rollstream.launcher.colocated import refusal
 

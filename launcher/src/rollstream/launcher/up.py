@@ -32,7 +32,7 @@ from rollstream.launcher import procs
 from rollstream.launcher.cli import plain_console
 from rollstream.launcher.procs import Child, ChildFailed, tail
 from rollstream.launcher.redis_server import SOCKET_NAME, EmbeddedRedis, check_socket_length
-from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, run_workdir, trainer_folders
+from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, derived, run_workdir, trainer_folders
 from rollstream.v1 import rollout_pb2
 
 
@@ -145,10 +145,7 @@ def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callabl
 
     trainer_path = workdir / "config" / "trainer.toml"
     generator_path = workdir / "config" / "generator-0.toml"
-    generator_values = child_toml(
-        cfg.generator, "generator", **generator_values, consumer="generator-0",
-        max_staleness=cfg.trainer.max_staleness, max_inflight_groups=(cfg.trainer.max_staleness + 1) * cfg.trainer.groups_per_step,
-    )
+    generator_values = child_toml(cfg.generator, "generator", **generator_values, **derived(cfg.trainer)["generator"], consumer="generator-0")
     trainer_path.parent.mkdir(parents=True, exist_ok=True)
     trainer_path.write_text(tomli_w.dumps(trainer_values))
     generator_path.write_text(tomli_w.dumps(generator_values))
@@ -280,14 +277,10 @@ def _up(cfg: RunConfig) -> int:
         console.print("starting trainer (loading the model)...")
         trainer_address = trainer.grpc_address()
         for i in range(0 if cfg.colocated else cfg.generators):
-            # max_staleness + 1 steps' worth of groups in flight: with 1, the next batch is
-            # sampled while the trainer trains on this one; with 0, a batch is sampled only
-            # once the last one is trained (the trainer acknowledges its groups with the new
-            # version, in one transaction). More would only be dropped as stale.
             generator_values = child_toml(
-                cfg.generator, "generator", **shared, model=model, threads=trainer_threads if max_staleness == 0 else side_threads,
-                trainer_address=trainer_address, weight_store=trainer_values["anchor_dir"], consumer=f"generator-{i}", max_staleness=max_staleness,
-                max_inflight_groups=(max_staleness + 1) * cfg.trainer.groups_per_step, seed=cfg.generator.seed + i, grpc_socket=socket(f"generator-{i}"),
+                cfg.generator, "generator", **shared, **derived(cfg.trainer)["generator"], model=model, threads=trainer_threads if max_staleness == 0 else side_threads,
+                trainer_address=trainer_address, weight_store=trainer_values["anchor_dir"], consumer=f"generator-{i}",
+                seed=cfg.generator.seed + i, grpc_socket=socket(f"generator-{i}"),
             )
             children.append(configured_child(f"generator-{i}", "generator", generator_values, own("generator"), workdir))
         output_stage = "scored" if cfg.with_reference else "ready"
@@ -303,7 +296,7 @@ def _up(cfg: RunConfig) -> int:
             children.append(configured_child("reward-0", "reward", reward_values, own("reward"), workdir))
         if cfg.with_reference:
             reference_values = child_toml(
-                cfg.reference, "reference", **shared, model=model, threads=side_threads, consumer="reference-0", grpc_socket=socket("reference-0")
+                cfg.reference, "reference", **shared, **derived(cfg.trainer)["reference"], model=model, threads=side_threads, consumer="reference-0", grpc_socket=socket("reference-0")
             )
             children.append(configured_child("reference-0", "reference", reference_values, own("reference"), workdir))
         for child in children[1:]:

@@ -43,8 +43,8 @@ class GeneratorSettings(TorchSettings):
         "asking the trainer (FetchWeights) only for what they lack; empty: from the trainer",
     )
     tasks_per_batch: int = Field(4, ge=1, description="prompt tasks sampled together in one batch")
-    max_inflight_groups: int = Field(32, ge=1, description="take no task while this many groups wait downstream")
-    max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer")
+    max_inflight_groups: int = Field(16, ge=1, description="take no task while this many groups wait downstream (`up`: the trainer's (max_staleness + 1) x groups_per_step)")
+    max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer (`up`: the trainer's max_staleness)")
     # Back-pressure reads `scored` and `ready`, which the generator's own Redis user may not
     # touch (a user may write every key it may read: rollstream.core.redis_acl).
     redis_observer_password_file: str = Field(

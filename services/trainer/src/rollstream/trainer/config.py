@@ -35,14 +35,14 @@ class TrainerSettings(TorchSettings):
     metadata_field: str = Field("", description="optional column with task metadata for the reward recipe (an object or JSON text)")
     task_kind: str = Field("arithmetic", description="reward recipe name written into each task (jsonl, dataset)")
     max_operand: int = Field(9, ge=1, description="arithmetic: operands are 0..max_operand")
-    # Sampling (sent with each task)
+    # Sampling (sent with each task). Defaults: the GPU profile's (its compose.yaml and k8s/ repeat none).
     group_size: int = Field(8, ge=2)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature, and the reference's (`up` passes it on)")
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(12, ge=1)
+    max_new_tokens: int = Field(16, ge=1)
     # GRPO
     groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(2e-5, gt=0)
     betas: tuple[float, float] = Field((0.9, 0.999))
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
