@@ -195,7 +195,9 @@ def completion_logprobs(
     if batch.targets.numel() == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return empty, empty
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).last_hidden_state  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
+    hidden = model.get_decoder()(  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    ).last_hidden_state
     picked = hidden[batch.rows, batch.cols]  # [N, H]
     return head_logprobs(model, picked, batch.targets, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy)
 

@@ -271,7 +271,7 @@ class ServiceHost:
 
     def __exit__(self, *exc: object) -> bool:
         # Misconfigured has logged its one line already; it exits with status 2.
-        if exc[0] is not None and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):  # type: ignore[arg-type]  # __exit__'s first argument: the exception's class
+        if isinstance(exc[0], type) and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):
             self.log.exception("service failed")
         self.close()
         os.umask(self._previous_umask)

@@ -48,7 +48,8 @@ class LoraModel:
         self.base: dict[str, torch.nn.Parameter] = modeling.named_weights(model)
         name_of = {id(p): name for name, p in self.base.items()}
         config = LoraConfig(
-            r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.peft_targets(),  # type: ignore[arg-type]  # peft says int; a float scales the same (alpha / r)
+            lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft says int; a float scales the same (alpha / r)
+            r=spec.rank, target_modules=spec.peft_targets(),
             lora_dropout=0.0, bias="none", use_rslora=False, use_dora=False,
         )
         self.model = get_peft_model(model, config)
