@@ -34,7 +34,7 @@ import httpx
 from rollstream.core import codec
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys
-from rollstream.core.streams import connect
+from rollstream.core.redis_policy import connect
 from rollstream.v1 import rollout_pb2
 
 

@@ -48,7 +48,8 @@ import redis
 from rollstream.core import codec
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import STAGES, RunKeys
-from rollstream.core.streams import Ops, StreamStage, connect
+from rollstream.core.redis_policy import connect
+from rollstream.core.streams import Ops, StreamStage
 from rollstream.v1 import rollout_pb2
 
 SINK = "sink"

@@ -15,7 +15,7 @@ import redis
 
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys
-from rollstream.core.streams import connect
+from rollstream.core.redis_policy import connect
 
 import procs
 from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model

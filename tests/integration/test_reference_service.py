@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core import codec, run_keys, streams
+from rollstream.core import codec, redis_policy, run_keys
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.service import Every, ServiceHost
@@ -43,7 +43,7 @@ def keys() -> run_keys.RunKeys:
 
 @pytest.fixture(scope="module")
 def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = streams.connect(redis_server.url)
+    c = redis_policy.connect(redis_server.url)
     yield c
     c.close()
 
@@ -206,7 +206,7 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
     is refused waits, holding its entry, until the key is fixed."""
     keys = run_keys.RunKeys("refstate" + uuid.uuid4().hex[:8])
     settings = ReferenceSettings(redis_url=redis_server.url, run=keys.run, block_ms=10)
-    client = streams.connect(redis_server.url)
+    client = redis_policy.connect(redis_server.url)
     with ServiceHost("reference", settings) as host:
         totals = Totals()
         servicer = ReferenceServicer("tiny", totals)

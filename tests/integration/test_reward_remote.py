@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core import streams
+from rollstream.core import redis_policy
 from rollstream.core.service import ServiceHost
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.reward.config import RewardSettings
@@ -194,7 +194,7 @@ def test_ready_again_only_once_the_circuit_gauge_says_closed(
         scorer_backoff_max_s=0.1, scorer_breaker_failures=2, scorer_breaker_cooldown_s=0.3, scorer_deadline_s=5,
     )
     write_many(rclient, keys, [rollout_group("c0", ["8"])])
-    client = streams.connect(redis_url)
+    client = redis_policy.connect(redis_url)
     with ServiceHost("reward", settings) as host:
         metrics = Metrics.register(host.registry)
         pool = ScorePool(settings.recipe_source(), settings.score_workers)

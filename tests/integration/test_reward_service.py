@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core import codec, grpc_utils, streams
+from rollstream.core import codec, grpc_utils, redis_policy
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.streams import StreamStage
@@ -276,7 +276,7 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
 
         server.start()
         svc.wait_ready()
-        client = streams.connect(server.url)
+        client = redis_policy.connect(server.url)
         write(client, keys, "rollouts", rollout_group("before", ["8"]))
         wait_for(lambda: client.xlen(keys.stream("scored")) == 1, 15, "first group scored", [svc])
 

@@ -24,7 +24,7 @@ import redis
 from helpers import wait_for, write_ready
 from procs import start_service, trainer_state
 from synthetic import Decode, scored_groups
-from rollstream.core import codec, run_keys, streams
+from rollstream.core import codec, redis_policy, run_keys
 from rollstream.v1 import rollout_pb2
 
 STEPS = 6
@@ -65,7 +65,7 @@ def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_p
     """The uninterrupted run: final weights' sha256, per-step (loss, grad norm), mean step time."""
     tmp = tmp_path_factory.mktemp("reference-run")
     keys = run_keys.RunKeys("ref" + str(time.time_ns())[-8:])
-    client = streams.connect(redis_server.url)
+    client = redis_policy.connect(redis_server.url)
     fill_ready(client, keys, tiny_decode)
     t = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt")).wait_ready()
     started = time.monotonic()

@@ -17,7 +17,7 @@ import torch
 
 from helpers import wait_for, write
 from procs import ServiceProc, start_service
-from rollstream.core import codec, deltas, modeling, run_keys, streams, validation, weight_transfer
+from rollstream.core import codec, deltas, modeling, redis_policy, run_keys, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.generator.backends import SampleRequest, TransformersBackend
@@ -94,7 +94,7 @@ def outputs(group: rollout_pb2.RolloutGroup) -> list[tuple[list[int], list[float
 
 
 def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(generator: ServiceProc, redis_server: EmbeddedRedis, run: run_keys.RunKeys) -> None:
-    client = streams.connect(redis_server.url)
+    client = redis_policy.connect(redis_server.url)
     try:
         for i, question in enumerate((QUESTION, STORY)):
             write(client, run, "prompts", task(f"{run.run}-{i}", question, group_size=4, temperature=1.0, tokens=10))

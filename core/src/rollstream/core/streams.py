@@ -160,11 +160,6 @@ class Ops:
 Extra = Callable[[Ops], None]
 
 
-def connect(url: str) -> redis_policy.Client:
-    """A client with the project's Redis policy (rollstream.core.redis_policy)."""
-    return redis_policy.connect(url)
-
-
 class StreamStage:
     """A consumer in group `group` of the stream `rs:{<run>}:<source>`.
 
