@@ -30,7 +30,7 @@ def trainer(tiny_model_dir: Path, one_thread: None) -> Trainer:
 def copy_of(trainer: Trainer, dtype: str = "float32") -> tuple[TransformersBackend, CopiedWeights]:
     backend = TransformersBackend(trainer.model_dir, dtype=dtype)
     weights = CopiedWeights(trainer, backend.model)
-    trainer.followers.append(weights.follow)
+    trainer.weights.after_step(weights.follow)
     return backend, weights
 
 

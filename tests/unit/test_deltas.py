@@ -22,7 +22,8 @@ import zstandard
 
 from rollstream.core import deltas, safetensors_io, weight_store, weight_transfer
 from rollstream.core.deltas import DeltaError
-from rollstream.trainer.publisher import PayloadFile, WeightPublisher
+from rollstream.trainer.payloads import PayloadFile
+from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import weights_pb2
 
 SHAPES = {

@@ -67,7 +67,7 @@ def readable_differences(engine: VllmBackend, trainer: Trainer) -> tuple[list[st
 
 def test_the_engine_holds_the_trainers_published_bits_after_every_step(colocated: tuple[Trainer, VllmBackend, EngineWeights]) -> None:
     trainer, engine, weights = colocated
-    assert weights.lock is trainer.weights_lock and trainer.followers == [weights.follow]
+    assert weights.lock is trainer.weights_lock and trainer._after_step == [weights.follow]
     assert weights.version == trainer.version
     differ, read = readable_differences(engine, trainer)
     assert not differ and read > 0
@@ -105,7 +105,7 @@ def test_the_engine_samples_what_the_trainers_model_samples(colocated: tuple[Tra
 def test_the_asynchronous_write_waits_for_the_batch_being_sampled(colocated: tuple[Trainer, VllmBackend, EngineWeights]) -> None:
     trainer, engine, sync_weights = colocated
     weights = EngineWeights(trainer, engine, threading.Lock())  # the asynchronous variant's
-    trainer.followers[:] = [weights.follow]
+    trainer._after_step[:] = [weights.follow]
     try:
         held = weights.version
         assert held == trainer.version
@@ -120,7 +120,7 @@ def test_the_asynchronous_write_waits_for_the_batch_being_sampled(colocated: tup
         differ, _ = readable_differences(engine, trainer)
         assert not differ, differ
     finally:
-        trainer.followers[:] = [sync_weights.follow]
+        trainer._after_step[:] = [sync_weights.follow]
         sync_weights.follow()
 
 

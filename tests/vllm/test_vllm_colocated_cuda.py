@@ -2,7 +2,7 @@
 device-to-device path: the trainer's tensors handed to the model's own load_weights, in
 process). On a GPU nothing is prepacked, so every engine parameter is read back and compared
 with the trainer's published bits, bit for bit, after every step; the write's seconds (the
-step's push_s, which holds the followers) are printed.
+step's push_s, which holds the after-step hooks) are printed.
 
 NOT RUN on the project's machines (no GPU; marked vllm_cuda, so the vLLM tier's `-m vllm`
 leaves it out). On a GPU machine with CUDA vLLM:

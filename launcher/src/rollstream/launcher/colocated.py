@@ -17,7 +17,7 @@ registers gets the current version's anchor, then every delta, as usual. Two var
 - Asynchronous (`--async`): the generator samples from its own copy of the model, in its own
   dtype on its own device (CopiedWeights), so the next batch is sampled while the step runs.
   After each step the trainer's thread copies its weights into that copy, device to device,
-  between two of the generator's batches (Trainer.followers): the copy costs a second set of
+  between two of the generator's batches (Trainer.weights.after_step): the copy costs a second set of
   weights in device memory and no transfer. Its groups are one version behind, so it needs
   trainer.max_staleness >= 1. It pays where the step leaves the device idle (the offloaded
   optimizer's host phase on a GPU), not on a CPU whose cores both halves share.
@@ -76,11 +76,11 @@ class ColocatedWeights(HostWeights):
 
     def __init__(self, trainer: Trainer):
         self._trainer = trainer
-        self.fingerprint = trainer.publisher.fingerprint
+        self.fingerprint = trainer.weights.fingerprint
 
     @property  # type: ignore[override]
     def bits(self) -> dict[str, np.ndarray]:
-        return self._trainer.publisher.bits()
+        return self._trainer.weights.bits()
 
     def decode(self, payload: bytes) -> tuple[deltas.PayloadInfo, dict[str, np.ndarray]]:
         raise deltas.DeltaError("a colocated generator takes no weight payloads: its weights are the trainer's")
@@ -106,7 +106,7 @@ class TrainerWeights(ColocatedWeights):
 class CopiedWeights(ColocatedWeights):
     """Asynchronous: the generator's own model, a copy of the trainer's weights at `version`,
     under its own lock (held while sampling a batch and while copying, so a batch is sampled
-    by one version). `follow` is one of the trainer's followers."""
+    by one version). `follow` is one of the trainer's after-step hooks."""
 
     def __init__(self, trainer: Trainer, model: torch.nn.Module):
         super().__init__(trainer)
@@ -131,9 +131,9 @@ class CopiedWeights(ColocatedWeights):
 
 class EngineWeights(ColocatedWeights):
     """vLLM: the engine's weights, written from the trainer's after each step by `follow` (one
-    of the trainer's followers, called in its thread) under `lock`, which sampling holds
+    of the trainer's after-step hooks, called in its thread) under `lock`, which sampling holds
     through a batch. Synchronous: `lock` is the trainer's weights lock, free between the step
-    and the followers, so the engine is written before the next batch takes it. Asynchronous:
+    and the after-step hooks, so the engine is written before the next batch takes it. Asynchronous:
     a lock of its own. `version` is what the engine holds, the one its groups claim."""
 
     def __init__(self, trainer: Trainer, backend: VllmBackend, lock: threading.Lock):
@@ -145,7 +145,7 @@ class EngineWeights(ColocatedWeights):
 
     def follow(self) -> None:
         with self.lock:
-            self._backend.follow_trainer(self._trainer.model, self._trainer.publisher.bits(), self._trainer.version)
+            self._backend.follow_trainer(self._trainer.model, self._trainer.weights.bits(), self._trainer.weights.version)
             self.version = self._trainer.version
 
 
@@ -218,15 +218,15 @@ def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: boo
         # The trainer's tensors are handed to the engine in process: its core must be here
         # whatever the environment says (the deployed generator's default is a process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        engine = VllmBackend(trainer.model_dir, settings, trainer_bits=trainer.publisher.bits(), tokenizer=trainer.tokenizer)
+        engine = VllmBackend(trainer.model_dir, settings, trainer_bits=trainer.weights.bits(), tokenizer=trainer.tokenizer)
         engine_weights = EngineWeights(trainer, engine, threading.Lock() if asynchronous else trainer.weights_lock)
-        trainer.followers.append(engine_weights.follow)
+        trainer.weights.after_step(engine_weights.follow)
         return engine, engine_weights
     if not asynchronous:
         return TransformersBackend.sharing(trainer.model, trainer.tokenizer), TrainerWeights(trainer)
     backend = TransformersBackend(trainer.model_dir, dtype=settings.dtype, device=settings.device)
     weights = CopiedWeights(trainer, backend.model)
-    trainer.followers.append(weights.follow)
+    trainer.weights.after_step(weights.follow)
     return backend, weights
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,3 +31,14 @@ class HostWeights:
     def commit(self, info: deltas.PayloadInfo, touched: Mapping[str, np.ndarray]) -> None:
         self.bits.update(touched)
         self.version = info.version
+
+
+@dataclass
+class ApplyTimings:
+    """Where a weight stream's time went on this generator, seconds, summed over its payloads.
+    PushResult carries them back, so a pusher can split its round trip into transfer and apply."""
+
+    receive: float = 0.0  # reassembly + sha256 check (on a push: from the call's start)
+    lock_wait: float = 0.0  # waiting for the weights lock (a batch being sampled)
+    decode: float = 0.0  # checking + decoding against the host copy
+    load: float = 0.0  # the backend's engine load + commit of the host copy

@@ -37,7 +37,7 @@ def run(settings: GeneratorSettings) -> int:
         host.install_signal_handlers()
         gen = Generator(settings, host)
         host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)])
-        sync = threading.Thread(target=gen.sync_forever, name="weight-sync", daemon=True)
+        sync = threading.Thread(target=gen.sync.forever, name="weight-sync", daemon=True)
         sync.start()
         address = settings.advertise_address or host.grpc_address
         gen.advertised_address = address  # what PushNonce proves, before the registry names it
@@ -47,7 +47,7 @@ def run(settings: GeneratorSettings) -> int:
             # Let the sync thread leave its gRPC call before the interpreter exits: a daemon
             # thread killed inside grpc's C++ core can abort the process (exit 139 after a
             # clean stop, seen in the containers tier).
-            gen.sync_wake.set()
+            gen.sync.wake.set()
             sync.join(timeout=30.0)
     return 0
 
@@ -73,7 +73,7 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
         beat.start()
         # Ready from here while no more than max_staleness behind the trainer (CatchUpHealth).
-        gen.health.sampling(f"sampling from {stage.stream}", gen.weights.version)
+        gen.sync.health.sampling(f"sampling from {stage.stream}", gen.weights.version)
         logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
         host.run_loop(stage, GeneratorLoop(gen, host, stage, evals, client, observer).turn, "generator loop", on_redis_error=evals.reread_own_pending)
     finally:
@@ -116,10 +116,10 @@ class GeneratorLoop:
     def turn(self) -> None:
         gen, stage, host, keys, s = self.gen, self.stage, self.host, self.stage.keys, self.gen.settings
         current = run_keys.current_version(self.client, keys)
-        gen.health.trainer_at("redis", current, gen.weights.version)
+        gen.sync.health.trainer_at("redis", current, gen.weights.version)
         behind = current - (gen.weights.version or 0)
         if behind > s.max_staleness:
-            gen.sync_wake.set()
+            gen.sync.wake.set()
             host.stop.wait(0.2)
             return
         # Evaluation tasks first, whatever waits downstream: a round is a few tasks the trainer

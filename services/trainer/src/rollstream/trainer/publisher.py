@@ -3,9 +3,8 @@
 The publisher keeps the bits it last published (the base of the next delta), the latest
 anchor and every delta since it, so a generator holding any version from that anchor on
 (or nothing at all) can be brought to the current version by FetchWeights. With anchor_dir
-they are files there, named by the store's chain.json (rollstream.core.weight_store), which
-generators sharing that volume read for themselves. Pushing each version to the generators
-is fleet.py's (Fleet, BackgroundPush).
+they are files there too (payloads.StoreFiles: the weight store). Pushing each version to the
+generators is fleet.py's (Fleet, BackgroundPush).
 
 While nobody reads a delta (Readers) the trainer encodes none: `skip` advances the version
 and drops the chain, which would have a hole; `reanchor` starts a new one from the current
@@ -14,27 +13,23 @@ bits the moment a reader appears (docs/design-notes.md, "No delta while nobody r
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import deltas, push_signing, registry, weight_store, weight_transfer
+from rollstream.core import deltas, push_signing, registry, weight_store
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.trainer.fleet import NONCE_TIMEOUT_S, STALL_S, BackgroundPush, Fleet
+from rollstream.trainer.payloads import HashingWriter, Published, StoreFiles, unlink_files
 from rollstream.v1 import weights_pb2
 
 log = logging.getLogger(__name__)
-ANCHOR_FILE = "anchor.safetensors"  # in anchor_dir
-DELTA_FILES = "delta-*.safetensors"  # in anchor_dir: the deltas since the anchor
 # A FetchWeights makes its caller a reader this long: a generator polls every sync_interval_s
 # (2 s), so it is seen again long before; the registry forgets a silent generator as late.
 READER_GRACE_S = registry.TTL_S
@@ -86,116 +81,6 @@ class Readers:
             return ""
 
 
-class PayloadFile(weight_store.FileSlices):
-    """A payload kept in a file instead of in memory: the anchor, which is read only when a
-    generator catches up (at its start) yet is as large as the bf16 weights. Written to a
-    temporary name, opened, then renamed over `path`: the file descriptor is always this
-    payload's, a newer anchor (or a restarted trainer's) replaces the name while readers
-    holding this one read on, and a trainer killed -9 leaves one file that its restart
-    overwrites. Read with pread, so it is never mapped into the trainer's memory.
-
-    `write` writes the payload into the open file, so that it need never be whole in memory
-    (deltas.write_anchor)."""
-
-    def __init__(self, path: Path, write: Callable[[BinaryIO], object]):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-            self._fd = os.open(tmp, os.O_RDONLY)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk must not keep a partial anchor's space
-            raise
-        os.replace(tmp, path)
-        self.path = path
-        super().__init__(self._fd, os.fstat(self._fd).st_size)
-
-    def unlink(self) -> None:
-        """Remove the file if its name is still this payload's."""
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)  # absent when __init__ failed
-        if fd is not None:
-            os.close(fd)
-
-
-class HashingWriter:
-    """Hashes what is written through it: a file-held anchor gets its header (size, sha256)
-    as it is written, not by reading its gigabytes back."""
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._size = 0
-        self._f: BinaryIO | None = None
-
-    def into(self, f: BinaryIO) -> "HashingWriter":
-        self._f = f
-        return self
-
-    def write(self, data: bytes | memoryview) -> int:
-        assert self._f is not None, "into() names the file first"
-        self._sha.update(data)
-        self._size += len(data) if isinstance(data, bytes) else data.nbytes
-        return self._f.write(data)
-
-    def header(self, info: deltas.PayloadInfo) -> weights_pb2.WeightHeader:
-        return weight_transfer.header_of(info, self._size, self._sha.hexdigest())
-
-
-class Published:
-    """One encoded payload, as pushed and fetched, in memory or in a PayloadFile. Its header
-    (sha256 of the payload) is made on first use, once, whatever the number of generators it
-    goes to."""
-
-    def __init__(self, info: deltas.PayloadInfo, payload: bytes | PayloadFile, header: weights_pb2.WeightHeader | None = None):
-        """`header`: the payload's, when it was made already (the same bytes moved to a file)."""
-        self.info = info
-        self.payload = payload
-        self._header = header
-        self._header_lock = threading.Lock()
-
-    def cached_header(self) -> weights_pb2.WeightHeader | None:
-        with self._header_lock:
-            return self._header
-
-    def header(self) -> weights_pb2.WeightHeader:
-        with self._header_lock:  # concurrent pushes wait for one hash instead of each hashing
-            if self._header is None:
-                self._header = weight_transfer.make_header(self.payload, self.info)
-            return self._header
-
-    def chunks(self) -> Iterator[weights_pb2.WeightChunk]:
-        return weight_transfer.to_chunks(self.payload, self.info, header=self.header())
-
-    def data(self) -> bytes:
-        """The whole payload as bytes (read back from its file when it is in one)."""
-        return self.payload if isinstance(self.payload, bytes) else self.payload[:]
-
-    def wire_chunks(self) -> Iterable[bytes]:
-        """The chunks as serialized WeightChunk messages, iterated once per stream. In memory:
-        a list made once per push for every generator (not kept between pushes). In a file:
-        read and serialized as each stream goes (FileWire), as a list would hold the weights."""
-        if isinstance(self.payload, PayloadFile):
-            return FileWire(self)
-        return [c.SerializeToString() for c in self.chunks()]
-
-
-class FileWire:
-    """A file-held payload's serialized chunks: each iteration reads the file afresh, chunk by
-    chunk (pread), so a stream holds only the chunks gRPC has not sent yet."""
-
-    def __init__(self, published: Published):
-        self._published = published
-
-    def __iter__(self) -> Iterator[bytes]:
-        return (c.SerializeToString() for c in self._published.chunks())
-
-
 class WeightPublisher:
     def __init__(
         self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
@@ -212,17 +97,7 @@ class WeightPublisher:
         bound to."""
         self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
         self.anchor_interval = anchor_interval
-        self.anchor_dir = anchor_dir
-        if anchor_dir is not None:
-            try:
-                anchor_dir.mkdir(parents=True, exist_ok=True)
-                # A write cut short by a kill; the chain of a trainer that was killed (its
-                # manifest first: no generator reads a chain whose files are going).
-                (anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
-                for stale in [*anchor_dir.glob(".*.tmp"), *anchor_dir.glob(DELTA_FILES)]:
-                    stale.unlink(missing_ok=True)
-            except OSError as e:  # then every anchor stays in memory (_set_anchor says so)
-                log.warning("anchor_dir_unusable: %s: %s", anchor_dir, e)
+        self.store = StoreFiles(anchor_dir) if anchor_dir is not None else None
         self._deltas: list[Published] = []  # since the anchor
         self._anchor: Published | None = None  # None: no chain (deltas skipped), until reanchor
         self.readers = Readers()
@@ -271,29 +146,22 @@ class WeightPublisher:
             self._anchor, self._deltas = None, []
         if dropped:
             self._write_manifest()  # no chain: chain.json removed before its files
-            _unlink_files(dropped)
+            unlink_files(dropped)
         values = sum(b.size for b in self._bits.values())
         return deltas.DeltaStats(total_values=values, dense_bytes=2 * values)
 
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
         info = deltas.PayloadInfo("anchor", version, version, self.fingerprint)
-        anchor: Published | None = None
-        if self.anchor_dir is not None:  # streamed to its file: no anchor bytes in memory
-            try:
-                hashing = HashingWriter()
-                payload = PayloadFile(self.anchor_dir / ANCHOR_FILE, lambda f: deltas.write_anchor(hashing.into(f), bits, version, self.fingerprint))
-                anchor = Published(info, payload, header=hashing.header(info))
-            except OSError as e:  # a full or failing disk must not stop training: keep it in memory
-                log.warning("anchor_in_memory: cannot write the anchor to %s (%s); keeping version %d in memory", self.anchor_dir, e, version)
-        if anchor is None:
-            anchor = Published(info, deltas.encode_anchor(bits, version, self.fingerprint))
+        hashing = HashingWriter()  # streamed to its file: no anchor bytes in memory
+        filed = self.store.file(info, lambda f: deltas.write_anchor(hashing.into(f), bits, version, self.fingerprint), lambda: hashing.header(info)) if self.store else None
+        anchor = filed or Published(info, deltas.encode_anchor(bits, version, self.fingerprint))
         with self._lock:
             self._bits = bits
             self._version = version
             self._anchor = anchor
             replaced, self._deltas = self._deltas, []
         self._write_manifest()
-        _unlink_files(replaced)
+        unlink_files(replaced)
 
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
@@ -323,13 +191,7 @@ class WeightPublisher:
         if (base + 1) % self.anchor_interval == 0:
             self._set_anchor(dict(new_bits), base + 1)
             return delta, stats
-        kept = delta
-        if self.anchor_dir is not None:
-            try:
-                filed = PayloadFile(self.anchor_dir / f"delta-{base + 1:08d}.safetensors", lambda f: f.write(payload))
-                kept = Published(delta.info, filed, header=delta.header())
-            except OSError as e:  # a full disk keeps it in memory, as for the anchor
-                log.warning("delta_in_memory: cannot write version %d's delta to %s (%s)", base + 1, self.anchor_dir, e)
+        kept = (self.store.file(delta.info, lambda f: f.write(payload), delta.header) if self.store else None) or delta
         with self._lock:
             self._bits = dict(new_bits)
             self._version = base + 1
@@ -338,25 +200,12 @@ class WeightPublisher:
         return delta, stats
 
     def _write_manifest(self) -> None:
-        """The store's chain.json for the anchor and deltas now kept, where every one of them
-        is in a file (one kept in memory, for a disk that failed, is served by FetchWeights
-        only: the chain stays at the last version the files reach)."""
-        if self.anchor_dir is None:
+        """The store's chain.json for the anchor and deltas now kept (StoreFiles)."""
+        if self.store is None:
             return
         with self._lock:
             kept = [self._anchor, *self._deltas] if self._anchor is not None else []
-        files: list[weight_store.StoredPayload] = []
-        for p in kept:
-            if not isinstance(p.payload, PayloadFile):
-                break
-            files.append(weight_store.StoredPayload(p.payload.path.name, p.header(), self._signature(p.header())))
-        try:
-            if files:
-                weight_store.write_manifest(self.anchor_dir, files[0], files[1:])
-            else:  # no chain, or an anchor in memory: generators ask the trainer at once
-                (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.anchor_dir, e)
+        self.store.write_manifest(kept, self._signature)
 
     def check_fingerprint(self, fingerprint: str) -> None:
         """Raises DeltaError when a caller's model (its fingerprint; "": not said) is not this one."""
@@ -387,17 +236,7 @@ class WeightPublisher:
 
     def close(self) -> None:
         self.pushes.wait()  # bounded by the nonce and stall deadlines (Watch); calls still open are cancelled below
-        if self.anchor_dir is not None:  # the chain first: no generator reads files that are going
-            (self.anchor_dir / weight_store.MANIFEST).unlink(missing_ok=True)
-        _unlink_files([p for p in [self._anchor, *self._deltas] if p is not None])
+        if self.store is not None:  # the chain first: no generator reads files that are going
+            self.store.withdraw()
+        unlink_files([p for p in [self._anchor, *self._deltas] if p is not None])
         self.fleet.close()
-
-
-def _unlink_files(payloads: Sequence[Published]) -> None:
-    """Remove the files of payloads no longer served (a fetch in progress reads on: it holds
-    the file open)."""
-    for p in payloads:
-        if isinstance(p.payload, PayloadFile):
-            p.payload.unlink()
-
-

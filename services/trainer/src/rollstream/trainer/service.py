@@ -46,7 +46,7 @@ from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
-from rollstream.trainer.fleet import PushOutcome
+from rollstream.trainer.push import PushOutcome
 from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc

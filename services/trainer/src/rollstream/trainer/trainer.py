@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollstream.core import cpu_runtime, deltas, logs, modeling, push_signing, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
@@ -25,89 +24,37 @@ from rollstream.trainer import checkpoint, lora
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.metrics import Metrics
 from rollstream.trainer.optimizer import HostAdamW
-from rollstream.trainer.fleet import BACKED_OFF, PushOutcome
+from rollstream.trainer.push import BACKED_OFF, PushOutcome
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 
 @dataclass(frozen=True)
-class Metrics:
-    """The trainer's own metrics (docs/observability.md); the pipeline's streams, as the
-    trainer sees them, come from rollstream.core.dashboard.PipelineView."""
+class WeightsView:
+    """The trainer's weights, read-only, for a reader in its process (the colocated generator):
+    the version and bits last published, the model's fingerprint, and hooks it calls in its own
+    thread after each step has changed them (nothing else writes the weights, so a hook reads
+    them without the weights lock)."""
 
-    steps: Counter
-    policy_version: Gauge
-    groups: Counter
-    tokens: Counter
-    zero_variance_groups: Counter
-    reward_mean: Gauge
-    reward_std: Gauge
-    loss: Gauge
-    kl: Gauge
-    clip_fraction: Gauge
-    entropy: Gauge
-    grad_norm: Gauge
-    staleness: Histogram
-    step_seconds: Histogram
-    phase_seconds: Histogram
-    delta_bytes: Histogram
-    delta_dense_ratio: Gauge
-    deltas_skipped: Counter
-    reanchors: Counter
+    _publisher: WeightPublisher
+    _hooks: list[Callable[[], None]]
 
-    @classmethod
-    def register(cls, registry: CollectorRegistry) -> "Metrics":
-        p = "rollstream_trainer_"
-        mib = 1 << 20
-        return cls(
-            steps=Counter(p + "steps", "optimizer steps committed", registry=registry),
-            policy_version=Gauge(p + "policy_version", "current policy version", registry=registry),
-            groups=Counter(p + "groups", "groups consumed from ready, by outcome (trained, stale, duplicate, evaluated)", ["outcome"], registry=registry),
-            tokens=Counter(p + "tokens", "completion tokens trained", registry=registry),
-            zero_variance_groups=Counter(p + "zero_variance_groups", "trained groups whose rewards were all equal (no gradient; dapo drops them)", registry=registry),
-            reward_mean=Gauge(p + "reward_mean", "mean reward of the last step's completions", registry=registry),
-            reward_std=Gauge(p + "reward_std", "standard deviation of the last step's rewards", registry=registry),
-            loss=Gauge(p + "loss", "loss of the last step", registry=registry),
-            kl=Gauge(p + "kl", "mean KL to the reference (k3) of the last step", registry=registry),
-            clip_fraction=Gauge(p + "clip_fraction", "fraction of the last step's tokens whose policy gradient the clip removed", registry=registry),
-            entropy=Gauge(p + "entropy", "mean token entropy of the last step", registry=registry),
-            grad_norm=Gauge(p + "grad_norm", "gradient norm of the last step (before clipping)", registry=registry),
-            staleness=Histogram(p + "group_staleness_versions", "versions between the policy that sampled a trained group and the one it updates",
-                                buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=registry),
-            step_seconds=Histogram(p + "step_seconds", "wall time of one step (forward, backward, optimizer, delta encode)",
-                                   buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=registry),
-            phase_seconds=Histogram(p + "step_phase_seconds", "wall time of one phase of a step (forward, backward, optimizer, delta_encode, push, commit)",
-                                    ["phase"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry),
-            delta_bytes=Histogram(p + "delta_bytes", "size of each published weight payload (delta or anchor)",
-                                  buckets=(64 << 10, 256 << 10, mib, 4 * mib, 16 * mib, 64 * mib, 256 * mib, 1 << 30, 4 << 30, 16 << 30), registry=registry),
-            delta_dense_ratio=Gauge(p + "delta_dense_ratio", "last payload's size / the dense bf16 weights'", registry=registry),
-            deltas_skipped=Counter(p + "deltas_skipped", "versions published without a delta: nobody would read it (publisher.Readers)", registry=registry),
-            reanchors=Counter(p + "reanchors", "anchors written because a reader appeared after deltas were skipped", registry=registry),
-        )
+    @property
+    def version(self) -> int:
+        return self._publisher.version
 
-    def observe_step(self, m: "rollout_pb2.StepMetrics", stalenesses: list[int], nbytes: int, fraction: float, skipped: bool = False) -> None:
-        self.steps.inc()
-        self.policy_version.set(m.version)
-        self.groups.labels(outcome="trained").inc(m.groups)
-        self.tokens.inc(m.tokens)
-        self.zero_variance_groups.inc(m.zero_variance_groups)
-        for gauge, value in ((self.reward_mean, m.reward_mean), (self.reward_std, m.reward_std), (self.loss, m.loss), (self.kl, m.kl),
-                             (self.clip_fraction, m.clip_fraction), (self.entropy, m.entropy), (self.grad_norm, m.grad_norm)):  # fmt: skip
-            gauge.set(value)
-        for s in stalenesses:
-            self.staleness.observe(s)
-        self.step_seconds.observe(m.step_seconds)
-        if skipped:  # no payload: counted, not observed as a size
-            self.deltas_skipped.inc()
-            return
-        self.delta_bytes.observe(nbytes)
-        self.delta_dense_ratio.set(fraction)
+    @property
+    def fingerprint(self) -> str:
+        return self._publisher.fingerprint
 
-    def observe_eval(self, m: "rollout_pb2.EvalMetrics") -> None:
-        # The round's figures are gauges of the pipeline view (core/dashboard.py), read from the evals stream.
-        self.groups.labels(outcome="evaluated").inc(m.prompts)
+    def bits(self) -> dict[str, np.ndarray]:
+        return self._publisher.bits()
+
+    def after_step(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
 
 
 class Trainer:
@@ -168,10 +115,7 @@ class Trainer:
         # sha256) waits for the step and its version to be published, and for an overlapped
         # step's update, which goes on after the lock is let go (optimizer.wait).
         self.weights_lock = threading.Lock()
-        # In-process copies of the weights, called in this thread after each step changes them
-        # (the asynchronous colocated generator's, launcher/colocated.py): nothing else writes
-        # the weights, so a follower reads them without the lock.
-        self.followers: list[Callable[[], None]] = []
+        self._after_step: list[Callable[[], None]] = []  # WeightsView.after_step's hooks
         self.restored: checkpoint.CheckpointState | None = None
         version = 0
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
@@ -190,6 +134,7 @@ class Trainer:
             anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None, nonce_timeout_s=s.push_nonce_timeout_s, stall_s=s.push_stall_s,
             generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None, run=s.run,
         )
+        self.weights = WeightsView(self.publisher, self._after_step)
         self.metrics = Metrics.register(host.registry)
         self.metrics.policy_version.set(version)
 
@@ -288,13 +233,13 @@ class Trainer:
             # are merged after it.
             encoder = self.publisher.begin_delta() if self.lora is None and reader else None
             # Nothing reads the new weights before the next forward (no delta, no merge, no
-            # follower): the update runs on while the loop commits and the next step's forward
+            # after-step hook): the update runs on while the loop commits and the next step's forward
             # starts, each module waiting for its own weights (HostAdamW.step with the model).
             # Whatever reads them later waits for it (optimizer.wait).
-            background = self.lora is None and not reader and not self.followers
+            background = self.lora is None and not reader and not self._after_step
             if background != self.overlapped:  # said when it starts and when it stops
                 logs.event(self.log, "optimizer_overlap", on=background, reason="nothing reads the weights before the next forward" if background
-                           else "LoRA merges after the update" if self.lora is not None else "a follower copies the weights" if self.followers else f"a delta for {reader}")
+                           else "LoRA merges after the update" if self.lora is not None else "a follower copies the weights" if self._after_step else f"a delta for {reader}")
                 self.overlapped = background
             r = train_step(
                 self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off,
@@ -339,7 +284,7 @@ class Trainer:
     def train_and_push(self, groups: list[rollout_pb2.RolloutGroup], targets: Callable[[], list[str]], from_registry: bool,
                        record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
         """The loop's step: train_step (the previous version's push still going out meanwhile), the
-        new version copied by the followers, the previous push waited for, `record` (the loop's
+        new version copied by the after-step hooks (WeightsView), the previous push waited for, `record` (the loop's
         commit of the groups and ledger, with that push's outcomes), the groups counted as
         trained, and only then the new version's push started in the background
         (fleet.BackgroundPush): the next step does not wait for it. The push targets are the
@@ -353,8 +298,8 @@ class Trainer:
             self.publisher.readers.saw(targets(), from_registry)
         metrics, published, stats = self.train_step(groups)
         start = time.perf_counter()
-        for follow in self.followers:
-            follow()
+        for hook in self._after_step:
+            hook()
         before = self.publisher.pushes.wait()
         push_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -418,10 +363,10 @@ class Trainer:
 
     def replay_step(self, groups: list[rollout_pb2.RolloutGroup]) -> None:
         """A step of the trained log trained again after a resume (replay.py), and counted;
-        pushed to no one (the anchor pushed after the resume carries it), copied by the followers."""
+        pushed to no one (the anchor pushed after the resume carries it), copied by the after-step hooks."""
         self.train_step(groups)
-        for follow in self.followers:
-            follow()
+        for hook in self._after_step:
+            hook()
         self.groups_trained += len(groups)
         self.publisher.pushes.reached(self.version)
 
