@@ -9,7 +9,7 @@ lr 2e-5, beta 0, gradient clipping 1.0, 2 threads, the reward service's `arithme
 TRL runs benchmarks/trl_grpo.py in .venv-trl; rollstream runs `rollstream up` as a user
 would (embedded Redis, the trainer with the generator in its process as the demo profile
 colocates it, the reward service), with `--seed` as the generator's sampling seed. Any
-`--up-arg` is passed on to `up` (for example `--up-arg=--no-colocate` for the separate
+`--up-arg` is passed on to `up` (for example `--up-arg=--colocate=off` for the separate
 services, `--up-arg=--trainer.token-budget=384`); `rollstream config` shows what a run uses.
 
 The systems run one after the other, alternating which goes first from seed to seed, so

@@ -9,31 +9,31 @@ flags), and `--resume latest` is added only when a checkpoint exists and no `res
 configured. Everything else is the trainer's own main().
 
     trainer_start.py [trainer flags]
-    trainer_start.py --colocate [--async] [trainer flags] [--generator-flag --NAME VALUE ...]
 
-`--colocate` as the first argument runs the colocated process instead (the trainer and a
-generator in one process: rollstream.launcher.colocated, compose.one-gpu.yaml; `--async`:
-the generator samples from its own copy while the trainer steps), with the same resume rule
-for its trainer. `--generator-flag --backend vllm` makes the generator half a vLLM engine in
-this process (docs/design.md, "One device"); this image has no vLLM, so that exits at start
-saying so (docs/deploy.md, "One GPU": what an image for it needs).
+A configuration file (`--config`) that says `colocate = "sync"` or `"async"` runs the colocated
+process instead (the trainer and a generator in one process: rollstream.launcher.colocated,
+its file's shape in launcher/colocation.py; compose.one-gpu.yaml, k8s-one-gpu/), with the same
+resume rule for its trainer. `backend = "vllm"` in its [generator] table makes the generator
+half a vLLM engine in this process (docs/design.md, "One device"); this image has no vLLM, so
+that exits at start saying so (docs/deploy.md, "One GPU": what an image for it needs).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from rollstream.core.config import load_or_exit
+from rollstream.launcher import colocation  # torch-free: the image's launcher and generator packages
 from rollstream.trainer import checkpoint
 from rollstream.trainer.config import TrainerSettings
 
-COLOCATE = "--colocate"
 
-
-def start_args(argv: list[str]) -> list[str]:
-    """The trainer's arguments: `argv`, plus `--resume latest` when a checkpoint is there."""
-    settings = load_or_exit(TrainerSettings, argv)  # a bad setting exits 2 here, named, as the trainer would
+def start_args(argv: list[str], table: str = "") -> list[str]:
+    """The trainer's arguments: `argv`, plus `--resume latest` when a checkpoint is there
+    (`table`: the trainer's table of a colocated file)."""
+    settings = load_or_exit(TrainerSettings, argv, table)  # a bad setting exits 2 here, named, as the trainer would
     if settings.resume or not settings.checkpoint_dir:
         return argv
     if checkpoint.latest(Path(settings.checkpoint_dir)) is None:
@@ -43,12 +43,10 @@ def start_args(argv: list[str]) -> list[str]:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if argv[:1] == [COLOCATE]:
-        from rollstream.launcher import colocated  # the image's generator package, needed only here
+    if colocation.colocated_file(argv, dict(os.environ)):
+        from rollstream.launcher import colocated
 
-        trainer_argv, _, _ = colocated.split_argv(argv[1:])
-        resume = start_args(trainer_argv)[len(trainer_argv) :]  # what goes to the trainer's flags, if anything
-        args = [*argv[1:], *resume]
+        args = start_args(argv, table="trainer")
         print(f"trainer_start: python -m rollstream.launcher.colocated {' '.join(args)}", file=sys.stderr, flush=True)
         sys.exit(colocated.main(args))
     from rollstream.trainer.service import main as trainer_main

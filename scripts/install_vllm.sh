@@ -58,7 +58,7 @@ with open(out_path, "w") as out:
     out.write("\n".join(frozen + [l for l in cpu if name(l) not in taken]) + "\n")
 EOF
 # launcher[up] and every service: `rollstream up` runs its children from its own venv, and the
-# colocated vLLM trainer (up --colocate --generator.backend vllm) needs vllm there.
+# colocated vLLM trainer (up --colocate sync --generator.backend vllm) needs vllm there.
 "$VENV/bin/pip" install -q --no-warn-conflicts -c "$constraints" \
   -e "core[torch]" -e "launcher[up,embedded,plot]" -e services/generator -e services/reward -e services/reference -e services/trainer \
   -r requirements-dev.txt

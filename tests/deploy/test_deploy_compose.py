@@ -368,20 +368,25 @@ def test_the_trainer_trains_as_the_profile_says(label: str, profile: str, monkey
 
 
 @pytest.mark.parametrize("files", [[COMPOSE_BASE, COMPOSE_ONE_GPU], [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU]], ids=["gpu", "cpu"])
-def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_credentials(files: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollstream.launcher import colocated
+def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_credentials(
+    files: list[Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rollstream.launcher import colocation
 
     compose = load_compose(*files)
     assert [name for name, _, _ in rollstream_services(compose)] == ["trainer", "reward"], "the generator service is behind a profile"
     trainer = compose["services"]["trainer"]
-    assert trainer["entrypoint"][:3] == [*TRAINER_LAUNCHER, "--colocate"] and dockerfile_entrypoint("trainer") == TRAINER_LAUNCHER
-    trainer_argv, generator_argv, asynchronous = colocated.split_argv(trainer["entrypoint"][3:])
-    assert not asynchronous
+    # One file (launcher/colocation.py), mounted from the top-level config; trainer_start.py
+    # runs the colocated process because it says `colocate`.
+    assert trainer["entrypoint"][:-1] == [*TRAINER_LAUNCHER, "--config"] and dockerfile_entrypoint("trainer") == TRAINER_LAUNCHER
+    (mounted,) = [c for c in trainer["configs"] if c["target"] == trainer["entrypoint"][-1]]
+    (config := tmp_path / "colocated.toml").write_text(compose["configs"][mounted["source"]]["content"])
     env = compose_env(trainer)
     check_env_names("trainer", list(env))
-    t = load_service_settings("trainer", env, trainer_argv, monkeypatch)
-    g = load_service_settings("generator", env, generator_argv, monkeypatch)
-    assert colocated.refusal(t, g) == ""  # transformers backend, the same model, no LoRA
+    load_service_settings("trainer", env, [], monkeypatch)  # the environment as the container's
+    both = colocation.load(["--config", str(config)], env)  # refused if they could not be colocated
+    t, g = both.trainer, both.generator
+    assert both.colocate == "sync"
     assert g.device == t.device == ("cpu" if COMPOSE_CPU in files else "cuda")
     assert not t.generators_dns and not t.generators, "no generator service to push to"
     assert {t.grpc_port, t.http_port}.isdisjoint({g.grpc_port, g.http_port}) and 0 not in (g.grpc_port, g.http_port)

@@ -36,6 +36,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+import tomllib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import tomli_w
 import yaml
 
 from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REFERENCE, REPO, built_tags, compose_command, load_compose, make_credentials, project_version
@@ -423,19 +425,18 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
 
 def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docker, tmp_path: Path) -> None:
     """compose.one-gpu.yaml on the CPU (with compose.cpu.yaml): the trainer image runs the
-    colocated process (`trainer_start.py --colocate`), no generator container starts, the run
+    colocated process (its --config file says `colocate`), no generator container starts, the run
     trains from its own samples, and SIGTERM stops it cleanly."""
     run = "c" + uuid.uuid4().hex[:8]
     names = ("trainer", "generator", "reward", "reference")  # host_network_override names every service
     ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
     override = host_network_override(ports, run)
     del override["services"]["reference"]  # not in these files
-    # The file's own entrypoint, with the generator half's ports moved to free ones (every
-    # container shares the host's network here).
-    entrypoint = list(load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["services"]["trainer"]["entrypoint"])
-    for flag, port in (("--grpc-port", ports.grpc["generator"]), ("--http-port", ports.http["generator"])):
-        entrypoint[entrypoint.index(flag) + 1] = str(port)
-    override["services"]["trainer"]["entrypoint"] = entrypoint
+    # The file's own colocated configuration, with the generator half's ports moved to free
+    # ones (every container shares the host's network here).
+    colocated = tomllib.loads(load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["configs"]["colocated"]["content"])
+    colocated["generator"].update(grpc_port=ports.grpc["generator"], http_port=ports.http["generator"])
+    override["configs"] = {"colocated": {"content": tomli_w.dumps(colocated)}}
     override["services"]["trainer"]["environment"]["ROLLSTREAM_GENERATORS_DNS"] = ""
     project = Project.make(images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU], override)
     client = project.admin_client(ports.redis)

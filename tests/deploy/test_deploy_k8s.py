@@ -12,14 +12,15 @@ connections the system makes (evaluated as the API defines them, for every pair 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,8 +28,8 @@ import pytest
 import yaml
 
 from npm_packages import npm_packages
-from rollstream.launcher.colocated import split_argv
-from rollstream.launcher.colocated import refusal as colocation_refusal
+from rollstream.core.config import ENV_PREFIX
+from rollstream.launcher import colocation
 from deploy_files import (
     built_tags,
     differs_from_derived,
@@ -39,6 +40,7 @@ from deploy_files import (
     NON_FIELD_ENV,
     SERVICES,
     TRAINER_LAUNCHER,
+    Container,
     K8s,
     check_env_names,
     dns_names,
@@ -757,28 +759,47 @@ def test_one_gpu_changes_only_the_trainer_and_the_generators(k8s: K8s, one_gpu: 
     base, overlay = by_name(k8s), by_name(one_gpu)
     changed = {key for key in base if base[key] != overlay.get(key)}
     assert changed == {("StatefulSet", "trainer"), ("Deployment", "generator")}, changed
-    assert set(overlay) - set(base) == {("ConfigMap", "colocated-generator-config")}
+    assert set(overlay) - set(base) == {("ConfigMap", "colocated-config")}
     assert one_gpu.get("Deployment", "generator")["spec"]["replicas"] == 0
     trainer = one_gpu.get("StatefulSet", "trainer")["spec"]["template"]["spec"]
     assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1, "one GPU, the trainer's"
     assert secret_names(one_gpu.get("StatefulSet", "trainer")) == {"trainer-credentials", "generator-credentials"}
 
 
+def colocated_settings(k8s: K8s, c: Container, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> colocation.Colocated:
+    """The colocated process's settings in the container: its one file from the mounted
+    ConfigMap and its environment, each path of a mounted Secret's file its local copy."""
+    config = Path(c.args[c.args.index("--config") + 1])
+    _, volume = c.mount_of(str(config.parent))
+    text = k8s.get("ConfigMap", volume["configMap"]["name"])["data"][config.name]
+    for container_path, local in files.items():
+        text = text.replace(f'"{container_path}"', f'"{local}"')
+    (local_config := tmp_path / config.name).write_text(text)
+    env = {k: str(files[v]) if v in files else v for k, v in c.env.items()}
+    for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return colocation.load(["--config", str(local_config)], env)
+
+
 def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(
     one_gpu: K8s, credentials: Path, generated: tuple[Path, dict[str, dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The trainer pod's args, split as launcher/colocated.py splits them, give two settings
-    that load, can be colocated, use each role's own files, and bind ports of their own."""
+    """The trainer pod's one file (launcher/colocation.py) gives two settings that load, can be
+    colocated (load refuses them otherwise), use each role's own files, and bind ports of
+    their own; its trainer table is k8s/'s trainer.toml with no generators to push to."""
     _, secrets = generated
     c = k8s_container(one_gpu, one_gpu.workload_of("trainer"))
-    assert c.args[0] == "--colocate", "docker/trainer_start.py runs the colocated process only with --colocate first"
-    trainer_argv, generator_argv, asynchronous = split_argv(c.args[1:])
-    assert not asynchronous
+    assert c.args[:1] == ["--config"], "docker/trainer_start.py runs the colocated process when its file says `colocate`"
     files = k8s_secret_files(c, secrets, tmp_path)
-    trainer = k8s_settings(one_gpu, dataclasses.replace(c, args=trainer_argv), "trainer", tmp_path, monkeypatch, files)
-    generator = k8s_settings(one_gpu, dataclasses.replace(c, args=generator_argv), "generator", tmp_path, monkeypatch, files)
-    assert colocation_refusal(trainer, generator) == ""
-    assert trainer.generators_dns == "", "no generator pods to push to"
+    both = colocated_settings(one_gpu, c, files, tmp_path, monkeypatch)
+    trainer, generator = both.trainer, both.generator
+    assert both.colocate == "sync" and trainer.generators_dns == "", "no generator pods to push to"
+    config = Path(c.args[1])
+    table = tomllib.loads(one_gpu.get("ConfigMap", c.mount_of(str(config.parent))[1]["configMap"]["name"])["data"][config.name])["trainer"]
+    base = tomllib.loads(one_gpu.get("ConfigMap", "trainer-config")["data"]["trainer.toml"])
+    assert {**base, "generators_dns": ""} == table, "the colocated trainer is k8s/'s"
     for s, role in ((trainer, "trainer"), (generator, "generator")):
         assert s.redis_username == role
         assert Path(s.redis_password_file).read_bytes() == (credentials / f"redis/{role}.password").read_bytes(), role

@@ -35,7 +35,7 @@ def four_small_steps(model_dir: Path, redis_url: str, run_name: str, workdir: Pa
     cmd = [
         rollstream_cmd(), "up", "--model", str(model_dir), "--trainer.steps", "4", "--run", run_name, "--workdir", str(workdir),
         "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-        "--no-colocate", *flags,
+        "--colocate", "off", *flags,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -52,7 +52,7 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
     cmd = [
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run_name, "--workdir", str(tmp_path),
         "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--trainer.beta", "0.05",
-        "--no-colocate",  # the services as processes of their own (the demo profile colocates the generator)
+        "--colocate", "off",  # the services as processes of their own (the demo profile colocates the generator)
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     keys = RunKeys(run_name)
@@ -137,7 +137,7 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     each child gets SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG)."""
     cmd = [
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", "orphans", "--workdir", str(tmp_path),
-        "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--no-colocate",
+        "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--colocate", "off",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     expected = {"redis", "trainer", "generator-0", "reward-0"}

@@ -1,9 +1,9 @@
-"""`rollstream up --colocate`: the trainer and the generator in one process, the generator
+"""`rollstream up --colocate sync`: the trainer and the generator in one process, the generator
 sampling from the trainer's own model. It must train exactly as the separate services do
 (same samples, same rewards, same losses: the trainer's model holds the bits it publishes),
 with one process where there were two, and refuse what it cannot share. With no remote
 generator registered nobody reads a delta, so none is encoded (issue 44).
-`--colocate-async`: the generator samples from its own copy while the trainer steps; at the
+`--colocate async`: the generator samples from its own copy while the trainer steps; at the
 same version it samples exactly what the others do, and its groups are never too stale."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from rollstream.core import steplog
 from rollstream.core.run_keys import RunKeys, read_counters
-from rollstream.launcher.colocated import split_argv
 from rollstream.launcher.run_config import RunConfig
 
 from test_up import rollstream_cmd
@@ -27,9 +26,9 @@ pytestmark = pytest.mark.e2e
 
 
 MODES = {
-    "separate": ["--trainer.max-staleness", "0", "--no-colocate"],
-    "colocated": ["--trainer.max-staleness", "0", "--colocate"],
-    "async": ["--trainer.max-staleness", "1", "--colocate-async"],
+    "separate": ["--trainer.max-staleness", "0", "--colocate", "off"],
+    "colocated": ["--trainer.max-staleness", "0", "--colocate", "sync"],
+    "async": ["--trainer.max-staleness", "1", "--colocate", "async"],
 }
 
 
@@ -104,26 +103,26 @@ def test_colocated_trains_exactly_as_the_separate_services(tiny_model_dir: Path,
     ],
 )
 def test_colocate_refuses_what_it_cannot_share(overrides: dict, field: str, tmp_path: Path) -> None:
-    for switch in ("colocate", "colocate_async"):
+    for mode in ("sync", "async"):
         with pytest.raises(ValidationError, match=field):
-            RunConfig.model_validate({switch: True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, **overrides})
+            RunConfig.model_validate({"colocate": mode, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, **overrides})
 
 
 def test_colocate_takes_the_vllm_backend(tmp_path: Path) -> None:
     """One setting of `up` with either variant: the generator's backend (refused before vLLM colocation existed)."""
-    for switch in ("colocate", "colocate_async"):
-        cfg = RunConfig.model_validate({switch: True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, "generator": {"backend": "vllm"}})
+    for mode in ("sync", "async"):
+        cfg = RunConfig.model_validate({"colocate": mode, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}, "generator": {"backend": "vllm"}})
         assert cfg.colocated and cfg.generator.backend == "vllm"
 
 
 def test_colocated_vllm_without_vllm_is_refused_before_anything_starts(tmp_path: Path) -> None:
     """`up` runs every service on its own Python: one without vllm says so at once, naming the setting."""
-    from rollstream.launcher.colocated import vllm_missing
+    from rollstream.launcher.colocation import vllm_missing
     from rollstream.generator.config import GeneratorSettings
 
     if not vllm_missing(GeneratorSettings(backend="vllm")):
         pytest.skip("vllm is installed in this venv")
-    cmd = [rollstream_cmd(), "up", "--workdir", str(tmp_path), "--trainer.steps", "1", "--colocate", "--generator.backend", "vllm"]
+    cmd = [rollstream_cmd(), "up", "--workdir", str(tmp_path), "--trainer.steps", "1", "--colocate", "sync", "--generator.backend", "vllm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "generator.backend" in done.stderr and "install_vllm.sh" in done.stderr, done.stdout + done.stderr
     assert not (tmp_path / "logs").exists(), "nothing should have started"
@@ -131,17 +130,5 @@ def test_colocated_vllm_without_vllm_is_refused_before_anything_starts(tmp_path:
 
 def test_colocate_async_needs_room_for_one_version_of_staleness(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="trainer.max_staleness"):
-        RunConfig.model_validate({"colocate_async": True, "workdir": str(tmp_path), "trainer": {"max_staleness": 0}})
-    assert RunConfig.model_validate({"colocate_async": True, "workdir": str(tmp_path), "trainer": {"max_staleness": 1}}).colocated
-
-
-def test_the_colocated_argv_splits_into_the_two_services() -> None:
-    argv = [
-        "--config", "t.toml", "--grpc-token-file", "tr.token",
-        "--generator-config", "g.toml", "--generator-flag", "--grpc-token-file", "gen.token", "--state-file", "s.json",
-    ]  # fmt: skip
-    trainer, generator, asynchronous = split_argv(argv)
-    assert trainer == ["--config", "t.toml", "--grpc-token-file", "tr.token", "--state-file", "s.json"]
-    assert generator == ["--config", "g.toml", "--grpc-token-file", "gen.token"]
-    assert not asynchronous
-    assert split_argv(["--async", *argv]) == (trainer, generator, True)
+        RunConfig.model_validate({"colocate": "async", "workdir": str(tmp_path), "trainer": {"max_staleness": 0}})
+    assert RunConfig.model_validate({"colocate": "async", "workdir": str(tmp_path), "trainer": {"max_staleness": 1}}).colocated

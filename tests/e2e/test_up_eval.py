@@ -77,7 +77,7 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
     """The demo's mode (colocated, max_staleness 0), greedy rounds; then `rollstream eval
     --model <that run>`: one round of the model the run exported, nothing trained."""
     workdir = tmp_path / "train"
-    out = up_with_rounds(tiny_model_dir, redis_url, run_name, workdir, 1, "--colocate", "--trainer.max-staleness", "0")
+    out = up_with_rounds(tiny_model_dir, redis_url, run_name, workdir, 1, "--colocate", "sync", "--trainer.max-staleness", "0")
     check_rounds(rclient, RunKeys(run_name), workdir, out, samples=1, synchronous=True)
     exported = workdir / "model"
     assert json.loads((exported / "rollstream-export.json").read_text())["step"] == STEPS
@@ -103,5 +103,5 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
 def test_up_asynchronous_evaluates_three_samples_at_steps_0_2_4(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
     """Generators in processes of their own, one version of staleness, 3 sampled completions a
     prompt (pass@3): the same rounds, each once, at the version the generator had."""
-    out = up_with_rounds(tiny_model_dir, redis_url, run_name, tmp_path, 3, "--no-colocate", "--trainer.max-staleness", "1")
+    out = up_with_rounds(tiny_model_dir, redis_url, run_name, tmp_path, 3, "--colocate", "off", "--trainer.max-staleness", "1")
     check_rounds(rclient, RunKeys(run_name), tmp_path, out, samples=3, synchronous=False)

@@ -1,4 +1,4 @@
-"""Issue 42, N1 and N2: `rollstream up --no-colocate` holds no TCP port a local user could
+"""Issue 42, N1 and N2: `rollstream up --colocate off` holds no TCP port a local user could
 squat. The embedded Redis and every service's gRPC listen on unix sockets in the run's 0700
 folder, so a restarted redis-server or trainer comes back on the same path and nobody
 else can have bound it; the only TCP sockets of the whole process tree are the HTTP sides
@@ -31,7 +31,7 @@ def test_up_holds_no_tcp_port_but_its_http_sides_across_restarts(tiny_model_dir:
     cmd = [
         str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run,
         "--workdir", str(tmp_path), "--trainer.group-size", "2", "--trainer.groups-per-step", "1", "--trainer.max-new-tokens", "4",
-        "--threads", "1", "--no-colocate",  # every service a process of its own, each with its own server
+        "--threads", "1", "--colocate", "off",  # every service a process of its own, each with its own server
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     state = tmp_path / "state"

@@ -71,7 +71,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
     cmd = [
         rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run, "--workdir", str(tmp_path),
         "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-        "--no-colocate",  # a generator process, its own ports and credentials to attack
+        "--colocate", "off",  # a generator process, its own ports and credentials to attack
         "--trainer.checkpoint-every", "0",  # the trained log keeps every step: what the forged group trained with
         # The forged groups wait behind the generator's in each stream: on a loaded machine they reach the
         # trainer steps after they were written, and must neither go stale nor find their task swept.

@@ -65,8 +65,9 @@ class RunShape:
     checkpoint_every: int = 1
     threads: int = 1
     reward: str = "builtin"  # `up --reward`: "external" starts no reward service (the test brings one)
-    colocate: bool = False  # `up --colocate`: the generator inside the trainer's process (no generator-0)
-    colocate_async: bool = False  # `up --colocate-async` (max_staleness 1): the same, sampling from its own copy
+    # `up --colocate`: sync, the generator inside the trainer's process (no generator-0); async
+    # (max_staleness 1), the same, sampling from its own copy; off, a generator process
+    colocate: str = "off"
     # `up --generator.backend`: "vllm" needs vllm in this venv, so such a run is a vLLM-tier
     # test (tests/vllm/test_vllm_colocated.py), eager (the engine starts in seconds on CPU)
     generator_backend: str = "transformers"
@@ -77,7 +78,7 @@ class RunShape:
 
     @property
     def colocated(self) -> bool:
-        return self.colocate or self.colocate_async
+        return self.colocate != "off"
 
 
 @dataclass
@@ -122,8 +123,7 @@ class FaultRun:
             "--run", self.run, "--trainer.steps", str(s.steps), "--trainer.group-size", str(s.group_size), "--trainer.groups-per-step", str(s.groups_per_step),
             "--trainer.max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--trainer.checkpoint-every", str(s.checkpoint_every),
             "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
-            "--colocate" if s.colocate else "--no-colocate",
-            *(["--colocate-async", "--trainer.max-staleness", "1"] if s.colocate_async else []),
+            "--colocate", s.colocate, *(["--trainer.max-staleness", "1"] if s.colocate == "async" else []),
             "--generator.backend", s.generator_backend, *(["--generator.enforce-eager"] if s.generator_backend == "vllm" else []),
             *[arg for flag, value in (("prompts", s.eval_prompts), ("every", s.eval_every), ("samples", s.eval_samples)) if value is not None
               for arg in (f"--trainer.eval-{flag}", str(value))],

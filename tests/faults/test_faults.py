@@ -58,10 +58,10 @@ FAULTS: dict[str, Inject] = {
     "redis-sigstop-10s": lambda run: run.redis_stop(10),
 }
 CPU_HOG = "cpu-hog-2"
-# The same faults against a colocated run (`up --colocate`: the generator is in the trainer's
+# The same faults against a colocated run (`up --colocate sync`: the generator is in the trainer's
 # process, so killing it kills both).
 COLOCATED = {"colocated-kill9-trainer": "kill9-trainer", "colocated-kill9-random-x3": "kill9-random-x3"}
-# ... and against its asynchronous variant (`up --colocate-async`: the generator's own copy).
+# ... and against its asynchronous variant (`up --colocate async`: the generator's own copy).
 COLOCATED_ASYNC = {"colocated-async-kill9-trainer": "kill9-trainer", "colocated-async-kill9-random-x3": "kill9-random-x3"}
 # Three kills in one run, each of a service (or redis-server) drawn by the seed, at
 # successive points: a restart overlapping the next fault, a trainer resumed twice...
@@ -78,7 +78,7 @@ RESTARTED = {"kill9-trainer": "trainer", "kill9-generator": "generator-0", "kill
 def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     seed = BASE_SEED + zlib.crc32(case.encode()) % 1000  # stable per case, whatever cases are added
     kind = COLOCATED.get(case) or COLOCATED_ASYNC.get(case) or case
-    shape = dataclasses.replace(SHAPE, colocate=case in COLOCATED, colocate_async=case in COLOCATED_ASYNC)
+    shape = dataclasses.replace(SHAPE, colocate="sync" if case in COLOCATED else "async" if case in COLOCATED_ASYNC else "off")
     with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=shape, run=f"{case}-{seed}") as run:
         if kind == CPU_HOG:
             run.cpu_hog(2, seconds=RUN_S + FIRST_STEPS_S)  # the whole run; ended in close() at the latest
@@ -136,7 +136,7 @@ def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> 
 
 # Rounds of 8 prompts x 4 samples at steps 0, 2, 4, ... 10: long enough on the tiny model to be
 # caught in flight (fed, not yet reported) by a poll every 20 ms.
-EVAL_SHAPE = dataclasses.replace(SHAPE, colocate=True, eval_prompts=8, eval_every=2, eval_samples=4)
+EVAL_SHAPE = dataclasses.replace(SHAPE, colocate="sync", eval_prompts=8, eval_every=2, eval_samples=4)
 EVAL_KILL_TRIES = 3  # a kill that lands after the round was reported is tried again at the next round
 
 

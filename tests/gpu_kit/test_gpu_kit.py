@@ -178,7 +178,7 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
     assert "trainer" in " ".join(run["peak_rss_gb"]) and "generator" in " ".join(run["peak_rss_gb"]), "the separate services"
     assert run["steps"][0]["step_seconds"] > 0  # the update's own time, kept from the step log
-    for name, up_args in (("up_colocated_128", ["--colocate"]), ("up_colocated_async_128", ["--colocate-async", "--trainer.max-staleness=1"])):
+    for name, up_args in (("up_colocated_128", ["--colocate=sync"]), ("up_colocated_async_128", ["--colocate=async", "--trainer.max-staleness=1"])):
         colocated = results[name]["runs"][0]
         assert results[name]["up_args"] == up_args
         assert not any(n.startswith("generator") for n in colocated["peak_rss_gb"]), f"{name}: no generator process: it is in the trainer's"

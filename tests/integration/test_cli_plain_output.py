@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from helpers import write
-from rollstream.launcher import cli, up
+from rollstream.launcher import cli, plan
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 from rollstream.v1 import rollout_pb2
@@ -42,7 +42,7 @@ def test_up_prints_other_consumer_groups_as_written(text: str, rclient: redis.Re
     # `up --reward external` warns about any other consumer group on the rollouts stream.
     out = io.StringIO()
     console = cli.plain_console(file=out, width=400)
-    watch = up.ExternalReward(redis_url="redis://127.0.0.1:6379/0", keys=keys, group="reward", output_stage="ready", username="", password_file=None)
+    watch = plan.ExternalReward(redis_url="redis://127.0.0.1:6379/0", keys=keys, group="reward", output_stage="ready", username="", password_file=None)
     StreamStage.ensure_group(rclient, keys.stream("rollouts"), text)
     watch.poll(rclient, console)
     assert f"consumer group {text!r} on" in out.getvalue()

@@ -31,15 +31,16 @@ def test_a_generator_joining_a_colocated_run_gets_the_exact_weights(
     sockets = tmp_path / "sockets"
     sockets.mkdir(mode=0o700)
     common = {"redis_url": redis_url, "run": keys.run, "model": str(tiny_model_dir), "threads": 1, "block_ms": 100}
-    generator_toml = tmp_path / "colocated-generator.toml"
-    generator_toml.write_text(tomli_w.dumps({**common, "consumer": "generator-0", "max_inflight_groups": 1, "grpc_socket": str(sockets / "colo-gen.sock")}))
+    colocated_toml = tmp_path / "colocated.toml"  # the generator half's table; the trainer's values are flags
+    generator = {**common, "consumer": "generator-0", "max_inflight_groups": 1, "grpc_socket": str(sockets / "colo-gen.sock")}
+    colocated_toml.write_text(tomli_w.dumps({"colocate": "sync", "trainer": {}, "generator": generator}))
     port = free_port()
     address = f"127.0.0.1:{port}"
     colocated = start_service(
         "launcher.colocated", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
         "--grpc-port", str(port), "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "2",
         "--max-new-tokens", "6", "--prompt-buffer", "2", "--lr", "1e-2", "--max-staleness", "100", "--block-ms", "100", "--steps", "6",
-        "--linger", "--anchor-dir", str(anchor_dir), "--metrics-file", str(step_log), "--generator-config", str(generator_toml), tag="-colocated",
+        "--linger", "--anchor-dir", str(anchor_dir), "--metrics-file", str(step_log), "--config", str(colocated_toml), tag="-colocated",
     ).wait_ready()
     procs = [colocated]
     gen = None

@@ -1,4 +1,4 @@
-"""`rollstream up --external-reward`'s watch on the rollouts stream (up.ExternalReward),
+"""`rollstream up --external-reward`'s watch on the rollouts stream (plan.ExternalReward),
 against a real redis-server: waiting until a consumer of the expected group appears, a
 warning for any other consumer group, and the file an outside service reads."""
 
@@ -12,7 +12,7 @@ import redis
 from rich.console import Console
 
 from rollstream.core import status as pipeline_status
-from rollstream.launcher.up import EXTERNAL_REWARD_FILE, ExternalReward
+from rollstream.launcher.plan import EXTERNAL_REWARD_FILE, ExternalReward
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 

@@ -159,7 +159,7 @@ def test_up_help_lists_each_section_field_once_with_its_default_and_the_profile(
             flag = f"--{section}.{name.replace('_', '-')} "
             assert (flag in shown.stdout) == (name not in SET_BY_UP[section]), flag
     assert "--trainer.lr float" in shown.stdout and "(default: 2e-05)" in shown.stdout
-    assert "The demo profile sets: colocate = True, trainer.steps = 15, trainer.token_budget = 512" in " ".join(shown.stdout.split())
+    assert "The demo profile sets: colocate = sync, trainer.steps = 15, trainer.token_budget = 512" in " ".join(shown.stdout.split())
 
 
 def test_config_command_prints_toml_with_sources(tmp_path: Path) -> None:

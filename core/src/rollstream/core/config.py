@@ -281,33 +281,36 @@ def _cli_source(cls: type[BaseSettings]) -> CliSettingsSource[Any]:
     return cli
 
 
-def _toml_source(cls: type[BaseSettings], config: str) -> TomlConfigSettingsSource:
+def _toml_source(cls: type[BaseSettings], config: str, table: str = "") -> TomlConfigSettingsSource:
     path = Path(config)
     # TomlConfigSettingsSource skips a file that is not there; a --config naming a missing
     # file is a mistake (a typo, an unmounted ConfigMap) and must stop the start.
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        return TomlConfigSettingsSource(cls, toml_file=path)
+        return TomlConfigSettingsSource(cls, toml_file=path, toml_table_header=(table,) if table else None)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except KeyError:  # pydantic-settings' word for a missing table
+        raise ConfigError(f"config file {path} has no [{table}] table") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e}") from None
 
 
-def load_settings(cls: type[S], argv: list[str] | None = None, **overrides: Any) -> S:
+def load_settings(cls: type[S], argv: list[str] | None = None, table: str = "", **overrides: Any) -> S:
     """Build `cls` from field defaults < TOML file < environment < flags (`argv`) < `overrides`.
 
     `argv` is the flags alone (no program name); None or [] means no flags: sys.argv is never
     read here (services pass it; tests and tools pass their own lists). `--help` prints the
-    fields with their descriptions and exits 0."""
+    fields with their descriptions and exits 0. `table`: the file's table of that name, not its
+    top level (the colocated process's one file, launcher/colocation.py)."""
     args = list(argv or [])
     _refuse_secret_flags(cls, args)
     cli = _cli_source(cls)
     try:
         parsed = vars(cli.root_parser.parse_args(args))
         config = parsed.pop("config")
-        toml = _toml_source(cls, config) if config else None
+        toml = _toml_source(cls, config, table) if config else None
         token = _call_sources.set(_CallSources(cli(parsed_args=parsed), toml))
         try:
             return cls(**overrides)
@@ -324,11 +327,11 @@ def consumer_name(settings: CommonSettings) -> str:
     return settings.consumer or f"{os.uname().nodename}-{os.getpid()}"
 
 
-def load_or_exit(cls: type[S], argv: list[str]) -> S:
+def load_or_exit(cls: type[S], argv: list[str], table: str = "") -> S:
     """`load_settings` for a service's main(): a bad configuration prints the error (naming
     the field) and exits with status 2 before anything starts."""
     try:
-        return load_settings(cls, argv)
+        return load_settings(cls, argv, table)
     except ConfigError as e:
         print(e, file=sys.stderr)
         sys.exit(2)

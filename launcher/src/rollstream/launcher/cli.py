@@ -111,13 +111,18 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_config(argv: list[str]) -> int:
-    """Print the run configuration as TOML, each value with where it came from."""
-    from rollstream.launcher import run_config
+    """Print the run configuration as TOML, each value with where it came from, then `up`'s
+    plan: each child's command and the file it reads."""
+    import tomli_w
+
+    from rollstream.launcher import plan, run_config
 
     try:
         found = run_config.layers(argv)
         rows = list(run_config.sources(found))
-    except ConfigError as e:
+        cfg = run_config.build(found)
+        the_plan = plan.plan(cfg, cfg.model, plan.redis_url_of(cfg), os.cpu_count() or 2)
+    except (ConfigError, ValueError) as e:
         plain_console(stderr=True).print(str(e), style="red")
         return 2
     print(f"# rollstream up --profile {found.profile}: each value and its source (default, profile, environment, flags, set by up)")
@@ -129,6 +134,13 @@ def cmd_config(argv: list[str]) -> int:
             print(f"\n[{head}]")
         line = f"{name} = {_inline_toml(value)}" if value is not None else f"# {name} = (none)"
         print(f"{line}  # {came}")
+    redis = "an embedded redis-server, an ACL user per role" if the_plan.embedded_redis else "the operator's"
+    print(f"\n# `up`'s plan (plan.py), the trainer first: Redis {redis}; restart {the_plan.restart}; the model resolved at start")
+    for child in the_plan.children:
+        print(f"# {child.name}: python -m rollstream.{' '.join(child.args(the_plan.workdir))} (and --state-file: where it says it serves)")
+        print(tomli_w.dumps({"plan": {child.name: child.config}}))
+    if the_plan.external_reward is not None:
+        print(f"# no reward process: {the_plan.external_reward.instructions()}".replace("\n", "\n# "))
     return 0
 
 

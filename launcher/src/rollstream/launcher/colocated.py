@@ -1,5 +1,5 @@
 """The trainer and a generator in one process on one device (issue 31; `rollstream up
---colocate` or `--colocate-async`).
+--colocate sync` or `--colocate async`).
 
 Nothing is pushed, fetched or decoded between the two: the generator stamps its groups with
 the trainer's version, and everything else is the two services as they are: the same streams,
@@ -14,7 +14,7 @@ registers gets the current version's anchor, then every delta, as usual. Two var
   step holds: sampling and a step take turns, each with every core, and the process holds
   the weights once. This is the variant that helps a small machine: two processes on the
   same cores only take them from each other (docs/benchmarks.md, "Colocated").
-- Asynchronous (`--async`): the generator samples from its own copy of the model, in its own
+- Asynchronous (`colocate = "async"`): the generator samples from its own copy of the model, in its own
   dtype on its own device (CopiedWeights), so the next batch is sampled while the step runs.
   After each step the trainer's thread copies its weights into that copy, device to device,
   between two of the generator's batches (Trainer.weights.after_step): the copy costs a second set of
@@ -33,16 +33,14 @@ sampled) or a lock of its own (asynchronous: one version behind). The engine hol
 set of weights either way. vLLM's sleep mode (the KV cache freed during the step) is not
 built: the KV cache stays allocated.
 
-    python -m rollstream.launcher.colocated [--async] --config trainer.toml [trainer flags] \\
-        --generator-config generator.toml [--generator-flag NAME VALUE ...]
+    python -m rollstream.launcher.colocated --config colocated.toml [trainer flags]
 
-The trainer's settings come from its flags as for `python -m rollstream.trainer`; the
-generator's from its own file, plus `--generator-flag` pairs for its credentials' files.
+One file, as every service reads one (launcher/colocation.py): `colocate`, a `[trainer]` and a
+`[generator]` table; the flags are the trainer's, whose process this is.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -53,7 +51,7 @@ import numpy as np
 import torch
 
 from rollstream.core import deltas, logs, modeling, redis_policy
-from rollstream.core.config import load_or_exit
+from rollstream.core.config import ConfigError
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
@@ -61,14 +59,10 @@ from rollstream.generator.generator import Generator
 from rollstream.generator.host_weights import HostWeights
 from rollstream.generator.service import sample_forever
 from rollstream.generator.vllm_backend import VllmBackend
+from rollstream.launcher import colocation
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import serve
 from rollstream.trainer.trainer import Trainer
-
-GENERATOR_CONFIG = "--generator-config"
-GENERATOR_FLAG = "--generator-flag"
-ASYNC = "--async"
-
 
 class ColocatedWeights(HostWeights):
     """A colocated generator's weights: the trainer's, so no payload is ever applied here.
@@ -149,65 +143,13 @@ class EngineWeights(ColocatedWeights):
             self.version = self._trainer.version
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str], bool]:
-    """(the trainer's argv, the generator's argv, whether asynchronous) from this process's argv."""
-    trainer: list[str] = []
-    generator: list[str] = []
-    asynchronous = False
-    i = 0
-    while i < len(argv):
-        if argv[i] == ASYNC:
-            asynchronous = True
-            i += 1
-        elif argv[i] == GENERATOR_CONFIG and i + 1 < len(argv):
-            generator += ["--config", argv[i + 1]]
-            i += 2
-        elif argv[i] == GENERATOR_FLAG and i + 2 < len(argv):
-            generator += [argv[i + 1], argv[i + 2]]
-            i += 3
-        else:
-            trainer.append(argv[i])
-            i += 1
-    return trainer, generator, asynchronous
-
-
-def refusal(trainer: TrainerSettings, generator: GeneratorSettings, asynchronous: bool = False) -> str:
-    """Why these two cannot be colocated ('' when they can)."""
-    if generator.backend == "vllm":
-        if generator.tensor_parallel_size != 1:
-            return "generator.tensor_parallel_size: a colocated engine runs in the trainer's process, on its one device: set it to 1"
-        if generator.in_flight != "finish":
-            return "generator.in_flight: a colocated engine is written between two batches, never inside one: set it to 'finish'"
-        if generator.device != trainer.device:
-            return f"generator.device: a colocated engine shares the trainer's device {trainer.device!r}, not {generator.device!r}"
-    if trainer.lora_rank:
-        return "trainer.lora_rank: with LoRA the published weights are merged after the step, not the model the generator would sample"
-    if generator.model != trainer.model:
-        return f"generator.model: {generator.model!r} is not the trainer's {trainer.model!r}"
-    if asynchronous and trainer.max_staleness < 1:
-        return "trainer.max_staleness: the asynchronous variant samples the next batch while the step runs, one version behind: set it to 1 or more"
-    return ""
-
-
-def vllm_missing(generator: GeneratorSettings) -> str:
-    """Why this Python cannot run the generator's vLLM backend ('' when it can): said before
-    anything is loaded, since every process `up` starts runs on this Python."""
-    spec = importlib.util.find_spec("vllm")
-    # origin None: a namespace package (a folder named vllm on sys.path), not vLLM.
-    if generator.backend != "vllm" or (spec is not None and spec.origin is not None):
-        return ""
-    return f"generator.backend: 'vllm' needs the vllm package in {sys.executable} (CPU: bash scripts/install_vllm.sh, then .venv-vllm/bin/rollstream)"
-
-
 def main(argv: list[str] | None = None) -> int:
-    trainer_argv, generator_argv, asynchronous = split_argv(sys.argv[1:] if argv is None else argv)
-    trainer_settings = load_or_exit(TrainerSettings, trainer_argv)
-    generator_settings = load_or_exit(GeneratorSettings, generator_argv)
-    why = refusal(trainer_settings, generator_settings, asynchronous) or vllm_missing(generator_settings)
-    if why:
-        print(f"rollstream colocated: {why}", file=sys.stderr)
+    try:
+        settings = colocation.load(sys.argv[1:] if argv is None else argv, dict(os.environ))
+    except ConfigError as e:
+        print(f"rollstream colocated: {e}", file=sys.stderr)
         return 2
-    return run(trainer_settings, generator_settings, asynchronous)
+    return run(settings.trainer, settings.generator, settings.colocate == "async")
 
 
 def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: bool) -> tuple[Backend, ColocatedWeights]:

@@ -32,6 +32,7 @@ from pydantic_settings import (
 from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, TorchSettings, is_unix_address
 from rollstream.core.redis_policy import check_url
 from rollstream.generator.config import GeneratorSettings
+from rollstream.launcher.colocation import Colocate, refusal
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reward.config import RewardSettings
 from rollstream.trainer.config import TrainerSettings
@@ -96,16 +97,13 @@ class RunConfig(BaseSettings):
     redis_url: str = Field("", description="use this Redis instead of an embedded redis-server (empty: embedded, in the workdir)")
     workdir: str = Field("", description="logs, redis data, checkpoints, steps.jsonl and summary.json (empty: runs/<run>)")
     generators: int = Field(1, ge=1, description="generator processes (generator i samples with generator.seed + i)")
-    colocate: bool = Field(
-        False,
-        description="the trainer and the generator in one process, sampling from the trainer's own model (one copy of the "
-        "weights, no weight transfer); sampling and training take turns (launcher/colocated.py). With --generator.backend vllm: "
-        "a vLLM engine in the process, written from the trainer's weights after each step",
-    )
-    colocate_async: bool = Field(
-        False,
-        description="colocated, asynchronous: the generator samples from its own copy of the weights (copied in memory after "
-        "each step), so the next batch is sampled while the step runs; needs trainer.max_staleness >= 1 (launcher/colocated.py)",
+    colocate: Colocate = Field(
+        "off",
+        description="the trainer and the generator in one process (launcher/colocated.py): off (separate processes); sync "
+        "(sampling from the trainer's own model, one copy of the weights, sampling and training take turns); async (the "
+        "generator on its own copy, written in memory after each step, samples the next batch during the step: needs "
+        "trainer.max_staleness >= 1). With --generator.backend vllm: a vLLM engine in the process, written from the trainer's "
+        "weights after each step",
     )
     threads: int = Field(0, ge=0, description="torch threads per service; 0: all cores for the trainer, half for the others")
     fresh: bool = Field(True, description="delete the run's keys and checkpoints first; --no-fresh continues the run")
@@ -152,13 +150,11 @@ class RunConfig(BaseSettings):
             if getattr(self.trainer, asks) > getattr(self.generator, limit):
                 raise ValueError(f"trainer.{asks} is over generator.{limit}: the generators would refuse every task")
         if self.colocated:
-            from rollstream.launcher.colocated import refusal
-
-            # The demo profile colocates: say how to leave it (not to one who asked for --colocate-async).
-            hint = "" if self.colocate_async else " (--no-colocate: the generators in processes of their own)"
+            # The demo profile colocates: say how to leave it (not to one who asked for async).
+            hint = "" if self.colocate == "async" else " (--colocate off: the generators in processes of their own)"
             if self.generators != 1:
                 raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}{hint}")
-            why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}), asynchronous=self.colocate_async)
+            why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}), self.colocate)
             if why:
                 raise ValueError(why + hint)
         return self
@@ -166,7 +162,7 @@ class RunConfig(BaseSettings):
     @property
     def colocated(self) -> bool:
         """The trainer and the generator in one process (either variant)."""
-        return self.colocate or self.colocate_async
+        return self.colocate != "off"
 
     @property
     def with_reference(self) -> bool:

@@ -1,4 +1,5 @@
-"""`rollstream up`: the whole system as local processes, from one run configuration.
+"""`rollstream up`: the whole system as local processes, from one run configuration: a plan
+(plan.py: which children, with what configuration) and the supervisor that runs it.
 
 An embedded redis-server (or `redis_url`), the trainer, generator(s), the reward service (or
 none: `external_reward`, docs/custom-reward.md) and the reference service when the KL needs
@@ -19,20 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis
 import tomli_w
 from rich.console import Console
 from rich.text import Text
 
 from rollstream.core import codec, credentials, redis_acl, redis_policy, run_keys, steplog, validation
 from rollstream.core import status as pipeline_status
-from rollstream.core.config import ENV_PREFIX, CommonSettings
+from rollstream.core.config import ENV_PREFIX
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher import procs
 from rollstream.launcher.cli import plain_console
+from rollstream.launcher.colocation import vllm_missing
+from rollstream.launcher.plan import EXTERNAL_REWARD_FILE, Plan, plan, redis_url_of
 from rollstream.launcher.procs import Child, ChildFailed, tail
-from rollstream.launcher.redis_server import SOCKET_NAME, EmbeddedRedis, check_socket_length
-from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, child_toml, derived, run_workdir, trainer_folders
+from rollstream.launcher.redis_server import EmbeddedRedis, check_socket_length
+from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, run_workdir
 from rollstream.v1 import rollout_pb2
 
 
@@ -113,22 +115,15 @@ def cmd_up(cfg: RunConfig) -> int:
         return _up(cfg)
 
 
-def child_env(service: str, values: dict[str, Any]) -> dict[str, str]:
+def child_env(tables: dict[str, dict[str, Any]]) -> dict[str, str]:
     """`up`'s environment for a child, less the ROLLSTREAM_* variables that would override its
     configuration file (the run configuration read them already). Credentials `up` does not
     set stay: with an external Redis they are the operator's (docs/security.md)."""
-    fields = {ENV_PREFIX + name.upper() for name in SECTIONS[service].model_fields if name not in CREDENTIALS or name in values}
+    fields = {
+        ENV_PREFIX + name.upper() for service, values in tables.items() for name in SECTIONS[service].model_fields if name not in CREDENTIALS or name in values
+    }
     env = {k: v for k, v in os.environ.items() if k not in fields | {ENV_PREFIX + "CONFIG"}}
     return {**env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def configured_child(name: str, service: str, values: dict[str, Any], flags: list[str], workdir: Path) -> Child:
-    """A child started with its section as WORKDIR/config/<name>.toml (and its credentials as
-    flags: paths of files, never the secrets)."""
-    path = workdir / "config" / f"{name}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(values))
-    return Child(name, [service, "--config", str(path), *flags], child_env(service, values), workdir)
 
 
 def delta_text(m: rollout_pb2.StepMetrics) -> str:
@@ -137,58 +132,20 @@ def delta_text(m: rollout_pb2.StepMetrics) -> str:
     return f"delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense" if m.delta_bytes else "no delta (no reader)"
 
 
-def colocated_child(cfg: RunConfig, trainer_values: dict[str, Any], own: Callable[[str], list[str]], workdir: Path, **generator_values: Any) -> Child:
-    """The trainer and the generator in one process (launcher/colocated.py), named `trainer`:
-    its gRPC and HTTP sides and its state file are the trainer's. The generator's settings go
-    in their own file, its credentials' files as --generator-flag pairs."""
-    from rollstream.launcher.colocated import ASYNC  # imported already by RunConfig's check
-
-    trainer_path = workdir / "config" / "trainer.toml"
-    generator_path = workdir / "config" / "generator-0.toml"
-    generator_values = child_toml(cfg.generator, "generator", **generator_values, **derived(cfg.trainer)["generator"], consumer="generator-0")
-    trainer_path.parent.mkdir(parents=True, exist_ok=True)
-    trainer_path.write_text(tomli_w.dumps(trainer_values))
-    generator_path.write_text(tomli_w.dumps(generator_values))
-    flags = own("generator")
-    generator_flags = [a for name, value in zip(flags[::2], flags[1::2]) for a in ("--generator-flag", name, value)]
-    variant = [ASYNC] if cfg.colocate_async else []
-    args = ["launcher.colocated", *variant, "--config", str(trainer_path), *own("trainer"), "--generator-config", str(generator_path), *generator_flags]
-    env = child_env("trainer", trainer_values)
-    kept = child_env("generator", generator_values)
-    return Child("trainer", args, {k: v for k, v in env.items() if k in kept}, workdir)
-
-
 def _up(cfg: RunConfig) -> int:
+    """Prepare the run (its folders, model, credentials, Redis), plan it, and supervise the plan."""
     console = plain_console(stderr=True)
-    if cfg.colocated:
-        from rollstream.launcher.colocated import vllm_missing  # imported already by RunConfig's check
-
-        missing = vllm_missing(cfg.generator)
-        if missing:  # said now, not by the colocated process once the trainer has loaded
-            console.print(missing, style="red")
-            return 2
-    workdir = run_workdir(cfg.workdir, cfg.run)
-    workdir.mkdir(parents=True, exist_ok=True)
-    workdir.chmod(0o700)  # also a workdir an older run left open to others
-    # Every gRPC server and the embedded Redis listen on unix sockets in the run's 0700
-    # folders, never on a TCP port: a port a restarting server gives up can be bound by any
-    # local user, who then hears every password and token sent to it (issue 42).
-    sockets = workdir / "sockets"
-    sockets.mkdir(exist_ok=True)
-    sockets.chmod(0o700)
-    try:
-        for longest in (sockets / "reference-0.sock", sockets / f"generator-{cfg.generators - 1}.sock", workdir / "redis" / SOCKET_NAME):
-            check_socket_length(longest)
-    except ValueError as e:
-        console.print(str(e), style="red")
+    if cfg.colocated and (missing := vllm_missing(cfg.generator)):  # said now, not once the trainer has loaded
+        console.print(missing, style="red")
         return 2
-    checkpoints = Path(cfg.trainer.checkpoint_dir)
-    step_log = workdir / steplog.FILE_NAME
-    steps = cfg.trainer.steps  # 0: until stopped
+    workdir = run_workdir(cfg.workdir, cfg.run)
+    for folder in (workdir, workdir / "sockets"):  # also a workdir an older run left open to others
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
     if cfg.fresh:
-        if checkpoints.exists():
-            shutil.rmtree(checkpoints)  # a fresh run must not resume the last one's checkpoints
-        step_log.unlink(missing_ok=True)  # nor append to the last one's curve
+        if Path(cfg.trainer.checkpoint_dir).exists():
+            shutil.rmtree(cfg.trainer.checkpoint_dir)  # a fresh run must not resume the last one's checkpoints
+        (workdir / steplog.FILE_NAME).unlink(missing_ok=True)  # nor append to the last one's curve
         (workdir / "restarts.json").unlink(missing_ok=True)
     # Resolve (and on first use convert) the model once, before any service races to do it;
     # the conversion in a child process, so that `up` stays small for the whole run.
@@ -196,21 +153,20 @@ def _up(cfg: RunConfig) -> int:
 
     console.print(Text("rollstream up", style="bold"), f"run={cfg.run} workdir={workdir}{'' if cfg.fresh else ' (continuing the run)'}")
     try:
-        model = str(resolve_model_in_child(cfg.model))
-    except ModelNotFoundError as e:
+        the_plan = plan(cfg, str(resolve_model_in_child(cfg.model)), redis_url_of(cfg), os.cpu_count() or 2)
+        for path in the_plan.sockets:
+            check_socket_length(path)
+    except (ModelNotFoundError, ValueError) as e:
         console.print(str(e), style="red")
         return 2
-    console.print(f"model: {model}")
+    console.print(f"model: {the_plan.children[0].tables()['trainer']['model']}")
     # Every service gets its own credentials (docs/security.md): a gRPC token per role, and
     # on the embedded server a Redis ACL user per role. Kept across runs in the workdir.
     creds = workdir / "credentials"
-    tokens = credentials.ensure_grpc_tokens(creds)
-    admin = ClientCredentials(token=tokens["admin"])
+    admin = ClientCredentials(token=credentials.ensure_grpc_tokens(creds)["admin"])
     embedded = None
     admin_redis: tuple[str | None, str | None] = (None, None)  # an external URL brings its own
-    if cfg.redis_url:
-        redis_url = cfg.redis_url
-    else:
+    if the_plan.embedded_redis:
         # With a reference stage, `ready` is the reference's alone: the reward user cannot write it.
         passwords = redis_acl.ensure_redis_credentials(creds, reference_stage=cfg.with_reference)
         admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
@@ -218,209 +174,202 @@ def _up(cfg: RunConfig) -> int:
             workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN], state_file=workdir / "state" / "redis.json",
             unix_socket=True,
         ).start()
-        redis_url = embedded.url
-        console.print(f"embedded redis-server: {redis_url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
+        console.print(f"embedded redis-server: {embedded.url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
     keys = run_keys.RunKeys(cfg.run)
     try:
-        client = redis_policy.connect(redis_url, *admin_redis)
-        if cfg.fresh:
-            stale_keys = list(client.scan_iter(match=keys.prefix + "*"))
-            if stale_keys:
-                client.delete(*stale_keys)
+        client = redis_policy.connect(the_plan.redis_url, *admin_redis)
+        if cfg.fresh and (stale_keys := list(client.scan_iter(match=keys.prefix + "*"))):
+            client.delete(*stale_keys)
     except redis_policy.ERRORS as e:
-        console.print(f"Redis at {redis_policy.redact(redis_url)} does not answer: {redis_policy.short(e)}", style="red")
+        console.print(f"Redis at {redis_policy.redact(the_plan.redis_url)} does not answer: {redis_policy.short(e)}", style="red")
         if embedded is not None:
             embedded.stop()
         return 1
-    # The trainer's step is the long pole: it gets every core. With max_staleness >= 1 the
-    # next batch is sampled while the trainer trains, so the generators (and the reference)
-    # get half; synchronous (0), sampling and training take turns and both get every core.
-    max_staleness = cfg.trainer.max_staleness
-    cores = os.cpu_count() or 2
-    trainer_threads = cfg.threads or cores
-    side_threads = cfg.threads or max(1, cores // 2)
-    shared = {"run": cfg.run, "redis_url": redis_url, "log_json": cfg.log_json}
+    return supervise(the_plan, cfg, Supervised(console, client, keys, embedded, admin))
 
-    def own(role: str) -> list[str]:
-        return credentials.service_flags(creds, role, redis_acl=embedded is not None)
 
-    def socket(name: str) -> str:
-        """A child's gRPC socket: the same path across its restarts (the trainer's keeps the
-        generators' catch-up address), in a folder only this user can enter."""
-        return str(sockets / f"{name}.sock")
+@dataclass
+class Supervised:
+    """What `supervise` works with besides the plan, and what it learns as the run goes."""
 
-    trainer_values = child_toml(
-        cfg.trainer, "trainer", **shared, model=model, threads=trainer_threads, grpc_socket=socket("trainer"), consumer="trainer-0",
-        **trainer_folders(workdir), metrics_file=str(step_log),
-    )
-    if cfg.colocated:
-        trainer = colocated_child(
-            cfg, trainer_values, own, workdir, **shared, model=model, threads=trainer_threads, seed=cfg.generator.seed, grpc_socket=socket("generator-0")
-        )
-    else:
-        trainer = configured_child("trainer", "trainer", trainer_values, own("trainer"), workdir)
-    children: list[Child] = [trainer]
-    started = time.monotonic()
-    stopping = False
+    console: Console
+    client: redis_policy.Client
+    keys: run_keys.RunKeys
+    embedded: EmbeddedRedis | None
+    admin: ClientCredentials  # the admin role's gRPC credentials (settle_versions)
+    children: list[Child] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
+    started: float = field(default_factory=time.monotonic)
+    stopping: bool = False
+    finished: bool = False
+
+
+def supervise(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int:
+    """Run a plan: each child with its configuration file, restarted as the plan says, the
+    progress shown, until the last step (or Ctrl-C); then stop it all and write the summary."""
+    workdir = the_plan.workdir
+    for spec in the_plan.children:
+        path = spec.path(workdir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tomli_w.dumps(spec.config))
+        run.children.append(Child(spec.name, spec.args(workdir), child_env(spec.tables()), workdir))
 
     def on_sigint(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        run.stopping = True
 
     signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
-    progress = Progress()
-    finished = False
     versions: dict[str, int] = {}
     try:
-        trainer.start()
-        console.print("starting trainer (loading the model)...")
-        trainer_address = trainer.grpc_address()
-        for i in range(0 if cfg.colocated else cfg.generators):
-            generator_values = child_toml(
-                cfg.generator, "generator", **shared, **derived(cfg.trainer)["generator"], model=model, threads=trainer_threads if max_staleness == 0 else side_threads,
-                trainer_address=trainer_address, weight_store=trainer_values["anchor_dir"], consumer=f"generator-{i}",
-                seed=cfg.generator.seed + i, grpc_socket=socket(f"generator-{i}"),
-            )
-            children.append(configured_child(f"generator-{i}", "generator", generator_values, own("generator"), workdir))
-        output_stage = "scored" if cfg.with_reference else "ready"
-        external: ExternalReward | None = None
-        if cfg.external_reward:
-            external = ExternalReward(
-                redis_url=redis_url, keys=keys, group=cfg.reward.group, output_stage=output_stage,
-                username=REWARD_ROLE if embedded is not None else "",
-                password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded is not None else None,
-            )
-        else:
-            reward_values = child_toml(cfg.reward, "reward", **shared, output_stage=output_stage, consumer="reward-0", grpc_socket=socket("reward-0"))
-            children.append(configured_child("reward-0", "reward", reward_values, own("reward"), workdir))
-        if cfg.with_reference:
-            reference_values = child_toml(
-                cfg.reference, "reference", **shared, **derived(cfg.trainer)["reference"], model=model, threads=side_threads, consumer="reference-0", grpc_socket=socket("reference-0")
-            )
-            children.append(configured_child("reference-0", "reference", reference_values, own("reference"), workdir))
-        for child in children[1:]:
-            child.start()
-        for child in children[1:]:
-            child.grpc_address()
-        names = [c.name for c in children]  # the trainer first
-        if cfg.colocated:
-            engine = ", vLLM" if cfg.generator.backend == "vllm" else ""
-            names[0] += f" (with generator-0 in its process{engine}{', asynchronous' if cfg.colocate_async else ''})"
-        console.print(f"services up: {', '.join(names)}; logs in {workdir / 'logs'}")
-        console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
-        if external is not None:
-            console.print(external.instructions())
-            external.write(workdir / EXTERNAL_REWARD_FILE)
-            console.print(external.waiting_line())  # a line in the log too: the spinner is not kept
-        redis_down = False
-        # Text: a spinner's str is read as markup whatever the console says.
-        with console.status(Text(external.waiting_line() if external is not None else "waiting for the first step...")) as status:
-            while not stopping:
-                if embedded is not None and embedded.proc is not None and embedded.proc.poll() is not None:
-                    console.print(f"redis-server exited with {embedded.proc.returncode}; restarting it on its AOF", style="yellow")
-                    embedded.stop()
-                    _restart_redis(embedded, console)
-                for child in children:
-                    if child.exited():
-                        code = child.proc.returncode if child.proc is not None else None
-                        if child is trainer and code == 0:
-                            # steps 0 runs until stopped: an exit of 0 then came from outside (SIGTERM).
-                            console.print(f"the trainer exited before step {steps}" if steps else "the trainer was stopped from outside", style="red")
-                            return 1
-                        if code == 2:  # a bad setting: restarting would fail the same way
-                            console.print(Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n")
-                            return 2
-                        # Every service restarts under the same consumer name and resumes its own
-                        # pending entries; the trainer from its latest checkpoint.
-                        delay = child.restart_delay_s()
-                        child.restarts += 1
-                        _write_restarts(workdir, children)  # `rollstream status --workdir` shows a crash loop
-                        console.print(
-                            Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 10), sep="\n"
-                        )
-                        time.sleep(delay)
-                        child.start()
-                try:
-                    reward_line = external.poll(client, console) if external is not None else ""
-                    for m in progress.poll(client, keys):
-                        # GRPO's loss is ~1e-8 when the mean advantage is 0 (+0.0000 at 4
-                        # decimals): 3 significant digits, and the gradient norm, which moves.
-                        console.print(
-                            f"step {m.step:>3}/{steps or '-'}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
-                            f"loss {m.loss:+.3g}  grad norm {m.grad_norm:.3g}  length {m.tokens / max(m.completions, 1):.1f} tokens  "
-                            f"staleness {m.mean_staleness:.2f}  {delta_text(m)}  "
-                            f"{m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
-                        )
-                    for held_out in progress.poll_evals(client, keys):
-                        console.print(pipeline_status.eval_line(held_out))
-                    stats = run_keys.read_counters(client, keys)[0]
-                    if redis_down:
-                        console.print("Redis answers again", style="green")
-                        redis_down = False
-                except redis_policy.ERRORS as e:
-                    if not redis_down:
-                        console.print(f"Redis unavailable ({redis_policy.short(e)}); the services wait and retry", style="yellow")
-                        redis_down = True
-                    time.sleep(1.0)
-                    continue
-                # The trainer reports the round after the last step before it stops training.
-                trained = cfg.trainer.eval_only or (steps and progress.by_step and max(progress.by_step) >= steps)
-                if trained and (not cfg.trainer.eval_prompts or (progress.evals if cfg.trainer.eval_only else steps in progress.evals)):
-                    finished = True
-                    break
-                status.update(
-                    Text(
-                        reward_line
-                        or f"steps {len(progress.by_step)}/{steps or '-'}  elapsed {time.monotonic() - started:.0f}s  "
-                        f"generated {stats.get('generated', 0)}  trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}  "
-                        f"evaluated {stats.get('evaluated', 0)}"
-                    )
-                )
-                time.sleep(0.5)
-        if finished:
-            versions = settle_versions(trainer, [c for c in children if c.name.startswith("generator-")], admin)
+        _start(the_plan, cfg, run)
+        code = _watch(the_plan, cfg, run)
+        if code is not None:
+            return code
+        if run.finished:
+            versions = settle_versions(run.children[0], [c for c in run.children if c.name.startswith("generator-")], run.admin)
     except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
-        console.print(str(e), style="red")
+        run.console.print(str(e), style="red")
         return 2 if e.returncode == 2 else 1
     finally:
-        if trainer.proc is not None and trainer.proc.poll() is None and not finished:
-            console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
-        for child in reversed(children):
-            # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
-            # are not acknowledged), but a clean exit flushes its logs and metrics.
-            child.stop(timeout_s=120.0 if child is trainer else 30.0)
-        wall = time.monotonic() - started
-        result = summary(progress.steps, wall, [progress.evals[k] for k in sorted(progress.evals)])
-        result["versions"] = versions
-        result["restarts"] = {c.name: c.restarts for c in children if c.restarts}
-        try:
-            result["stats"] = run_keys.read_counters(client, keys)[0]
-        except redis_policy.ERRORS as e:
-            console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
-        client.close()
-        if embedded is not None:
-            embedded.stop()
-        (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-        if progress.steps:
-            console.print(
-                Text.assemble(("done", "bold"), f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
-                f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})")
-            )
-        if len(progress.evals) >= 2:
-            first, last = progress.evals[min(progress.evals)], progress.evals[max(progress.evals)]
-            console.print(f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}")
-        elif stopping:
-            console.print("stopped before the first step")
-        if checkpoints.is_dir():
-            # What resume needs (docs/reliability.md, "Checkpoints"): the trainer prunes the rest.
-            held = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file())
-            console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
-        if (exported := Path(trainer_values["export_dir"])).is_dir():  # the trained model (trainer/export.py)
-            console.print(f"model: {exported}", soft_wrap=True)
-        if step_log.exists() and not cfg.trainer.eval_only:
-            _plot_curve(step_log, workdir / "curves.png", console)
+        _stop_and_report(the_plan, cfg, run, versions)
     return 0
+
+
+def _start(the_plan: Plan, cfg: RunConfig, run: Supervised) -> None:
+    """The trainer first (the others need its socket and its checkpoint), then the rest."""
+    trainer, *others = run.children
+    trainer.start()
+    run.console.print("starting trainer (loading the model)...")
+    trainer.grpc_address()
+    for child in others:
+        child.start()
+    for child in others:
+        child.grpc_address()
+    names = [c.name for c in run.children]  # the trainer first
+    if cfg.colocated:
+        engine = ", vLLM" if cfg.generator.backend == "vllm" else ""
+        names[0] += f" (with generator-0 in its process{engine}{', asynchronous' if cfg.colocate == 'async' else ''})"
+    run.console.print(f"services up: {', '.join(names)}; logs in {the_plan.workdir / 'logs'}")
+    run.console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
+    if (external := the_plan.external_reward) is not None:
+        run.console.print(external.instructions())
+        external.write(the_plan.workdir / EXTERNAL_REWARD_FILE)
+        run.console.print(external.waiting_line())  # a line in the log too: the spinner is not kept
+
+
+def _restart_the_dead(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
+    """Restart each child that exited (the plan's restart policy); the run's exit status when
+    one that must not be restarted did."""
+    if run.embedded is not None and run.embedded.proc is not None and run.embedded.proc.poll() is not None:
+        run.console.print(f"redis-server exited with {run.embedded.proc.returncode}; restarting it on its AOF", style="yellow")
+        run.embedded.stop()
+        _restart_redis(run.embedded, run.console)
+    for child in run.children:
+        if not child.exited():
+            continue
+        code = child.proc.returncode if child.proc is not None else None
+        if child is run.children[0] and code == 0:
+            # steps 0 runs until stopped: an exit of 0 then came from outside (SIGTERM).
+            steps = cfg.trainer.steps
+            run.console.print(f"the trainer exited before step {steps}" if steps else "the trainer was stopped from outside", style="red")
+            return 1
+        if code == 2:  # a bad setting: restarting would fail the same way
+            run.console.print(Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n")
+            return 2
+        delay = child.restart_delay_s()
+        child.restarts += 1
+        _write_restarts(the_plan.workdir, run.children)  # `rollstream status --workdir` shows a crash loop
+        run.console.print(Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 10), sep="\n")
+        time.sleep(delay)
+        child.start()
+    return None
+
+
+def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
+    """Supervise until the last step (run.finished), Ctrl-C (None), or a child that ends the run (its status)."""
+    steps = cfg.trainer.steps  # 0: until stopped
+    external = the_plan.external_reward
+    redis_down = False
+    # Text: a spinner's str is read as markup whatever the console says.
+    with run.console.status(Text(external.waiting_line() if external is not None else "waiting for the first step...")) as status:
+        while not run.stopping:
+            if (code := _restart_the_dead(the_plan, cfg, run)) is not None:
+                return code
+            try:
+                reward_line = external.poll(run.client, run.console) if external is not None else ""
+                for m in run.progress.poll(run.client, run.keys):
+                    # GRPO's loss is ~1e-8 when the mean advantage is 0 (+0.0000 at 4
+                    # decimals): 3 significant digits, and the gradient norm, which moves.
+                    run.console.print(
+                        f"step {m.step:>3}/{steps or '-'}  reward {m.reward_mean:.3f} ±{m.reward_std:.3f}  "
+                        f"loss {m.loss:+.3g}  grad norm {m.grad_norm:.3g}  length {m.tokens / max(m.completions, 1):.1f} tokens  "
+                        f"staleness {m.mean_staleness:.2f}  {delta_text(m)}  {m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
+                    )
+                for held_out in run.progress.poll_evals(run.client, run.keys):
+                    run.console.print(pipeline_status.eval_line(held_out))
+                stats = run_keys.read_counters(run.client, run.keys)[0]
+                if redis_down:
+                    run.console.print("Redis answers again", style="green")
+                    redis_down = False
+            except redis_policy.ERRORS as e:
+                if not redis_down:
+                    run.console.print(f"Redis unavailable ({redis_policy.short(e)}); the services wait and retry", style="yellow")
+                    redis_down = True
+                time.sleep(1.0)
+                continue
+            by_step, evals = run.progress.by_step, run.progress.evals
+            # The trainer reports the round after the last step before it stops training.
+            trained = cfg.trainer.eval_only or (steps and by_step and max(by_step) >= steps)
+            if trained and (not cfg.trainer.eval_prompts or (evals if cfg.trainer.eval_only else steps in evals)):
+                run.finished = True
+                return None
+            status.update(Text(
+                reward_line or f"steps {len(by_step)}/{steps or '-'}  elapsed {time.monotonic() - run.started:.0f}s  generated {stats.get('generated', 0)}  "
+                f"trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}  evaluated {stats.get('evaluated', 0)}"
+            ))
+            time.sleep(0.5)
+    return None
+
+
+def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: dict[str, int]) -> None:
+    """Stop every child (the trainer last), write WORKDIR/summary.json and say where the results are."""
+    console, progress, workdir = run.console, run.progress, the_plan.workdir
+    trainer = run.children[0]
+    if trainer.proc is not None and trainer.proc.poll() is None and not run.finished:
+        console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
+    for child in reversed(run.children):
+        # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
+        # are not acknowledged), but a clean exit flushes its logs and metrics.
+        child.stop(timeout_s=120.0 if child is trainer else 30.0)
+    result = summary(progress.steps, time.monotonic() - run.started, [progress.evals[k] for k in sorted(progress.evals)])
+    result["versions"] = versions
+    result["restarts"] = {c.name: c.restarts for c in run.children if c.restarts}
+    try:
+        result["stats"] = run_keys.read_counters(run.client, run.keys)[0]
+    except redis_policy.ERRORS as e:
+        console.print(f"could not read the run's counters: {redis_policy.short(e)}", style="yellow")
+    run.client.close()
+    if run.embedded is not None:
+        run.embedded.stop()
+    (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    if progress.steps:
+        console.print(
+            Text.assemble(("done", "bold"), f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
+            f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})")
+        )
+    if len(progress.evals) >= 2:
+        first, last = progress.evals[min(progress.evals)], progress.evals[max(progress.evals)]
+        console.print(f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}")
+    elif run.stopping:
+        console.print("stopped before the first step")
+    if (checkpoints := Path(cfg.trainer.checkpoint_dir)).is_dir():
+        # What resume needs (docs/reliability.md, "Checkpoints"): the trainer prunes the rest.
+        held = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file())
+        console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
+    if (exported := Path(cfg.trainer.export_dir)).is_dir():  # the trained model (trainer/export.py)
+        console.print(f"model: {exported}", soft_wrap=True)
+    if (step_log := workdir / steplog.FILE_NAME).exists() and not cfg.trainer.eval_only:
+        _plot_curve(step_log, workdir / "curves.png", console)
 
 
 def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
@@ -433,92 +382,6 @@ def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
         console.print(f"no curve: {e}", style="yellow", soft_wrap=True)
         return
     console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
-
-
-REWARD_ROLE = "reward"  # the credentials role (gRPC token, Redis ACL user) of any reward stage
-# Written by `up --external-reward` into the workdir: what the outside service needs, as JSON.
-EXTERNAL_REWARD_FILE = "external-reward.json"
-
-
-@dataclass
-class ExternalReward:
-    """`up --external-reward`: no built-in reward process. What an outside reward service must
-    use (printed, and written to WORKDIR/external-reward.json), and whether one has joined:
-    a consumer in `group` on the rollouts stream (docs/custom-reward.md)."""
-
-    redis_url: str
-    keys: run_keys.RunKeys
-    group: str
-    output_stage: str
-    username: str  # the Redis ACL user of the reward role ("" for an external Redis: its URL decides)
-    password_file: Path | None
-    joined: bool = False
-    warned_groups: set[str] = field(default_factory=set)
-
-    @property
-    def source(self) -> str:
-        return self.keys.stream("rollouts")
-
-    def waiting_line(self) -> str:
-        return f"waiting for a reward consumer on {self.source} (consumer group {self.group})"
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "redis_url": redis_policy.redact(self.redis_url),
-            "redis_username": self.username,
-            "redis_password_file": str(self.password_file) if self.password_file else "",
-            "run": self.keys.run,
-            "input_stream": self.source,
-            "consumer_group": self.group,
-            "output_stream": self.keys.stream(self.output_stage),
-            "output_stage": self.output_stage,
-            "dead_stream": self.keys.dead,
-            "stats_hash": self.keys.counters("reward"),
-            "task_map": self.keys.tasks,  # what to score against (docs/custom-reward.md)
-            "max_deliveries": CommonSettings.model_fields["max_deliveries"].default,
-            "claim_idle_ms": CommonSettings.model_fields["claim_idle_ms"].default,
-        }
-
-    def instructions(self) -> str:
-        return (
-            "reward: external (no built-in reward process; docs/custom-reward.md is the contract). What an outside service "
-            f"uses, also in WORKDIR/{EXTERNAL_REWARD_FILE} (read the password from its file, never put it on a command line):\n"
-            + json.dumps(self.as_dict(), indent=2)
-        )
-
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
-
-    def poll(self, client: redis_policy.Client, console: Console) -> str:
-        """The status line while no consumer of `group` reads the rollouts ("" once one has),
-        and a warning, once each, for any other consumer group there: it would score every
-        group a second time, and it holds back trimming and the generators while it lags."""
-        try:
-            groups = client.xinfo_groups(self.source) if client.exists(self.source) else []
-        except redis.ResponseError as e:  # WRONGTYPE: someone else's key; the display must not die of it
-            return f"{self.waiting_line()}: {redis_policy.short(e)}"
-        consumers = 0
-        created = False
-        for g in groups:
-            name = g["name"].decode(errors="replace") if isinstance(g["name"], bytes) else str(g["name"])
-            if name == self.group:
-                created, consumers = True, int(g["consumers"])
-            elif name not in self.warned_groups:
-                self.warned_groups.add(name)
-                console.print(
-                    f"consumer group {name!r} on {self.source} is not {self.group!r}: every group reads every entry, "
-                    f"so it scores them twice, and while it lags it holds back trimming and the generators "
-                    f"(XGROUP DESTROY {self.source} {name} if it is left over)",
-                    style="yellow",
-                )
-        if consumers and not self.joined:
-            self.joined = True
-            console.print(f"a reward consumer joined consumer group {self.group} on {self.source}", style="green")
-        if self.joined:
-            return ""
-        # Redis 6.2 lists a consumer only once it has been handed an entry: a service blocked
-        # on an empty stream shows as its group alone until the first group is generated.
-        return self.waiting_line() + (": the group exists, no consumer has taken an entry yet" if created else "")
 
 
 def _write_restarts(workdir: Path, children: list[Child]) -> None:
