@@ -23,13 +23,16 @@ import json
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 import zstandard
 
 from rollstream.core import safetensors_io
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 FORMAT = "rollstream.weights"
 FORMAT_VERSION = "1"
@@ -98,7 +101,7 @@ def encode_anchor(weights: Mapping[str, np.ndarray], version: int, fingerprint: 
     return safetensors_io.dumps(dict(weights), _meta("anchor", version, version, fingerprint), bf16=set(weights))
 
 
-def write_anchor(f: BinaryIO, weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> int:
+def write_anchor(f: SupportsWrite[bytes | memoryview], weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> int:
     """encode_anchor's bytes, written to the binary file `f` tensor by tensor instead of
     returned whole (a 14B anchor is 29.6 GB); returns the bytes written."""
     return safetensors_io.dump_to(f, weights, _meta("anchor", version, version, fingerprint), bf16=set(weights))

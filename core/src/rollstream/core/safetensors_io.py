@@ -12,9 +12,12 @@ import io
 import json
 import struct
 from collections.abc import Mapping
-from typing import BinaryIO
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite  # what a writer needs here: a file, or anything with write()
 
 _NUMPY_BY_DTYPE = {
     "BF16": np.uint16,  # bit patterns
@@ -58,7 +61,7 @@ def dumps_taking(tensors: dict[str, np.ndarray], metadata: Mapping[str, str] | N
     return out.getvalue()
 
 
-def dump_to(f: BinaryIO, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> int:
+def dump_to(f: SupportsWrite[bytes | memoryview], tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> int:
     """Write what `dumps` returns to the binary file `f`, tensor by tensor: the payload is never
     whole in memory (a 14B anchor is 29.6 GB). Returns the number of bytes written. Every
     tensor is checked before the first byte is written."""
