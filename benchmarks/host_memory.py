@@ -232,7 +232,7 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
     with tempfile.TemporaryDirectory(prefix="host_memory_") as anchor_dir:
         opt = optimizer.HostAdamW(
             params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-            bucket_mb=bucket_mb, master_layout=master_layout, moments_dtype=moments_dtype,  # type: ignore[arg-type]
+            bucket_mb=bucket_mb, master_layout=master_layout, moments_dtype=moments_dtype,  # type: ignore[arg-type]  # strings from --layouts, each one of the literals
         )
         mark("init")
         base = opt.sync_model()
@@ -276,7 +276,7 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
             kept_deltas = sum(len(k) for k in kept)
     return {
         "size": size, "layout": layout, "parameters": n, "publisher": not encoder_only, "shared_storage": shared_storage, "lr": lr,
-        "nominal_bytes_per_param": optimizer.host_bytes_per_parameter(master_layout, moments_dtype),  # type: ignore[arg-type]
+        "nominal_bytes_per_param": optimizer.host_bytes_per_parameter(master_layout, moments_dtype),  # type: ignore[arg-type]  # strings from --layouts, each one of the literals
         "measured_bytes_per_param": round((hwm_kib - peak.baseline) * 1024 / n, 3),
         "resident_after_bytes_per_param": round((rss_kib - peak.baseline) * 1024 / n, 3),
         "peak_by_phase_bytes_per_param": peaks,
@@ -284,7 +284,7 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
         "optimizer_buffers_bytes_per_param": {k: round(v / n, 3) for k, v in buffers.items()},
         "payloads": payloads, "publisher_kept_delta_bytes": kept_deltas,
         "step_s": step_s,
-        **({"largest_encodes": sorted(encodes, key=lambda e: -float(e["peak_added_mb"]))[:4]} if trace else {}),  # type: ignore[arg-type]
+        **({"largest_encodes": sorted(encodes, key=lambda e: -float(e["peak_added_mb"]))[:4]} if trace else {}),  # type: ignore[arg-type]  # a list among the dict's numbers: mypy infers one value type
     }
 
 
@@ -326,7 +326,7 @@ def main() -> None:
     for size in sizes:
         n = parameter_count(shapes.SIZES[size])
         for layout in layouts:
-            nominal = host_bytes_per_parameter(*layout.split("+"))  # type: ignore[arg-type]
+            nominal = host_bytes_per_parameter(*layout.split("+"))
             # bf16 weights and gradients, the layout, slack for the step and the encoder
             # (measured: 3-4 bytes a parameter at 0.5B), and Python.
             need = n * ((0 if args.shared_storage else 4) + nominal + 4) + GiB
@@ -351,8 +351,8 @@ def main() -> None:
         measured = [r for r in runs if r["layout"] == layout and "measured_bytes_per_param" in r]
         if not measured:
             continue
-        ref = max(measured, key=lambda r: r["parameters"])  # type: ignore[arg-type, return-value]
-        per_param = float(ref["measured_bytes_per_param"])  # type: ignore[arg-type]
+        ref = max(measured, key=lambda r: r["parameters"])  # type: ignore[arg-type, return-value]  # the runs' values are objects: 'parameters' is an int
+        per_param = float(ref["measured_bytes_per_param"])  # type: ignore[arg-type]  # a float in an object-valued run
         arithmetic[layout] = {"bytes_per_param": per_param, "measured_at": ref["size"]}
         for t, count in counts.items():
             gib = per_param * count / GiB

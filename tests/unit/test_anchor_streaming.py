@@ -89,7 +89,7 @@ def test_the_anchor_file_is_encode_anchors_bytes(tmp_path: Path) -> None:
 
 
 def test_a_write_that_fails_leaves_no_file_and_the_anchor_stays_in_memory(tmp_path: Path) -> None:
-    def fail_midway(f) -> None:  # type: ignore[no-untyped-def]
+    def fail_midway(f) -> None:
         f.write(b"part of an anchor")
         raise OSError(28, "No space left on device")
 

@@ -49,7 +49,7 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
 
 
 @pytest.fixture
-def serve() -> Iterator:  # type: ignore[type-arg]
+def serve() -> Iterator:
     servers: list[grpc.Server] = []
 
     def start(token: str | None, proves: str | None = None) -> tuple[Generator, str]:
@@ -73,18 +73,18 @@ WIRE = [weights_pb2.WeightChunk(header=HEADER, data=b"x").SerializeToString()]
 GATE = PushGate(push_signing.PushSigner(TOKENS["trainer"]), ROLE_TABLE.generator_key, prove_address=True)
 
 
-def push(address: str, gate: PushGate = GATE):  # type: ignore[no-untyped-def]
+def push(address: str, gate: PushGate = GATE):
     with grpc_utils.channel(address) as ch:
         return push_one(push_call(ch), address, WIRE, HEADER, gate, nonce_timeout_s=30, timeout_s=30)
 
 
-def test_an_honest_generator_gets_a_signed_push(serve) -> None:  # type: ignore[no-untyped-def]
+def test_an_honest_generator_gets_a_signed_push(serve) -> None:
     gen, address = serve(TOKENS["generator"])
     outcome = push(address)
     assert outcome.applied and outcome.error == "" and gen.payloads == 1
 
 
-def test_a_registered_address_relaying_another_generators_proof_gets_nothing(serve) -> None:  # type: ignore[no-untyped-def]
+def test_a_registered_address_relaying_another_generators_proof_gets_nothing(serve) -> None:
     real, real_address = serve(TOKENS["generator"])
     fake, fake_address = serve(TOKENS["generator"], proves=real_address)  # the real answer, relayed
     outcome = push(fake_address)
@@ -96,7 +96,7 @@ def test_a_registered_address_relaying_another_generators_proof_gets_nothing(ser
 
 
 @pytest.mark.parametrize("token", [None, TOKENS["reward"], TOKENS["trainer"]])
-def test_an_address_without_the_generators_key_gets_nothing(serve, token: str | None) -> None:  # type: ignore[no-untyped-def]
+def test_an_address_without_the_generators_key_gets_nothing(serve, token: str | None) -> None:
     gen, address = serve(token)
     outcome = push(address)
     assert not outcome.applied and "gave no proof of the generator's key" in outcome.error

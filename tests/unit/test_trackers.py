@@ -133,7 +133,7 @@ def test_a_missing_extra_fails_at_start_with_the_pip_command(tmp_path: Path, mon
 
 def failures(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     """The tracker_failed events' fields (logs.event puts them on the record)."""
-    return [getattr(r, "fields") for r in caplog.records if r.getMessage() == "tracker_failed"]
+    return [getattr(r, "fields") for r in caplog.records if r.getMessage() == "tracker_failed"]  # noqa: B009 - logs.event's attribute, not LogRecord's
 
 
 def test_a_failing_tracker_is_logged_once_and_turned_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

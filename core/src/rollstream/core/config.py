@@ -269,7 +269,7 @@ def _cli_source(cls: type[BaseSettings]) -> CliSettingsSource[Any]:
             return None  # env (or a *_file field) only: see _refuse_secret_flags
         return parser.add_argument(*names, **kwargs)
 
-    cli = CliSettingsSource(
+    cli: CliSettingsSource[Any] = CliSettingsSource(
         cls,
         cli_prog_name=cls.model_config.get("cli_prog_name") or cls.__module__.rsplit(".", 1)[0],
         add_argument_method=add_argument,

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
 
@@ -45,7 +45,7 @@ def plain_console(**kwargs: object) -> Console:
     """A console that prints text as it is, never as rich markup: what `rollstream` prints
     holds what services, Redis streams and logs wrote (a rollout's group_id "evil[/]" in a
     log line raised MarkupError and ended `up`). Styles go in `style=` or rich.text.Text."""
-    return Console(markup=False, **kwargs)  # type: ignore[arg-type]
+    return Console(markup=False, **kwargs)  # type: ignore[arg-type]  # rich's own keywords, passed through
 
 
 def cmd_up(argv: list[str]) -> int:
@@ -202,7 +202,7 @@ class StatusSettings(BaseSettings):
 def cmd_status(argv: list[str]) -> int:
     console = plain_console()
     try:
-        args = StatusSettings(_cli_settings_source=CliSettingsSource(StatusSettings)(args=argv))  # type: ignore[call-arg]
+        args = StatusSettings(_cli_settings_source=CliSettingsSource(StatusSettings)(args=argv))  # type: ignore[call-arg]  # pydantic-settings' init keyword: mypy knows it only with pydantic's plugin
     except SettingsError as e:
         console.print(str(e), style="red")
         return 2
@@ -210,8 +210,8 @@ def cmd_status(argv: list[str]) -> int:
         console.print("\n".join(f"field '{err['loc'][0]}': {err['msg']}" for err in e.errors()), style="red")
         return 2
     redis_pid = 0  # the embedded Redis's, for an `up` run's --workdir
-    if args.workdir:  # the embedded Redis of an `up` run, as its admin user
-        workdir = Path(args.workdir)
+    workdir = Path(args.workdir) if args.workdir else None
+    if workdir is not None:  # the embedded Redis of an `up` run, as its admin user
         try:
             recorded = json.loads((workdir / "state" / "redis.json").read_text())
             args.redis_url, redis_pid = recorded["url"], int(recorded.get("pid", 0))
@@ -226,7 +226,6 @@ def cmd_status(argv: list[str]) -> int:
         console.print(str(e), style="red")
         return 2
     keys = run_keys.RunKeys(args.run)
-    workdir = Path(args.workdir) if args.workdir else None
     thresholds = diagnose.Thresholds(idle_s=args.idle_s, max_staleness=args.max_staleness)
     if not console.is_terminal:
         console.width = max(console.width, 180)  # piped: no wrapping of the stream names
@@ -246,7 +245,7 @@ def cmd_status(argv: list[str]) -> int:
             try:
                 client = client or redis_policy.connect(args.redis_url, username, password)
                 snap, extra = pipeline_status.collect(client, keys, workdir)
-                view = pipeline_status.render(keys, snap, extra, prev, thresholds)
+                view: RenderableType = pipeline_status.render(keys, snap, extra, prev, thresholds)
                 prev = snap
             except redis_policy.ERRORS as e:
                 view = Text(redis_down_line(args.redis_url, e, workdir, redis_pid), style="yellow")

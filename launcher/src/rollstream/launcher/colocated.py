@@ -72,8 +72,8 @@ class ColocatedWeights(HostWeights):
         self._trainer = trainer
         self.fingerprint = trainer.weights.fingerprint
 
-    @property  # type: ignore[override]
-    def bits(self) -> dict[str, np.ndarray]:
+    @property
+    def bits(self) -> dict[str, np.ndarray]:  # type: ignore[override]  # HostWeights' attribute, read here from the trainer
         return self._trainer.weights.bits()
 
     def decode(self, payload: bytes) -> tuple[deltas.PayloadInfo, dict[str, np.ndarray]]:
@@ -92,8 +92,8 @@ class TrainerWeights(ColocatedWeights):
         super().__init__(trainer)
         self.lock = trainer.weights_lock
 
-    @property  # type: ignore[override]
-    def version(self) -> int:
+    @property
+    def version(self) -> int:  # type: ignore[override]  # HostWeights' attribute, read here from the trainer
         return self._trainer.version
 
 

@@ -169,12 +169,12 @@ class GeneratorLoop:
         if len(taken) > 1:
             try:
                 return [(entry, group) for (entry, _), group in zip(taken, self.gen.generate([t for _, t in taken]))]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - whatever the engine raised: the batch is sampled task by task instead
                 logs.event(self.host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
         done = []
         for entry, task in taken:
             try:
                 done.append((entry, self.gen.generate([task])[0]))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - whatever the engine raised: the task goes to the dead letters, the batch on
                 stage.dead_letter(entry, f"sampling failed: {type(e).__name__}: {e}")
         return done

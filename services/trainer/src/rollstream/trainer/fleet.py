@@ -88,7 +88,7 @@ class BackgroundPush:
         outcomes: list[PushOutcome] = []
         try:
             outcomes = push()
-        except Exception:  # noqa: BLE001 - never expected (failures are outcomes); the version is over all the same
+        except Exception:  # never expected (failures are outcomes); the version is over all the same
             log.exception("push_failed: version %d", version)
         with self._lock:
             self._version = version

@@ -337,7 +337,7 @@ class TrainerLoop:
             step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
             clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
             delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
-            **({"delta_skipped": trainer.last_skipped} if trainer.last_skipped else {}),
+            **({"delta_skipped": trainer.last_skipped} if trainer.last_skipped else {}),  # type: ignore[arg-type]  # a field, never `level`
             tis_truncated=round(trainer.last_truncated_fraction, 4),
             zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
         )
