@@ -103,9 +103,10 @@ def test_what_the_trainer_decides_for_another_service_is_derived_never_given(tmp
     profile.write_text("[reference]\ntemperature = 0.7\n")
     with pytest.raises(ConfigError, match=r"reference\.temperature: `rollstream up` sets it for every run \(from the trainer's settings\)"):
         run_config.load(["--profile", str(profile)])
-    cfg = run_config.load(["--profile", "gpu", "--trainer.temperature", "0.7", "--trainer.max-staleness", "2", "--trainer.groups-per-step", "3"])
+    flags = ["--trainer.temperature", "0.7", "--trainer.max-staleness", "2", "--trainer.groups-per-step", "3", "--trainer.beta", "0.1"]
+    cfg = run_config.load(["--profile", "gpu", *flags])
     derived = run_config.derived(cfg.trainer)
-    assert derived == {"generator": {"max_staleness": 2, "max_inflight_groups": 9}, "reference": {"temperature": 0.7}}
+    assert derived == {"generator": {"max_staleness": 2, "max_inflight_groups": 9}, "reference": {"temperature": 0.7}, "reward": {"output_stage": "scored"}}
     path = tmp_path / "reference.toml"
     path.write_text(tomli_w.dumps(run_config.child_toml(cfg.reference, "reference", **derived["reference"])))
     assert load_settings(ReferenceSettings, ["--config", str(path)]).temperature == 0.7  # the child's log-probs are of the trainer's logits / T

@@ -73,6 +73,8 @@ def derived(trainer: TrainerSettings) -> dict[str, dict[str, Any]]:
         "generator": {"max_staleness": trainer.max_staleness, "max_inflight_groups": (trainer.max_staleness + 1) * trainer.groups_per_step},
         # The KL compares log pi_ref with the trainer's log pi, both of logits / temperature.
         "reference": {"temperature": trainer.temperature},
+        # The reward stage feeds the reference stage exactly when the KL needs it.
+        "reward": {"output_stage": "scored" if trainer.reference_service else "ready"},
     }
 
 
@@ -168,7 +170,7 @@ class RunConfig(BaseSettings):
     def with_reference(self) -> bool:
         """The reference service runs where the KL needs it and the trainer is not its own
         reference (LoRA with kl_reference = lora_base: the base under the adapters)."""
-        return self.trainer.beta > 0 and self.trainer.kl_reference == "service"
+        return self.trainer.reference_service
 
 
 

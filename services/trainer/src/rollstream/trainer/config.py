@@ -209,6 +209,11 @@ class TrainerSettings(TorchSettings):
             raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
         return self
 
+    @property
+    def reference_service(self) -> bool:
+        """Whether the KL needs the reference service (beta > 0, pi_ref not the LoRA base)."""
+        return self.beta > 0 and self.kl_reference == "service"
+
     def encode_threads(self) -> int:
         """delta_encode_threads, with auto resolved on this machine (torch threads when set,
         else the cores this process may keep busy: its affinity, capped by a container's CPU
