@@ -101,7 +101,7 @@ def test_a_field_up_sets_is_refused_from_every_source(section: str, monkeypatch:
 def test_what_the_trainer_decides_for_another_service_is_derived_never_given(tmp_path: Path) -> None:
     profile = tmp_path / "p.toml"
     profile.write_text("[reference]\ntemperature = 0.7\n")
-    with pytest.raises(ConfigError, match=r"reference\.temperature: `rollstream up` sets it for every run \(from the trainer's settings\)"):
+    with pytest.raises(ConfigError, match=r"reference\.temperature: `rollstream up` sets it for every run \(set the top-level value or the trainer's"):
         run_config.load(["--profile", str(profile)])
     flags = ["--trainer.temperature", "0.7", "--trainer.max-staleness", "2", "--trainer.groups-per-step", "3", "--trainer.beta", "0.1"]
     cfg = run_config.load(["--profile", "gpu", *flags])

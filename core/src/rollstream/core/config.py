@@ -135,7 +135,7 @@ class CommonSettings(BaseSettings):
         # A token goes only to a server this service has authenticated: one behind a unix
         # socket in a private folder, or one whose TLS certificate the client checks. A
         # TCP port can be taken by any local user while its server restarts (issue 42).
-        if self.grpc_token_file and not self.client_tls and not self.grpc_plaintext_token:
+        if self.grpc_token_file and not (self.grpc_tls_ca_file or self.grpc_tls_cert_file) and not self.grpc_plaintext_token:
             for name in TOKEN_ADDRESS_FIELDS:
                 address = getattr(self, name, "")
                 if address and not is_unix_address(address):
@@ -144,11 +144,6 @@ class CommonSettings(BaseSettings):
                         "TLS (grpc_tls_ca_file), or grpc_plaintext_token=true where no one else can bind that address"
                     )
         return self
-
-    @property
-    def client_tls(self) -> bool:
-        """Whether this service's calls speak TLS (grpc_auth.ClientCredentials.from_settings)."""
-        return bool(self.grpc_tls_ca_file or self.grpc_tls_cert_file)
 
     @classmethod
     def settings_customise_sources(

@@ -64,8 +64,7 @@ SET_BY_UP: dict[str, set[str]] = {
 
 
 def derived(trainer: TrainerSettings) -> dict[str, dict[str, Any]]:
-    """The other services' fields that the trainer's settings decide, as `up` passes them
-    (never given: SET_BY_UP); compose.yaml and k8s/ write the same (tests/deploy check)."""
+    """Other services' fields that the trainer's settings decide: `up` passes them (SET_BY_UP); compose and k8s/ write the same."""
     return {
         # The trainer's staleness, and max_staleness + 1 steps of groups in flight: with 1 the
         # next batch is sampled while the trainer trains on this one, with 0 only once it is
@@ -128,8 +127,7 @@ class RunConfig(BaseSettings):
             section = dict(data.get(name) or {})
             given = sorted(set(section) & SET_BY_UP[name])
             if given:
-                hint = "from the trainer's settings" if given[0] in derived(TrainerSettings.model_validate({})).get(name, {}) else "set the top-level value, if there is one"
-                raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run ({hint})")
+                raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run (set the top-level value or the trainer's, if there is one)")
             data[name] = section
         workdir = run_workdir(str(data.get("workdir") or ""), str(data.get("run") or cls.model_fields["run"].default))
         data["trainer"].update(trainer_folders(workdir))
