@@ -95,8 +95,9 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
     assert summary["steps"] == 0 and [(h["step"], h["prompts"]) for h in summary["held_out"]] == [(0, 5)], summary
     assert summary["stats"].get("trained", 0) == 0 and summary["stats"]["evaluated"] == 5, summary["stats"]
     assert rclient.xlen(keys.metrics) == 0 and not (evaldir / "model").exists()  # nothing trained, nothing exported
-    # The model it loaded is the run's exported folder, not the run folder or the base model.
-    assert tomllib.loads((evaldir / "config" / "trainer.toml").read_text())["model"] == str(exported)
+    # The model it loaded is the run's exported folder, not the run folder or the base model
+    # (the demo profile colocates: the process's one file, its trainer table).
+    assert tomllib.loads((evaldir / "config" / "trainer.toml").read_text())["trainer"]["model"] == str(exported)
     assert "held-out: accuracy " in done.stdout + done.stderr
 
 
