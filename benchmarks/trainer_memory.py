@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="AdamW moments (the trainer's setting)")
-    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="the trainer's master layout (optimizer.py)")
+    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="the trainer's master layout (masters.py)")
     parser.add_argument("--anchor-interval", type=int, default=20)
     parser.add_argument("--anchor-file", action="store_true", help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")

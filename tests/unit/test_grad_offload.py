@@ -1,4 +1,4 @@
-"""Gradient offload (rollstream.trainer.grad_offload, HostAdamW(grad_offload=True)) on the
+"""Gradient offload (rollstream.trainer.staging.GradOffload, HostAdamW(grad_offload=True)) on the
 CPU: the staging ring and the host thread run as on a GPU, with plain copies. The
 accumulator holds the bits of the synchronous offload (each gradient widened to fp32 and
 added in the hook), and the step is the one fed those gradients; discarding, a refused step
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollstream.trainer import grad_offload
+from rollstream.trainer import staging
 from rollstream.trainer.optimizer import HostAdamW, MasterLayout, NonFiniteStep
 
 LR, BETAS, WD = 1e-2, (0.9, 0.99), 0.05
@@ -161,13 +161,13 @@ def _fresh_step(xs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 def _hold_host_thread(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The host thread waits at each add until the returned event is set."""
     gate = threading.Event()
-    add = grad_offload._add
+    add = staging._add
 
     def held_add(dst: torch.Tensor, src: torch.Tensor) -> None:
         assert gate.wait(timeout=300), "the test never let the host thread go on"
         add(dst, src)
 
-    monkeypatch.setattr(grad_offload, "_add", held_add)
+    monkeypatch.setattr(staging, "_add", held_add)
     return gate
 
 
@@ -237,7 +237,7 @@ def _next_step_is_a_fresh_one(model: torch.nn.Module, opt: HostAdamW) -> None:
 
 
 def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    add = grad_offload._add
+    add = staging._add
     calls = []
 
     def failing_add(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -246,7 +246,7 @@ def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothin
             raise OSError("injected: the second add failed")
         add(dst, src)
 
-    monkeypatch.setattr(grad_offload, "_add", failing_add)
+    monkeypatch.setattr(staging, "_add", failing_add)
     model = _small()
     opt = _small_offloaded(model)
     before = {n: m.clone() for n, m in opt.master.items()}
@@ -263,7 +263,7 @@ def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothin
     for n, p in model.named_parameters():
         assert torch.equal(opt.master[n], before[n]) and torch.equal(p.detach(), weights[n]), n
 
-    monkeypatch.setattr(grad_offload, "_add", add)
+    monkeypatch.setattr(staging, "_add", add)
     _next_step_is_a_fresh_one(model, opt)
 
 
@@ -285,6 +285,6 @@ def test_bad_staging_sizes_are_refused() -> None:
     params = dict(_small().named_parameters())
     layout = {"weight": (0, 4096, (64, 64)), "bias": (4096, 64, (64,))}
     with pytest.raises(ValueError, match="at least one staging slot"):
-        grad_offload.GradOffload(params, layout, slot_bytes=256, slots=0)
+        staging.GradOffload(params, layout, slot_bytes=256, slots=0)
     with pytest.raises(ValueError, match="must hold at least 8 bytes"):
-        grad_offload.GradOffload(params, layout, slot_bytes=4)
+        staging.GradOffload(params, layout, slot_bytes=4)

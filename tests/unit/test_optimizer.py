@@ -182,7 +182,7 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float, layout: Ma
         state = opt.state_tensors()
         for n, p in ref_params.items():
             # With clipping, the factor itself can differ in its last bit: the total norm is
-            # summed in another order (see optimizer._sum_of_squares).
+            # summed in another order (see staging._sum_of_squares).
             torch.testing.assert_close(state[f"exp_avg/{n}"], ref_opt.state[p]["exp_avg"], rtol=1e-6, atol=1e-8, msg=n)
             torch.testing.assert_close(state[f"exp_avg_sq/{n}"], ref_opt.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9, msg=n)
             assert opt.step_count == int(ref_opt.state[p]["step"])

@@ -149,7 +149,6 @@ class Moments:
             v.copy_(v32)
 
 
-
 def _read_bucket(b: Bucket, params: Mapping[str, torch.nn.Parameter], out: torch.Tensor) -> torch.Tensor:
     """Bucket b's values in the model, into `out` (fp32): bucket by bucket, no whole-model fp32 copy."""
     for pc in b.pieces:

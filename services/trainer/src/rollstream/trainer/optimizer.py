@@ -51,7 +51,7 @@ from rollstream.trainer.masters import (
     saved_layout, served_bits,
 )
 from rollstream.trainer.split_kernel import AdamWStep
-from rollstream.trainer.staging import Copier, DeviceGrads, OffloadedGrads
+from rollstream.trainer.staging import Copier, DeviceGrads, GradOffload
 
 __all__ = ["Bucket", "HostAdamW", "MasterLayout", "MomentsDtype", "NonFiniteStep", "OnPiece", "Piece", "host_bytes_per_parameter", "served_bits"]
 # Called for every piece of a parameter once its bucket is stepped, as
@@ -103,10 +103,10 @@ class HostAdamW:
         self.hi, self.lo, self.flat_master = self.masters.hi, self.masters.lo, self.masters.flat
         self.exp_avg, self.exp_avg_sq = self.moments.exp_avg, self.moments.exp_avg_sq
         self._copier = Copier(self.device)
-        # Gradient offload: the hooks fill host_grad (grad_offload.py); the step waits for them.
-        self.grads = OffloadedGrads(self.params, self.layout, self.buckets) if grad_offload else DeviceGrads(
+        # Gradient offload: the hooks fill host_grad (staging.GradOffload); the step waits for them.
+        self.grads = GradOffload(self.params, self.layout, slot_bytes=width * 4) if grad_offload else DeviceGrads(
             self.params, self.buckets, self._copier, self.masters.grad_dtypes)
-        self._grad_offload = self.grads.offload
+        self._grad_offload = self.grads if isinstance(self.grads, GradOffload) else None
         self.host_grad = self._grad_offload.accumulator if self._grad_offload is not None else None
         # Two, so that bucket k-1's weights can go up while the CPU works on bucket k.
         self._bf16_out = [torch.empty(width, dtype=torch.bfloat16, pin_memory=self._copier.cuda) for _ in range(2)]
@@ -209,7 +209,12 @@ class HostAdamW:
     def discard_grads(self) -> None:
         """Drop the accumulated gradients without a step (a step refused for non-finite values)."""
         self.wait()
-        self.grads.drop()
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+        self.grads.zero()
 
     @torch.no_grad()
     def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
@@ -236,7 +241,7 @@ class HostAdamW:
         new_bits = self.masters.new_bits()
         if model is None:
             self._update_buckets(s, on_piece, new_bits)
-            self.grads.drop()  # every fetch was waited for: the device memory may go
+            self._drop_grads()  # every fetch was waited for: the device memory may go
             return norm, self._split_bits(new_bits)
         self._gate(model)
         update = _InFlight(Future(), [threading.Event() for _ in self.buckets], [None] * len(self.buckets))
@@ -250,7 +255,7 @@ class HostAdamW:
         try:
             with torch.no_grad():  # thread-local: the step's no_grad is the caller's thread's
                 self._update_buckets(s, on_piece, new_bits, update)
-                self.grads.drop()
+                self._drop_grads()
         except BaseException as e:  # noqa: BLE001 - raised to the waiter on the caller's thread (done's exception)
             update.failed = True
             update.done.set_exception(e)
@@ -275,7 +280,7 @@ class HostAdamW:
             if s is None:
                 self.masters.copy_out(b, out, new_bits)
             else:
-                old = self.masters.step_bucket(b, self.grads.bucket(k), s, out, new_bits, keep_old=on_piece is not None)
+                old = self.masters.step_bucket(b, self.grads.bucket(k, b), s, out, new_bits, keep_old=on_piece is not None)
             pairs = [(out[pc.bucket_start : pc.bucket_start + pc.count], flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
             put[k % 2] = self._copier.copy(pairs, self._copier.h2d)
             if update is not None:
