@@ -2,6 +2,7 @@
 
 Every payload is checked against this copy (model fingerprint, base version) before the
 engine sees anything; a refused payload leaves both the copy and the engine as they were.
+Where each payload's time went is ApplyTimings', whichever way it came (push, store, fetch).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ ANCHOR_FILE = "anchor.safetensors"  # in the store's directory
 DELTA_FILES = "delta-*.safetensors"  # in the store's directory: the deltas since the anchor
 
 
-
 class PayloadFile(weight_store.FileSlices):
     """A payload kept in a file instead of in memory: the anchor, which is read only when a
     generator catches up (at its start) yet is as large as the bf16 weights. Written to a
