@@ -71,6 +71,7 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
     creds = workdir / "credentials"
     embedded = not cfg.redis_url
     shared = {"run": cfg.run, "redis_url": redis_url, "log_json": cfg.log_json, "model": model}
+    derive = derived(cfg.trainer)  # what the trainer's settings decide for the others
     # The trainer's step is the long pole: it gets every core. With max_staleness >= 1 the
     # next batch is sampled while the trainer trains, so the generators (and the reference)
     # get half; synchronous (0), sampling and training take turns and both get every core.
@@ -88,7 +89,7 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
         return child_toml(getattr(cfg, section), section, **set_by_up, grpc_socket=str(workdir / "sockets" / f"{name}.sock"), **own)
 
     def generator(i: int, **more: Any) -> dict[str, Any]:
-        return values("generator", f"generator-{i}", **shared, **derived(cfg.trainer)["generator"], consumer=f"generator-{i}", seed=cfg.generator.seed + i, **more)
+        return values("generator", f"generator-{i}", **shared, **derive["generator"], consumer=f"generator-{i}", seed=cfg.generator.seed + i, **more)
 
     trainer_values = values(
         "trainer", "trainer", **shared, threads=trainer_threads, consumer="trainer-0", **trainer_folders(workdir),
@@ -103,18 +104,17 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
             more = {"threads": trainer_threads if max_staleness == 0 else side_threads, "weight_store": trainer_values["anchor_dir"],
                     "trainer_address": f"unix:{trainer_values['grpc_socket']}"}
             children.append(ChildPlan(f"generator-{i}", "generator", generator(i, **more), ("generator",)))
-    output_stage = "scored" if cfg.with_reference else "ready"
     external = None
     if cfg.external_reward:
         external = ExternalReward(
-            redis_url=redis_url, keys=run_keys.RunKeys(cfg.run), group=cfg.reward.group, output_stage=output_stage,
+            redis_url=redis_url, keys=run_keys.RunKeys(cfg.run), group=cfg.reward.group, output_stage=derive["reward"]["output_stage"],
             username=REWARD_ROLE if embedded else "", password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded else None,
         )
     else:
-        reward = values("reward", "reward-0", run=cfg.run, redis_url=redis_url, log_json=cfg.log_json, output_stage=output_stage, consumer="reward-0")
+        reward = values("reward", "reward-0", run=cfg.run, redis_url=redis_url, log_json=cfg.log_json, **derive["reward"], consumer="reward-0")
         children.append(ChildPlan("reward-0", "reward", reward, ("reward",)))
     if cfg.with_reference:
-        reference = values("reference", "reference-0", **shared, **derived(cfg.trainer)["reference"], threads=side_threads, consumer="reference-0")
+        reference = values("reference", "reference-0", **shared, **derive["reference"], threads=side_threads, consumer="reference-0")
         children.append(ChildPlan("reference-0", "reference", reference, ("reference",)))
     return Plan(workdir, redis_url, embedded, tuple(children), external)
 
