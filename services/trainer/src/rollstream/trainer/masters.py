@@ -96,6 +96,16 @@ def buckets_of(params: Mapping[str, torch.nn.Parameter], buckets: list[Bucket]) 
     return held
 
 
+def one_device(params: Mapping[str, torch.nn.Parameter]) -> torch.device:
+    """The one device all of `params` live on."""
+    devices = {p.device for p in params.values()}
+    if not devices:
+        raise ValueError("HostAdamW needs at least one parameter")
+    if len(devices) > 1:
+        raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
+    return devices.pop()
+
+
 def flat(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("HostAdamW needs contiguous parameters and gradients")
@@ -335,8 +345,8 @@ def saved_layout(keys: set[str], names: Iterable[str], ours: MasterLayout) -> Ma
     raise ValueError(f"optimizer state does not match the parameters (missing {missing}, unexpected {extra})")
 
 
-def make_masters(layout: MasterLayout, numel: int, width: int, moments: Moments, cuda: bool, spare_bits: bool | None, split_kernel: bool | None) -> Masters:
-    """The layout's masters. `spare_bits` (fp32): keep the bits buffer of two steps ago for
+def make_masters(layout: MasterLayout, width: int, moments: Moments, device: torch.device, spare_bits: bool | None, split_kernel: bool | None) -> Masters:
+    """The layout's masters, as many as the moments. `spare_bits` (fp32): keep the bits buffer of two steps ago for
     reuse (Fp32Masters.new_bits); None: only on a GPU. `split_kernel` (split): step with the
     compiled kernel; None: where it was built, False: with torch operations (the same bits)."""
     if layout not in _LAYOUTS:
@@ -345,8 +355,8 @@ def make_masters(layout: MasterLayout, numel: int, width: int, moments: Moments,
     if split_kernel and kernel is None:
         raise RuntimeError("the split layout's compiled kernel was not built (services/trainer/setup.py needs a C compiler at install)")
     if layout == "split":
-        return SplitMasters(numel, width, moments, kernel)
-    return Fp32Masters(numel, width, moments, cuda if spare_bits is None else spare_bits)
+        return SplitMasters(moments.exp_avg.numel(), width, moments, kernel)
+    return Fp32Masters(moments.exp_avg.numel(), width, moments, device.type == "cuda" if spare_bits is None else spare_bits)
 
 
 def _join(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,8 @@ import torch
 
 from rollstream.core import progress
 from rollstream.trainer.masters import (
-    Bucket, MasterLayout, Masters, Moments, MomentsDtype, Piece, buckets_of, checked, cut, flat, host_bytes_per_parameter, make_masters,
-    saved_layout, served_bits,
+    Bucket, MasterLayout, Moments, MomentsDtype, Piece, buckets_of, checked, cut, flat, host_bytes_per_parameter, make_masters,
+    one_device, saved_layout, served_bits,
 )
 from rollstream.trainer.split_kernel import AdamWStep
 from rollstream.trainer.staging import Copier, DeviceGrads, GradOffload
@@ -86,32 +86,23 @@ class HostAdamW:
         """`moments_dtype` has no default: the trainer's settings hold it (TrainerSettings).
         `spare_bits`, `split_kernel`: masters.make_masters."""
         self.params = dict(params)
-        if not self.params:
-            raise ValueError("HostAdamW needs at least one parameter")
-        devices = {p.device for p in self.params.values()}
-        if len(devices) != 1:
-            raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
-        self.step_count = 0
+        self.device = one_device(self.params)
+        self.lr, self.betas, self.weight_decay, self.eps, self.step_count = lr, betas, weight_decay, eps, 0
         self.layout, self.buckets = cut(self.params, bucket_mb)
-        self.numel = sum(n for _off, n, _shape in self.layout.values())
-        width = max(b.size for b in self.buckets)
+        self.numel, width = sum(n for _off, n, _shape in self.layout.values()), max(b.size for b in self.buckets)
         self.moments = Moments(self.numel, moments_dtype, width)
-        self.masters: Masters = make_masters(master_layout, self.numel, width, self.moments, self.device.type == "cuda", spare_bits, split_kernel)
+        self.masters = make_masters(master_layout, width, self.moments, self.device, spare_bits, split_kernel)
         self.masters.fill(self.buckets, self.params)
         self.hi, self.lo, self.flat_master = self.masters.hi, self.masters.lo, self.masters.flat
         self.exp_avg, self.exp_avg_sq = self.moments.exp_avg, self.moments.exp_avg_sq
         self._copier = Copier(self.device)
         # Gradient offload: the hooks fill host_grad (staging.GradOffload); the step waits for them.
-        self.grads = GradOffload(self.params, self.layout, slot_bytes=width * 4) if grad_offload else DeviceGrads(
-            self.params, self.buckets, self._copier, self.masters.grad_dtypes)
-        self._grad_offload = self.grads if isinstance(self.grads, GradOffload) else None
-        self.host_grad = self._grad_offload.accumulator if self._grad_offload is not None else None
+        offload = GradOffload(self.params, self.layout, slot_bytes=width * 4) if grad_offload else None
+        self.grads = offload or DeviceGrads(self.params, self.buckets, self._copier, self.masters.grad_dtypes)
+        self._grad_offload, self.host_grad = offload, offload.accumulator if offload is not None else None
         # Two, so that bucket k-1's weights can go up while the CPU works on bucket k.
         self._bf16_out = [torch.empty(width, dtype=torch.bfloat16, pin_memory=self._copier.cuda) for _ in range(2)]
-        # The update in flight (step with `model`) and its thread; the buckets each parameter
-        # lies in, and the models whose forward waits for them (hooks made once per model).
+        # The update in flight (step with `model`), the buckets each parameter lies in, the models gated.
         self._in_flight: _InFlight | None = None
         self._buckets_of = buckets_of(self.params, self.buckets)
         self._gates: dict[int, list[torch.utils.hooks.RemovableHandle]] = {}

@@ -214,8 +214,7 @@ class GradOffload:
         self.wait()
         return host_norm([self.accumulator[off : off + n] for off, n, _ in self.layout.values()])
 
-    def begin(self) -> None:
-        self.wait()  # every add issued by backward is in the accumulator
+    begin = wait  # before a step: every add issued by backward is in the accumulator
 
     def bucket(self, k: int, b: Bucket) -> torch.Tensor:
         return self.accumulator[b.start : b.end]
@@ -260,10 +259,10 @@ class Copier:
 
 
 class DeviceGrads:
-    """The gradients backward left in the parameters, fetched a bucket at a time: norm()
-    before a step, begin() and bucket(k, b) for each bucket in order during it, zero() with
-    the gradients dropped after it (GradOffload has the same four). `wide`: the gradient dtypes the masters' step reads
-    itself; others are widened into fp32 first."""
+    """The gradients backward left in the parameters, fetched a bucket at a time: norm() before
+    a step, begin() and bucket(k, b) for each bucket in order during it, zero() after it, with
+    the parameters' gradients dropped (GradOffload has the same four). `wide`: the gradient
+    dtypes the masters' step reads itself; others are widened into fp32 first."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], buckets: list[Bucket], copier: Copier, wide: frozenset[torch.dtype]):
         self.params, self.buckets, self.copier = params, buckets, copier
