@@ -195,7 +195,8 @@ class SplitMasters(_Layout):
 
     def __init__(self, numel: int, width: int, moments: Moments, kernel: SplitKernel | None):
         super().__init__(width, moments)
-        self.hi, self.lo, self.kernel = torch.empty(numel, dtype=torch.int16), torch.empty(numel, dtype=torch.int16), kernel
+        self.hi, self.lo = torch.empty(numel, dtype=torch.int16), torch.empty(numel, dtype=torch.int16)
+        self.kernel = kernel
         self.tensors = dict(zip(self.kinds, (self.hi.view(torch.bfloat16), self.lo)))
         if kernel is not None:  # it widens bf16 gradients as it reads them
             self.grad_dtypes = frozenset({torch.float32, torch.bfloat16})
@@ -345,18 +346,18 @@ def saved_layout(keys: set[str], names: Iterable[str], ours: MasterLayout) -> Ma
     raise ValueError(f"optimizer state does not match the parameters (missing {missing}, unexpected {extra})")
 
 
-def make_masters(layout: MasterLayout, width: int, moments: Moments, device: torch.device, spare_bits: bool | None, split_kernel: bool | None) -> Masters:
-    """The layout's masters, as many as the moments. `spare_bits` (fp32): keep the bits buffer of two steps ago for
-    reuse (Fp32Masters.new_bits); None: only on a GPU. `split_kernel` (split): step with the
-    compiled kernel; None: where it was built, False: with torch operations (the same bits)."""
+def make_masters(layout: MasterLayout, width: int, moments: Moments, device: torch.device, spare_bits: bool | None, kernel: bool | None) -> Masters:
+    """The layout's masters, as many as the moments. `spare_bits` (fp32): keep the bits buffer of
+    two steps ago for reuse (Fp32Masters.new_bits); None: only on a GPU. `kernel` (split): step
+    with the compiled kernel; None: where it was built, False: with torch operations (the same bits)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"master_layout must be 'split' or 'fp32', not {layout!r}")
-    kernel = split_kernel_module.load() if layout == "split" and split_kernel is not False else None
-    if split_kernel and kernel is None:
-        raise RuntimeError("the split layout's compiled kernel was not built (services/trainer/setup.py needs a C compiler at install)")
+    numel, split = moments.exp_avg.numel(), split_kernel_module.load() if layout == "split" and kernel is not False else None
+    if kernel and split is None:
+        raise RuntimeError("the split layout's compiled kernel was not built (setup.py needs a C compiler at install)")
     if layout == "split":
-        return SplitMasters(moments.exp_avg.numel(), width, moments, kernel)
-    return Fp32Masters(moments.exp_avg.numel(), width, moments, device.type == "cuda" if spare_bits is None else spare_bits)
+        return SplitMasters(numel, width, moments, split)
+    return Fp32Masters(numel, width, moments, device.type == "cuda" if spare_bits is None else spare_bits)
 
 
 def _join(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

@@ -46,14 +46,12 @@ import numpy as np
 import torch
 
 from rollstream.core import progress
-from rollstream.trainer.masters import (
-    Bucket, MasterLayout, Moments, MomentsDtype, Piece, buckets_of, checked, cut, flat, host_bytes_per_parameter, make_masters,
-    one_device, saved_layout, served_bits,
-)
+from rollstream.trainer import masters
+from rollstream.trainer.masters import MasterLayout, Moments, MomentsDtype, host_bytes_per_parameter, served_bits
 from rollstream.trainer.split_kernel import AdamWStep
 from rollstream.trainer.staging import Copier, DeviceGrads, GradOffload
 
-__all__ = ["Bucket", "HostAdamW", "MasterLayout", "MomentsDtype", "NonFiniteStep", "OnPiece", "Piece", "host_bytes_per_parameter", "served_bits"]
+__all__ = ["HostAdamW", "MasterLayout", "MomentsDtype", "NonFiniteStep", "OnPiece", "host_bytes_per_parameter", "served_bits"]
 # Called for every piece of a parameter once its bucket is stepped, as
 # on_piece(name, start, old, new): `start` is the piece's offset in the flattened parameter,
 # `old` its bits before the step (the receiver may keep them) and `new` its bits now (a view
@@ -86,12 +84,12 @@ class HostAdamW:
         """`moments_dtype` has no default: the trainer's settings hold it (TrainerSettings).
         `spare_bits`, `split_kernel`: masters.make_masters."""
         self.params = dict(params)
-        self.device = one_device(self.params)
+        self.device = masters.one_device(self.params)
         self.lr, self.betas, self.weight_decay, self.eps, self.step_count = lr, betas, weight_decay, eps, 0
-        self.layout, self.buckets = cut(self.params, bucket_mb)
+        self.layout, self.buckets = masters.cut(self.params, bucket_mb)
         self.numel, width = sum(n for _off, n, _shape in self.layout.values()), max(b.size for b in self.buckets)
         self.moments = Moments(self.numel, moments_dtype, width)
-        self.masters = make_masters(master_layout, width, self.moments, self.device, spare_bits, split_kernel)
+        self.masters = masters.make_masters(master_layout, width, self.moments, self.device, spare_bits, split_kernel)
         self.masters.fill(self.buckets, self.params)
         self.hi, self.lo, self.flat_master = self.masters.hi, self.masters.lo, self.masters.flat
         self.exp_avg, self.exp_avg_sq = self.moments.exp_avg, self.moments.exp_avg_sq
@@ -104,7 +102,7 @@ class HostAdamW:
         self._bf16_out = [torch.empty(width, dtype=torch.bfloat16, pin_memory=self._copier.cuda) for _ in range(2)]
         # The update in flight (step with `model`), the buckets each parameter lies in, the models gated.
         self._in_flight: _InFlight | None = None
-        self._buckets_of = buckets_of(self.params, self.buckets)
+        self._buckets_of = masters.buckets_of(self.params, self.buckets)
         self._gates: dict[int, list[torch.utils.hooks.RemovableHandle]] = {}
 
     @property
@@ -272,7 +270,7 @@ class HostAdamW:
                 self.masters.copy_out(b, out, new_bits)
             else:
                 old = self.masters.step_bucket(b, self.grads.bucket(k, b), s, out, new_bits, keep_old=on_piece is not None)
-            pairs = [(out[pc.bucket_start : pc.bucket_start + pc.count], flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
+            pairs = [(out[pc.bucket_start : pc.bucket_start + pc.count], masters.flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
             put[k % 2] = self._copier.copy(pairs, self._copier.h2d)
             if update is not None:
                 update.copied[k] = put[k % 2]
@@ -303,14 +301,14 @@ class HostAdamW:
         master layout: a checkpoint of the other one is converted exactly), write the served
         bits into the model, and return them."""
         self.wait()
-        same = saved_layout(set(tensors), self.layout, self.masters.name) == self.masters.name
+        same = masters.saved_layout(set(tensors), self.layout, self.masters.name) == self.masters.name
         copied = (self.masters.tensors if same else {}) | self.moments.tensors  # (else converted)
         for name in progress.track(self.layout, "loading the optimizer state", total=len(self.layout)):
             off, n, shape = self.layout[name]
             if not same:
                 self.masters.convert(tensors, name, off, n, shape)
             for kind, t in copied.items():
-                t[off : off + n].copy_(checked(tensors, f"{kind}/{name}", t.dtype, shape))
+                t[off : off + n].copy_(masters.checked(tensors, f"{kind}/{name}", t.dtype, shape))
         self.step_count = step_count
         return self.sync_model()
 
