@@ -18,12 +18,9 @@ or end in the middle of a parameter. A step:
      on a side stream, the CPU scales them by the clip factor and runs fused AdamW on the
      bucket's masters and moments, rounds the result to bf16 into a second pinned buffer,
      which goes host-to-device into the parameters on another side stream; each piece of a
-     parameter in the bucket is handed to `on_piece` (the publisher's delta encoder) with its
-     bits before and after, so the delta is built on the way instead of by a pass over every
-     tensor after the step, and the split layout keeps no copy of the previous version: the
-     bucket's old bits are copied just before AdamW overwrites them. Staging buffers are
-     double-buffered: while the CPU works on bucket k, the gradients of bucket k+1 come down
-     and the weights of bucket k-1 go up.
+     parameter in the bucket goes to `on_piece` (the publisher's delta encoder) with its bits
+     before and after: the delta is built on the way. Staging buffers are double-buffered:
+     while the CPU works on bucket k, the gradients of k+1 come down and the weights of k-1 go up.
 On a CPU-only machine the same code runs with plain synchronous copies and no streams.
 
 The overlapped update (step with `model`): the norm, the clip factor and the refusal of a
@@ -115,11 +112,6 @@ class HostAdamW:
         """The fp32 master of every parameter by name: views of the fp32 layout's vector, or
         (split layout) joined on each access, a copy."""
         return _MasterView(self)
-
-    def master_of(self, name: str) -> torch.Tensor:
-        self.wait()
-        off, n, shape = self.layout[name]
-        return self.masters.master(off, n).view(shape)
 
     # -- published weights ------------------------------------------------------------
 
@@ -320,9 +312,9 @@ class _MasterView(Mapping[str, torch.Tensor]):
         self._optimizer = optimizer
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._optimizer.layout:
-            raise KeyError(name)
-        return self._optimizer.master_of(name)
+        off, n, shape = self._optimizer.layout[name]  # (KeyError: not a parameter)
+        self._optimizer.wait()
+        return self._optimizer.masters.master(off, n).view(shape)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._optimizer.layout)
