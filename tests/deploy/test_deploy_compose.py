@@ -100,7 +100,7 @@ def test_settings_health_checks_and_dependencies(combination: tuple[str, dict], 
     assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes", "Redis must run with AOF"
     check = redis["healthcheck"]["test"]
     assert check[0] == "CMD-SHELL" and f"-p {redis_port} ping | grep -q PONG" in check[1], check
-    for name, (service, svc, s) in settings.items():
+    for name, (_service, svc, s) in settings.items():
         assert s.host == "0.0.0.0", name
         check = " ".join(svc["healthcheck"]["test"])
         assert "/readyz" in check and "ROLLSTREAM_HTTP_PORT" in check and "ROLLSTREAM_HTTP_PORT" in compose_env(svc), name

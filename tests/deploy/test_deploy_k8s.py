@@ -184,7 +184,7 @@ def test_addresses_lead_to_the_right_services(k8s: K8s, settings: dict) -> None:
     redis = k8s_container(k8s, k8s.workload_of("redis"))
     redis_port = int(redis.args[redis.args.index("--port") + 1])
     assert redis.port("redis") == redis_port
-    for service, (c, s) in settings.items():
+    for service, (_c, s) in settings.items():
         url = urlsplit(s.redis_url)
         svc = k8s.service_for(url.hostname, NAMESPACE)
         assert [w["metadata"]["name"] for w in k8s.pods_selected(svc)] == ["redis"], service
@@ -420,7 +420,7 @@ def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials:
     assert set(secrets) == {own_secret(w) for w in k8s.workloads()}, "one Secret per workload, and only those"
     for secret in secrets.values():
         assert secret["metadata"]["namespace"] == NAMESPACE and secret["type"] == "Opaque"
-    read = lambda rel: (credentials / rel).read_bytes()  # noqa: E731
+    read = lambda rel: (credentials / rel).read_bytes()  # noqa: E731 - a one-line reader, named where it is used
     for service in SERVICES:
         files = secret_files(secrets[f"{service}-credentials"])
         assert files == {

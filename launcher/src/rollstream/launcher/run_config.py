@@ -208,7 +208,7 @@ def cli_source() -> CliSettingsSource[Any]:
     def add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
         return None if _hidden(str(kwargs.get("dest", ""))) else parser.add_argument(*names, **kwargs)
 
-    cli = CliSettingsSource(RunConfig, add_argument_method=add_argument)
+    cli: CliSettingsSource[Any] = CliSettingsSource(RunConfig, add_argument_method=add_argument)
     # The defaults above are the services' classes'; the profile sets some of them again.
     given = TomlConfigSettingsSource(RunConfig, toml_file=profile_path(DEFAULT_PROFILE))()
     shown = ", ".join(f"{k}.{f} = {v}" if isinstance(vs, dict) else f"{k} = {vs}" for k, vs in given.items() for f, v in (vs.items() if isinstance(vs, dict) else [(k, vs)]))
