@@ -28,6 +28,7 @@ import os
 import platform
 
 import torch
+
 from demo_task import arithmetic_requests  # benchmarks/demo_task.py
 from rollstream.core import modeling
 from rollstream.core.models import resolve_model
@@ -77,7 +78,10 @@ def main() -> None:
     for task, request, samples in zip(tasks, requests, backend.sample(requests), strict=True):
         rewards = [recipes.score(task.task_kind, Sample(completion=s.text, answer=task.answer)).reward for s in samples]
         advantages += grpo.group_advantages(rewards)
-        completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(samples, rewards, strict=True)]
+        completions = [
+            rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r)
+            for s, r in zip(samples, rewards, strict=True)
+        ]
         groups.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
     del backend
     sequences = [(g.prompt_ids, c.token_ids) for g in groups for c in g.completions]
@@ -86,11 +90,20 @@ def main() -> None:
     settings = TrainerSettings(lr=args.lr, max_new_tokens=16)
     model, tokenizer = modeling.load_model(model_dir, dtype="float32", device="cpu")
     params = modeling.named_weights(model)
-    opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
-                    master_layout="fp32", moments_dtype="float32")  # reads flat_master
+    opt = HostAdamW(
+        params,
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+        bucket_mb=settings.bucket_mb,
+        master_layout="fp32",
+        moments_dtype="float32",
+    )  # reads flat_master
     opt.sync_model()
     batch = modeling.make_batch(sequences, tokenizer.pad_token_id)
-    adv = torch.tensor([a for a, n in zip(advantages, batch.lengths, strict=True) for _ in range(n)], dtype=torch.float32)
+    adv = torch.tensor(
+        [a for a, n in zip(advantages, batch.lengths, strict=True) for _ in range(n)], dtype=torch.float32
+    )
     weight = torch.tensor([1.0 / n for n in batch.lengths for _ in range(n)], dtype=torch.float32) / len(batch.lengths)
 
     @torch.no_grad()
@@ -120,27 +133,38 @@ def main() -> None:
         gain_bf16 = surrogate() - base_bf16
         changed = sum(int((bits[n] != bits0[n]).sum()) for n in bits) / opt.numel
         d32 = opt.flat_master - masters0
-        d16 = torch.cat([p.detach().reshape(-1) for p in params.values()]) - torch.cat([modeling.bits_to_tensor(bits0[n]).float().reshape(-1) for n in params])
+        d16 = torch.cat([p.detach().reshape(-1) for p in params.values()]) - torch.cat(
+            [modeling.bits_to_tensor(bits0[n]).float().reshape(-1) for n in params]
+        )
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(opt.master[name].view_as(p))  # the fp32 policy m_k
         gain_fp32 = surrogate() - base_fp32
-        rows.append({
-            "steps": k,
-            "bf16_weights_changed": round(changed, 4),
-            "update_norm_fp32": round(float(d32.norm()), 6),
-            "update_norm_bf16": round(float(d16.norm()), 6),
-            "cosine": round(float(torch.nn.functional.cosine_similarity(d32, d16, dim=0)), 4),
-            "surrogate_gain_fp32": round(gain_fp32, 6),
-            "surrogate_gain_bf16": round(gain_bf16, 6),
-        })
+        rows.append(
+            {
+                "steps": k,
+                "bf16_weights_changed": round(changed, 4),
+                "update_norm_fp32": round(float(d32.norm()), 6),
+                "update_norm_bf16": round(float(d16.norm()), 6),
+                "cosine": round(float(torch.nn.functional.cosine_similarity(d32, d16, dim=0)), 4),
+                "surrogate_gain_fp32": round(gain_fp32, 6),
+                "surrogate_gain_bf16": round(gain_bf16, 6),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({
-        "benchmark": "bf16_drift",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": model_dir, "lr": args.lr, "completions": len(sequences),
-        "rows": rows,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "bf16_drift",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "model": model_dir,
+                "lr": args.lr,
+                "completions": len(sequences),
+                "rows": rows,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,10 @@ def main() -> None:
     for task, request, group in zip(tasks, requests, sampler.sample(requests)):
         rewards = [arithmetic_answer(s.text, task.answer) for s in group]
         rewards_all.extend(rewards)
-        completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(group, rewards)]
+        completions = [
+            rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r)
+            for s, r in zip(group, rewards)
+        ]
         pool.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
     tokenizer = sampler.tokenizer
     del sampler
@@ -79,8 +82,15 @@ def main() -> None:
         model, _ = modeling.load_model(model_dir)
         model.train()
         params = modeling.named_weights(model)
-        opt = HostAdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb, moments_dtype=settings.moments_dtype,
-                        master_layout=settings.master_layout)
+        opt = HostAdamW(
+            params,
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+            bucket_mb=settings.bucket_mb,
+            moments_dtype=settings.moments_dtype,
+            master_layout=settings.master_layout,
+        )
         # Copies: in the split layout the bits are views of the masters, which each step rewrites.
         prev = {k: v.copy() for k, v in opt.sync_model().items()}
         fingerprint = deltas.model_fingerprint({k: v.shape for k, v in prev.items()})
@@ -94,38 +104,52 @@ def main() -> None:
             t = time.perf_counter()
             _payload, stats = deltas.encode_delta(prev, bits, step - 1, step, fingerprint)
             encode_s = time.perf_counter() - t
-            steps.append({
-                "step": step,
-                "bytes": stats.nbytes,
-                "fraction_of_dense": round(stats.fraction_of_dense, 5),
-                "changed_values_fraction": round(stats.changed_values / stats.total_values, 5),
-                "changed_tensors": stats.changed_tensors,
-                "encodings": stats.encodings,
-                "grad_norm": round(grad_norm, 4),
-                "encode_s": round(encode_s, 2),
-            })
+            steps.append(
+                {
+                    "step": step,
+                    "bytes": stats.nbytes,
+                    "fraction_of_dense": round(stats.fraction_of_dense, 5),
+                    "changed_values_fraction": round(stats.changed_values / stats.total_values, 5),
+                    "changed_tensors": stats.changed_tensors,
+                    "encodings": stats.encodings,
+                    "grad_norm": round(grad_norm, 4),
+                    "encode_s": round(encode_s, 2),
+                }
+            )
             print(json.dumps({"lr": lr, **steps[-1]}), flush=True)  # progress (stdout: JSON lines, then the result)
             prev = {k: v.copy() for k, v in bits.items()}
         fractions = [s["fraction_of_dense"] for s in steps]
-        curves.append({
-            "lr": lr,
-            "steps": steps,
-            "first_step_fraction": fractions[0],
-            "max_fraction_after_step_1": max(fractions[1:]) if len(fractions) > 1 else None,
-            "mean_fraction_after_step_1": round(sum(fractions[1:]) / max(1, len(fractions) - 1), 5),
-        })
+        curves.append(
+            {
+                "lr": lr,
+                "steps": steps,
+                "first_step_fraction": fractions[0],
+                "max_fraction_after_step_1": max(fractions[1:]) if len(fractions) > 1 else None,
+                "mean_fraction_after_step_1": round(sum(fractions[1:]) / max(1, len(fractions) - 1), 5),
+            }
+        )
         del model, opt
 
-    print(json.dumps({
-        "benchmark": "delta_size",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": model_dir,
-        "parameters": sum(int(b.size) for b in prev.values()),
-        "dense_bf16_bytes": sum(int(b.size) * 2 for b in prev.values()),
-        "pool": {"groups": len(pool), "group_size": args.group_size, "mean_reward": round(sum(rewards_all) / len(rewards_all), 3), "sample_s": round(sample_s, 1)},
-        "groups_per_step": args.groups_per_step,
-        "curves": curves,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "delta_size",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "model": model_dir,
+                "parameters": sum(int(b.size) for b in prev.values()),
+                "dense_bf16_bytes": sum(int(b.size) * 2 for b in prev.values()),
+                "pool": {
+                    "groups": len(pool),
+                    "group_size": args.group_size,
+                    "mean_reward": round(sum(rewards_all) / len(rewards_all), 3),
+                    "sample_s": round(sample_s, 1),
+                },
+                "groups_per_step": args.groups_per_step,
+                "curves": curves,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,15 +12,26 @@ CHOICES = ("cpu", "cuda")
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=CHOICES, default="cpu", help="compute device (cpu: the default; cuda needs a GPU torch can see)")
+    parser.add_argument(
+        "--device",
+        choices=CHOICES,
+        default="cpu",
+        help="compute device (cpu: the default; cuda needs a GPU torch can see)",
+    )
 
 
 def resolve(name: str) -> torch.device:
     """The torch device for `--device`; exits with a clear message when cuda is asked for
     and torch cannot use it."""
     if name == "cuda" and not torch.cuda.is_available():
-        reason = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES?)"
-        sys.exit(f"--device cuda: torch {torch.__version__} cannot use CUDA here: {reason}. Run with --device cpu, or on a machine with a GPU.")
+        reason = (
+            "this torch was built without CUDA"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES?)"
+        )
+        sys.exit(
+            f"--device cuda: torch {torch.__version__} cannot use CUDA here: {reason}. Run with --device cpu, or on a machine with a GPU."
+        )
     return torch.device(name)
 
 

@@ -28,7 +28,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast, samples slower)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast, samples slower)"
+    )
     args = parser.parse_args()
 
     # vLLM logs to stdout by default; stdout is for the JSON result.
@@ -49,13 +51,23 @@ def main() -> None:
         from rollstream.generator.config import GeneratorSettings
         from rollstream.generator.vllm_backend import VllmBackend
 
-        backend = VllmBackend(model_dir, GeneratorSettings(backend="vllm", enforce_eager=args.enforce_eager, threads=args.threads))
+        backend = VllmBackend(
+            model_dir, GeneratorSettings(backend="vllm", enforce_eager=args.enforce_eager, threads=args.threads)
+        )
     backend.load_weights(backend.host_bits(), version=0)  # as the generator does: version 0
     startup_s = time.perf_counter() - start
 
     source = prompts.arithmetic(seed=0)
     requests = [
-        SampleRequest(backend.encode_chat(next(source).messages), args.group_size, args.temperature, 1.0, 0, args.max_new_tokens, seed=i)
+        SampleRequest(
+            backend.encode_chat(next(source).messages),
+            args.group_size,
+            args.temperature,
+            1.0,
+            0,
+            args.max_new_tokens,
+            seed=i,
+        )
         for i in range(args.groups)
     ]
     t = time.perf_counter()
@@ -69,20 +81,25 @@ def main() -> None:
         tokens = sum(len(s.token_ids) for group in samples for s in group)
         runs.append({"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)})
     best = max(r["tokens_per_s"] for r in runs)
-    print(json.dumps({
-        "benchmark": "generation_speed",
-        "backend": args.backend + (" (enforce_eager)" if args.backend == "vllm" and args.enforce_eager else ""),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "threads": args.threads,
-        "model": model_dir,
-        "completions": args.groups * args.group_size,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "startup_s": round(startup_s, 1),
-        "warmup_batch_s": round(warmup_s, 2),
-        "runs": runs,
-        "best_tokens_per_s": best,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "generation_speed",
+                "backend": args.backend + (" (enforce_eager)" if args.backend == "vllm" and args.enforce_eager else ""),
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "threads": args.threads,
+                "model": model_dir,
+                "completions": args.groups * args.group_size,
+                "max_new_tokens": args.max_new_tokens,
+                "temperature": args.temperature,
+                "startup_s": round(startup_s, 1),
+                "warmup_batch_s": round(warmup_s, 2),
+                "runs": runs,
+                "best_tokens_per_s": best,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

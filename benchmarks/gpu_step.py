@@ -78,10 +78,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-import devices  # benchmarks/devices.py
-from host_memory import reset_peak_host  # benchmarks/host_memory.py
 import numpy as np
 import torch
+from transformers import PreTrainedModel
+
+import devices  # benchmarks/devices.py
+from host_memory import reset_peak_host  # benchmarks/host_memory.py
 from rollstream.core import deltas, modeling
 from rollstream.trainer.config import TrainerSettings, auto_encode_threads
 from rollstream.trainer.grpo import LossConfig
@@ -89,7 +91,6 @@ from rollstream.trainer.optimizer import HostAdamW, MasterLayout, NonFiniteStep,
 from rollstream.trainer.step import StepConfig, train_step
 from rollstream.v1 import rollout_pb2
 from shapes import SIZES, build_model, parameter_count  # benchmarks/shapes.py
-from transformers import PreTrainedModel
 
 LR, BETAS, WD = 1e-6, (0.9, 0.999), 0.0
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -112,7 +113,9 @@ class ResidentAdamW:
         """Nothing in flight: the step is done when step() returns."""
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(
+        self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None
+    ) -> tuple[float, dict[str, np.ndarray]]:
         for n, p in self.params.items():
             self.master[n].grad = None if p.grad is None else p.grad.float()
             p.grad = None
@@ -131,7 +134,9 @@ class ResidentAdamW:
         return norm, {}
 
 
-def synthetic_groups(sequences: int, seq_tokens: int, prompt_tokens: int, vocab: int, seed: int) -> list[rollout_pb2.RolloutGroup]:
+def synthetic_groups(
+    sequences: int, seq_tokens: int, prompt_tokens: int, vocab: int, seed: int
+) -> list[rollout_pb2.RolloutGroup]:
     """Groups of 4 completions filling `seq_tokens` each; 0/1 rewards so every group has a signal."""
     rng = np.random.default_rng(seed)
     completion = seq_tokens - prompt_tokens
@@ -146,7 +151,14 @@ def synthetic_groups(sequences: int, seq_tokens: int, prompt_tokens: int, vocab:
             )
             for i in range(size)
         ]
-        groups.append(rollout_pb2.RolloutGroup(group_id=f"g{g}", prompt_ids=rng.integers(10, vocab, prompt_tokens).tolist(), completions=completions, scored=True))
+        groups.append(
+            rollout_pb2.RolloutGroup(
+                group_id=f"g{g}",
+                prompt_ids=rng.integers(10, vocab, prompt_tokens).tolist(),
+                completions=completions,
+                scored=True,
+            )
+        )
     return groups
 
 
@@ -155,8 +167,18 @@ TRAINER_TOKEN_BUDGET: int = TrainerSettings.model_fields["token_budget"].default
 
 
 def step_config(seq_tokens: int, token_budget: int, device: torch.device) -> StepConfig:
-    loss = LossConfig(kind="grpo", clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, tis_cap=0.0, max_completion_tokens=seq_tokens)
-    return StepConfig(loss, token_budget=token_budget, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device=str(device), share_prompts=False)
+    loss = LossConfig(
+        kind="grpo", clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, tis_cap=0.0, max_completion_tokens=seq_tokens
+    )
+    return StepConfig(
+        loss,
+        token_budget=token_budget,
+        chunk_tokens=1024,
+        temperature=1.0,
+        max_grad_norm=1.0,
+        device=str(device),
+        share_prompts=False,
+    )
 
 
 def micro_batches(sequences: int, seq_tokens: int, token_budget: int) -> int:
@@ -170,17 +192,30 @@ def one_micro_batch(sequences: int, seq_tokens: int, token_budget: int) -> int:
     return max(1, min(sequences, token_budget // seq_tokens))
 
 
-def optimizer_path(opt: HostAdamW, master_layout: MasterLayout, moments_dtype: str, grad_offload: bool) -> dict[str, Any]:
+def optimizer_path(
+    opt: HostAdamW, master_layout: MasterLayout, moments_dtype: str, grad_offload: bool
+) -> dict[str, Any]:
     """Which optimizer path steps (docs/gpu.md): the split layout's compiled one-pass kernel or
     torch operations (HostAdamW.uses_split_kernel: False where the kernel was not built or not
     carried), and on how many threads the kernel runs (split_kernel.load's default, as
     HostAdamW loads it: this process's torch threads)."""
     kernel = opt.uses_split_kernel
-    return {"path": "split_kernel" if kernel else "torch", "master_layout": master_layout, "moments_dtype": moments_dtype,
-            "grad_offload": grad_offload, "kernel_threads": torch.get_num_threads() if kernel else None}
+    return {
+        "path": "split_kernel" if kernel else "torch",
+        "master_layout": master_layout,
+        "moments_dtype": moments_dtype,
+        "grad_offload": grad_offload,
+        "kernel_threads": torch.get_num_threads() if kernel else None,
+    }
 
 
-RESIDENT_PATH = {"path": "torch fused AdamW on the GPU", "master_layout": "fp32", "moments_dtype": "float32", "grad_offload": False, "kernel_threads": None}
+RESIDENT_PATH = {
+    "path": "torch fused AdamW on the GPU",
+    "master_layout": "fp32",
+    "moments_dtype": "float32",
+    "grad_offload": False,
+    "kernel_threads": None,
+}
 
 
 def peak_host_gib() -> float:
@@ -216,7 +251,9 @@ class MarkedOptimizer:
     def __init__(self, opt: Any, marks: Marks):
         self.opt, self.marks = opt, marks
 
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(
+        self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None
+    ) -> tuple[float, dict[str, np.ndarray]]:
         self.marks.mark()
         return self.opt.step(max_grad_norm, on_piece, model)
 
@@ -238,7 +275,9 @@ class DropGrads:
     def wait(self) -> None:
         """Nothing in flight."""
 
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(
+        self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None
+    ) -> tuple[float, dict[str, np.ndarray]]:
         self.discard_grads()
         return 0.0, {}
 
@@ -250,8 +289,17 @@ def delta_base(opt: HostAdamW) -> dict[str, np.ndarray]:
     return {name: np.broadcast_to(np.uint16(0), shape) for name, (_off, _n, shape) in opt.layout.items()}
 
 
-def one_step(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.RolloutGroup], cfg: StepConfig, device: torch.device, pad_id: int,
-             base: dict[str, np.ndarray] | None = None, pool: ThreadPoolExecutor | None = None, overlapped: bool = False) -> dict[str, Any]:
+def one_step(
+    model: PreTrainedModel,
+    opt: Any,
+    groups: list[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    device: torch.device,
+    pad_id: int,
+    base: dict[str, np.ndarray] | None = None,
+    pool: ThreadPoolExecutor | None = None,
+    overlapped: bool = False,
+) -> dict[str, Any]:
     """One train_step, timed. Sequential (the trainer's step when a delta is built): until the
     new weights are in the model and, with `base`, the step's delta (encoded on the way on
     `pool`: DeltaEncoder.add_piece as on_piece) is finished. `overlapped` (train_step's
@@ -268,8 +316,15 @@ def one_step(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.RolloutG
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     try:
-        r = train_step(model, MarkedOptimizer(opt, marks), groups, cfg, pad_id=pad_id, on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
-                       background=overlapped)
+        r = train_step(
+            model,
+            MarkedOptimizer(opt, marks),
+            groups,
+            cfg,
+            pad_id=pad_id,
+            on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
+            background=overlapped,
+        )
         if cuda and not overlapped:
             torch.cuda.synchronize(device)
         stepped = time.perf_counter()
@@ -278,19 +333,34 @@ def one_step(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.RolloutG
         hook.remove()
     wall = time.perf_counter() - start
     out: dict[str, Any] = {
-        "step_s": round(wall, 3), "train_tokens": r.train_tokens, "grad_norm": round(r.grad_norm, 4),
-        "phases": {"forward_s": round(r.forward_s, 3), "backward_s": round(r.backward_s, 3), "optimizer_s": round(r.optimizer_s, 3)},
+        "step_s": round(wall, 3),
+        "train_tokens": r.train_tokens,
+        "grad_norm": round(r.grad_norm, 4),
+        "phases": {
+            "forward_s": round(r.forward_s, 3),
+            "backward_s": round(r.backward_s, 3),
+            "optimizer_s": round(r.optimizer_s, 3),
+        },
     }
     busy = marks.busy_s()
     if busy is not None:
         out["gpu_idle_lower_bound"] = round(1.0 - busy / wall, 3)
     if stats is not None:
-        out["delta"] = {"wait_s": round(time.perf_counter() - stepped, 3), "bytes": stats.nbytes, "fraction_of_dense": round(stats.fraction_of_dense, 4)}
+        out["delta"] = {
+            "wait_s": round(time.perf_counter() - stepped, 3),
+            "bytes": stats.nbytes,
+            "fraction_of_dense": round(stats.fraction_of_dense, 4),
+        }
     return out
 
 
-def forward_backward_alone(model: PreTrainedModel, groups: list[rollout_pb2.RolloutGroup], warmup: list[rollout_pb2.RolloutGroup], cfg: StepConfig,
-                           device: torch.device) -> dict[str, Any]:
+def forward_backward_alone(
+    model: PreTrainedModel,
+    groups: list[rollout_pb2.RolloutGroup],
+    warmup: list[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    device: torch.device,
+) -> dict[str, Any]:
     """The step's forward and backward with no optimizer (DropGrads), after a warm-up on one
     micro-batch: the floor a host optimizer is measured against, and what the GPU-resident
     fused AdamW's step nearly is (its optimizer phase: 0.02 s of 2.03 at 1.5B on the H200).
@@ -298,11 +368,25 @@ def forward_backward_alone(model: PreTrainedModel, groups: list[rollout_pb2.Roll
     drop = DropGrads(dict(model.named_parameters()))
     one_step(model, drop, warmup, cfg, device, 0)
     alone = one_step(model, drop, groups, cfg, device, 0)
-    return {"s": alone["step_s"], "tokens_per_s": round(alone["train_tokens"] / alone["step_s"], 1), "phases": alone["phases"]}
+    return {
+        "s": alone["step_s"],
+        "tokens_per_s": round(alone["train_tokens"] / alone["step_s"], 1),
+        "phases": alone["phases"],
+    }
 
 
-def timed_steps(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.RolloutGroup], warmup: list[rollout_pb2.RolloutGroup], cfg: StepConfig,
-                device: torch.device, repeats: int, delta: bool, overlapped: bool, alone_s: float) -> dict[str, Any]:
+def timed_steps(
+    model: PreTrainedModel,
+    opt: Any,
+    groups: list[rollout_pb2.RolloutGroup],
+    warmup: list[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    device: torch.device,
+    repeats: int,
+    delta: bool,
+    overlapped: bool,
+    alone_s: float,
+) -> dict[str, Any]:
     """One warm-up step on `warmup` and `repeats` timed steps on `groups`, back to back (an
     overlapped step's update runs during the next one's forward, the warm-up's during the first
     timed one's; `update_tail_s` is the wait for the last, which a following step would hide).
@@ -322,9 +406,15 @@ def timed_steps(model: PreTrainedModel, opt: Any, groups: list[rollout_pb2.Rollo
             torch.cuda.synchronize(device)
         tail = time.perf_counter() - start
     median = float(np.median([x["step_s"] for x in steps]))
-    out: dict[str, Any] = {"step_s": round(median, 3), "train_tokens": steps[0]["train_tokens"], "tokens_per_s": round(steps[0]["train_tokens"] / median, 1),
-                           "gpu_idle_fraction": round(1.0 - alone_s / median, 3), "overlapped": overlapped, "update_tail_s": round(tail, 3),
-                           "phases": [x["phases"] for x in steps]}
+    out: dict[str, Any] = {
+        "step_s": round(median, 3),
+        "train_tokens": steps[0]["train_tokens"],
+        "tokens_per_s": round(steps[0]["train_tokens"] / median, 1),
+        "gpu_idle_fraction": round(1.0 - alone_s / median, 3),
+        "overlapped": overlapped,
+        "update_tail_s": round(tail, 3),
+        "phases": [x["phases"] for x in steps],
+    }
     if "gpu_idle_lower_bound" in steps[0]:
         out["gpu_idle_lower_bound"] = round(float(np.median([x["gpu_idle_lower_bound"] for x in steps])), 3)
     if "delta" in steps[-1]:
@@ -343,13 +433,22 @@ def build_model_for_step(size: str, device: torch.device, dtype: torch.dtype) ->
     return model
 
 
-def host_optimizer(model: torch.nn.Module, grad_offload: bool, moments_dtype: str, master_layout: MasterLayout, sync: bool = True) -> HostAdamW:
+def host_optimizer(
+    model: torch.nn.Module, grad_offload: bool, moments_dtype: str, master_layout: MasterLayout, sync: bool = True
+) -> HostAdamW:
     """HostAdamW over the model's parameters (it reads them a bucket at a time: no whole fp32
     copy of the model on the host). `sync`: write the served bits into the model. Not needed
     where the parameters are bf16 already: the masters are then exactly the weights, whose bf16
     rounding in either layout is the weights themselves."""
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments_dtype,  # type: ignore[arg-type]  # a --moments-dtype string, one of the literals
-                    master_layout=master_layout, grad_offload=grad_offload)
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        moments_dtype=moments_dtype,  # type: ignore[arg-type]  # a --moments-dtype string, one of the literals
+        master_layout=master_layout,
+        grad_offload=grad_offload,
+    )
     if sync:
         opt.sync_model()
     return opt
@@ -373,8 +472,16 @@ VARIANTS = {
 }
 
 
-def run_variant(args: argparse.Namespace, device: torch.device, name: str, groups: list[rollout_pb2.RolloutGroup], warmup: list[rollout_pb2.RolloutGroup],
-                cfg: StepConfig, alone_s: float, parameters: int) -> dict[str, Any]:
+def run_variant(
+    args: argparse.Namespace,
+    device: torch.device,
+    name: str,
+    groups: list[rollout_pb2.RolloutGroup],
+    warmup: list[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    alone_s: float,
+    parameters: int,
+) -> dict[str, Any]:
     """One of VARIANTS on a model of its own: its timed steps, optimizer path and peak host memory."""
     host, offload, overlapped, delta = VARIANTS[name]
     peak_is_own = reset_peak_host()
@@ -387,39 +494,64 @@ def run_variant(args: argparse.Namespace, device: torch.device, name: str, group
         opt, path = ResidentAdamW(dict(model.named_parameters())), RESIDENT_PATH
     timed = timed_steps(model, opt, groups, warmup, cfg, device, args.repeats, delta, overlapped, alone_s)
     peak = peak_host_rss_gib()
-    return {**timed, "optimizer": path, "peak_host_gib": round(peak, 2), "peak_host_bytes_per_parameter": round(peak * 2**30 / parameters, 2),
-            "peak_host_is": "this run" if peak_is_own else "the process so far"}
+    return {
+        **timed,
+        "optimizer": path,
+        "peak_host_gib": round(peak, 2),
+        "peak_host_bytes_per_parameter": round(peak * 2**30 / parameters, 2),
+        "peak_host_is": "this run" if peak_is_own else "the process so far",
+    }
 
 
 def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     vocab = SIZES[args.size][5]
     groups = synthetic_groups(args.sequences, args.seq_tokens, args.prompt_tokens, vocab, seed=0)
-    warmup = synthetic_groups(one_micro_batch(args.sequences, args.seq_tokens, args.token_budget), args.seq_tokens, args.prompt_tokens, vocab, seed=1)
+    warmup = synthetic_groups(
+        one_micro_batch(args.sequences, args.seq_tokens, args.token_budget),
+        args.seq_tokens,
+        args.prompt_tokens,
+        vocab,
+        seed=1,
+    )
     cfg = step_config(args.seq_tokens, args.token_budget, device)
     parameters = parameter_count(args.size)
     result: dict[str, Any] = {
-        "size": args.size, "parameters": parameters, "sequences": args.sequences, "seq_tokens": args.seq_tokens, "token_budget": args.token_budget,
-        "micro_batches": micro_batches(args.sequences, args.seq_tokens, args.token_budget), "master_layout": args.master_layout,
+        "size": args.size,
+        "parameters": parameters,
+        "sequences": args.sequences,
+        "seq_tokens": args.seq_tokens,
+        "token_budget": args.token_budget,
+        "micro_batches": micro_batches(args.sequences, args.seq_tokens, args.token_budget),
+        "master_layout": args.master_layout,
         "moments_dtype": args.moments_dtype,
     }
-    result["forward_backward_alone"] = forward_backward_alone(build_model_for_step(args.size, device, DTYPES[args.dtype]), groups, warmup, cfg, device)
+    result["forward_backward_alone"] = forward_backward_alone(
+        build_model_for_step(args.size, device, DTYPES[args.dtype]), groups, warmup, cfg, device
+    )
     progress(result, f"forward and backward alone: {result['forward_backward_alone']['s']} s")
     for name in args.variants.split(","):
         if name == "resident" and device.type != "cuda":
             continue  # the resident baseline is a GPU's
         release(device)  # the last variant's model and optimizer went with run_variant's frame
         try:
-            result[name] = run_variant(args, device, name, groups, warmup, cfg, result["forward_backward_alone"]["s"], parameters)
+            result[name] = run_variant(
+                args, device, name, groups, warmup, cfg, result["forward_backward_alone"]["s"], parameters
+            )
         except torch.OutOfMemoryError as e:
             result[name] = {"error": f"out of device memory: {str(e).splitlines()[0]}"}
         progress(result, f"{name}: {result[name].get('tokens_per_s', result[name].get('error'))} tokens/s")
     if "tokens_per_s" in result.get("resident", {}):
         for name in VARIANTS:
             if name != "resident" and "tokens_per_s" in result.get(name, {}):
-                result[f"{name}_over_resident"] = round(result[name]["tokens_per_s"] / result["resident"]["tokens_per_s"], 3)
+                result[f"{name}_over_resident"] = round(
+                    result[name]["tokens_per_s"] / result["resident"]["tokens_per_s"], 3
+                )
     if all("phases" in result.get(name, {}) for name in ("host", "host_offload")):
         # Gradient offload's cost: backward with it over backward without it (the same sequential step).
-        backward = {name: float(np.median([x["backward_s"] for x in result[name]["phases"]])) for name in ("host", "host_offload")}
+        backward = {
+            name: float(np.median([x["backward_s"] for x in result[name]["phases"]]))
+            for name in ("host", "host_offload")
+        }
         if backward["host"] > 0:
             result["offload_backward_over_host"] = round(backward["host_offload"] / backward["host"], 3)
     return result
@@ -489,7 +621,9 @@ def progress(result: dict[str, Any], what: str) -> None:
     print(f"[{since_start_s():7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def sample_colocated(model: PreTrainedModel, args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Any]:
+def sample_colocated(
+    model: PreTrainedModel, args: argparse.Namespace, vocab: int, device: torch.device
+) -> dict[str, Any]:
     """After the step, sampling from the trained model itself as the colocated generator does
     (TransformersBackend.sharing: no second copy of the weights; issue 31): --sample-rows
     completions in groups of 8 of --sample-tokens each, from random prompts of --prompt-tokens,
@@ -501,16 +635,32 @@ def sample_colocated(model: PreTrainedModel, args: argparse.Namespace, vocab: in
     backend = TransformersBackend.sharing(model, AutoTokenizer.from_pretrained(args.tokenizer))
     g = torch.Generator().manual_seed(1)
     group = min(8, args.sample_rows)
-    requests = [SampleRequest(torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist(), group, 1.0, 1.0, 0, args.sample_tokens, seed=i)
-                for i in range(max(1, args.sample_rows // group))]
+    requests = [
+        SampleRequest(
+            torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist(),
+            group,
+            1.0,
+            1.0,
+            0,
+            args.sample_tokens,
+            seed=i,
+        )
+        for i in range(max(1, args.sample_rows // group))
+    ]
     start = time.perf_counter()
     samples = backend.sample(requests)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(x.token_ids) for grp in samples for x in grp)
-    return {"rows": len(requests) * group, "prompt_tokens": args.prompt_tokens, "new_tokens": args.sample_tokens, "tokens": tokens,
-            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1)}
+    return {
+        "rows": len(requests) * group,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.sample_tokens,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
 
 
 def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -525,11 +675,19 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     per_parameter = host_bytes_per_parameter(args.master_layout, args.moments_dtype, args.grad_offload)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {
-        "master_layout": args.master_layout, "moments_dtype": args.moments_dtype, "grad_offload": args.grad_offload,
-        "host_bytes_per_parameter": per_parameter, "host_fraction": HOST_FRACTION, "dtype": args.dtype,
-        "sequences": args.sequences, "seq_tokens": args.seq_tokens, "token_budget": args.token_budget,
-        "micro_batches": micro_batches(args.sequences, args.seq_tokens, args.token_budget), "delta": args.delta,
-        "activation_checkpointing": True, "sizes": rows,
+        "master_layout": args.master_layout,
+        "moments_dtype": args.moments_dtype,
+        "grad_offload": args.grad_offload,
+        "host_bytes_per_parameter": per_parameter,
+        "host_fraction": HOST_FRACTION,
+        "dtype": args.dtype,
+        "sequences": args.sequences,
+        "seq_tokens": args.seq_tokens,
+        "token_budget": args.token_budget,
+        "micro_batches": micro_batches(args.sequences, args.seq_tokens, args.token_budget),
+        "delta": args.delta,
+        "activation_checkpointing": True,
+        "sizes": rows,
     }
     cfg = step_config(args.seq_tokens, args.token_budget, device)
     for size in args.sizes.split(","):
@@ -543,20 +701,33 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         optimizer_bytes = parameters * per_parameter
         overhead = host_overhead_bytes(device, parameters, dtype)
         need, have = optimizer_bytes + overhead, available_host_bytes()
-        row |= {"parameters": parameters, "host_gib_optimizer": round(optimizer_bytes / 2**30, 2), "host_gib_needed": round(need / 2**30, 2),
-                "host_gib_available": round(have / 2**30, 1),
-                # Why there is no GPU-resident baseline at this size: ResidentAdamW's fp32 masters, their
-                # gradients and two fp32 moments on the device, beside the weights and their gradients.
-                "resident_optimizer_device_gib": round(parameters * 16 / 2**30, 1)}
+        row |= {
+            "parameters": parameters,
+            "host_gib_optimizer": round(optimizer_bytes / 2**30, 2),
+            "host_gib_needed": round(need / 2**30, 2),
+            "host_gib_available": round(have / 2**30, 1),
+            # Why there is no GPU-resident baseline at this size: ResidentAdamW's fp32 masters, their
+            # gradients and two fp32 moments on the device, beside the weights and their gradients.
+            "resident_optimizer_device_gib": round(parameters * 16 / 2**30, 1),
+        }
         if need > HOST_FRACTION * have:
-            row |= {"fits": False, "why": f"host memory: {need / 2**30:.1f} GiB more needed ({per_parameter} bytes a parameter and "
-                    f"{overhead / 2**30:.1f} GiB for the process), {have / 2**30:.1f} GiB available"}
+            row |= {
+                "fits": False,
+                "why": f"host memory: {need / 2**30:.1f} GiB more needed ({per_parameter} bytes a parameter and "
+                f"{overhead / 2**30:.1f} GiB for the process), {have / 2**30:.1f} GiB available",
+            }
             progress(result, f"{size}: does not fit the host")
             break
         row["peak_host_is"] = "this size" if reset_peak_host() else "the process so far"
         vocab = SIZES[size][5]
         groups = synthetic_groups(args.sequences, args.seq_tokens, args.prompt_tokens, vocab, seed=0)
-        warmup = synthetic_groups(one_micro_batch(args.sequences, args.seq_tokens, args.token_budget), args.seq_tokens, args.prompt_tokens, vocab, seed=1)
+        warmup = synthetic_groups(
+            one_micro_batch(args.sequences, args.seq_tokens, args.token_budget),
+            args.seq_tokens,
+            args.prompt_tokens,
+            vocab,
+            seed=1,
+        )
         model = opt = r = None
         try:
             start = time.perf_counter()
@@ -571,7 +742,9 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
             timeline["forward_backward"] = round(since_start_s(), 1)
             progress(result, f"{size}: forward and backward alone")
             start = time.perf_counter()
-            opt = host_optimizer(model, args.grad_offload, args.moments_dtype, args.master_layout, sync=dtype != torch.bfloat16)
+            opt = host_optimizer(
+                model, args.grad_offload, args.moments_dtype, args.master_layout, sync=dtype != torch.bfloat16
+            )
             row["optimizer_init_s"] = round(time.perf_counter() - start, 2)
             row["buckets"] = len(opt.buckets)
             row["optimizer"] = optimizer_path(opt, args.master_layout, args.moments_dtype, args.grad_offload)
@@ -584,9 +757,14 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
             row |= {"fits": True, **r, "step_over_forward_backward": round(r["step_s"] / alone["s"], 3)}
             if args.delta:
                 progress(result, f"{size}: stepped; a step with its delta")
-                with ThreadPoolExecutor(auto_encode_threads(torch.get_num_threads()), thread_name_prefix="delta") as pool:
+                with ThreadPoolExecutor(
+                    auto_encode_threads(torch.get_num_threads()), thread_name_prefix="delta"
+                ) as pool:
                     with_delta = one_step(model, opt, groups, cfg, device, 0, delta_base(opt), pool)
-                row["with_delta"] = {**with_delta, "tokens_per_s": round(with_delta["train_tokens"] / with_delta["step_s"], 1)}
+                row["with_delta"] = {
+                    **with_delta,
+                    "tokens_per_s": round(with_delta["train_tokens"] / with_delta["step_s"], 1),
+                }
                 timeline["with_delta"] = round(since_start_s(), 1)
             if args.sample_tokens:
                 progress(result, f"{size}: stepped; sampling from the same model")
@@ -618,21 +796,50 @@ def main() -> None:
     parser.add_argument("--sizes", default="1.5b,3b,7b,14b", help="largest: shapes to try, ascending")
     parser.add_argument("--sequences", type=int, default=None, help="sequences a step (default: step 8, largest 2)")
     parser.add_argument("--seq-tokens", type=int, default=4096)
-    parser.add_argument("--token-budget", type=int, default=TRAINER_TOKEN_BUDGET,
-                        help="padded tokens a micro-batch, the gradients accumulated over them (default: the trainer's)")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=TRAINER_TOKEN_BUDGET,
+        help="padded tokens a micro-batch, the gradients accumulated over them (default: the trainer's)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--sample-tokens", type=int, default=0, help="largest: after the step, sample this many tokens a row from the same model (colocated; 0: no sampling)")
+    parser.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=0,
+        help="largest: after the step, sample this many tokens a row from the same model (colocated; 0: no sampling)",
+    )
     parser.add_argument("--sample-rows", type=int, default=64, help="largest: rows sampled (groups of 8)")
-    parser.add_argument("--tokenizer", default="", help="largest with --sample-tokens: a tokenizer folder (its eos and pad ids; the kit's demo tokenizer)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (float32 to check the script on a CPU without fast bf16)")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="largest with --sample-tokens: a tokenizer folder (its eos and pad ids; the kit's demo tokenizer)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="compute dtype (float32 to check the script on a CPU without fast bf16)",
+    )
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split",
-                        help="HostAdamW's masters: split (the served bf16 bits and a 16-bit remainder) or fp32 (a vector, and the bits twice)")
+    parser.add_argument(
+        "--master-layout",
+        choices=["split", "fp32"],
+        default="split",
+        help="HostAdamW's masters: split (the served bf16 bits and a 16-bit remainder) or fp32 (a vector, and the bits twice)",
+    )
     parser.add_argument("--grad-offload", action="store_true", help="largest: with gradient offload")
-    parser.add_argument("--delta", action="store_true",
-                        help="largest: after the overlapped step, one with its delta encoded on the way (the trainer's step for a remote reader; in the peak host memory)")
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="largest: after the overlapped step, one with its delta encoded on the way (the trainer's step for a remote reader; in the peak host memory)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"step: the optimizers, in this order (of {', '.join(VARIANTS)}; resident: CUDA only)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"step: the optimizers, in this order (of {', '.join(VARIANTS)}; resident: CUDA only)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -645,13 +852,25 @@ def main() -> None:
     if unknown:
         parser.error(f"--variants: no {', '.join(sorted(unknown))} (there are {', '.join(VARIANTS)})")
     if args.token_budget < args.seq_tokens:
-        parser.error(f"--token-budget {args.token_budget} is under --seq-tokens {args.seq_tokens}: a sequence must fit one micro-batch")
+        parser.error(
+            f"--token-budget {args.token_budget} is under --seq-tokens {args.seq_tokens}: a sequence must fit one micro-batch"
+        )
     device = devices.resolve(args.device)
     result = run_step(args, device) if args.mode == "step" else run_largest(args, device)
-    print(json.dumps({
-        "benchmark": f"gpu_step/{args.mode}", **devices.info(device), "threads": torch.get_num_threads(), "encode_threads": auto_encode_threads(torch.get_num_threads()),
-        "cpus": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2), **result,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": f"gpu_step/{args.mode}",
+                **devices.info(device),
+                "threads": torch.get_num_threads(),
+                "encode_threads": auto_encode_threads(torch.get_num_threads()),
+                "cpus": os.cpu_count(),
+                "load_average_1min": round(os.getloadavg()[0], 2),
+                **result,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

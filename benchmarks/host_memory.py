@@ -120,7 +120,14 @@ def _trace_encoder(peak: _Peak, records: list[dict[str, object]]) -> None:
         rss = peak.reset()
         out = original(shape, size, pieces)
         added = _status_kib("VmHWM") - rss
-        records.append({"shape": list(shape), "changed": changed, "held_changes_mb": round(held / 2**20, 1), "peak_added_mb": round(added / 1024, 1)})
+        records.append(
+            {
+                "shape": list(shape),
+                "changed": changed,
+                "held_changes_mb": round(held / 2**20, 1),
+                "peak_added_mb": round(added / 1024, 1),
+            }
+        )
         return out
 
     deltas._encode_changes = traced
@@ -144,12 +151,18 @@ def parameter_shapes(shape: tuple[int, int, int, int, int, int, bool]) -> dict[s
     for i in range(layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         out |= {
-            f"{a}.q_proj.weight": (hidden, hidden), f"{a}.q_proj.bias": (hidden,),
-            f"{a}.k_proj.weight": (kv_dim, hidden), f"{a}.k_proj.bias": (kv_dim,),
-            f"{a}.v_proj.weight": (kv_dim, hidden), f"{a}.v_proj.bias": (kv_dim,),
+            f"{a}.q_proj.weight": (hidden, hidden),
+            f"{a}.q_proj.bias": (hidden,),
+            f"{a}.k_proj.weight": (kv_dim, hidden),
+            f"{a}.k_proj.bias": (kv_dim,),
+            f"{a}.v_proj.weight": (kv_dim, hidden),
+            f"{a}.v_proj.bias": (kv_dim,),
             f"{a}.o_proj.weight": (hidden, hidden),
-            f"{m}.gate_proj.weight": (inter, hidden), f"{m}.up_proj.weight": (inter, hidden), f"{m}.down_proj.weight": (hidden, inter),
-            f"model.layers.{i}.input_layernorm.weight": (hidden,), f"model.layers.{i}.post_attention_layernorm.weight": (hidden,),
+            f"{m}.gate_proj.weight": (inter, hidden),
+            f"{m}.up_proj.weight": (inter, hidden),
+            f"{m}.down_proj.weight": (hidden, inter),
+            f"model.layers.{i}.input_layernorm.weight": (hidden,),
+            f"model.layers.{i}.post_attention_layernorm.weight": (hidden,),
         }
     out["model.norm.weight"] = (hidden,)
     if not tied:
@@ -180,15 +193,27 @@ def _optimizer_buffers(opt: Any) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, encode_threads: int, anchor_interval: int, trace: bool, encoder_only: bool, shared_storage: bool, lr: float) -> dict[str, object]:
+def child(
+    size: str,
+    layout: str,
+    steps: int,
+    bucket_mb: float,
+    threads: int,
+    encode_threads: int,
+    anchor_interval: int,
+    trace: bool,
+    encoder_only: bool,
+    shared_storage: bool,
+    lr: float,
+) -> dict[str, object]:
     """One (layout, size) measurement, in this (fresh) process."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     from rollstream.core import cpu_runtime, deltas
     from rollstream.trainer import optimizer  # first: the package sets OpenMP's wait policy before torch starts
     from shapes import SIZES  # benchmarks/shapes.py
-
-    import torch
 
     # Imported before the baseline: its modules (gRPC, protobuf, cryptography) are not the step's memory.
     WeightPublisher = None if encoder_only else importlib.import_module("rollstream.trainer.publisher").WeightPublisher
@@ -215,7 +240,10 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
         grads = [gradients[: p.numel()].view(p.shape) for p in params.values()]
     else:
         # The device weights of the GPU path: bf16, N(0, 0.02) as shapes.build_model makes them.
-        params = {name: torch.nn.Parameter(torch.empty(s, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)) for name, s in shapes_.items()}
+        params = {
+            name: torch.nn.Parameter(torch.empty(s, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
+            for name, s in shapes_.items()
+        }
         grads = [torch.empty_like(p).normal_(0.0, 1e-3, generator=gen) for p in params.values()]
     n = sum(p.numel() for p in params.values())
     gc.collect()
@@ -231,8 +259,13 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
 
     with tempfile.TemporaryDirectory(prefix="host_memory_") as anchor_dir:
         opt = optimizer.HostAdamW(
-            params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-            bucket_mb=bucket_mb, master_layout=master_layout, moments_dtype=moments_dtype,  # type: ignore[arg-type]  # strings from --layouts, each one of the literals
+            params,
+            lr=lr,
+            betas=(0.9, 0.999),
+            weight_decay=0.0,
+            bucket_mb=bucket_mb,
+            master_layout=master_layout,
+            moments_dtype=moments_dtype,  # type: ignore[arg-type]  # strings from --layouts, each one of the literals
         )
         mark("init")
         base = opt.sync_model()
@@ -243,7 +276,9 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
             pool = ThreadPoolExecutor(encode_threads) if encode_threads else None
             kept: list[bytes] = []
         else:
-            publisher = WeightPublisher(base, anchor_interval, encode_threads=encode_threads, anchor_dir=Path(anchor_dir))
+            publisher = WeightPublisher(
+                base, anchor_interval, encode_threads=encode_threads, anchor_dir=Path(anchor_dir)
+            )
         mark("sync_model+publisher")
         payloads: list[dict[str, object]] = []
         step_s: list[float] = []
@@ -254,7 +289,9 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
             # The split layout's base: the bits of the previous step, views of the masters that
             # the step overwrites; the encoder reads only names and shapes from it, every piece
             # brings its old bits.
-            encoder = publisher.begin_delta() if publisher else deltas.DeltaEncoder(base, i, i + 1, "bench", executor=pool)
+            encoder = (
+                publisher.begin_delta() if publisher else deltas.DeltaEncoder(base, i, i + 1, "bench", executor=pool)
+            )
             _, new_bits = opt.step(1.0, on_piece=encoder.add_piece)
             if publisher:
                 _, stats = publisher.publish(new_bits, encoder)
@@ -263,26 +300,41 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
                 kept.append(payload)
                 base = new_bits
             step_s.append(round(time.perf_counter() - start, 3))
-            payloads.append({"bytes": stats.nbytes, "fraction_of_dense": round(stats.fraction_of_dense, 4), "changed_values": stats.changed_values})
+            payloads.append(
+                {
+                    "bytes": stats.nbytes,
+                    "fraction_of_dense": round(stats.fraction_of_dense, 4),
+                    "changed_values": stats.changed_values,
+                }
+            )
             del encoder, new_bits
             mark(f"step{i + 1}")
         hwm_kib = peak.now()
         rss_kib = _status_kib("VmRSS")
         buffers = _optimizer_buffers(opt)
         if publisher:
-            kept_deltas = sum(len(d.data()) for d in publisher._deltas)  # what the publisher keeps until its next anchor
+            kept_deltas = sum(
+                len(d.data()) for d in publisher._deltas
+            )  # what the publisher keeps until its next anchor
             publisher.close()
         else:
             kept_deltas = sum(len(k) for k in kept)
     return {
-        "size": size, "layout": layout, "parameters": n, "publisher": not encoder_only, "shared_storage": shared_storage, "lr": lr,
+        "size": size,
+        "layout": layout,
+        "parameters": n,
+        "publisher": not encoder_only,
+        "shared_storage": shared_storage,
+        "lr": lr,
         "nominal_bytes_per_param": optimizer.host_bytes_per_parameter(master_layout, moments_dtype),  # type: ignore[arg-type]  # strings from --layouts, each one of the literals
         "measured_bytes_per_param": round((hwm_kib - peak.baseline) * 1024 / n, 3),
         "resident_after_bytes_per_param": round((rss_kib - peak.baseline) * 1024 / n, 3),
         "peak_by_phase_bytes_per_param": peaks,
-        "baseline_gib": round(peak.baseline / 2**20, 3), "peak_reset": reset,
+        "baseline_gib": round(peak.baseline / 2**20, 3),
+        "peak_reset": reset,
         "optimizer_buffers_bytes_per_param": {k: round(v / n, 3) for k, v in buffers.items()},
-        "payloads": payloads, "publisher_kept_delta_bytes": kept_deltas,
+        "payloads": payloads,
+        "publisher_kept_delta_bytes": kept_deltas,
         "step_s": step_s,
         **({"largest_encodes": sorted(encodes, key=lambda e: -float(e["peak_added_mb"]))[:4]} if trace else {}),  # type: ignore[arg-type]  # a list among the dict's numbers: mypy infers one value type
     }
@@ -290,17 +342,55 @@ def child(size: str, layout: str, steps: int, bucket_mb: float, threads: int, en
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated shapes of benchmarks/shapes.py (tiny for a test)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated master_layout+moments_dtype, of {', '.join(LAYOUTS)}")
+    parser.add_argument(
+        "--sizes", default="0.5b,1.5b", help="comma-separated shapes of benchmarks/shapes.py (tiny for a test)"
+    )
+    parser.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help=f"comma-separated master_layout+moments_dtype, of {', '.join(LAYOUTS)}",
+    )
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--bucket-mb", type=float, default=32.0, help="the trainer's default; a tiny model needs a small one (staging is a bucket wide)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=32.0,
+        help="the trainer's default; a tiny model needs a small one (staging is a bucket wide)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--encode-threads", type=int, default=0, help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)")
-    parser.add_argument("--anchor-interval", type=int, default=20, help="the trainer's default: the deltas of these steps stay in memory")
-    parser.add_argument("--trace-encoder", action="store_true", help="record the peak each tensor's delta encode adds (the 4 largest per run)")
-    parser.add_argument("--encoder-only", action="store_true", help="a DeltaEncoder on its own pool instead of the WeightPublisher (no gRPC stack needed)")
-    parser.add_argument("--shared-storage", action="store_true", help="weights and gradients as views of one buffer each: a smaller baseline, the same optimizer")
-    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW's lr (the measured runs'); lower, fewer bf16 values change a step (1e-6: real GRPO densities)")
+    parser.add_argument(
+        "--encode-threads",
+        type=int,
+        default=0,
+        help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)",
+    )
+    parser.add_argument(
+        "--anchor-interval",
+        type=int,
+        default=20,
+        help="the trainer's default: the deltas of these steps stay in memory",
+    )
+    parser.add_argument(
+        "--trace-encoder",
+        action="store_true",
+        help="record the peak each tensor's delta encode adds (the 4 largest per run)",
+    )
+    parser.add_argument(
+        "--encoder-only",
+        action="store_true",
+        help="a DeltaEncoder on its own pool instead of the WeightPublisher (no gRPC stack needed)",
+    )
+    parser.add_argument(
+        "--shared-storage",
+        action="store_true",
+        help="weights and gradients as views of one buffer each: a smaller baseline, the same optimizer",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-5,
+        help="AdamW's lr (the measured runs'); lower, fewer bf16 values change a step (1e-6: real GRPO densities)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # shapes.py
@@ -309,7 +399,19 @@ def main() -> None:
 
         args.encode_threads = auto_encode_threads(args.threads)
     if args.child:
-        result = child(args.child[0], args.child[1], args.steps, args.bucket_mb, args.threads, args.encode_threads, args.anchor_interval, args.trace_encoder, args.encoder_only, args.shared_storage, args.lr)
+        result = child(
+            args.child[0],
+            args.child[1],
+            args.steps,
+            args.bucket_mb,
+            args.threads,
+            args.encode_threads,
+            args.anchor_interval,
+            args.trace_encoder,
+            args.encoder_only,
+            args.shared_storage,
+            args.lr,
+        )
         print(json.dumps(result))
         return
 
@@ -332,14 +434,50 @@ def main() -> None:
             need = n * ((0 if args.shared_storage else 4) + nominal + 4) + GiB
             available = _available_bytes()
             if need > available:
-                runs.append({"size": size, "layout": layout, "parameters": n, "nominal_bytes_per_param": nominal,
-                             "skipped": f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available here"})
+                runs.append(
+                    {
+                        "size": size,
+                        "layout": layout,
+                        "parameters": n,
+                        "nominal_bytes_per_param": nominal,
+                        "skipped": f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available here",
+                    }
+                )
                 continue
-            cmd = [sys.executable, __file__, "--child", size, layout, "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb),
-                   "--threads", str(args.threads), "--encode-threads", str(args.encode_threads), "--anchor-interval", str(args.anchor_interval), "--lr", str(args.lr)] + (["--trace-encoder"] if args.trace_encoder else []) + (["--encoder-only"] if args.encoder_only else []) + (["--shared-storage"] if args.shared_storage else [])
+            cmd = (
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    size,
+                    layout,
+                    "--steps",
+                    str(args.steps),
+                    "--bucket-mb",
+                    str(args.bucket_mb),
+                    "--threads",
+                    str(args.threads),
+                    "--encode-threads",
+                    str(args.encode_threads),
+                    "--anchor-interval",
+                    str(args.anchor_interval),
+                    "--lr",
+                    str(args.lr),
+                ]
+                + (["--trace-encoder"] if args.trace_encoder else [])
+                + (["--encoder-only"] if args.encoder_only else [])
+                + (["--shared-storage"] if args.shared_storage else [])
+            )
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:  # -9: most likely the OOM killer
-                runs.append({"size": size, "layout": layout, "parameters": n, "error": f"exit {done.returncode}: {done.stderr.strip()[-2000:]}"})
+                runs.append(
+                    {
+                        "size": size,
+                        "layout": layout,
+                        "parameters": n,
+                        "error": f"exit {done.returncode}: {done.stderr.strip()[-2000:]}",
+                    }
+                )
             else:
                 runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress: each run as it ends
@@ -356,15 +494,34 @@ def main() -> None:
         arithmetic[layout] = {"bytes_per_param": per_param, "measured_at": ref["size"]}
         for t, count in counts.items():
             gib = per_param * count / GiB
-            arithmetic[layout][t] = {"parameters": count, "optimizer_gib": round(gib, 1), "with_process_gib": round(gib + PROCESS_GIB, 1),
-                                     "fits_128_gib": gib + PROCESS_GIB <= HOST_GIB}
-    print(json.dumps({
-        "benchmark": "host_memory", "load_average_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        "steps": args.steps, "lr": args.lr, "bucket_mb": args.bucket_mb, "encode_threads": args.encode_threads, "anchor_interval": args.anchor_interval,
-        "runs": runs,
-        "arithmetic": {"host_gib": HOST_GIB, "process_gib": PROCESS_GIB,
-                       "note": "GPU path: weights and gradients on the GPU; host = measured bytes/param (largest size measured) x parameters + the process", "layouts": arithmetic},
-    }, indent=2))
+            arithmetic[layout][t] = {
+                "parameters": count,
+                "optimizer_gib": round(gib, 1),
+                "with_process_gib": round(gib + PROCESS_GIB, 1),
+                "fits_128_gib": gib + PROCESS_GIB <= HOST_GIB,
+            }
+    print(
+        json.dumps(
+            {
+                "benchmark": "host_memory",
+                "load_average_1min": round(os.getloadavg()[0], 2),
+                "cpus": os.cpu_count(),
+                "steps": args.steps,
+                "lr": args.lr,
+                "bucket_mb": args.bucket_mb,
+                "encode_threads": args.encode_threads,
+                "anchor_interval": args.anchor_interval,
+                "runs": runs,
+                "arithmetic": {
+                    "host_gib": HOST_GIB,
+                    "process_gib": PROCESS_GIB,
+                    "note": "GPU path: weights and gradients on the GPU; host = measured bytes/param (largest size measured) x parameters + the process",
+                    "layouts": arithmetic,
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 import torch
+
 from rollstream.core import modeling
 from rollstream.core.models import resolve_model
 from rollstream.generator.backends import SampleRequest, TransformersBackend
@@ -79,16 +80,26 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
 
     settings = TrainerSettings(
-        lr=args.lr, loss=args.loss, tis_cap=args.tis_cap, max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
-        group_size=args.group_size, groups_per_step=args.groups_per_step,
+        lr=args.lr,
+        loss=args.loss,
+        tis_cap=args.tis_cap,
+        max_new_tokens=args.max_new_tokens,
+        token_budget=args.token_budget,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
     )
     cfg = StepConfig.from_settings(settings)
     model, tokenizer = modeling.load_model(model_dir, dtype="float32", device="cpu")
     model.train()
     params = modeling.named_weights(model)
     opt = HostAdamW(
-        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
-        moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+        params,
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+        bucket_mb=settings.bucket_mb,
+        moments_dtype=args.moments_dtype,
+        master_layout=args.master_layout,
     )
     generator = TransformersBackend(model_dir)
     gen_params = modeling.named_weights(generator.model)
@@ -117,19 +128,30 @@ def main() -> None:
             batch_index = step + len(queue)
             tasks = [next(source) for _ in range(args.groups_per_step)]
             requests = [
-                SampleRequest(generator.encode_chat(t.messages), args.group_size, 1.0, 1.0, 0, args.max_new_tokens, seed=(args.seed * 1000 + batch_index) * 100 + g)
+                SampleRequest(
+                    generator.encode_chat(t.messages),
+                    args.group_size,
+                    1.0,
+                    1.0,
+                    0,
+                    args.max_new_tokens,
+                    seed=(args.seed * 1000 + batch_index) * 100 + g,
+                )
                 for g, t in enumerate(tasks)
             ]
             groups = []
             for task, request, samples in zip(tasks, requests, generator.sample(requests), strict=True):
                 completions = [
                     rollout_pb2.Completion(
-                        token_ids=s.token_ids, behaviour_logprobs=s.logprobs,
+                        token_ids=s.token_ids,
+                        behaviour_logprobs=s.logprobs,
                         reward=recipes.score(task.task_kind, Sample(completion=s.text, answer=task.answer)).reward,
                     )
                     for s in samples
                 ]
-                groups.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
+                groups.append(
+                    rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True)
+                )
             queue.append(groups)
         groups = queue.popleft()
         rewards = [c.reward for g in groups for c in g.completions]
@@ -137,27 +159,49 @@ def main() -> None:
         new_bits = set_weights()
         changed = float(np.count_nonzero(new_bits != bits)) / new_bits.size
         bits = new_bits
-        history.append({
-            "step": step, "reward": round(float(np.mean(rewards)), 4), "loss": round(result.loss, 5), "grad_norm": round(result.grad_norm, 4),
-            "clip_fraction": round(result.clip_fraction, 4), "bf16_changed": round(changed, 5),
-        })
+        history.append(
+            {
+                "step": step,
+                "reward": round(float(np.mean(rewards)), 4),
+                "loss": round(result.loss, 5),
+                "grad_norm": round(result.grad_norm, 4),
+                "clip_fraction": round(result.clip_fraction, 4),
+                "bf16_changed": round(changed, 5),
+            }
+        )
         print(json.dumps(history[-1]), flush=True)
     rewards = [h["reward"] for h in history]
-    print(json.dumps({
-        "benchmark": "learning_per_step",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "factors": {
-            "weights": args.weights, "loss": args.loss, "staleness": args.staleness, "tis_cap": args.tis_cap,
-            "master_layout": args.master_layout, "moments_dtype": args.moments_dtype,
-        },
-        "seed": args.seed, "lr": args.lr, "steps": args.steps, "threads": args.threads,
-        "reward_by_step": rewards,
-        "first_step_at_0.85": first_step_at(rewards, 0.85), "first_step_at_0.95": first_step_at(rewards, 0.95),
-        "mean_reward_last5": round(float(np.mean(rewards[-5:])), 4),
-        "wall_s": round(time.monotonic() - started, 1),
-        "loadavg_1_5_15": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
-        "steps_detail": history,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "learning_per_step",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "factors": {
+                    "weights": args.weights,
+                    "loss": args.loss,
+                    "staleness": args.staleness,
+                    "tis_cap": args.tis_cap,
+                    "master_layout": args.master_layout,
+                    "moments_dtype": args.moments_dtype,
+                },
+                "seed": args.seed,
+                "lr": args.lr,
+                "steps": args.steps,
+                "threads": args.threads,
+                "reward_by_step": rewards,
+                "first_step_at_0.85": first_step_at(rewards, 0.85),
+                "first_step_at_0.95": first_step_at(rewards, 0.95),
+                "mean_reward_last5": round(float(np.mean(rewards[-5:])), 4),
+                "wall_s": round(time.monotonic() - started, 1),
+                "loadavg_1_5_15": {
+                    "start": [round(x, 2) for x in load_start],
+                    "end": [round(x, 2) for x in os.getloadavg()],
+                },
+                "steps_detail": history,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -41,15 +41,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets OpenMP's passive wait policy, as in the trainer
-import devices  # benchmarks/devices.py
 import torch
+from torch.optim.adamw import adamw as functional_adamw
+
+import devices  # benchmarks/devices.py
+import rollstream.trainer  # noqa: F401  before torch (devices imports it): sets OpenMP's passive wait policy, as in the trainer
 from gpu_step import optimizer_path  # benchmarks/gpu_step.py
 from rollstream.core import deltas
 from rollstream.trainer.config import auto_encode_threads
 from rollstream.trainer.optimizer import HostAdamW
 from shapes import SIZES, build_model  # benchmarks/shapes.py
-from torch.optim.adamw import adamw as functional_adamw
 
 
 def sync(device: torch.device) -> None:
@@ -78,7 +79,22 @@ def adamw_rate(elements: int, repeats: int) -> float:
     step = torch.tensor(0.0)
 
     def run() -> None:
-        functional_adamw([p], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-5, weight_decay=0.0, eps=1e-8, maximize=False)
+        functional_adamw(
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [step],
+            fused=True,
+            amsgrad=False,
+            beta1=0.9,
+            beta2=0.999,
+            lr=1e-5,
+            weight_decay=0.0,
+            eps=1e-8,
+            maximize=False,
+        )
 
     times = timed(run, lambda: None, torch.device("cpu"), repeats)
     return elements / min(times)
@@ -105,7 +121,9 @@ def make_grads(params: list[torch.nn.Parameter], seed: int) -> Callable[[], None
     return prepare
 
 
-def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor], opts: list[torch.optim.Optimizer]) -> None:
+def baseline_step(
+    params: list[torch.nn.Parameter], masters: list[torch.Tensor], opts: list[torch.optim.Optimizer]
+) -> None:
     """LSRL-style: one parameter at a time, synchronous, pageable memory."""
     with torch.no_grad():
         for p, master, opt in zip(params, masters, opts, strict=True):
@@ -117,11 +135,18 @@ def baseline_step(params: list[torch.nn.Parameter], masters: list[torch.Tensor],
             p.grad = None
 
 
-def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+def time_offloaded(
+    named: dict[str, torch.nn.Parameter], prepare: Callable[[], None], device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     """The step alone, then the step with its delta encoded after it and on the way."""
     opt = HostAdamW(
-        named, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0,
-        bucket_mb=args.bucket_mb, moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+        named,
+        lr=1e-5,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=args.bucket_mb,
+        moments_dtype=args.moments_dtype,
+        master_layout=args.master_layout,
         split_kernel=False if args.torch_split else None,
     )
     step_only = timed(lambda: opt.step(1.0), prepare, device, args.repeats)
@@ -150,9 +175,17 @@ def time_offloaded(named: dict[str, torch.nn.Parameter], prepare: Callable[[], N
         on_the_way = timed(step_with_delta_on_the_way, reset, device, args.repeats)
     last = stats[-1]
     return {
-        "step_only": step_only, "step_then_delta": after, "step_with_delta_on_the_way": on_the_way, "buckets": len(opt.buckets),
-        "split_kernel": opt.uses_split_kernel, "optimizer": optimizer_path(opt, args.master_layout, args.moments_dtype, False),
-        "delta": {"bytes": last.nbytes, "fraction_of_dense": round(last.fraction_of_dense, 4), "changed_values": last.changed_values},
+        "step_only": step_only,
+        "step_then_delta": after,
+        "step_with_delta_on_the_way": on_the_way,
+        "buckets": len(opt.buckets),
+        "split_kernel": opt.uses_split_kernel,
+        "optimizer": optimizer_path(opt, args.master_layout, args.moments_dtype, False),
+        "delta": {
+            "bytes": last.nbytes,
+            "fraction_of_dense": round(last.fraction_of_dense, 4),
+            "changed_values": last.changed_values,
+        },
     }
 
 
@@ -174,14 +207,32 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="0.1b")
     devices.add_argument(parser)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
-    parser.add_argument("--encode-threads", type=int, default=0, help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)")
+    parser.add_argument(
+        "--encode-threads",
+        type=int,
+        default=0,
+        help="delta encoder threads (0: the trainer's delta_encode_threads = auto, half the cores)",
+    )
     parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="HostAdamW's master_layout (the trainer's default: split)")
-    parser.add_argument("--torch-split", action="store_true", help="split layout: step with torch operations, not the compiled kernel")
+    parser.add_argument(
+        "--master-layout",
+        choices=["split", "fp32"],
+        default="split",
+        help="HostAdamW's master_layout (the trainer's default: split)",
+    )
+    parser.add_argument(
+        "--torch-split", action="store_true", help="split layout: step with torch operations, not the compiled kernel"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory")
-    parser.add_argument("--skip-delta-after", action="store_true", help="time the delta on the way only, not also encoded after the step")
+    parser.add_argument(
+        "--skip-baseline", action="store_true", help="the baseline needs another 12 bytes per parameter of host memory"
+    )
+    parser.add_argument(
+        "--skip-delta-after",
+        action="store_true",
+        help="time the delta on the way only, not also encoded after the step",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -202,7 +253,12 @@ def main() -> None:
     if device.type == "cuda":
         d2h, h2d = copy_rates(device, 256 * 2**20, args.repeats)
         bound["d2h"], bound["h2d"] = 2 * n / d2h, 2 * n / h2d
-        limit |= {"d2h_GB_per_s": round(d2h / 1e9, 2), "h2d_GB_per_s": round(h2d / 1e9, 2), "d2h_s": round(bound["d2h"], 4), "h2d_s": round(bound["h2d"], 4)}
+        limit |= {
+            "d2h_GB_per_s": round(d2h / 1e9, 2),
+            "h2d_GB_per_s": round(h2d / 1e9, 2),
+            "d2h_s": round(bound["d2h"], 4),
+            "h2d_s": round(bound["h2d"], 4),
+        }
     limit_s = max(bound.values())
     limit |= {"limit_s": round(limit_s, 4), "bound_by": max(bound, key=lambda k: bound[k])}
 
@@ -224,17 +280,26 @@ def main() -> None:
         "master_layout": args.master_layout,
         "split_kernel": timings["split_kernel"],
         "optimizer": timings["optimizer"],
-        "offloaded": {"median_s": round(statistics.median(offloaded), 4), "min_s": round(min(offloaded), 4), "params_per_s": round(n / statistics.median(offloaded))},
+        "offloaded": {
+            "median_s": round(statistics.median(offloaded), 4),
+            "min_s": round(min(offloaded), 4),
+            "params_per_s": round(n / statistics.median(offloaded)),
+        },
         "limit": limit,
         "offloaded_over_limit": round(statistics.median(offloaded) / limit_s, 2),
         "encode_threads": args.encode_threads,
         "delta": timings["delta"],
-        **{key: {"median_s": round(statistics.median(timings[key]), 4), "min_s": round(min(timings[key]), 4)}
-           for key in ("step_then_delta", "step_with_delta_on_the_way") if timings[key]},
+        **{
+            key: {"median_s": round(statistics.median(timings[key]), 4), "min_s": round(min(timings[key]), 4)}
+            for key in ("step_then_delta", "step_with_delta_on_the_way")
+            if timings[key]
+        },
     }
     if not args.skip_baseline:
         masters = [p.detach().to(device="cpu", dtype=torch.float32) for p in params]
-        opts: list[torch.optim.Optimizer] = [torch.optim.AdamW([m], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0) for m in masters]
+        opts: list[torch.optim.Optimizer] = [
+            torch.optim.AdamW([m], lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0) for m in masters
+        ]
         base = timed(lambda: baseline_step(params, masters, opts), prepare, device, args.repeats)
         result["baseline"] = {"median_s": round(statistics.median(base), 4), "min_s": round(min(base), 4)}
         result["baseline_over_offloaded"] = round(statistics.median(base) / statistics.median(offloaded), 2)

@@ -33,7 +33,9 @@ from rollstream.reference.scoring import ReferenceModel, TokenPair, round_to_bf1
 from shapes import SIZES, build_model  # benchmarks/shapes.py
 
 
-def workload(vocab: int, groups: int, group_size: int, prompt_tokens: int, completion_tokens: tuple[int, int], seed: int) -> list[TokenPair]:
+def workload(
+    vocab: int, groups: int, group_size: int, prompt_tokens: int, completion_tokens: tuple[int, int], seed: int
+) -> list[TokenPair]:
     rng = random.Random(seed)
     sequences: list[TokenPair] = []
     for _ in range(groups):
@@ -45,17 +47,30 @@ def workload(vocab: int, groups: int, group_size: int, prompt_tokens: int, compl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct via resolve_model)")
-    parser.add_argument("--shape", choices=sorted(SIZES), default=None, help="a Qwen2-shaped model with random weights instead of --model")
+    parser.add_argument(
+        "--model", default=None, help="local HF folder (default: SmolLM2-135M-Instruct via resolve_model)"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SIZES),
+        default=None,
+        help="a Qwen2-shaped model with random weights instead of --model",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=48, help="the demo prompt with SmolLM2's chat template is about this long")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=48, help="the demo prompt with SmolLM2's chat template is about this long"
+    )
     parser.add_argument("--completion-tokens", default="16,192", help="MIN,MAX completion length (uniform)")
     parser.add_argument("--token-budgets", default="2048,8192")
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--share-prompts", default="true", help="true, false, or both: the reference's shared-prompt path (KV cache per group)")
+    parser.add_argument(
+        "--share-prompts",
+        default="true",
+        help="true, false, or both: the reference's shared-prompt path (KV cache per group)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -64,7 +79,14 @@ def main() -> None:
 
     def load(dtype: str, budget: int, share: bool) -> ReferenceModel:
         if model_dir is not None:
-            return ReferenceModel.load(model_dir, dtype=dtype, device=args.device, token_budget=budget, chunk_tokens=args.chunk_tokens, share_prompts=share)
+            return ReferenceModel.load(
+                model_dir,
+                dtype=dtype,
+                device=args.device,
+                token_budget=budget,
+                chunk_tokens=args.chunk_tokens,
+                share_prompts=share,
+            )
         model = build_model(args.shape, torch.device(args.device), getattr(torch, dtype))
         round_to_bf16_(model)  # as the service does at load
         return ReferenceModel(model, pad_id=0, token_budget=budget, chunk_tokens=args.chunk_tokens, share_prompts=share)
@@ -80,11 +102,17 @@ def main() -> None:
             for share in shares:
                 ref = load(dtype, budget, share)
                 low, high = (int(x) for x in args.completion_tokens.split(","))
-                sequences = workload(ref.vocab_size, args.groups, args.group_size, args.prompt_tokens, (low, high), seed=0)
+                sequences = workload(
+                    ref.vocab_size, args.groups, args.group_size, args.prompt_tokens, (low, high), seed=0
+                )
                 lengths = [len(p) + len(c) for p, c in sequences]
                 # Micro-batches: over all sequences, or per group when the prompt is shared.
                 per = args.group_size if share else len(sequences)
-                packed = [b for k in range(0, len(sequences), per) for b in modeling.pack_by_tokens(lengths[k : k + per], budget)]
+                packed = [
+                    b
+                    for k in range(0, len(sequences), per)
+                    for b in modeling.pack_by_tokens(lengths[k : k + per], budget)
+                ]
                 ref.logprobs(sequences[: args.group_size])  # warm-up (allocations, kernels)
                 seconds, cpu_seconds = [], []
                 for _ in range(args.repeats):

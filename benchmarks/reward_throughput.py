@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 
 from rollstream.core import codec
-from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.run_keys import RunKeys
 from rollstream.core.redis_policy import connect
+from rollstream.core.run_keys import RunKeys
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
 
 
@@ -67,13 +67,17 @@ def make_groups(n_groups: int, group_size: int, seed: int) -> list[rollout_pb2.R
                 prompt_ids=[1, 2, 3],
                 answer=answer,
                 task_kind="math",
-                completions=[rollout_pb2.Completion(text=t, token_ids=[5] * 40, behaviour_logprobs=[-1.0] * 40) for t in texts],
+                completions=[
+                    rollout_pb2.Completion(text=t, token_ids=[5] * 40, behaviour_logprobs=[-1.0] * 40) for t in texts
+                ],
             )
         )
     return groups
 
 
-def start_worker(redis_url: str, run: str, name: str, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+def start_worker(
+    redis_url: str, run: str, name: str, workdir: Path, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], Path]:
     state = workdir / f"{name}.json"
     log = (workdir / f"{name}.log").open("wb")
     proc = subprocess.Popen(
@@ -145,7 +149,9 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def measure(redis_url: str, workers: int, groups: list[rollout_pb2.RolloutGroup], workdir: Path, round_: int, extra: list[str]) -> dict[str, float]:
+def measure(
+    redis_url: str, workers: int, groups: list[rollout_pb2.RolloutGroup], workdir: Path, round_: int, extra: list[str]
+) -> dict[str, float]:
     run = f"bench-reward-{workers}w-{round_}-{int(time.time())}"
     keys = RunKeys(run)
     client = connect(redis_url)
@@ -191,7 +197,9 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--score-workers", type=int, default=0, help="each service's scoring pool size (0: the service's default)")
+    parser.add_argument(
+        "--score-workers", type=int, default=0, help="each service's scoring pool size (0: the service's default)"
+    )
     args = parser.parse_args()
     extra = ["--score-workers", str(args.score_workers)] if args.score_workers else []
     groups = make_groups(args.groups, args.group_size, args.seed)
@@ -205,7 +213,13 @@ def main() -> None:
     results = []
     for w in counts:
         best = max(rounds[w], key=lambda x: x["groups_per_s"])
-        results.append({**best, "median_groups_per_s": statistics.median(x["groups_per_s"] for x in rounds[w]), "rounds": [x["groups_per_s"] for x in rounds[w]]})
+        results.append(
+            {
+                **best,
+                "median_groups_per_s": statistics.median(x["groups_per_s"] for x in rounds[w]),
+                "rounds": [x["groups_per_s"] for x in rounds[w]],
+            }
+        )
     out = {
         "benchmark": "reward_throughput",
         "recipe": "math (math-verify)",

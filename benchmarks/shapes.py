@@ -21,8 +21,14 @@ def config(size: str):
 
     hidden, inter, layers, heads, kv, vocab, tied = SIZES[size]
     return Qwen2Config(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=4096,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=4096,
     )
 
 
@@ -73,7 +79,11 @@ def byte_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
         model_max_length=4096,
     )

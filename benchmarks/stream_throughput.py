@@ -46,10 +46,10 @@ from pathlib import Path
 import redis
 
 from rollstream.core import codec
-from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.run_keys import STAGES, RunKeys
 from rollstream.core.redis_policy import connect
+from rollstream.core.run_keys import STAGES, RunKeys
 from rollstream.core.streams import Ops, StreamStage
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
 
 SINK = "sink"
@@ -61,8 +61,16 @@ BLOCK_MS = 100
 def realistic_group(i: int, completions: int, tokens: int, rng: random.Random) -> rollout_pb2.RolloutGroup:
     """What the trainer reads: scored, with reference log-probs, one version span each."""
     group = rollout_pb2.RolloutGroup(
-        group_id=f"g{i:08d}", task_id=f"g{i:08d}", policy_version=3, prompt_ids=[rng.randrange(50_000) for _ in range(48)],
-        answer="42", task_kind="arithmetic", scored=True, has_ref_logprobs=True, group_size=completions, created_at=time.time(),
+        group_id=f"g{i:08d}",
+        task_id=f"g{i:08d}",
+        policy_version=3,
+        prompt_ids=[rng.randrange(50_000) for _ in range(48)],
+        answer="42",
+        task_kind="arithmetic",
+        scored=True,
+        has_ref_logprobs=True,
+        group_size=completions,
+        created_at=time.time(),
     )
     for _ in range(completions):
         c = group.completions.add()
@@ -152,7 +160,10 @@ def stage_rate(url: str, groups: list[rollout_pb2.RolloutGroup], read_count: int
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event() if processes else threading.Event()
     make = ctx.Process if processes else threading.Thread
-    workers = [make(target=run_stage, args=(url, run, src, dst, read_count, stop), daemon=True) for src, dst in itertools.pairwise(chain)]
+    workers = [
+        make(target=run_stage, args=(url, run, src, dst, read_count, stop), daemon=True)
+        for src, dst in itertools.pairwise(chain)
+    ]
     t0 = time.perf_counter()
     for w in workers:
         w.start()
@@ -160,7 +171,9 @@ def stage_rate(url: str, groups: list[rollout_pb2.RolloutGroup], read_count: int
         deadline = time.monotonic() + 600
         while int(client.hget(keys.stats, "sunk") or 0) < len(groups):
             if time.monotonic() > deadline or not all(w.is_alive() for w in workers):
-                raise RuntimeError(f"stages stalled at {int(client.hget(keys.stats, 'sunk') or 0)}/{len(groups)} groups")
+                raise RuntimeError(
+                    f"stages stalled at {int(client.hget(keys.stats, 'sunk') or 0)}/{len(groups)} groups"
+                )
             time.sleep(0.005)
         seconds = time.perf_counter() - t0
     finally:
@@ -170,7 +183,9 @@ def stage_rate(url: str, groups: list[rollout_pb2.RolloutGroup], read_count: int
         client.delete(*client.scan_iter(match=keys.prefix + "*"))
         client.close()
     return {
-        "groups": len(groups), "stages": len(STAGES), "seconds": round(seconds, 3),
+        "groups": len(groups),
+        "stages": len(STAGES),
+        "seconds": round(seconds, 3),
         "groups_per_s": round(len(groups) / seconds, 1),
         "hops_per_s": round(len(STAGES) * len(groups) / seconds, 1),  # entries moved by some stage, per second
         "mode": "processes" if processes else "threads",
@@ -186,13 +201,20 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10_000, help="raw: entries moved through one hop")
     parser.add_argument("--groups", type=int, default=1_000, help="stages: groups sent through all four stages")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of (a) then (b)")
-    parser.add_argument("--read-count", type=int, default=8, help="entries per XREADGROUP (the services' read_count default)")
+    parser.add_argument(
+        "--read-count", type=int, default=8, help="entries per XREADGROUP (the services' read_count default)"
+    )
     parser.add_argument("--payload-bytes", type=int, default=1024, help="raw: bytes of each entry's data")
     parser.add_argument("--payload-tokens", type=int, default=64, help="stages: tokens per completion")
     parser.add_argument("--completions", type=int, default=8, help="stages: completions per group")
     parser.add_argument("--processes", action="store_true", help="each stage in its own process instead of a thread")
     parser.add_argument("--redis-url", default="", help="this Redis instead of an embedded redis-server")
-    parser.add_argument("--appendfsync", choices=["always", "everysec", "no"], default="", help="embedded: AOF fsync policy (default: rollstream up's)")
+    parser.add_argument(
+        "--appendfsync",
+        choices=["always", "everysec", "no"],
+        default="",
+        help="embedded: AOF fsync policy (default: rollstream up's)",
+    )
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -224,16 +246,30 @@ def main() -> None:
         "redis": {"version": info["redis_version"], "embedded": not args.redis_url, **aof},
         "read_count": args.read_count,
         "repeats": args.repeats,
-        "raw": {**summarize([r["entries_per_s"] for r in raws], "entries_per_s"), "entries": args.entries, "payload_bytes": args.payload_bytes},
+        "raw": {
+            **summarize([r["entries_per_s"] for r in raws], "entries_per_s"),
+            "entries": args.entries,
+            "payload_bytes": args.payload_bytes,
+        },
         "stages": {
-            **summarize([r["groups_per_s"] for r in stagess], "groups_per_s"), "groups": args.groups, "stages": len(STAGES),
-            "mode": "processes" if args.processes else "threads", "group_bytes": group_bytes, "completions": args.completions, "tokens": args.payload_tokens,
+            **summarize([r["groups_per_s"] for r in stagess], "groups_per_s"),
+            "groups": args.groups,
+            "stages": len(STAGES),
+            "mode": "processes" if args.processes else "threads",
+            "group_bytes": group_bytes,
+            "completions": args.completions,
+            "tokens": args.payload_tokens,
         },
         # The chained stages run concurrently, so end to end they move what their slowest hop
         # moves: groups/s end to end over the raw one-hop entries/s is what the stage machinery
         # (decode, commit script, bigger payload, GIL or processes) keeps of the raw rate.
-        "ratio_stages_to_raw_median": round(statistics.median(r["groups_per_s"] for r in stagess) / statistics.median(r["entries_per_s"] for r in raws), 3),
-        "ratio_stages_to_raw_per_round": [round(b["groups_per_s"] / a["entries_per_s"], 3) for a, b in zip(raws, stagess, strict=True)],
+        "ratio_stages_to_raw_median": round(
+            statistics.median(r["groups_per_s"] for r in stagess) / statistics.median(r["entries_per_s"] for r in raws),
+            3,
+        ),
+        "ratio_stages_to_raw_per_round": [
+            round(b["groups_per_s"] / a["entries_per_s"], 3) for a, b in zip(raws, stagess, strict=True)
+        ],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "load_average_before": load_before,
         "load_average_after": [round(x, 2) for x in os.getloadavg()],

@@ -25,8 +25,9 @@ import shutil
 import tempfile
 import time
 
-import devices  # benchmarks/devices.py
 import torch
+
+import devices  # benchmarks/devices.py
 from demo_task import arithmetic_requests  # benchmarks/demo_task.py
 from rollstream.core import deltas, modeling
 from rollstream.core.models import resolve_model
@@ -60,8 +61,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     devices.add_argument(parser)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype of generation and training (the demo's: float32)")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="a random-weight Qwen2 of this shape instead of --model's weights")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype of generation and training (the demo's: float32)",
+    )
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="a random-weight Qwen2 of this shape instead of --model's weights",
+    )
     parser.add_argument("--grad-offload", action="store_true", help="the trainer's grad_offload setting")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -79,7 +90,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     backend = TransformersBackend(model_dir, dtype=args.dtype, device=str(device))
-    _, requests = arithmetic_requests(backend, args.completions // args.group_size, args.group_size, args.max_new_tokens)
+    _, requests = arithmetic_requests(
+        backend, args.completions // args.group_size, args.group_size, args.max_new_tokens
+    )
     # On a GPU the first batch and the first step of a process pay for CUDA's start (kernels
     # loaded, cuBLAS handles, the caching allocator): each is run once untimed before.
     warm = device.type == "cuda"
@@ -91,14 +104,22 @@ def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     gen_tokens = sum(len(s.token_ids) for group in samples for s in group)
 
     # The trainer's step with the trainer's defaults (TrainerSettings), on random 0/1 rewards.
-    settings = TrainerSettings(max_new_tokens=args.max_new_tokens, device=str(device), dtype=args.dtype, grad_offload=args.grad_offload)
+    settings = TrainerSettings(
+        max_new_tokens=args.max_new_tokens, device=str(device), dtype=args.dtype, grad_offload=args.grad_offload
+    )
     del backend  # its weights on the device are not needed for training
     model, tokenizer = modeling.load_model(model_dir, dtype=settings.dtype, device=settings.device)
     model.train()
     params = modeling.named_weights(model)
     opt = HostAdamW(
-        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, bucket_mb=settings.bucket_mb,
-        moments_dtype=settings.moments_dtype, master_layout=settings.master_layout, grad_offload=settings.grad_offload,
+        params,
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+        bucket_mb=settings.bucket_mb,
+        moments_dtype=settings.moments_dtype,
+        master_layout=settings.master_layout,
+        grad_offload=settings.grad_offload,
     )
     bits = opt.sync_model()
     fingerprint = deltas.model_fingerprint({k: v.shape for k, v in bits.items()})
@@ -106,7 +127,10 @@ def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     groups = []
     for request, group in zip(requests, samples):
         rewards = torch.randint(0, 2, (len(group),), generator=rng).float().tolist()
-        completions = [rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r) for s, r in zip(group, rewards)]
+        completions = [
+            rollout_pb2.Completion(token_ids=s.token_ids, behaviour_logprobs=s.logprobs, reward=r)
+            for s, r in zip(group, rewards)
+        ]
         groups.append(rollout_pb2.RolloutGroup(prompt_ids=request.prompt_ids, completions=completions, scored=True))
     config = StepConfig.from_settings(settings)
     if warm:
@@ -124,24 +148,45 @@ def run(args: argparse.Namespace, device: torch.device, model_dir: str) -> None:
     deltas.decode(payload, bits0, 0, fingerprint)
     decode_s = time.perf_counter() - t
     step_s = result.forward_s + result.backward_s + result.optimizer_s + encode_s
-    print(json.dumps({
-        "benchmark": "throughput",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        **devices.info(device),
-        "threads": args.threads,
-        "model": model_dir if not args.size else f"random-weight Qwen2 {args.size} (shapes.py)",
-        "dtype": args.dtype,
-        "grad_offload": args.grad_offload,
-        "parameters": sum(p.numel() for p in params.values()),
-        "generation": {"completions": args.completions, "tokens": gen_tokens, "seconds": round(gen_s, 2), "tokens_per_s": round(gen_tokens / gen_s, 1)},
-        "training": {
-            "sequences": result.completions, "tokens": result.train_tokens, "completion_tokens": result.tokens,
-            "forward_s": round(result.forward_s, 2), "backward_s": round(result.backward_s, 2), "optimizer_s": round(result.optimizer_s, 2),
-            "delta_encode_s": round(encode_s, 2), "delta_decode_s": round(decode_s, 2),
-            "step_s": round(step_s, 2), "tokens_per_s": round(result.train_tokens / step_s, 1),
-        },
-        "delta": {"bytes": stats.nbytes, "dense_bf16_bytes": stats.dense_bytes, "fraction_of_dense": round(stats.fraction_of_dense, 4), "encodings": stats.encodings},
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                **devices.info(device),
+                "threads": args.threads,
+                "model": model_dir if not args.size else f"random-weight Qwen2 {args.size} (shapes.py)",
+                "dtype": args.dtype,
+                "grad_offload": args.grad_offload,
+                "parameters": sum(p.numel() for p in params.values()),
+                "generation": {
+                    "completions": args.completions,
+                    "tokens": gen_tokens,
+                    "seconds": round(gen_s, 2),
+                    "tokens_per_s": round(gen_tokens / gen_s, 1),
+                },
+                "training": {
+                    "sequences": result.completions,
+                    "tokens": result.train_tokens,
+                    "completion_tokens": result.tokens,
+                    "forward_s": round(result.forward_s, 2),
+                    "backward_s": round(result.backward_s, 2),
+                    "optimizer_s": round(result.optimizer_s, 2),
+                    "delta_encode_s": round(encode_s, 2),
+                    "delta_decode_s": round(decode_s, 2),
+                    "step_s": round(step_s, 2),
+                    "tokens_per_s": round(result.train_tokens / step_s, 1),
+                },
+                "delta": {
+                    "bytes": stats.nbytes,
+                    "dense_bf16_bytes": stats.dense_bytes,
+                    "fraction_of_dense": round(stats.fraction_of_dense, 4),
+                    "encodings": stats.encodings,
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

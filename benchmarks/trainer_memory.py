@@ -63,7 +63,21 @@ def _reset_peak() -> None:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 try:
@@ -144,7 +158,9 @@ def unique_bytes(*objs: Any) -> int:
             root = o
             while isinstance(root.base, np.ndarray):
                 root = root.base
-            seen[root.__array_interface__["data"][0]] = max(seen.get(root.__array_interface__["data"][0], 0), root.nbytes)
+            seen[root.__array_interface__["data"][0]] = max(
+                seen.get(root.__array_interface__["data"][0], 0), root.nbytes
+            )
         elif isinstance(o, (bytes, bytearray)):
             seen[id(o)] = len(o)
         elif hasattr(o, "payload"):  # publisher.Published
@@ -165,7 +181,12 @@ def demo_groups(tokenizer: Any, step: int, count: int, group_size: int, new_toke
     out = []
     for g in range(count):
         prompt = next(source)
-        ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in prompt.messages], add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in prompt.messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         completions = [
             rollout_pb2.Completion(
                 token_ids=[rng.randrange(vocab) for _ in range(new_tokens)],
@@ -175,7 +196,16 @@ def demo_groups(tokenizer: Any, step: int, count: int, group_size: int, new_toke
             for _ in range(group_size)
         ]
         gid = f"mem-s{step}-g{g}"
-        out.append(rollout_pb2.RolloutGroup(group_id=gid, task_id=gid, policy_version=step - 1, prompt_ids=list(ids), completions=completions, scored=True))
+        out.append(
+            rollout_pb2.RolloutGroup(
+                group_id=gid,
+                task_id=gid,
+                policy_version=step - 1,
+                prompt_ids=list(ids),
+                completions=completions,
+                scored=True,
+            )
+        )
     return out
 
 
@@ -187,20 +217,56 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (the demo's: float32)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward (the trainer's setting)")
-    parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)")
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
-    parser.add_argument("--moments-dtype", choices=["float32", "bfloat16"], default="bfloat16", help="AdamW moments (the trainer's setting)")
-    parser.add_argument("--master-layout", choices=["split", "fp32"], default="split", help="the trainer's master layout (masters.py)")
-    parser.add_argument("--anchor-interval", type=int, default=20)
-    parser.add_argument("--anchor-file", action="store_true", help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)")
-    parser.add_argument("--malloc-trim", action="store_true", help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="compute device (the optimizer state stays in host memory either way)")
-    parser.add_argument("--tracemalloc", action="store_true", help="also trace the Python heap (slower; its own bookkeeping is counted in RSS)")
     parser.add_argument(
-        "--reader", choices=["yes", "no", "alternate"], default="yes",
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (the demo's: float32)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in backward (the trainer's setting)",
+    )
+    parser.add_argument(
+        "--token-budget", type=int, default=4096, help="padded tokens per micro-batch (the trainer's setting)"
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="LM-head rows at a time (the trainer's setting)")
+    parser.add_argument(
+        "--moments-dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="AdamW moments (the trainer's setting)",
+    )
+    parser.add_argument(
+        "--master-layout", choices=["split", "fp32"], default="split", help="the trainer's master layout (masters.py)"
+    )
+    parser.add_argument("--anchor-interval", type=int, default=20)
+    parser.add_argument(
+        "--anchor-file",
+        action="store_true",
+        help="keep the anchor in a file (the trainer's anchor_dir, as `up` sets it), not in memory",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also save a checkpoint every N steps (to a temp dir)"
+    )
+    parser.add_argument(
+        "--malloc-trim",
+        action="store_true",
+        help="malloc_trim(0) at every cut: how much of RSS is glibc holding freed memory",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="compute device (the optimizer state stays in host memory either way)",
+    )
+    parser.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="also trace the Python heap (slower; its own bookkeeping is counted in RSS)",
+    )
+    parser.add_argument(
+        "--reader",
+        choices=["yes", "no", "alternate"],
+        default="yes",
         help="whether anyone reads the deltas: yes (as before); no (a colocated run's trainer: none encoded, no anchor kept; issue 44); "
         "alternate (no on odd steps, yes on even ones, the anchor written before those outside their time: both in one process)",
     )
@@ -210,9 +276,10 @@ def main() -> None:
         tracemalloc.start(1)
     rec = Recorder(trim=args.malloc_trim, trace=args.tracemalloc)
 
-    import devices  # benchmarks/devices.py
     import numpy as np
     import torch
+
+    import devices  # benchmarks/devices.py
     from rollstream.core import deltas, modeling
     from rollstream.core.config import load_settings
     from rollstream.core.service import ServiceHost
@@ -237,11 +304,16 @@ def main() -> None:
             out = fn(*a, **kw)
             rec.mark(name() if callable(name) else name)
             return out
+
         return wrapper
 
     orig_load = modeling.load_model
     modeling.load_model = after(orig_load, "model_load")
-    orig_init, orig_sync, orig_step = optimizer_mod.HostAdamW.__init__, optimizer_mod.HostAdamW.sync_model, optimizer_mod.HostAdamW.step
+    orig_init, orig_sync, orig_step = (
+        optimizer_mod.HostAdamW.__init__,
+        optimizer_mod.HostAdamW.sync_model,
+        optimizer_mod.HostAdamW.step,
+    )
     optimizer_mod.HostAdamW.__init__ = after(orig_init, "optimizer_init")
     optimizer_mod.HostAdamW.sync_model = after(orig_sync, "optimizer_sync_model")
 
@@ -271,7 +343,11 @@ def main() -> None:
 
     def step_wrapper(self, *a, **kw):
         grads_at_step["grads"] = unique_bytes([p.grad for p in self.params.values()])
-        rec.mark(f"step{step_no[0]}_forward_backward", grads_mb=round(grads_at_step["grads"] / MB), autograd_saved_mb=round(sum(saved.values()) / MB))
+        rec.mark(
+            f"step{step_no[0]}_forward_backward",
+            grads_mb=round(grads_at_step["grads"] / MB),
+            autograd_saved_mb=round(sum(saved.values()) / MB),
+        )
         out = orig_step(self, *a, **kw)
         rec.mark(f"step{step_no[0]}_optimizer")
         return out
@@ -281,10 +357,23 @@ def main() -> None:
     ckpt_dir = tempfile.mkdtemp(prefix="trainer-memory-")
     atexit.register(shutil.rmtree, ckpt_dir, True)  # checkpoints of the measured steps: gone at exit
     settings = load_settings(
-        TrainerSettings, [], model=args.model, threads=args.threads, device=str(device), dtype=args.dtype, groups_per_step=args.groups,
-        group_size=args.group_size, max_new_tokens=args.new_tokens, anchor_interval=args.anchor_interval, checkpoint_dir=ckpt_dir,
-        activation_checkpointing=args.activation_checkpointing, token_budget=args.token_budget, chunk_tokens=args.chunk_tokens,
-        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "", moments_dtype=args.moments_dtype, master_layout=args.master_layout,
+        TrainerSettings,
+        [],
+        model=args.model,
+        threads=args.threads,
+        device=str(device),
+        dtype=args.dtype,
+        groups_per_step=args.groups,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        anchor_interval=args.anchor_interval,
+        checkpoint_dir=ckpt_dir,
+        activation_checkpointing=args.activation_checkpointing,
+        token_budget=args.token_budget,
+        chunk_tokens=args.chunk_tokens,
+        anchor_dir=str(Path(ckpt_dir) / "anchor") if args.anchor_file else "",
+        moments_dtype=args.moments_dtype,
+        master_layout=args.master_layout,
     )
     host = ServiceHost("trainer", settings)
     t0 = time.perf_counter()
@@ -309,7 +398,13 @@ def main() -> None:
         t, cpu = time.perf_counter(), time.process_time()
         _metrics, published, stats = trainer.train_step(groups)
         step_times.append(round(time.perf_counter() - t, 2))
-        step_phases.append({"reader": reader_at(step), "cpu_s": round(time.process_time() - cpu, 2), **{k: round(v, 3) for k, v in trainer.last_phases.items()}})
+        step_phases.append(
+            {
+                "reader": reader_at(step),
+                "cpu_s": round(time.process_time() - cpu, 2),
+                **{k: round(v, 3) for k, v in trainer.last_phases.items()},
+            }
+        )
         del published, groups
         rec.mark(f"step{step}_done", delta_mb=round(stats.nbytes / MB, 1))
         if args.checkpoint_every and step % args.checkpoint_every == 0:
@@ -325,9 +420,16 @@ def main() -> None:
         "grads": grads_at_step.get("grads", 0),
         "masters_fp32": unique_bytes(opt.flat_master, opt.hi, opt.lo),  # split layout: hi + lo are the fp32 masters
         "moments": unique_bytes(opt.exp_avg, opt.exp_avg_sq),
-        "optimizer_staging": unique_bytes(opt._bf16_out, opt.moments._wide, opt.host_grad, *(vars(o).get(k) for o in (opt.grads, opt.masters) for k in ("_staging", "_grad32", "_master32", "_int32"))),
+        "optimizer_staging": unique_bytes(
+            opt._bf16_out,
+            opt.moments._wide,
+            opt.host_grad,
+            *(vars(o).get(k) for o in (opt.grads, opt.masters) for k in ("_staging", "_grad32", "_master32", "_int32")),
+        ),
         # Split layout: the published bits are the masters' hi plane, counted above.
-        "bits_buffers": unique_bytes(opt.masters.bits, opt.masters._spare, pub._bits) if isinstance(opt.masters, Fp32Masters) else 0,
+        "bits_buffers": unique_bytes(opt.masters.bits, opt.masters._spare, pub._bits)
+        if isinstance(opt.masters, Fp32Masters)
+        else 0,
         "anchor_payload": unique_bytes(pub._anchor),
         "delta_payloads": unique_bytes(pub._deltas),
     }
@@ -336,34 +438,66 @@ def main() -> None:
     sum_parts = round(sum(parts.values()) / MB)
     peak = max(p["peak_mb"] for p in rec.phases)
     n = sum(int(b.size) for b in pub.bits().values())
-    print(json.dumps({
-        "benchmark": "trainer_memory",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}",
-        **devices.info(device),
-        "env": {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_") if k in os.environ},
-        "model": trainer.model_dir,
-        "parameters": n,
-        "dtype": args.dtype,
-        "threads": torch.get_num_threads(),
-        "load_average_1min": round(os.getloadavg()[0], 2),
-        "settings": {k: getattr(settings, k) for k in ("activation_checkpointing", "token_budget", "chunk_tokens", "anchor_interval", "anchor_dir", "moments_dtype", "master_layout")},
-        "shape": {"groups": args.groups, "group_size": args.group_size, "new_tokens": args.new_tokens, "steps": args.steps},
-        # Equal hashes across runs (same flags and threads) = bit-identical trained weights.
-        "weights_sha256": deltas.weights_sha256(pub.bits()),
-        "init_s": round(init_s, 1),
-        "step_s": step_times,
-        "reader": args.reader,
-        "step_phases": step_phases,
-        "phases": rec.phases,
-        "parts_mb": parts_mb,
-        "imports_rss_mb": imports_rss,
-        "sum_of_parts_mb": sum_parts,
-        "sum_of_parts_plus_imports_mb": sum_parts + imports_rss,
-        "peak_rss_mb": peak,
-        "peak_phase": max(rec.phases, key=lambda p: p["peak_mb"])["phase"],
-        "peak_over_parts_plus_imports": round(peak / (sum_parts + imports_rss), 2),
-        **({"cuda_peak_mb": max(p["cuda_peak_mb"] for p in rec.phases), "cuda_peak_phase": max(rec.phases, key=lambda p: p["cuda_peak_mb"])["phase"]} if device.type == "cuda" else {}),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "trainer_memory",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}",
+                **devices.info(device),
+                "env": {
+                    k: os.environ[k]
+                    for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+                    if k in os.environ
+                },
+                "model": trainer.model_dir,
+                "parameters": n,
+                "dtype": args.dtype,
+                "threads": torch.get_num_threads(),
+                "load_average_1min": round(os.getloadavg()[0], 2),
+                "settings": {
+                    k: getattr(settings, k)
+                    for k in (
+                        "activation_checkpointing",
+                        "token_budget",
+                        "chunk_tokens",
+                        "anchor_interval",
+                        "anchor_dir",
+                        "moments_dtype",
+                        "master_layout",
+                    )
+                },
+                "shape": {
+                    "groups": args.groups,
+                    "group_size": args.group_size,
+                    "new_tokens": args.new_tokens,
+                    "steps": args.steps,
+                },
+                # Equal hashes across runs (same flags and threads) = bit-identical trained weights.
+                "weights_sha256": deltas.weights_sha256(pub.bits()),
+                "init_s": round(init_s, 1),
+                "step_s": step_times,
+                "reader": args.reader,
+                "step_phases": step_phases,
+                "phases": rec.phases,
+                "parts_mb": parts_mb,
+                "imports_rss_mb": imports_rss,
+                "sum_of_parts_mb": sum_parts,
+                "sum_of_parts_plus_imports_mb": sum_parts + imports_rss,
+                "peak_rss_mb": peak,
+                "peak_phase": max(rec.phases, key=lambda p: p["peak_mb"])["phase"],
+                "peak_over_parts_plus_imports": round(peak / (sum_parts + imports_rss), 2),
+                **(
+                    {
+                        "cuda_peak_mb": max(p["cuda_peak_mb"] for p in rec.phases),
+                        "cuda_peak_phase": max(rec.phases, key=lambda p: p["cuda_peak_mb"])["phase"],
+                    }
+                    if device.type == "cuda"
+                    else {}
+                ),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,19 +40,29 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr-scheduler", default="linear", help="TRL's default (linear decay to 0 over --steps); 'constant' as rollstream")
+    p.add_argument(
+        "--lr-scheduler",
+        default="linear",
+        help="TRL's default (linear decay to 0 over --steps); 'constant' as rollstream",
+    )
     p.add_argument("--loss-type", default="dapo", help="TRL 1.16's default")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: TRL's own choice of the GPU (accelerate), fp32 as on the CPU")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: TRL's own choice of the GPU (accelerate), fp32 as on the CPU",
+    )
     args = p.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
     from datasets import Dataset
-    from rollstream.reward.recipes import Sample, build_recipes, default_specs
-    from rollstream.trainer import prompts
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from rollstream.reward.recipes import Sample, build_recipes, default_specs
+    from rollstream.trainer import prompts
 
     completions_per_step = args.group_size * args.groups_per_step
     if completions_per_step % args.micro_batch:
@@ -61,12 +71,18 @@ def main() -> None:
     # Enough tasks for every step; TRL repeats each prompt group_size times itself.
     tasks = [next(source) for _ in range(args.steps * args.groups_per_step)]
     data = Dataset.from_list(
-        [{"prompt": [{"role": r, "content": c} for r, c in t.messages], "answer": t.answer, "task_kind": t.task_kind} for t in tasks]
+        [
+            {"prompt": [{"role": r, "content": c} for r, c in t.messages], "answer": t.answer, "task_kind": t.task_kind}
+            for t in tasks
+        ]
     )
     recipes = build_recipes(default_specs(), None)
 
     def reward(completions: list, answer: list[str], task_kind: list[str], **_: object) -> list[float]:
-        return [recipes.score(k, Sample(completion=c[0]["content"], answer=a)).reward for c, a, k in zip(completions, answer, task_kind, strict=True)]
+        return [
+            recipes.score(k, Sample(completion=c[0]["content"], answer=a)).reward
+            for c, a, k in zip(completions, answer, task_kind, strict=True)
+        ]
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -79,7 +95,15 @@ def main() -> None:
         def on_log(self, _args, state, _control, logs=None, **_kw):
             if logs and "reward" in logs:
                 now = time.monotonic()
-                emit({"step": state.global_step, "reward": logs["reward"], "reward_std": logs.get("reward_std"), "t": round(now - STARTED, 2), "step_s": round(now - self.last, 2)})
+                emit(
+                    {
+                        "step": state.global_step,
+                        "reward": logs["reward"],
+                        "reward_std": logs.get("reward_std"),
+                        "t": round(now - STARTED, 2),
+                        "step_s": round(now - self.last, 2),
+                    }
+                )
                 self.last = now
 
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as out:
@@ -106,7 +130,14 @@ def main() -> None:
             report_to=[],
             dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[Steps()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            callbacks=[Steps()],
+        )
         trainer.train()
     emit({"done": True, "wall_s": round(time.monotonic() - STARTED, 2), "load_s": round(load_s, 2), "pid": os.getpid()})
 

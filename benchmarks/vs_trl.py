@@ -90,8 +90,12 @@ class MemoryWatch:
 def gpu_memory() -> dict[int, int]:
     """Bytes of GPU memory by pid, from nvidia-smi; empty where it cannot be read."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     usage = {}
@@ -151,8 +155,22 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     python = Path(args.trl_python) if args.trl_python else REPO / args.trl_venv / "bin" / "python"
     if not python.exists():
         sys.exit(f"{python} is missing: run `bash scripts/install_trl.sh` first")
-    cmd = [str(python), str(REPO / "benchmarks" / "trl_grpo.py"), "--model", model, "--seed", str(seed), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--max-new-tokens", str(args.max_new_tokens), "--device", args.device]
+    cmd = [
+        str(python),
+        str(REPO / "benchmarks" / "trl_grpo.py"),
+        "--model",
+        model,
+        "--seed",
+        str(seed),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--device",
+        args.device,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -162,7 +180,9 @@ def run_trl(args: argparse.Namespace, model: str, seed: int) -> dict:
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"TRL exited with {proc.returncode}: {' '.join(cmd)}")
-    steps = [{"step": s["step"], "reward": s["reward"], "t": s["t"], "step_s": s["step_s"]} for s in lines if "step" in s]
+    steps = [
+        {"step": s["step"], "reward": s["reward"], "t": s["t"], "step_s": s["step_s"]} for s in lines if "step" in s
+    ]
     return result("trl", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None)
 
 
@@ -171,9 +191,24 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int, evaluate: bo
     python = sys.executable  # rollstream's side runs from the venv running this script
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as workdir:
         cmd = [
-            python, "-m", "rollstream.launcher.cli", "up", "--model", model, "--trainer.steps", str(args.steps), "--generator.seed", str(seed),
-            "--run", f"vs-trl-{seed}", "--workdir", workdir, "--trainer.max-new-tokens", str(args.max_new_tokens),
-            *(f"--{service}.device={args.device}" for service in ("trainer", "generator", "reference")), *args.up_arg,
+            python,
+            "-m",
+            "rollstream.launcher.cli",
+            "up",
+            "--model",
+            model,
+            "--trainer.steps",
+            str(args.steps),
+            "--generator.seed",
+            str(seed),
+            "--run",
+            f"vs-trl-{seed}",
+            "--workdir",
+            workdir,
+            "--trainer.max-new-tokens",
+            str(args.max_new_tokens),
+            *(f"--{service}.device={args.device}" for service in ("trainer", "generator", "reference")),
+            *args.up_arg,
             *([] if evaluate else ["--trainer.eval-prompts=0"]),
         ]
         started_wall = time.time()
@@ -188,7 +223,9 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int, evaluate: bo
         records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
         if proc.returncode != 0 or not records:
             tail = "\n".join(up_log.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}\n{tail}")
+            raise RuntimeError(
+                f"rollstream up exited with {proc.returncode} ({len(records)} steps): {' '.join(cmd)}\n{tail}"
+            )
         held_out = held_out_rounds(records, Path(workdir) / "logs", started_wall)
     # The step log's wall time is the step's end; a replayed step (trainer restart) keeps the last record.
     # Held-out rounds are lines of their own ("kind": "eval", core/steplog.py): not steps.
@@ -196,13 +233,21 @@ def run_rollstream(args: argparse.Namespace, model: str, seed: int, evaluate: bo
     steps, last = [], started_wall
     for k in sorted(by_step):
         r = by_step[k]
-        steps.append({
-            "step": k, "reward": r["reward_mean"], "t": round(r["time"] - started_wall, 2), "step_s": round(r["time"] - last, 2), "staleness": r.get("mean_staleness"),
-            # The update alone (step_s less this is the wait for groups) and its phases.
-            **{key: r[key] for key in UPDATE_TIMES if key in r},
-        })
+        steps.append(
+            {
+                "step": k,
+                "reward": r["reward_mean"],
+                "t": round(r["time"] - started_wall, 2),
+                "step_s": round(r["time"] - last, 2),
+                "staleness": r.get("mean_staleness"),
+                # The update alone (step_s less this is the wait for groups) and its phases.
+                **{key: r[key] for key in UPDATE_TIMES if key in r},
+            }
+        )
         last = r["time"]
-    out = result("rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None, held_out)
+    out = result(
+        "rollstream", seed, steps, wall, watch.peaks, watch.gpu_peaks if args.device == "cuda" else None, held_out
+    )
     out["eval"] = evaluate
     return out
 
@@ -217,7 +262,9 @@ def log_events(logs: Path, services: tuple[str, ...]) -> list[tuple[float, str, 
             if len(head) < 4 or not head[0][:4].isdigit() or head[2] not in services:
                 continue  # a traceback's, a library's or another service's line
             try:
-                ts = time.mktime(time.strptime(head[0][:19], "%Y-%m-%dT%H:%M:%S")) + float(head[0][19:] or 0)  # local time, as logs.py writes it
+                ts = time.mktime(time.strptime(head[0][:19], "%Y-%m-%dT%H:%M:%S")) + float(
+                    head[0][19:] or 0
+                )  # local time, as logs.py writes it
                 fields = dict(kv.split("=", 1) for kv in shlex.split(head[4]) if "=" in kv) if len(head) > 4 else {}
             except ValueError:
                 continue
@@ -235,21 +282,41 @@ def held_out_rounds(records: list[dict], logs: Path, started_wall: float) -> lis
     for r in sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"]):
         step = int(r["step"])
         marker = f"-eval-{step:08d}-"  # evaluation group ids: <run>-eval-<step>-<n> (trainer/evaluation.py)
-        first = next((i for i, (_, name, f) in enumerate(events) if name == "groups_written" and marker in f.get("groups", "")), None)
+        first = next(
+            (i for i, (_, name, f) in enumerate(events) if name == "groups_written" and marker in f.get("groups", "")),
+            None,
+        )
         done = next((ts for ts, name, f in events if name == "evaluated" and f.get("step") == str(step)), None)
         seconds = round(done - events[first - 1][0], 2) if first and done is not None else None
-        rounds.append({
-            "step": step, "version": r.get("eval_version"), "prompts": r.get("eval_prompts"), "samples": r.get("eval_samples"),
-            "accuracy": r.get("eval_accuracy"), "reward": r.get("eval_reward_mean"), "pass_at_k": r.get("eval_pass_at_k"),
-            "completion_tokens": r.get("eval_completion_tokens"), "t": round(r["eval_time"] - started_wall, 2) if "eval_time" in r else None, "seconds": seconds,
-        })
+        rounds.append(
+            {
+                "step": step,
+                "version": r.get("eval_version"),
+                "prompts": r.get("eval_prompts"),
+                "samples": r.get("eval_samples"),
+                "accuracy": r.get("eval_accuracy"),
+                "reward": r.get("eval_reward_mean"),
+                "pass_at_k": r.get("eval_pass_at_k"),
+                "completion_tokens": r.get("eval_completion_tokens"),
+                "t": round(r["eval_time"] - started_wall, 2) if "eval_time" in r else None,
+                "seconds": seconds,
+            }
+        )
     return rounds
 
 
-def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[str, int], gpu_peaks: dict[str, int] | None = None,
-           held_out: list[dict] | None = None) -> dict:
+def result(
+    system: str,
+    seed: int,
+    steps: list[dict],
+    wall: float,
+    peaks: dict[str, int],
+    gpu_peaks: dict[str, int] | None = None,
+    held_out: list[dict] | None = None,
+) -> dict:
     out: dict = {
-        "system": system, "seed": seed,
+        "system": system,
+        "seed": seed,
         "reward_by_step": [round(s["reward"], 3) for s in steps],
         "wall_s": round(wall, 1),
         "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],  # a shared machine's load moves these figures
@@ -264,8 +331,12 @@ def result(system: str, seed: int, steps: list[dict], wall: float, peaks: dict[s
         out[f"s_to_{level}"] = first_time_at(steps, level)
     if held_out is not None:
         out["held_out"] = held_out
-        out["held_out_accuracy"] = {str(r["step"]): r["accuracy"] for r in held_out}  # by step: before (0) and after (the last)
-        out["held_out_s"] = round(sum(r["seconds"] for r in held_out), 2) if all(r["seconds"] is not None for r in held_out) else None
+        out["held_out_accuracy"] = {
+            str(r["step"]): r["accuracy"] for r in held_out
+        }  # by step: before (0) and after (the last)
+        out["held_out_s"] = (
+            round(sum(r["seconds"] for r in held_out), 2) if all(r["seconds"] is not None for r in held_out) else None
+        )
     print(json.dumps({k: v for k, v in out.items() if k != "steps"}), file=sys.stderr, flush=True)
     return out
 
@@ -292,34 +363,68 @@ def eval_cost(runs: list[dict]) -> dict:
         s_on, s_off = on["s_to_0.85"], off["s_to_0.85"]
         accuracy = list(on.get("held_out_accuracy", {}).values())
         first = next((r["seconds"] for r in on.get("held_out", []) if r["step"] == 0), None)
-        by_seed.append({
-            "seed": seed, "s_to_0.85_eval": s_on, "s_to_0.85_no_eval": s_off,
-            "ratio": round(s_on / s_off, 3) if s_on is not None and s_off else None,
-            "step_at_0.85": [on["step_at_0.85"], off["step_at_0.85"]],
-            "held_out_accuracy_before": accuracy[0] if accuracy else None, "held_out_accuracy_after": accuracy[-1] if len(accuracy) > 1 else None,
-            "held_out_s": on.get("held_out_s"), "round_0_s": first,
-            "round_0_share": round(first / (s_on - first), 3) if first is not None and s_on is not None else None,
-        })
+        by_seed.append(
+            {
+                "seed": seed,
+                "s_to_0.85_eval": s_on,
+                "s_to_0.85_no_eval": s_off,
+                "ratio": round(s_on / s_off, 3) if s_on is not None and s_off else None,
+                "step_at_0.85": [on["step_at_0.85"], off["step_at_0.85"]],
+                "held_out_accuracy_before": accuracy[0] if accuracy else None,
+                "held_out_accuracy_after": accuracy[-1] if len(accuracy) > 1 else None,
+                "held_out_s": on.get("held_out_s"),
+                "round_0_s": first,
+                "round_0_share": round(first / (s_on - first), 3) if first is not None and s_on is not None else None,
+            }
+        )
     ratios = [s["ratio"] for s in by_seed if s["ratio"] is not None]
     shares = [s["round_0_share"] for s in by_seed if s["round_0_share"] is not None]
-    return {"by_seed": by_seed, "median_ratio": statistics.median(ratios) if ratios else None, "max_ratio": max(ratios, default=None),
-            "max_round_0_share": max(shares, default=None)}
+    return {
+        "by_seed": by_seed,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "max_ratio": max(ratios, default=None),
+        "max_round_0_share": max(shares, default=None),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="a local Hugging Face folder (default: the demo's SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="the generation budget of both sides (larger: generation outweighs training)")
-    parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)")
-    parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
-    parser.add_argument("--eval-cost", action="store_true", help="rollstream twice a seed: held-out evaluation as set, and off (--trainer.eval-prompts=0)")
-    parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)")
-    parser.add_argument("--trl-venv", default=".venv-trl")
-    parser.add_argument("--trl-python", default="", help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)")
     parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu",
+        "--max-new-tokens",
+        type=int,
+        default=16,
+        help="the generation budget of both sides (larger: generation outweighs training)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="TRL's torch threads (rollstream's follow `up`'s own rule)"
+    )
+    parser.add_argument("--only", choices=["trl", "rollstream"], default=None)
+    parser.add_argument(
+        "--eval-cost",
+        action="store_true",
+        help="rollstream twice a seed: held-out evaluation as set, and off (--trainer.eval-prompts=0)",
+    )
+    parser.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        help="passed on to `rollstream up` (repeatable; use --up-arg=--flag=value)",
+    )
+    parser.add_argument("--trl-venv", default=".venv-trl")
+    parser.add_argument(
+        "--trl-python",
+        default="",
+        help="run TRL with this Python instead of --trl-venv's (a machine where one Python has both)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
         help="cuda: TRL on the GPU, and every rollstream service (--<service>.device); each process's GPU memory too (nvidia-smi)",
     )
     args = parser.parse_args()
@@ -352,18 +457,30 @@ def main() -> None:
             **{f"median_s_to_{level}": median_or_none([r[f"s_to_{level}"] for r in mine]) for level in LEVELS},
             **{f"median_step_at_{level}": median_or_none([r[f"step_at_{level}"] for r in mine]) for level in LEVELS},
             "median_wall_s": statistics.median(r["wall_s"] for r in mine),
-            "median_step_s": statistics.median(s for r in mine for s in r["step_s"][1:]) if any(len(r["step_s"]) > 1 for r in mine) else None,
+            "median_step_s": statistics.median(s for r in mine for s in r["step_s"][1:])
+            if any(len(r["step_s"]) > 1 for r in mine)
+            else None,
             "peak_rss_gb_max_process": max(max(r["peak_rss_gb"].values(), default=0) for r in mine),
         }
     if args.eval_cost:
         summary["eval_cost"] = eval_cost(runs)
-    print(json.dumps({
-        "benchmark": "vs_trl",
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "load_avg_at_end": os.getloadavg(),
-        "steps": args.steps, "seeds": args.seeds, "max_new_tokens": args.max_new_tokens, "up_args": args.up_arg, "device": args.device,
-        "summary": summary, "runs": runs,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "vs_trl",
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                "load_avg_at_end": os.getloadavg(),
+                "steps": args.steps,
+                "seeds": args.seeds,
+                "max_new_tokens": args.max_new_tokens,
+                "up_args": args.up_arg,
+                "device": args.device,
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

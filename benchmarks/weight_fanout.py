@@ -109,9 +109,18 @@ def serve_sink(state_file: str, die_in_push: int, secrets: str, nonce_delay_s: f
             finally:
                 relayed = stream.finish(read_rest=False)
             signed = push_signing.parse_signature(context.invocation_metadata())
-            ack = prover.ack(signed[0], signed_header) if prover is not None and signed is not None and signed_header is not None else b""
+            ack = (
+                prover.ack(signed[0], signed_header)
+                if prover is not None and signed is not None and signed_header is not None
+                else b""
+            )
             return weights_pb2.PushResult(
-                applied=True, version=version, apply_seconds=time.perf_counter() - start, receive_seconds=received, relayed=relayed, ack=ack,
+                applied=True,
+                version=version,
+                apply_seconds=time.perf_counter() - start,
+                receive_seconds=received,
+                relayed=relayed,
+                ack=ack,
             )
 
         def PushNonce(self, request, context):
@@ -134,7 +143,9 @@ def serve_sink(state_file: str, die_in_push: int, secrets: str, nonce_delay_s: f
     server.wait_for_termination()
 
 
-def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_dir: str, workdir: Path, secrets: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_receiver(
+    args: argparse.Namespace, index: int, redis_url: str, model_dir: str, workdir: Path, secrets: str
+) -> tuple[subprocess.Popen[bytes], Path]:
     from rollstream.core import credentials
 
     state_file = workdir / f"receiver{index}.state.json"
@@ -142,14 +153,40 @@ def start_receiver(args: argparse.Namespace, index: int, redis_url: str, model_d
         die = args.kill_relay_round if index == 0 and args.fanout else 0
         delay = args.slow_nonce_s if index == args.slow_index else 0.0
         cmd = [
-            sys.executable, __file__, "--serve-sink", str(state_file), "--die-in-push", str(die), "--sink-secrets", secrets,
-            "--nonce-delay-s", str(delay), "--apply-s", str(args.apply_s),
+            sys.executable,
+            __file__,
+            "--serve-sink",
+            str(state_file),
+            "--die-in-push",
+            str(die),
+            "--sink-secrets",
+            secrets,
+            "--nonce-delay-s",
+            str(delay),
+            "--apply-s",
+            str(args.apply_s),
         ]
     else:
         cmd = [
-            sys.executable, "-m", "rollstream.generator", "--redis-url", redis_url, "--run", "fanout",
-            "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file), "--log-level", "WARNING",
-            "--generator-id", f"g{index}", "--threads", str(args.generator_threads),
+            sys.executable,
+            "-m",
+            "rollstream.generator",
+            "--redis-url",
+            redis_url,
+            "--run",
+            "fanout",
+            "--model",
+            model_dir,
+            "--backend",
+            args.backend,
+            "--state-file",
+            str(state_file),
+            "--log-level",
+            "WARNING",
+            "--generator-id",
+            f"g{index}",
+            "--threads",
+            str(args.generator_threads),
         ]
         if args.poll_steps:  # syncing from the trainer too, with its weights_applied lines (hops)
             cmd += ["--trainer-address", (workdir / "trainer_address").read_text(), "--log-level", "INFO"]
@@ -234,13 +271,28 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
     flags = credentials.service_flags(Path(secrets), "trainer", redis_acl=False) if secrets else []
     settings = load_settings(
         # On a unix socket: generators send their token only to a server nothing else can bind.
-        TrainerSettings, flags, run="fanout", model=model_dir, threads=1, grpc_socket=str(workdir / "trainer.sock"), push_fanout=args.fanout,
+        TrainerSettings,
+        flags,
+        run="fanout",
+        model=model_dir,
+        threads=1,
+        grpc_socket=str(workdir / "trainer.sock"),
+        push_fanout=args.fanout,
         push_nonce_timeout_s=args.nonce_timeout,
-        push_timeout_s=args.push_timeout, anchor_interval=1_000_000,
+        push_timeout_s=args.push_timeout,
+        anchor_interval=1_000_000,
     )
     with ServiceHost("trainer", settings) as host:
         trainer = Trainer(settings, host)
-        host.start([Service("rollstream.v1.Trainer", Counting(trainer, GeneratorDirectory([]), CheckpointRequests()), trainer_pb2_grpc.add_TrainerServicer_to_server)])
+        host.start(
+            [
+                Service(
+                    "rollstream.v1.Trainer",
+                    Counting(trainer, GeneratorDirectory([]), CheckpointRequests()),
+                    trainer_pb2_grpc.add_TrainerServicer_to_server,
+                )
+            ]
+        )
         (workdir / "trainer_address").write_text(host.grpc_address)
         procs = [start_receiver(args, i, redis_url, model_dir, workdir, secrets) for i in range(n)]
         try:
@@ -258,7 +310,12 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
                 published, stats = trainer.publisher.publish(bits, encoder)
                 sizes.append(stats.nbytes)
                 pushed += trainer.publisher.pushes.wait()
-                trainer.publisher.pushes.start(published.info.version, lambda p=published: trainer.publisher.fleet.push(addresses, p, args.push_timeout, fanout=args.fanout))
+                trainer.publisher.pushes.start(
+                    published.info.version,
+                    lambda p=published: trainer.publisher.fleet.push(
+                        addresses, p, args.push_timeout, fanout=args.fanout
+                    ),
+                )
             pushed += trainer.publisher.pushes.wait()
             seconds = time.perf_counter() - start
             time.sleep(2 * 2.0)  # two sync intervals (the default 2 s): a generator a push missed has fetched by now
@@ -302,7 +359,11 @@ def applied_hops(workdir: Path, addresses: list[str], outcomes: list) -> dict | 
             if m:
                 logged = datetime.datetime.fromisoformat(m.group(1)).timestamp()
                 received[(address, int(m.group(2)))] = logged - float(m.group(3))
-    hops = [received[(o.address, o.version)] - received[(o.via, o.version)] for o in outcomes if o.via and (o.address, o.version) in received and (o.via, o.version) in received]
+    hops = [
+        received[(o.address, o.version)] - received[(o.via, o.version)]
+        for o in outcomes
+        if o.via and (o.address, o.version) in received and (o.via, o.version) in received
+    ]
     return {"n": len(hops), "median": round(statistics.median(hops), 4), "max": round(max(hops), 4)} if hops else None
 
 
@@ -318,23 +379,55 @@ def main() -> None:
     parser.add_argument("--backend", choices=["transformers", "vllm", "sink"], default="transformers")
     parser.add_argument("--counts", default="1,2,4,8", help="generator counts to time, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--payload", choices=["delta", "first", "anchor"], default="delta",
-                        help="delta: a steady-state step's delta (after Adam's first); first: Adam's first step; anchor: full weights (sink only)")
+    parser.add_argument(
+        "--payload",
+        choices=["delta", "first", "anchor"],
+        default="delta",
+        help="delta: a steady-state step's delta (after Adam's first); first: Adam's first step; anchor: full weights (sink only)",
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--generator-threads", type=int, default=1, help="torch threads per generator process")
-    parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts in seconds; no effect on weight loads)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vllm: no torch.compile (starts in seconds; no effect on weight loads)",
+    )
     parser.add_argument("--push-timeout", type=float, default=600.0)
-    parser.add_argument("--fanout", type=int, default=0, help="push down a relay tree of this fanout (0: the trainer pushes to every receiver)")
-    parser.add_argument("--kill-relay-round", type=int, default=0, help="sink, with --fanout: receiver 0 (a root) kills itself at its Nth push's first chunk")
+    parser.add_argument(
+        "--fanout",
+        type=int,
+        default=0,
+        help="push down a relay tree of this fanout (0: the trainer pushes to every receiver)",
+    )
+    parser.add_argument(
+        "--kill-relay-round",
+        type=int,
+        default=0,
+        help="sink, with --fanout: receiver 0 (a root) kills itself at its Nth push's first chunk",
+    )
     parser.add_argument("--die-in-push", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--signed", action="store_true", help="signed pushes, as with grpc_auth_file: nonces, proofs, acknowledgements")
+    parser.add_argument(
+        "--signed", action="store_true", help="signed pushes, as with grpc_auth_file: nonces, proofs, acknowledgements"
+    )
     parser.add_argument("--nonce-timeout", type=float, default=3.0, help="the trainer's push_nonce_timeout_s")
-    parser.add_argument("--slow-index", type=int, default=-1, help="sink, --signed: this receiver answers PushNonce --slow-nonce-s late")
+    parser.add_argument(
+        "--slow-index", type=int, default=-1, help="sink, --signed: this receiver answers PushNonce --slow-nonce-s late"
+    )
     parser.add_argument("--slow-nonce-s", type=float, default=10.0)
-    parser.add_argument("--apply-s", type=float, default=0.0, help="sink: seconds each receiver takes after receiving a payload, as an apply")
+    parser.add_argument(
+        "--apply-s",
+        type=float,
+        default=0.0,
+        help="sink: seconds each receiver takes after receiving a payload, as an apply",
+    )
     parser.add_argument("--sink-secrets", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--poll-steps", type=int, default=0, help="real generators: the sync race (sync_race), this many steps, with --counts N generators")
+    parser.add_argument(
+        "--poll-steps",
+        type=int,
+        default=0,
+        help="real generators: the sync race (sync_race), this many steps, with --counts N generators",
+    )
     parser.add_argument("--nonce-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_sink:
@@ -342,7 +435,9 @@ def main() -> None:
         return
     counts = [int(c) for c in args.counts.split(",")]
     if args.payload != "delta" and args.backend != "sink":
-        parser.error("--payload first / anchor are for --backend sink (a generator takes Adam's first step once per start)")
+        parser.error(
+            "--payload first / anchor are for --backend sink (a generator takes Adam's first step once per start)"
+        )
 
     import torch
 
@@ -363,8 +458,18 @@ def main() -> None:
         tokens = credentials.ensure_grpc_tokens(Path(secrets)) if secrets else {}
         if args.poll_steps:
             race = sync_race(args, model_dir, redis_server.url, n_max, workdir, secrets)
-            print(json.dumps({"benchmark": "weight_fanout_sync_race", "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                              "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())], "model": model_dir, **race}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "weight_fanout_sync_race",
+                        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                        "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+                        "model": model_dir,
+                        **race,
+                    },
+                    indent=2,
+                )
+            )
             return
         procs = [start_receiver(args, i, redis_server.url, model_dir, workdir, secrets) for i in range(n_max)]
         try:
@@ -378,9 +483,13 @@ def main() -> None:
             params = modeling.named_weights(model)
             opt = HostAdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
             publisher = WeightPublisher(
-                opt.sync_model(), anchor_interval=1_000_000, nonce_timeout_s=args.nonce_timeout,
+                opt.sync_model(),
+                anchor_interval=1_000_000,
+                nonce_timeout_s=args.nonce_timeout,
                 creds=ClientCredentials(token=tokens["trainer"]) if tokens else None,
-                generator_key=load_roles(str(credentials.grpc_dir(Path(secrets)) / "roles.json")).generator_key if secrets else None,
+                generator_key=load_roles(str(credentials.grpc_dir(Path(secrets)) / "roles.json")).generator_key
+                if secrets
+                else None,
             )
             gen = torch.Generator().manual_seed(0)
             direction = {name: torch.randn(p.shape, generator=gen) for name, p in params.items()}
@@ -402,7 +511,9 @@ def main() -> None:
                     if not o.applied and args.slow_index >= 0 and o.address == addresses[args.slow_index]:
                         continue  # the slow member: left out, then backed off (it would catch up)
                     if not o.applied and not (args.kill_relay_round and o.address == addresses[0]):
-                        raise RuntimeError(f"push of version {published.info.version} to {o.address} not applied: {o.error}")
+                        raise RuntimeError(
+                            f"push of version {published.info.version} to {o.address} not applied: {o.error}"
+                        )
                     if not o.applied:
                         dead.add(o.address)  # the relay that killed itself: out of the later rounds
                 return outcomes
@@ -450,10 +561,16 @@ def main() -> None:
                     cpu = sum(cpu_seconds(pid) for pid in pids[:n] if Path(f"/proc/{pid}").exists()) - sum(cpu_before)
                     if n < n_max and not sink:
                         push(addresses[n:], published)  # untimed: keep every generator on the chain
-                    row = summarize_round(n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu)
+                    row = summarize_round(
+                        n, nbytes, fraction, encode_s, done - encoded, outcomes, cpu, push_cpu, encode_cpu
+                    )
                     if sink:
                         slow = addresses[args.slow_index] if 0 <= args.slow_index < n else ""
-                        row.update(serving(workdir, addresses[:n], published.info.version, step_end_wall, outcomes, nbytes, slow))
+                        row.update(
+                            serving(
+                                workdir, addresses[:n], published.info.version, step_end_wall, outcomes, nbytes, slow
+                            )
+                        )
                     rounds[n].append(row)
         finally:
             for proc, _ in procs:
@@ -468,22 +585,37 @@ def main() -> None:
     base = by_count[counts[0]]["total_s"]
     for n in counts:
         by_count[n]["total_vs_first_count"] = round(by_count[n]["total_s"] / base, 2) if base else None
-    print(json.dumps({
-        "benchmark": "weight_fanout",
-        "backend": args.backend,
-        "payload": args.payload,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "load_average_before_after": [round(x, 2) for x in (*load_before, *load_after)],
-        "model": model_dir,
-        "generator_threads": args.generator_threads,
-        "receivers_startup_s": round(startup_s, 1),
-        "rounds": args.rounds,
-        "medians_by_count": by_count,
-        "all_rounds": rounds,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "weight_fanout",
+                "backend": args.backend,
+                "payload": args.payload,
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "load_average_before_after": [round(x, 2) for x in (*load_before, *load_after)],
+                "model": model_dir,
+                "generator_threads": args.generator_threads,
+                "receivers_startup_s": round(startup_s, 1),
+                "rounds": args.rounds,
+                "medians_by_count": by_count,
+                "all_rounds": rounds,
+            },
+            indent=2,
+        )
+    )
 
 
-def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_s: float, outcomes: list, cpu_s: float, push_cpu_s: float, encode_cpu_s: float) -> dict:
+def summarize_round(
+    n: int,
+    nbytes: int,
+    fraction: float,
+    encode_s: float,
+    push_s: float,
+    outcomes: list,
+    cpu_s: float,
+    push_cpu_s: float,
+    encode_cpu_s: float,
+) -> dict:
     rtt = [o.seconds for o in outcomes]
     applying = [o.lock_wait_s + o.decode_s + o.load_s for o in outcomes]
     transfer = [r - a for r, a in zip(rtt, applying)]
@@ -510,7 +642,9 @@ def summarize_round(n: int, nbytes: int, fraction: float, encode_s: float, push_
     }
 
 
-def serving(workdir: Path, addresses: list[str], version: int, step_end_wall: float, outcomes: list, nbytes: int, slow: str) -> dict:
+def serving(
+    workdir: Path, addresses: list[str], version: int, step_end_wall: float, outcomes: list, nbytes: int, slow: str
+) -> dict:
     """Sinks: each receiver's step end -> served (received whole; its own wall clock, same
     machine), whether every live one got the version whole, what left the trainer (a payload
     per push it made itself: outcomes without a relay, nonce calls aside), each relay hop's
@@ -530,7 +664,12 @@ def serving(workdir: Path, addresses: list[str], version: int, step_end_wall: fl
     return {
         "served": len(served),
         "applied": sum(1 for o in outcomes if o.applied),
-        "step_end_to_serving_s": {"median": round(statistics.median(served.values()), 4), "max": round(max(served.values()), 4)} if served else None,
+        "step_end_to_serving_s": {
+            "median": round(statistics.median(served.values()), 4),
+            "max": round(max(served.values()), 4),
+        }
+        if served
+        else None,
         "others_than_slow_max_s": round(max(others), 4) if others else None,
         "hop_s": {"median": round(statistics.median(hops), 4), "max": round(max(hops), 4)} if hops else None,
         "trainer_payloads": sent,

@@ -49,18 +49,30 @@ import tempfile
 import time
 from pathlib import Path
 
-
 # The issue's bar for step end -> serving, by shape (issue 41).
 BAR_SECONDS = {"0.5b": 0.1, "1.5b": 0.3}
 
 
-def start_generator(args: argparse.Namespace, redis_url: str, model_dir: str, workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:
+def start_generator(
+    args: argparse.Namespace, redis_url: str, model_dir: str, workdir: Path
+) -> tuple[subprocess.Popen[bytes], dict]:
     import httpx
 
     state_file = workdir / "generator.state.json"
     cmd = [
-        sys.executable, "-m", "rollstream.generator", "--redis-url", redis_url, "--run", "bench",
-        "--model", model_dir, "--backend", args.backend, "--state-file", str(state_file),
+        sys.executable,
+        "-m",
+        "rollstream.generator",
+        "--redis-url",
+        redis_url,
+        "--run",
+        "bench",
+        "--model",
+        model_dir,
+        "--backend",
+        args.backend,
+        "--state-file",
+        str(state_file),
     ]
     # vllm: INFO JSON lines carry the backend's vllm_weight_mode and vllm_weight_update events.
     cmd += ["--log-level", "INFO", "--log-json"] if args.backend == "vllm" else ["--log-level", "WARNING"]
@@ -114,8 +126,14 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--pushes", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast; no effect on weight loads)")
-    parser.add_argument("--shape", default=None, help="a random-weight Qwen2 folder of this size instead of --model (benchmarks/shapes.py)")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vllm: no torch.compile (starts fast; no effect on weight loads)"
+    )
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a random-weight Qwen2 folder of this size instead of --model (benchmarks/shapes.py)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the generator runs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args()
@@ -163,7 +181,12 @@ def main() -> None:
                     encode_s = time.perf_counter() - step_end
                     before = apply_seconds_sum(state["http_port"])
                     t = time.perf_counter()
-                    result = stub.PushWeights(weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", version - 1, version, fingerprint)), timeout=600)
+                    result = stub.PushWeights(
+                        weight_transfer.to_chunks(
+                            payload, deltas.PayloadInfo("delta", version - 1, version, fingerprint)
+                        ),
+                        timeout=600,
+                    )
                     rpc_s = time.perf_counter() - t
                     serving_s = time.perf_counter() - step_end
                     if not result.applied:
@@ -176,22 +199,26 @@ def main() -> None:
                     updates = [e for e in events if e["event"] == "vllm_weight_update"]
                     engine_bytes = sum(int(e["payload_bytes"]) for e in updates) if updates else None
                     engine_mode = updates[-1]["mode"] if updates else engine_mode
-                    pushes.append({
-                        "version": version,
-                        "delta_bytes": stats.nbytes,
-                        "fraction_of_dense": round(stats.fraction_of_dense, 5),
-                        "changed_tensors": stats.changed_tensors,
-                        "encode_s": round(encode_s, 3),
-                        "push_rpc_s": round(rpc_s, 3),
-                        "apply_s": round(apply_s, 3),
-                        "transfer_s": round(rpc_s - apply_s, 3),
-                        "decode_s": round(decode_s, 3),
-                        "engine_load_s": round(max(0.0, apply_s - decode_s), 3),
-                        "step_end_to_serving_s": round(serving_s, 3),
-                        "engine_mode": engine_mode,
-                        "payload_bytes": engine_bytes,
-                        "payload_over_delta": round(engine_bytes / stats.nbytes, 3) if engine_bytes is not None else None,
-                    })
+                    pushes.append(
+                        {
+                            "version": version,
+                            "delta_bytes": stats.nbytes,
+                            "fraction_of_dense": round(stats.fraction_of_dense, 5),
+                            "changed_tensors": stats.changed_tensors,
+                            "encode_s": round(encode_s, 3),
+                            "push_rpc_s": round(rpc_s, 3),
+                            "apply_s": round(apply_s, 3),
+                            "transfer_s": round(rpc_s - apply_s, 3),
+                            "decode_s": round(decode_s, 3),
+                            "engine_load_s": round(max(0.0, apply_s - decode_s), 3),
+                            "step_end_to_serving_s": round(serving_s, 3),
+                            "engine_mode": engine_mode,
+                            "payload_bytes": engine_bytes,
+                            "payload_over_delta": round(engine_bytes / stats.nbytes, 3)
+                            if engine_bytes is not None
+                            else None,
+                        }
+                    )
                     prev = {k: v.copy() for k, v in bits.items()}
                 served_state = stub.GetState(generator_pb2.GetStateRequest(), timeout=30)
                 served = served_state.policy_version
@@ -207,26 +234,49 @@ def main() -> None:
         values = [p[key] for p in steady if p[key] is not None]
         return round(statistics.median(values), 3) if values else None
 
-    medians = {k: median(k) for k in ("delta_bytes", "fraction_of_dense", "encode_s", "transfer_s", "decode_s", "engine_load_s", "apply_s", "step_end_to_serving_s", "payload_bytes", "payload_over_delta")}
+    medians = {
+        k: median(k)
+        for k in (
+            "delta_bytes",
+            "fraction_of_dense",
+            "encode_s",
+            "transfer_s",
+            "decode_s",
+            "engine_load_s",
+            "apply_s",
+            "step_end_to_serving_s",
+            "payload_bytes",
+            "payload_over_delta",
+        )
+    }
     limit = BAR_SECONDS.get(args.shape or "")
     bar = None
     if limit is not None:
         over, serving = medians["payload_over_delta"], medians["step_end_to_serving_s"]
-        bar = {"step_end_to_serving_s_at_most": limit, "serving_ok": serving is not None and serving <= limit, "payload_at_most_2x_delta": over is not None and over <= 2.0}
+        bar = {
+            "step_end_to_serving_s_at_most": limit,
+            "serving_ok": serving is not None and serving <= limit,
+            "payload_at_most_2x_delta": over is not None and over <= 2.0,
+        }
 
-    print(json.dumps({
-        "benchmark": "weight_sync_latency",
-        "backend": args.backend,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "model": args.shape or model_dir,
-        "generator_device": args.device,
-        "lr": args.lr,
-        "served_version": served,
-        "pushes": pushes,
-        "engine_mode": engine_mode,
-        "median_after_first": medians,
-        "bar": bar,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "weight_sync_latency",
+                "backend": args.backend,
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                "model": args.shape or model_dir,
+                "generator_device": args.device,
+                "lr": args.lr,
+                "served_version": served,
+                "pushes": pushes,
+                "engine_mode": engine_mode,
+                "median_after_first": medians,
+                "bar": bar,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ STUB_DIR = STUB_ROOT / "rollstream" / "v1"
 
 def generate(out_root: Path) -> list[Path]:
     """Run protoc (from grpcio-tools) over every .proto; return the generated files."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     protos = sorted(PROTO_ROOT.glob("rollstream/v1/*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
@@ -41,7 +41,9 @@ def generate(out_root: Path) -> list[Path]:
     out_dir = out_root / "rollstream" / "v1"
     # Stubs import each other as `rollstream.v1.x_pb2`; `rollstream` is a namespace package
     # shared by core and the services, so the only __init__.py belongs to `v1`.
-    (out_dir / "__init__.py").write_text('"""Generated from proto/rollstream/v1 by scripts/gen_protos.py; do not edit."""\n')
+    (out_dir / "__init__.py").write_text(
+        '"""Generated from proto/rollstream/v1 by scripts/gen_protos.py; do not edit."""\n'
+    )
     return sorted(out_dir.iterdir())
 
 
@@ -51,7 +53,9 @@ def stale_files() -> list[str]:
         fresh = {p.name: p for p in generate(Path(tmp)) if p.is_file()}
         have = {p.name: p for p in STUB_DIR.glob("*") if p.is_file() and p.suffix in {".py", ".pyi"}}
         names = sorted(set(fresh) | set(have))
-        return [n for n in names if n not in fresh or n not in have or not filecmp.cmp(fresh[n], have[n], shallow=False)]
+        return [
+            n for n in names if n not in fresh or n not in have or not filecmp.cmp(fresh[n], have[n], shallow=False)
+        ]
 
 
 def main() -> int:

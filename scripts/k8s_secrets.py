@@ -90,7 +90,9 @@ def secret(name: str, namespace: str, service: str, files: dict[str, bytes]) -> 
 def build(folder: Path, namespace: str = "rollstream") -> list[dict]:
     """The Secrets for `folder` (CredentialsError naming the first missing or bad file)."""
     if not folder.is_dir():
-        raise CredentialsError(f"{folder} is not a folder (create it with `rollstream secrets {folder} --tls --dns ...`)")
+        raise CredentialsError(
+            f"{folder} is not a folder (create it with `rollstream secrets {folder} --tls --dns ...`)"
+        )
     tls = folder / "tls"
     if not tls.is_dir():
         raise CredentialsError(
@@ -111,10 +113,16 @@ def build(folder: Path, namespace: str = "rollstream") -> list[dict]:
             "tls-key.pem": _read(tls / f"{service}.key"),
             "tls-ca.pem": ca,
         }
-        if service in ("generator", "trainer"):  # back-pressure over stages the generator's own user may not touch; the dashboard
+        if service in (
+            "generator",
+            "trainer",
+        ):  # back-pressure over stages the generator's own user may not touch; the dashboard
             files["redis-observer-password"] = _read(folder / "redis/observer.password")
         docs.append(secret(f"{service}-credentials", namespace, service, files))
-    redis_files = {"users.acl": _read(folder / "redis/users.acl"), "admin.password": _read(folder / "redis/admin.password")}
+    redis_files = {
+        "users.acl": _read(folder / "redis/users.acl"),
+        "admin.password": _read(folder / "redis/admin.password"),
+    }
     docs.append(secret("redis-credentials", namespace, "redis", redis_files))
     return docs
 
@@ -131,12 +139,16 @@ def san_warnings(folder: Path, namespace: str) -> list[str]:
         path = folder / f"tls/{service}.pem"
         try:
             cert = x509.load_pem_x509_certificate(path.read_bytes())
-            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.DNSName
+            )
         except Exception as e:  # noqa: BLE001 - not a parsable certificate, no SAN extension: say so, do not fail
             out.append(f"{path}: cannot read its DNS names ({e.__class__.__name__}: {e})")
             continue
         if not set(wanted) & set(names):
-            out.append(f"{path}: none of the DNS names {', '.join(wanted)} (has {', '.join(names) or 'none'}); its peers will refuse it")
+            out.append(
+                f"{path}: none of the DNS names {', '.join(wanted)} (has {', '.join(names) or 'none'}); its peers will refuse it"
+            )
     return out
 
 
@@ -145,9 +157,14 @@ def render(docs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Example: python scripts/k8s_secrets.py ./secrets | kubectl apply -f -")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Example: python scripts/k8s_secrets.py ./secrets | kubectl apply -f -",
+    )
     parser.add_argument("folder", type=Path, help="the folder `rollstream secrets FOLDER --tls ...` wrote")
-    parser.add_argument("--namespace", default="rollstream", help="namespace of the Secrets (default: rollstream, as k8s/)")
+    parser.add_argument(
+        "--namespace", default="rollstream", help="namespace of the Secrets (default: rollstream, as k8s/)"
+    )
     args = parser.parse_args(argv)
     try:
         docs = build(args.folder, args.namespace)

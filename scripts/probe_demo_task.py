@@ -31,12 +31,14 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "equation": [("user", "{a} + {b} =")],
     "system_just_number": [("system", "Answer with just the number."), ("user", "What is {a} + {b}?")],
     "only_final": [("user", "Calculate {a} + {b}. Give only the final answer as a number.")],
-    "answer_is": [("user", "What is {a} + {b}? Reply with \"The answer is\" and the number.")],
+    "answer_is": [("user", 'What is {a} + {b}? Reply with "The answer is" and the number.')],
     # Few-shot as earlier chat turns: shows the answer format instead of describing it.
     "fewshot1": [("user", "What is 2 + 3? Answer with just the number."), ("assistant", "5"), ("user", _Q)],
     "fewshot2": [
-        ("user", "What is 2 + 3? Answer with just the number."), ("assistant", "5"),
-        ("user", "What is 7 + 6? Answer with just the number."), ("assistant", "13"),
+        ("user", "What is 2 + 3? Answer with just the number."),
+        ("assistant", "5"),
+        ("user", "What is 7 + 6? Answer with just the number."),
+        ("assistant", "13"),
         ("user", _Q),
     ],
 }
@@ -96,12 +98,19 @@ def main() -> None:
 
     rows = []
     for variant in args.variants:
-        prompts = [tok.apply_chat_template(messages(variant, a, b), add_generation_prompt=True, tokenize=False) for a, b in pairs]
+        prompts = [
+            tok.apply_chat_template(messages(variant, a, b), add_generation_prompt=True, tokenize=False)
+            for a, b in pairs
+        ]
         answers = [a + b for a, b in pairs]
         started = time.monotonic()
         sampled = generate(
-            model, tok, [p for p in prompts for _ in range(args.samples)],
-            sample=True, max_new_tokens=args.max_new_tokens, seed=args.seed,
+            model,
+            tok,
+            [p for p in prompts for _ in range(args.samples)],
+            sample=True,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
             temperature=args.temperature,
         )
         t_sample = time.monotonic() - started
@@ -122,8 +131,10 @@ def main() -> None:
         for c in greedy[: args.show]:
             print(f"   greedy: {c!r}")
 
-    print("\n| variant | messages (chat template) | mean reward (first int) | mean reward (last int) "
-          "| prompts with mixed rewards | greedy acc | sample time (s) | greedy time (s) |")
+    print(
+        "\n| variant | messages (chat template) | mean reward (first int) | mean reward (last int) "
+        "| prompts with mixed rewards | greedy acc | sample time (s) | greedy time (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for variant, text, r1, r2, mixed, g, ts, tg in rows:
         print(f"| {variant} | `{text}` | {r1:.3f} | {r2:.3f} | {mixed}/{len(pairs)} | {g:.3f} | {ts:.1f} | {tg:.1f} |")

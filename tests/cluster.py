@@ -21,9 +21,8 @@ from pathlib import Path
 
 import redis
 
-from rollstream.launcher.redis_server import find_redis_server, free_port
-
 from helpers import wait_for
+from rollstream.launcher.redis_server import find_redis_server, free_port
 
 SLOTS = 16384
 # Each node also listens on its cluster bus, port + 10000 (6.2 has no `cluster-port`), so a
@@ -104,7 +103,11 @@ class RedisClusterNodes:
 
     def _spawn(self, index: int) -> None:
         self.procs[index] = subprocess.Popen(
-            self.args[index], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            self.args[index],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
 
     def _pick_port(self, tries: int = 200) -> int:
@@ -136,7 +139,9 @@ class RedisClusterNodes:
         def running() -> None:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"cluster node {index} (port {self.ports[index]}) exited with {proc.returncode}: {err}{self.log(index)[-2000:]}")
+                raise RuntimeError(
+                    f"cluster node {index} (port {self.ports[index]}) exited with {proc.returncode}: {err}{self.log(index)[-2000:]}"
+                )
 
         try:
             wait_for(answers, timeout_s, f"cluster node {index} to answer on port {self.ports[index]}", check=running)
@@ -166,12 +171,17 @@ class RedisClusterNodes:
 
         def ok() -> bool:
             infos[:] = [self._cluster_info(c) for c in clients]
-            return all(info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(self.count) for info in infos)
+            return all(
+                info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(self.count)
+                for info in infos
+            )
 
         def nodes_up() -> None:
             for i, proc in enumerate(self.procs):
                 if proc is None or proc.poll() is not None:
-                    raise RuntimeError(f"cluster node {i} is down while waiting for cluster_state:ok: {self.log(i)[-2000:]}")
+                    raise RuntimeError(
+                        f"cluster node {i} is down while waiting for cluster_state:ok: {self.log(i)[-2000:]}"
+                    )
 
         def states() -> str:
             return "; ".join(
@@ -181,7 +191,14 @@ class RedisClusterNodes:
             )
 
         try:
-            wait_for(ok, timeout_s, "cluster_state:ok on every node, each knowing all the nodes", check=nodes_up, details=states, poll_s=0.1)
+            wait_for(
+                ok,
+                timeout_s,
+                "cluster_state:ok on every node, each knowing all the nodes",
+                check=nodes_up,
+                details=states,
+                poll_s=0.1,
+            )
         finally:
             for c in clients:
                 c.close()

@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.run_keys import RunKeys
-from rollstream.core.redis_policy import connect
-
 import procs
 from helpers import CUSTOM_REWARD_EXAMPLE, build_tiny_model
+from rollstream.core.redis_policy import connect
+from rollstream.core.run_keys import RunKeys
+from rollstream.launcher.redis_server import EmbeddedRedis
 from synthetic import Decode, tokenizer_decode
 
 
@@ -75,7 +74,11 @@ def tiny_decode(tiny_model_dir: Path) -> Decode:
 def custom_reward_stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/custom_reward's rollout_pb2, generated from proto/ by the example's own script."""
     out = tmp_path_factory.mktemp("custom-reward-stubs")
-    subprocess.run([sys.executable, str(CUSTOM_REWARD_EXAMPLE / "generate_stubs.py"), "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(CUSTOM_REWARD_EXAMPLE / "generate_stubs.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 

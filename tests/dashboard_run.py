@@ -14,10 +14,10 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
-from synthetic import scored_groups, tokenizer_decode
 from rollstream.core import codec, registry, steplog, streams
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
+from synthetic import scored_groups, tokenizer_decode
 
 STEPS = 3
 GROUPS_PER_STEP = 2
@@ -47,13 +47,40 @@ def _backlog(client: redis.Redis, keys: RunKeys, stage: str, group: str, consume
     client.xreadgroup(group, consumer, {keys.stream(stage): ">"}, count=read)
 
 
-def start_trained_run(tmp_path: Path, redis_url: str, client: redis.Redis, keys: RunKeys, model_dir: Path) -> TrainedRun:
+def start_trained_run(
+    tmp_path: Path, redis_url: str, client: redis.Redis, keys: RunKeys, model_dir: Path
+) -> TrainedRun:
     steps_file = tmp_path / "steps.jsonl"
     trainer = start_service(
-        "trainer", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(model_dir), "--threads", "1",
-        "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "4", "--max-new-tokens", "6", "--prompt-buffer", "2",
-        "--lr", "1e-3", "--max-staleness", "100", "--block-ms", "100", "--steps", str(STEPS), "--linger",
-        "--metrics-file", str(steps_file),
+        "trainer",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--model",
+        str(model_dir),
+        "--threads",
+        "1",
+        "--groups-per-step",
+        str(GROUPS_PER_STEP),
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--prompt-buffer",
+        "2",
+        "--lr",
+        "1e-3",
+        "--max-staleness",
+        "100",
+        "--block-ms",
+        "100",
+        "--steps",
+        str(STEPS),
+        "--linger",
+        "--metrics-file",
+        str(steps_file),
     ).wait_ready()
     try:
         decode = tokenizer_decode(model_dir)
@@ -61,7 +88,9 @@ def start_trained_run(tmp_path: Path, redis_url: str, client: redis.Redis, keys:
             write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, tag="dash"), decode)
 
         def trained() -> bool:
-            return steps_file.exists() and len([ln for ln in steps_file.read_text().splitlines() if ln.strip()]) == STEPS
+            return (
+                steps_file.exists() and len([ln for ln in steps_file.read_text().splitlines() if ln.strip()]) == STEPS
+            )
 
         wait_for(trained, 180, f"{STEPS} lines in {steps_file}", procs=[trainer])
         assert [json.loads(ln)["step"] for ln in steps_file.read_text().splitlines()] == list(range(1, STEPS + 1))

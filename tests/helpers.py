@@ -135,7 +135,13 @@ def still_running(proc: subprocess.Popen, name: str) -> Callable[[], None]:
     return check
 
 
-def wait_healthy(address: str, timeout_s: float = 30.0, service: str = "", creds: ClientCredentials | None = None, server_name: str = "") -> None:
+def wait_healthy(
+    address: str,
+    timeout_s: float = 30.0,
+    service: str = "",
+    creds: ClientCredentials | None = None,
+    server_name: str = "",
+) -> None:
     """Until the gRPC server at `address` reports SERVING for `service` ("" = the server).
     Health needs no token; `creds` matter for TLS."""
     with channel(address, creds, server_name) as ch:
@@ -163,7 +169,9 @@ def write(client: redis.Redis, keys: RunKeys, stage: str, message: Message) -> b
     return client.xadd(keys.stream(stage), codec.encode(message))
 
 
-def write_many(client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2.RolloutGroup], stage: str = "rollouts") -> None:
+def write_many(
+    client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2.RolloutGroup], stage: str = "rollouts"
+) -> None:
     """Append `groups` to a stage's stream in one round trip (to `rollouts`: their tasks recorded, as `write`)."""
     if stage == "rollouts":
         record_tasks(client, keys, groups)
@@ -189,10 +197,14 @@ def groups_in(client: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup
 REWARD_GROUP = "reward"  # the reward service's default consumer group
 
 
-def assert_scored_exactly_once(client: redis.Redis, keys: RunKeys, expected_ids: list[str], group: str = REWARD_GROUP) -> None:
+def assert_scored_exactly_once(
+    client: redis.Redis, keys: RunKeys, expected_ids: list[str], group: str = REWARD_GROUP
+) -> None:
     """Every group in `scored` once, scored, nothing left pending on rollouts, nothing dead."""
     out = groups_in(client, keys.stream("scored"))
-    assert sorted(g.group_id for g in out) == sorted(expected_ids), f"{len(out)} written for {len(expected_ids)} expected"
+    assert sorted(g.group_id for g in out) == sorted(expected_ids), (
+        f"{len(out)} written for {len(expected_ids)} expected"
+    )
     assert client.xpending(keys.stream("rollouts"), group)["pending"] == 0
     assert client.xlen(keys.dead) == 0
     assert all(g.scored for g in out)
@@ -221,11 +233,15 @@ def _tiny_corpus() -> list[str]:
     plus chat-template words. Fixed, so the tokenizer is the same on every run.
     """
     lines = [
-        "system", "user", "assistant",
+        "system",
+        "user",
+        "assistant",
         "You are a helpful assistant.",
         "Answer with just the number.",
-        "The answer is", "Sure! Let me think step by step.",
-        "Hello! How can I help you today?", "Thank you.",
+        "The answer is",
+        "Sure! Let me think step by step.",
+        "Hello! How can I help you today?",
+        "Thank you.",
     ]
     for a in range(20):
         for b in range(20):

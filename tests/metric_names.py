@@ -68,4 +68,3 @@ def exported() -> dict[str, str]:
 def documented_trainer_names() -> list[str]:
     """The trainer's documented names that a CPU process exports (for tests of a live trainer)."""
     return sorted(n for n, (_, cuda) in documented().items() if n.startswith("rollstream_trainer_") and not cuda)
-

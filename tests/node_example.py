@@ -38,7 +38,9 @@ def install_node_example(work: Path) -> Path:
     return work
 
 
-def start_node_reward(folder: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "node reward") -> ChildProcess:
+def start_node_reward(
+    folder: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "node reward"
+) -> ChildProcess:
     """`node reward.js ARGS --proto-dir <repo>/proto`, output appended to `log_path`."""
     node = shutil.which("node")
     assert node is not None

@@ -44,7 +44,9 @@ def npm_packages(folder: Path, label: str) -> Path:
         )  # fmt: skip
         if done.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
-            pytest.skip(f"npm ci for {label} failed (is the npm registry reachable?): {(done.stderr or done.stdout)[-800:]}")
+            pytest.skip(
+                f"npm ci for {label} failed (is the npm registry reachable?): {(done.stderr or done.stdout)[-800:]}"
+            )
         (staging / ".installed").write_text("ok\n")
         try:
             staging.rename(installed)

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import httpx
 
+from helpers import MIN_WAIT_S, wait_for
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.launcher.procs import stop_process
 from rollstream.launcher.redis_server import free_port  # noqa: F401 - tests import it from here
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-
-from helpers import MIN_WAIT_S, wait_for
 
 
 @dataclass
@@ -67,13 +66,16 @@ class ServiceProc(ChildProcess):
         wait_for(ready, timeout_s, f"{self.name} ready (/readyz 200)", procs=[self], poll_s=0.2)
         return self
 
+
 # Every service a test started: conftest kills what is still running when the test ends (a
 # service whose wait_ready failed was never handed to the test's own cleanup, and one left
 # running took a core from every later test).
 STARTED: list[ChildProcess] = []
 
 
-def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "") -> ServiceProc:
+def start_service(
+    name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = ""
+) -> ServiceProc:
     """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log.
     Its gRPC listens on a unix socket in workdir/sockets (0700), as under `up`, unless ARGS
     give a --grpc-port."""
@@ -87,7 +89,12 @@ def start_service(name: str, workdir: Path, *args: str, env: dict[str, str] | No
     state_file = workdir / f"{label}.state.json"
     state_file.unlink(missing_ok=True)
     log_path = workdir / f"{label}.log"
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    full_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        **(env or {}),
+    }
     log = log_path.open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", f"rollstream.{name}", "--state-file", str(state_file), *args],
@@ -108,13 +115,17 @@ def _creds(token: str) -> ClientCredentials | None:
 def trainer_state(address: str, sha: bool = False, token: str = "") -> trainer_pb2.TrainerState:
     """Trainer.GetState (with the weights' sha256 when `sha`; with `token` for a server that checks one)."""
     with channel(address, _creds(token)) as ch:
-        return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30)
+        return trainer_pb2_grpc.TrainerStub(ch).GetState(
+            trainer_pb2.TrainerStateRequest(with_weights_sha256=sha), timeout=30
+        )
 
 
 def generator_state(address: str, sha: bool = False, token: str = "") -> generator_pb2.GeneratorState:
     """Generator.GetState (with the weights' sha256 when `sha`; with `token` for a server that checks one)."""
     with channel(address, _creds(token)) as ch:
-        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30)
+        return generator_pb2_grpc.GeneratorStub(ch).GetState(
+            generator_pb2.GetStateRequest(with_weights_sha256=sha), timeout=30
+        )
 
 
 def alive(pid: int) -> bool:
@@ -131,7 +142,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_reward(tmp_path: Path, redis_url: str, run: str, *args: str, tag: str = "", ready: bool = True) -> ServiceProc:
+def start_reward(
+    tmp_path: Path, redis_url: str, run: str, *args: str, tag: str = "", ready: bool = True
+) -> ServiceProc:
     """The reward service on `run`, reading fast (50 ms blocks); waited for until ready unless `ready=False`."""
     proc = start_service("reward", tmp_path, "--redis-url", redis_url, "--run", run, "--block-ms", "50", *args, tag=tag)
     return proc.wait_ready() if ready else proc

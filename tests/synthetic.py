@@ -31,20 +31,30 @@ def scored_groups(step: int, count: int, tag: str = "g", group_size: int = 4) ->
         completions = []
         for _ in range(group_size):
             n = rng.randint(1, 6)
-            completions.append(rollout_pb2.Completion(
-                token_ids=[rng.randrange(5, 200) for _ in range(n)],
-                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
-                reward=float(rng.random() < 0.5),
-            ))
+            completions.append(
+                rollout_pb2.Completion(
+                    token_ids=[rng.randrange(5, 200) for _ in range(n)],
+                    behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
+                    reward=float(rng.random() < 0.5),
+                )
+            )
         group_id = f"{tag}-s{step}-g{g}"
-        out.append(rollout_pb2.RolloutGroup(
-            group_id=group_id, task_id=group_id, policy_version=0,
-            prompt_ids=[rng.randrange(5, 200) for _ in range(5)], completions=completions, scored=True,
-        ))
+        out.append(
+            rollout_pb2.RolloutGroup(
+                group_id=group_id,
+                task_id=group_id,
+                policy_version=0,
+                prompt_ids=[rng.randrange(5, 200) for _ in range(5)],
+                completions=completions,
+                scored=True,
+            )
+        )
     return out
 
 
-def rollout_group(group_id: str, texts: list[str], answer: str = "8", task_kind: str = "arithmetic") -> rollout_pb2.RolloutGroup:
+def rollout_group(
+    group_id: str, texts: list[str], answer: str = "8", task_kind: str = "arithmetic"
+) -> rollout_pb2.RolloutGroup:
     """An unscored group as the generator writes it: one completion per text (2 tokens each)."""
     return rollout_pb2.RolloutGroup(
         group_id=group_id,
@@ -83,7 +93,9 @@ def scored_group_in_vocab(vocab: int, n: int = 3, prompt_len: int = 11, seed: in
                 text=f"completion {j}",
                 finish_reason="length",
                 reward=float(j),
-                reward_components=[rollout_pb2.RewardComponent(name="correct", value=float(j), weight=1.0, status="ok")],
+                reward_components=[
+                    rollout_pb2.RewardComponent(name="correct", value=float(j), weight=1.0, status="ok")
+                ],
             )
         )
     return rollout_pb2.RolloutGroup(
@@ -103,8 +115,13 @@ def scored_group_in_vocab(vocab: int, n: int = 3, prompt_len: int = 11, seed: in
 def task_of(group: rollout_pb2.RolloutGroup) -> rollout_pb2.PromptTask:
     """The task `group` answers, as the trainer's map would hold it (prompt ids rendered)."""
     return rollout_pb2.PromptTask(
-        task_id=group.task_id, prompt_ids=group.prompt_ids, answer=group.answer, metadata_json=group.metadata_json,
-        group_size=group.group_size, task_kind=group.task_kind, messages=[rollout_pb2.ChatMessage(role="user", content=group.task_id)],
+        task_id=group.task_id,
+        prompt_ids=group.prompt_ids,
+        answer=group.answer,
+        metadata_json=group.metadata_json,
+        group_size=group.group_size,
+        task_kind=group.task_kind,
+        messages=[rollout_pb2.ChatMessage(role="user", content=group.task_id)],
     )
 
 
@@ -121,6 +138,7 @@ def record_tasks(
                 c.text = decode(c.token_ids)
         pipe.hset(keys.tasks, g.task_id, task_of(g).SerializeToString())
     pipe.execute()
+
 
 def tokenizer_decode(model_dir: object) -> Decode:
     """The trainer's decode for the model in `model_dir`: what its text check compares with."""

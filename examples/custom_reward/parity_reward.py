@@ -114,7 +114,9 @@ class ParityReward:
                 next_trim = time.monotonic() + 5.0
 
     def read(self, start: str, block: bool = False) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        reply = self.r.xreadgroup(self.group, self.consumer, {self.source: start}, count=16, block=self.block_ms if block else None)
+        reply = self.r.xreadgroup(
+            self.group, self.consumer, {self.source: start}, count=16, block=self.block_ms if block else None
+        )
         return [(eid, fields) for _stream, items in reply or [] for eid, fields in items if fields]
 
     def claim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
@@ -124,7 +126,11 @@ class ParityReward:
         ids = [p["message_id"] for p in pending if p["consumer"].decode() != self.consumer][:16]
         if not ids:
             return []
-        claimed = [(eid, fields) for eid, fields in self.r.xclaim(self.source, self.group, self.consumer, self.claim_idle_ms, ids) if eid is not None]
+        claimed = [
+            (eid, fields)
+            for eid, fields in self.r.xclaim(self.source, self.group, self.consumer, self.claim_idle_ms, ids)
+            if eid is not None
+        ]
         gone = [i for i in ids if i not in {eid for eid, fields in claimed if fields}]
         if gone:  # trimmed away while pending (Redis 6.2 hands them over empty): nothing to score
             self.r.xack(self.source, self.group, *gone)
@@ -134,7 +140,9 @@ class ParityReward:
         deliveries = self.deliveries([eid for eid, _ in entries]) if check_deliveries else {}
         for eid, fields in entries:
             if deliveries.get(eid, 1) > MAX_DELIVERIES:
-                self.dead_letter(eid, fields, f"delivered {deliveries[eid]} times without being acknowledged", deliveries[eid])
+                self.dead_letter(
+                    eid, fields, f"delivered {deliveries[eid]} times without being acknowledged", deliveries[eid]
+                )
                 continue
             try:
                 group = self.decode(fields)
@@ -153,7 +161,9 @@ class ParityReward:
                     c.reward_components.add(name=name, value=reward, weight=1.0, status="ok")
                 group.scored = True
             out = [b"type", b"rollstream.v1.RolloutGroup", b"schema", SCHEMA, b"data", group.SerializeToString()]
-            self.checked_commit([self.source, self.output, self.stats], [self.group, self.consumer, eid, "scored", "0", *out])
+            self.checked_commit(
+                [self.source, self.output, self.stats], [self.group, self.consumer, eid, "scored", "0", *out]
+            )
 
     def checked_commit(self, keys: list[str], args: list) -> None:
         """The commit script; while it refuses for what a key holds, say so and try again
@@ -194,7 +204,9 @@ class ParityReward:
     def deliveries(self, ids: list[bytes]) -> dict[bytes, int]:
         """How often each entry was delivered (our pending entries list knows)."""
         wanted = set(ids)
-        pending = self.r.xpending_range(self.source, self.group, min="-", max="+", count=10_000, consumername=self.consumer)
+        pending = self.r.xpending_range(
+            self.source, self.group, min="-", max="+", count=10_000, consumername=self.consumer
+        )
         return {p["message_id"]: int(p["times_delivered"]) for p in pending if p["message_id"] in wanted}
 
     def dead_letter(self, eid: bytes, fields: dict[bytes, bytes], reason: str, deliveries: int = 1) -> None:
@@ -203,8 +215,19 @@ class ParityReward:
             reason=reason, deliveries=deliveries, original_fields={k.decode(errors="replace"): v for k, v in fields.items()},
             dead_at=time.time(),  # seconds since the epoch
         )  # fmt: skip
-        out = [b"type", b"rollstream.v1.DeadLetter", b"schema", SCHEMA, b"data", letter.SerializeToString(), b"reason", reason.encode()]
-        self.checked_commit([self.source, self.dead, self.stats], [self.group, self.consumer, eid, "dead_rollouts", "100000", *out])
+        out = [
+            b"type",
+            b"rollstream.v1.DeadLetter",
+            b"schema",
+            SCHEMA,
+            b"data",
+            letter.SerializeToString(),
+            b"reason",
+            reason.encode(),
+        ]
+        self.checked_commit(
+            [self.source, self.dead, self.stats], [self.group, self.consumer, eid, "dead_rollouts", "100000", *out]
+        )
         print(f"dead letter {eid.decode()}: {reason}", file=sys.stderr, flush=True)
 
     def trim(self) -> None:
@@ -233,11 +256,24 @@ def main() -> int:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--run", default="demo", help="run name: the streams are rs:{<run>}:<stage>")
     parser.add_argument("--group", default="custom-reward", help="our consumer group on rs:{<run>}:rollouts")
-    parser.add_argument("--consumer", default=f"{socket.gethostname()}-{os.getpid()}", help="stable name: a restart resumes its pending entries")
-    parser.add_argument("--output-stage", choices=["scored", "ready"], default="scored", help="ready when the run has no reference stage (beta = 0)")
-    parser.add_argument("--stubs", default=str(here / "generated"), help="folder holding rollout_pb2.py (python generate_stubs.py)")
+    parser.add_argument(
+        "--consumer",
+        default=f"{socket.gethostname()}-{os.getpid()}",
+        help="stable name: a restart resumes its pending entries",
+    )
+    parser.add_argument(
+        "--output-stage",
+        choices=["scored", "ready"],
+        default="scored",
+        help="ready when the run has no reference stage (beta = 0)",
+    )
+    parser.add_argument(
+        "--stubs", default=str(here / "generated"), help="folder holding rollout_pb2.py (python generate_stubs.py)"
+    )
     parser.add_argument("--block-ms", type=int, default=500)
-    parser.add_argument("--claim-idle-ms", type=int, default=30_000, help="take over entries a dead consumer left pending this long")
+    parser.add_argument(
+        "--claim-idle-ms", type=int, default=30_000, help="take over entries a dead consumer left pending this long"
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, args.stubs)
@@ -249,7 +285,11 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"parity reward: {service.source} -> {service.output} as {args.group}/{args.consumer}", file=sys.stderr, flush=True)
+    print(
+        f"parity reward: {service.source} -> {service.output} as {args.group}/{args.consumer}",
+        file=sys.stderr,
+        flush=True,
+    )
     service.run()
     return 0
 

@@ -62,7 +62,10 @@ class LogLikelihoodScorer(reward_pb2_grpc.RewardServicer):
         todo = [i for i, r in enumerate(rows) if len(r) > 1]
         for i, r in enumerate(rows):
             if len(r) <= 1:  # an empty completion: a verdict (0), said as such
-                out[i] = reward_pb2.ItemScore(reward=0.0, components=[rollout_pb2.RewardComponent(name=COMPONENT, value=0.0, weight=1.0, status="ok")])
+                out[i] = reward_pb2.ItemScore(
+                    reward=0.0,
+                    components=[rollout_pb2.RewardComponent(name=COMPONENT, value=0.0, weight=1.0, status="ok")],
+                )
         if todo:
             width = max(len(rows[i]) for i in todo)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else bos
@@ -73,14 +76,19 @@ class LogLikelihoodScorer(reward_pb2_grpc.RewardServicer):
                 mask[k, : len(rows[i])] = 1
             with torch.no_grad():
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1)
+            logp = (
+                torch.log_softmax(logits[:, :-1], dim=-1)
+                .gather(-1, ids[:, 1:].to(self.device).unsqueeze(-1))
+                .squeeze(-1)
+            )
             valid = mask[:, 1:].to(self.device).bool()
             for k, i in enumerate(todo):
                 mean = float(logp[k][valid[k]].mean())
                 reward = math.exp(mean) if math.isfinite(mean) else 0.0
                 status = "ok" if math.isfinite(mean) else f"error: mean log-prob is {mean}"
                 out[i] = reward_pb2.ItemScore(
-                    reward=reward, components=[rollout_pb2.RewardComponent(name=COMPONENT, value=reward, weight=1.0, status=status)]
+                    reward=reward,
+                    components=[rollout_pb2.RewardComponent(name=COMPONENT, value=reward, weight=1.0, status=status)],
                 )
         return [s for s in out if s is not None]
 
@@ -88,11 +96,15 @@ class LogLikelihoodScorer(reward_pb2_grpc.RewardServicer):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="local Hugging Face folder of a causal LM")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback: only this machine's reward stage reaches it)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="bind address (loopback: only this machine's reward stage reaches it)"
+    )
     parser.add_argument("--port", type=int, default=0, help="0: a free port (written to --port-file)")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-tokens", type=int, default=512, help="completion tokens scored per item (the rest is cut)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=512, help="completion tokens scored per item (the rest is cut)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -108,7 +120,11 @@ def main() -> int:
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if args.port_file:
         Path(args.port_file).write_text(f"{port}\n")
-    print(f"serving rollstream.v1.Reward on {args.host}:{port} (model {args.model}, {args.device})", file=sys.stderr, flush=True)
+    print(
+        f"serving rollstream.v1.Reward on {args.host}:{port} (model {args.model}, {args.device})",
+        file=sys.stderr,
+        flush=True,
+    )
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

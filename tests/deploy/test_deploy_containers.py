@@ -35,8 +35,8 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 import tomllib
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -46,12 +46,23 @@ import pytest
 import redis
 import tomli_w
 import yaml
+from deploy_files import (
+    COMPOSE_BASE,
+    COMPOSE_CPU,
+    COMPOSE_ONE_GPU,
+    COMPOSE_REFERENCE,
+    REPO,
+    built_tags,
+    compose_command,
+    load_compose,
+    make_credentials,
+    project_version,
+)
 
-from deploy_files import COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU, COMPOSE_REFERENCE, REPO, built_tags, compose_command, load_compose, make_credentials, project_version
 from helpers import wait_for
 from rollstream.core import codec
-from rollstream.launcher.redis_server import free_port
 from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.launcher.redis_server import free_port
 from rollstream.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(3600)]
@@ -61,8 +72,14 @@ OWN_SOCKET = "unix:///tmp/rs-docker.sock"
 OWN_DATA_ROOT = os.environ.get("ROLLSTREAM_DOCKER_DATA_ROOT", "/tmp/rs-docker-data")
 # The flags this project's CI machines need (no bridge, no iptables; see docs/deploy.md).
 DOCKERD_FLAGS = [
-    "--bridge=none", "--iptables=false", "--exec-opt", "native.cgroupdriver=cgroupfs",
-    "--default-ulimit", "nofile=1024:1024", "--default-ulimit", "nproc=4096:4096",
+    "--bridge=none",
+    "--iptables=false",
+    "--exec-opt",
+    "native.cgroupdriver=cgroupfs",
+    "--default-ulimit",
+    "nofile=1024:1024",
+    "--default-ulimit",
+    "nproc=4096:4096",
 ]
 # The generator's backend in the compose run: compose.yaml runs rollstream/generator-vllm;
 # CI keeps the transformers image (rollstream/generator), and ROLLSTREAM_CONTAINERS_VLLM=1
@@ -88,7 +105,9 @@ class Docker:
     def _run(self, cmd: list[str], timeout: float, check: bool) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(cmd, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return done
 
 
@@ -112,17 +131,32 @@ def docker() -> Iterator[Docker]:
                 pytest.skip("no docker daemon answers, and none can be started here (needs root and dockerd)")
             with open(Path(OWN_DATA_ROOT + ".log"), "ab") as log:  # the child keeps its own copy of the fd
                 started = subprocess.Popen(
-                    ["dockerd", *DOCKERD_FLAGS, "-H", OWN_SOCKET, "--data-root", OWN_DATA_ROOT, "--pidfile", OWN_DATA_ROOT + ".pid"],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    [
+                        "dockerd",
+                        *DOCKERD_FLAGS,
+                        "-H",
+                        OWN_SOCKET,
+                        "--data-root",
+                        OWN_DATA_ROOT,
+                        "--pidfile",
+                        OWN_DATA_ROOT + ".pid",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             dockerd = started
 
             def dockerd_running() -> None:
                 if dockerd.poll() is not None:
-                    pytest.skip(f"dockerd could not be started: it exited with {dockerd.returncode} (see {OWN_DATA_ROOT}.log)")
+                    pytest.skip(
+                        f"dockerd could not be started: it exited with {dockerd.returncode} (see {OWN_DATA_ROOT}.log)"
+                    )
 
             try:
-                wait_for(lambda: _answers(env), 60, "the dockerd started here to answer", check=dockerd_running, poll_s=1)
+                wait_for(
+                    lambda: _answers(env), 60, "the dockerd started here to answer", check=dockerd_running, poll_s=1
+                )
             except AssertionError:
                 started.kill()
                 pytest.skip(f"dockerd could not be started: no answer within 60 s (see {OWN_DATA_ROOT}.log)")
@@ -144,7 +178,14 @@ def docker() -> Iterator[Docker]:
 def images(docker: Docker) -> Docker:
     t0 = time.monotonic()
     # Only what the run needs (the torch images copy the model out of demo-model).
-    done = subprocess.run(["bash", "scripts/build_images.sh", "demo-model", *IMAGES], env=docker.env, cwd=REPO, capture_output=True, text=True, timeout=3000)
+    done = subprocess.run(
+        ["bash", "scripts/build_images.sh", "demo-model", *IMAGES],
+        env=docker.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert done.returncode == 0, f"build_images.sh failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     docker.timings["build_s"] = round(time.monotonic() - t0, 1)
     print(f"\nbuild_images.sh: {docker.timings['build_s']} s\n{done.stdout}")
@@ -154,7 +195,11 @@ def images(docker: Docker) -> Docker:
 def image(name: str) -> str:
     """The tag build_images.sh gave `name` in this run's flavour (ROLLSTREAM_TORCH, default
     cpu, which compose's image lines read too)."""
-    (tag,) = [t for t in built_tags(os.environ.get("ROLLSTREAM_TORCH") or "cpu") if t.startswith(f"rollstream/{name}:{project_version()}")]
+    (tag,) = [
+        t
+        for t in built_tags(os.environ.get("ROLLSTREAM_TORCH") or "cpu")
+        if t.startswith(f"rollstream/{name}:{project_version()}")
+    ]
     return tag
 
 
@@ -169,19 +214,72 @@ def test_images_are_non_root_offline_and_hold_what_they_need(images: Docker) -> 
     # The demo model is in the torch images: resolved with no network and a read-only root.
     resolve = "from rollstream.core.models import resolve_model; print(resolve_model('smollm2-135m'))"
     for name in (GENERATOR_IMAGE, "reference", "trainer"):
-        out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image(name), "-c", resolve).stdout
+        out = images.run(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--read-only",
+            "--tmpfs",
+            "/tmp",
+            "--entrypoint",
+            "python",
+            image(name),
+            "-c",
+            resolve,
+        ).stdout
         assert out.strip() == "/opt/rollstream/cache/models/SmolLM2-135M-Instruct", name
         assert "--model" in images.run("run", "--rm", "--network", "none", image(name), "--help").stdout, name
     # The trainer's split-layout AdamW kernel was compiled into its wheel (the image has no compiler).
     kernel = "from rollstream.trainer import split_kernel; print(split_kernel.load() is not None)"
-    out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "--entrypoint", "python", image("trainer"), "-c", kernel).stdout
+    out = images.run(
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--entrypoint",
+        "python",
+        image("trainer"),
+        "-c",
+        kernel,
+    ).stdout
     assert out.strip() == "True", out
     # compose's `admin` service: the operator CLI from the trainer image (the launcher, not its [up] extra).
-    assert "--watch" in images.run("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "rollstream", image("trainer"), "status", "--help").stdout
+    assert (
+        "--watch"
+        in images.run(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--read-only",
+            "--entrypoint",
+            "rollstream",
+            image("trainer"),
+            "status",
+            "--help",
+        ).stdout
+    )
     if VLLM:
         # vLLM and rollstream's backend for it import (and vLLM finds its CPU platform) offline, read-only.
         check = "import vllm, rollstream.generator.vllm_backend; from vllm.platforms import current_platform; print(current_platform.device_type)"
-        out = images.run("run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp:exec", "--entrypoint", "python", image(GENERATOR_IMAGE), "-c", check).stdout
+        out = images.run(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--read-only",
+            "--tmpfs",
+            "/tmp:exec",
+            "--entrypoint",
+            "python",
+            image(GENERATOR_IMAGE),
+            "-c",
+            check,
+        ).stdout
         assert out.strip().splitlines()[-1] == "cpu", out
 
 
@@ -199,19 +297,39 @@ def test_the_node_setup_daemonset_installs_the_reward_seccomp_profile(images: Do
     for name, text in config_map["data"].items():
         (profiles / name).write_text(text)
     mounts = {"profiles": profiles, "host-seccomp": host}
-    volumes = [f"{mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}" for m in container["volumeMounts"]]
+    volumes = [
+        f"{mounts[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}" for m in container["volumeMounts"]
+    ]
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
     name = f"rs-node-setup-{uuid.uuid4().hex[:8]}"
     images.run(
-        "run", "-d", "--name", name, "--network", "none", "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-        "--user", user, *[a for v in volumes for a in ("-v", v)], "--entrypoint", container["command"][0], container["image"], *container["command"][1:],
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        "none",
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "--user",
+        user,
+        *[a for v in volumes for a in ("-v", v)],
+        "--entrypoint",
+        container["command"][0],
+        container["image"],
+        *container["command"][1:],
     )
     installed = host / "rollstream" / "reward.json"
     try:
         wait_for(installed.exists, 300, "the profile to be installed", poll_s=0.5)
         assert json.loads(installed.read_text()) == json.loads((REPO / "docker/seccomp/reward.json").read_text())
         assert installed.stat().st_mode & 0o777 == 0o644
-        assert images.run("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"  # it stays, as a DaemonSet's pod must
+        assert (
+            images.run("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"
+        )  # it stays, as a DaemonSet's pod must
     finally:
         images.run("rm", "-f", name, check=False)
 
@@ -247,20 +365,39 @@ def host_network_override(ports: Ports, run: str) -> dict:
             "redis": {
                 "network_mode": "host",
                 "command": [
-                    "redis-server", "--bind", "127.0.0.1", "--port", p, "--dir", "/data", "--appendonly", "yes", "--appendfsync", "always",
-                    "--aclfile", "/run/secrets/users.acl",
+                    "redis-server",
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    p,
+                    "--dir",
+                    "/data",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                    "--aclfile",
+                    "/run/secrets/users.acl",
                 ],
                 "healthcheck": {"test": ["CMD-SHELL", f"{auth} -p {p} ping | grep -q PONG"]},
             },
             "trainer": service(
-                "trainer", ROLLSTREAM_STEPS="0", ROLLSTREAM_THREADS="2", ROLLSTREAM_GROUP_SIZE="4",
-                ROLLSTREAM_GROUPS_PER_STEP=str(GROUPS_PER_STEP), ROLLSTREAM_MAX_NEW_TOKENS="8", ROLLSTREAM_CHECKPOINT_EVERY="1",
+                "trainer",
+                ROLLSTREAM_STEPS="0",
+                ROLLSTREAM_THREADS="2",
+                ROLLSTREAM_GROUP_SIZE="4",
+                ROLLSTREAM_GROUPS_PER_STEP=str(GROUPS_PER_STEP),
+                ROLLSTREAM_MAX_NEW_TOKENS="8",
+                ROLLSTREAM_CHECKPOINT_EVERY="1",
                 ROLLSTREAM_GENERATORS_DNS=f"127.0.0.1:{ports.grpc['generator']}",
             ),
             "generator": {
                 **service(
-                    "generator", ROLLSTREAM_THREADS="1", ROLLSTREAM_TRAINER_ADDRESS=f"127.0.0.1:{ports.grpc['trainer']}",
-                    ROLLSTREAM_MAX_INFLIGHT_GROUPS=str(2 * GROUPS_PER_STEP), ROLLSTREAM_TASKS_PER_BATCH=str(GROUPS_PER_STEP),
+                    "generator",
+                    ROLLSTREAM_THREADS="1",
+                    ROLLSTREAM_TRAINER_ADDRESS=f"127.0.0.1:{ports.grpc['trainer']}",
+                    ROLLSTREAM_MAX_INFLIGHT_GROUPS=str(2 * GROUPS_PER_STEP),
+                    ROLLSTREAM_TASKS_PER_BATCH=str(GROUPS_PER_STEP),
                     ROLLSTREAM_BACKEND="vllm" if VLLM else "transformers",
                 ),
                 "image": image(GENERATOR_IMAGE),
@@ -308,24 +445,36 @@ class Project:
         for item in secrets.rglob("*"):
             item.chmod(0o700 if item.is_dir() else 0o444)
         docker = replace(images, env={**images.env, "ROLLSTREAM_SECRETS": str(secrets)})
-        return cls(docker, "rstest" + uuid.uuid4().hex[:8], [a for f in (*files, path) for a in ("-f", str(f))], secrets)
+        return cls(
+            docker, "rstest" + uuid.uuid4().hex[:8], [a for f in (*files, path) for a in ("-f", str(f))], secrets
+        )
 
     def compose(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.docker.compose("-p", self.name, *self.files, *args, timeout=timeout, check=check)
 
     def logs(self, service: str = "") -> str:
-        return self.compose("logs", "--no-color", "--no-log-prefix", *([service] if service else []), check=False).stdout
+        return self.compose(
+            "logs", "--no-color", "--no-log-prefix", *([service] if service else []), check=False
+        ).stdout
 
     def states(self) -> dict[str, dict]:
         out = self.compose("ps", "-a", "--format", "json").stdout
-        rows = [json.loads(line) for line in out.splitlines() if line.strip()] if not out.lstrip().startswith("[") else json.loads(out)
+        rows = (
+            [json.loads(line) for line in out.splitlines() if line.strip()]
+            if not out.lstrip().startswith("[")
+            else json.loads(out)
+        )
         return {r["Service"]: r for r in rows}
 
     def wait_until(self, what: str, ok, timeout_s: float) -> None:
         """helpers.wait_for, failing at once when a container stops, with the compose logs."""
 
         def containers_up() -> None:
-            down_now = {s: (r["State"], r["ExitCode"]) for s, r in self.states().items() if r["State"] in ("exited", "restarting", "dead")}
+            down_now = {
+                s: (r["State"], r["ExitCode"])
+                for s, r in self.states().items()
+                if r["State"] in ("exited", "restarting", "dead")
+            }
             assert not down_now, f"containers stopped while waiting for {what}: {down_now}\n{self.logs()[-6000:]}"
 
         wait_for(ok, timeout_s, what, check=containers_up, details=lambda: self.logs()[-6000:], poll_s=1)
@@ -336,8 +485,12 @@ class Project:
 
     def down_leaving_nothing(self) -> None:
         self.compose("down", "-v", "--timeout", "60")
-        left = self.docker.run("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.name}").stdout.strip()
-        volumes = self.docker.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={self.name}").stdout.strip()
+        left = self.docker.run(
+            "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.name}"
+        ).stdout.strip()
+        volumes = self.docker.run(
+            "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={self.name}"
+        ).stdout.strip()
         assert left == "" and volumes == "", f"left behind: containers {left!r}, volumes {volumes!r}"
 
 
@@ -345,7 +498,9 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
     run = "c" + uuid.uuid4().hex[:8]
     names = ("trainer", "generator", "reward", "reference")
     ports = Ports(free_port(), {n: free_port() for n in names}, {n: free_port() for n in names})
-    project = Project.make(images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE], host_network_override(ports, run))
+    project = Project.make(
+        images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_REFERENCE], host_network_override(ports, run)
+    )
     compose, logs, states, wait_until = project.compose, project.logs, project.states, project.wait_until
     timings = images.timings
     client = project.admin_client(ports.redis)
@@ -376,7 +531,11 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         # beta > 0: the trainer dead-letters groups without reference log-probs, so trained
         # groups and an empty dead stream mean the reference stage did its part.
         assert [g["name"] for g in client.xinfo_groups(keys.stream("scored"))] == [b"reference"]
-        wait_until("every container healthy", lambda: {s: r.get("Health") for s, r in states().items()} == dict.fromkeys([*names, "redis"], "healthy"), 120)
+        wait_until(
+            "every container healthy",
+            lambda: {s: r.get("Health") for s, r in states().items()} == dict.fromkeys([*names, "redis"], "healthy"),
+            120,
+        )
         with urllib.request.urlopen(f"http://127.0.0.1:{ports.http['trainer']}/metrics", timeout=10) as r:
             assert b"rollstream_trainer_steps_total" in r.read()
 
@@ -393,7 +552,9 @@ def test_compose_runs_trains_resumes_and_stops_cleanly(images: Docker, tmp_path:
         assert step_metrics(client, keys)[last].step == last + 1
 
         for m in step_metrics(client, keys):
-            print(f"step {m.step}: reward {m.reward_mean:.3f} kl {m.kl:.5f} {m.step_seconds:.1f}s delta {m.delta_bytes / max(m.dense_bytes, 1):.2%} of dense")
+            print(
+                f"step {m.step}: reward {m.reward_mean:.3f} kl {m.kl:.5f} {m.step_seconds:.1f}s delta {m.delta_bytes / max(m.dense_bytes, 1):.2%} of dense"
+            )
 
         # Clean stop on SIGTERM: Redis and the trainer (after its step) exit 0, and every
         # service that exits 0 ran its shutdown to the end ("stopped").
@@ -434,7 +595,9 @@ def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docke
     del override["services"]["reference"]  # not in these files
     # The file's own colocated configuration, with the generator half's ports moved to free
     # ones (every container shares the host's network here).
-    colocated = tomllib.loads(load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["configs"]["colocated"]["content"])
+    colocated = tomllib.loads(
+        load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["configs"]["colocated"]["content"]
+    )
     colocated["generator"].update(grpc_port=ports.grpc["generator"], http_port=ports.http["generator"])
     override["configs"] = {"colocated": {"content": tomli_w.dumps(colocated)}}
     override["services"]["trainer"]["environment"]["ROLLSTREAM_GENERATORS_DNS"] = ""
@@ -454,7 +617,9 @@ def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docke
         log = project.logs("trainer")
         assert "python -m rollstream.launcher.colocated" in log, log[-3000:]
         written = json_events(log, "groups_written")
-        assert written and {e["service"] for e in written} == {"generator"}, "the generator half samples, and logs as itself, in the trainer's container"
+        assert written and {e["service"] for e in written} == {"generator"}, (
+            "the generator half samples, and logs as itself, in the trainer's container"
+        )
         with urllib.request.urlopen(f"http://127.0.0.1:{ports.http['generator']}/healthz", timeout=10) as r:
             assert r.status == 200  # the generator half's own health port
         project.compose("stop", timeout=600)

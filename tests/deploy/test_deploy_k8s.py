@@ -26,23 +26,19 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-
-from npm_packages import npm_packages
-from rollstream.core.config import ENV_PREFIX
-from rollstream.launcher import colocation
 from deploy_files import (
-    built_tags,
-    differs_from_derived,
-    differs_from_profile,
     K8S_DIR,
     K8S_ONE_GPU_DIR,
-    REPO,
     NON_FIELD_ENV,
+    REPO,
     SERVICES,
     TRAINER_LAUNCHER,
     Container,
     K8s,
+    built_tags,
     check_env_names,
+    differs_from_derived,
+    differs_from_profile,
     dns_names,
     dockerfile_entrypoint,
     dockerfile_user,
@@ -59,6 +55,10 @@ from deploy_files import (
     split_host_port,
     toml_keys,
 )
+
+from npm_packages import npm_packages
+from rollstream.core.config import ENV_PREFIX
+from rollstream.launcher import colocation
 
 NAMESPACE = "rollstream"
 
@@ -89,7 +89,9 @@ def kubernetes_validate_cmd() -> list[str]:
 
 def test_manifests_pass_kubernetes_validate_strict() -> None:
     files = sorted(str(p) for p in [*K8S_DIR.glob("*.yaml"), *K8S_DIR.glob("node-setup/*.yaml")])
-    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -105,7 +107,9 @@ def test_folder_applies_as_it_is(k8s: K8s) -> None:
     assert {p.name for p in K8S_DIR.iterdir() if p.is_dir()} <= {"monitoring", "node-setup"}
     assert k8s.docs[0][1]["kind"] == "Namespace" and k8s.docs[0][1]["metadata"]["name"] == NAMESPACE
     for path, doc in k8s.docs[1:]:
-        assert doc["metadata"].get("namespace") == NAMESPACE, f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
+        assert doc["metadata"].get("namespace") == NAMESPACE, (
+            f"{path.name}: {doc['kind']} {doc['metadata']['name']} is not in {NAMESPACE}"
+        )
 
 
 def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
@@ -119,7 +123,10 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
             continue
         if name == "trainer":
             assert c.spec["command"] == TRAINER_LAUNCHER
-            assert "COPY docker/trainer_start.py /opt/rollstream/trainer_start.py" in (K8S_DIR.parent / "docker/trainer.Dockerfile").read_text()
+            assert (
+                "COPY docker/trainer_start.py /opt/rollstream/trainer_start.py"
+                in (K8S_DIR.parent / "docker/trainer.Dockerfile").read_text()
+            )
         else:
             assert c.spec["command"] == ["python", "-m", f"rollstream.{name}"]
             assert importlib.util.find_spec(f"rollstream.{name}.__main__") is not None
@@ -129,8 +136,15 @@ def test_containers_run_the_service_their_image_builds(k8s: K8s) -> None:
 
 def manifest_images(k8s: K8s) -> set[str]:
     """Every image k8s/ and k8s/node-setup/ name."""
-    docs = [d for _, d in k8s.docs] + [d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text()) if d]
-    return {c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet") for c in d["spec"]["template"]["spec"]["containers"]}
+    docs = [d for _, d in k8s.docs] + [
+        d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text()) if d
+    ]
+    return {
+        c["image"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
 
 
 def test_every_image_a_manifest_names_is_built_and_pushed(k8s: K8s) -> None:
@@ -147,7 +161,11 @@ def test_every_image_a_manifest_names_is_built_and_pushed(k8s: K8s) -> None:
     assert {image_name(t) for t in cpu & cuda} == {"redis", "reward"}, sorted(cpu & cuda)
     assert {image_name(t) for t in cpu} == {image_name(t) for t in cuda}
     doc = (K8S_DIR.parent / "docs/deploy.md").read_text()
-    loop = re.search(r"^export ROLLSTREAM_TORCH=(\w+)\n(?:.*\n)*?for image in \$\(bash scripts/build_images.sh --tags ([^)]*)\); do\n  docker tag \$image registry", doc, re.M)
+    loop = re.search(
+        r"^export ROLLSTREAM_TORCH=(\w+)\n(?:.*\n)*?for image in \$\(bash scripts/build_images.sh --tags ([^)]*)\); do\n  docker tag \$image registry",
+        doc,
+        re.M,
+    )
     assert loop, "docs/deploy.md: the image push loop is gone"
     assert loop.group(1) == "cuda"
     pushed = {t for t in cuda if image_name(t) in loop.group(2).split()}
@@ -171,7 +189,9 @@ def test_settings_load_and_ports_match_probes_and_services(k8s: K8s, settings: d
         assert set(probes) == {"startupProbe", "livenessProbe", "readinessProbe"}, service
         for kind, probe in probes.items():
             assert c.port(probe["httpGet"]["port"]) == s.http_port, f"{service} {kind}"
-            assert probe["httpGet"]["path"] == ("/readyz" if kind == "readinessProbe" else "/healthz"), f"{service} {kind}"
+            assert probe["httpGet"]["path"] == ("/readyz" if kind == "readinessProbe" else "/healthz"), (
+                f"{service} {kind}"
+            )
     for svc in k8s.all("Service"):
         workloads = k8s.pods_selected(svc)
         assert len(workloads) == 1, f"Service {svc['metadata']['name']} selects {len(workloads)} workloads"
@@ -190,14 +210,18 @@ def test_addresses_lead_to_the_right_services(k8s: K8s, settings: dict) -> None:
         assert [w["metadata"]["name"] for w in k8s.pods_selected(svc)] == ["redis"], service
         port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
         assert redis.port(port["targetPort"]) == redis_port, service
-        assert url.username is None and url.password is None, f"{service}: credentials in the Redis URL (use the *_FILE settings)"
+        assert url.username is None and url.password is None, (
+            f"{service}: credentials in the Redis URL (use the *_FILE settings)"
+        )
 
     # The trainer pushes to every generator pod: a headless Service (one A record per pod).
     trainer = settings["trainer"][1]
     host, port = split_host_port(trainer.generators_dns)
     headless = k8s.service_for(host, NAMESPACE)
     assert headless["spec"].get("clusterIP") == "None", "generators_dns must name a headless Service"
-    assert [image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) for w in k8s.pods_selected(headless)] == ["generator"]
+    assert [
+        image_service(w["spec"]["template"]["spec"]["containers"][0]["image"]) for w in k8s.pods_selected(headless)
+    ] == ["generator"]
     target = next(p["targetPort"] for p in headless["spec"]["ports"] if p["port"] == port)
     gen_container, gen = settings["generator"]
     assert gen_container.port(target) == gen.grpc_port
@@ -214,7 +238,9 @@ def test_one_run_one_model_and_a_consistent_pipeline(k8s: K8s, settings: dict) -
     assert len({s.run for _, s in settings.values()}) == 1, "services disagree on the run name"
     assert len({settings[n][1].model for n in ("generator", "reference", "trainer")}) == 1
     reference_on = k8s.workload_of("reference")["spec"]["replicas"] > 0
-    assert reference_on == settings["trainer"][1].reference_service, "the reference stage runs exactly when the trainer's KL needs it"
+    assert reference_on == settings["trainer"][1].reference_service, (
+        "the reference stage runs exactly when the trainer's KL needs it"
+    )
 
 
 def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
@@ -230,7 +256,9 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
     # A GPU pod may land on tainted GPU nodes; a generator rollout needs no spare GPU.
     for service in ("generator", "trainer"):
         pod = k8s.workload_of(service)["spec"]["template"]["spec"]
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod.get("tolerations", []), service
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod.get("tolerations", []), (
+            service
+        )
     rollout = k8s.workload_of("generator")["spec"]["strategy"]
     assert rollout["rollingUpdate"]["maxSurge"] == 0 and rollout["rollingUpdate"]["maxUnavailable"] >= 1
     # The generators run vLLM, sharded over exactly the pod's GPUs (which the device plugin picks).
@@ -244,8 +272,12 @@ def test_gpus_checkpoints_and_resources(k8s: K8s, settings: dict) -> None:
     assert k8s.workload_of("trainer")["kind"] == "StatefulSet" and k8s.workload_of("trainer")["spec"]["replicas"] == 1
     _, volume = c.mount_of(trainer.checkpoint_dir)
     assert "persistentVolumeClaimTemplate" in volume, "checkpoints must outlive the pod"
-    assert trainer.checkpoint_every > 0 and not trainer.resume, "trainer_start.py adds --resume latest when there is a checkpoint"
-    assert k8s.workload_of("trainer")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120, "a step must be able to finish"
+    assert trainer.checkpoint_every > 0 and not trainer.resume, (
+        "trainer_start.py adds --resume latest when there is a checkpoint"
+    )
+    assert k8s.workload_of("trainer")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120, (
+        "a step must be able to finish"
+    )
 
 
 # A delta's share of the bf16 weights the volumes are sized for: 0.6 % at the demo's learning
@@ -283,7 +315,9 @@ def claim_bytes(c, path: str) -> tuple[str, int]:
     """(claim name, requested bytes) of the volume claim template mounted at `path`."""
     _, volume = c.mount_of(path)
     assert "persistentVolumeClaimTemplate" in volume, f"{path} is not on a volume claim"
-    return volume["name"], quantity_bytes(volume["persistentVolumeClaimTemplate"]["spec"]["resources"]["requests"]["storage"])
+    return volume["name"], quantity_bytes(
+        volume["persistentVolumeClaimTemplate"]["spec"]["resources"]["requests"]["storage"]
+    )
 
 
 def test_weight_store_has_a_volume_of_its_own_sized_by_the_arithmetic(settings: dict) -> None:
@@ -301,7 +335,10 @@ def test_weight_store_has_a_volume_of_its_own_sized_by_the_arithmetic(settings: 
     params = parameter_count(trainer.model)
     assert trainer.lora_rank == 0 and trainer.master_layout == "split" and trainer.keep_checkpoints > 0
     per_checkpoint = params * (4 + 2 * (2 if trainer.moments_dtype == "bfloat16" else 4))
-    assert checkpoint_bytes >= trainer.keep_checkpoints * per_checkpoint, (checkpoint_bytes, trainer.keep_checkpoints * per_checkpoint)
+    assert checkpoint_bytes >= trainer.keep_checkpoints * per_checkpoint, (
+        checkpoint_bytes,
+        trainer.keep_checkpoints * per_checkpoint,
+    )
     anchor = 2 * params
     store_peak = 2 * anchor + (trainer.anchor_interval - 1) * DELTA_FRACTION * anchor
     assert weight_bytes >= store_peak, (weight_bytes, store_peak)
@@ -325,7 +362,9 @@ def test_pods_are_restricted_non_root(k8s: K8s) -> None:
         # The runtime's default everywhere: nothing to install on the nodes (the code sandbox's
         # profile comes with the overlay k8s-code-sandbox/).
         assert pod_sc["runAsNonRoot"] is True and pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
-        assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(image), f"{name}: not the image's user"
+        assert f"{pod_sc['runAsUser']}:{pod_sc['runAsGroup']}" == dockerfile_user(image), (
+            f"{name}: not the image's user"
+        )
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
         assert sc["readOnlyRootFilesystem"] is True, name
         if name in SERVICES:
@@ -375,6 +414,7 @@ def own_secret(workload: dict) -> str:
 
 def test_no_secret_or_credential_is_committed(k8s: K8s) -> None:
     assert k8s.all("Secret") == [], "Secrets come from scripts/k8s_secrets.py, never from k8s/"
+
     def walk(node, where: str) -> None:  # no string value under a key that names a credential
         if isinstance(node, dict):
             for k, v in node.items():
@@ -387,7 +427,9 @@ def test_no_secret_or_credential_is_committed(k8s: K8s) -> None:
         elif isinstance(node, str):
             assert not re.search(r"rediss?://[^/\s]*@", node), f"{where}: a Redis URL with a user or password"
             for line in node.splitlines():  # TOML in ConfigMaps
-                assert not re.match(r"\s*\w*(password|token)\w*\s*=\s*[\"']", line) or "_file" in line, f"{where}: {line.strip()}"
+                assert not re.match(r"\s*\w*(password|token)\w*\s*=\s*[\"']", line) or "_file" in line, (
+                    f"{where}: {line.strip()}"
+                )
 
     for path, doc in k8s.docs:
         walk(doc, f"{path.name} {doc['kind']}/{doc['metadata']['name']}")
@@ -395,7 +437,9 @@ def test_no_secret_or_credential_is_committed(k8s: K8s) -> None:
         c = k8s_container(k8s, workload)
         for name, value in c.env.items():
             if re.search(r"PASSWORD|TOKEN|_KEY", name):
-                assert name.endswith("_FILE") and value.startswith(SECRET_MOUNT + "/"), f"{workload['metadata']['name']}: {name}={value}"
+                assert name.endswith("_FILE") and value.startswith(SECRET_MOUNT + "/"), (
+                    f"{workload['metadata']['name']}: {name}={value}"
+                )
 
 
 def test_every_workload_mounts_only_its_own_secret(k8s: K8s) -> None:
@@ -413,9 +457,13 @@ def test_every_workload_mounts_only_its_own_secret(k8s: K8s) -> None:
         assert c.pod.get("automountServiceAccountToken") is False, f"{name}: no pod here needs the Kubernetes API"
 
 
-def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials: Path, generated: tuple[Path, dict[str, dict]], k8s: K8s) -> None:
+def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(
+    credentials: Path, generated: tuple[Path, dict[str, dict]], k8s: K8s
+) -> None:
     path, secrets = generated
-    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert set(secrets) == {own_secret(w) for w in k8s.workloads()}, "one Secret per workload, and only those"
     for secret in secrets.values():
@@ -430,18 +478,30 @@ def test_k8s_secrets_output_is_valid_and_each_secret_holds_one_role(credentials:
             "tls-cert.pem": read(f"tls/{service}.pem"),
             "tls-key.pem": read(f"tls/{service}.key"),
             "tls-ca.pem": read("tls/ca.pem"),
-            **({"redis-observer-password": read("redis/observer.password")} if service in ("generator", "trainer") else {}),
+            **(
+                {"redis-observer-password": read("redis/observer.password")}
+                if service in ("generator", "trainer")
+                else {}
+            ),
         }, service
-    assert secret_files(secrets["redis-credentials"]) == {"users.acl": read("redis/users.acl"), "admin.password": read("redis/admin.password")}
+    assert secret_files(secrets["redis-credentials"]) == {
+        "users.acl": read("redis/users.acl"),
+        "admin.password": read("redis/admin.password"),
+    }
     # No Secret holds another role's token, password or key, nor the admin token or a CA key.
     for name, secret in secrets.items():
         own = name.removesuffix("-credentials")
         values = b"\n".join(secret_files(secret).values())
         for role in ("trainer", "generator", "reward", "reference", "admin"):
-            foreign = [f"grpc/{role}.token", f"tls/{role}.key"] + ([f"redis/{role}.password"] if (role, own) != ("admin", "redis") else [])
+            foreign = [f"grpc/{role}.token", f"tls/{role}.key"] + (
+                [f"redis/{role}.password"] if (role, own) != ("admin", "redis") else []
+            )
             for rel in foreign if role != own else []:
                 assert read(rel).strip() not in values, f"{name} holds {rel}"
-        if own not in ("generator", "trainer"):  # the observer's password: the generator's and the trainer's (dashboard)
+        if own not in (
+            "generator",
+            "trainer",
+        ):  # the observer's password: the generator's and the trainer's (dashboard)
             assert read("redis/observer.password").strip() not in values, f"{name} holds redis/observer.password"
         for rel in ("tls/ca.key",):
             if (credentials / rel).exists():
@@ -467,7 +527,13 @@ def test_k8s_secrets_namespace_option(credentials: Path) -> None:
     assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(done.stdout) if d} == {"rl-team"}
 
 
-def test_credential_settings_lead_to_the_roles_own_files(k8s: K8s, credentials: Path, generated: tuple[Path, dict[str, dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_credential_settings_lead_to_the_roles_own_files(
+    k8s: K8s,
+    credentials: Path,
+    generated: tuple[Path, dict[str, dict]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every *_FILE setting names a file of the workload's own Secret, holding its own role's
     credential (the Secret materialized as the kubelet would); TLS on, Redis as the role."""
     _, secrets = generated
@@ -481,11 +547,16 @@ def test_credential_settings_lead_to_the_roles_own_files(k8s: K8s, credentials: 
         for env, key in OBSERVER_ENV.items():
             assert c.env.get(env) == (f"{SECRET_MOUNT}/{key}" if observer else None), f"{service}: {env}"
         if observer:
-            assert Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes()
+            assert (
+                Path(s.redis_observer_password_file).read_bytes()
+                == (credentials / "redis/observer.password").read_bytes()
+            )
         assert s.redis_username == service and s.redis_password.get_secret_value() == ""
         assert Path(s.redis_password_file).read_bytes() == (credentials / f"redis/{service}.password").read_bytes()
         assert Path(s.grpc_token_file).read_bytes() == (credentials / f"grpc/{service}.token").read_bytes()
-        assert json.loads(Path(s.grpc_auth_file).read_text()) == json.loads((credentials / "grpc/roles.json").read_text())
+        assert json.loads(Path(s.grpc_auth_file).read_text()) == json.loads(
+            (credentials / "grpc/roles.json").read_text()
+        )
         assert Path(s.grpc_tls_cert_file).read_bytes() == (credentials / f"tls/{service}.pem").read_bytes()
         assert Path(s.grpc_tls_key_file).read_bytes() == (credentials / f"tls/{service}.key").read_bytes()
         assert Path(s.grpc_tls_ca_file).read_bytes() == (credentials / "tls/ca.pem").read_bytes()
@@ -510,7 +581,10 @@ def test_tls_names_cover_the_addresses_peers_dial(settings: dict) -> None:
     args = documented_secrets_args()
     assert "--tls" in args
     names = set(dns_names(args))
-    dialled = {split_host_port(settings["generator"][1].trainer_address)[0], split_host_port(settings["trainer"][1].generators_dns)[0]}
+    dialled = {
+        split_host_port(settings["generator"][1].trainer_address)[0],
+        split_host_port(settings["trainer"][1].generators_dns)[0],
+    }
     assert dialled <= names, f"documented --dns names {sorted(names)} miss {sorted(dialled - names)}"
 
 
@@ -532,7 +606,12 @@ def _selects(selector: dict, labels: dict) -> bool:
             return False
     for e in selector.get("matchExpressions", []):
         op, key, values = e["operator"], e["key"], e.get("values", [])
-        ok = {"In": labels.get(key) in values, "NotIn": key not in labels or labels[key] not in values, "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True
@@ -543,12 +622,22 @@ class Cluster:
     https://kubernetes.io/docs/concepts/services-networking/network-policies/ defines them."""
 
     def __init__(self, k8s: K8s):
-        ns_labels = {**k8s.get("Namespace", NAMESPACE)["metadata"].get("labels", {}), "kubernetes.io/metadata.name": NAMESPACE}
-        self.pods: dict[str, tuple[str | None, dict, dict, dict]] = {}  # name -> (namespace, ns labels, pod labels, named ports)
+        ns_labels = {
+            **k8s.get("Namespace", NAMESPACE)["metadata"].get("labels", {}),
+            "kubernetes.io/metadata.name": NAMESPACE,
+        }
+        self.pods: dict[
+            str, tuple[str | None, dict, dict, dict]
+        ] = {}  # name -> (namespace, ns labels, pod labels, named ports)
         for w in k8s.workloads():
             c = w["spec"]["template"]["spec"]["containers"][0]
             named = {p["name"]: p["containerPort"] for p in c.get("ports", []) if "name" in p}
-            self.pods[w["metadata"]["name"]] = (NAMESPACE, ns_labels, w["spec"]["template"]["metadata"]["labels"], named)
+            self.pods[w["metadata"]["name"]] = (
+                NAMESPACE,
+                ns_labels,
+                w["spec"]["template"]["metadata"]["labels"],
+                named,
+            )
         for name, (ns, labels) in EXTERNAL.items():
             self.pods[name] = (ns, {"kubernetes.io/metadata.name": ns} if ns else {}, labels, {})
         self.policies = k8s.all("NetworkPolicy")
@@ -585,13 +674,19 @@ class Cluster:
         if self.pods[pod][0] != NAMESPACE:
             return True  # not ours to govern
         key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-        selecting = [p for p in self.policies if direction in self._types(p) and _selects(p["spec"]["podSelector"], self.pods[pod][2])]
+        selecting = [
+            p
+            for p in self.policies
+            if direction in self._types(p) and _selects(p["spec"]["podSelector"], self.pods[pod][2])
+        ]
         if not selecting:
             return True  # not isolated
         for policy in selecting:
             for rule in policy["spec"].get(key) or []:
                 peers = rule.get(peers_key)
-                if (not peers or any(self._peer_matches(x, peer) for x in peers)) and self._port_matches(rule.get("ports"), dst, proto, port):
+                if (not peers or any(self._peer_matches(x, peer) for x in peers)) and self._port_matches(
+                    rule.get("ports"), dst, proto, port
+                ):
                     return True
         return False
 
@@ -602,7 +697,9 @@ class Cluster:
                 if self.pods[src][0] != NAMESPACE and self.pods[dst][0] != NAMESPACE:
                     continue
                 for proto, port in PORTS:
-                    if self._allowed("Egress", src, dst, dst, proto, port) and self._allowed("Ingress", dst, src, dst, proto, port):
+                    if self._allowed("Egress", src, dst, dst, proto, port) and self._allowed(
+                        "Ingress", dst, src, dst, proto, port
+                    ):
                         out.add((src, dst, proto, port))
         return out
 
@@ -613,10 +710,15 @@ def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> No
     expected |= {("trainer", "generator", "TCP", 50051), ("generator", "trainer", "TCP", 50051)}
     expected |= {("generator", "generator", "TCP", 50051)}  # a relay forwards pushes to its children (push_fanout > 0)
     expected |= {(s, "kube-dns", proto, 53) for s in services for proto in ("UDP", "TCP")}
-    expected |= {(peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services}  # any pod in the cluster
+    expected |= {
+        (peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services
+    }  # any pod in the cluster
     # A namespace-wide default deny, so that a pod added later starts with no access at all.
     assert any(
-        p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} and not p["spec"].get("ingress") and not p["spec"].get("egress")
+        p["spec"]["podSelector"] == {}
+        and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+        and not p["spec"].get("ingress")
+        and not p["spec"].get("egress")
         for p in k8s.all("NetworkPolicy")
     ), "no default-deny NetworkPolicy"
     edges = Cluster(k8s).edges()
@@ -632,7 +734,9 @@ def test_relay_edges_are_allowed_on_the_push_port_only(k8s: K8s, settings: dict)
     trainer, gen = settings["trainer"][1], settings["generator"][1]
     push_port = split_host_port(trainer.generators_dns)[1]
     assert push_port == gen.grpc_port
-    assert "push_fanout = 2" in k8s.get("ConfigMap", "trainer-config")["data"]["trainer.toml"], "the relay is no longer recommended: drop the edge"
+    assert "push_fanout = 2" in k8s.get("ConfigMap", "trainer-config")["data"]["trainer.toml"], (
+        "the relay is no longer recommended: drop the edge"
+    )
     between_generators = {(proto, port) for src, dst, proto, port in Cluster(k8s).edges() if src == dst == "generator"}
     assert between_generators == {("TCP", push_port)}
 
@@ -654,7 +758,9 @@ def test_the_trainer_trains_as_the_gpu_profile_says(settings: dict) -> None:
     """k8s/ is `rollstream up --profile gpu`'s run: every trainer setting that is not placement
     (what `up` sets per child) is the profile's."""
     assert differs_from_profile(settings["trainer"][1], "gpu", "trainer") == {}
-    assert differs_from_derived({name: s for name, (_, s) in settings.items()}) == {}  # what `up` gives the generators, the reward and the reference
+    assert (
+        differs_from_derived({name: s for name, (_, s) in settings.items()}) == {}
+    )  # what `up` gives the generators, the reward and the reference
 
 
 # -- k8s-code-sandbox/: the reward pod under the code sandbox's seccomp profile ---------------
@@ -675,8 +781,12 @@ def test_reward_pod_needs_no_node_setup_for_the_configured_tasks(k8s: K8s, setti
     """k8s/ runs the reward pod with RuntimeDefault, which any cluster gives (no profile to
     install on the nodes, no privileged pod), because the configured tasks need no code
     sandbox; a configuration whose recipes run it must use k8s-code-sandbox/."""
-    assert not sandbox_needed(settings["trainer"][1], settings["reward"][1]), "code tasks: apply k8s-code-sandbox/, not k8s/"
-    assert k8s.workload_of("reward")["spec"]["template"]["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not sandbox_needed(settings["trainer"][1], settings["reward"][1]), (
+        "code tasks: apply k8s-code-sandbox/, not k8s/"
+    )
+    assert k8s.workload_of("reward")["spec"]["template"]["spec"]["securityContext"]["seccompProfile"] == {
+        "type": "RuntimeDefault"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -684,7 +794,9 @@ def code_sandbox(kustomize: Path) -> K8s:
     return K8s.built(kustomize, K8S_DIR.parent / "k8s-code-sandbox")
 
 
-def test_code_sandbox_overlay_sets_only_the_reward_profile_the_nodes_get(k8s: K8s, code_sandbox: K8s, tmp_path: Path) -> None:
+def test_code_sandbox_overlay_sets_only_the_reward_profile_the_nodes_get(
+    k8s: K8s, code_sandbox: K8s, tmp_path: Path
+) -> None:
     """k8s-code-sandbox/ is k8s/ with the reward pod under the shipped profile and nothing
     else changed; the profile it names is where the kubelet looks for it and where node-setup's
     DaemonSet (one of the documented ways to install it) writes docker/seccomp/reward.json."""
@@ -697,11 +809,15 @@ def test_code_sandbox_overlay_sets_only_the_reward_profile_the_nodes_get(k8s: K8
     assert overlay[("Deployment", "reward")] == base[("Deployment", "reward")], "only the profile differs"
     out = tmp_path / "code-sandbox.yaml"
     out.write_text(yaml.safe_dump_all([d for _, d in code_sandbox.docs]))
-    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
     docs = {d["kind"]: d for d in yaml.safe_load_all((K8S_DIR / "node-setup/seccomp-profiles.yaml").read_text())}
-    assert json.loads(docs["ConfigMap"]["data"]["reward.json"]) == json.loads((K8S_DIR.parent / "docker/seccomp/reward.json").read_text())
+    assert json.loads(docs["ConfigMap"]["data"]["reward.json"]) == json.loads(
+        (K8S_DIR.parent / "docker/seccomp/reward.json").read_text()
+    )
     ds = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert {"operator": "Exists"} in ds["tolerations"]
     (container,) = ds["containers"]
@@ -709,10 +825,15 @@ def test_code_sandbox_overlay_sets_only_the_reward_profile_the_nodes_get(k8s: K8
     mounted_at = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "host-seccomp")
     assert host_root == "/var/lib/kubelet/seccomp"  # the kubelet's default seccomp root
     assert f"{mounted_at}/{SANDBOX_PROFILE['localhostProfile']}" in container["command"][-1]
-    assert docs["Namespace"]["metadata"]["name"] == docs["DaemonSet"]["metadata"]["namespace"] != NAMESPACE  # not under "restricted"
+    assert (
+        docs["Namespace"]["metadata"]["name"] == docs["DaemonSet"]["metadata"]["namespace"] != NAMESPACE
+    )  # not under "restricted"
     # The documented node-level install writes the same file to the same place.
     doc = (K8S_DIR.parent / "docs/deploy.md").read_text()
-    assert f"install -D -m 0644 docker/seccomp/reward.json /var/lib/kubelet/seccomp/{SANDBOX_PROFILE['localhostProfile']}" in doc
+    assert (
+        f"install -D -m 0644 docker/seccomp/reward.json /var/lib/kubelet/seccomp/{SANDBOX_PROFILE['localhostProfile']}"
+        in doc
+    )
 
 
 # -- k8s-one-gpu/: the overlay for one GPU (kustomize) ----------------------------------------
@@ -748,7 +869,9 @@ def test_k8s_is_a_kustomize_base_of_exactly_its_manifests(k8s: K8s, kustomize: P
 def test_one_gpu_manifests_pass_kubernetes_validate_strict(one_gpu: K8s, tmp_path: Path) -> None:
     out = tmp_path / "one-gpu.yaml"
     out.write_text(yaml.safe_dump_all([d for _, d in one_gpu.docs]))
-    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -763,7 +886,9 @@ def test_one_gpu_changes_only_the_trainer_and_the_generators(k8s: K8s, one_gpu: 
     assert secret_names(one_gpu.get("StatefulSet", "trainer")) == {"trainer-credentials", "generator-credentials"}
 
 
-def colocated_settings(k8s: K8s, c: Container, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> colocation.Colocated:
+def colocated_settings(
+    k8s: K8s, c: Container, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> colocation.Colocated:
     """The colocated process's settings in the container: its one file from the mounted
     ConfigMap and its environment, each path of a mounted Secret's file its local copy."""
     config = Path(c.args[c.args.index("--config") + 1])
@@ -781,20 +906,28 @@ def colocated_settings(k8s: K8s, c: Container, files: dict[str, Path], tmp_path:
 
 
 def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(
-    one_gpu: K8s, credentials: Path, generated: tuple[Path, dict[str, dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_gpu: K8s,
+    credentials: Path,
+    generated: tuple[Path, dict[str, dict]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The trainer pod's one file (launcher/colocation.py) gives two settings that load, can be
     colocated (load refuses them otherwise), use each role's own files, and bind ports of
     their own; its trainer table is k8s/'s trainer.toml with no generators to push to."""
     _, secrets = generated
     c = k8s_container(one_gpu, one_gpu.workload_of("trainer"))
-    assert c.args[:1] == ["--config"], "docker/trainer_start.py runs the colocated process when its file says `colocate`"
+    assert c.args[:1] == ["--config"], (
+        "docker/trainer_start.py runs the colocated process when its file says `colocate`"
+    )
     files = k8s_secret_files(c, secrets, tmp_path)
     both = colocated_settings(one_gpu, c, files, tmp_path, monkeypatch)
     trainer, generator = both.trainer, both.generator
     assert both.colocate == "sync" and trainer.generators_dns == "", "no generator pods to push to"
     config = Path(c.args[1])
-    table = tomllib.loads(one_gpu.get("ConfigMap", c.mount_of(str(config.parent))[1]["configMap"]["name"])["data"][config.name])["trainer"]
+    table = tomllib.loads(
+        one_gpu.get("ConfigMap", c.mount_of(str(config.parent))[1]["configMap"]["name"])["data"][config.name]
+    )["trainer"]
     base = tomllib.loads(one_gpu.get("ConfigMap", "trainer-config")["data"]["trainer.toml"])
     assert {**base, "generators_dns": ""} == table, "the colocated trainer is k8s/'s"
     for s, role in ((trainer, "trainer"), (generator, "generator")):
@@ -803,7 +936,9 @@ def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(
         assert Path(s.grpc_token_file).read_bytes() == (credentials / f"grpc/{role}.token").read_bytes(), role
         assert Path(s.grpc_tls_cert_file).read_bytes() == (credentials / f"tls/{role}.pem").read_bytes(), role
         assert Path(s.grpc_tls_key_file).read_bytes() == (credentials / f"tls/{role}.key").read_bytes(), role
-        assert Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes(), role
+        assert (
+            Path(s.redis_observer_password_file).read_bytes() == (credentials / "redis/observer.password").read_bytes()
+        ), role
         assert not s.allow_unauthenticated, role
     assert {trainer.grpc_port, trainer.http_port}.isdisjoint({generator.grpc_port, generator.http_port})
     assert (trainer.run, trainer.redis_url, trainer.device) == (generator.run, generator.redis_url, generator.device)

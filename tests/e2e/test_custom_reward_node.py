@@ -22,16 +22,17 @@ import pytest
 import redis
 
 from faults.harness import FaultRun, RunShape, check_invariants
-from rollstream.core import codec
-from rollstream.v1 import rollout_pb2
-
 from helpers import wait_for
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
+from rollstream.core import codec
+from rollstream.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-SHAPE = RunShape(steps=6, group_size=4, groups_per_step=2, max_new_tokens=6, beta=0.0, checkpoint_every=100, reward="external")
+SHAPE = RunShape(
+    steps=6, group_size=4, groups_per_step=2, max_new_tokens=6, beta=0.0, checkpoint_every=100, reward="external"
+)
 STEP_S = 300.0  # generous: a loaded 2-core machine; they only bound a run that hangs
 
 
@@ -47,11 +48,21 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
         try:
             run.start()
             info_path = run.workdir / "external-reward.json"
-            wait_for(info_path.exists, STEP_S, "up to write external-reward.json", check=lambda: run._check_upalive("external-reward.json"), poll_s=0.2)
+            wait_for(
+                info_path.exists,
+                STEP_S,
+                "up to write external-reward.json",
+                check=lambda: run._check_upalive("external-reward.json"),
+                poll_s=0.2,
+            )
             info = json.loads(info_path.read_text())
             source = f"rs:{{{run.run}}}:rollouts"
             assert info["input_stream"] == source and info["output_stream"] == f"rs:{{{run.run}}}:ready"
-            assert info["consumer_group"] == "reward" and info["redis_username"] == "reward" and info["max_deliveries"] == 5
+            assert (
+                info["consumer_group"] == "reward"
+                and info["redis_username"] == "reward"
+                and info["max_deliveries"] == 5
+            )
             assert f"waiting for a reward consumer on {source}" in run.up_log.read_text()
             assert not (run.workdir / "state" / "reward-0.json").exists()
 
@@ -68,11 +79,19 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
 
                 def kill_while_holding(proc: ChildProcess) -> list[bytes]:
                     def holds() -> bool:
-                        return any(c["name"].decode() == proc.name and c["pending"] > 0 for c in admin.xinfo_consumers(source, "reward"))
+                        return any(
+                            c["name"].decode() == proc.name and c["pending"] > 0
+                            for c in admin.xinfo_consumers(source, "reward")
+                        )
 
-                    wait_for(holds, STEP_S, f"{proc.name} holding entries", procs=[proc], details=run.logs_tail, poll_s=0.02)
+                    wait_for(
+                        holds, STEP_S, f"{proc.name} holding entries", procs=[proc], details=run.logs_tail, poll_s=0.02
+                    )
                     proc.kill()
-                    return [p["message_id"] for p in admin.xpending_range(source, "reward", "-", "+", 100, consumername=proc.name)]
+                    return [
+                        p["message_id"]
+                        for p in admin.xpending_range(source, "reward", "-", "+", 100, consumername=proc.name)
+                    ]
 
                 first = node("node-0")
                 run.wait_step(2, STEP_S)
@@ -83,7 +102,13 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
                 held_2 = kill_while_holding(started[-1])
                 # A new name: node-0's entries are taken over once idle for 1 s.
                 node("node-1", "--claim-idle-ms", "1000")
-                wait_for(lambda: run.proc.poll() is not None, 2 * STEP_S, "up to finish its steps", details=run.logs_tail, poll_s=0.5)
+                wait_for(
+                    lambda: run.proc.poll() is not None,
+                    2 * STEP_S,
+                    "up to finish its steps",
+                    details=run.logs_tail,
+                    poll_s=0.5,
+                )
                 assert run.proc.returncode == 0, run.logs_tail()
             finally:
                 admin.close()
@@ -98,13 +123,22 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
         assert held_1 and held_2, "a kill landed after the service had committed everything it read"
         summary = run.summary()
         ledger_client = run.open_ledger()
-        ledger = check_invariants(ledger_client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"])
+        ledger = check_invariants(
+            ledger_client,
+            run.keys,
+            steps=SHAPE.steps,
+            groups_per_step=SHAPE.groups_per_step,
+            versions=summary["versions"],
+        )
         assert not ledger.violations, ledger.describe()
         assert ledger.dead == 0, ledger.describe()
 
         # Every step trained on exactly what the Node service wrote: the trained log holds the
         # very entries the trainer took from `ready`, with their step.
-        metrics = {m.step: m for m in (codec.decode(f, rollout_pb2.StepMetrics) for _id, f in ledger_client.xrange(run.keys.metrics))}
+        metrics = {
+            m.step: m
+            for m in (codec.decode(f, rollout_pb2.StepMetrics) for _id, f in ledger_client.xrange(run.keys.metrics))
+        }
         assert sorted(metrics) == list(range(1, SHAPE.steps + 1))
         by_step: dict[int, list[rollout_pb2.RolloutGroup]] = defaultdict(list)
         for _id, fields in ledger_client.xrange(run.keys.trained_log):
@@ -116,7 +150,9 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
             for g in groups:
                 for c in g.completions:
                     assert c.reward == node_rule(len(c.token_ids))
-                    assert [(rc.name, rc.value, rc.status) for rc in c.reward_components] == [("length_mod3", c.reward, "ok")]
+                    assert [(rc.name, rc.value, rc.status) for rc in c.reward_components] == [
+                        ("length_mod3", c.reward, "ok")
+                    ]
                     rewards.append(c.reward)
             assert metrics[step].completions == len(rewards)
             assert metrics[step].reward_mean == pytest.approx(sum(rewards) / len(rewards), abs=1e-6), f"step {step}"

@@ -38,5 +38,7 @@ def test_demo_raises_mean_reward(tmp_path: Path) -> None:
     first, last = summary["first5_reward_mean"], summary["last5_reward_mean"]
     # Measured: ~0.3 -> ~0.6 (docs/benchmarks.md). Per-step means of 64 completions have a
     # standard error of ~0.06, so a rise of 0.1 over five-step averages is not noise.
-    assert last >= first + 0.1, f"no learning: first five steps {first}, last five {last}; curve {summary['reward_curve']}"
+    assert last >= first + 0.1, (
+        f"no learning: first five steps {first}, last five {last}; curve {summary['reward_curve']}"
+    )
     assert summary["stats"]["trained"] == STEPS * 8

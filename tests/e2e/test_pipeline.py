@@ -13,8 +13,8 @@ import redis
 
 from helpers import wait_for
 from procs import generator_state, start_service, trainer_state
-from rollstream.core.run_keys import read_counters
 from rollstream.core import codec, run_keys
+from rollstream.core.run_keys import read_counters
 from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
@@ -35,22 +35,62 @@ def stream_group_ids(client: redis.Redis, key: str) -> set[str]:
 def write_malformed(client: redis.Redis, keys: run_keys.RunKeys) -> None:
     """One bad entry per stream, each wrong in a different way."""
     client.xadd(keys.stream("prompts"), {"type": b"rollstream.v1.Nonsense", "schema": b"1", "data": b""})
-    client.xadd(keys.stream("rollouts"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"1", "data": b"\xff\xfe\xfd"})
-    no_logprobs = rollout_pb2.RolloutGroup(group_id="hand-made", prompt_ids=[1, 2], completions=[rollout_pb2.Completion(token_ids=[3, 4])], scored=True)
+    client.xadd(
+        keys.stream("rollouts"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"1", "data": b"\xff\xfe\xfd"}
+    )
+    no_logprobs = rollout_pb2.RolloutGroup(
+        group_id="hand-made", prompt_ids=[1, 2], completions=[rollout_pb2.Completion(token_ids=[3, 4])], scored=True
+    )
     client.xadd(keys.stream("scored"), codec.encode(no_logprobs))
     client.xadd(keys.stream("ready"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"99", "data": b""})
 
 
-def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_pipeline_end_to_end(
+    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     common = ["--redis-url", redis_url, "--run", keys.run, "--claim-idle-ms", "1500", "--threads", "1"]
     model = ["--model", str(tiny_model_dir)]
     trainer = start_service(
-        "trainer", tmp_path, *common, *model, "--steps", str(STEPS), "--linger", "--groups-per-step", "3", "--group-size", "4",
-        "--max-new-tokens", "6", "--lr", "1e-3", "--beta", "0.05", "--anchor-interval", "3", "--prompt-buffer", "6",
-        "--consumer", "trainer-0",
+        "trainer",
+        tmp_path,
+        *common,
+        *model,
+        "--steps",
+        str(STEPS),
+        "--linger",
+        "--groups-per-step",
+        "3",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-3",
+        "--beta",
+        "0.05",
+        "--anchor-interval",
+        "3",
+        "--prompt-buffer",
+        "6",
+        "--consumer",
+        "trainer-0",
     ).wait_ready()
-    gen_a = start_service("generator", tmp_path, *common, *model, "--trainer-address", trainer.grpc_address, "--consumer", "gen-a", "--max-inflight-groups", "8", tag="-a").wait_ready()
-    reward = start_service("reward", tmp_path, *common[:-2], "--output-stage", "scored", "--consumer", "reward-0").wait_ready()
+    gen_a = start_service(
+        "generator",
+        tmp_path,
+        *common,
+        *model,
+        "--trainer-address",
+        trainer.grpc_address,
+        "--consumer",
+        "gen-a",
+        "--max-inflight-groups",
+        "8",
+        tag="-a",
+    ).wait_ready()
+    reward = start_service(
+        "reward", tmp_path, *common[:-2], "--output-stage", "scored", "--consumer", "reward-0"
+    ).wait_ready()
     reference = start_service("reference", tmp_path, *common, *model, "--consumer", "reference-0").wait_ready()
     procs = [trainer, gen_a, reward, reference]
     try:
@@ -63,23 +103,49 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: run_key
         wait_for(lambda: step() >= 2, 300, "step 2", procs)
         reward.kill()
         time.sleep(1.0)  # deliberate: the stage stays down a moment (the fault under test), then comes back
-        reward = start_service("reward", tmp_path, *common[:-2], "--output-stage", "scored", "--consumer", "reward-0").wait_ready()
+        reward = start_service(
+            "reward", tmp_path, *common[:-2], "--output-stage", "scored", "--consumer", "reward-0"
+        ).wait_ready()
         procs[2] = reward
 
         # A generator started late catches up from anchor + deltas.
         wait_for(lambda: step() >= 4, 300, "step 4", procs)
-        gen_b = start_service("generator", tmp_path, *common, *model, "--trainer-address", trainer.grpc_address, "--consumer", "gen-b", "--max-inflight-groups", "8", tag="-b").wait_ready()
+        gen_b = start_service(
+            "generator",
+            tmp_path,
+            *common,
+            *model,
+            "--trainer-address",
+            trainer.grpc_address,
+            "--consumer",
+            "gen-b",
+            "--max-inflight-groups",
+            "8",
+            tag="-b",
+        ).wait_ready()
         procs.append(gen_b)
-        wait_for(lambda: generator_state(gen_b.grpc_address).policy_version >= 4, 120, "late generator to catch up", procs)
+        wait_for(
+            lambda: generator_state(gen_b.grpc_address).policy_version >= 4, 120, "late generator to catch up", procs
+        )
 
         # Committed steps (the trainer's own counter moves before its push and commit).
-        wait_for(lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS, 600, f"{STEPS} steps committed", procs)
+        wait_for(
+            lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS,
+            600,
+            f"{STEPS} steps committed",
+            procs,
+        )
 
         # Exactness: every generator's engine weights equal the trainer's published bf16 weights.
         final = trainer_state(trainer.grpc_address, sha=True)
         assert final.version == STEPS
         for gen in (gen_a, gen_b):
-            wait_for(lambda gen=gen: generator_state(gen.grpc_address).policy_version == STEPS, 60, f"{gen.name} at version {STEPS}", procs)
+            wait_for(
+                lambda gen=gen: generator_state(gen.grpc_address).policy_version == STEPS,
+                60,
+                f"{gen.name} at version {STEPS}",
+                procs,
+            )
             state = generator_state(gen.grpc_address, sha=True)
             assert state.weights_sha256 == final.weights_sha256, f"{gen.name} weights differ from the trainer's"
 
@@ -88,7 +154,14 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: run_key
             assert gen.stop() == 0, f"{gen.name} did not stop cleanly on SIGTERM:\n{gen.log()[-3000:]}"
         for stage, group in (("rollouts", "reward"), ("scored", "reference")):
             key = keys.stream(stage)
-            wait_for(lambda key=key, group=group: rclient.xpending(key, group)["pending"] == 0 and _undelivered(rclient, key, group) == 0, 120, f"{stage} drained", procs)
+            wait_for(
+                lambda key=key, group=group: (
+                    rclient.xpending(key, group)["pending"] == 0 and _undelivered(rclient, key, group) == 0
+                ),
+                120,
+                f"{stage} drained",
+                procs,
+            )
 
         stats = read_counters(rclient, keys)[0]
         generated = {m.decode() for m in rclient.smembers(keys.groups("generated"))}
@@ -101,7 +174,11 @@ def test_pipeline_end_to_end(redis_url: str, rclient: redis.Redis, keys: run_key
             letter = codec.decode(fields, rollout_pb2.DeadLetter)
             reasons.append((letter.source_stream.rsplit(":", 1)[-1], letter.reason))
             try:
-                dead_ids.add(codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id)
+                dead_ids.add(
+                    codec.decode(
+                        {k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup
+                    ).group_id
+                )
             except codec.EntryError:
                 pass
 

@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_up import rollstream_cmd
 
 from procs import alive
-from test_up import rollstream_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,12 @@ def test_status_of_a_finished_up_run_says_its_redis_stopped(tiny_model_dir: Path
     recorded = json.loads((tmp_path / "state" / "redis.json").read_text())
     assert not alive(recorded["pid"])  # `up` stopped its Redis
 
-    status = subprocess.run([rollstream_cmd(), "status", "--workdir", str(tmp_path), "--run", "ended"], capture_output=True, text=True, timeout=120)
+    status = subprocess.run(
+        [rollstream_cmd(), "status", "--workdir", str(tmp_path), "--run", "ended"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = " ".join(status.stdout.split())
     assert status.returncode == 1, status.stdout + status.stderr
     assert "this run's embedded Redis" in out and "stopped with `rollstream up`" in out, out

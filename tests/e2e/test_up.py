@@ -16,12 +16,11 @@ import grpc
 import pytest
 import redis
 
+from helpers import MIN_WAIT_S, still_running, wait_for
+from procs import alive
 from rollstream.core import codec, steplog
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-
-from helpers import MIN_WAIT_S, still_running, wait_for
-from procs import alive
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +29,34 @@ def rollstream_cmd() -> str:
     return str(Path(sys.executable).parent / "rollstream")
 
 
-def four_small_steps(model_dir: Path, redis_url: str, run_name: str, workdir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+def four_small_steps(
+    model_dir: Path, redis_url: str, run_name: str, workdir: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
     """`up --steps 4` on the tiny model with small groups, to the end; its output."""
     cmd = [
-        rollstream_cmd(), "up", "--model", str(model_dir), "--trainer.steps", "4", "--run", run_name, "--workdir", str(workdir),
-        "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-        "--colocate", "off", *flags,
+        rollstream_cmd(),
+        "up",
+        "--model",
+        str(model_dir),
+        "--trainer.steps",
+        "4",
+        "--run",
+        run_name,
+        "--workdir",
+        str(workdir),
+        "--redis-url",
+        redis_url,
+        "--trainer.group-size",
+        "4",
+        "--trainer.groups-per-step",
+        "2",
+        "--trainer.max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--colocate",
+        "off",
+        *flags,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -48,11 +69,34 @@ def step_metrics(rclient: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMe
     return metrics
 
 
-def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path
+) -> None:
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run_name, "--workdir", str(tmp_path),
-        "--redis-url", redis_url, "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--trainer.beta", "0.05",
-        "--colocate", "off",  # the services as processes of their own (the demo profile colocates the generator)
+        rollstream_cmd(),
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--trainer.steps",
+        "1000000",
+        "--run",
+        run_name,
+        "--workdir",
+        str(tmp_path),
+        "--redis-url",
+        redis_url,
+        "--trainer.group-size",
+        "4",
+        "--trainer.groups-per-step",
+        "2",
+        "--trainer.max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--trainer.beta",
+        "0.05",
+        "--colocate",
+        "off",  # the services as processes of their own (the demo profile colocates the generator)
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     keys = RunKeys(run_name)
@@ -61,13 +105,22 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         pids = {p.stem: json.loads(p.read_text())["pid"] for p in (tmp_path / "state").glob("*.json")}
         assert set(pids) == {"trainer", "generator-0", "reward-0", "reference-0"}
 
-        status = subprocess.run([rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name], capture_output=True, text=True, timeout=MIN_WAIT_S)
+        status = subprocess.run(
+            [rollstream_cmd(), "status", "--redis-url", redis_url, "--run", run_name],
+            capture_output=True,
+            text=True,
+            timeout=MIN_WAIT_S,
+        )
         assert status.returncode == 0, status.stderr
         assert keys.stream("ready") in status.stdout and "trained=" in status.stdout
-        assert "groups: generated " in status.stdout and " evaluated " in status.stdout  # the demo profile's held-out rounds
+        assert (
+            "groups: generated " in status.stdout and " evaluated " in status.stdout
+        )  # the demo profile's held-out rounds
         # every stage has its consumer, the generator its version, and one diagnosis line
         assert "generator-0 v" in status.stdout and "reference: reference-0" in status.stdout
-        assert any(line.startswith(("bottleneck: ", "ok: ", "warning: ", "STUCK: ")) for line in status.stdout.splitlines()), status.stdout
+        assert any(
+            line.startswith(("bottleneck: ", "ok: ", "warning: ", "STUCK: ")) for line in status.stdout.splitlines()
+        ), status.stdout
 
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=MIN_WAIT_S)
@@ -77,9 +130,14 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
     assert proc.returncode == 0, out
     assert "step   1/1000000" in out and "done" in out
     # Stopped, it leaves the model it trained (trainer/export.py), and says where.
-    assert json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] >= 3 and f"model: {tmp_path / 'model'}" in out
+    assert (
+        json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] >= 3
+        and f"model: {tmp_path / 'model'}" in out
+    )
     # The step line's loss in significant digits (GRPO's is ~1e-8), with the gradient norm and the completion length.
-    assert re.search(r"step 1/1000000 reward \S+ ±\S+ loss [+-]\S+ grad norm \S+ length \S+ tokens staleness", " ".join(out.split())), out
+    assert re.search(
+        r"step 1/1000000 reward \S+ ±\S+ loss [+-]\S+ grad norm \S+ length \S+ tokens staleness", " ".join(out.split())
+    ), out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] >= 3 and len(summary["reward_curve"]) == summary["steps"]
     assert not [name for name, pid in pids.items() if alive(pid)], "services left running after Ctrl-C"
@@ -87,10 +145,25 @@ def test_up_runs_steps_and_stops_cleanly_on_ctrl_c(tiny_model_dir: Path, redis_u
         assert "stopped" in (tmp_path / "logs" / f"{name}.log").read_text(), f"{name} did not shut down cleanly"
 
 
-def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+def test_up_with_lora_base_reference_runs_no_reference_service(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path
+) -> None:
     """LoRA with kl_reference = lora_base: the KL trains against the trainer's own base, the
     reward stage writes straight to `ready`, and no reference service is started."""
-    done = four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--trainer.beta", "0.05", "--trainer.lr", "1e-2", "--trainer.lora-rank", "4", "--trainer.kl-reference", "lora_base")
+    done = four_small_steps(
+        tiny_model_dir,
+        redis_url,
+        run_name,
+        tmp_path,
+        "--trainer.beta",
+        "0.05",
+        "--trainer.lr",
+        "1e-2",
+        "--trainer.lora-rank",
+        "4",
+        "--trainer.kl-reference",
+        "lora_base",
+    )
     assert {p.stem for p in (tmp_path / "state").glob("*.json")} == {"trainer", "generator-0", "reward-0"}
     keys = RunKeys(run_name)
     metrics = step_metrics(rclient, keys)
@@ -101,16 +174,39 @@ def test_up_with_lora_base_reference_runs_no_reference_service(tiny_model_dir: P
     # The step log (one line per step, with the phase times) and the curve drawn from it.
     log = steplog.read(tmp_path / steplog.FILE_NAME)
     assert [r["step"] for r in log.steps] == [1, 2, 3, 4] and not log.skipped
-    assert all(r["forward_s"] > 0 and r["optimizer_s"] > 0 and r["push_s"] >= 0 and r["run"] == run_name for r in log.steps)
-    assert f"curves: {tmp_path / 'curves.png'}" in done.stderr and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(
+        r["forward_s"] > 0 and r["optimizer_s"] > 0 and r["push_s"] >= 0 and r["run"] == run_name for r in log.steps
+    )
+    assert (
+        f"curves: {tmp_path / 'curves.png'}" in done.stderr
+        and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    )
     # A LoRA run's model is its PEFT adapter folder, of the last step.
-    assert json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] == 4 and (tmp_path / "model" / "adapter_config.json").is_file()
+    assert (
+        json.loads((tmp_path / "model" / "rollstream-export.json").read_text())["step"] == 4
+        and (tmp_path / "model" / "adapter_config.json").is_file()
+    )
 
 
-def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path
+) -> None:
     """--max-staleness 0: the generator samples a batch only once the last one is trained, so
     every step trains groups of the version before it, and none is sampled only to be dropped."""
-    four_small_steps(tiny_model_dir, redis_url, run_name, tmp_path, "--trainer.max-staleness", "0", "--trainer.tis-cap", "2", "--trainer.loss", "dapo", "--trainer.lr", "1e-3")
+    four_small_steps(
+        tiny_model_dir,
+        redis_url,
+        run_name,
+        tmp_path,
+        "--trainer.max-staleness",
+        "0",
+        "--trainer.tis-cap",
+        "2",
+        "--trainer.loss",
+        "dapo",
+        "--trainer.lr",
+        "1e-3",
+    )
     keys = RunKeys(run_name)
     metrics = step_metrics(rclient, keys)
     assert [m.mean_staleness for m in metrics] == [0.0] * 4
@@ -123,12 +219,31 @@ def test_up_synchronous_trains_every_group_on_the_weights_that_sampled_it(tiny_m
 
 
 def test_up_refuses_a_negative_max_staleness(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--trainer.max-staleness", "-1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    done = subprocess.run(
+        [rollstream_cmd(), "up", "--trainer.max-staleness", "-1", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=MIN_WAIT_S,
+    )
     assert done.returncode == 2 and "trainer.max_staleness" in done.stderr
 
 
 def test_up_refuses_lora_base_without_lora(tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), "--trainer.beta", "0.1", "--trainer.kl-reference", "lora_base"], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    done = subprocess.run(
+        [
+            rollstream_cmd(),
+            "up",
+            "--workdir",
+            str(tmp_path),
+            "--trainer.beta",
+            "0.1",
+            "--trainer.kl-reference",
+            "lora_base",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=MIN_WAIT_S,
+    )
     assert done.returncode == 2 and "lora_rank" in done.stderr
 
 
@@ -136,8 +251,26 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     """kill -9 of `up` itself (no cleanup runs) leaves no service and no redis-server behind:
     each child gets SIGTERM from the kernel when its parent dies (PR_SET_PDEATHSIG)."""
     cmd = [
-        rollstream_cmd(), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", "orphans", "--workdir", str(tmp_path),
-        "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1", "--colocate", "off",
+        rollstream_cmd(),
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--trainer.steps",
+        "1000000",
+        "--run",
+        "orphans",
+        "--workdir",
+        str(tmp_path),
+        "--trainer.group-size",
+        "4",
+        "--trainer.groups-per-step",
+        "2",
+        "--trainer.max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--colocate",
+        "off",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     expected = {"redis", "trainer", "generator-0", "reward-0"}
@@ -155,7 +288,13 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
         def left_running() -> list[str]:
             return [name for name, pid in started.items() if alive(pid)]
 
-        wait_for(lambda: not left_running(), 60, "every service to exit after up was killed", details=lambda: f"left running: {left_running()}", poll_s=0.5)
+        wait_for(
+            lambda: not left_running(),
+            60,
+            "every service to exit after up was killed",
+            details=lambda: f"left running: {left_running()}",
+            poll_s=0.5,
+        )
     finally:
         proc.kill()
         for pid in pids().values():  # whatever happened, leave nothing to the next test
@@ -171,7 +310,9 @@ def test_services_die_with_a_killed_up(tiny_model_dir: Path, tmp_path: Path) -> 
     ],
 )
 def test_up_refuses_bad_reward_flags(flags: list[str], field: str, tmp_path: Path) -> None:
-    done = subprocess.run([rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    done = subprocess.run(
+        [rollstream_cmd(), "up", "--workdir", str(tmp_path), *flags], capture_output=True, text=True, timeout=MIN_WAIT_S
+    )
     assert done.returncode == 2 and field in done.stderr, done.stderr
     assert not (tmp_path / "state").exists()  # refused before anything started
 
@@ -181,10 +322,14 @@ class QuarterScorer(reward_pb2_grpc.RewardServicer):
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
         component = rollout_pb2.RewardComponent(name="quarter", value=0.25, weight=1.0, status="ok")
-        return reward_pb2.ScoreResponse(scores=[reward_pb2.ItemScore(reward=0.25, components=[component]) for _ in request.items])
+        return reward_pb2.ScoreResponse(
+            scores=[reward_pb2.ItemScore(reward=0.25, components=[component]) for _ in request.items]
+        )
 
 
-def test_up_scores_with_a_remote_scorer(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+def test_up_scores_with_a_remote_scorer(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path
+) -> None:
     """`up --scorer-address`: the built-in reward stage scores every completion with it."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     reward_pb2_grpc.add_RewardServicer_to_server(QuarterScorer(), server)
@@ -203,5 +348,7 @@ def test_up_scores_with_a_remote_scorer(tiny_model_dir: Path, redis_url: str, rc
     finally:
         server.stop(grace=None)
     assert done.returncode == 0, done.stdout + done.stderr
-    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(RunKeys(run_name).metrics)]
+    metrics = [
+        codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(RunKeys(run_name).metrics)
+    ]
     assert [m.reward_mean for m in metrics] == [0.25, 0.25]

@@ -11,18 +11,26 @@ from pathlib import Path
 
 import pytest
 import redis
+from test_up import rollstream_cmd
 
 from rollstream.core import codec, steplog
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
 
-from test_up import rollstream_cmd
-
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY, PROMPTS, GROUPS_PER_STEP = 4, 2, 6, 2
-SMALL = ["--trainer.group-size", "2", "--trainer.groups-per-step", str(GROUPS_PER_STEP), "--trainer.max-new-tokens", "6", "--threads", "1"]
+SMALL = [
+    "--trainer.group-size",
+    "2",
+    "--trainer.groups-per-step",
+    str(GROUPS_PER_STEP),
+    "--trainer.max-new-tokens",
+    "6",
+    "--threads",
+    "1",
+]
 
 
 def up_with_rounds(model_dir: Path, redis_url: str, run: str, workdir: Path, samples: int, *flags: str) -> str:
@@ -44,7 +52,9 @@ def check_rounds(rclient: redis.Redis, keys: RunKeys, workdir: Path, out: str, s
     for m in rounds:
         assert m.prompts == m.prompts_fed == PROMPTS and m.samples == samples, m
         assert 0.0 <= m.accuracy <= m.pass_at_k <= 1.0 and m.completion_tokens > 0, m
-        assert m.version <= m.version_max <= m.step, m  # never a version the trainer had not published at the round's step
+        assert m.version <= m.version_max <= m.step, (
+            m
+        )  # never a version the trainer had not published at the round's step
         if synchronous:  # sampled by the trainer's own weights, right after the step's commit
             assert m.version == m.version_max == m.step, m
         if samples == 1:
@@ -61,7 +71,9 @@ def check_rounds(rclient: redis.Redis, keys: RunKeys, workdir: Path, out: str, s
 
     log = steplog.read(workdir / steplog.FILE_NAME)
     assert [r["step"] for r in log.steps] == [1, 2, 3, 4] and not log.skipped
-    assert [(r["step"], r["kind"], r["eval_prompts"], r["eval_samples"]) for r in log.evals] == [(s, "eval", PROMPTS, samples) for s in (0, 2, 4)]
+    assert [(r["step"], r["kind"], r["eval_prompts"], r["eval_samples"]) for r in log.evals] == [
+        (s, "eval", PROMPTS, samples) for s in (0, 2, 4)
+    ]
 
     held_out = json.loads((workdir / "summary.json").read_text())["held_out"]
     assert [(h["step"], h["prompts"], h["samples"]) for h in held_out] == [(s, PROMPTS, samples) for s in (0, 2, 4)]
@@ -77,13 +89,29 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
     """The demo's mode (colocated, max_staleness 0), greedy rounds; then `rollstream eval
     --model <that run>`: one round of the model the run exported, nothing trained."""
     workdir = tmp_path / "train"
-    out = up_with_rounds(tiny_model_dir, redis_url, run_name, workdir, 1, "--colocate", "sync", "--trainer.max-staleness", "0")
+    out = up_with_rounds(
+        tiny_model_dir, redis_url, run_name, workdir, 1, "--colocate", "sync", "--trainer.max-staleness", "0"
+    )
     check_rounds(rclient, RunKeys(run_name), workdir, out, samples=1, synchronous=True)
     exported = workdir / "model"
     assert json.loads((exported / "rollstream-export.json").read_text())["step"] == STEPS
 
     evaldir = tmp_path / "eval"
-    cmd = [rollstream_cmd(), "eval", "--model", str(workdir), "--prompts", "5", "--workdir", str(evaldir), "--run", f"{run_name}-eval", "--redis-url", redis_url, *SMALL]
+    cmd = [
+        rollstream_cmd(),
+        "eval",
+        "--model",
+        str(workdir),
+        "--prompts",
+        "5",
+        "--workdir",
+        str(evaldir),
+        "--run",
+        f"{run_name}-eval",
+        "--redis-url",
+        redis_url,
+        *SMALL,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     keys = RunKeys(f"{run_name}-eval")
@@ -101,8 +129,12 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
     assert "held-out: accuracy " in done.stdout + done.stderr
 
 
-def test_up_asynchronous_evaluates_three_samples_at_steps_0_2_4(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path) -> None:
+def test_up_asynchronous_evaluates_three_samples_at_steps_0_2_4(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, run_name: str, tmp_path: Path
+) -> None:
     """Generators in processes of their own, one version of staleness, 3 sampled completions a
     prompt (pass@3): the same rounds, each once, at the version the generator had."""
-    out = up_with_rounds(tiny_model_dir, redis_url, run_name, tmp_path, 3, "--colocate", "off", "--trainer.max-staleness", "1")
+    out = up_with_rounds(
+        tiny_model_dir, redis_url, run_name, tmp_path, 3, "--colocate", "off", "--trainer.max-staleness", "1"
+    )
     check_rounds(rclient, RunKeys(run_name), tmp_path, out, samples=3, synchronous=False)

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import credentials
-from rollstream.core.run_keys import RunKeys
-
 from helpers import MIN_WAIT_S, process_tree, still_running, tcp_sockets, wait_for
 from procs import alive
+from rollstream.core import credentials
+from rollstream.core.run_keys import RunKeys
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +54,9 @@ def test_up_holds_no_tcp_port_but_its_http_sides_across_restarts(tiny_model_dir:
                  check=up_running, poll_s=0.5)  # fmt: skip
         only_http_sides()  # each state file is written once its servers listen
         password = credentials.read_secret(tmp_path / "credentials" / "redis" / "admin.password", "admin")
-        admin = redis.Redis(unix_socket_path=str(tmp_path / "redis" / "redis.sock"), username="admin", password=password)
+        admin = redis.Redis(
+            unix_socket_path=str(tmp_path / "redis" / "redis.sock"), username="admin", password=password
+        )
 
         def steps() -> int:
             try:
@@ -78,7 +79,12 @@ def test_up_holds_no_tcp_port_but_its_http_sides_across_restarts(tiny_model_dir:
                     pids[name] = recorded(name)["pid"]
                 except (OSError, ValueError):
                     return False  # being rewritten
-            return pids["redis"] != redis_pid and pids["trainer"] != trainer_pid and alive(pids["redis"]) and alive(pids["trainer"])
+            return (
+                pids["redis"] != redis_pid
+                and pids["trainer"] != trainer_pid
+                and alive(pids["redis"])
+                and alive(pids["trainer"])
+            )
 
         wait_for(back, 300, "redis-server and the trainer restarted by up", check=up_running, poll_s=0.5)
         steps_then = steps()

@@ -20,8 +20,8 @@ import redis
 from helpers import still_running, wait_for
 from procs import alive
 from rollstream.core import codec, credentials
-from rollstream.launcher.procs import tail
 from rollstream.core.run_keys import RunKeys
+from rollstream.launcher.procs import tail
 from rollstream.v1 import rollout_pb2
 
 MARKUP_IDS = ["evil[/]", "[bold", "[link=https://example.com]x[/link]"]
@@ -36,7 +36,9 @@ def open_to_others(root: Path) -> list[str]:
     return [f"{p} {oct(p.lstat().st_mode & 0o777)}" for p in paths if p.lstat().st_mode & 0o077 and not p.is_symlink()]
 
 
-def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     run = "plain"
     keys = RunKeys(run)
     workdir = tmp_path / "run"
@@ -57,8 +59,14 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
         state = workdir / "state"
         wait_for(lambda: (state / "reward-0.json").exists() and (state / "redis.json").exists(), 300, "up to start its services",
                  check=up_running, poll_s=0.5)  # fmt: skip
-        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])["path"]  # up's Redis: a unix socket
-        admin = redis.Redis(unix_socket_path=sock, username="admin", password=credentials.read_secret(workdir / "credentials" / "redis" / "admin.password", "a"))
+        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])[
+            "path"
+        ]  # up's Redis: a unix socket
+        admin = redis.Redis(
+            unix_socket_path=sock,
+            username="admin",
+            password=credentials.read_secret(workdir / "credentials" / "redis" / "admin.password", "a"),
+        )
         wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
 
         # Groups the reward refuses (no completions), with markup for ids: their reasons are
@@ -72,8 +80,15 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
             os.kill(reward_pid, signal.SIGCONT)
             dead = admin.xlen(keys.dead)
             for group_id in MARKUP_IDS:
-                admin.xadd(keys.stream("rollouts"), codec.encode(rollout_pb2.RolloutGroup(group_id=group_id, task_id="t")))
-            wait_for(lambda: admin.xlen(keys.dead) >= dead + len(MARKUP_IDS), 120, "the groups dead-lettered", check=up_running)
+                admin.xadd(
+                    keys.stream("rollouts"), codec.encode(rollout_pb2.RolloutGroup(group_id=group_id, task_id="t"))
+                )
+            wait_for(
+                lambda: admin.xlen(keys.dead) >= dead + len(MARKUP_IDS),
+                120,
+                "the groups dead-lettered",
+                check=up_running,
+            )
             os.kill(reward_pid, signal.SIGSTOP)
             return all(repr(g) in tail(reward_log, 5) for g in MARKUP_IDS)
 
@@ -83,11 +98,25 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
         # up says so, with those lines as they are, restarts it, and the run goes on.
         def reported() -> bool:
             text = "".join(printed)
-            return "reward-0 exited with" in text and all(repr(g) in text.split("reward-0 exited with", 1)[1] for g in MARKUP_IDS)
+            return "reward-0 exited with" in text and all(
+                repr(g) in text.split("reward-0 exited with", 1)[1] for g in MARKUP_IDS
+            )
 
-        wait_for(reported, 120, "up to print the dead reward's log lines", check=up_running, details=lambda: "".join(printed)[-3000:])
+        wait_for(
+            reported,
+            120,
+            "up to print the dead reward's log lines",
+            check=up_running,
+            details=lambda: "".join(printed)[-3000:],
+        )
         steps_then = admin.xlen(keys.metrics)
-        wait_for(lambda: admin.xlen(keys.metrics) >= steps_then + 1, 300, "a step after the restart", check=up_running, poll_s=0.5)
+        wait_for(
+            lambda: admin.xlen(keys.metrics) >= steps_then + 1,
+            300,
+            "a step after the restart",
+            check=up_running,
+            poll_s=0.5,
+        )
         assert json.loads((state / "reward-0.json").read_text())["pid"] != reward_pid
         admin.close()
 

@@ -26,13 +26,12 @@ import grpc
 import pytest
 import redis
 
+from helpers import code_of, still_running, wait_for
 from rollstream.core import credentials, registry
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-
-from helpers import code_of, still_running, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -47,14 +46,18 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.chunks: list[weights_pb2.WeightChunk] = []
         self.nonces_asked = threading.Event()
 
-    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+    def PushNonce(
+        self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.PushNonceResponse:
         self.metadata += list(context.invocation_metadata())
         with channel(self.real_address) as ch:  # PushNonce is open: no credential needed
             answer = generator_pb2_grpc.GeneratorStub(ch).PushNonce(request, timeout=30)
         self.nonces_asked.set()
         return answer
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         self.metadata += list(context.invocation_metadata())
         self.chunks += list(request_iterator)
         return weights_pb2.PushResult(applied=True, version=self.chunks[0].header.version if self.chunks else 0)
@@ -63,13 +66,32 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         return generator_pb2.GeneratorState(generator_id="fake")
 
 
-def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     run = "registry-attack"
     keys = RunKeys(run)
     cmd = [
-        str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(tiny_model_dir), "--trainer.steps", "1000000", "--run", run,
-        "--workdir", str(tmp_path), "--trainer.group-size", "4", "--trainer.groups-per-step", "2", "--trainer.max-new-tokens", "6", "--threads", "1",
-        "--colocate", "off",  # the real generator as a process, beside the fake one
+        str(Path(sys.executable).parent / "rollstream"),
+        "up",
+        "--model",
+        str(tiny_model_dir),
+        "--trainer.steps",
+        "1000000",
+        "--run",
+        run,
+        "--workdir",
+        str(tmp_path),
+        "--trainer.group-size",
+        "4",
+        "--trainer.groups-per-step",
+        "2",
+        "--trainer.max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--colocate",
+        "off",  # the real generator as a process, beside the fake one
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     creds, state = tmp_path / "credentials", tmp_path / "state"
@@ -78,8 +100,14 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
         up_running = still_running(proc, "up")
         wait_for(lambda: (state / "generator-0.json").exists() and (state / "redis.json").exists() and (state / "trainer.json").exists(),
                  300, "up to start its services", check=up_running, poll_s=0.5)  # fmt: skip
-        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])["path"]  # up's Redis: a unix socket
-        admin = redis.Redis(unix_socket_path=sock, username="admin", password=credentials.read_secret(creds / "redis" / "admin.password", "a"))
+        sock = redis.connection.parse_url(json.loads((state / "redis.json").read_text())["url"])[
+            "path"
+        ]  # up's Redis: a unix socket
+        admin = redis.Redis(
+            unix_socket_path=sock,
+            username="admin",
+            password=credentials.read_secret(creds / "redis" / "admin.password", "a"),
+        )
         wait_for(lambda: admin.xlen(keys.metrics) >= 1, 300, "a first step", check=up_running, poll_s=0.5)
         real = json.loads((state / "generator-0.json").read_text())["grpc_address"]
         trainer = json.loads((state / "trainer.json").read_text())["grpc_address"]
@@ -90,13 +118,19 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
         generator_pb2_grpc.add_GeneratorServicer_to_server(fake, fake_server)
         fake_port = fake_server.add_insecure_port("127.0.0.1:0")
         fake_server.start()
-        attacker = redis.Redis(unix_socket_path=sock, username="generator", password=credentials.read_secret(creds / "redis" / "generator.password", "g"))
+        attacker = redis.Redis(
+            unix_socket_path=sock,
+            username="generator",
+            password=credentials.read_secret(creds / "redis" / "generator.password", "g"),
+        )
 
         def registered_and_asked() -> bool:
             registry.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
             return fake.nonces_asked.is_set()
 
-        wait_for(registered_and_asked, 600, "the trainer to call the registered fake generator", check=up_running, poll_s=1.0)
+        wait_for(
+            registered_and_asked, 600, "the trainer to call the registered fake generator", check=up_running, poll_s=1.0
+        )
         # Two more steps (two more pushes) with the fake registered all along.
         steps_then = admin.xlen(keys.metrics)
 
@@ -104,7 +138,9 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
             registry.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
             return admin.xlen(keys.metrics) >= steps_then + 2
 
-        wait_for(registered_and_two_more_steps, 600, "2 more steps with the fake registered", check=up_running, poll_s=1.0)
+        wait_for(
+            registered_and_two_more_steps, 600, "2 more steps with the fake registered", check=up_running, poll_s=1.0
+        )
         # Before the fix the fake got `authorization: Bearer <trainer token>` and every delta.
         trainer_token = credentials.read_secret(creds / "grpc" / "trainer.token", "t")
         assert not [k for k, _ in fake.metadata if k in ("authorization", "rollstream-push-signature")], fake.metadata
@@ -112,19 +148,37 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(tin
         assert fake.chunks == []  # no weights left for the fake's address
         # The review's next move, had it got the token: a bearer token, the trainer's
         # included, no longer opens PushWeights at all.
-        zero = [weights_pb2.WeightChunk(header=weights_pb2.WeightHeader(kind="anchor", version=10**6, total_bytes=8, sha256="00" * 32), data=b"\0" * 8)]
+        zero = [
+            weights_pb2.WeightChunk(
+                header=weights_pb2.WeightHeader(kind="anchor", version=10**6, total_bytes=8, sha256="00" * 32),
+                data=b"\0" * 8,
+            )
+        ]
         with channel(real, ClientCredentials(token=trainer_token)) as ch:
-            assert code_of(lambda: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(zero), timeout=60)) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                code_of(lambda: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(zero), timeout=60))
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
         admin_creds = ClientCredentials(token=credentials.read_secret(creds / "grpc" / "admin.token", "a"))
 
         def generator_holds_the_trainers_weights() -> bool:
             with channel(real, admin_creds) as ch:
-                g = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=60)
+                g = generator_pb2_grpc.GeneratorStub(ch).GetState(
+                    generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=60
+                )
             with channel(trainer, admin_creds) as ch:
-                t = trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=60)
+                t = trainer_pb2_grpc.TrainerStub(ch).GetState(
+                    trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=60
+                )
             return g.policy_version == t.version and g.weights_sha256 == t.weights_sha256
 
-        wait_for(generator_holds_the_trainers_weights, 300, "the real generator to hold the trainer's weights", check=up_running, poll_s=2.0)
+        wait_for(
+            generator_holds_the_trainers_weights,
+            300,
+            "the real generator to hold the trainer's weights",
+            check=up_running,
+            poll_s=2.0,
+        )
         admin.close()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_up import rollstream_cmd
 
 from rollstream.core import steplog
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-
-from test_up import rollstream_cmd
 
 pytestmark = pytest.mark.e2e
 

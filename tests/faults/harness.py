@@ -35,8 +35,8 @@ import redis
 from helpers import wait_for
 from procs import alive
 from rollstream.core import codec, credentials, redis_acl
-from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys, id_tuple, read_counters
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
 
@@ -119,14 +119,41 @@ class FaultRun:
     def start(self) -> FaultRun:
         s = self.shape
         cmd = [
-            str(Path(sys.executable).parent / "rollstream"), "up", "--model", str(self.model_dir), "--workdir", str(self.workdir),
-            "--run", self.run, "--trainer.steps", str(s.steps), "--trainer.group-size", str(s.group_size), "--trainer.groups-per-step", str(s.groups_per_step),
-            "--trainer.max-new-tokens", str(s.max_new_tokens), "--threads", str(s.threads), "--trainer.checkpoint-every", str(s.checkpoint_every),
-            "--trainer.beta", str(s.beta), "--external-reward" if s.reward == "external" else "--no-external-reward",
-            "--colocate", s.colocate, *(["--trainer.max-staleness", "1"] if s.colocate == "async" else []),
-            "--generator.backend", s.generator_backend, *(["--generator.enforce-eager"] if s.generator_backend == "vllm" else []),
-            *[arg for flag, value in (("prompts", s.eval_prompts), ("every", s.eval_every), ("samples", s.eval_samples)) if value is not None
-              for arg in (f"--trainer.eval-{flag}", str(value))],
+            str(Path(sys.executable).parent / "rollstream"),
+            "up",
+            "--model",
+            str(self.model_dir),
+            "--workdir",
+            str(self.workdir),
+            "--run",
+            self.run,
+            "--trainer.steps",
+            str(s.steps),
+            "--trainer.group-size",
+            str(s.group_size),
+            "--trainer.groups-per-step",
+            str(s.groups_per_step),
+            "--trainer.max-new-tokens",
+            str(s.max_new_tokens),
+            "--threads",
+            str(s.threads),
+            "--trainer.checkpoint-every",
+            str(s.checkpoint_every),
+            "--trainer.beta",
+            str(s.beta),
+            "--external-reward" if s.reward == "external" else "--no-external-reward",
+            "--colocate",
+            s.colocate,
+            *(["--trainer.max-staleness", "1"] if s.colocate == "async" else []),
+            "--generator.backend",
+            s.generator_backend,
+            *(["--generator.enforce-eager"] if s.generator_backend == "vllm" else []),
+            *[
+                arg
+                for flag, value in (("prompts", s.eval_prompts), ("every", s.eval_every), ("samples", s.eval_samples))
+                if value is not None
+                for arg in (f"--trainer.eval-{flag}", str(value))
+            ],
         ]
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -151,7 +178,14 @@ class FaultRun:
             st = self.state(name)
             return int(st["pid"]) if st is not None and alive(int(st["pid"])) else None
 
-        return wait_for(live_pid, timeout_s, f"a live {name}", check=lambda: self._check_upalive(f"the pid of {name}"), details=self.logs_tail, poll_s=0.1)
+        return wait_for(
+            live_pid,
+            timeout_s,
+            f"a live {name}",
+            check=lambda: self._check_upalive(f"the pid of {name}"),
+            details=self.logs_tail,
+            poll_s=0.1,
+        )
 
     def redis_url(self, timeout_s: float = 120.0) -> str:
 
@@ -159,17 +193,28 @@ class FaultRun:
             st = self.state("redis")
             return str(st["url"]) if st is not None else None
 
-        return wait_for(url, timeout_s, "state/redis.json", check=lambda: self._check_upalive("state/redis.json"), details=self.logs_tail, poll_s=0.1)
+        return wait_for(
+            url,
+            timeout_s,
+            "state/redis.json",
+            check=lambda: self._check_upalive("state/redis.json"),
+            details=self.logs_tail,
+            poll_s=0.1,
+        )
 
     def admin(self) -> dict[str, str]:
         """Credentials of the embedded Redis's `admin` user (`up` runs it with an ACL file: the
         default user is off), as redis-py keyword arguments."""
-        password = credentials.read_secret(redis_acl.password_file(self.workdir / "credentials", redis_acl.ADMIN), "admin password")
+        password = credentials.read_secret(
+            redis_acl.password_file(self.workdir / "credentials", redis_acl.ADMIN), "admin password"
+        )
         return {"username": redis_acl.ADMIN, "password": password}
 
     def _check_upalive(self, what: str) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise FaultRunError(f"`rollstream up` exited with {self.proc.returncode} while waiting for {what}\n{self.logs_tail()}")
+            raise FaultRunError(
+                f"`rollstream up` exited with {self.proc.returncode} while waiting for {what}\n{self.logs_tail()}"
+            )
 
     def connected(self) -> redis.Redis:
         """An admin client of the run's Redis (again after a restarted redis-server moved)."""
@@ -203,7 +248,11 @@ class FaultRun:
             markers = self.connected().hgetall(self.keys.eval_results)
         except redis.RedisError:
             return None
-        return {int(k.decode().removeprefix(ROUND_PREFIX)): bool(json.loads(v).get("reported")) for k, v in markers.items() if k.decode().startswith(ROUND_PREFIX)}
+        return {
+            int(k.decode().removeprefix(ROUND_PREFIX)): bool(json.loads(v).get("reported"))
+            for k, v in markers.items()
+            if k.decode().startswith(ROUND_PREFIX)
+        }
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Wait until the metrics stream shows `step` >= 1 (or later); returns the step seen."""
@@ -252,7 +301,9 @@ class FaultRun:
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise FaultRunError(f"`rollstream up` did not finish within {timeout_s}s (last step seen: {self.max_step()})\n{self.logs_tail()}") from None
+            raise FaultRunError(
+                f"`rollstream up` did not finish within {timeout_s}s (last step seen: {self.max_step()})\n{self.logs_tail()}"
+            ) from None
 
     def summary(self) -> dict:
         path = self.workdir / "summary.json"
@@ -310,7 +361,9 @@ class FaultRun:
         """n busy-loop processes, each ending by itself after `seconds` (and killed in close())."""
         loop = f"import time\nend = time.monotonic() + {float(seconds)}\nwhile time.monotonic() < end:\n    pass\n"
         for _ in range(n_procs):
-            self._hogs.append(subprocess.Popen([sys.executable, "-c", loop], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+            self._hogs.append(
+                subprocess.Popen([sys.executable, "-c", loop], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            )
         self._record(f"cpu hog: {n_procs} busy processes for up to {seconds}s", 0)
 
     def _owned(self, name: str, pid: int) -> bool:
@@ -322,7 +375,11 @@ class FaultRun:
             return False
         if name == "redis":
             url = str((self.state("redis") or {}).get("url", ""))
-            listens = redis.connection.parse_url(url).get("path") if url.startswith("unix") else ":" + url.rsplit(":", 1)[-1].split("/")[0]
+            listens = (
+                redis.connection.parse_url(url).get("path")
+                if url.startswith("unix")
+                else ":" + url.rsplit(":", 1)[-1].split("/")[0]
+            )
             return "redis-server" in cmdline and bool(listens) and str(listens) in cmdline
         return str(self.workdir / "state" / f"{name}.json") in cmdline
 
@@ -337,7 +394,9 @@ class FaultRun:
     def logs_tail(self, lines: int = 25) -> str:
         """The tails of up's output, every service log and the redis-server log."""
         paths = [self.up_log, *sorted((self.workdir / "logs").glob("*.log")), self.workdir / "redis" / "redis.log"]
-        out = [f"seed={self.seed} run={self.run} workdir={self.workdir} faults={[(f.what, f.at_step) for f in self.faults]}"]
+        out = [
+            f"seed={self.seed} run={self.run} workdir={self.workdir} faults={[(f.what, f.at_step) for f in self.faults]}"
+        ]
         for path in paths:
             if path.exists():
                 text = path.read_text(errors="replace").splitlines()[-lines:]
@@ -471,7 +530,13 @@ def is_generic_reason(reason: str) -> bool:
 
 
 def check_invariants(
-    client: redis.Redis, keys: RunKeys, *, steps: int, groups_per_step: int, versions: dict[str, int] | None = None, colocated: bool = False
+    client: redis.Redis,
+    keys: RunKeys,
+    *,
+    steps: int,
+    groups_per_step: int,
+    versions: dict[str, int] | None = None,
+    colocated: bool = False,
 ) -> Ledger:
     """The accounting after a run (see the module docstring of test_faults.py for why each holds):
 
@@ -508,7 +573,9 @@ def check_invariants(
         plain = fields.get(b"reason", b"").decode(errors="replace")
         ledger.dead_letters.append((stage, letter.reason))
         if plain != letter.reason:
-            v.append(f"dead letter {letter.source_id} from {stage}: readable reason field {plain!r} differs from the DeadLetter's {letter.reason!r}")
+            v.append(
+                f"dead letter {letter.source_id} from {stage}: readable reason field {plain!r} differs from the DeadLetter's {letter.reason!r}"
+            )
         if is_generic_reason(letter.reason):
             v.append(f"dead letter {letter.source_id} from {stage} has no specific reason: {letter.reason!r}")
         if stage in GROUP_STREAMS:
@@ -519,13 +586,24 @@ def check_invariants(
     waiting_all = waiting_groups(client, keys)
     finished = trained | stale | dead | evaluated
     waiting = waiting_all - finished
-    ledger.generated, ledger.trained, ledger.stale, ledger.dead = len(generated), len(trained), len(stale), len(dead & generated)
+    ledger.generated, ledger.trained, ledger.stale, ledger.dead = (
+        len(generated),
+        len(trained),
+        len(stale),
+        len(dead & generated),
+    )
     ledger.waiting, ledger.duplicates_waiting = len(waiting & generated), len(waiting_all & finished)
     ledger.evaluated = len(evaluated)
 
     # 1. One outcome per group, and no group lost.
-    for a_name, a, b_name, b in (("trained", trained, "stale", stale), ("trained", trained, "dead", dead), ("stale", stale, "dead", dead),
-                                 ("evaluated", evaluated, "trained", trained), ("evaluated", evaluated, "stale", stale), ("evaluated", evaluated, "dead", dead)):
+    for a_name, a, b_name, b in (
+        ("trained", trained, "stale", stale),
+        ("trained", trained, "dead", dead),
+        ("stale", stale, "dead", dead),
+        ("evaluated", evaluated, "trained", trained),
+        ("evaluated", evaluated, "stale", stale),
+        ("evaluated", evaluated, "dead", dead),
+    ):
         both = a & b
         if both:
             v.append(f"{len(both)} group(s) both {a_name} and {b_name}: {sorted(both)[:5]}")
@@ -539,9 +617,13 @@ def check_invariants(
     # 2. Nothing trained twice; counters agree with the sets.
     st = ledger.stats
     if st.get("trained", 0) != len(trained):
-        v.append(f"stats trained={st.get('trained', 0)} but {len(trained)} distinct groups trained (a group counted twice, or one not recorded)")
+        v.append(
+            f"stats trained={st.get('trained', 0)} but {len(trained)} distinct groups trained (a group counted twice, or one not recorded)"
+        )
     if len(trained) != steps * groups_per_step:
-        v.append(f"{len(trained)} groups marked trained, expected {steps} steps x {groups_per_step} = {steps * groups_per_step} (in the final weights)")
+        v.append(
+            f"{len(trained)} groups marked trained, expected {steps} steps x {groups_per_step} = {steps * groups_per_step} (in the final weights)"
+        )
     if st.get("evaluated", 0) != len(evaluated):
         v.append(f"stats evaluated={st.get('evaluated', 0)} but {len(evaluated)} distinct groups evaluated")
     if st.get("stale", 0) != len(stale):

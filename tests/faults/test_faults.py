@@ -62,13 +62,21 @@ CPU_HOG = "cpu-hog-2"
 # process, so killing it kills both).
 COLOCATED = {"colocated-kill9-trainer": "kill9-trainer", "colocated-kill9-random-x3": "kill9-random-x3"}
 # ... and against its asynchronous variant (`up --colocate async`: the generator's own copy).
-COLOCATED_ASYNC = {"colocated-async-kill9-trainer": "kill9-trainer", "colocated-async-kill9-random-x3": "kill9-random-x3"}
+COLOCATED_ASYNC = {
+    "colocated-async-kill9-trainer": "kill9-trainer",
+    "colocated-async-kill9-random-x3": "kill9-random-x3",
+}
 # Three kills in one run, each of a service (or redis-server) drawn by the seed, at
 # successive points: a restart overlapping the next fault, a trainer resumed twice...
 CHAOS = "kill9-random-x3"
 CHAOS_KILLS = 3
 # The process `up` restarts after each kill (redis-server is checked by its pid instead).
-RESTARTED = {"kill9-trainer": "trainer", "kill9-generator": "generator-0", "kill9-reward": "reward-0", "kill9-reference": "reference-0"}
+RESTARTED = {
+    "kill9-trainer": "trainer",
+    "kill9-generator": "generator-0",
+    "kill9-reward": "reward-0",
+    "kill9-reference": "reference-0",
+}
 
 
 @pytest.mark.faults
@@ -78,7 +86,9 @@ RESTARTED = {"kill9-trainer": "trainer", "kill9-generator": "generator-0", "kill
 def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     seed = BASE_SEED + zlib.crc32(case.encode()) % 1000  # stable per case, whatever cases are added
     kind = COLOCATED.get(case) or COLOCATED_ASYNC.get(case) or case
-    shape = dataclasses.replace(SHAPE, colocate="sync" if case in COLOCATED else "async" if case in COLOCATED_ASYNC else "off")
+    shape = dataclasses.replace(
+        SHAPE, colocate="sync" if case in COLOCATED else "async" if case in COLOCATED_ASYNC else "off"
+    )
     with FaultRun(tiny_model_dir, tmp_path / "run", seed=seed, shape=shape, run=f"{case}-{seed}") as run:
         if kind == CPU_HOG:
             run.cpu_hog(2, seconds=RUN_S + FIRST_STEPS_S)  # the whole run; ended in close() at the latest
@@ -113,20 +123,31 @@ def test_run_survives_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> 
         for name in {n for n, _pid in killed if n != "redis"}:
             kills = sum(n == name for n, _pid in killed)
             restarts = summary.get("restarts", {}).get(name, 0)
-            assert restarts >= kills, f"{context}: {name} killed {kills} time(s), restarted {restarts}\n{run.logs_tail()}"
+            assert restarts >= kills, (
+                f"{context}: {name} killed {kills} time(s), restarted {restarts}\n{run.logs_tail()}"
+            )
         redis_pids = {pid for n, pid in killed if n == "redis"}
         if redis_pids:
-            assert (run.state("redis") or {}).get("pid") not in redis_pids, f"{context}: redis-server was not restarted\n{run.logs_tail()}"
+            assert (run.state("redis") or {}).get("pid") not in redis_pids, (
+                f"{context}: redis-server was not restarted\n{run.logs_tail()}"
+            )
 
         # The run reached its last step.
-        assert summary.get("steps") == SHAPE.steps, f"{context}: {summary.get('steps')} steps, expected {SHAPE.steps}\n{run.logs_tail()}"
+        assert summary.get("steps") == SHAPE.steps, (
+            f"{context}: {summary.get('steps')} steps, expected {SHAPE.steps}\n{run.logs_tail()}"
+        )
         assert "versions" in summary, f"{context}: summary.json has no final `versions`\n{run.logs_tail()}"
 
         # The accounting, read from the run's own Redis reopened on its AOF.
         client = run.open_ledger()
         try:
             ledger = check_invariants(
-                client, run.keys, steps=SHAPE.steps, groups_per_step=SHAPE.groups_per_step, versions=summary["versions"], colocated=shape.colocated
+                client,
+                run.keys,
+                steps=SHAPE.steps,
+                groups_per_step=SHAPE.groups_per_step,
+                versions=summary["versions"],
+                colocated=shape.colocated,
             )
         finally:
             client.close()
@@ -176,7 +197,9 @@ def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_m
                 landed.append(step)
                 break
             first = step + 1
-        assert landed, f"[{case}] no kill landed while a round was in flight ({EVAL_KILL_TRIES} tries)\n{run.logs_tail()}"
+        assert landed, (
+            f"[{case}] no kill landed while a round was in flight ({EVAL_KILL_TRIES} tries)\n{run.logs_tail()}"
+        )
         rc = run.wait_exit(RUN_S)
         summary = run.summary()
         context = f"[{case}] seed={seed} kills={kills}, the last with round {landed} in flight; up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'restarts', 'stats')} }"
@@ -187,27 +210,48 @@ def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_m
         client = run.open_ledger()
         try:
             reported = [codec.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in client.xrange(run.keys.evals)]
-            ledger = check_invariants(client, run.keys, steps=shape.steps, groups_per_step=shape.groups_per_step, versions=summary["versions"], colocated=True)
+            ledger = check_invariants(
+                client,
+                run.keys,
+                steps=shape.steps,
+                groups_per_step=shape.groups_per_step,
+                versions=summary["versions"],
+                colocated=True,
+            )
         finally:
             client.close()
         # Every round reported once, with all its prompts (none by the timeout's partial report).
         assert [m.step for m in reported] == rounds, f"{context}: rounds reported {[m.step for m in reported]}"
-        assert all(m.prompts == m.prompts_fed == shape.eval_prompts and m.samples == shape.eval_samples for m in reported), f"{context}: {reported}"
+        assert all(
+            m.prompts == m.prompts_fed == shape.eval_prompts and m.samples == shape.eval_samples for m in reported
+        ), f"{context}: {reported}"
         assert [h["step"] for h in summary["held_out"]] == rounds, f"{context}: {summary['held_out']}"
-        lines = [json.loads(line) for line in (run.workdir / steplog.FILE_NAME).read_text().splitlines() if line.strip()]
+        lines = [
+            json.loads(line) for line in (run.workdir / steplog.FILE_NAME).read_text().splitlines() if line.strip()
+        ]
         eval_lines = [r["step"] for r in lines if r.get("kind") == steplog.EVAL_KIND]
-        assert eval_lines.count(landed[0]) == 1 and all(eval_lines.count(s) <= 1 for s in rounds), f"{context}: eval lines at steps {eval_lines}"
+        assert eval_lines.count(landed[0]) == 1 and all(eval_lines.count(s) <= 1 for s in rounds), (
+            f"{context}: eval lines at steps {eval_lines}"
+        )
         print(f"\n{context}\n{ledger.describe()}")
         assert not ledger.violations, f"{context}\n{ledger.describe()}\n{run.logs_tail()}"
-        assert ledger.evaluated == len(rounds) * shape.eval_prompts and ledger.stats.get("evaluated") == ledger.evaluated, f"{context}\n{ledger.describe()}"
+        assert (
+            ledger.evaluated == len(rounds) * shape.eval_prompts and ledger.stats.get("evaluated") == ledger.evaluated
+        ), f"{context}\n{ledger.describe()}"
 
 
 def _group(gid: str) -> dict[str, bytes]:
-    return codec.encode(rollout_pb2.RolloutGroup(group_id=gid, prompt_ids=[1], completions=[rollout_pb2.Completion(token_ids=[2], behaviour_logprobs=[-1.0])]))
+    return codec.encode(
+        rollout_pb2.RolloutGroup(
+            group_id=gid, prompt_ids=[1], completions=[rollout_pb2.Completion(token_ids=[2], behaviour_logprobs=[-1.0])]
+        )
+    )
 
 
 def _dead_letter(client: redis.Redis, keys: RunKeys, stage: str, gid: str, reason: str) -> None:
-    letter = rollout_pb2.DeadLetter(source_stream=keys.stream(stage), source_id="1-0", reason=reason, original_fields=_group(gid))
+    letter = rollout_pb2.DeadLetter(
+        source_stream=keys.stream(stage), source_id="1-0", reason=reason, original_fields=_group(gid)
+    )
     client.xadd(keys.dead, {**codec.encode(letter), "reason": reason.encode()})
 
 
@@ -235,8 +279,21 @@ def test_invariant_checker_catches_a_broken_ledger(rclient: redis.Redis, keys: R
     rclient.sadd(keys.groups("generated"), "g6")  # lost: in no outcome
     rclient.sadd(keys.groups("stale"), "g2")  # two outcomes
     rclient.hincrby(keys.counters("trainer"), "trained", 1)  # counted twice
-    _dead_letter(rclient, keys, "rollouts", "g7", "delivered 6 times (max_deliveries=5) without being acknowledged: each consumer stopped")
+    _dead_letter(
+        rclient,
+        keys,
+        "rollouts",
+        "g7",
+        "delivered 6 times (max_deliveries=5) without being acknowledged: each consumer stopped",
+    )
     bad = check_invariants(rclient, keys, steps=1, groups_per_step=2, versions={"trainer": 1, "generator-0": 0})
     found = "\n".join(bad.violations)
-    for expected in ("lost", "both trained and stale", "stats trained=3", "no specific reason", "stats dead_rollouts=0", "generator-0 serves version 0"):
+    for expected in (
+        "lost",
+        "both trained and stale",
+        "stats trained=3",
+        "no specific reason",
+        "stats dead_rollouts=0",
+        "generator-0 serves version 0",
+    ):
         assert expected in found, f"{expected!r} not reported:\n{bad.describe()}"

@@ -37,17 +37,19 @@ import numpy as np
 import pytest
 import torch
 
-from synthetic import scored_groups  # tests/synthetic.py
 from rollstream.core import deltas, modeling
 from rollstream.trainer import checkpoint
 from rollstream.trainer.grpo import LossConfig
 from rollstream.trainer.optimizer import HostAdamW, MasterLayout, OnPiece, served_bits
 from rollstream.trainer.step import StepConfig, train_step
+from synthetic import scored_groups  # tests/synthetic.py
 
 DEVICE = os.environ.get("ROLLSTREAM_GPU_TIER_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is false"),
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is false"
+    ),
 ]
 
 LR, BETAS, WD = 1e-3, (0.9, 0.999), 0.01
@@ -63,15 +65,33 @@ def deterministic() -> Iterator[None]:
 
 def step_config(token_budget: int = 4096, max_grad_norm: float = 0.0) -> StepConfig:
     loss = LossConfig(kind="grpo", clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, tis_cap=0.0, max_completion_tokens=16)
-    return StepConfig(loss, token_budget=token_budget, chunk_tokens=64, temperature=1.0, max_grad_norm=max_grad_norm, device=DEVICE, share_prompts=False)
+    return StepConfig(
+        loss,
+        token_budget=token_budget,
+        chunk_tokens=64,
+        temperature=1.0,
+        max_grad_norm=max_grad_norm,
+        device=DEVICE,
+        share_prompts=False,
+    )
 
 
-def load(model_dir: Path, grad_offload: bool = False, master_layout: MasterLayout = "split") -> tuple[torch.nn.Module, HostAdamW, int]:
+def load(
+    model_dir: Path, grad_offload: bool = False, master_layout: MasterLayout = "split"
+) -> tuple[torch.nn.Module, HostAdamW, int]:
     """The tiny model on the GPU in bf16 at version 0, and its host optimizer."""
     model, tokenizer = modeling.load_model(model_dir, dtype="bfloat16", device=DEVICE)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=BUCKET_MB, grad_offload=grad_offload,
-                    master_layout=master_layout, moments_dtype="float32")
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        bucket_mb=BUCKET_MB,
+        grad_offload=grad_offload,
+        master_layout=master_layout,
+        moments_dtype="float32",
+    )
     opt.sync_model()
     return model, opt, tokenizer.pad_token_id
 
@@ -91,8 +111,13 @@ class Capturing:
         self.grads: dict[str, torch.Tensor] = {}
         self.norms: list[float] = []
 
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
-        self.grads = {n: p.grad.detach().to(device="cpu", dtype=torch.float32) for n, p in modeling.named_weights(self.model).items()}
+    def step(
+        self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None
+    ) -> tuple[float, dict[str, np.ndarray]]:
+        self.grads = {
+            n: p.grad.detach().to(device="cpu", dtype=torch.float32)
+            for n, p in modeling.named_weights(self.model).items()
+        }
         norm, bits = self.opt.step(max_grad_norm, on_piece, model)
         self.norms.append(norm)
         return norm, bits
@@ -148,7 +173,9 @@ def test_clipped_offloaded_step_is_within_tolerance_of_torch_clipping(tiny_model
         reference.step()
         for n, m in masters.items():
             where = f"step {step}: master {n}"
-            torch.testing.assert_close(opt.master[n], m.detach(), rtol=2**-22, atol=1e-7, msg=lambda text: f"{where}: {text}")
+            torch.testing.assert_close(
+                opt.master[n], m.detach(), rtol=2**-22, atol=1e-7, msg=lambda text: f"{where}: {text}"
+            )
 
 
 def test_gradient_offload_matches_the_device_path(tiny_model_dir: Path) -> None:
@@ -164,7 +191,13 @@ def test_gradient_offload_matches_the_device_path(tiny_model_dir: Path) -> None:
         for offload in (False, True):
             model, opt, pad = load(tiny_model_dir, grad_offload=offload)
             for step in range(3):
-                r = train_step(model, opt, scored_groups(step, 4), step_config(token_budget=budget, max_grad_norm=max_grad_norm), pad_id=pad)
+                r = train_step(
+                    model,
+                    opt,
+                    scored_groups(step, 4),
+                    step_config(token_budget=budget, max_grad_norm=max_grad_norm),
+                    pad_id=pad,
+                )
                 if not exact:
                     assert r.grad_norm > max_grad_norm  # clipping active
             runs[offload] = ({n: m.clone() for n, m in opt.master.items()}, gpu_bits(model))

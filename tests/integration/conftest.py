@@ -25,7 +25,9 @@ def passwords(secrets_root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, secrets_root: Path, passwords: dict[str, str]) -> Iterator[EmbeddedRedis]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, secrets_root: Path, passwords: dict[str, str]
+) -> Iterator[EmbeddedRedis]:
     aclfile = redis_acl.acl_file(secrets_root)
     with EmbeddedRedis(tmp_path_factory.mktemp("redis-acl"), aclfile=aclfile, admin_password=passwords["admin"]) as r:
         yield r

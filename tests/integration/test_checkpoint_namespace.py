@@ -23,11 +23,11 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, start_service, trainer_state
-from synthetic import Decode, scored_groups
 from rollstream.core import run_keys
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc
+from synthetic import Decode, scored_groups
 
 GROUPS_PER_STEP = 2
 STEPS = 7
@@ -35,7 +35,9 @@ STEPS = 7
 
 def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:
     with channel(address) as ch:
-        return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
+        return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path=path), timeout=120
+        )
 
 
 def feed(client: redis.Redis, keys: run_keys.RunKeys, steps: range, decode: Decode) -> None:
@@ -46,7 +48,9 @@ def feed(client: redis.Redis, keys: run_keys.RunKeys, steps: range, decode: Deco
 def kept_line(proc: ServiceProc, step: int) -> str:
     """The trainer's `checkpoints_kept` line after its checkpoint at `step` (written once the
     new checkpoint is in place, the old ones pruned and the trained log trimmed), or ''."""
-    return next((line for line in proc.log().splitlines() if " checkpoints_kept " in line and f" step={step} " in line), "")
+    return next(
+        (line for line in proc.log().splitlines() if " checkpoints_kept " in line and f" step={step} " in line), ""
+    )
 
 
 def trainer_names(root: Path) -> list[str]:
@@ -54,7 +58,12 @@ def trainer_names(root: Path) -> list[str]:
 
 
 def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -71,7 +80,9 @@ def test_operator_checkpoints_never_shadow_or_prune_the_trainers(
         a = start_service("trainer", tmp_path, *args, tag="-a").wait_ready()
         procs.append(a)
         feed(rclient, keys, range(1, 3), tiny_decode)
-        wait_for(lambda: (root / "step-00000002" / checkpoint.STATE_FILE).is_file(), 120, "A's step-2 checkpoint", procs)
+        wait_for(
+            lambda: (root / "step-00000002" / checkpoint.STATE_FILE).is_file(), 120, "A's step-2 checkpoint", procs
+        )
 
         # The trainer's own names are refused, with the reason; nothing is written.
         with pytest.raises(grpc.RpcError) as err:

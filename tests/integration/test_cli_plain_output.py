@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from helpers import write
-from rollstream.launcher import cli, plan
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
+from rollstream.launcher import cli, plan
 from rollstream.v1 import rollout_pb2
 
 # An unmatched closing tag (MarkupError), an unclosed one, and tags rich would swallow.
@@ -23,7 +23,12 @@ MARKUP = ["evil[/]", "[bold", "[/]", "[link=https://example.com]x[/link]", "[red
 
 @pytest.mark.parametrize("text", MARKUP)
 def test_status_prints_names_and_reasons_as_written(
-    text: str, redis_url: str, rclient: redis.Redis, keys: RunKeys, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    text: str,
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: RunKeys,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("COLUMNS", "400")  # no cell wraps
     source = keys.stream("rollouts")
@@ -42,7 +47,14 @@ def test_up_prints_other_consumer_groups_as_written(text: str, rclient: redis.Re
     # `up --reward external` warns about any other consumer group on the rollouts stream.
     out = io.StringIO()
     console = cli.plain_console(file=out, width=400)
-    watch = plan.ExternalReward(redis_url="redis://127.0.0.1:6379/0", keys=keys, group="reward", output_stage="ready", username="", password_file=None)
+    watch = plan.ExternalReward(
+        redis_url="redis://127.0.0.1:6379/0",
+        keys=keys,
+        group="reward",
+        output_stage="ready",
+        username="",
+        password_file=None,
+    )
     StreamStage.ensure_group(rclient, keys.stream("rollouts"), text)
     watch.poll(rclient, console)
     assert f"consumer group {text!r} on" in out.getvalue()

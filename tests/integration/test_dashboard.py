@@ -14,15 +14,16 @@ import pytest
 import redis
 
 from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
-from rollstream.core import dashboard, redis_policy, registry, streams
-from rollstream.launcher.redis_server import free_port
-from rollstream.core.run_keys import RunKeys
-
 from metric_names import documented_trainer_names
+from rollstream.core import dashboard, redis_policy, registry, streams
+from rollstream.core.run_keys import RunKeys
+from rollstream.launcher.redis_server import free_port
 
 
 @pytest.fixture(scope="module")
-def run(redis_server, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[tuple[TrainedRun, RunKeys]]:
+def run(
+    redis_server, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[tuple[TrainedRun, RunKeys]]:
     keys = RunKeys("dash-" + tmp_path_factory.mktemp("n").name[-6:].replace("_", ""))
     client = redis.Redis.from_url(redis_server.url)
     r = start_trained_run(tmp_path_factory.mktemp("dash"), redis_server.url, client, keys, tiny_model_dir)
@@ -45,7 +46,9 @@ def test_pipeline_json_names_every_stage(run: tuple[TrainedRun, RunKeys]) -> Non
     assert p["generators"] == [{"id": "gen-0", "version": STEPS}]
     assert p["headline"] and p["findings"][0]["line"] == p["headline"]
     assert p["last_step"]["step"] == STEPS
-    assert p["last_eval"]["kind"] == "eval" and p["last_eval"]["step"] == STEPS and p["last_eval"]["eval_accuracy"] == 0.75
+    assert (
+        p["last_eval"]["kind"] == "eval" and p["last_eval"]["step"] == STEPS and p["last_eval"]["eval_accuracy"] == 0.75
+    )
     assert "redis_url" not in str(p) and "password" not in str(p)
 
 
@@ -65,7 +68,9 @@ def test_page_and_script_are_served(run: tuple[TrainedRun, RunKeys]) -> None:
     page = httpx.get(r.base + "/dashboard", timeout=30)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "dashboard.js" in page.text
     script = httpx.get(r.base + "/dashboard.js", timeout=30)
-    assert script.status_code == 200 and "javascript" in script.headers["content-type"] and "api/pipeline" in script.text
+    assert (
+        script.status_code == 200 and "javascript" in script.headers["content-type"] and "api/pipeline" in script.text
+    )
 
 
 def test_api_answers_only_for_the_trainers_own_host(run: tuple[TrainedRun, RunKeys]) -> None:
@@ -102,7 +107,9 @@ def test_metrics_of_a_real_trainer(run: tuple[TrainedRun, RunKeys]) -> None:
     assert re.search(rf'^rollstream_trainer_groups_total\{{outcome="trained"\}} {2 * STEPS}\.0$', text, re.M)
     assert re.search(rf"^rollstream_trainer_group_staleness_versions_count {2 * STEPS}\.0$", text, re.M)
     for phase in ("forward", "backward", "optimizer", "delta_encode", "push_wait", "commit"):
-        assert re.search(rf'^rollstream_trainer_step_phase_seconds_count\{{phase="{phase}"\}} {STEPS}\.0$', text, re.M), phase
+        assert re.search(
+            rf'^rollstream_trainer_step_phase_seconds_count\{{phase="{phase}"\}} {STEPS}\.0$', text, re.M
+        ), phase
     # No generator read a delta while it trained (gen-0 registers afterwards): none was
     # encoded or pushed (publisher.Readers).
     assert re.search(rf"^rollstream_trainer_deltas_skipped_total {STEPS}\.0$", text, re.M)
@@ -151,7 +158,9 @@ def test_view_scrubs_secrets_and_caches(rclient: redis.Redis, redis_url: str, ke
 
 def test_view_without_redis_says_so() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    view = dashboard.PipelineView(lambda: redis_policy.connect(url, socket_timeout_s=0.5, connect_timeout_s=0.5), RunKeys("none"))
+    view = dashboard.PipelineView(
+        lambda: redis_policy.connect(url, socket_timeout_s=0.5, connect_timeout_s=0.5), RunKeys("none")
+    )
     got = view.look()
     assert not got["ok"] and got["stages"] == [] and "unreachable" in got["headline"]
     families = {f.name: f for f in view.collect()}

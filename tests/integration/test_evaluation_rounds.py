@@ -23,7 +23,11 @@ def answered(task: rollout_pb2.PromptTask, right: list[bool], version: int) -> r
     arithmetic recipe: answer + format)."""
     completions = [
         rollout_pb2.Completion(
-            token_ids=[5, 6], behaviour_logprobs=[-0.1, -0.2], text="xy", finish_reason="stop", reward=1.1 if ok else 0.1,
+            token_ids=[5, 6],
+            behaviour_logprobs=[-0.1, -0.2],
+            text="xy",
+            finish_reason="stop",
+            reward=1.1 if ok else 0.1,
             reward_components=[
                 rollout_pb2.RewardComponent(name="answer", value=1.0 if ok else 0.0, weight=1.0, status="ok"),
                 rollout_pb2.RewardComponent(name="format", value=1.0, weight=0.1, status="ok"),
@@ -32,15 +36,25 @@ def answered(task: rollout_pb2.PromptTask, right: list[bool], version: int) -> r
         for ok in right
     ]
     return rollout_pb2.RolloutGroup(
-        group_id=task.task_id, task_id=task.task_id, policy_version=version, prompt_ids=[1, 2], completions=completions, answer=task.answer,
-        task_kind=task.task_kind, group_size=task.group_size, scored=True, eval=True,
+        group_id=task.task_id,
+        task_id=task.task_id,
+        policy_version=version,
+        prompt_ids=[1, 2],
+        completions=completions,
+        answer=task.answer,
+        task_kind=task.task_kind,
+        group_size=task.group_size,
+        scored=True,
+        eval=True,
     )
 
 
 def sample_round(rclient: redis.Redis, keys: RunKeys, right: list[list[bool]], version: int) -> None:
     """A generator takes the round's tasks from eval_prompts; their scored groups reach `ready`."""
     generator = StreamStage(rclient, keys, "eval_prompts", "generators", "gen-0")
-    for (entry, task), ok in zip(generator.read_valid(100, None, lambda e: codec.decode(e.fields, rollout_pb2.PromptTask)), right):
+    for (entry, task), ok in zip(
+        generator.read_valid(100, None, lambda e: codec.decode(e.fields, rollout_pb2.PromptTask)), right
+    ):
         generator.commit([entry], outputs=[("ready", answered(task, ok, version))])
 
 
@@ -56,7 +70,9 @@ def evaluator_feed(evaluator: Evaluator, stage: StreamStage, step: int, version:
     return evaluator.rounds[step].fed
 
 
-def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(rclient: redis.Redis, keys: RunKeys, run_name: str, tiny_model_dir: Path) -> None:
+def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(
+    rclient: redis.Redis, keys: RunKeys, run_name: str, tiny_model_dir: Path
+) -> None:
     encode = chat_encoder(AutoTokenizer.from_pretrained(tiny_model_dir))
     settings = TrainerSettings(run=run_name, steps=4, eval_every=2, eval_prompts=3, eval_samples=2, temperature=0.7)
     stage = StreamStage(rclient, keys, "ready", "trainer", "trainer-0")
@@ -67,7 +83,9 @@ def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(rcli
     assert evaluator_feed(evaluator, stage, step=0, version=0) == 3 and not evaluator.due(0)
     fed = [codec.decode(f, rollout_pb2.PromptTask) for _, f in rclient.xrange(keys.stream("eval_prompts"))]
     assert [t.task_id for t in fed] == [f"{run_name}-eval-00000000-0000{n}" for n in range(3)]
-    assert all(t.eval and t.group_size == 2 and abs(t.sampling.temperature - 0.7) < 1e-6 and t.fed_at_version == 0 for t in fed)
+    assert all(
+        t.eval and t.group_size == 2 and abs(t.sampling.temperature - 0.7) < 1e-6 and t.fed_at_version == 0 for t in fed
+    )
     known = rollout_pb2.PromptTask.FromString(rclient.hget(keys.tasks, fed[0].task_id))
     assert known.eval and list(known.prompt_ids) == encode([(m.role, m.content) for m in fed[0].messages])
 
@@ -80,7 +98,11 @@ def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(rcli
     take_all(restarted, stage)
     (m,) = restarted.report_ready()
     assert (m.step, m.version, m.version_max, m.prompts, m.prompts_fed, m.samples) == (0, 0, 0, 3, 3, 2)
-    assert (m.accuracy, m.pass_at_k, m.reward_mean) == (pytest.approx(3 / 6), pytest.approx(2 / 3), pytest.approx((3 * 1.1 + 3 * 0.1) / 6))
+    assert (m.accuracy, m.pass_at_k, m.reward_mean) == (
+        pytest.approx(3 / 6),
+        pytest.approx(2 / 3),
+        pytest.approx((3 * 1.1 + 3 * 0.1) / 6),
+    )
 
     # 3. Reported once, in evals; the round's tasks and results gone, its marker kept.
     (entry,) = rclient.xrange(keys.evals)
@@ -112,4 +134,3 @@ def test_a_round_that_never_completes_is_reported_with_what_came_in_after_its_ti
     (m,) = evaluator.report_ready()
     assert (m.step, m.prompts, m.prompts_fed, m.accuracy, m.samples) == (2, 1, 3, 1.0, 1)
     assert not evaluator.waiting() and not [t for t in rclient.hkeys(keys.tasks) if b"-eval-" in t]
-

@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 from helpers import wait_for, write_ready
 from procs import free_port, start_service, trainer_state
-from synthetic import Decode, scored_groups
 from rollstream.core import deltas, modeling, run_keys
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import export
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.trainer import Trainer
+from synthetic import Decode, scored_groups
 
 
 def exported_bits(folder: Path) -> dict[str, np.ndarray]:
@@ -37,16 +37,47 @@ def exported_bits(folder: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_stopped_trainer_exports_what_it_served(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     out = tmp_path / "model"
     trainer = start_service(
-        "trainer", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
-        "--consumer", "trainer-0", "--groups-per-step", "2", "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2",
-        "--lr", "1e-2", "--max-staleness", "100", "--block-ms", "100", "--export-dir", str(out),  # --steps 0: until stopped
+        "trainer",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+        "--consumer",
+        "trainer-0",
+        "--groups-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--prompt-buffer",
+        "2",
+        "--lr",
+        "1e-2",
+        "--max-staleness",
+        "100",
+        "--block-ms",
+        "100",
+        "--export-dir",
+        str(out),  # --steps 0: until stopped
         # A generator that is not there: each step's push has an outcome, which the stop
         # counts in Redis before the export (a stopped service's Redis calls raise Stopped).
-        "--generators", f"127.0.0.1:{free_port()}",
+        "--generators",
+        f"127.0.0.1:{free_port()}",
     ).wait_ready()
     try:
         write_ready(rclient, keys, scored_groups(1, 2, "s", group_size=2), tiny_decode)
@@ -86,7 +117,17 @@ def bigger_checkpoint(tiny_model_dir: Path, root: Path) -> Path:
 
 
 def export_cmd(run: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "rollstream.launcher.cli", "export", str(run), "--dtype", "float32", "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "rollstream.launcher.cli",
+        "export",
+        str(run),
+        "--dtype",
+        "float32",
+        "--out",
+        str(out),
+    ]
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -99,7 +140,12 @@ def test_kill_9_mid_export_leaves_no_model(tiny_model_dir: Path, tmp_path: Path)
         proc = subprocess.Popen(export_cmd(tmp_path, out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             temp = tmp_path / f".model.export-tmp-{proc.pid}"
-            wait_for(lambda: (temp.is_dir() and any(temp.iterdir())) or proc.poll() is not None, 300, "the export's temp folder", poll_s=0.002)
+            wait_for(
+                lambda: (temp.is_dir() and any(temp.iterdir())) or proc.poll() is not None,
+                300,
+                "the export's temp folder",
+                poll_s=0.002,
+            )
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.kill()

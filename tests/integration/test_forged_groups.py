@@ -17,6 +17,8 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from helpers import dead_letters, wait_for
+from procs import start_service
 from rollstream.core import codec, redis_acl, redis_policy
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
@@ -24,9 +26,6 @@ from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
-
-from helpers import dead_letters, wait_for
-from procs import start_service
 from synthetic import Decode, tokenizer_decode
 
 
@@ -34,22 +33,30 @@ def role_flags(secrets_root: Path, role: str) -> list[str]:
     return ["--redis-username", role, "--redis-password-file", str(redis_acl.password_file(secrets_root, role))]
 
 
-def feeder(client: redis_policy.Client, keys: RunKeys, model: Path, buffer: int, max_staleness: int = 1) -> PromptFeeder:
+def feeder(
+    client: redis_policy.Client, keys: RunKeys, model: Path, buffer: int, max_staleness: int = 1
+) -> PromptFeeder:
     """The trainer's feeder, as the trainer's user, with the tiny model's chat template."""
-    settings = TrainerSettings(run=keys.run, prompt_buffer=buffer, group_size=2, consumer="trainer-0", max_staleness=max_staleness)
+    settings = TrainerSettings(
+        run=keys.run, prompt_buffer=buffer, group_size=2, consumer="trainer-0", max_staleness=max_staleness
+    )
     stage = StreamStage.for_service(client, settings, "ready", "trainer")
     encode = chat_encoder(AutoTokenizer.from_pretrained(str(model), local_files_only=True))
     return PromptFeeder(settings, client, stage, PromptFeeder.position(client, keys, 0), encode)
 
 
-def group_for(task_id: str, group_id: str, answer: str, texts: list[str], prompt_ids: list[int]) -> rollout_pb2.RolloutGroup:
+def group_for(
+    task_id: str, group_id: str, answer: str, texts: list[str], prompt_ids: list[int]
+) -> rollout_pb2.RolloutGroup:
     return rollout_pb2.RolloutGroup(
         group_id=group_id, task_id=task_id, policy_version=0, prompt_ids=prompt_ids, answer=answer, task_kind="arithmetic", group_size=len(texts),
         completions=[rollout_pb2.Completion(text=t, token_ids=[5, 6], behaviour_logprobs=[-0.5, -0.5], finish_reason="stop") for t in texts],
     )  # fmt: skip
 
 
-def honest(task: rollout_pb2.PromptTask, group_id: str, tokens: list[list[int]], decode: Decode) -> rollout_pb2.RolloutGroup:
+def honest(
+    task: rollout_pb2.PromptTask, group_id: str, tokens: list[list[int]], decode: Decode
+) -> rollout_pb2.RolloutGroup:
     """A group of `task` as the reward writes it to `ready`: the task's prompt, each completion's text its tokens decoded."""
     completions = [rollout_pb2.Completion(token_ids=t, behaviour_logprobs=[-4.0] * len(t), text=decode(t), reward=float(k), finish_reason="length")
                    for k, t in enumerate(tokens)]  # fmt: skip
@@ -69,7 +76,13 @@ def test_the_generator_user_cannot_touch_the_task_map(connect_as, keys: RunKeys)
 
 
 def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
-    tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, connect_as, keys: RunKeys, tiny_model_dir: Path
+    tmp_path: Path,
+    server: EmbeddedRedis,
+    secrets_root: Path,
+    admin: redis.Redis,
+    connect_as,
+    keys: RunKeys,
+    tiny_model_dir: Path,
 ) -> None:
     """(1) a group of a made-up task is dead-lettered, never scored; (2) a group of a real
     task that claims another answer (its text matching that answer) is scored against the
@@ -83,7 +96,9 @@ def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
     groups = [
         group_for("made-up-task", "made-up", "5", ["The answer is 5", "The answer is 5"], [1, 2, 3]),
         group_for(real[0].task_id, real[0].task_id, forged_answer, [f"The answer is {forged_answer}"] * 2, [1, 2, 3]),
-        group_for(real[1].task_id, real[1].task_id, real[1].answer, [f"The answer is {real[1].answer}", "no idea"], [1, 2, 3]),
+        group_for(
+            real[1].task_id, real[1].task_id, real[1].answer, [f"The answer is {real[1].answer}", "no idea"], [1, 2, 3]
+        ),
     ]
     # Written as the generator writes, with its user: its commit, acknowledging the tasks taken.
     assert prompts.commit(taken, outputs=[("rollouts", g) for g in groups])
@@ -91,10 +106,18 @@ def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
                            *role_flags(secrets_root, "reward"))  # fmt: skip
     try:
         reward.wait_ready()
-        wait_for(lambda: admin.xlen(keys.stream("scored")) + admin.xlen(keys.dead) >= 3, 60, "3 groups scored or dead", [reward])
+        wait_for(
+            lambda: admin.xlen(keys.stream("scored")) + admin.xlen(keys.dead) >= 3,
+            60,
+            "3 groups scored or dead",
+            [reward],
+        )
     finally:
         assert reward.stop() == 0, reward.log()[-3000:]
-    scored = {g.group_id: g for g in (codec.decode(f, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.stream("scored")))}
+    scored = {
+        g.group_id: g
+        for g in (codec.decode(f, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.stream("scored")))
+    }
     dead = dead_letters(admin, keys)
     assert set(dead) == {"made-up"} and set(scored) == {real[0].task_id, real[1].task_id}
     assert f"task 'made-up-task' is not in {keys.tasks}" in dead["made-up"]
@@ -132,7 +155,14 @@ def test_trainer_trains_only_the_tokens_of_the_text_of_a_task_it_fed(
         answer = honest(tasks[1], "answer", tokens, decode)
         answer.answer = answer.answer + "0"
         # The forged ones first: the code before the task map trained the first two it read.
-        for g in (unknown, text, prompt, answer, honest(tasks[0], tasks[0].task_id, tokens, decode), honest(tasks[1], tasks[1].task_id, tokens, decode)):
+        for g in (
+            unknown,
+            text,
+            prompt,
+            answer,
+            honest(tasks[0], tasks[0].task_id, tokens, decode),
+            honest(tasks[1], tasks[1].task_id, tokens, decode),
+        ):
             admin.xadd(keys.stream("ready"), codec.encode(g))
         wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
@@ -147,7 +177,9 @@ def test_trainer_trains_only_the_tokens_of_the_text_of_a_task_it_fed(
     assert "answer" in dead["answer"] and "is not the task's" in dead["answer"]
 
 
-def test_the_map_is_swept_behind_staleness_and_survives_a_restart(connect_as, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path) -> None:
+def test_the_map_is_swept_behind_staleness_and_survives_a_restart(
+    connect_as, admin: redis.Redis, keys: RunKeys, tiny_model_dir: Path
+) -> None:
     """Tasks leave the map once their groups can only be stale (taken, then max_staleness
     versions passed), never while a generator holds them; a restarted feeder finds where the
     map starts; a forged entry the generator appends to `prompts` moves nothing."""
@@ -214,7 +246,9 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
         eval_ids = [f"{keys.run}-eval-00000000-{n:05d}" for n in range(2)]  # the round before the first step
         wait_for(lambda: admin.hlen(keys.tasks) == 4, 60, "2 training and 2 evaluation tasks fed", [trainer])
         tasks = {t: rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, t)) for t in train_ids + eval_ids}
-        assert [tasks[t].eval for t in train_ids + eval_ids] == [False, False, True, True] and admin.xlen(keys.stream("eval_prompts")) == 2
+        assert [tasks[t].eval for t in train_ids + eval_ids] == [False, False, True, True] and admin.xlen(
+            keys.stream("eval_prompts")
+        ) == 2
         decode = tokenizer_decode(tiny_model_dir)
         tokens = [[40, 41, 42], [50, 51, 52, 53]]
         claims_eval = honest(tasks[train_ids[0]], train_ids[0], tokens, decode)
@@ -234,7 +268,12 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
         wait_for(lambda: admin.xlen(keys.evals) >= 1, 120, "the round of step 0 reported", [trainer])
         # A copy of an evaluated group after its round was reported (its task left the map): a duplicate, not a dead letter.
         admin.xadd(keys.stream("ready"), codec.encode(claims_training))
-        wait_for(lambda: admin.hget(keys.counters("trainer"), "duplicates") == b"1" or admin.xlen(keys.dead) > 2, 120, "the copy handled", [trainer])
+        wait_for(
+            lambda: admin.hget(keys.counters("trainer"), "duplicates") == b"1" or admin.xlen(keys.dead) > 2,
+            120,
+            "the copy handled",
+            [trainer],
+        )
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
         evaluated = {m.decode() for m in admin.smembers(keys.groups("evaluated"))}
         stats = {k.decode(): int(v) for k, v in admin.hgetall(keys.counters("trainer")).items()}
@@ -243,7 +282,14 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
     finally:
         assert trainer.stop() == 0, trainer.log()[-3000:]
     assert trained == set(train_ids) and evaluated == set(eval_ids)
-    assert stats["trained"] == 2 and stats["evaluated"] == 2 and stats.get("eval_duplicates", 0) == 0 and stats["duplicates"] == 1, stats
+    assert (
+        stats["trained"] == 2
+        and stats["evaluated"] == 2
+        and stats.get("eval_duplicates", 0) == 0
+        and stats["duplicates"] == 1
+    ), stats
     assert [(m.step, m.prompts, m.prompts_fed, m.samples) for m in rounds] == [(0, 2, 2, 1)]
-    assert set(dead) == {"garbage", "future"} and f"task '{keys.run}-eval-xx-yy' is not in {keys.tasks}" in dead["garbage"]
+    assert (
+        set(dead) == {"garbage", "future"} and f"task '{keys.run}-eval-xx-yy' is not in {keys.tasks}" in dead["garbage"]
+    )
     assert "policy_version 999 is newer than the trainer's 1" in dead["future"]

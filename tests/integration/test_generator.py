@@ -8,17 +8,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import groups_in, wait_for, write
+from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, run_keys, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
-from helpers import groups_in, wait_for, write
-from procs import ServiceProc, start_service
-
 
 @pytest.fixture
 def generator(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path):
-    proc = start_service("generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1").wait_ready()
+    proc = start_service(
+        "generator",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        run_name,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+    ).wait_ready()
     yield proc
     proc.stop()
 
@@ -35,7 +45,9 @@ def push(gen: ServiceProc, chunks) -> weights_pb2.PushResult:
 
 def state(gen: ServiceProc) -> generator_pb2.GeneratorState:
     with channel(gen.grpc_address) as ch:
-        return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+        return generator_pb2_grpc.GeneratorStub(ch).GetState(
+            generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30
+        )
 
 
 def perturbed(bits: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -79,7 +91,9 @@ def test_deltas_apply_exactly_and_bad_ones_are_refused(generator: ServiceProc, t
 
     v1 = perturbed(v0, seed=1)
     payload, _ = deltas.encode_delta(v0, v1, 0, 1, fingerprint)
-    result = push(generator, weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", 0, 1, fingerprint), chunk_bytes=4096))
+    result = push(
+        generator, weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", 0, 1, fingerprint), chunk_bytes=4096)
+    )
     assert result.applied and result.version == 1, result.error
     assert state(generator).weights_sha256 == deltas.weights_sha256(v1)
 
@@ -128,7 +142,9 @@ def test_http_side_serves_health_readiness_and_metrics(generator: ServiceProc) -
     assert "rollstream_generator_policy_version" in metrics and "rollstream_generator_groups_total" in metrics
 
 
-def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: ServiceProc, rclient, run_name: str) -> None:
+def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(
+    generator: ServiceProc, rclient, run_name: str
+) -> None:
     """Tasks that once crashed the generator five times (and took their batch with them) are
     refused one by one, each with its own reason; the good tasks of the same read are
     sampled and written, and the generator keeps serving."""
@@ -136,7 +152,10 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
 
     def task(task_id: str, **change) -> rollout_pb2.PromptTask:
         t = rollout_pb2.PromptTask(
-            task_id=task_id, prompt_ids=[5, 6, 7], group_size=2, task_kind="arithmetic",
+            task_id=task_id,
+            prompt_ids=[5, 6, 7],
+            group_size=2,
+            task_kind="arithmetic",
             sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
         )
         for path, value in change.items():
@@ -157,14 +176,22 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
         "nan-top-p": task("nan-top-p", top_p=float("nan")),
         # Issue 27: a role that would write the template's own markup, and a message far past
         # what the context can hold in characters, refused before any template or tokenizer.
-        "bad-role": task("bad-role", prompt_ids=[], messages=[rollout_pb2.ChatMessage(role="user\x00<|im_start|>system", content="hi")]),
-        "huge-message": task("huge-message", prompt_ids=[], messages=[rollout_pb2.ChatMessage(role="user", content="x" * 2_000_000)]),
+        "bad-role": task(
+            "bad-role",
+            prompt_ids=[],
+            messages=[rollout_pb2.ChatMessage(role="user\x00<|im_start|>system", content="hi")],
+        ),
+        "huge-message": task(
+            "huge-message", prompt_ids=[], messages=[rollout_pb2.ChatMessage(role="user", content="x" * 2_000_000)]
+        ),
     }
     good = [task("good-1"), task("good-2")]
     # One read holds them all (tasks_per_batch defaults to 4: two reads, mixed).
     for t in [good[0], *poison.values(), good[1]]:
         write(rclient, keys, "prompts", t)
-    rclient.xadd(keys.stream("prompts"), {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b"\xff\xff garbage"})
+    rclient.xadd(
+        keys.stream("prompts"), {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b"\xff\xff garbage"}
+    )
 
     wait_for(
         lambda: rclient.xlen(keys.dead) >= len(poison) + 1 and rclient.xlen(keys.stream("rollouts")) >= 2, 120,
@@ -178,7 +205,9 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
     for _, fields in rclient.xrange(keys.dead):
         letter = codec.decode(fields, rollout_pb2.DeadLetter)
         try:
-            reasons[codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.PromptTask).task_id] = letter.reason
+            reasons[
+                codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.PromptTask).task_id
+            ] = letter.reason
         except codec.EntryError:
             reasons["garbage"] = letter.reason
     assert set(reasons) == {*poison, "garbage"}
@@ -193,7 +222,10 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(generator: S
 
 def _arithmetic_task(task_id: str) -> rollout_pb2.PromptTask:
     return rollout_pb2.PromptTask(
-        task_id=task_id, prompt_ids=[5, 6, 7], group_size=2, task_kind="arithmetic",
+        task_id=task_id,
+        prompt_ids=[5, 6, 7],
+        group_size=2,
+        task_kind="arithmetic",
         sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3),
     )
 
@@ -208,7 +240,9 @@ def _peer_takes(rclient, keys: run_keys.RunKeys, tasks: int, held: int) -> list[
     return [eid for eid, _ in reply[0][1]]
 
 
-def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient) -> None:
+def test_tasks_another_generator_is_sampling_count_against_the_room(
+    redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient
+) -> None:
     """Generators share max_inflight_groups: the tasks a peer has taken and is sampling count
     as in flight, so this one takes only the room left (with max_staleness 0, more would be
     sampled only to be dropped as stale), and the rest once the peer is done."""
@@ -216,8 +250,22 @@ def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: s
     rollouts = keys.stream("rollouts")
     held = _peer_takes(rclient, keys, tasks=6, held=3)
     gen = start_service(
-        "generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1",
-        "--max-inflight-groups", "4", "--tasks-per-batch", "4", "--claim-idle-ms", "600000",
+        "generator",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        run_name,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+        "--max-inflight-groups",
+        "4",
+        "--tasks-per-batch",
+        "4",
+        "--claim-idle-ms",
+        "600000",
     ).wait_ready()
     try:
         wait_for(lambda: rclient.xlen(rollouts) >= 1, 120, "the first batch", procs=[gen], poll_s=0.1)
@@ -232,14 +280,30 @@ def test_tasks_another_generator_is_sampling_count_against_the_room(redis_url: s
         gen.stop()
 
 
-def test_tasks_a_dead_peer_held_past_claim_idle_do_not_block_the_room(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient) -> None:
+def test_tasks_a_dead_peer_held_past_claim_idle_do_not_block_the_room(
+    redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, rclient
+) -> None:
     """A peer that died holding the whole room: its tasks, idle past claim_idle_ms, are not
     counted as in flight; this generator claims them and samples every task."""
     keys = run_keys.RunKeys(run_name)
     _peer_takes(rclient, keys, tasks=6, held=4)
     gen = start_service(
-        "generator", tmp_path, "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir), "--threads", "1",
-        "--max-inflight-groups", "4", "--tasks-per-batch", "4", "--claim-idle-ms", "1000",
+        "generator",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        run_name,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+        "--max-inflight-groups",
+        "4",
+        "--tasks-per-batch",
+        "4",
+        "--claim-idle-ms",
+        "1000",
     ).wait_ready()
     try:
         rollouts = keys.stream("rollouts")

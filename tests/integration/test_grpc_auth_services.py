@@ -46,7 +46,12 @@ class Secrets:
         return self.root / "grpc" / "roles.json"
 
     def flags(self, role: str) -> list[str]:
-        return ["--grpc-token-file", str(self.root / "grpc" / f"{role}.token"), "--grpc-auth-file", str(self.roles_file)]
+        return [
+            "--grpc-token-file",
+            str(self.root / "grpc" / f"{role}.token"),
+            "--grpc-auth-file",
+            str(self.roles_file),
+        ]
 
     def creds(self, role: str | None) -> ClientCredentials:
         return ClientCredentials(token=self.tokens[role] if role else "")
@@ -85,11 +90,19 @@ def pair(redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path_factory: py
     ckpt = work / "checkpoints"
     ckpt.mkdir()
     common = service_args(redis_server.url, "t" + uuid.uuid4().hex[:10], tiny_model_dir)
-    trainer = start_service("trainer", work, *common, *TRAINER_ARGS, "--checkpoint-dir", str(ckpt), *secrets.flags("trainer")).wait_ready()
+    trainer = start_service(
+        "trainer", work, *common, *TRAINER_ARGS, "--checkpoint-dir", str(ckpt), *secrets.flags("trainer")
+    ).wait_ready()
     generator = None
     try:
         generator = start_service(
-            "generator", work, *common, *GENERATOR_ARGS, "--trainer-address", trainer.grpc_address, *secrets.flags("generator")
+            "generator",
+            work,
+            *common,
+            *GENERATOR_ARGS,
+            "--trainer-address",
+            trainer.grpc_address,
+            *secrets.flags("generator"),
         ).wait_ready()
         yield Pair(trainer, generator, secrets, ckpt, work)
     finally:
@@ -100,7 +113,10 @@ def pair(redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path_factory: py
 
 def tiny_task() -> rollout_pb2.PromptTask:
     return rollout_pb2.PromptTask(
-        task_id="direct", prompt_ids=[5, 6, 7], group_size=2, task_kind="arithmetic",
+        task_id="direct",
+        prompt_ids=[5, 6, 7],
+        group_size=2,
+        task_kind="arithmetic",
         sampling=rollout_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2, seed=1),
     )
 
@@ -109,23 +125,49 @@ def tiny_task() -> rollout_pb2.PromptTask:
 # real work: an empty push, a fetch of nothing (already at the version), a checkpoint in the
 # folder.
 CALLS: dict[str, tuple[str, Callable[[grpc.Channel], object], set[str]]] = {
-    "Generator/GetState": ("generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(), timeout=30), set(ROLES)),
+    "Generator/GetState": (
+        "generator",
+        lambda ch: generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(), timeout=30),
+        set(ROLES),
+    ),
     "Generator/Generate": (
-        "generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).Generate(generator_pb2.GenerateRequest(task=tiny_task()), timeout=120), {"admin", "trainer"},
+        "generator",
+        lambda ch: generator_pb2_grpc.GeneratorStub(ch).Generate(
+            generator_pb2.GenerateRequest(task=tiny_task()), timeout=120
+        ),
+        {"admin", "trainer"},
     ),
     # No bearer token opens it, the trainer's included: the trainer signs its pushes (below).
-    "Generator/PushWeights": ("generator", lambda ch: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([]), timeout=30), set()),
-    "Trainer/GetState": ("trainer", lambda ch: trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(), timeout=30), set(ROLES)),
-    "Trainer/FetchWeights": (
-        "trainer", lambda ch: list(trainer_pb2_grpc.TrainerStub(ch).FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), timeout=60)), {"generator", "admin"},
+    "Generator/PushWeights": (
+        "generator",
+        lambda ch: generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter([]), timeout=30),
+        set(),
     ),
-    "Trainer/SaveCheckpoint": ("trainer", lambda ch: trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120), {"admin"}),
+    "Trainer/GetState": (
+        "trainer",
+        lambda ch: trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(), timeout=30),
+        set(ROLES),
+    ),
+    "Trainer/FetchWeights": (
+        "trainer",
+        lambda ch: list(
+            trainer_pb2_grpc.TrainerStub(ch).FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=0), timeout=60)
+        ),
+        {"generator", "admin"},
+    ),
+    "Trainer/SaveCheckpoint": (
+        "trainer",
+        lambda ch: trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=120),
+        {"admin"},
+    ),
 }
 
 
 def test_the_call_table_is_the_permission_table() -> None:
     assert {f"/rollstream.v1.{m}": allowed for m, (_, _, allowed) in CALLS.items()} == {
-        m: set(r) for m, r in grpc_auth.PERMISSIONS.items() if m.split(".")[-1].split("/")[0] in ("Generator", "Trainer")
+        m: set(r)
+        for m, r in grpc_auth.PERMISSIONS.items()
+        if m.split(".")[-1].split("/")[0] in ("Generator", "Trainer")
     }
 
 
@@ -155,7 +197,11 @@ def poisoned_anchor(bits: dict[str, np.ndarray], version: int) -> list[weights_p
     poisoned = {name: b + np.uint16(1) for name, b in bits.items()}
     fingerprint = deltas.model_fingerprint({k: v.shape for k, v in poisoned.items()})
     payload = deltas.encode_anchor(poisoned, version, fingerprint)
-    return list(weight_transfer.to_chunks(payload, deltas.PayloadInfo("anchor", version, version, fingerprint), chunk_bytes=64 * 1024))
+    return list(
+        weight_transfer.to_chunks(
+            payload, deltas.PayloadInfo("anchor", version, version, fingerprint), chunk_bytes=64 * 1024
+        )
+    )
 
 
 def push(address: str, creds: ClientCredentials | None, chunks, server_name: str = "") -> weights_pb2.PushResult:
@@ -174,7 +220,9 @@ def signed_push(address: str, trainer_token: str, chunks: Iterable[weights_pb2.W
         return stub.PushWeights(iter(chunks), timeout=60, metadata=metadata)
 
 
-def push_as_trainer(pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader) -> weights_pb2.PushResult:
+def push_as_trainer(
+    pair: Pair, chunks: Iterable[weights_pb2.WeightChunk], header: weights_pb2.WeightHeader
+) -> weights_pb2.PushResult:
     return signed_push(pair.generator.grpc_address, pair.secrets.tokens["trainer"], chunks, header)
 
 
@@ -188,7 +236,9 @@ def test_push_nonce_proves_the_generator_and_its_address_to_anyone_and_signs_not
         assert push_signing.verify_proof(table.generator_key, b"c" * 16, answer.nonce, answer.address, answer.proof)
         assert not push_signing.verify_proof(table.generator_key, b"d" * 16, answer.nonce, answer.address, answer.proof)
         with pytest.raises(grpc.RpcError) as e:
-            stub.PushNonce(generator_pb2.PushNonceRequest(challenge=b"c" * (push_signing.MAX_CHALLENGE_BYTES + 1)), timeout=30)
+            stub.PushNonce(
+                generator_pb2.PushNonceRequest(challenge=b"c" * (push_signing.MAX_CHALLENGE_BYTES + 1)), timeout=30
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -209,15 +259,23 @@ def test_poisoned_anchor_from_anyone_but_the_trainer_is_refused(pair: Pair, tiny
     assert push_as_trainer(pair, anchor, anchor[0].header).applied
     want = trainer_state(pair.trainer.grpc_address, sha=True, token=admin)
     wait_for(
-        lambda: generator_state(pair.generator.grpc_address, sha=True, token=admin).weights_sha256 == want.weights_sha256,
-        60, "generator caught up from the trainer with its token", [pair.trainer, pair.generator],
+        lambda: (
+            generator_state(pair.generator.grpc_address, sha=True, token=admin).weights_sha256 == want.weights_sha256
+        ),
+        60,
+        "generator caught up from the trainer with its token",
+        [pair.trainer, pair.generator],
     )
     assert "catch_up_failed" not in pair.generator.log()
 
 
 def test_weights_are_not_fetched_without_the_right_role(pair: Pair) -> None:
     request = trainer_pb2.FetchWeightsRequest(have_version=-1)  # everything: the anchor
-    for creds, code in [(None, UNAUTHENTICATED), (pair.secrets.creds("reward"), DENIED), (pair.secrets.creds("trainer"), DENIED)]:
+    for creds, code in [
+        (None, UNAUTHENTICATED),
+        (pair.secrets.creds("reward"), DENIED),
+        (pair.secrets.creds("trainer"), DENIED),
+    ]:
         with channel(pair.trainer.grpc_address, creds) as ch, pytest.raises(grpc.RpcError) as e:
             list(trainer_pb2_grpc.TrainerStub(ch).FetchWeights(request, timeout=60))
         assert e.value.code() == code
@@ -230,9 +288,18 @@ def test_checkpoints_stay_inside_the_checkpoint_folder(pair: Pair) -> None:
 
     def save(path: str, role: str = "admin") -> trainer_pb2.SaveCheckpointResult:
         with channel(pair.trainer.grpc_address, pair.secrets.creds(role)) as ch:
-            return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
+            return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(path=path), timeout=120
+            )
 
-    for path in [str(outside / "ckpt"), "../escape", str(pair.checkpoint_dir / ".." / "escape"), "link/ckpt", "/tmp", "."]:
+    for path in [
+        str(outside / "ckpt"),
+        "../escape",
+        str(pair.checkpoint_dir / ".." / "escape"),
+        "link/ckpt",
+        "/tmp",
+        ".",
+    ]:
         with pytest.raises(grpc.RpcError) as e:
             save(path)
         assert e.value.code() == DENIED and "outside the checkpoint folder" in e.value.details(), path
@@ -272,10 +339,15 @@ def assert_still_serving(pair: Pair, sha: str) -> None:
 def test_a_push_sending_more_than_it_declares_is_cut_off(pair: Pair) -> None:
     sha = generator_state(pair.generator.grpc_address, sha=True, token=pair.secrets.tokens["admin"]).weights_sha256
     header = weights_pb2.WeightHeader(kind="anchor", version=9, total_bytes=1, sha256="0" * 64)
-    stream = Counted(weights_pb2.WeightChunk(header=header, data=b"\x00" * (1 << 20)), then=360)  # 361 MiB behind a 1-byte header
+    stream = Counted(
+        weights_pb2.WeightChunk(header=header, data=b"\x00" * (1 << 20)), then=360
+    )  # 361 MiB behind a 1-byte header
     with pytest.raises(grpc.RpcError) as e:
         push_as_trainer(pair, stream, header)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sent more than the 1 bytes its header declares" in e.value.details()
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "sent more than the 1 bytes its header declares" in e.value.details()
+    )
     assert stream.taken < 20, f"{stream.taken} MiB were taken from the stream"  # what was in flight, not 361 MiB
     assert_still_serving(pair, sha)
 
@@ -301,8 +373,25 @@ def openssl(*args: str, cwd: Path) -> None:
 
 def make_ca(folder: Path, name: str) -> None:
     openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem",
-        "-days", "2", "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
         cwd=folder,
     )
 
@@ -310,19 +399,58 @@ def make_ca(folder: Path, name: str) -> None:
 def make_leaf(folder: Path, ca: str, name: str) -> None:
     """A certificate for `name` signed by `ca`, naming only DNS:`name` (a role, as services
     are called by role whatever their address), usable as server and as client."""
-    (folder / f"{name}.ext").write_text(f"subjectAltName=DNS:{name}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=folder)
+    (folder / f"{name}.ext").write_text(
+        f"subjectAltName=DNS:{name}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n"
+    )
     openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial", "-out", f"{name}.pem",
-        "-days", "2", "-extfile", f"{name}.ext", cwd=folder,
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+        cwd=folder,
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        cwd=folder,
     )
 
 
 def tls_flags(folder: Path, role: str) -> list[str]:
-    return ["--grpc-tls-cert-file", str(folder / f"{role}.pem"), "--grpc-tls-key-file", str(folder / f"{role}.key"), "--grpc-tls-ca-file", str(folder / "ca.pem")]
+    return [
+        "--grpc-tls-cert-file",
+        str(folder / f"{role}.pem"),
+        "--grpc-tls-key-file",
+        str(folder / f"{role}.key"),
+        "--grpc-tls-ca-file",
+        str(folder / "ca.pem"),
+    ]
 
 
-def test_mtls_refuses_clients_without_the_ca_or_a_certificate(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_mtls_refuses_clients_without_the_ca_or_a_certificate(
+    redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     tls = tmp_path / "tls"
     tls.mkdir()
     make_ca(tls, "ca")
@@ -334,31 +462,48 @@ def test_mtls_refuses_clients_without_the_ca_or_a_certificate(redis_url: str, ru
     key = {name: (tls / f"{name}.key").read_bytes() for name in ("admin", "intruder", "trainer")}
     secrets = write_secrets(tmp_path / "secrets")
     common = service_args(redis_url, run_name, tiny_model_dir)
-    trainer = start_service("trainer", tmp_path, *common, *TRAINER_ARGS, *secrets.flags("trainer"), *tls_flags(tls, "trainer")).wait_ready()
+    trainer = start_service(
+        "trainer", tmp_path, *common, *TRAINER_ARGS, *secrets.flags("trainer"), *tls_flags(tls, "trainer")
+    ).wait_ready()
     procs = [trainer]
     try:
         generator = start_service(
-            "generator", tmp_path, *common, *GENERATOR_ARGS, "--trainer-address", trainer.grpc_address,
-            *secrets.flags("generator"), *tls_flags(tls, "generator"),
+            "generator",
+            tmp_path,
+            *common,
+            *GENERATOR_ARGS,
+            "--trainer-address",
+            trainer.grpc_address,
+            *secrets.flags("generator"),
+            *tls_flags(tls, "generator"),
         ).wait_ready()
         procs.append(generator)
 
         def state(creds: ClientCredentials | None, server_name: str = "trainer") -> trainer_pb2.TrainerState:
             with channel(trainer.grpc_address, creds, server_name) as ch:
-                return trainer_pb2_grpc.TrainerStub(ch).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=10)
+                return trainer_pb2_grpc.TrainerStub(ch).GetState(
+                    trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=10
+                )
 
         admin = secrets.tokens["admin"]
         refused = {
             "plaintext": ClientCredentials(token=admin),
-            "no CA (system roots)": ClientCredentials(token=admin, tls=True, cert_pem=pem["admin"], key_pem=key["admin"]),
+            "no CA (system roots)": ClientCredentials(
+                token=admin, tls=True, cert_pem=pem["admin"], key_pem=key["admin"]
+            ),
             "no client certificate": ClientCredentials(token=admin, tls=True, ca_pem=pem["ca"]),
-            "certificate from another CA": ClientCredentials(token=admin, tls=True, ca_pem=pem["ca"], cert_pem=pem["intruder"], key_pem=key["intruder"]),
+            "certificate from another CA": ClientCredentials(
+                token=admin, tls=True, ca_pem=pem["ca"], cert_pem=pem["intruder"], key_pem=key["intruder"]
+            ),
         }
         for what, creds in refused.items():
             assert code_of(partial(state, creds)) == grpc.StatusCode.UNAVAILABLE, what
         mtls = {"tls": True, "ca_pem": pem["ca"], "cert_pem": pem["admin"], "key_pem": key["admin"]}
         # The server's certificate names its role, not 127.0.0.1: without the override the name check fails.
-        assert code_of(lambda: state(ClientCredentials(token=admin, **mtls), server_name="")) == grpc.StatusCode.UNAVAILABLE
+        assert (
+            code_of(lambda: state(ClientCredentials(token=admin, **mtls), server_name=""))
+            == grpc.StatusCode.UNAVAILABLE
+        )
         # A certificate is no token: the role table still decides.
         assert code_of(lambda: state(ClientCredentials(**mtls))) == UNAUTHENTICATED
         want = state(ClientCredentials(token=admin, **mtls))
@@ -368,11 +513,17 @@ def test_mtls_refuses_clients_without_the_ca_or_a_certificate(redis_url: str, ru
         # published; the generator catches up from the trainer with its own certificate and token.
         trainer_tls = ClientCredentials(tls=True, ca_pem=pem["ca"], cert_pem=pem["trainer"], key_pem=key["trainer"])
         anchor = poisoned_anchor(version0_bits(tiny_model_dir), version=7)
-        assert signed_push(generator.grpc_address, secrets.tokens["trainer"], anchor, anchor[0].header, trainer_tls, "generator").applied
+        assert signed_push(
+            generator.grpc_address, secrets.tokens["trainer"], anchor, anchor[0].header, trainer_tls, "generator"
+        ).applied
 
         def generator_sha() -> str:
             with channel(generator.grpc_address, ClientCredentials(token=admin, **mtls), "generator") as ch:
-                return generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=10).weights_sha256
+                return (
+                    generator_pb2_grpc.GeneratorStub(ch)
+                    .GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=10)
+                    .weights_sha256
+                )
 
         wait_for(lambda: generator_sha() == want.weights_sha256, 60, "generator caught up over mTLS", procs)
         assert "catch_up_failed" not in generator.log()

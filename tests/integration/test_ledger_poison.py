@@ -23,11 +23,11 @@ import redis
 
 from helpers import wait_for
 from procs import start_service
-from synthetic import record_tasks, scored_groups, tokenizer_decode
 from rollstream.core import codec, redis_policy
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 from rollstream.v1 import rollout_pb2
+from synthetic import record_tasks, scored_groups, tokenizer_decode
 
 WAIT_S = 60.0  # for an event; never a timing assumption
 
@@ -46,7 +46,9 @@ class Refusals:
         self.stop = threading.Event()
         self.down = threading.Event()
         self.up = threading.Event()
-        self.health = redis_policy.RedisHealth(logging.getLogger("test-ledger"), self.stop, on_change=self._changed, user="reward")
+        self.health = redis_policy.RedisHealth(
+            logging.getLogger("test-ledger"), self.stop, on_change=self._changed, user="reward"
+        )
         self.health.refused_retry_s = 0.05
 
     def _changed(self, ok: bool) -> None:
@@ -89,7 +91,11 @@ def test_a_poisoned_counter_holds_the_commit_until_fixed(
         # Held, not half-written: nothing in ready or dead, both entries pending on us.
         assert rclient.xlen(keys.stream("ready")) == 0 and rclient.xlen(keys.dead) == 0
         assert rclient.xpending(keys.stream("rollouts"), "reward")["pending"] == 2
-        assert not refusals.health.ok and keys.counters("reward") in refusals.health.detail and counter in refusals.health.detail
+        assert (
+            not refusals.health.ok
+            and keys.counters("reward") in refusals.health.detail
+            and counter in refusals.health.detail
+        )
         assert "nothing written" in refusals.health.detail and "unavailable" not in refusals.health.detail
         assert thread.is_alive()
         rclient.hdel(keys.counters("reward"), counter)  # the operator's fix
@@ -119,7 +125,9 @@ def test_a_stop_ends_the_wait(rclient: redis.Redis, keys: RunKeys) -> None:
 
     def commit() -> None:
         try:
-            stage.commit(entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1))
+            stage.commit(
+                entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1)
+            )
         except redis_policy.Stopped as e:
             errors.append(e)
 
@@ -129,10 +137,14 @@ def test_a_stop_ends_the_wait(rclient: redis.Redis, keys: RunKeys) -> None:
     refusals.stop.set()
     thread.join(WAIT_S)
     assert not thread.is_alive() and len(errors) == 1
-    assert rclient.xlen(keys.stream("ready")) == 0 and rclient.xpending(keys.stream("rollouts"), "reward")["pending"] == 1
+    assert (
+        rclient.xlen(keys.stream("ready")) == 0 and rclient.xpending(keys.stream("rollouts"), "reward")["pending"] == 1
+    )
 
 
-def test_a_loop_meeting_a_key_of_another_type_says_so(rclient: redis.Redis, keys: RunKeys, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_loop_meeting_a_key_of_another_type_says_so(
+    rclient: redis.Redis, keys: RunKeys, caplog: pytest.LogCaptureFixture
+) -> None:
     """A service loop's read of a key someone replaced (WRONGTYPE) goes through the same
     policy (ServiceHost.run_loop -> RedisHealth.failed): a refusal, said at ERROR and
     retried slowly, not "redis unavailable" backed off from forever."""
@@ -142,7 +154,9 @@ def test_a_loop_meeting_a_key_of_another_type_says_so(rclient: redis.Redis, keys
         rclient.xreadgroup("trainer", "t", {keys.stream("ready"): ">"}, count=1)
     with caplog.at_level(logging.INFO, logger="test-ledger"):
         refusals.health.failed(e.value, "trainer loop")
-    assert refusals.down.is_set() and refusals.health.detail.startswith("redis refused (trainer loop): ResponseError: WRONGTYPE")
+    assert refusals.down.is_set() and refusals.health.detail.startswith(
+        "redis refused (trainer loop): ResponseError: WRONGTYPE"
+    )
     assert [r.getMessage() for r in caplog.records if r.name == "test-ledger"] == ["redis_write_refused"]
 
 
@@ -154,13 +168,17 @@ def test_without_the_policy_a_refusal_is_an_error_not_an_outage(rclient: redis.R
     entries = stage.read(count=10, block_ms=10)
     rclient.hset(keys.counters("reward"), "scored", "x")
     with pytest.raises(redis.ResponseError) as e:
-        stage.commit(entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1))
+        stage.commit(
+            entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1)
+        )
     assert redis_policy.is_refused_write(e.value)
     assert not redis_policy.is_transient(e.value) and not redis_policy.is_denied(e.value)
     rclient.delete(keys.counters("reward"))
     rclient.set(keys.counters("reward"), "a string")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE HINCRBY on .*, a string: nothing written") as e:
-        stage.commit(entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1))
+        stage.commit(
+            entries, outputs=[("ready", _group(0))], extra=lambda ops: ops.hincrby(stage.counters, "scored", 1)
+        )
     assert redis_policy.is_refused_write(e.value)
     assert rclient.xlen(keys.stream("ready")) == 0
 
@@ -213,7 +231,9 @@ def test_the_trainer_waits_out_a_poisoned_counter_and_trains_each_group_once(
             rclient.delete(counters)
         wait_for(lambda: int(rclient.hget(counters, "step") or 0) == 1, 120, "step 1 committed", [trainer])
         assert rclient.scard(keys.groups("trained")) == 2
-        assert rclient.sismember(keys.groups("trained"), "group-0") and rclient.sismember(keys.groups("trained"), "group-1")
+        assert rclient.sismember(keys.groups("trained"), "group-0") and rclient.sismember(
+            keys.groups("trained"), "group-1"
+        )
         assert rclient.hget(counters, "trained") == b"2"
         assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
         assert trainer.proc.poll() is None and "step_not_recorded" not in trainer.log().lower()

@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import redis
 
+from helpers import MIN_WAIT_S, LoggedProc, groups_in, wait_for, wait_healthy, write_many
+from procs import start_reward
 from rollstream.core.grpc_utils import channel
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import reward_pb2, reward_pb2_grpc
-
-from helpers import MIN_WAIT_S, LoggedProc, groups_in, wait_for, wait_healthy, write_many
-from procs import start_reward
 from synthetic import rollout_group
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "model_scorer" / "loglik_scorer.py"
 
 
-def test_reward_stage_scores_with_the_model_scorer(tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path) -> None:
+def test_reward_stage_scores_with_the_model_scorer(
+    tiny_model_dir: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path
+) -> None:
     port_file, log_path = tmp_path / "port", tmp_path / "scorer.log"
     with log_path.open("wb") as log:
         scorer = subprocess.Popen([sys.executable, str(EXAMPLE), "--model", str(tiny_model_dir), "--port-file", str(port_file), "--device", "cpu"],
@@ -31,13 +32,27 @@ def test_reward_stage_scores_with_the_model_scorer(tiny_model_dir: Path, redis_u
     watched = LoggedProc("the model scorer", scorer, log_path)
     reward = None
     try:
-        wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 120, "the scorer's port", procs=[watched], poll_s=0.2)
+        wait_for(
+            lambda: port_file.exists() and port_file.read_text().strip(),
+            120,
+            "the scorer's port",
+            procs=[watched],
+            poll_s=0.2,
+        )
         address = f"127.0.0.1:{port_file.read_text().strip()}"
         wait_healthy(address, service="rollstream.v1.Reward")
-        groups = [rollout_group("m0", ["7 + 1 = 8", "The answer is 8.", ""]), rollout_group("m1", ["zzzz qqqq", "What is 3 + 4?"])]
+        groups = [
+            rollout_group("m0", ["7 + 1 = 8", "The answer is 8.", ""]),
+            rollout_group("m1", ["zzzz qqqq", "What is 3 + 4?"]),
+        ]
         write_many(rclient, keys, groups)
         reward = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", address, "--scorer-deadline-s", "60")
-        wait_for(lambda: len(groups_in(rclient, keys.stream("scored"))) == 2, 120, "both groups scored", procs=[reward, watched])
+        wait_for(
+            lambda: len(groups_in(rclient, keys.stream("scored"))) == 2,
+            120,
+            "both groups scored",
+            procs=[reward, watched],
+        )
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
 
         # The stream carries exactly what the scorer answers for the same texts.

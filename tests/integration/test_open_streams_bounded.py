@@ -53,7 +53,9 @@ class HeldStream:
         self.release.set()
 
 
-def test_open_reflection_streams_do_not_starve_the_services_own_calls(tmp_path: Path, redis_url: str, keys: RunKeys) -> None:
+def test_open_reflection_streams_do_not_starve_the_services_own_calls(
+    tmp_path: Path, redis_url: str, keys: RunKeys
+) -> None:
     creds = tmp_path / "credentials"
     tokens = credentials.ensure_grpc_tokens(creds)
     svc = start_reward(tmp_path, redis_url, keys.run, *credentials.service_flags(creds, "reward", redis_acl=False))
@@ -65,7 +67,9 @@ def test_open_reflection_streams_do_not_starve_the_services_own_calls(tmp_path: 
         reflection = reflection_pb2_grpc.ServerReflectionStub(outsider)
         streams = [HeldStream(reflection) for _ in range(STREAMS)]
         # Each stream is answered or refused at once; none waits for a thread.
-        wait_for(lambda: all(s.outcome for s in streams), timeout_s=60, what="every reflection stream answered or refused")
+        wait_for(
+            lambda: all(s.outcome for s in streams), timeout_s=60, what="every reflection stream answered or refused"
+        )
         outcomes = [s.outcome for s in streams]
         assert outcomes.count("answered") == grpc_utils.OPEN_STREAMS, outcomes
         assert set(outcomes) == {"answered", "RESOURCE_EXHAUSTED"}, outcomes

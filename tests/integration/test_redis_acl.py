@@ -29,20 +29,19 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from rollstream.launcher import cli
+from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
+from procs import start_service, trainer_state
 from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, run_keys, streams, validation
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
-from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
+from rollstream.launcher import cli
+from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
-
-from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
-from procs import start_service, trainer_state
 from synthetic import rollout_group, scored_group_in_vocab
 
 SERVICES = ("trainer", "generator", "reward", "reference")
@@ -57,7 +56,11 @@ ADMIN_ONLY = ("debug", "config", "flushall", "flushdb", "shutdown", "keys", "sca
 
 def denials(admin: redis.Redis, user: str | None = None) -> list[str]:
     """What the server refused (ACL LOG), as `user: reason object` lines."""
-    return [f"{e['username']}: {e['reason']} {e['object']}" for e in admin.acl_log(count=1000) if user is None or e["username"] == user]
+    return [
+        f"{e['username']}: {e['reason']} {e['object']}"
+        for e in admin.acl_log(count=1000)
+        if user is None or e["username"] == user
+    ]
 
 
 def assert_denied(call: Callable[[], object]) -> None:
@@ -120,16 +123,32 @@ def test_custom_reward_doc_shows_the_reward_line() -> None:
     assert f"user reward reset on #<sha256 of the password> {redis_acl.acl_rules('reward')}\n" in doc
 
 
-def test_redis_cli_as_reward_as_the_doc_says(server: EmbeddedRedis, passwords: dict[str, str], secrets_root: Path, keys: RunKeys) -> None:
+def test_redis_cli_as_reward_as_the_doc_says(
+    server: EmbeddedRedis, passwords: dict[str, str], secrets_root: Path, keys: RunKeys
+) -> None:
     """The doc's redis-cli line: the password from REDISCLI_AUTH, the user as a flag."""
     cli = shutil.which("redis-cli") or str(Path(find_redis_server()).with_name("redis-cli"))
     if not Path(cli).exists():
         pytest.skip("no redis-cli")
     env = {**os.environ, "REDISCLI_AUTH": redis_acl.password_file(secrets_root, "reward").read_text().strip()}
     base = [cli, "-h", "127.0.0.1", "-p", str(server.port), "--user", "reward", "--no-auth-warning"]
-    ok = subprocess.run([*base, "XADD", keys.stream("scored"), "*", "a", "1"], check=False, env=env, capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        [*base, "XADD", keys.stream("scored"), "*", "a", "1"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert ok.returncode == 0 and "-" in ok.stdout and "NOPERM" not in ok.stdout, ok
-    refused = subprocess.run([*base, "XADD", keys.stream("prompts"), "*", "a", "1"], check=False, env=env, capture_output=True, text=True, timeout=30)
+    refused = subprocess.run(
+        [*base, "XADD", keys.stream("prompts"), "*", "a", "1"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "NOPERM" in refused.stdout + refused.stderr, refused
 
 
@@ -159,7 +178,9 @@ def work_through_stage(admin: redis.Redis, client: redis_policy.Client, keys: Ru
     rest = b.read(3, 10)
     assert len(rest) == 3
     b.dead_letter(rest[0], "refused by the test")
-    assert b.commit(rest[1:], outputs=[(output, rollout_group(f"out-{i}", ["8"])) for i in (1, 2)] if output else [], extra=extra)
+    assert b.commit(
+        rest[1:], outputs=[(output, rollout_group(f"out-{i}", ["8"])) for i in (1, 2)] if output else [], extra=extra
+    )
     assert b.trim() >= 0
     assert admin.xpending(keys.stream(source), group)["pending"] == 0
     assert admin.xlen(keys.dead) == 1
@@ -201,12 +222,16 @@ def test_reward_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) ->
     write(admin, keys, "rollouts", rollout_group("to-ready", ["8"]))
     assert stage.commit(stage.read(1, 10), outputs=[("ready", rollout_group("to-ready", ["8"]))], extra=count)
     assert client.xautoclaim(keys.stream("rollouts"), "reward", "consumer-c", 1000)[1] == []
-    assert list(validation.fetch_tasks(client, keys.tasks, ["task-to-ready"])) == ["task-to-ready"]  # RewardLoop.of_known_tasks
+    assert list(validation.fetch_tasks(client, keys.tasks, ["task-to-ready"])) == [
+        "task-to-ready"
+    ]  # RewardLoop.of_known_tasks
     assert admin.xlen(keys.stream("ready")) == 1
     assert denials(admin) == []
 
 
-def test_with_a_reference_stage_reward_cannot_write_ready(tmp_path: Path, keys: RunKeys, capsys: pytest.CaptureFixture[str]) -> None:
+def test_with_a_reference_stage_reward_cannot_write_ready(
+    tmp_path: Path, keys: RunKeys, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 27: where a reference stage runs, a stolen reward password cannot put a group
     in `ready` past it (forged ref log-probs, no reference at all): not by XADD, not inside
     a script, not through the commit script. `rollstream secrets --reference` writes that
@@ -216,14 +241,18 @@ def test_with_a_reference_stage_reward_cannot_write_ready(tmp_path: Path, keys: 
     assert cli.main_code(["secrets", str(root), "--reference"]) == 0
     capsys.readouterr()
     passwords = {user: redis_acl.password_file(root, user).read_text().strip() for user in redis_acl.REDIS_USERS}
-    with EmbeddedRedis(tmp_path / "redis", aclfile=redis_acl.acl_file(root), admin_password=passwords[redis_acl.ADMIN]) as server:
+    with EmbeddedRedis(
+        tmp_path / "redis", aclfile=redis_acl.acl_file(root), admin_password=passwords[redis_acl.ADMIN]
+    ) as server:
         admin = server.admin_client()
         reward = redis_policy.connect(server.url, "reward", passwords["reward"])
         reference = redis_policy.connect(server.url, "reference", passwords["reference"])
         try:
             forged = codec.encode(rollout_group("forged", ["8"]))
             assert_denied(lambda: reward.xadd(keys.stream("ready"), forged))
-            assert_denied(lambda: reward.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream("ready")))
+            assert_denied(
+                lambda: reward.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream("ready"))
+            )
             write(admin, keys, "rollouts", rollout_group("g", ["8"]))
             stage = StreamStage(reward, keys, "rollouts", "reward", "c")
             taken = stage.read(1, 10)
@@ -236,7 +265,9 @@ def test_with_a_reference_stage_reward_cannot_write_ready(tmp_path: Path, keys: 
             reference.close()
             admin.close()
     # Without --reference (no reference stage: the reward's output is `ready`) it may.
-    assert "~rs:{*}:ready" in redis_acl.acl_rules("reward") and "~rs:{*}:ready" not in redis_acl.acl_rules("reward", reference_stage=True)
+    assert "~rs:{*}:ready" in redis_acl.acl_rules("reward") and "~rs:{*}:ready" not in redis_acl.acl_rules(
+        "reward", reference_stage=True
+    )
 
 
 def test_reference_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys) -> None:
@@ -344,7 +375,9 @@ def _xadd_ops(key: str, fields: dict) -> streams.Ops:
 
 
 @pytest.mark.parametrize("role", SERVICES)
-def test_a_role_writes_its_own_counters_and_no_one_elses(admin: redis.Redis, connect_as, keys: RunKeys, role: str) -> None:
+def test_a_role_writes_its_own_counters_and_no_one_elses(
+    admin: redis.Redis, connect_as, keys: RunKeys, role: str
+) -> None:
     """Issue 42 N3: with the generator's password, `HSET <stats> trained x` poisoned the
     trainer's counter, and the trainer's commit failed after its SADD, again and again. Each
     role now counts in its own hash, the only one its user may write, by a command or by a
@@ -386,7 +419,11 @@ def test_dead_is_a_stream_from_the_first_stage_on(admin: redis.Redis, connect_as
     reward = connect_as("reward")
     stage = StreamStage(reward, keys, "rollouts", "reward", "c")
     assert admin.type(keys.dead) == b"stream" and admin.xlen(keys.dead) == 0
-    for poison in (lambda: generator.hincrby(keys.dead, "x", 1), lambda: generator.hset(keys.dead, "x", 1), lambda: generator.sadd(keys.dead, "x")):
+    for poison in (
+        lambda: generator.hincrby(keys.dead, "x", 1),
+        lambda: generator.hset(keys.dead, "x", 1),
+        lambda: generator.sadd(keys.dead, "x"),
+    ):
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
             poison()
     entry = admin.xadd(keys.stream("rollouts"), {"type": b"garbage"})
@@ -436,7 +473,9 @@ def test_generator_cannot_write_ready_or_scored(admin: redis.Redis, connect_as, 
     forged = codec.encode(rollout_group("forged", ["8"]))
     for name in ("ready", "scored"):
         assert_denied(lambda name=name: generator.xadd(keys.stream(name), forged))
-        assert_denied(lambda name=name: generator.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream(name)))
+        assert_denied(
+            lambda name=name: generator.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream(name))
+        )
         assert_denied(lambda name=name: run_keys.waiting(generator, keys.stream(name)))
     stage = StreamStage(generator, keys, "prompts", "generators", "c")
     assert_denied(lambda: stage.apply(_xadd_ops(keys.stream("ready"), forged)))
@@ -465,7 +504,12 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
     """The trainer's dashboard looks as the observer (core/dashboard.py): every stage, its
     consumers, the ledger's counters, the registry, the last step, held-out round and dead letter; the
     server refuses nothing and the snapshot notes no unreadable key."""
-    for stage, group in (("prompts", "generator"), ("rollouts", "reward"), ("scored", "reference"), ("ready", "trainer")):
+    for stage, group in (
+        ("prompts", "generator"),
+        ("rollouts", "reward"),
+        ("scored", "reference"),
+        ("ready", "trainer"),
+    ):
         write(admin, keys, stage, rollout_group(f"{stage}-0", ["8"]))
         write(admin, keys, stage, rollout_group(f"{stage}-1", ["8"]))
         admin.xgroup_create(keys.stream(stage), group, id="0")
@@ -474,14 +518,23 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
     admin.hset(keys.counters("trainer"), "step", 2)
     admin.set(keys.version, 2)
     admin.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
-    admin.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=2, version=2, version_max=2, prompts=4, prompts_fed=4, samples=1, accuracy=0.5)))
+    admin.xadd(
+        keys.evals,
+        codec.encode(
+            rollout_pb2.EvalMetrics(step=2, version=2, version_max=2, prompts=4, prompts_fed=4, samples=1, accuracy=0.5)
+        ),
+    )
     admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
     registry.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
     view = dashboard.PipelineView(lambda: connect_as("observer"), keys)
     got = view.look()
     assert got["ok"] and got["errors"] == [], got
     assert {s["name"]: (s["lag"], s["pending"], len(s["consumers"])) for s in got["stages"]} == {
-        "generator": (1, 1, 1), "reward": (1, 1, 1), "reference": (1, 1, 1), "trainer": (1, 1, 1)}
+        "generator": (1, 1, 1),
+        "reward": (1, 1, 1),
+        "reference": (1, 1, 1),
+        "trainer": (1, 1, 1),
+    }
     assert got["generators"] == [{"id": "gen-0", "version": 2}] and got["dead"] == 1 and got["last_step"]["step"] == 2
     assert got["trainer"]["version"] == 2 and got["last_eval"]["eval_accuracy"] == 0.5
     assert denials(admin) == []
@@ -508,7 +561,9 @@ def test_observer_writes_nothing(admin: redis.Redis, connect_as, keys: RunKeys, 
                    "return redis.call('XACK', KEYS[1], 'reference', ARGV[1])"):  # fmt: skip
         assert_denied(lambda script=script: observer.eval(script, 1, key, entry))
     assert admin.xpending(keys.stream("scored"), "reference")["pending"] == 1
-    assert admin.xlen(keys.stream("scored")) == 1 and [g["name"] for g in admin.xinfo_groups(keys.stream("scored"))] == [b"reference"]
+    assert admin.xlen(keys.stream("scored")) == 1 and [
+        g["name"] for g in admin.xinfo_groups(keys.stream("scored"))
+    ] == [b"reference"]
     assert admin.exists(keys.stream("ready"), keys.stream("rollouts"), keys.stream("prompts"), keys.version) == 0
 
 
@@ -573,7 +628,9 @@ def test_credentials_from_settings(tmp_path: Path) -> None:
 def test_redact_hides_every_password() -> None:
     assert redis_policy.redact("redis://reward:s3cret@h:1/0") == "redis://reward:***@h:1/0"
     assert redis_policy.redact("redis://:s3cret@h/0") == "redis://:***@h/0"
-    assert redis_policy.redact("unix:///run/redis.sock?db=1&password=s3cret") == "unix:///run/redis.sock?db=1&password=***"
+    assert (
+        redis_policy.redact("unix:///run/redis.sock?db=1&password=s3cret") == "unix:///run/redis.sock?db=1&password=***"
+    )
     assert redis_policy.redact("redis://h:6379/0") == "redis://h:6379/0"
 
 
@@ -581,7 +638,9 @@ def test_restart_keeps_every_role_working(tmp_path: Path) -> None:
     """`rollstream up` started again: same passwords, the ACL file written again, the server
     restarted on it; a wrong admin password fails the start at once, not after a timeout."""
     first = redis_acl.ensure_redis_credentials(tmp_path / "s")
-    server = EmbeddedRedis(tmp_path / "redis", aclfile=redis_acl.acl_file(tmp_path / "s"), admin_password=first["admin"]).start()
+    server = EmbeddedRedis(
+        tmp_path / "redis", aclfile=redis_acl.acl_file(tmp_path / "s"), admin_password=first["admin"]
+    ).start()
     server.stop()
     again = redis_acl.ensure_redis_credentials(tmp_path / "s")
     assert again == first
@@ -608,7 +667,9 @@ def role_flags(secrets_root: Path, role: str) -> list[str]:
     return flags
 
 
-def test_reward_service_scores_as_reward(tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys) -> None:
+def test_reward_service_scores_as_reward(
+    tmp_path: Path, server: EmbeddedRedis, secrets_root: Path, admin: redis.Redis, keys: RunKeys
+) -> None:
     svc = start_service("reward", tmp_path, "--redis-url", server.url, "--run", keys.run, "--block-ms", "50", "--trim-every-s", "0.2",
                         *role_flags(secrets_root, "reward"))  # fmt: skip
     try:
@@ -616,7 +677,12 @@ def test_reward_service_scores_as_reward(tmp_path: Path, server: EmbeddedRedis, 
         for i in range(3):
             write(admin, keys, "rollouts", rollout_group(f"g{i}", ["8", "7"]))
         admin.xadd(keys.stream("rollouts"), {"type": b"garbage"})  # a dead letter too
-        wait_for(lambda: admin.xlen(keys.stream("scored")) == 3 and admin.xlen(keys.dead) == 1, 60, "3 groups scored and 1 dead", procs=[svc])
+        wait_for(
+            lambda: admin.xlen(keys.stream("scored")) == 3 and admin.xlen(keys.dead) == 1,
+            60,
+            "3 groups scored and 1 dead",
+            procs=[svc],
+        )
         wait_for(lambda: admin.xlen(keys.stream("rollouts")) == 0, 60, "rollouts trimmed", procs=[svc])
     finally:
         rc = svc.stop()
@@ -664,7 +730,11 @@ def test_tiny_pipeline_trains_with_every_service_as_its_role(
             "generator", tmp_path, *common, *model, *role_flags(secrets_root, "generator"), "--trainer-address", trainer.grpc_address,
             "--consumer", "gen-0", "--max-inflight-groups", "8",
         ).wait_ready())  # fmt: skip
-        procs.append(start_service("reward", tmp_path, *common, *role_flags(secrets_root, "reward"), "--output-stage", "ready").wait_ready())
+        procs.append(
+            start_service(
+                "reward", tmp_path, *common, *role_flags(secrets_root, "reward"), "--output-stage", "ready"
+            ).wait_ready()
+        )
         # The step's commit (its ledger, the version) lands after GetState already says the step.
         wait_for(lambda: int(admin.get(keys.version) or 0) >= steps, 240, f"{steps} steps as roles", procs=procs)
         # The generator counts its back-pressure as the observer: its own user may not read
@@ -684,12 +754,20 @@ def test_tiny_pipeline_trains_with_every_service_as_its_role(
     assert denials(admin) == []
 
 
-def test_service_with_wrong_credentials_exits_2_saying_why(tmp_path: Path, server: EmbeddedRedis, keys: RunKeys) -> None:
+def test_service_with_wrong_credentials_exits_2_saying_why(
+    tmp_path: Path, server: EmbeddedRedis, keys: RunKeys
+) -> None:
     wrong = tmp_path / "wrong.password"
     wrong.write_text("not-the-password\n")
     cases = {
-        "wrong": (["--redis-username", "reward", "--redis-password-file", str(wrong)], ["redis_refused_access", "user=reward"]),
-        "missing": (["--redis-username", "reward", "--redis-password-file", str(tmp_path / "nope")], ["redis_password_file: cannot read"]),
+        "wrong": (
+            ["--redis-username", "reward", "--redis-password-file", str(wrong)],
+            ["redis_refused_access", "user=reward"],
+        ),
+        "missing": (
+            ["--redis-username", "reward", "--redis-password-file", str(tmp_path / "nope")],
+            ["redis_password_file: cannot read"],
+        ),
         "anonymous": ([], ["redis_refused_access", "user=default"]),
     }
     for tag, (flags, expected) in cases.items():
@@ -710,7 +788,12 @@ def test_generator_with_unusable_observer_credentials_exits_2(tmp_path: Path, se
     naming the field or the observer user, status 2, no waiting for an outage."""
     wrong = tmp_path / "wrong.password"
     wrong.write_text("not-the-password\n")
-    own = ["--redis-username", "generator", "--redis-password-file", str(redis_acl.password_file(secrets_root, "generator"))]
+    own = [
+        "--redis-username",
+        "generator",
+        "--redis-password-file",
+        str(redis_acl.password_file(secrets_root, "generator")),
+    ]
     cases = {
         "missing": (str(tmp_path / "nope"), ["redis_observer_password_file: cannot read"]),
         "wrong": (str(wrong), ["redis_refused_access", "user=observer", "redis_observer_password_file"]),
@@ -745,7 +828,12 @@ def test_custom_reward_example_runs_as_reward(
         )  # fmt: skip
     try:
         write(admin, keys, "rollouts", rollout_group("even-odd", ["a", "b"]))
-        wait_for(lambda: admin.xlen(keys.stream("scored")) >= 1, 30, "the example to score a group", procs=[LoggedProc("parity_reward.py", proc, log)])
+        wait_for(
+            lambda: admin.xlen(keys.stream("scored")) >= 1,
+            30,
+            "the example to score a group",
+            procs=[LoggedProc("parity_reward.py", proc, log)],
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=MIN_WAIT_S)

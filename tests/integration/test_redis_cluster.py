@@ -23,14 +23,13 @@ import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
-from rollstream.core.run_keys import read_counters
-from rollstream.core import codec, redis_policy, registry, run_keys, streams
-from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.v1 import rollout_pb2
-
 from cluster import RedisClusterNodes
 from helpers import wait_for, write
 from procs import start_service, trainer_state
+from rollstream.core import codec, redis_policy, registry, run_keys, streams
+from rollstream.core.run_keys import read_counters
+from rollstream.launcher.redis_server import EmbeddedRedis
+from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.cluster
 
@@ -74,19 +73,29 @@ def keys_on_node(cluster: RedisClusterNodes, node: int, keys: run_keys.RunKeys) 
     """The run's keys stored on one node (a plain client on that node: SCAN sees its keyspace only)."""
     client = cluster.node_client(node)
     try:
-        return {k.decode() for k in client.scan_iter(match=keys.prefix.replace("{", "\\{").replace("}", "\\}") + "*", count=1000)}
+        return {
+            k.decode()
+            for k in client.scan_iter(match=keys.prefix.replace("{", "\\{").replace("}", "\\}") + "*", count=1000)
+        }
     finally:
         client.close()
 
 
 def group(group_id: str) -> rollout_pb2.RolloutGroup:
-    return rollout_pb2.RolloutGroup(group_id=group_id, task_id=f"task-{group_id}", prompt_ids=[1, 2], completions=[rollout_pb2.Completion(token_ids=[3, 4])])
+    return rollout_pb2.RolloutGroup(
+        group_id=group_id,
+        task_id=f"task-{group_id}",
+        prompt_ids=[1, 2],
+        completions=[rollout_pb2.Completion(token_ids=[3, 4])],
+    )
 
 
 # -- (1) the client -----------------------------------------------------------------------
 
 
-def test_connect_returns_cluster_client_for_a_cluster_and_plain_for_a_plain_server(cluster: RedisClusterNodes, redis_server: EmbeddedRedis) -> None:
+def test_connect_returns_cluster_client_for_a_cluster_and_plain_for_a_plain_server(
+    cluster: RedisClusterNodes, redis_server: EmbeddedRedis
+) -> None:
     for port in cluster.ports:  # any node of the cluster will do as the seed
         client = redis_policy.connect(f"redis://127.0.0.1:{port}/0")
         try:
@@ -106,7 +115,9 @@ def test_connect_returns_cluster_client_for_a_cluster_and_plain_for_a_plain_serv
 # -- (2) two runs, two shards ---------------------------------------------------------------
 
 
-def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: RedisClusterNodes, cclient: RedisCluster) -> None:
+def test_two_runs_on_different_shards_each_get_streams_and_registry(
+    cluster: RedisClusterNodes, cclient: RedisCluster
+) -> None:
     runs = {1: run_on_node(cluster, 1), 2: run_on_node(cluster, 2)}
     seed = cluster.node_client(0)
     try:
@@ -128,7 +139,13 @@ def test_two_runs_on_different_shards_each_get_streams_and_registry(cluster: Red
         _registry_cycle(cclient, keys)
         # The run's keys are stored on its node and nowhere else.
         stored = keys_on_node(cluster, node, keys)
-        assert {keys.stream("rollouts"), keys.stream("scored"), keys.dead, keys.counters("reward"), keys.groups("generated")} <= stored, stored
+        assert {
+            keys.stream("rollouts"),
+            keys.stream("scored"),
+            keys.dead,
+            keys.counters("reward"),
+            keys.groups("generated"),
+        } <= stored, stored
         for other in set(range(3)) - {node}:
             assert keys_on_node(cluster, other, keys) == set()
 
@@ -160,7 +177,11 @@ def _stage_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
     stage.dead_letter(entries[2], "test: unusable")
     ((_id, dead_fields),) = client.xrange(keys.dead)
     letter = codec.decode(dead_fields, rollout_pb2.DeadLetter)
-    assert (letter.source_stream, letter.reason, dead_fields[b"reason"]) == (source, "test: unusable", b"test: unusable")
+    assert (letter.source_stream, letter.reason, dead_fields[b"reason"]) == (
+        source,
+        "test: unusable",
+        b"test: unusable",
+    )
     assert int(client.hget(keys.counters("reward"), "dead_rollouts")) == 1
     assert run_keys.waiting(client, source) == 0
     assert run_keys.waiting(client, scored) == 2  # no group reads `scored` here: all of it
@@ -203,7 +224,9 @@ def _registry_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
 # -- (3) the tiny pipeline ------------------------------------------------------------------
 
 
-def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient: RedisCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_tiny_pipeline_trains_on_the_cluster(
+    cluster: RedisClusterNodes, cclient: RedisCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     # A run on node 2: the URL names node 0, so every command of the services is routed.
     run = run_on_node(cluster, 2, prefix="p")
     keys = run_keys.RunKeys(run)
@@ -220,12 +243,21 @@ def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient
         procs.append(start_service(
             "generator", tmp_path, *common, *model, "--trainer-address", trainer.grpc_address, "--consumer", "gen-0", "--max-inflight-groups", "8",
         ).wait_ready())  # fmt: skip
-        procs.append(start_service("reward", tmp_path, *common[:-2], "--output-stage", "ready", "--consumer", "reward-0").wait_ready())
+        procs.append(
+            start_service(
+                "reward", tmp_path, *common[:-2], "--output-stage", "ready", "--consumer", "reward-0"
+            ).wait_ready()
+        )
         ready_s = time.monotonic() - started
 
         # The step's commit is what counts: the trainer's own counter (GetState) moves before
         # the push and the commit, so it can be ahead of Redis for a moment.
-        wait_for(lambda: int(cclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS, 240, f"{STEPS} steps committed on the cluster", procs=procs)
+        wait_for(
+            lambda: int(cclient.hget(keys.counters("trainer"), "step") or 0) >= STEPS,
+            240,
+            f"{STEPS} steps committed on the cluster",
+            procs=procs,
+        )
         trained_s = time.monotonic() - started
         print(f"\n[cluster] pipeline: services ready after {ready_s:.1f}s, {STEPS} steps after {trained_s:.1f}s")
 
@@ -244,7 +276,13 @@ def test_tiny_pipeline_trains_on_the_cluster(cluster: RedisClusterNodes, cclient
         # The registry lives in the run's slot too: the generator registered there.
         assert list(registry.live(cclient, keys, forget=False)) == ["gen-0"]
         # All of the run's keys are on node 2.
-        assert {keys.stream("prompts"), keys.stream("rollouts"), keys.stream("ready"), keys.version, keys.groups("trained")} <= keys_on_node(cluster, 2, keys)
+        assert {
+            keys.stream("prompts"),
+            keys.stream("rollouts"),
+            keys.stream("ready"),
+            keys.version,
+            keys.groups("trained"),
+        } <= keys_on_node(cluster, 2, keys)
         assert keys_on_node(cluster, 0, keys) == keys_on_node(cluster, 1, keys) == set()
         for p in reversed(procs):
             assert p.stop() == 0, f"{p.name} did not stop cleanly on SIGTERM:\n{p.log()[-3000:]}"
@@ -266,7 +304,9 @@ return 1
 
 
 @pytest.mark.parametrize("where", ["plain", "cluster"])
-def test_a_lost_xreadgroup_reply_is_read_again(where: str, cluster: RedisClusterNodes, redis_server: EmbeddedRedis) -> None:
+def test_a_lost_xreadgroup_reply_is_read_again(
+    where: str, cluster: RedisClusterNodes, redis_server: EmbeddedRedis
+) -> None:
     url = cluster.url if where == "cluster" else redis_server.url
     client = redis_policy.connect(url, socket_timeout_s=1.0)
     if isinstance(client, RedisCluster):
@@ -284,7 +324,9 @@ def test_a_lost_xreadgroup_reply_is_read_again(where: str, cluster: RedisCluster
         assert stage.read(count=10, block_ms=100) == []  # past its own pending entries (none)
 
         def write_then_stall() -> None:
-            wait_for(lambda: int(admin.info("clients")["blocked_clients"]) >= 1, 10, "the read below to block on the server")
+            wait_for(
+                lambda: int(admin.info("clients")["blocked_clients"]) >= 1, 10, "the read below to block on the server"
+            )
             pipe = admin.pipeline(transaction=False)
             pipe.xadd(keys.stream("rollouts"), codec.encode(group("g1")))  # delivered to the blocked read...
             pipe.eval(_STALL, 0, 1500)  # ...whose reply then waits past the client's 1 s socket timeout

@@ -18,23 +18,23 @@ import httpx
 import pytest
 import redis
 
+from helpers import MIN_WAIT_S, wait_for, wait_healthy, write
+from procs import ServiceProc, start_service
 from rollstream.core import codec, redis_policy, run_keys
 from rollstream.core.grpc_utils import Service, channel
-from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.service import Every, ServiceHost
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reference.scoring import ReferenceModel
 from rollstream.reference.service import Metrics, ReferenceLoop, ReferenceServicer, Scorer, Totals
 from rollstream.v1 import reference_pb2, reference_pb2_grpc, rollout_pb2
-
-from helpers import MIN_WAIT_S, wait_for, wait_healthy, write
-from procs import ServiceProc, start_service
 from synthetic import scored_group_in_vocab
 
 # Small budgets so one group already spans several micro-batches and LM-head chunks.
 TOKEN_BUDGET = 48
 CHUNK_TOKENS = 5
 TEMPERATURE = 0.9
+
 
 @pytest.fixture(scope="module")
 def keys() -> run_keys.RunKeys:
@@ -49,18 +49,28 @@ def client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="module")
-def reference(redis_server: EmbeddedRedis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+def reference(
+    redis_server: EmbeddedRedis, keys: run_keys.RunKeys, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProc]:
     proc = start_service(
         "reference",
         tmp_path_factory.mktemp("reference"),
-        "--model", str(tiny_model_dir),
-        "--redis-url", redis_server.url,
-        "--run", keys.run,
-        "--token-budget", str(TOKEN_BUDGET),
-        "--chunk-tokens", str(CHUNK_TOKENS),
-        "--temperature", str(TEMPERATURE),
-        "--block-ms", "100",
-        "--trim-every-s", "0.5",
+        "--model",
+        str(tiny_model_dir),
+        "--redis-url",
+        redis_server.url,
+        "--run",
+        keys.run,
+        "--token-budget",
+        str(TOKEN_BUDGET),
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
+        "--temperature",
+        str(TEMPERATURE),
+        "--block-ms",
+        "100",
+        "--trim-every-s",
+        "0.5",
     )
     try:
         proc.wait_ready(timeout_s=60)
@@ -74,7 +84,9 @@ def reference(redis_server: EmbeddedRedis, keys: run_keys.RunKeys, tiny_model_di
 @pytest.fixture(scope="module")
 def in_process(tiny_model_dir: Path) -> ReferenceModel:
     """The same model and settings in this process, to compare values against."""
-    return ReferenceModel.load(tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE)
+    return ReferenceModel.load(
+        tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE
+    )
 
 
 def ready_groups(client: redis.Redis, keys: run_keys.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
@@ -104,7 +116,9 @@ def assert_close(got: list[float], want: list[float], atol: float = 1e-5) -> Non
     assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) <= atol, (got, want)
 
 
-def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
+def test_scored_group_comes_out_ready_with_ref_logprobs(
+    reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel
+) -> None:
     sent = scored_group_in_vocab(in_process.vocab_size, n=4, seed=1)
     entry_id = write(client, keys, "scored", sent)
 
@@ -128,8 +142,12 @@ def test_scored_group_comes_out_ready_with_ref_logprobs(reference: ServiceProc, 
     assert int(client.hget(keys.counters("reference"), "referenced") or 0) >= 1
 
 
-def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
-    garbage = client.xadd(keys.stream("scored"), {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"})
+def test_malformed_entries_go_to_dead_and_the_stage_goes_on(
+    reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel
+) -> None:
+    garbage = client.xadd(
+        keys.stream("scored"), {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"}
+    )
     wrong_type = write(client, keys, "scored", rollout_pb2.PromptTask(task_id="not-a-group"))
     no_completions = write(client, keys, "scored", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1, 2]))
     out_of_vocab = scored_group_in_vocab(in_process.vocab_size, seed=2)
@@ -145,7 +163,10 @@ def test_malformed_entries_go_to_dead_and_the_stage_goes_on(reference: ServicePr
     assert "does not parse as rollstream.v1.RolloutGroup" in reasons[garbage.decode()]
     assert "type is 'rollstream.v1.PromptTask'" in reasons[wrong_type.decode()]
     assert "has no completions" in reasons[no_completions.decode()]
-    assert f"= {in_process.vocab_size + 7} is not a token id (vocab size {in_process.vocab_size})" in reasons[oov_id.decode()]
+    assert (
+        f"= {in_process.vocab_size + 7} is not a token id (vocab size {in_process.vocab_size})"
+        in reasons[oov_id.decode()]
+    )
     assert out_of_vocab.group_id not in ready_groups(client, keys)
     # Dead letters are acknowledged too: nothing of this run is left pending.
     assert client.xpending(keys.stream("scored"), "reference")["pending"] == 0
@@ -170,21 +191,38 @@ def test_ref_logprobs_written_upstream_are_replaced_by_the_references_own(
         assert_close(list(c.ref_logprobs), w)
 
 
-def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel, tiny_model_dir: Path) -> None:
+def test_grpc_compute_logprobs_and_state(
+    reference: ServiceProc,
+    client: redis.Redis,
+    keys: run_keys.RunKeys,
+    in_process: ReferenceModel,
+    tiny_model_dir: Path,
+) -> None:
     wait_healthy(reference.grpc_address, timeout_s=10, service="rollstream.v1.Reference")
-    sequences = [([5, 9, 13], [2, 4, 6, 8, 10, 12, 14]), ([7] * 20, [1]), ([3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7])]
+    sequences = [
+        ([5, 9, 13], [2, 4, 6, 8, 10, 12, 14]),
+        ([7] * 20, [1]),
+        ([3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7]),
+    ]
     with channel(reference.grpc_address) as ch:
         stub = reference_pb2_grpc.ReferenceStub(ch)
         before = stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=10)
         reply = stub.ComputeLogprobs(
-            reference_pb2.LogprobsRequest(sequences=[reference_pb2.TokenSequence(prompt_ids=p, completion_ids=c) for p, c in sequences]),
+            reference_pb2.LogprobsRequest(
+                sequences=[reference_pb2.TokenSequence(prompt_ids=p, completion_ids=c) for p, c in sequences]
+            ),
             timeout=30,
         )
         for got, want in zip(reply.sequences, in_process.logprobs(sequences), strict=True):
             assert_close(list(got.logprobs), want)
 
         with pytest.raises(grpc.RpcError) as err:
-            stub.ComputeLogprobs(reference_pb2.LogprobsRequest(sequences=[reference_pb2.TokenSequence(prompt_ids=[], completion_ids=[1])]), timeout=10)
+            stub.ComputeLogprobs(
+                reference_pb2.LogprobsRequest(
+                    sequences=[reference_pb2.TokenSequence(prompt_ids=[], completion_ids=[1])]
+                ),
+                timeout=10,
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sequence 0: empty prompt" in err.value.details()
 
@@ -199,7 +237,9 @@ def test_grpc_compute_logprobs_and_state(reference: ServiceProc, client: redis.R
     assert after.tokens_processed == before.tokens_processed + sum(len(c) for _, c in sequences) + group_tokens
 
 
-def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: EmbeddedRedis, in_process: ReferenceModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(
+    redis_server: EmbeddedRedis, in_process: ReferenceModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The stream loop's pieces in this process (real Redis, real gRPC server, the real
     commit), so that GetState can be asked at the moment the commit has made a group
     visible in ready: what a client polling ready, then GetState, would see. A commit that
@@ -223,7 +263,9 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
 
             def commit_then_ask(*args: object, **kwargs: object) -> bool:
                 done = commit(*args, **kwargs)  # type: ignore[arg-type]  # the commit's own arguments, passed through
-                counted_at_commit.append(stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed)
+                counted_at_commit.append(
+                    stub.GetState(reference_pb2.ReferenceStateRequest(), timeout=30).groups_processed
+                )
                 return done
 
             monkeypatch.setattr(stage, "commit", commit_then_ask)
@@ -238,7 +280,10 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
             referencing.start()
             wait_for(lambda: not host.redis.ok, 30, "the commit refused")
             assert "WRONGTYPE" in host.redis.detail
-            assert client.type(keys.stream("ready")) == b"string" and client.xpending(stage.stream, stage.group)["pending"] == 1
+            assert (
+                client.type(keys.stream("ready")) == b"string"
+                and client.xpending(stage.stream, stage.group)["pending"] == 1
+            )
 
             # Once ready is a stream, the same commit lands: counted by the time it is there.
             client.delete(keys.stream("ready"))
@@ -249,13 +294,15 @@ def test_getstate_counts_a_group_by_the_time_it_shows_in_ready(redis_server: Emb
     client.close()
 
 
-def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel) -> None:
+def test_metrics_and_trim(
+    reference: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys, in_process: ReferenceModel
+) -> None:
     def metrics() -> str:
         return httpx.get(f"http://127.0.0.1:{reference.http_port}/metrics", timeout=30).text
 
     def referenced() -> float:
         prefix = 'rollstream_reference_groups_total{outcome="referenced"} '
-        return next((float(line[len(prefix):]) for line in metrics().splitlines() if line.startswith(prefix)), 0.0)
+        return next((float(line[len(prefix) :]) for line in metrics().splitlines() if line.startswith(prefix)), 0.0)
 
     before = referenced()
     group = scored_group_in_vocab(in_process.vocab_size, seed=6)
@@ -274,7 +321,10 @@ def test_metrics_and_trim(reference: ServiceProc, client: redis.Redis, keys: run
 
 def test_bad_settings_exit_2_naming_the_field() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "rollstream.reference", "--dtype", "float16"], capture_output=True, text=True, timeout=MIN_WAIT_S
+        [sys.executable, "-m", "rollstream.reference", "--dtype", "float16"],
+        capture_output=True,
+        text=True,
+        timeout=MIN_WAIT_S,
     )
     assert result.returncode == 2
     assert "field 'dtype'" in result.stderr
@@ -284,7 +334,9 @@ def test_missing_model_folder_exits_2(tmp_path: Path, redis_server: EmbeddedRedi
     missing = tmp_path / "no-such-model"
     result = subprocess.run(
         [sys.executable, "-m", "rollstream.reference", "--model", str(missing), "--redis-url", redis_server.url],
-        capture_output=True, text=True, timeout=MIN_WAIT_S,
+        capture_output=True,
+        text=True,
+        timeout=MIN_WAIT_S,
     )
     assert result.returncode == 2
     assert "does not exist" in result.stderr

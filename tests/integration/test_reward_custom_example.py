@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many
 from rollstream.core import codec, streams
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
-
-from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many
 from synthetic import rollout_group
 
 GROUP = "custom-reward"
@@ -43,7 +42,9 @@ def log(tmp_path: Path) -> Iterator[Path]:
     yield path
 
 
-def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
+def test_scores_dead_letters_passes_through_and_stops_cleanly(
+    custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path
+) -> None:
     rollouts = keys.stream("rollouts")
     group = rollout_group("even-odd", ["a", "b"])
     group.completions[1].token_ids.append(7)  # 2 tokens and 3 tokens
@@ -61,7 +62,9 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
         wait_for(lambda: rclient.xlen(keys.dead) == 2, 20, "two dead letters", procs=example(proc, log))
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
         assert [c.reward for c in out["even-odd"].completions] == [1.0, 0.0]
-        assert [[(rc.name, rc.value, rc.status) for rc in c.reward_components] for c in out["even-odd"].completions] == [
+        assert [
+            [(rc.name, rc.value, rc.status) for rc in c.reward_components] for c in out["even-odd"].completions
+        ] == [
             [("parity", 1.0, "ok")],
             [("parity", 0.0, "ok")],
         ]
@@ -82,7 +85,9 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(custom_reward_stub
     assert proc.returncode == 0, log.read_text()
 
 
-def test_resumes_its_own_pending_and_dead_letters_over_delivered(custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path) -> None:
+def test_resumes_its_own_pending_and_dead_letters_over_delivered(
+    custom_reward_stubs: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, log: Path
+) -> None:
     rollouts = keys.stream("rollouts")
     write_many(rclient, keys, [rollout_group(f"p{i}", ["ab"]) for i in range(6)])
     streams.StreamStage.ensure_group(rclient, rollouts, GROUP)

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.core import codec, redis_acl, streams
-from rollstream.launcher.redis_server import EmbeddedRedis
-from rollstream.core.run_keys import RunKeys, read_counters
-from rollstream.v1 import rollout_pb2
-
 from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
+from rollstream.core import codec, redis_acl, streams
+from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.launcher.redis_server import EmbeddedRedis
+from rollstream.v1 import rollout_pb2
 from synthetic import record_tasks, rollout_group
 
 GROUP = "reward"
@@ -50,14 +49,18 @@ def started(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path) ->
             p.proc.wait(timeout=30)
 
 
-def start(node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path, *args: str, consumer: str = "node-0") -> ChildProcess:
+def start(
+    node_folder: Path, redis_url: str, keys: RunKeys, tmp_path: Path, *args: str, consumer: str = "node-0"
+) -> ChildProcess:
     return start_node_reward(
         node_folder, tmp_path / f"{consumer}.log", "--redis-url", redis_url, "--run", keys.run, "--consumer", consumer,
         "--output-stage", "ready", "--block-ms", "50", "--trim-every-ms", "200", *args, name=consumer,
     )  # fmt: skip
 
 
-def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
+def test_scores_by_splicing_and_dead_letters_bad_entries(
+    node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]
+) -> None:
     rollouts = keys.stream("rollouts")
     group = rollout_group("g1", ["a", "b", "c"])
     group.policy_version = 2**64 - 1  # a uint64 past JavaScript's 2^53: must travel exactly
@@ -75,16 +78,27 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
     short = rollout_group("short", ["x", "y"])
     short.group_size = 4
     bad = {
-        rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "2", "data": b""}): "schema \"2\" is not supported",
-        rclient.xadd(rollouts, {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b""}): "expected rollstream.v1.RolloutGroup",
-        rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"}): "data does not parse",
+        rclient.xadd(
+            rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "2", "data": b""}
+        ): 'schema "2" is not supported',
+        rclient.xadd(
+            rollouts, {"type": "rollstream.v1.PromptTask", "schema": "1", "data": b""}
+        ): "expected rollstream.v1.RolloutGroup",
+        rclient.xadd(
+            rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff\xff"}
+        ): "data does not parse",
         write(rclient, keys, "rollouts", short): "2 completions, the task asked for 4",
         # A group of a task the trainer never fed (written past helpers.write, which records one).
         rclient.xadd(rollouts, codec.encode(rollout_group("stranger", ["ab"]))): "is not in " + keys.tasks,
     }
     proc = start(node_folder, redis_url, keys, tmp_path)
     started.append(proc)
-    wait_for(lambda: rclient.xlen(keys.stream("ready")) == 2 and rclient.xlen(keys.dead) == 5, 60, "2 groups written, 5 dead letters", procs=[proc])
+    wait_for(
+        lambda: rclient.xlen(keys.stream("ready")) == 2 and rclient.xlen(keys.dead) == 5,
+        60,
+        "2 groups written, 5 dead letters",
+        procs=[proc],
+    )
 
     entries = dict(rclient.xrange(keys.stream("ready")))
     out = {codec.decode(f, rollout_pb2.RolloutGroup).group_id: f[b"data"] for f in entries.values()}
@@ -122,7 +136,9 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(node_folder: Path, redi
     assert '"event":"stopped"' in proc.log()
 
 
-def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
+def test_kill9_restart_takeover_and_over_delivered(
+    node_folder: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]
+) -> None:
     rollouts = keys.stream("rollouts")
     streams.StreamStage.ensure_group(rclient, rollouts, GROUP)
     write_many(rclient, keys, [rollout_group(f"p{i}", ["ab"]) for i in range(12)])
@@ -132,7 +148,9 @@ def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url:
     rclient.xclaim(rollouts, GROUP, "ghost", 0, [poison], retrycount=5)
 
     # node-0 holds each batch 1 s (a slow scorer) and is killed while it holds some.
-    first = start(node_folder, redis_url, keys, tmp_path, "--hold-ms", "1000", "--count", "3", "--claim-idle-ms", "600000")
+    first = start(
+        node_folder, redis_url, keys, tmp_path, "--hold-ms", "1000", "--count", "3", "--claim-idle-ms", "600000"
+    )
     started.append(first)
 
     def node0_holds() -> bool:
@@ -140,14 +158,21 @@ def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url:
 
     wait_for(node0_holds, 60, "node-0 holding entries", procs=[first])
     first.kill()
-    held_by_node0 = [p["message_id"] for p in rclient.xpending_range(rollouts, GROUP, "-", "+", 100, consumername="node-0")]
+    held_by_node0 = [
+        p["message_id"] for p in rclient.xpending_range(rollouts, GROUP, "-", "+", 100, consumername="node-0")
+    ]
     assert held_by_node0, "the kill landed after node-0 committed everything it read"
 
     # Restarted under the same name: its own pending entries first; and, with a short claim
     # idle time, the ghost's entries (the over-delivered one to the dead letters).
     again = start(node_folder, redis_url, keys, tmp_path, "--claim-idle-ms", "300")
     started.append(again)
-    wait_for(lambda: rclient.xlen(keys.stream("ready")) >= 11 and rclient.xlen(keys.dead) == 1, 60, "11 groups scored, 1 dead letter", procs=[again])
+    wait_for(
+        lambda: rclient.xlen(keys.stream("ready")) >= 11 and rclient.xlen(keys.dead) == 1,
+        60,
+        "11 groups scored, 1 dead letter",
+        procs=[again],
+    )
     wait_for(lambda: rclient.xpending(rollouts, GROUP)["pending"] == 0, 30, "nothing pending", procs=[again])
     ids = sorted(g.group_id for g in groups_in(rclient, keys.stream("ready")))
     assert len(ids) == len(set(ids)) == 11, ids  # exactly once each, the poison excepted
@@ -155,17 +180,28 @@ def test_kill9_restart_takeover_and_over_delivered(node_folder: Path, redis_url:
     letter = codec.decode(fields, rollout_pb2.DeadLetter)
     # 1 read + RETRYCOUNT 5 set by hand, + the take-over's XCLAIM: 6 > max_deliveries (5).
     assert letter.deliveries == 6 and "delivered 6 times (max_deliveries=5)" in letter.reason
-    assert codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id == "p0"
+    assert (
+        codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
+        == "p0"
+    )
     assert '"event":"claimed"' in again.log()
     assert again.stop() == 0, again.log()
 
 
-def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
+def test_runs_as_the_reward_acl_user_with_nothing_refused(
+    node_folder: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    keys: RunKeys,
+    tmp_path: Path,
+    started: list[ChildProcess],
+) -> None:
     """The ACL line docs/custom-reward.md shows (redis_acl's `reward` user) is all the service
     needs: connect (HELLO, node-redis's first command), read, claim, commit, dead-letter, trim."""
     secrets = tmp_path_factory.mktemp("secrets")
     passwords = redis_acl.ensure_redis_credentials(secrets)
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis-acl"), aclfile=redis_acl.acl_file(secrets), admin_password=passwords["admin"]) as server:
+    with EmbeddedRedis(
+        tmp_path_factory.mktemp("redis-acl"), aclfile=redis_acl.acl_file(secrets), admin_password=passwords["admin"]
+    ) as server:
         admin = server.admin_client()
         try:
             admin.acl_log_reset()
@@ -177,7 +213,12 @@ def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp
                 "--output-stage", "ready", "--block-ms", "50", "--trim-every-ms", "100",
             )  # fmt: skip
             started.append(proc)
-            wait_for(lambda: admin.xlen(keys.stream("ready")) == 3 and admin.xlen(keys.dead) == 1, 60, "3 scored, 1 dead letter as `reward`", procs=[proc])
+            wait_for(
+                lambda: admin.xlen(keys.stream("ready")) == 3 and admin.xlen(keys.dead) == 1,
+                60,
+                "3 scored, 1 dead letter as `reward`",
+                procs=[proc],
+            )
             wait_for(lambda: admin.xlen(keys.stream("rollouts")) == 0, 30, "trimmed as `reward`", procs=[proc])
             assert proc.stop() == 0, proc.log()
             assert [f"{e['username']}: {e['reason']} {e['object']}" for e in admin.acl_log(count=100)] == []
@@ -195,7 +236,13 @@ def test_runs_as_the_reward_acl_user_with_nothing_refused(node_folder: Path, tmp
             admin.close()
 
 
-def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Path, tmp_path_factory: pytest.TempPathFactory, keys: RunKeys, tmp_path: Path, started: list[ChildProcess]) -> None:
+def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(
+    node_folder: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    keys: RunKeys,
+    tmp_path: Path,
+    started: list[ChildProcess],
+) -> None:
     """kill -9 of redis-server while the service holds entries, then a restart on its AOF:
     the service waits, loads its commit script again (NOSCRIPT), and commits everything once.
     With --max-deliveries 1, an outage counted as a delivery would dead-letter the entries."""
@@ -217,7 +264,13 @@ def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Pa
                 return False
 
         # After its first commit (the script is loaded), while it holds the second batch.
-        wait_for(lambda: admin.xlen(keys.stream("ready")) == 3 and holds(), 60, "node-0 holding its second batch", procs=[proc], poll_s=0.02)
+        wait_for(
+            lambda: admin.xlen(keys.stream("ready")) == 3 and holds(),
+            60,
+            "node-0 holding its second batch",
+            procs=[proc],
+            poll_s=0.02,
+        )
         # Redis 6.2 replays SCRIPT LOAD from its AOF; Redis 7 (or a server without that AOF)
         # forgets scripts on a restart: the service must answer NOSCRIPT by loading it again.
         admin.script_flush()
@@ -232,7 +285,9 @@ def test_waits_out_a_redis_restart_and_counts_no_delivery_for_it(node_folder: Pa
         assert sorted(g.group_id for g in groups_in(admin, keys.stream("ready"))) == [f"r{i}" for i in range(6)]
         assert admin.xlen(keys.dead) == 0 and admin.xpending(source, GROUP)["pending"] == 0
         assert proc.stop() == 0, proc.log()
-        assert proc.log().count('"event":"commit_script_loaded"') == 2, "the script was not loaded again after the restart"
+        assert proc.log().count('"event":"commit_script_loaded"') == 2, (
+            "the script was not loaded again after the restart"
+        )
         admin.close()
     finally:
         server.stop()

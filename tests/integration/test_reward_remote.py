@@ -16,17 +16,17 @@ import httpx
 import pytest
 import redis
 
+from helpers import REWARD_GROUP, groups_in, wait_for, write_many
+from procs import free_port, start_reward
 from rollstream.core import redis_policy
-from rollstream.core.service import ServiceHost
 from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.core.service import ServiceHost
 from rollstream.reward.config import RewardSettings
 from rollstream.reward.limits import ScorePool
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
 from rollstream.reward.scoring import Metrics, Scorer
 from rollstream.reward.service import RewardLoop
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from helpers import REWARD_GROUP, groups_in, wait_for, write_many
-from procs import free_port, start_reward
 from synthetic import rollout_group
 
 FAST_RETRIES = (
@@ -66,7 +66,11 @@ class LengthScorer(reward_pb2_grpc.RewardServicer):
             scores=[
                 reward_pb2.ItemScore(
                     reward=1e30 if item.group_id in self.huge else len(item.completion) / 10,
-                    components=[rollout_pb2.RewardComponent(name="length", value=len(item.completion) / 10, weight=1.0, status="ok")],
+                    components=[
+                        rollout_pb2.RewardComponent(
+                            name="length", value=len(item.completion) / 10, weight=1.0, status="ok"
+                        )
+                    ],
                 )
                 for item in request.items
             ]
@@ -117,9 +121,13 @@ def readyz(port: int) -> tuple[int, str]:
     return reply.status_code, reply.json().get("detail", "")
 
 
-def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+def test_groups_are_scored_remotely_in_batches(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer
+) -> None:
     scorer.start()
-    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--scorer-batch-size", "3", *FAST_RETRIES)
+    svc = start_reward(
+        tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--scorer-batch-size", "3", *FAST_RETRIES
+    )
     try:
         ids = [f"r{i}" for i in range(6)]
         write_many(rclient, keys, [rollout_group(i, ["8", "The answer is 8", "x" * 25, ""]) for i in ids])
@@ -127,18 +135,26 @@ def test_groups_are_scored_remotely_in_batches(tmp_path: Path, redis_url: str, r
         for g in groups_in(rclient, keys.stream("scored")):
             assert g.scored
             assert [c.reward for c in g.completions] == pytest.approx([0.1, 1.5, 2.5, 0.0])
-            assert [[(rc.name, rc.status) for rc in c.reward_components] for c in g.completions] == [[("length", "ok")]] * 4
+            assert [[(rc.name, rc.status) for rc in c.reward_components] for c in g.completions] == [
+                [("length", "ok")]
+            ] * 4
         # 24 completions, never more than 3 per call.
         assert sum(scorer.servicer.batches) == 24 and max(scorer.servicer.batches) <= 3
         # What a grader gets besides the text: the token count and why sampling stopped.
-        assert {(i.HasField("num_tokens"), i.num_tokens, i.finish_reason) for i in scorer.servicer.items} == {(True, 2, "stop")}
+        assert {(i.HasField("num_tokens"), i.num_tokens, i.finish_reason) for i in scorer.servicer.items} == {
+            (True, 2, "stop")
+        }
         assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0
-        assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="ok"}') == len(scorer.servicer.batches)
+        assert metric(svc.http_port, 'rollstream_reward_scorer_calls_total{outcome="ok"}') == len(
+            scorer.servicer.batches
+        )
     finally:
         svc.kill()
 
 
-def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+def test_scorer_down_holds_groups_pending_then_recovers(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer
+) -> None:
     # Written first, so that the stage's first read takes all five.
     ids = [f"d{i}" for i in range(5)]
     write_many(rclient, keys, [rollout_group(i, ["8", "abc"]) for i in ids])
@@ -153,7 +169,12 @@ def test_scorer_down_holds_groups_pending_then_recovers(tmp_path: Path, redis_ur
         wait_for(svc.state_file.exists, 15, "state file", [svc])
         svc.http_port = json.loads(svc.state_file.read_text())["http_port"]
         wait_for(holding, 15, "the stage to report it holds the groups", [svc])
-        wait_for(lambda: metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 1.0, 15, "the circuit to open", [svc])
+        wait_for(
+            lambda: metric(svc.http_port, "rollstream_reward_scorer_circuit_open") == 1.0,
+            15,
+            "the circuit to open",
+            [svc],
+        )
         # Held: read but neither written downstream, nor acknowledged, nor dead-lettered.
         assert rclient.xlen(keys.stream("scored")) == 0
         assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 5
@@ -190,8 +211,16 @@ def test_ready_again_only_once_the_circuit_gauge_says_closed(
     the gauge can be read at the moment /readyz turns ready again: a dashboard or a test that
     sees ready must not see the circuit still open."""
     settings = RewardSettings(
-        redis_url=redis_url, run=keys.run, scorer_address=scorer.address, block_ms=10, scorer_retries=1, scorer_backoff_s=0.05,
-        scorer_backoff_max_s=0.1, scorer_breaker_failures=2, scorer_breaker_cooldown_s=0.3, scorer_deadline_s=5,
+        redis_url=redis_url,
+        run=keys.run,
+        scorer_address=scorer.address,
+        block_ms=10,
+        scorer_retries=1,
+        scorer_backoff_s=0.05,
+        scorer_backoff_max_s=0.1,
+        scorer_breaker_failures=2,
+        scorer_breaker_cooldown_s=0.3,
+        scorer_deadline_s=5,
     )
     write_many(rclient, keys, [rollout_group("c0", ["8"])])
     client = redis_policy.connect(redis_url)
@@ -230,13 +259,17 @@ def test_ready_again_only_once_the_circuit_gauge_says_closed(
     client.close()
 
 
-def test_rejected_groups_are_dead_lettered_the_rest_scored(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer) -> None:
+def test_rejected_groups_are_dead_lettered_the_rest_scored(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys, scorer: ScorerServer
+) -> None:
     scorer.servicer.poison.add("bad")
     scorer.start()
     # Written before the stage starts, so they come in one read: the first call (all three)
     # is rejected, and the stage asks group by group to find the one the scorer refuses.
     write_many(rclient, keys, [rollout_group("ok1", ["8"]), rollout_group("bad", ["8"]), rollout_group("ok2", ["8"])])
-    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES)
+    svc = start_reward(
+        tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES
+    )
     try:
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 15, "two scored", [svc])
         wait_for(lambda: rclient.xlen(keys.dead) == 1, 15, "one dead letter", [svc])
@@ -260,12 +293,24 @@ def test_a_group_scored_then_refused_for_its_scores_counts_as_neither_scored_nor
     scorer.servicer.huge.add("huge")
     scorer.start()
     write_many(rclient, keys, [rollout_group("ok1", ["8"]), rollout_group("huge", ["8"]), rollout_group("ok2", ["8"])])
-    svc = start_reward(tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES)
+    svc = start_reward(
+        tmp_path, redis_url, keys.run, "--scorer-address", scorer.address, "--read-count", "8", *FAST_RETRIES
+    )
     try:
-        wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2 and rclient.xlen(keys.dead) == 1, 60, "two scored, one dead letter", [svc])
+        wait_for(
+            lambda: rclient.xlen(keys.stream("scored")) == 2 and rclient.xlen(keys.dead) == 1,
+            60,
+            "two scored, one dead letter",
+            [svc],
+        )
         ((_, fields),) = rclient.xrange(keys.dead)
         assert fields[b"reason"].decode().startswith("scoring gave an unusable group")
-        wait_for(lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0, 60, "every entry acknowledged", [svc])
+        wait_for(
+            lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0,
+            60,
+            "every entry acknowledged",
+            [svc],
+        )
         stats = read_counters(rclient, keys)[0]
         assert stats == {"scored": 2, "dead_rollouts": 1}, stats
         assert metric(svc.http_port, 'rollstream_reward_groups_total{outcome="scored"}') == 2.0
@@ -302,7 +347,9 @@ def remote_scorer(address: str, retries: int, outcomes: list[str]) -> RemoteScor
 ITEMS = [reward_pb2.ScoreItem(group_id="g", task_kind="x", completion="abc")]
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED])
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED]
+)
 def test_grpc_retries_transient_failures_within_one_call(code: grpc.StatusCode) -> None:
     server = ScorerServer(FlakyScorer(fail_first=2, code=code), free_port()).start()
     outcomes: list[str] = []

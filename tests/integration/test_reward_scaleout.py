@@ -9,9 +9,9 @@ import httpx
 import pytest
 import redis
 
-from rollstream.core.run_keys import RunKeys
 from helpers import assert_scored_exactly_once, groups_in, wait_for, write_many
 from procs import start_reward
+from rollstream.core.run_keys import RunKeys
 from synthetic import rollout_group
 
 N_GROUPS = 1200
@@ -23,7 +23,9 @@ def scored_by(http_port: int) -> int:
     return int(float(line.split()[-1]))
 
 
-def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+def test_two_workers_share_the_group_and_score_each_group_once(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     # Both join the group and wait before anything is written, so both compete for it.
     workers = [start_reward(tmp_path, redis_url, keys.run, "--consumer", f"worker-{w}", tag=f"-{w}") for w in "ab"]
     try:
@@ -38,7 +40,9 @@ def test_two_workers_share_the_group_and_score_each_group_once(tmp_path: Path, r
         # failed commit), so the last batch's count may trail the stream by a moment: waited for.
         counts = wait_for(
             lambda: c if sum(c := [scored_by(w.http_port) for w in workers]) >= N_GROUPS else None,
-            120, "both workers' counts to reach the stream", workers,
+            120,
+            "both workers' counts to reach the stream",
+            workers,
         )
         assert sum(counts) == N_GROUPS and min(counts) > 0, counts
         assert int(rclient.hget(keys.counters("reward"), "scored") or 0) == N_GROUPS

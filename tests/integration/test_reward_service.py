@@ -14,26 +14,49 @@ import httpx
 import pytest
 import redis
 
+from helpers import (
+    MIN_WAIT_S,
+    REWARD_GROUP,
+    assert_scored_exactly_once,
+    groups_in,
+    wait_for,
+    wait_healthy,
+    write,
+    write_many,
+)
+from procs import start_reward
 from rollstream.core import codec, grpc_utils, redis_policy
-from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.streams import StreamStage
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
-from helpers import MIN_WAIT_S, REWARD_GROUP, assert_scored_exactly_once, groups_in, wait_for, wait_healthy, write, write_many
-from procs import start_reward
 from synthetic import rollout_group
 
-def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+
+def test_scores_valid_groups_and_dead_letters_malformed_entries(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     svc = start_reward(tmp_path, redis_url, keys.run, "--trim-every-s", "0.2", "--trust-scored-rollouts")
     try:
         rollouts = keys.stream("rollouts")
-        write(rclient, keys, "rollouts", rollout_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]))
+        write(
+            rclient,
+            keys,
+            "rollouts",
+            rollout_group("g1", ["8", " 8.", "The answer is 8", "The answer is 9 not 8", "eight", "-1,234"]),
+        )
         bad_ids = {
             "garbage type": rclient.xadd(rollouts, {"type": "garbage", "schema": "1", "data": b"x"}),
-            "corrupt data": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff"}),
+            "corrupt data": rclient.xadd(
+                rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "1", "data": b"\xff\xff"}
+            ),
             "missing fields": rclient.xadd(rollouts, {"data": b""}),
-            "future schema": rclient.xadd(rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "99", "data": b""}),
-            "no completions": write(rclient, keys, "rollouts", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1])),
+            "future schema": rclient.xadd(
+                rollouts, {"type": "rollstream.v1.RolloutGroup", "schema": "99", "data": b""}
+            ),
+            "no completions": write(
+                rclient, keys, "rollouts", rollout_pb2.RolloutGroup(group_id="empty", prompt_ids=[1])
+            ),
         }
         # The service must keep going after the bad entries.
         write(rclient, keys, "rollouts", rollout_group("g2", ["-3", "3"], answer="-3"))
@@ -43,7 +66,9 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         prescored.completions[0].reward_components.add(name="custom", value=0.7, weight=1.0, status="ok")
         write(rclient, keys, "rollouts", prescored)
         # A kind no recipe knows: refused, not scored 0 and trained on (issue 27).
-        bad_ids["unknown kind"] = write(rclient, keys, "rollouts", rollout_group("chess", ["e4"], answer="e4", task_kind="chess"))
+        bad_ids["unknown kind"] = write(
+            rclient, keys, "rollouts", rollout_group("chess", ["e4"], answer="e4", task_kind="chess")
+        )
         write(rclient, keys, "rollouts", rollout_group("badref", ["8"], answer="eight"))
 
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 4, 15, "4 groups scored", [svc])
@@ -64,7 +89,12 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         ]  # fmt: skip
         # Everything the generator wrote is still there.
         original = rollout_group("g1", ["8"])
-        assert (g1.task_id, g1.policy_version, list(g1.prompt_ids), g1.generator_id) == ("task-g1", 3, [11, 12, 13], "gen-0")
+        assert (g1.task_id, g1.policy_version, list(g1.prompt_ids), g1.generator_id) == (
+            "task-g1",
+            3,
+            [11, 12, 13],
+            "gen-0",
+        )
         assert list(g1.completions[0].token_ids) == list(original.completions[0].token_ids)
         assert list(g1.completions[0].behaviour_logprobs) == [-0.5, -0.25]
         assert g1.completions[0].versions == original.completions[0].versions
@@ -87,7 +117,10 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         assert "missing field(s) type, schema" in reasons["missing fields"]
         assert "schema 99 is not supported" in reasons["future schema"]
         assert "has no completions" in reasons["no completions"]
-        assert reasons["unknown kind"] == "task_kind 'chess' has no verifier in this reward service (known: arithmetic, code, countdown, exact, math)"
+        assert (
+            reasons["unknown kind"]
+            == "task_kind 'chess' has no verifier in this reward service (known: arithmetic, code, countdown, exact, math)"
+        )
         corrupt = dead[bad_ids["corrupt data"].decode()]
         assert corrupt.original_fields["data"] == b"\xff\xff"
         assert (corrupt.source_stream, corrupt.consumer_group) == (rollouts, REWARD_GROUP)
@@ -118,7 +151,9 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(tmp_path: Path, 
         svc.kill()
 
 
-def test_a_group_claiming_its_own_rewards_is_scored_again_by_default(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+def test_a_group_claiming_its_own_rewards_is_scored_again_by_default(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     """Issue 27: the generator's Redis user writes `rollouts`; a group it marks scored, with
     reward 100, must not reach the trainer as such unless the operator trusts that stream."""
     svc = start_reward(tmp_path, redis_url, keys.run)
@@ -142,28 +177,57 @@ def test_a_group_claiming_its_own_rewards_is_scored_again_by_default(tmp_path: P
 def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
     # A token-length recipe too: Score items carry num_tokens (DAPO overlong shaping: 0 up to
     # 2 tokens, -0.5 at 3, -1 at 4 and beyond).
-    length_recipe = '{"short": [{"component": "length", "weight": 1.0, "params": {"max_length": 4, "cache_length": 2}}]}'
-    svc = start_reward(tmp_path, redis_url, keys.run, "--output-stage", "ready", "--answer-weight", "2", "--format-weight", "0.5", "--recipes", length_recipe)
+    length_recipe = (
+        '{"short": [{"component": "length", "weight": 1.0, "params": {"max_length": 4, "cache_length": 2}}]}'
+    )
+    svc = start_reward(
+        tmp_path,
+        redis_url,
+        keys.run,
+        "--output-stage",
+        "ready",
+        "--answer-weight",
+        "2",
+        "--format-weight",
+        "0.5",
+        "--recipes",
+        length_recipe,
+    )
     try:
         wait_healthy(svc.grpc_address, timeout_s=10, service="rollstream.v1.Reward")
         request = reward_pb2.ScoreRequest(
             items=[
-                reward_pb2.ScoreItem(group_id="a", completion_index=0, task_kind="arithmetic", completion="8", answer="8"),
-                reward_pb2.ScoreItem(group_id="a", completion_index=1, task_kind="arithmetic", completion="It is 7", answer="8"),
+                reward_pb2.ScoreItem(
+                    group_id="a", completion_index=0, task_kind="arithmetic", completion="8", answer="8"
+                ),
+                reward_pb2.ScoreItem(
+                    group_id="a", completion_index=1, task_kind="arithmetic", completion="It is 7", answer="8"
+                ),
                 reward_pb2.ScoreItem(group_id="b", task_kind="exact", completion=" Paris ", answer="Paris"),
                 reward_pb2.ScoreItem(group_id="c", task_kind="poetry", completion="roses", answer=""),
-                reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="a b c", num_tokens=3, finish_reason="stop"),
-                reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="", num_tokens=0, finish_reason="stop"),
+                reward_pb2.ScoreItem(
+                    group_id="d", task_kind="short", completion="a b c", num_tokens=3, finish_reason="stop"
+                ),
+                reward_pb2.ScoreItem(
+                    group_id="d", task_kind="short", completion="", num_tokens=0, finish_reason="stop"
+                ),
                 reward_pb2.ScoreItem(group_id="d", task_kind="short", completion="a b c"),  # token count unknown
             ]
         )
         with grpc_utils.channel(svc.grpc_address) as ch:
             reply = reward_pb2_grpc.RewardStub(ch).Score(request, timeout=10)
         assert [s.reward for s in reply.scores] == pytest.approx([2.5, 0.0, 2.0, 0.0, -0.5, 0.0, 0.0])
-        assert [(c.name, c.value, c.weight) for c in reply.scores[0].components] == [("answer", 1.0, 2.0), ("format", 1.0, 0.5)]
+        assert [(c.name, c.value, c.weight) for c in reply.scores[0].components] == [
+            ("answer", 1.0, 2.0),
+            ("format", 1.0, 0.5),
+        ]
         assert "unknown task_kind 'poetry'" in reply.scores[3].components[0].status
         # An absent num_tokens is "unknown", not 0: the component says so instead of scoring.
-        assert [c.status for s in reply.scores[4:] for c in s.components] == ["ok", "ok", "error: ValueError: the token count is unknown here (use unit = 'chars')"]
+        assert [c.status for s in reply.scores[4:] for c in s.components] == [
+            "ok",
+            "ok",
+            "error: ValueError: the token count is unknown here (use unit = 'chars')",
+        ]
 
         # With --output-stage ready (beta = 0) the groups skip the reference stage.
         write(rclient, keys, "rollouts", rollout_group("r1", ["8", "7."]))
@@ -177,15 +241,23 @@ def test_grpc_score_and_ready_output_stage(tmp_path: Path, redis_url: str, rclie
 
 @pytest.mark.parametrize(
     ("flags", "field"),
-    [(["--answer-weight", "abc"], "answer_weight"), (["--grpc-port", "99999"], "grpc_port"), (["--output-stage", "trainer"], "output_stage")],
+    [
+        (["--answer-weight", "abc"], "answer_weight"),
+        (["--grpc-port", "99999"], "grpc_port"),
+        (["--output-stage", "trainer"], "output_stage"),
+    ],
 )
 def test_bad_config_exits_2_naming_the_field(flags: list[str], field: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "rollstream.reward", *flags], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream.reward", *flags], capture_output=True, text=True, timeout=MIN_WAIT_S
+    )
     assert done.returncode == 2, done.stderr
     assert f"field '{field}'" in done.stderr
 
 
-def test_claims_entries_a_dead_consumer_left_pending(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+def test_claims_entries_a_dead_consumer_left_pending(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     rollouts = keys.stream("rollouts")
     ids = [f"p{i}" for i in range(10)]
     write_many(rclient, keys, [rollout_group(i, ["8"]) for i in ids])
@@ -248,7 +320,10 @@ def test_sigkill_mid_stream_and_restart_loses_and_duplicates_nothing(
         wait_for(lambda: rclient.xlen(keys.stream("scored")) >= n, 15, f"all {n} scored", [second])
         time.sleep(0.2)
         assert_scored_exactly_once(rclient, keys, ids)
-        assert all([c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1]) for g in groups_in(rclient, keys.stream("scored")))
+        assert all(
+            [c.reward for c in g.completions] == pytest.approx([1.1, 0.1, 1.1])
+            for g in groups_in(rclient, keys.stream("scored"))
+        )
     finally:
         second.kill()
 
@@ -299,7 +374,9 @@ def test_waits_for_redis_and_survives_it_going_away(tmp_path: Path, keys: RunKey
         server.stop()
 
 
-def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+def test_timeouts_and_code_recipes_through_the_stream_and_rpc(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     recipes = {
         "math": [{"component": "math", "name": "answer", "weight": 1.0, "timeout_s": 0.5}],
         "code": [{"component": "code", "name": "tests", "weight": 1.0, "params": {"wall_s": 5, "test_timeout_s": 1}}],
@@ -307,16 +384,33 @@ def test_timeouts_and_code_recipes_through_the_stream_and_rpc(tmp_path: Path, re
     svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes))
     try:
         tower = r"\boxed{9^{9^{9^{9}}}}"  # math-verify would compute this for a very long time
-        write(rclient, keys, "rollouts", rollout_group("m", [r"\boxed{\frac{1}{2}}", tower, r"\boxed{3}"], answer="0.5", task_kind="math"))
-        code_group = rollout_group("c", ["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return x + x", "while True:\n    pass"], task_kind="code")
+        write(
+            rclient,
+            keys,
+            "rollouts",
+            rollout_group("m", [r"\boxed{\frac{1}{2}}", tower, r"\boxed{3}"], answer="0.5", task_kind="math"),
+        )
+        code_group = rollout_group(
+            "c",
+            ["```python\ndef sq(x):\n    return x * x\n```", "def sq(x):\n    return x + x", "while True:\n    pass"],
+            task_kind="code",
+        )
         code_group.metadata_json = json.dumps({"tests": ["assert sq(3) == 9", "assert sq(2) == 4"]})
         write(rclient, keys, "rollouts", code_group)
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 60, "2 groups scored", [svc])
         out = {g.group_id: g for g in groups_in(rclient, keys.stream("scored"))}
-        assert [(c.reward, c.reward_components[0].status) for c in out["m"].completions] == [(1.0, "ok"), (0.0, "timeout"), (0.0, "ok")]
+        assert [(c.reward, c.reward_components[0].status) for c in out["m"].completions] == [
+            (1.0, "ok"),
+            (0.0, "timeout"),
+            (0.0, "ok"),
+        ]
         # sq = x + x passes sq(2) == 4 only; the endless loop runs past the per-test limit: a
         # timeout (value 0), not a wrong answer.
-        assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [(1.0, "ok"), (0.5, "ok"), (0.0, "timeout")]
+        assert [(c.reward, c.reward_components[0].status) for c in out["c"].completions] == [
+            (1.0, "ok"),
+            (0.5, "ok"),
+            (0.0, "timeout"),
+        ]
         stats = read_counters(rclient, keys)[0]
         assert stats == {"scored": 2, "reward_timeouts": 2}
 
@@ -354,20 +448,36 @@ def score_workers(service_pid: int) -> list[int]:
     return [w for f in forkservers for w in children(f)]
 
 
-def test_scoring_workers_killed_mid_batch_lose_nothing(tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys) -> None:
+def test_scoring_workers_killed_mid_batch_lose_nothing(
+    tmp_path: Path, redis_url: str, rclient: redis.Redis, keys: RunKeys
+) -> None:
     recipes = {"math": [{"component": "math", "name": "answer", "weight": 1.0, "timeout_s": 3}]}
     svc = start_reward(tmp_path, redis_url, keys.run, "--recipes", json.dumps(recipes), "--score-workers", "2")
     try:
         workers = score_workers(svc.proc.pid)
         assert len(workers) == 2, workers
         tower = r"\boxed{9^{9^{9^{9}}}}"  # busy until its 3 s limit: the batch is in flight meanwhile
-        write(rclient, keys, "rollouts", rollout_group("k", [tower, r"\boxed{1}", r"\boxed{2}"], answer="1", task_kind="math"))
-        wait_for(lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 1, 15, "the batch in flight", [svc])
+        write(
+            rclient,
+            keys,
+            "rollouts",
+            rollout_group("k", [tower, r"\boxed{1}", r"\boxed{2}"], answer="1", task_kind="math"),
+        )
+        wait_for(
+            lambda: rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 1,
+            15,
+            "the batch in flight",
+            [svc],
+        )
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 1, 60, "the group scored", [svc])
         (g,) = groups_in(rclient, keys.stream("scored"))
-        assert [(c.reward, c.reward_components[0].status) for c in g.completions] == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+        assert [(c.reward, c.reward_components[0].status) for c in g.completions] == [
+            (0.0, "timeout"),
+            (1.0, "ok"),
+            (0.0, "ok"),
+        ]
         assert rclient.xpending(keys.stream("rollouts"), REWARD_GROUP)["pending"] == 0 and rclient.xlen(keys.dead) == 0
         # New workers took over; the service is still up and scoring.
         assert svc.proc.poll() is None and len(score_workers(svc.proc.pid)) == 2
@@ -378,6 +488,11 @@ def test_scoring_workers_killed_mid_batch_lose_nothing(tmp_path: Path, redis_url
 
 def test_bad_recipe_config_exits_2_naming_it() -> None:
     bad = json.dumps({"math": [{"component": "regex", "weight": 1, "params": {"pattern": "("}}]})
-    done = subprocess.run([sys.executable, "-m", "rollstream.reward", "--recipes", bad], capture_output=True, text=True, timeout=MIN_WAIT_S)
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream.reward", "--recipes", bad],
+        capture_output=True,
+        text=True,
+        timeout=MIN_WAIT_S,
+    )
     assert done.returncode == 2, done.stderr
     assert "recipes.math[0]" in done.stderr and "pattern does not compile" in done.stderr

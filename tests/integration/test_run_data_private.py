@@ -15,15 +15,17 @@ from pathlib import Path
 from helpers import wait_for
 from procs import start_service
 from rollstream.core.grpc_utils import channel
-from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.core.run_keys import RunKeys
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc
 
 
 def open_to_others(root: Path) -> list[str]:
     """Every path under `root` (itself included) with a group or other permission bit."""
     paths = [root, *root.rglob("*")]
-    return [f"{p} {stat.filemode(p.lstat().st_mode)}" for p in paths if p.lstat().st_mode & 0o077 and not p.is_symlink()]
+    return [
+        f"{p} {stat.filemode(p.lstat().st_mode)}" for p in paths if p.lstat().st_mode & 0o077 and not p.is_symlink()
+    ]
 
 
 @contextlib.contextmanager
@@ -55,7 +57,9 @@ def test_the_embedded_redis_keeps_its_files_to_its_owner(tmp_path: Path) -> None
         assert open_to_others(data) == []
 
 
-def test_a_trainer_started_alone_keeps_its_output_to_its_owner(tmp_path: Path, redis_url: str, keys: RunKeys, tiny_model_dir: Path) -> None:
+def test_a_trainer_started_alone_keeps_its_output_to_its_owner(
+    tmp_path: Path, redis_url: str, keys: RunKeys, tiny_model_dir: Path
+) -> None:
     out = tmp_path / "out"
     args = [
         "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",

@@ -31,6 +31,8 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from test_grpc_auth_services import Secrets, write_secrets
+from test_weight_fanout import perturbed
 
 from helpers import wait_for
 from procs import ServiceProc, generator_state, start_service
@@ -39,8 +41,6 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
-from test_grpc_auth_services import Secrets, write_secrets
-from test_weight_fanout import perturbed
 
 Chunks = list[weights_pb2.WeightChunk]
 
@@ -56,12 +56,16 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         self.state_signer: push_signing.TrainerSigner | None = None
         self.fetch: Callable[[trainer_pb2.FetchWeightsRequest], Chunks] = lambda _request: []
 
-    def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
+    def GetState(
+        self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.TrainerState:
         signer = self.state_signer
         signature = signer.state(request.challenge, self.version, self.fingerprint) if signer is not None else b""
         return trainer_pb2.TrainerState(version=self.version, model_fingerprint=self.fingerprint, signature=signature)
 
-    def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
+    def FetchWeights(
+        self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext
+    ) -> Iterator[weights_pb2.WeightChunk]:
         yield from self.fetch(request)
 
 
@@ -92,15 +96,37 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Set
 
 def start_generator(setup: Setup, redis: EmbeddedRedis, model: Path, name: str, *flags: str) -> ServiceProc:
     return start_service(
-        "generator", setup.work / name, "--redis-url", redis.url, "--run", setup.run, "--model", str(model), "--threads", "1",
-        "--block-ms", "100", "--sync-interval-s", "0.5", "--max-inflight-groups", "1", *setup.secrets.flags("generator"), *flags,
+        "generator",
+        setup.work / name,
+        "--redis-url",
+        redis.url,
+        "--run",
+        setup.run,
+        "--model",
+        str(model),
+        "--threads",
+        "1",
+        "--block-ms",
+        "100",
+        "--sync-interval-s",
+        "0.5",
+        "--max-inflight-groups",
+        "1",
+        *setup.secrets.flags("generator"),
+        *flags,
     ).wait_ready()
 
 
-def anchor_chunks(bits: dict[str, np.ndarray], version: int, fingerprint: str, sign: push_signing.TrainerSigner | None = None) -> Chunks:
+def anchor_chunks(
+    bits: dict[str, np.ndarray], version: int, fingerprint: str, sign: push_signing.TrainerSigner | None = None
+) -> Chunks:
     """An anchor as FetchWeights streams it, signed by `sign` (None: unsigned)."""
     payload = deltas.encode_anchor(bits, version, fingerprint)
-    chunks = list(weight_transfer.to_chunks(payload, deltas.PayloadInfo("anchor", version, version, fingerprint), chunk_bytes=64 * 1024))
+    chunks = list(
+        weight_transfer.to_chunks(
+            payload, deltas.PayloadInfo("anchor", version, version, fingerprint), chunk_bytes=64 * 1024
+        )
+    )
     chunks[0].signature = sign.payload(chunks[0].header) if sign is not None else b""
     return chunks
 
@@ -131,21 +157,34 @@ def test_only_the_trainers_signed_weights_are_fetched_and_never_backwards(
 
         def refused(what: str, reason: str, chunks: Chunks, signed_state: bool = True) -> None:
             before = count(gen, reason)
-            fake.state_signer = push_signing.TrainerSigner(setup.secrets.tokens["trainer"], setup.run) if signed_state else None
+            fake.state_signer = (
+                push_signing.TrainerSigner(setup.secrets.tokens["trainer"], setup.run) if signed_state else None
+            )
             fake.version, fake.fetch = 7, lambda _request: chunks
             wait_for(lambda: count(gen, reason) > before, 120, f"{what} refused ({reason})", [gen])
             assert setup.held(gen) == start, what
             assert "weights_applied" not in gen.log(), what
 
         # A squatter's own answers: no signature at all on the version claim.
-        refused("an unsigned GetState", "trainer_state_refused", anchor_chunks(zeros, 7, setup.fingerprint), signed_state=False)
+        refused(
+            "an unsigned GetState",
+            "trainer_state_refused",
+            anchor_chunks(zeros, 7, setup.fingerprint),
+            signed_state=False,
+        )
         # The real trainer's signed GetState relayed, and an all-zero anchor: unsigned, signed
         # by another key (the generator's token's), or the real signed header over zero bytes.
         refused("an unsigned all-zero anchor", "reason=unsigned", anchor_chunks(zeros, 7, setup.fingerprint))
         other = push_signing.TrainerSigner(setup.secrets.tokens["generator"], setup.run)
-        refused("an anchor signed by another key", "its signature is not the trainer's", anchor_chunks(zeros, 7, setup.fingerprint, other))
+        refused(
+            "an anchor signed by another key",
+            "its signature is not the trainer's",
+            anchor_chunks(zeros, 7, setup.fingerprint, other),
+        )
         [first, *_] = publisher.catch_up_chunks([anchor])  # the trainer's signed anchor
-        swapped = weights_pb2.WeightChunk(header=first.header, signature=first.signature, data=bytes(first.header.total_bytes))
+        swapped = weights_pb2.WeightChunk(
+            header=first.header, signature=first.signature, data=bytes(first.header.total_bytes)
+        )
         refused("zero bytes under the trainer's signed header", "corrupted", [swapped])
 
         # The trainer's own chain, signed as its FetchWeights signs it: versions 1..5, fetched
@@ -158,7 +197,11 @@ def test_only_the_trainers_signed_weights_are_fetched_and_never_backwards(
         old_chain = list(publisher.catch_up_chunks([anchor, *chain[:2]]))  # anchor 0, deltas 1-2
 
         def fetch(request: trainer_pb2.FetchWeightsRequest) -> Chunks:
-            return list(publisher.catch_up_chunks(weight_store.catch_up_chain(request.have_version, anchor, chain, lambda p: p.info)))
+            return list(
+                publisher.catch_up_chunks(
+                    weight_store.catch_up_chain(request.have_version, anchor, chain, lambda p: p.info)
+                )
+            )
 
         fake.fetch = fetch
         fake.version = 5
@@ -169,12 +212,19 @@ def test_only_the_trainers_signed_weights_are_fetched_and_never_backwards(
         before = count(gen, "would take this generator back")
         fake.fetch = lambda _request: old_chain
         fake.version = 6
-        wait_for(lambda: count(gen, "would take this generator back") > before, 120, "a replayed older chain refused", [gen])
+        wait_for(
+            lambda: count(gen, "would take this generator back") > before, 120, "a replayed older chain refused", [gen]
+        )
         assert setup.held(gen) == want
         # The trainer's own signed word that it is at 2 (resumed from an older checkpoint): the
         # same chain is what it sends then, and is applied.
         fake.version = 2
-        wait_for(lambda: setup.held(gen) == (2, deltas.weights_sha256(history[2])), 120, "the signed rollback to version 2", [gen])
+        wait_for(
+            lambda: setup.held(gen) == (2, deltas.weights_sha256(history[2])),
+            120,
+            "the signed rollback to version 2",
+            [gen],
+        )
     finally:
         if gen is not None:
             gen.stop()
@@ -203,11 +253,15 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
     setup: Setup, redis_server: EmbeddedRedis, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    publisher = WeightPublisher(setup.bits, anchor_interval=100, anchor_dir=store, creds=setup.trainer_creds(), run=setup.run)
+    publisher = WeightPublisher(
+        setup.bits, anchor_interval=100, anchor_dir=store, creds=setup.trainer_creds(), run=setup.run
+    )
     gen = None
     try:
         # Store only (no trainer address), and ready only while at the store's version.
-        gen = start_generator(setup, redis_server, tiny_model_dir, "store", "--weight-store", str(store), "--max-staleness", "0")
+        gen = start_generator(
+            setup, redis_server, tiny_model_dir, "store", "--weight-store", str(store), "--max-staleness", "0"
+        )
         history = [setup.bits]
 
         def publish() -> int:
@@ -244,8 +298,12 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
             h = weights_pb2.WeightHeader()
             h.CopyFrom(chain[-1].header)
             h.total_bytes, h.sha256 = len(old), weight_transfer.make_header(old, chain[-1].info).sha256
-            weight_store.write_manifest(store, anchor, [*chain[:-1], weight_store.StoredPayload(chain[-1].file, h, chain[-1].signature)])
-        wait_for(lambda: "its signature is not the trainer's" in gen.log(), 120, "a swapped store payload refused", [gen])
+            weight_store.write_manifest(
+                store, anchor, [*chain[:-1], weight_store.StoredPayload(chain[-1].file, h, chain[-1].signature)]
+            )
+        wait_for(
+            lambda: "its signature is not the trainer's" in gen.log(), 120, "a swapped store payload refused", [gen]
+        )
         assert serves(2)
         delta3.write_bytes(good3)
         manifest.write_text(signed)
@@ -274,7 +332,12 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
             manifest.unlink()
             for f in snapshot.iterdir():
                 shutil.copy(f, store / f.name)
-        wait_for(lambda: count(gen, "would take this generator back") > before, 120, "a replayed older store chain refused", [gen])
+        wait_for(
+            lambda: count(gen, "would take this generator back") > before,
+            120,
+            "a replayed older store chain refused",
+            [gen],
+        )
         assert serves(4)
     finally:
         if gen is not None:

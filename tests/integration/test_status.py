@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from rollstream.launcher import cli
+from helpers import wait_for, write
 from rollstream.core import codec, diagnose, registry, status, streams
 from rollstream.core.run_keys import RunKeys
+from rollstream.launcher import cli
 from rollstream.v1 import rollout_pb2
-
-from helpers import wait_for, write
 
 NOW = diagnose.Thresholds(idle_s=0.0)  # any consumer counts as idle
 HOUR = diagnose.Thresholds(idle_s=3600.0)  # no consumer does
@@ -43,7 +42,9 @@ def take(client: redis.Redis, keys: RunKeys, stage: str, grp: str, consumer: str
         client.xgroup_createconsumer(keys.stream(stage), grp, consumer)
 
 
-def headline(client: redis.Redis, keys: RunKeys, t: diagnose.Thresholds, prev: diagnose.Snapshot | None = None) -> diagnose.Finding:
+def headline(
+    client: redis.Redis, keys: RunKeys, t: diagnose.Thresholds, prev: diagnose.Snapshot | None = None
+) -> diagnose.Finding:
     snap, _ = status.collect(client, keys)
     return diagnose.diagnose(snap, prev, t)[0]
 
@@ -94,7 +95,11 @@ def test_dead_letters_growing_with_their_reason(rclient: redis.Redis, keys: RunK
     for e in entries:
         stage.dead_letter(e, "reward nan is not finite")
     f = headline(rclient, keys, HOUR, prev)
-    assert (f.level, f.stage) == ("warn", "dead letters") and "+2 since the last look" in f.reason and "rollouts: reward nan" in f.reason
+    assert (
+        (f.level, f.stage) == ("warn", "dead letters")
+        and "+2 since the last look" in f.reason
+        and "rollouts: reward nan" in f.reason
+    )
 
 
 def test_the_back_pressure_deadlock(rclient: redis.Redis, keys: RunKeys) -> None:
@@ -115,10 +120,16 @@ def test_a_training_trainer_is_the_bottleneck(rclient: redis.Redis, keys: RunKey
     rclient.hset(keys.counters("trainer"), "groups_per_step", 8)
     registry.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=0)
     f = headline(rclient, keys, NOW)
-    assert (f.level, f.stage) == ("info", "trainer") and "training a step on 8 groups for " in f.reason and ", 2 more wait in ready" in f.reason
+    assert (
+        (f.level, f.stage) == ("info", "trainer")
+        and "training a step on 8 groups for " in f.reason
+        and ", 2 more wait in ready" in f.reason
+    )
 
 
-def test_status_command_shows_the_pipeline_and_the_diagnosis(redis_url: str, rclient: redis.Redis, keys: RunKeys, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_command_shows_the_pipeline_and_the_diagnosis(
+    redis_url: str, rclient: redis.Redis, keys: RunKeys, capsys: pytest.CaptureFixture[str]
+) -> None:
     fill(rclient, keys, "rollouts", 3)
     rclient.hset(keys.counters("generator"), "generated", 3)
     rclient.hset(keys.counters("trainer"), mapping={"step": 0, "trained": 2})
@@ -142,7 +153,16 @@ def test_status_watch_refreshes_with_rates(redis_url: str, rclient: redis.Redis,
     fill(rclient, keys, "rollouts", 4)
     take(rclient, keys, "rollouts", "reward", "reward-0", 1)
     out = tmp_path / "status.out"
-    cmd = [str(Path(sys.executable).parent / "rollstream"), "status", "--redis-url", redis_url, "--run", keys.run, "--watch", "0.2"]
+    cmd = [
+        str(Path(sys.executable).parent / "rollstream"),
+        "status",
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--watch",
+        "0.2",
+    ]
     with out.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
     try:
@@ -193,4 +213,6 @@ def test_status_shows_the_last_held_out_round_and_the_evaluated_groups(redis_url
     )
     rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=17, accuracy=1.5)))
     snap, extra = status.collect(rclient, keys)
-    assert extra["last_eval"] is None and extra["errors"] == ["last eval entry unreadable: EvalMetrics step 17: accuracy 1.5 is not a share within [0, 1]"]
+    assert extra["last_eval"] is None and extra["errors"] == [
+        "last eval entry unreadable: EvalMetrics step 17: accuracy 1.5 is not a share within [0, 1]"
+    ]

@@ -9,12 +9,11 @@ import time
 import pytest
 import redis
 
+from helpers import write
 from rollstream.core import codec, run_keys, streams
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.v1 import rollout_pb2
-
-from helpers import write
 
 SRC, DST, GROUP = "rollouts", "scored", "reward"
 IDLE = 100  # ms; the take-over tests sleep past it (a lower bound, never an upper one)
@@ -187,7 +186,14 @@ def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Re
     assert _ids(second) == [eid] and second[0].deliveries == 2  # == max: still delivered
     _sleep_past_idle()
     told: list[tuple[bytes, str]] = []
-    c = _stage(rclient, keys, "C", claim_idle_ms=IDLE, max_deliveries=max_deliveries, on_dead_letter=lambda e, r: told.append((e.id, r)))
+    c = _stage(
+        rclient,
+        keys,
+        "C",
+        claim_idle_ms=IDLE,
+        max_deliveries=max_deliveries,
+        on_dead_letter=lambda e, r: told.append((e.id, r)),
+    )
     assert c.read(10, 10) == []  # third delivery > max: dead-lettered instead
     # ...and reported like every other dead letter (the service's counter and log line).
     assert [(i, "delivered 3 times" in r) for i, r in told] == [(eid, True)]
@@ -197,7 +203,10 @@ def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Re
     letter = codec.decode(dead[0][1], rollout_pb2.DeadLetter)
     assert "max_deliveries=2" in letter.reason and "delivered 3 times" in letter.reason
     assert letter.deliveries == 3 and letter.source_id == eid.decode() and letter.consumer == "C"
-    assert codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id == "g0"
+    assert (
+        codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
+        == "g0"
+    )
     assert _pending_ids(rclient, keys) == []
     # The stage goes on: new entries still flow.
     (new,) = _feed(rclient, keys, 1, start=1)
@@ -343,7 +352,9 @@ def test_multi_exec_aborts_everything_on_a_queue_time_error(rclient: redis.Redis
     assert not rclient.exists(keys.stream(DST))
 
 
-def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(rclient: redis.Redis, keys: RunKeys) -> None:
+def test_failing_op_inside_commit_writes_nothing_and_leaves_the_input_pending(
+    rclient: redis.Redis, keys: RunKeys
+) -> None:
     """commit() checks every key's type before it writes: a command that would fail with
     WRONGTYPE refuses the whole commit, so nothing is half-written (Redis has no rollback),
     the input stays pending and comes back, and the retry writes its output once."""
@@ -390,7 +401,10 @@ def test_a_counter_that_is_not_an_integer_refuses_the_whole_commit(rclient: redi
 
     for poison in ("x", "9" * 19, "007", "1.5", "", "-0"):
         rclient.hset(counters, "scored", poison)
-        with pytest.raises(redis.ResponseError, match=f"NOTCOUNTER field scored of {counters} holds .*not an integer counter: nothing written"):
+        with pytest.raises(
+            redis.ResponseError,
+            match=f"NOTCOUNTER field scored of {counters} holds .*not an integer counter: nothing written",
+        ):
             stage.commit(entries, outputs=[(DST, _group(0))], extra=ledger)
         assert rclient.xlen(keys.stream(DST)) == 0 and not rclient.exists(keys.groups("generated"))
         assert _pending_ids(rclient, keys) == [eid]
@@ -456,9 +470,19 @@ def test_a_commit_retried_after_a_lost_reply_writes_nothing_twice(rclient: redis
     _feed(rclient, keys, 1)
     stage = _stage(rclient, keys, "A")
     got = stage.read(count=1, block_ms=10)
-    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)) is True
+    assert (
+        stage.commit(
+            got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)
+        )
+        is True
+    )
     # The same commit again, as after a timeout whose first try had gone through.
-    assert stage.commit(got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)) is False
+    assert (
+        stage.commit(
+            got, outputs=[(DST, _group(0))], extra=lambda ops: ops.hincrby(keys.counters("reward"), "scored", 1)
+        )
+        is False
+    )
     assert rclient.xlen(keys.stream(DST)) == 1 and rclient.hget(keys.counters("reward"), "scored") == b"1"
 
 
@@ -492,8 +516,17 @@ def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys
 def test_keys_of_a_run_share_one_cluster_slot(keys: RunKeys) -> None:
     from redis.crc import key_slot
 
-    names = [keys.stream(s) for s in run_keys.STAGES] + [keys.dead, keys.metrics, *map(keys.counters, run_keys.COUNTER_ROLES), keys.version, keys.fed,
-                                                        keys.trained_log, keys.generators, keys.generators_seen, keys.generators_versions,
-                                                        keys.groups("trained")]
+    names = [keys.stream(s) for s in run_keys.STAGES] + [
+        keys.dead,
+        keys.metrics,
+        *map(keys.counters, run_keys.COUNTER_ROLES),
+        keys.version,
+        keys.fed,
+        keys.trained_log,
+        keys.generators,
+        keys.generators_seen,
+        keys.generators_versions,
+        keys.groups("trained"),
+    ]
     assert all(n.startswith(f"rs:{{{keys.run}}}:") for n in names)
     assert len({key_slot(n.encode()) for n in names}) == 1

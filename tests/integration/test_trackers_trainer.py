@@ -13,14 +13,19 @@ import redis
 import tracker_readers
 from helpers import MIN_WAIT_S, wait_for, write_ready
 from procs import start_service
-from synthetic import Decode, scored_groups
 from rollstream.core import run_keys, steplog
+from synthetic import Decode, scored_groups
 
 STEPS = 3
 
 
 def test_a_trainer_reports_every_step_to_tensorboard_mlflow_and_wandb(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     write_ready(rclient, keys, [g for step in range(1, STEPS + 1) for g in scored_groups(step, 1)], tiny_decode)
     trackers, steps_file = tmp_path / "trackers", tmp_path / "steps.jsonl"
@@ -33,7 +38,12 @@ def test_a_trainer_reports_every_step_to_tensorboard_mlflow_and_wandb(
     )  # fmt: skip
     try:
         # It ends by itself after its last step, closing the trackers on the way out.
-        wait_for(lambda: trainer.proc.poll() is not None, 300, f"the trainer to finish {STEPS} steps and exit", details=lambda: trainer.log()[-3000:])
+        wait_for(
+            lambda: trainer.proc.poll() is not None,
+            300,
+            f"the trainer to finish {STEPS} steps and exit",
+            details=lambda: trainer.log()[-3000:],
+        )
         assert trainer.proc.returncode == 0, trainer.log()
     finally:
         trainer.stop(MIN_WAIT_S)
@@ -54,6 +64,10 @@ def test_a_trainer_reports_every_step_to_tensorboard_mlflow_and_wandb(
         assert set(written.series["time/forward"]) == set(range(1, STEPS + 1)), name
     assert ml_run.info.status == "FINISHED" and ml.config["run"] == keys.run and ml.config["groups_per_step"] == "1"
     for config in (tb.config, wb.config):
-        assert config["run"] == keys.run and config["groups_per_step"] == 1 and config["report_to"] == ["tensorboard", "mlflow", "wandb"]
+        assert (
+            config["run"] == keys.run
+            and config["groups_per_step"] == 1
+            and config["report_to"] == ["tensorboard", "mlflow", "wandb"]
+        )
         assert "redis_url" not in config
     assert "redis_url" not in ml.config

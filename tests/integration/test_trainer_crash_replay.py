@@ -23,9 +23,9 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import start_service, trainer_state
-from synthetic import Decode, scored_groups
 from rollstream.core import codec, redis_policy, run_keys
 from rollstream.v1 import rollout_pb2
+from synthetic import Decode, scored_groups
 
 STEPS = 6
 GROUPS_PER_STEP = 2
@@ -33,10 +33,39 @@ GROUPS_PER_STEP = 2
 
 def trainer_args(redis_url: str, keys: run_keys.RunKeys, model: Path, ckpt: Path) -> list[str]:
     return [
-        "--redis-url", redis_url, "--run", keys.run, "--model", str(model), "--threads", "1",
-        "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "4", "--max-new-tokens", "6",
-        "--prompt-buffer", "2", "--lr", "1e-3", "--max-staleness", "100", "--block-ms", "100", "--steps", str(STEPS),
-        "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--resume", "auto", "--linger",
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--model",
+        str(model),
+        "--threads",
+        "1",
+        "--consumer",
+        "trainer-0",
+        "--groups-per-step",
+        str(GROUPS_PER_STEP),
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--prompt-buffer",
+        "2",
+        "--lr",
+        "1e-3",
+        "--max-staleness",
+        "100",
+        "--block-ms",
+        "100",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "3",
+        "--resume",
+        "auto",
+        "--linger",
     ]
 
 
@@ -61,7 +90,9 @@ def losses(client: redis.Redis, keys: run_keys.RunKeys) -> dict[int, tuple[float
 
 
 @pytest.fixture(scope="module")
-def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[float, float]], float]:
+def reference_run(
+    redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, dict[int, tuple[float, float]], float]:
     """The uninterrupted run: final weights' sha256, per-step (loss, grad norm), mean step time."""
     tmp = tmp_path_factory.mktemp("reference-run")
     keys = run_keys.RunKeys("ref" + str(time.time_ns())[-8:])
@@ -70,7 +101,12 @@ def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_p
     t = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt")).wait_ready()
     started = time.monotonic()
     try:
-        wait_for(lambda: trainer_state(t.grpc_address).step == STEPS and committed_step(client, keys) == STEPS, 300, f"step {STEPS}", [t])
+        wait_for(
+            lambda: trainer_state(t.grpc_address).step == STEPS and committed_step(client, keys) == STEPS,
+            300,
+            f"step {STEPS}",
+            [t],
+        )
         step_s = (time.monotonic() - started) / STEPS
         sha = trainer_state(t.grpc_address, sha=True).weights_sha256
         return sha, losses(client, keys), step_s
@@ -81,7 +117,14 @@ def reference_run(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_p
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
-    seed: int, reference_run, redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    seed: int,
+    reference_run,
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     ref_sha, ref_losses, step_s = reference_run
     fill_ready(rclient, keys, tiny_decode)
@@ -97,7 +140,12 @@ def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
 
     second = start_service("trainer", tmp_path, *args, tag="-second").wait_ready()
     try:
-        wait_for(lambda: trainer_state(second.grpc_address).step == STEPS and committed_step(rclient, keys) == STEPS, 300, f"step {STEPS} after the restart", [second])
+        wait_for(
+            lambda: trainer_state(second.grpc_address).step == STEPS and committed_step(rclient, keys) == STEPS,
+            300,
+            f"step {STEPS} after the restart",
+            [second],
+        )
         state = trainer_state(second.grpc_address, sha=True)
         assert state.weights_sha256 == ref_sha, f"killed at step {killed_at}: weights differ from the uninterrupted run"
         # Every step's metrics were written once, by whichever process committed it, and agree.

@@ -19,9 +19,9 @@ import redis
 
 from helpers import dead_letters, wait_for, write_ready
 from procs import start_service
-from synthetic import Decode, scored_groups
 from rollstream.core import run_keys, validation
 from rollstream.v1 import rollout_pb2
+from synthetic import Decode, scored_groups
 
 
 def _group(group_id: str, step: int) -> rollout_pb2.RolloutGroup:
@@ -31,7 +31,12 @@ def _group(group_id: str, step: int) -> rollout_pb2.RolloutGroup:
 
 
 def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     long_prompt = _group("long-prompt", 1)
     long_prompt.prompt_ids.extend([5] * (120_000 - len(long_prompt.prompt_ids)))
@@ -57,16 +62,27 @@ def test_poisoned_ready_entries_are_refused_alone_and_the_good_ones_train(
     )  # fmt: skip
     try:
         trainer.wait_ready()
-        wait_for(lambda: len(dead_letters(rclient, keys)) == 4, 120, "4 dead letters", [trainer], details=lambda: str(dead_letters(rclient, keys)))
+        wait_for(
+            lambda: len(dead_letters(rclient, keys)) == 4,
+            120,
+            "4 dead letters",
+            [trainer],
+            details=lambda: str(dead_letters(rclient, keys)),
+        )
         dead = dead_letters(rclient, keys)
         # good-1 is still held for the next step: not dead, not trained.
         assert not rclient.sismember(keys.groups("trained"), "good-1")
         write_ready(rclient, keys, [good_2], tiny_decode)
-        wait_for(lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) == 1, 120, "step 1 committed", [trainer])
+        wait_for(
+            lambda: int(rclient.hget(keys.counters("trainer"), "step") or 0) == 1, 120, "step 1 committed", [trainer]
+        )
 
         assert {m.decode() for m in rclient.smembers(keys.groups("trained"))} == {"good-1", "good-2"}
         assert set(dead) == {"long-prompt", "two-hundred", "low-behaviour", "overflow"}
-        assert "prompt 120000 + completion" in dead["long-prompt"] and "longer than the model's context of 2048" in dead["long-prompt"]
+        assert (
+            "prompt 120000 + completion" in dead["long-prompt"]
+            and "longer than the model's context of 2048" in dead["long-prompt"]
+        )
         assert "200 completions, more than the limit 4" in dead["two-hundred"]
         assert "behaviour_logprobs[0] = -200.0 is not a log-prob (finite, in [-87, 0])" in dead["low-behaviour"]
         assert dead["overflow"].startswith("step 1 refused: on its own this group's ")

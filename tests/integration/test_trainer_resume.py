@@ -21,11 +21,11 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, generator_state, start_service, trainer_state
-from synthetic import Decode, scored_groups
 from rollstream.core import codec, run_keys
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
+from synthetic import Decode, scored_groups
 
 GROUPS_PER_STEP = 2
 
@@ -38,7 +38,9 @@ def groups_for(step: int, tag: str) -> list[rollout_pb2.RolloutGroup]:
 
 def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult:
     with channel(address) as ch:
-        return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=120)
+        return trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(path=path), timeout=120
+        )
 
 
 def step_metrics(client: redis.Redis, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
@@ -46,22 +48,72 @@ def step_metrics(client: redis.Redis, keys: run_keys.RunKeys) -> list[rollout_pb
 
 
 def test_resumed_trainer_process_continues_exactly(
-    redis_url: str, rclient: redis.Redis, keys: run_keys.RunKeys, tiny_model_dir: Path, tiny_decode: Decode, tmp_path: Path
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: run_keys.RunKeys,
+    tiny_model_dir: Path,
+    tiny_decode: Decode,
+    tmp_path: Path,
 ) -> None:
     port = free_port()
     address = f"127.0.0.1:{port}"
     dir_a, dir_b = tmp_path / "ckpt-a", tmp_path / "ckpt-b"
     common = [
-        "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
-        "--grpc-port", str(port), "--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP),
-        "--group-size", "2", "--max-new-tokens", "6", "--prompt-buffer", "2", "--lr", "1e-3",
-        "--max-staleness", "100", "--block-ms", "100", "--steps", "4", "--checkpoint-every", "1", "--linger",
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+        "--grpc-port",
+        str(port),
+        "--consumer",
+        "trainer-0",
+        "--groups-per-step",
+        str(GROUPS_PER_STEP),
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--prompt-buffer",
+        "2",
+        "--lr",
+        "1e-3",
+        "--max-staleness",
+        "100",
+        "--block-ms",
+        "100",
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "1",
+        "--linger",
     ]
     a = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_a), tag="-a").wait_ready()
     gen = start_service(
-        "generator", tmp_path, "--redis-url", redis_url, "--run", keys.run, "--model", str(tiny_model_dir), "--threads", "1",
-        "--trainer-address", address, "--consumer", "gen-0", "--max-inflight-groups", "1", "--sync-interval-s", "0.5",
-        "--block-ms", "100", tag="-gen",
+        "generator",
+        tmp_path,
+        "--redis-url",
+        redis_url,
+        "--run",
+        keys.run,
+        "--model",
+        str(tiny_model_dir),
+        "--threads",
+        "1",
+        "--trainer-address",
+        address,
+        "--consumer",
+        "gen-0",
+        "--max-inflight-groups",
+        "1",
+        "--sync-interval-s",
+        "0.5",
+        "--block-ms",
+        "100",
+        tag="-gen",
     ).wait_ready()
     procs = [a, gen]
     b: ServiceProc | None = None
@@ -100,13 +152,17 @@ def test_resumed_trainer_process_continues_exactly(
         assert [m.step for m in metrics_a] == [1, 2, 3, 4]
 
         # B resumes from the operator's step-2 checkpoint, same run, same address.
-        b = start_service("trainer", tmp_path, *common, "--checkpoint-dir", str(dir_b), "--resume", str(manual), tag="-b").wait_ready()
+        b = start_service(
+            "trainer", tmp_path, *common, "--checkpoint-dir", str(dir_b), "--resume", str(manual), tag="-b"
+        ).wait_ready()
         procs = [b, gen]
         assert int(rclient.get(keys.version)) == 2  # the run's version moved back
         restored = trainer_state(address, sha=True)
         assert (restored.step, restored.version, restored.groups_trained) == (2, 2, 4)
         # The generator was at version 4 of the abandoned lineage; the anchor brings it back.
-        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 2, 60, "generator back at version 2", procs)
+        wait_for(
+            lambda: generator_state(gen.grpc_address).policy_version == 2, 60, "generator back at version 2", procs
+        )
         assert generator_state(gen.grpc_address, sha=True).weights_sha256 == restored.weights_sha256
         assert restored.weights_sha256 != final_a.weights_sha256
 
@@ -123,7 +179,9 @@ def test_resumed_trainer_process_continues_exactly(
         assert final_b.weights_sha256 == final_a.weights_sha256  # bit for bit
         assert rclient.sismember(keys.groups("stale"), future.group_id)
         assert not rclient.sismember(keys.groups("trained"), future.group_id)
-        wait_for(lambda: generator_state(gen.grpc_address).policy_version == 4, 60, "generator at version 4 again", procs)
+        wait_for(
+            lambda: generator_state(gen.grpc_address).policy_version == 4, 60, "generator at version 4 again", procs
+        )
         assert generator_state(gen.grpc_address, sha=True).weights_sha256 == final_b.weights_sha256
 
         metrics_b = step_metrics(rclient, keys)[4:]

@@ -68,7 +68,12 @@ def test_no_token_goes_to_a_plain_tcp_server(squatter: socket.socket) -> None:
         scorer_channel(address, ClientCredentials(token=TOKEN), service_config(1, 0.1, 1.0))
     assert accepted_nothing(squatter)
     # Without a token, over TLS, or where the operator said the network cannot be squatted: a channel.
-    for creds in (None, ClientCredentials(), ClientCredentials(token=TOKEN, tls=True), ClientCredentials(token=TOKEN, plaintext_token=True)):
+    for creds in (
+        None,
+        ClientCredentials(),
+        ClientCredentials(token=TOKEN, tls=True),
+        ClientCredentials(token=TOKEN, plaintext_token=True),
+    ):
         grpc_utils.channel(address, creds).close()
     # An abstract unix socket has no folder to keep others out: not a unix path.
     with pytest.raises(ValueError, match="refusing"):
@@ -106,7 +111,11 @@ def test_a_token_over_tcp_is_refused_at_start_naming_the_field(tmp_path: Path, p
     ok = [
         ["--trainer-address", f"unix:{private / 'trainer.sock'}"],
         ["--trainer-address", "trainer:50051", "--grpc-tls-ca-file", str(tmp_path / "ca.pem")],
-        ["--trainer-address", "trainer:50051", "--grpc-plaintext-token"],  # compose: each service its own network namespace
+        [
+            "--trainer-address",
+            "trainer:50051",
+            "--grpc-plaintext-token",
+        ],  # compose: each service its own network namespace
     ]
     for flags in ok:
         assert load_settings(GeneratorSettings, ["--grpc-token-file", str(token_file), *flags]).trainer_address
@@ -149,7 +158,9 @@ def test_control_characters_from_redis_are_escaped(rclient: redis.Redis, keys: R
     rclient.xgroup_create(keys.stream("rollouts"), "reward", id="0", mkstream=True)
     rclient.xadd(keys.stream("rollouts"), {"x": "y"})
     rclient.xreadgroup("reward", evil, {keys.stream("rollouts"): ">"})
-    letter = rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), source_id="1-0", consumer=evil, reason=f"group {evil}: bad answer")
+    letter = rollout_pb2.DeadLetter(
+        source_stream=keys.stream("rollouts"), source_id="1-0", consumer=evil, reason=f"group {evil}: bad answer"
+    )
     rclient.xadd(keys.dead, codec.encode(letter))
     snap, extra = status.collect(rclient, keys)
     out = io.StringIO()
@@ -169,4 +180,7 @@ def test_up_refuses_a_tcp_scorer_naming_the_field() -> None:
 
     with pytest.raises(ConfigError, match="reward.scorer_address: 127.0.0.1:50061 is TCP"):
         run_config.load(["--reward.scorer-address", "127.0.0.1:50061"])
-    assert run_config.load(["--reward.scorer-address", "unix:/run/scorer.sock"]).reward.scorer_address == "unix:/run/scorer.sock"
+    assert (
+        run_config.load(["--reward.scorer-address", "unix:/run/scorer.sock"]).reward.scorer_address
+        == "unix:/run/scorer.sock"
+    )

@@ -12,9 +12,9 @@ import redis
 from rich.console import Console
 
 from rollstream.core import status as pipeline_status
-from rollstream.launcher.plan import EXTERNAL_REWARD_FILE, ExternalReward
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
+from rollstream.launcher.plan import EXTERNAL_REWARD_FILE, ExternalReward
 
 
 def watch(keys: RunKeys, password_file: Path | None = None) -> ExternalReward:
@@ -29,9 +29,13 @@ def test_waits_for_a_consumer_of_its_group_and_warns_about_others(rclient: redis
     console = Console(file=out, width=300)
     w = watch(keys)
     source = keys.stream("rollouts")
-    assert w.poll(rclient, console) == f"waiting for a reward consumer on {source} (consumer group reward)"  # no stream yet
+    assert (
+        w.poll(rclient, console) == f"waiting for a reward consumer on {source} (consumer group reward)"
+    )  # no stream yet
     StreamStage.ensure_group(rclient, source, "reward")
-    assert w.poll(rclient, console).endswith("no consumer has taken an entry yet")  # a group without consumers is nobody
+    assert w.poll(rclient, console).endswith(
+        "no consumer has taken an entry yet"
+    )  # a group without consumers is nobody
     StreamStage.ensure_group(rclient, source, "custom-reward")
     rclient.xreadgroup("custom-reward", "x", {source: ">"}, count=1)
     assert w.poll(rclient, console).startswith("waiting")
@@ -44,7 +48,9 @@ def test_waits_for_a_consumer_of_its_group_and_warns_about_others(rclient: redis
     assert w.poll(rclient, console) == ""
     assert w.poll(rclient, console) == ""
     text = out.getvalue()
-    assert text.count("consumer group 'custom-reward'") == 1 and text.count("a reward consumer joined") == 1  # each said once
+    assert (
+        text.count("consumer group 'custom-reward'") == 1 and text.count("a reward consumer joined") == 1
+    )  # each said once
 
 
 def test_the_file_names_everything_and_no_secret(tmp_path: Path) -> None:

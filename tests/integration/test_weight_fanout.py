@@ -11,21 +11,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import wait_for
+from procs import ServiceProc, start_service
 from rollstream.core import deltas, modeling
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import generator_pb2, generator_pb2_grpc
 
-from helpers import wait_for
-from procs import ServiceProc, start_service
 
-
-def started_generators(n: int, redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, *flags: str) -> Iterator[list[ServiceProc]]:
+def started_generators(
+    n: int, redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path, *flags: str
+) -> Iterator[list[ServiceProc]]:
     """n generator processes on the tiny model, ready; stopped on the way out."""
     procs = [
         start_service(
-            "generator", tmp_path / f"g{i}", "--redis-url", redis_url, "--run", run_name, "--model", str(tiny_model_dir),
-            "--threads", "1", "--generator-id", f"g{i}", *flags,
+            "generator",
+            tmp_path / f"g{i}",
+            "--redis-url",
+            redis_url,
+            "--run",
+            run_name,
+            "--model",
+            str(tiny_model_dir),
+            "--threads",
+            "1",
+            "--generator-id",
+            f"g{i}",
+            *flags,
         )
         for i in range(n)
     ]
@@ -48,7 +60,9 @@ def perturbed(bits: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
 
 def served_sha(gen: ServiceProc) -> tuple[int, str]:
     with channel(gen.grpc_address) as ch:
-        s = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+        s = generator_pb2_grpc.GeneratorStub(ch).GetState(
+            generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30
+        )
     return s.policy_version, s.weights_sha256
 
 
@@ -87,7 +101,9 @@ def test_one_encode_pushed_to_every_generator(generators: list[ServiceProc], tin
         publisher.close()
 
 
-def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(
+    redis_url: str, run_name: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Two real generators share the trainer's anchor_dir as their weight_store and have no
     trainer address at all: one is pushed every version, the other none, and it still
     serves every version exactly, across an anchor, read from the files; a delta file
@@ -97,7 +113,9 @@ def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url:
     model, _ = modeling.load_model(tiny_model_dir)
     bits = modeling.model_bits(model)
     publisher = WeightPublisher(bits, anchor_interval=3, anchor_dir=store)
-    started = started_generators(2, redis_url, run_name, tiny_model_dir, tmp_path, "--weight-store", str(store), "--sync-interval-s", "0.5")
+    started = started_generators(
+        2, redis_url, run_name, tiny_model_dir, tmp_path, "--weight-store", str(store), "--sync-interval-s", "0.5"
+    )
     pushed, missed = next(started)
     try:
         for version in (1, 2, 3, 4):  # 3 is an anchor: 4's delta is over it
@@ -106,7 +124,12 @@ def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url:
             [outcome] = publisher.fleet.push([pushed.grpc_address], published, timeout_s=120)
             assert outcome.applied and outcome.version == version, outcome.error
             expected = (version, deltas.weights_sha256(bits))
-            wait_for(lambda: served_sha(missed) == expected, 120, f"the missed generator serving version {version} from the store", [missed])
+            wait_for(
+                lambda: served_sha(missed) == expected,
+                120,
+                f"the missed generator serving version {version} from the store",
+                [missed],
+            )
             assert served_sha(pushed) == expected
         assert "source=store" in missed.log()
         # Version 5's file corrupted on the volume (the generator stopped meanwhile, so that it
@@ -120,10 +143,20 @@ def test_a_generator_the_pushes_miss_catches_up_from_the_weight_store(redis_url:
             delta_file.write_bytes(good[:100] + bytes(len(good) - 100))
         finally:
             missed.proc.send_signal(signal.SIGCONT)
-        wait_for(lambda: "store_catch_up_failed" in missed.log() and "corrupted" in missed.log(), 120, "the corrupted delta refused", [missed])
+        wait_for(
+            lambda: "store_catch_up_failed" in missed.log() and "corrupted" in missed.log(),
+            120,
+            "the corrupted delta refused",
+            [missed],
+        )
         assert served_sha(missed)[0] == 4
         delta_file.write_bytes(good)
-        wait_for(lambda: served_sha(missed) == (5, deltas.weights_sha256(bits)), 120, "version 5 once the file is whole", [missed])
+        wait_for(
+            lambda: served_sha(missed) == (5, deltas.weights_sha256(bits)),
+            120,
+            "version 5 once the file is whole",
+            [missed],
+        )
     finally:
         publisher.close()
         started.close()

@@ -8,14 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_weight_fanout import perturbed, served_sha, started_generators
 
+from procs import ServiceProc
 from rollstream.core import deltas, modeling
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import generator_pb2, generator_pb2_grpc
-
-from procs import ServiceProc
-from test_weight_fanout import perturbed, served_sha, started_generators
 
 
 @pytest.fixture
@@ -59,15 +58,19 @@ def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
     """With credentials: each generator accepts only the trainer's signature over a nonce it
     issued (core/push_signing.py), so the relays carry the signatures the trainer made for
     each generator below them, and every generator of a chain applies the push."""
-    from rollstream.core.grpc_auth import ClientCredentials, load_roles
     from test_grpc_auth_services import write_secrets
+
+    from rollstream.core.grpc_auth import ClientCredentials, load_roles
 
     secrets = write_secrets(tmp_path / "secrets")
     running = started_generators(4, redis_url, run_name, tiny_model_dir, tmp_path, *secrets.flags("generator"))
     model, _ = modeling.load_model(tiny_model_dir)
     bits = modeling.model_bits(model)
     publisher = WeightPublisher(
-        bits, anchor_interval=100, creds=ClientCredentials(token=secrets.tokens["trainer"]), generator_key=load_roles(secrets.roles_file).generator_key
+        bits,
+        anchor_interval=100,
+        creds=ClientCredentials(token=secrets.tokens["trainer"]),
+        generator_key=load_roles(secrets.roles_file).generator_key,
     )
     try:
         generators = next(running)
@@ -80,7 +83,9 @@ def test_signed_pushes_down_the_tree_each_generator_checking_its_own_signature(
         creds = ClientCredentials(token=secrets.tokens["admin"])
         for g in generators:
             with channel(g.grpc_address, creds) as ch:
-                state = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+                state = generator_pb2_grpc.GeneratorStub(ch).GetState(
+                    generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30
+                )
             assert (state.policy_version, state.weights_sha256) == (1, deltas.weights_sha256(bits))
     finally:
         publisher.close()

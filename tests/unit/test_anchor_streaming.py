@@ -58,7 +58,9 @@ def test_dump_to_writes_the_bytes_dumps_returns(tmp_path: Path) -> None:
             safetensors_io.dump_to(f, tensors, metadata, bf16={"bf"})
         assert path.read_bytes() == expected
     _, arrays = safetensors_io.loads(expected)
-    assert np.array_equal(arrays["transposed"], tensors["transposed"]) and np.array_equal(arrays["big_endian"], tensors["big_endian"])
+    assert np.array_equal(arrays["transposed"], tensors["transposed"]) and np.array_equal(
+        arrays["big_endian"], tensors["big_endian"]
+    )
 
 
 def test_dump_to_checks_every_tensor_before_writing() -> None:
@@ -110,7 +112,9 @@ class Receiver(generator_pb2_grpc.GeneratorServicer):
     def __init__(self) -> None:
         self.payloads: list[tuple[weights_pb2.WeightHeader, bytes]] = []
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         received = list(weight_transfer.from_chunks(request_iterator))
         self.payloads += received
         return weights_pb2.PushResult(applied=True, version=received[-1][0].version)
@@ -133,7 +137,9 @@ def receivers() -> Iterator[list[tuple[Receiver, str]]]:
         s.stop(0)
 
 
-def test_a_file_anchor_is_pushed_from_its_file_with_the_same_bytes(tmp_path: Path, receivers: list[tuple[Receiver, str]]) -> None:
+def test_a_file_anchor_is_pushed_from_its_file_with_the_same_bytes(
+    tmp_path: Path, receivers: list[tuple[Receiver, str]]
+) -> None:
     """Three concurrent streams of a 10 MB anchor (three chunks) kept in a file: each reads its
     chunks from the file, and each receiver gets the in-memory anchor's header and bytes."""
     bits = _bits({"a": (1024, 2560), "b": (2560,), "c": (1024, 2560)})  # ~10.5 MB

@@ -44,7 +44,14 @@ VARIANTS = {
     "full-grpo": {},
     "lora-gspo": {"lora_rank": 4, "lora_alpha": 8.0, "loss": "gspo", "clip_eps_low": 0.02, "clip_eps_high": 0.03},
     "fp32-layout-fp32-moments": {"master_layout": "fp32", "moments_dtype": "float32"},
-    "bf16-moments-dapo-tis-offload": {"moments_dtype": "bfloat16", "loss": "dapo", "clip_eps_high": 0.28, "tis_cap": 2.0, "grad_offload": True, "bucket_mb": 0.01},
+    "bf16-moments-dapo-tis-offload": {
+        "moments_dtype": "bfloat16",
+        "loss": "dapo",
+        "clip_eps_high": 0.28,
+        "tis_cap": 2.0,
+        "grad_offload": True,
+        "bucket_mb": 0.01,
+    },
 }
 
 
@@ -100,7 +107,13 @@ def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_pat
     assert sorted(p.name for p in path.iterdir()) == ["optimizer.safetensors", "rng.safetensors", "state.json"]
     state = json.loads((path / "state.json").read_text())
     assert state["format"] == checkpoint.FORMAT and state["format_version"] == checkpoint.FORMAT_VERSION
-    assert (state["version"], state["step"], state["optimizer_steps"], state["prompts_fed"], state["consumer"]) == (1, 1, 1, 3, "me")
+    assert (state["version"], state["step"], state["optimizer_steps"], state["prompts_fed"], state["consumer"]) == (
+        1,
+        1,
+        1,
+        3,
+        "me",
+    )
     assert state["model_fingerprint"] == t.publisher.fingerprint
     assert state["settings"]["lr"] == 1e-3 and "redis_url" not in state["settings"]
     assert "secret" not in (path / "state.json").read_text()
@@ -109,7 +122,9 @@ def test_checkpoint_files_are_safetensors_and_json(tiny_model_dir: Path, tmp_pat
     names = set(t.params)
     # The default split layout: each fp32 master as its served bf16 bits and the int16 low half.
     assert state["master_layout"] == "split"
-    assert set(tensors) == {f"{kind}/{n}" for kind in ("master_hi", "master_lo", "exp_avg", "exp_avg_sq") for n in names}
+    assert set(tensors) == {
+        f"{kind}/{n}" for kind in ("master_hi", "master_lo", "exp_avg", "exp_avg_sq") for n in names
+    }
     for n in names:
         assert tensors[f"master_hi/{n}"].dtype == torch.bfloat16 and tensors[f"master_lo/{n}"].dtype == torch.int16
         joined = (tensors[f"master_hi/{n}"].view(torch.int16).int() << 16) + tensors[f"master_lo/{n}"].int()
@@ -153,7 +168,12 @@ def test_save_is_atomic_and_latest_sees_only_complete_checkpoints(tiny_model_dir
     # A write that fails half-way leaves nothing behind under any name.
     bad = {"x": torch.zeros(2, dtype=torch.complex64)}
     with pytest.raises(checkpoint.CheckpointError, match="cannot be stored"):
-        checkpoint.save(root / "step-00000005", checkpoint.CheckpointState(version=5, step=5, optimizer_steps=5), bad, checkpoint.rng_state())
+        checkpoint.save(
+            root / "step-00000005",
+            checkpoint.CheckpointState(version=5, step=5, optimizer_steps=5),
+            bad,
+            checkpoint.rng_state(),
+        )
     assert not (root / "step-00000005").exists()
     assert not any(p.name.startswith(".step-00000005") for p in root.iterdir())
     host.close()
@@ -199,32 +219,54 @@ OLD_STATE = {
 
 def write_state(path: Path, state: dict | str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / checkpoint.STATE_FILE).write_text(state if isinstance(state, str) else json.dumps(state, indent=2, sort_keys=True))
+    (path / checkpoint.STATE_FILE).write_text(
+        state if isinstance(state, str) else json.dumps(state, indent=2, sort_keys=True)
+    )
     return path
 
 
 def test_an_old_state_file_still_loads(tmp_path: Path) -> None:
     state = checkpoint.load_state(write_state(tmp_path / "old", OLD_STATE))
-    assert (state.version, state.step, state.optimizer_steps, state.groups_trained, state.groups_stale) == (4, 4, 4, 8, 1)
+    assert (state.version, state.step, state.optimizer_steps, state.groups_trained, state.groups_stale) == (
+        4,
+        4,
+        4,
+        8,
+        1,
+    )
     assert (state.prompts_fed, state.run, state.consumer, state.consumer_group) == (17, "demo", "trainer-7", "trainer")
-    assert state.lora == OLD_STATE["lora"] and state.settings == OLD_STATE["settings"] and state.moments_dtype == "bfloat16"
+    assert (
+        state.lora == OLD_STATE["lora"]
+        and state.settings == OLD_STATE["settings"]
+        and state.moments_dtype == "bfloat16"
+    )
     assert not hasattr(state, "held_groups")
     # Written back: the same keys, less the retired one, plus the newer one at its default;
     # and it loads again to the same state.
     again = json.loads(state.to_json())
-    assert again == {**{k: v for k, v in OLD_STATE.items() if k != "held_groups"}, "trained_log_id": "", "master_layout": "fp32"}
+    assert again == {
+        **{k: v for k, v in OLD_STATE.items() if k != "held_groups"},
+        "trained_log_id": "",
+        "master_layout": "fp32",
+    }
     assert checkpoint.CheckpointState.from_json(state.to_json()) == state
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"step": "4"}, r"state.json: state file does not match this trainer: step: Input should be a valid integer \(got '4'\)"),
+        (
+            {"step": "4"},
+            r"state.json: state file does not match this trainer: step: Input should be a valid integer \(got '4'\)",
+        ),
         ({"version": -1}, r"version: Input should be greater than or equal to 0"),
         ({"lora": 5}, r"lora: Input should be (a valid dictionary|an object)"),
         ({"settings": None}, r"settings: Input should be (a valid dictionary|an object)"),
         ({"a_newer_field": 1}, r"a_newer_field: Extra inputs are not permitted"),
-        ({"format_version": 2}, r"not a rollstream-trainer-checkpoint v1 state file: format_version: Input should be 1"),
+        (
+            {"format_version": 2},
+            r"not a rollstream-trainer-checkpoint v1 state file: format_version: Input should be 1",
+        ),
         ({"format": "something-else"}, r"not a rollstream-trainer-checkpoint v1 state file: format:"),
         ({"format": None, "step": None}, r"format: Field required.*step: Field required"),
     ],
@@ -235,7 +277,9 @@ def test_a_corrupt_state_file_is_refused_naming_the_field(tmp_path: Path, change
         checkpoint.load_state(write_state(tmp_path / "bad", state))
 
 
-@pytest.mark.parametrize("text", ["", "{", "[]", "null", '{"format": "rollstream-trainer-checkpoint", "format_version": 1, "version": 1}'])
+@pytest.mark.parametrize(
+    "text", ["", "{", "[]", "null", '{"format": "rollstream-trainer-checkpoint", "format_version": 1, "version": 1}']
+)
 def test_a_state_file_that_is_not_one_is_refused(tmp_path: Path, text: str) -> None:
     with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: "):
         checkpoint.load_state(write_state(tmp_path / "bad", text))
@@ -253,7 +297,9 @@ def test_checkpoint_settings_are_validated(tmp_path: Path) -> None:
         load_settings(TrainerSettings, ["--checkpoint-every", "5"])
     with pytest.raises(ConfigError, match="checkpoint_dir"):
         load_settings(TrainerSettings, ["--resume", "latest"])
-    s = load_settings(TrainerSettings, ["--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path), "--resume", "latest"])
+    s = load_settings(
+        TrainerSettings, ["--checkpoint-every", "5", "--checkpoint-dir", str(tmp_path), "--resume", "latest"]
+    )
     assert (s.checkpoint_every, s.resume) == (5, "latest")
 
 
@@ -264,11 +310,19 @@ def test_memory_options_do_not_change_the_step(tiny_model_dir: Path) -> None:
     runs = {}
     for name, overrides in {
         "default": {},
-        "checkpointing+offload+small-buckets": {"activation_checkpointing": True, "grad_offload": True, "bucket_mb": 0.01},
+        "checkpointing+offload+small-buckets": {
+            "activation_checkpointing": True,
+            "grad_offload": True,
+            "bucket_mb": 0.01,
+        },
     }.items():
         t, host = make_trainer(tiny_model_dir, token_budget=40, **overrides)
         metrics = [t.train_step(groups_for(step)) for step in (1, 2)]
-        runs[name] = ([(m.loss, m.grad_norm) for m, _, _ in metrics], {n: m.clone() for n, m in t.optimizer.master.items()}, t)
+        runs[name] = (
+            [(m.loss, m.grad_norm) for m, _, _ in metrics],
+            {n: m.clone() for n, m in t.optimizer.master.items()},
+            t,
+        )
         host.close()
     (losses_a, masters_a, default), (losses_b, masters_b, other) = runs.values()
     assert other.model.is_gradient_checkpointing and not default.model.is_gradient_checkpointing

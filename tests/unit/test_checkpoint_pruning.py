@@ -67,7 +67,9 @@ def test_rank_is_the_recorded_step_not_the_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("keep", "kept"), [(1, [8]), (2, [7, 8]), (3, [6, 7, 8]), (0, [1, 2, 3, 4, 5, 6, 7, 8])])
-def test_after_n_saves_the_newest_keep_remain_and_never_more_on_disk(tmp_path: Path, keep: int, kept: list[int]) -> None:
+def test_after_n_saves_the_newest_keep_remain_and_never_more_on_disk(
+    tmp_path: Path, keep: int, kept: list[int]
+) -> None:
     root = tmp_path / "ckpt"
     peaks: list[int] = []
     for step in range(1, 9):
@@ -81,7 +83,9 @@ def test_after_n_saves_the_newest_keep_remain_and_never_more_on_disk(tmp_path: P
 
 
 @pytest.mark.parametrize(("keep", "back_to"), [(1, 3), (2, None), (0, None)])
-def test_with_one_checkpoint_the_log_reaches_back_to_the_start_unless_keep_is_1(tmp_path: Path, keep: int, back_to: int | None) -> None:
+def test_with_one_checkpoint_the_log_reaches_back_to_the_start_unless_keep_is_1(
+    tmp_path: Path, keep: int, back_to: int | None
+) -> None:
     """The first checkpoint has no spare but the model itself: with a spare wanted, the
     trained log is kept whole until there are two (a run that checkpoints only at its end
     keeps its whole log)."""
@@ -106,7 +110,16 @@ def test_an_operators_checkpoint_is_neither_resumed_nor_pruned(tmp_path: Path) -
 
 @pytest.mark.parametrize(
     "path",
-    ["step-99999999", "step-00000006", "STEP-00000006", "./step-1", "x/../step-7", "step-x/inner", ".step-00000009.tmp-1", ".hidden"],
+    [
+        "step-99999999",
+        "step-00000006",
+        "STEP-00000006",
+        "./step-1",
+        "x/../step-7",
+        "step-x/inner",
+        ".step-00000009.tmp-1",
+        ".hidden",
+    ],
 )
 def test_savecheckpoint_may_not_use_the_trainers_names(tmp_path: Path, path: str) -> None:
     root = tmp_path / "ckpt"

@@ -39,7 +39,13 @@ def entries(help_text: str) -> dict[str, str]:
 def test_every_option_has_help_and_shows_its_default(command: str) -> None:
     parser = subcommands()[command]
     rollstream = Path(sys.executable).parent / "rollstream"
-    shown = subprocess.run([str(rollstream), command, "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    shown = subprocess.run(
+        [str(rollstream), command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "300"},
+    )
     assert shown.returncode == 0, shown.stderr
     by_flag = entries(shown.stdout)
     options = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
@@ -59,7 +65,13 @@ def test_status_flags_and_variables_come_from_its_settings_class() -> None:
     from rollstream.launcher.cli import StatusSettings
 
     rollstream = Path(sys.executable).parent / "rollstream"
-    shown = subprocess.run([str(rollstream), "status", "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    shown = subprocess.run(
+        [str(rollstream), "status", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "300"},
+    )
     assert shown.returncode == 0, shown.stderr
     by_flag = entries(shown.stdout)
     assert "--redis-password" not in by_flag

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from synthetic import scored_groups
 from rollstream.core import modeling
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
@@ -19,6 +18,7 @@ from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.launcher.colocated import CopiedWeights
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.trainer import Trainer
+from synthetic import scored_groups
 
 
 @pytest.fixture
@@ -40,7 +40,9 @@ def same_bits(model: torch.nn.Module, trainer: Trainer) -> bool:
 
 
 def step(trainer: Trainer, seed: int) -> None:
-    trainer.train_and_push(scored_groups(seed, 2), targets=lambda: [], from_registry=False, record=lambda metrics, outcomes: None)
+    trainer.train_and_push(
+        scored_groups(seed, 2), targets=lambda: [], from_registry=False, record=lambda metrics, outcomes: None
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -53,7 +55,9 @@ def test_the_copy_is_the_trainers_published_bits_after_every_step(trainer: Train
         assert weights.version == trainer.version == seed
         assert same_bits(backend.model, trainer)
     published = trainer.publisher.bits()
-    assert any((start[name] != published[name]).any() for name in published), "the weights never moved: the check would prove nothing"
+    assert any((start[name] != published[name]).any() for name in published), (
+        "the weights never moved: the check would prove nothing"
+    )
 
 
 def test_a_replayed_step_is_copied_too(trainer: Trainer) -> None:
@@ -67,10 +71,14 @@ def test_a_replayed_step_is_copied_too(trainer: Trainer) -> None:
 def test_the_copy_samples_what_the_trainers_model_samples(trainer: Trainer) -> None:
     backend, _ = copy_of(trainer)
     step(trainer, 4)
-    requests = [SampleRequest(prompt_ids=[5, 9, 12, 3], n=3, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=11)]
+    requests = [
+        SampleRequest(prompt_ids=[5, 9, 12, 3], n=3, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=11)
+    ]
     own = backend.sample(requests)
     theirs = TransformersBackend.sharing(trainer.model, trainer.tokenizer).sample(requests)
-    assert [[(s.token_ids, s.logprobs) for s in g] for g in own] == [[(s.token_ids, s.logprobs) for s in g] for g in theirs]
+    assert [[(s.token_ids, s.logprobs) for s in g] for g in own] == [
+        [(s.token_ids, s.logprobs) for s in g] for g in theirs
+    ]
 
 
 def test_the_copy_waits_for_the_batch_being_sampled(trainer: Trainer) -> None:

@@ -254,7 +254,9 @@ def test_trainer_generators_json_list_from_env(monkeypatch: pytest.MonkeyPatch) 
     assert load_settings(TrainerSettings, []).generators == ["x:9", "y:8"]
 
 
-def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rollstream.trainer.config import auto_encode_threads
 
     assert [auto_encode_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
@@ -262,7 +264,9 @@ def test_delta_encode_threads_auto_is_half_the_cores_and_a_number_from_every_sou
     assert s.delta_encode_threads == "auto"
     assert s.encode_threads() == auto_encode_threads() == max(1, cpu_runtime.usable_cores() // 2)
     assert load_settings(TrainerSettings, ["--threads", "6"]).encode_threads() == 3  # torch's threads when set
-    assert load_settings(TrainerSettings, ["--delta-encode-threads", "0"]).encode_threads() == 0  # after the step, on the trainer's thread
+    assert (
+        load_settings(TrainerSettings, ["--delta-encode-threads", "0"]).encode_threads() == 0
+    )  # after the step, on the trainer's thread
     monkeypatch.setenv("ROLLSTREAM_DELTA_ENCODE_THREADS", "5")
     assert load_settings(TrainerSettings, []).encode_threads() == 5
     monkeypatch.delenv("ROLLSTREAM_DELTA_ENCODE_THREADS")
@@ -296,7 +300,10 @@ def test_trainer_betas_from_flag() -> None:
 def test_trainer_generators_json_list_from_flag_and_repeated_flags() -> None:
     assert load_settings(TrainerSettings, ["--generators", '["a:1", "b:2"]']).generators == ["a:1", "b:2"]
     assert load_settings(TrainerSettings, ["--generators", "a:1", "--generators", "b:2"]).generators == ["a:1", "b:2"]
-    assert load_settings(TrainerSettings, ["--lora-target-modules", "q_proj,v_proj"]).lora_target_modules == ["q_proj", "v_proj"]
+    assert load_settings(TrainerSettings, ["--lora-target-modules", "q_proj,v_proj"]).lora_target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
     assert load_settings(TrainerSettings, []).lora_target_modules == ["all-linear"]
 
 

@@ -44,7 +44,10 @@ pytestmark = pytest.mark.skipif(cpu_runtime._libc() is None, reason="not glibc: 
 
 def probe(mode: str, env: dict[str, str] | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, **(env or {})},
     )
     return json.loads(out.stdout)
@@ -79,7 +82,13 @@ def test_torch_services_make_openmp_threads_sleep_unless_told_otherwise(service:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+    )
     assert out.stdout.strip() == "ACTIVE"
 
 
@@ -97,7 +106,9 @@ def test_torch_services_make_openmp_threads_sleep_unless_told_otherwise(service:
         ({"cpu.max": "400000 0\n"}, None),
     ],
 )
-def test_usable_cores_caps_the_affinity_by_the_cgroup_quota(tmp_path: Path, files: dict[str, str], expected: int | None) -> None:
+def test_usable_cores_caps_the_affinity_by_the_cgroup_quota(
+    tmp_path: Path, files: dict[str, str], expected: int | None
+) -> None:
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)

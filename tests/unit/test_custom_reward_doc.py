@@ -19,8 +19,12 @@ def test_the_doc_script_is_the_examples_script() -> None:
     blocks = re.findall(r"```lua\n(.*?)```", doc, re.DOTALL)
     assert len(blocks) == 1, "one commit script in the doc"
     script = _code(blocks[0])
-    python = re.search(r'COMMIT = """\n(.*?)"""', (ROOT / "examples" / "custom_reward" / "parity_reward.py").read_text(), re.DOTALL)
-    node = re.search(r"const COMMIT = `\n(.*?)`;", (ROOT / "examples" / "custom_reward_node" / "reward.js").read_text(), re.DOTALL)
+    python = re.search(
+        r'COMMIT = """\n(.*?)"""', (ROOT / "examples" / "custom_reward" / "parity_reward.py").read_text(), re.DOTALL
+    )
+    node = re.search(
+        r"const COMMIT = `\n(.*?)`;", (ROOT / "examples" / "custom_reward_node" / "reward.js").read_text(), re.DOTALL
+    )
     assert python is not None and node is not None
     assert _code(python.group(1)) == script
     assert _code(node.group(1)) == script

@@ -24,9 +24,14 @@ def test_json_safe_nulls_non_finite_floats_at_any_depth() -> None:
 def test_steps_route_serves_a_log_with_nan_and_huge_values(tmp_path: Path) -> None:
     log = tmp_path / "steps.jsonl"
     # json.loads accepts the NaN / Infinity tokens some writers emit; the route must not pass them on.
-    log.write_text('{"step": 1, "loss": NaN, "reward_mean": 0.5}\n{"step": 2, "loss": Infinity, "reward_mean": 1e308}\n')
+    log.write_text(
+        '{"step": 1, "loss": NaN, "reward_mean": 0.5}\n{"step": 2, "loss": Infinity, "reward_mean": 1e308}\n'
+    )
     app = FastAPI()
-    unreachable = dashboard.PipelineView(lambda: redis_policy.connect("redis://127.0.0.1:1/0", socket_timeout_s=0.2, connect_timeout_s=0.2), RunKeys("nan"))
+    unreachable = dashboard.PipelineView(
+        lambda: redis_policy.connect("redis://127.0.0.1:1/0", socket_timeout_s=0.2, connect_timeout_s=0.2),
+        RunKeys("nan"),
+    )
     dashboard.install(app, unreachable, str(log))
     client = TestClient(app)
     reply = client.get("/api/steps")

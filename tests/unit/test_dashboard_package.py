@@ -14,7 +14,9 @@ CORE = Path(__file__).resolve().parents[2] / "core"
 
 
 def test_static_files_are_package_data() -> None:
-    patterns = tomllib.loads((CORE / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["rollstream.core"]
+    patterns = tomllib.loads((CORE / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "rollstream.core"
+    ]
     static = CORE / "src" / "rollstream" / "core" / "static"
     files = sorted(p.name for p in static.iterdir() if p.is_file())
     assert files == ["dashboard.html", "dashboard.js"]

@@ -15,10 +15,10 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 import torch
 import xxhash
 import zstandard
+from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 
 from rollstream.core import deltas, safetensors_io, weight_store, weight_transfer
 from rollstream.core.deltas import DeltaError
@@ -95,7 +95,9 @@ def make_scenario() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], str]:
     pos = np.flatnonzero(rng.random(flat.size) < 0.4)
     _bump(flat, pos, rng.choice([-1, 1], size=pos.size))
     # (b) dense random changes: every value replaced by random bits.
-    new["model.layers.0.self_attn.q_proj.weight"] = _finite(rng.integers(0, 2**16, size=SHAPES["model.layers.0.self_attn.q_proj.weight"], dtype=np.uint16))
+    new["model.layers.0.self_attn.q_proj.weight"] = _finite(
+        rng.integers(0, 2**16, size=SHAPES["model.layers.0.self_attn.q_proj.weight"], dtype=np.uint16)
+    )
     # (c) "model.norm.weight" and "scalar_like" stay unchanged.
     # (d) uint16 wrap-around of the steps with finite values (the 0xFFFF/0x0000 edge is NaN
     # in bf16): sign flips at -max, +0, +max, -tiny, steps of 0x8000, two of them wrapping.
@@ -332,7 +334,9 @@ def _part_span(payload: bytes, name: str) -> tuple[int, int]:
 
 def _zstd_parts(payload: bytes) -> list[str]:
     table = json.loads(safetensors_io.loads(payload)[0]["tensors"])
-    return [f"{n}::pos" for n, t in table.items() if t["pos_zstd"]] + [f"{n}::val" for n, t in table.items() if t["val_zstd"]]
+    return [f"{n}::pos" for n, t in table.items() if t["pos_zstd"]] + [
+        f"{n}::val" for n, t in table.items() if t["val_zstd"]
+    ]
 
 
 def test_refuses_flipped_bytes_in_a_zstd_frame_header(scenario) -> None:
@@ -424,7 +428,10 @@ def test_chunks_round_trip_several_payloads_in_one_stream(scenario) -> None:
     for (header, payload), (sent, info) in zip(out, items, strict=True):
         assert payload == sent
         assert (header.kind, header.base_version, header.version, header.model_fingerprint) == (
-            info.kind, info.base_version, info.version, info.fingerprint,
+            info.kind,
+            info.base_version,
+            info.version,
+            info.fingerprint,
         )
         assert header.total_bytes == len(sent) and header.sha256 == hashlib.sha256(sent).hexdigest()
     # And what came out decodes to the new weights.
@@ -489,7 +496,9 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
     rng = np.random.default_rng(7)
     shapes = {"emb": (97, 33), "ln": (33,), "head": (200, 33), "one": (1,)}
     history = [_random_bits(rng, shapes)]
-    pub = WeightPublisher(history[0], anchor_interval=3, anchor_dir=tmp_path / "anchor" if anchor_in == "file" else None)
+    pub = WeightPublisher(
+        history[0], anchor_interval=3, anchor_dir=tmp_path / "anchor" if anchor_in == "file" else None
+    )
     assert pub.version == 0
     for step in range(8):
         history.append(_evolve(rng, history[-1], step))
@@ -526,7 +535,10 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
         assert [type(p.payload).__name__ for p in from_nothing] == ["PayloadFile"] * 3
         assert isinstance(published.payload, bytes) and published.payload == from_nothing[2].data()
         assert sorted(f.name for f in (tmp_path / "anchor").iterdir()) == [
-            "anchor.safetensors", "chain.json", "delta-00000007.safetensors", "delta-00000008.safetensors",
+            "anchor.safetensors",
+            "chain.json",
+            "delta-00000007.safetensors",
+            "delta-00000008.safetensors",
         ]
         stored_anchor, stored_chain = weight_store.read_manifest(tmp_path / "anchor")
         assert [p.file for p in (stored_anchor, *stored_chain)] == [p.payload.path.name for p in from_nothing]
@@ -552,7 +564,9 @@ def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_pa
     assert isinstance(b.payload, PayloadFile) and b.data() == a.payload
     assert b.header() == a.header()
     assert [c.data for c in b.chunks()] == [c.data for c in a.chunks()]
-    chunks = list(weight_transfer.to_chunks(b.payload, b.info, chunk_bytes=4096, header=b.header()))  # several, the last one short
+    chunks = list(
+        weight_transfer.to_chunks(b.payload, b.info, chunk_bytes=4096, header=b.header())
+    )  # several, the last one short
     assert len(chunks) > 2 and chunks[0].header == a.header() and b"".join(c.data for c in chunks) == a.payload
     assert weight_transfer.make_header(b.payload, b.info, chunk_bytes=4096) == a.header()  # hashed piece by piece
     assert sorted(f.name for f in tmp_path.iterdir()) == [b.payload.path.name, "chain.json"]
@@ -560,7 +574,10 @@ def test_an_anchor_kept_in_a_file_is_the_same_payload_and_leaves_one_file(tmp_pa
         bits = _evolve(rng, bits, step)
         in_file.publish(bits)
     newer = in_file.catch_up_payloads(-1, "")[0]
-    assert newer.info.version == 2 and sorted(f.name for f in tmp_path.iterdir()) == [newer.payload.path.name, "chain.json"]
+    assert newer.info.version == 2 and sorted(f.name for f in tmp_path.iterdir()) == [
+        newer.payload.path.name,
+        "chain.json",
+    ]
     assert b.data() == a.payload  # unlinked, still readable by whoever holds it
     in_file.close()
     assert list(tmp_path.iterdir()) == []
@@ -578,7 +595,10 @@ def test_an_anchor_that_cannot_be_written_stays_in_memory(tmp_path: Path) -> Non
     with mock.patch("builtins.open", side_effect=OSError(28, "No space left on device")):
         pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path)
     anchor = pub.catch_up_payloads(-1, "")[0]
-    assert isinstance(anchor.payload, bytes) and anchor.data() == WeightPublisher(bits, anchor_interval=2).catch_up_payloads(-1, "")[0].payload
+    assert (
+        isinstance(anchor.payload, bytes)
+        and anchor.data() == WeightPublisher(bits, anchor_interval=2).catch_up_payloads(-1, "")[0].payload
+    )
     # A directory that cannot be made (a file in the way) is the same: memory, no exception.
     (tmp_path / "taken").write_bytes(b"")
     pub = WeightPublisher(bits, anchor_interval=2, anchor_dir=tmp_path / "taken" / "anchor")
@@ -669,12 +689,22 @@ def test_refuses_a_malformed_delta_table_without_crashing() -> None:
     shapes = {"w": (16,)}
     held = _finite_bits(rng, shapes)
     fp = deltas.model_fingerprint(shapes)
-    meta = {"format": deltas.FORMAT, "format_version": deltas.FORMAT_VERSION, "kind": "delta", "base_version": "1", "version": "2", "fingerprint": fp}
+    meta = {
+        "format": deltas.FORMAT,
+        "format_version": deltas.FORMAT_VERSION,
+        "kind": "delta",
+        "base_version": "1",
+        "version": "2",
+        "fingerprint": fp,
+    }
     for table, match in [
         ("[1, 2]", "tensor table is a JSON list"),
         ('{"w": 5}', "w: delta entry 5 is not an object"),
         ('{"w": {"count": 1}}', r"w: delta shape None != held \[16\]"),
-        ('{"w": {"shape": [16], "count": null, "pos": "idx", "pos_zstd": false, "val": "bf16", "val_zstd": false, "xxh3": ""}}', "w: corrupt delta"),
+        (
+            '{"w": {"shape": [16], "count": null, "pos": "idx", "pos_zstd": false, "val": "bf16", "val_zstd": false, "xxh3": ""}}',
+            "w: corrupt delta",
+        ),
         ("[" * 100_000, "no valid tensor table"),
     ]:
         parts = {"w::pos": np.zeros(4, np.uint8), "w::val": np.zeros(2, np.uint8)}
@@ -721,7 +751,9 @@ def test_a_delta_added_piece_by_piece_in_any_order_is_the_same_bytes(scenario, t
     rng.shuffle(work)
     pool = ThreadPoolExecutor(threads) if threads else None
     try:
-        encoder = deltas.DeltaEncoder(new, 3, 4, fp, executor=pool, max_pending_bytes=4096)  # `new` as the base: in-place layout
+        encoder = deltas.DeltaEncoder(
+            new, 3, 4, fp, executor=pool, max_pending_bytes=4096
+        )  # `new` as the base: in-place layout
         for name, lo, hi in work:
             old = base[name].reshape(-1)[lo:hi].copy()
             encoder.add_piece(name, lo, old, new[name].reshape(-1)[lo:hi])
@@ -755,7 +787,9 @@ def test_pieces_that_overlap_or_leave_a_gap_are_refused(scenario) -> None:
     assert payload == deltas.encode_delta(base, new, 0, 1, fp)[0]
 
 
-def _reference_delta(base: dict[str, np.ndarray], new: dict[str, np.ndarray], base_version: int, version: int, fp: str) -> bytes:
+def _reference_delta(
+    base: dict[str, np.ndarray], new: dict[str, np.ndarray], base_version: int, version: int, fp: str
+) -> bytes:
     """The delta format spelled out a whole tensor at a time (int64 positions, every candidate
     made at once, the smallest kept, the first of equals): the bytes the encoder's chunked,
     piece-by-piece path must reproduce exactly."""
@@ -775,10 +809,21 @@ def _reference_delta(base: dict[str, np.ndarray], new: dict[str, np.ndarray], ba
         idx = np.flatnonzero(b != n)
         if idx.size == 0:
             continue
-        pos_kind, pos, pos_z = smallest([("mask", np.packbits(b != n).tobytes()), ("idx", np.diff(idx, prepend=0).astype("<u4").tobytes())])
-        val_kind, val, val_z = smallest([("bf16", n[idx].astype("<u2").tobytes()), ("ulp", (n[idx] - b[idx]).astype("<u2").tobytes())])
-        infos[name] = {"shape": list(base[name].shape), "count": int(idx.size), "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z,
-                       "xxh3": xxhash.xxh3_64_hexdigest(np.ascontiguousarray(new[name]).data)}
+        pos_kind, pos, pos_z = smallest(
+            [("mask", np.packbits(b != n).tobytes()), ("idx", np.diff(idx, prepend=0).astype("<u4").tobytes())]
+        )
+        val_kind, val, val_z = smallest(
+            [("bf16", n[idx].astype("<u2").tobytes()), ("ulp", (n[idx] - b[idx]).astype("<u2").tobytes())]
+        )
+        infos[name] = {
+            "shape": list(base[name].shape),
+            "count": int(idx.size),
+            "pos": pos_kind,
+            "pos_zstd": pos_z,
+            "val": val_kind,
+            "val_zstd": val_z,
+            "xxh3": xxhash.xxh3_64_hexdigest(np.ascontiguousarray(new[name]).data),
+        }
         arrays[f"{name}::pos"] = np.frombuffer(pos, np.uint8)
         arrays[f"{name}::val"] = np.frombuffer(val, np.uint8)
     meta = deltas._meta("delta", base_version, version, fp, tensors=json.dumps(infos, separators=(",", ":")))
@@ -820,7 +865,11 @@ def test_a_tensor_too_large_for_uint32_positions_is_refused() -> None:
 
 
 def test_dumps_taking_is_dumps_and_lets_go_of_the_tensors() -> None:
-    tensors = {"a::pos": np.arange(7, dtype=np.uint8), "b": np.array([0x3F80, 0xBF80], np.uint16), "c::val": np.zeros(0, np.uint8)}
+    tensors = {
+        "a::pos": np.arange(7, dtype=np.uint8),
+        "b": np.array([0x3F80, 0xBF80], np.uint16),
+        "c::val": np.zeros(0, np.uint8),
+    }
     expected = safetensors_io.dumps(tensors, {"k": "v"}, bf16={"b"})
     taken = dict(tensors)
     assert safetensors_io.dumps_taking(taken, {"k": "v"}, bf16={"b"}) == expected

@@ -4,12 +4,14 @@ tests/integration/test_status.py for the same states built in a real Redis."""
 
 from __future__ import annotations
 
-from rollstream.core.diagnose import Consumer, Group, Snapshot, StreamState, Thresholds, diagnose, rate, PIPELINE
+from rollstream.core.diagnose import PIPELINE, Consumer, Group, Snapshot, StreamState, Thresholds, diagnose, rate
 
 T = Thresholds(idle_s=60.0, max_staleness=1, crash_restarts=3)
 
 
-def stream(length: int, group: str | None = None, pending: int = 0, lag: int = 0, idle: tuple[float, ...] = (1.0,)) -> StreamState:
+def stream(
+    length: int, group: str | None = None, pending: int = 0, lag: int = 0, idle: tuple[float, ...] = (1.0,)
+) -> StreamState:
     if group is None:
         return StreamState(length=length, exists=True)
     consumers = tuple(Consumer(f"{group}-{i}", pending if i == 0 else 0, s) for i, s in enumerate(idle))
@@ -26,7 +28,9 @@ def healthy(**over) -> dict:
             "ready": stream(8, "trainer", pending=8, lag=0),
         },
         counters={"generated": 40, "scored": 40, "trained": 32, "groups_per_step": 8, "step": 4},
-        trainer_version=4, trainer_step=4, generators={"g0": 4},
+        trainer_version=4,
+        trainer_step=4,
+        generators={"g0": 4},
     )
     base.update(over)
     return base
@@ -43,7 +47,11 @@ def test_a_training_trainer_is_the_bottleneck() -> None:
 
 def test_trainer_waiting_names_the_nearest_stage_with_a_backlog() -> None:
     s = healthy()
-    s["streams"] = {**s["streams"], "rollouts": stream(5, "reward", pending=2, lag=3), "ready": stream(0, "trainer", pending=3)}
+    s["streams"] = {
+        **s["streams"],
+        "rollouts": stream(5, "reward", pending=2, lag=3),
+        "ready": stream(0, "trainer", pending=3),
+    }
     prev = Snapshot(**{**s, "at": 90.0, "counters": {**s["counters"], "scored": 30}})
     f = head(Snapshot(**s), prev)
     assert (f.level, f.stage) == ("info", "reward")
@@ -91,8 +99,20 @@ def test_a_stage_whose_backlog_grows_while_it_consumes_nothing() -> None:
 
 
 def test_generators_behind_the_trainer() -> None:
-    f = head(Snapshot(**healthy(trainer_version=7, generators={"g0": 7, "g1": 3}, counters={**healthy()["counters"], "pushes_not_applied": 4})))
-    assert (f.level, f.stage) == ("warn", "g1") and "at policy v3, the trainer at v7: 4 versions behind" in f.reason and "4)" in f.reason
+    f = head(
+        Snapshot(
+            **healthy(
+                trainer_version=7,
+                generators={"g0": 7, "g1": 3},
+                counters={**healthy()["counters"], "pushes_not_applied": 4},
+            )
+        )
+    )
+    assert (
+        (f.level, f.stage) == ("warn", "g1")
+        and "at policy v3, the trainer at v7: 4 versions behind" in f.reason
+        and "4)" in f.reason
+    )
     assert head(Snapshot(**healthy(generators={"g0": None}))).reason.startswith("holds no weights")
     assert head(Snapshot(**healthy(generators={}))).reason.startswith("no generator registered")
 
@@ -100,7 +120,11 @@ def test_generators_behind_the_trainer() -> None:
 def test_dead_letters_growing() -> None:
     prev = Snapshot(**healthy(dead=2))
     f = head(Snapshot(**healthy(at=110.0, dead=5, last_dead={"rollouts": "reward 1e9 out of range"})), prev)
-    assert (f.level, f.stage) == ("warn", "dead letters") and "+3 since the last look (5 in all)" in f.reason and "rollouts: reward 1e9" in f.reason
+    assert (
+        (f.level, f.stage) == ("warn", "dead letters")
+        and "+3 since the last look (5 in all)" in f.reason
+        and "rollouts: reward 1e9" in f.reason
+    )
     assert head(Snapshot(**healthy(at=120.0, dead=5)), Snapshot(**healthy(dead=5))).level == "info"  # not growing
 
 
@@ -122,7 +146,10 @@ def test_a_crash_loop() -> None:
     assert (f.level, f.stage) == ("stuck", "reward-0") and "restarted 3 times" in f.reason
     f = head(Snapshot(**healthy(at=130.0, restarts={"trainer": 2})), Snapshot(**healthy(restarts={"trainer": 1})))
     assert (f.level, f.stage) == ("stuck", "trainer") and "(1 since the last look)" in f.reason
-    assert head(Snapshot(**healthy(at=130.0, restarts={"trainer": 1})), Snapshot(**healthy(restarts={"trainer": 1}))).level == "info"
+    assert (
+        head(Snapshot(**healthy(at=130.0, restarts={"trainer": 1})), Snapshot(**healthy(restarts={"trainer": 1}))).level
+        == "info"
+    )
 
 
 def test_an_empty_run_is_ok_and_rates_need_two_looks() -> None:
@@ -152,4 +179,6 @@ def test_held_out_groups_count_as_the_trainers_progress() -> None:
     cur = Snapshot(**{**s, "counters": {**s["counters"], "evaluated": 10}})
     assert rate(prev, cur, PIPELINE[-1]) == 1.0
     assert all(f.stage != "trainer" or f.level != "stuck" for f in diagnose(cur, prev, T))
-    assert any(f.level == "stuck" and f.stage == "trainer" for f in diagnose(Snapshot(**s), prev, T))  # nothing done: not reading
+    assert any(
+        f.level == "stuck" and f.stage == "trainer" for f in diagnose(Snapshot(**s), prev, T)
+    )  # nothing done: not reading

@@ -33,7 +33,9 @@ def test_a_name_that_does_not_resolve_gives_nobody() -> None:
     assert discovery.resolve_all("no-such-generator.invalid:50051") == []
 
 
-@pytest.mark.parametrize("bad", ["localhost", "localhost:", ":50051", "localhost:0", "localhost:70000", "localhost:http"])
+@pytest.mark.parametrize(
+    "bad", ["localhost", "localhost:", ":50051", "localhost:0", "localhost:70000", "localhost:http"]
+)
 def test_a_target_without_a_usable_port_is_refused(bad: str) -> None:
     with pytest.raises(discovery.DiscoveryError):
         discovery.resolve_all(bad)
@@ -77,7 +79,10 @@ def test_registry_forgets_generators_that_stop_beating(rclient: redis.Redis, key
 def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from rollstream.core.config import load_settings
 
-    assert load_settings(TrainerSettings, ["--generators-dns", "gen-headless.ns.svc:50051"]).generators_dns == "gen-headless.ns.svc:50051"
+    assert (
+        load_settings(TrainerSettings, ["--generators-dns", "gen-headless.ns.svc:50051"]).generators_dns
+        == "gen-headless.ns.svc:50051"
+    )
     monkeypatch.setenv("ROLLSTREAM_GENERATORS_DNS", "gen.ns.svc:50051")
     assert load_settings(TrainerSettings, []).generators_dns == "gen.ns.svc:50051"
 

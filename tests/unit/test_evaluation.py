@@ -19,8 +19,11 @@ from rollstream.v1 import rollout_pb2
 def completion(reward: float, **components: tuple[float, float]) -> rollout_pb2.Completion:
     """A scored completion; components name -> (value, weight)."""
     return rollout_pb2.Completion(
-        token_ids=[1, 2, 3], reward=reward,
-        reward_components=[rollout_pb2.RewardComponent(name=n, value=v, weight=w, status="ok") for n, (v, w) in components.items()],
+        token_ids=[1, 2, 3],
+        reward=reward,
+        reward_components=[
+            rollout_pb2.RewardComponent(name=n, value=v, weight=w, status="ok") for n, (v, w) in components.items()
+        ],
     )
 
 
@@ -39,8 +42,12 @@ def test_full_marks_is_the_answer_component_where_there_is_one() -> None:
 def test_a_rounds_figures_follow_the_docstrings_formulas() -> None:
     # 2 prompts x 3 samples: prompt a right once, prompt b never.
     r = Round(step=4, fed=3, fed_at=0.0)
-    r.results["run-eval-00000004-00000"] = Result(version=4, rewards=[1.0, 0.0, 0.1], correct=[True, False, False], tokens=30)
-    r.results["run-eval-00000004-00001"] = Result(version=5, rewards=[0.0, 0.0, 0.0], correct=[False, False, False], tokens=12)
+    r.results["run-eval-00000004-00000"] = Result(
+        version=4, rewards=[1.0, 0.0, 0.1], correct=[True, False, False], tokens=30
+    )
+    r.results["run-eval-00000004-00001"] = Result(
+        version=5, rewards=[0.0, 0.0, 0.0], correct=[False, False, False], tokens=12
+    )
     m = r.metrics(samples=3)
     assert (m.step, m.version, m.version_max, m.prompts, m.prompts_fed, m.samples) == (4, 4, 5, 2, 3, 3)
     assert m.reward_mean == pytest.approx(1.1 / 6)
@@ -54,7 +61,9 @@ def test_a_rounds_figures_follow_the_docstrings_formulas() -> None:
 def test_a_result_survives_its_json() -> None:
     result = Result(version=7, rewards=[1.0, -0.5], correct=[True, False], tokens=9)
     assert Result.from_json(result.to_json()) == result
-    group = rollout_pb2.RolloutGroup(policy_version=3, completions=[completion(1.1, answer=(1.0, 1.0)), completion(0.0, answer=(0.0, 1.0))])
+    group = rollout_pb2.RolloutGroup(
+        policy_version=3, completions=[completion(1.1, answer=(1.0, 1.0)), completion(0.0, answer=(0.0, 1.0))]
+    )
     assert Result.of(group) == Result(version=3, rewards=[pytest.approx(1.1), 0.0], correct=[True, False], tokens=6)
 
 
@@ -71,7 +80,9 @@ def test_the_held_out_set_is_distinct_fixed_and_not_the_training_prompts() -> No
 def test_held_out_rows_of_a_file_are_each_taken_once(tmp_path: Path) -> None:
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))
-    s = TrainerSettings(eval_prompts=20, task="jsonl", dataset_path=str(path), eval_dataset_path=str(path), task_kind="exact")
+    s = TrainerSettings(
+        eval_prompts=20, task="jsonl", dataset_path=str(path), eval_dataset_path=str(path), task_kind="exact"
+    )
     held_out = prompts.held_out(s)
     assert sorted(p.answer for p in held_out) == ["0", "1", "2", "3", "4"]
     assert all(p.task_kind == "exact" for p in held_out)
@@ -94,8 +105,19 @@ def test_rollstream_eval_flags_become_ups(tmp_path: Path) -> None:
     (run / "model" / "config.json").write_text("{}")
     argv = eval_argv(["--model", str(run), "--dataset=data.jsonl", "--samples", "4", "--generator.backend", "vllm"])
     assert argv == [
-        "--model", str(run / "model"), "--trainer.eval-dataset-path", "data.jsonl", "--trainer.eval-samples", "4",
-        "--generator.backend", "vllm", "--trainer.eval-prompts", str(EVAL_PROMPTS), "--run", "eval", "--trainer.eval-only",
+        "--model",
+        str(run / "model"),
+        "--trainer.eval-dataset-path",
+        "data.jsonl",
+        "--trainer.eval-samples",
+        "4",
+        "--generator.backend",
+        "vllm",
+        "--trainer.eval-prompts",
+        str(EVAL_PROMPTS),
+        "--run",
+        "eval",
+        "--trainer.eval-only",
     ]
     # A model folder stays as it is; --prompts and --run are kept.
     argv = eval_argv(["--model", str(tmp_path), "--prompts", "7", "--run", "mine"])

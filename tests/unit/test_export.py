@@ -61,13 +61,17 @@ def trained(model_dir: Path, root: Path, **overrides: object) -> Iterator[Run]:
     torch.set_num_threads(1)  # module-scoped: one_thread is not there yet
     r = Run(model_dir, root, **overrides)
     torch.set_num_threads(before)
-    assert any(not np.array_equal(r.served[n], b) for n, b in modeling.model_bits(modeling.load_model(model_dir)[0]).items())  # it moved
+    assert any(
+        not np.array_equal(r.served[n], b) for n, b in modeling.model_bits(modeling.load_model(model_dir)[0]).items()
+    )  # it moved
     yield r
     r.trainer.close()
 
 
 @pytest.fixture(scope="module", params=list(FULL))
-def run(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Run]:
     """Full fine-tuning, in the split and the fp32 master layout."""
     yield from trained(tiny_model_dir, tmp_path_factory.mktemp(request.param), **FULL[request.param])
 
@@ -109,7 +113,12 @@ def test_full_weights_are_served_bits_and_masters(run: Run, tmp_path: Path) -> N
             assert got[name].dtype == torch.bfloat16 and np.array_equal(bits(got[name]), served), name
         assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
         record = json.loads((folder / export.MARKER).read_text())
-        assert (record["kind"], record["step"], record["version"], record["dtype"]) == ("full", STEPS, STEPS, "bfloat16")
+        assert (record["kind"], record["step"], record["version"], record["dtype"]) == (
+            "full",
+            STEPS,
+            STEPS,
+            "bfloat16",
+        )
     for folder in both_exports(run, tmp_path, "float32"):
         got = weights_of(folder)
         assert got.keys() == run.masters.keys()
@@ -124,12 +133,16 @@ def test_lora_adapter_and_merge(lora_run: Run, tmp_path: Path) -> None:
     run = lora_run
     adapter_bits = run.trainer.optimizer.published_bits()
     for folder in both_exports(run, tmp_path, "bfloat16"):
-        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= {
+            p.name for p in folder.iterdir()
+        }
         assert not (folder / "config.json").exists()  # an adapter, not a model
         saved = load_file(str(folder / "adapter_model.safetensors"))
         assert saved.keys() == {peft_name(n) for n in adapter_bits}
         for name, served in adapter_bits.items():
-            assert saved[peft_name(name)].dtype == torch.bfloat16 and np.array_equal(bits(saved[peft_name(name)]), served), name
+            assert saved[peft_name(name)].dtype == torch.bfloat16 and np.array_equal(
+                bits(saved[peft_name(name)]), served
+            ), name
         # peft loads it onto the base the trainer trained on (its bf16 rounding), and its own
         # merge, in fp32, rounds to the served bits.
         base, _ = modeling.load_model(run.model_dir)
@@ -165,14 +178,21 @@ def test_transformers_loads_and_generates(kind: str, run: Run, lora_run: Run, tm
     merge = kind == "lora-merged"
     run = lora_run if merge else run
     folder = export.export(export.from_trainer(run.trainer), tmp_path / "model", merge=merge)
-    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)  # Any: generate's typing wants a GenerativePreTrainedModel
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(folder), local_files_only=True
+    )  # Any: generate's typing wants a GenerativePreTrainedModel
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     assert model.dtype == torch.bfloat16
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+    )
     assert isinstance(text, str) and text.endswith("<|im_start|>assistant\n")  # the chat template came along
     inputs = tokenizer(text, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    assert isinstance(out, torch.Tensor) and inputs["input_ids"].shape[1] < out.shape[1] <= inputs["input_ids"].shape[1] + 4
+    assert (
+        isinstance(out, torch.Tensor)
+        and inputs["input_ids"].shape[1] < out.shape[1] <= inputs["input_ids"].shape[1] + 4
+    )
     assert (folder / "generation_config.json").is_file()
 
 
@@ -206,7 +226,9 @@ def test_a_trainer_continues_from_the_export(kind: str, run: Run, lora_run: Run,
 
 
 @pytest.mark.parametrize("kind", ["full", "lora-merged"])
-def test_cli_exports_the_latest_or_the_step_asked(kind: str, run: Run, lora_run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exports_the_latest_or_the_step_asked(
+    kind: str, run: Run, lora_run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     merge = ["--merge"] if kind == "lora-merged" else []
     run = lora_run if merge else run
     out = tmp_path / "model"
@@ -216,7 +238,10 @@ def test_cli_exports_the_latest_or_the_step_asked(kind: str, run: Run, lora_run:
         assert str(out) in capsys.readouterr().out
         got = weights_of(out)
         assert all(np.array_equal(bits(got[n]), b) for n, b in run.served.items())
-    assert cli.main_code(["export", str(run.root), "--step", str(STEPS), "--dtype", "float32", "--out", str(out), *merge]) == 0
+    assert (
+        cli.main_code(["export", str(run.root), "--step", str(STEPS), "--dtype", "float32", "--out", str(out), *merge])
+        == 0
+    )
     assert json.loads((out / export.MARKER).read_text())["dtype"] == "float32"
 
 

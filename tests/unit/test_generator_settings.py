@@ -14,11 +14,40 @@ from rollstream.generator.config import GeneratorSettings
 def test_vllm_engine_settings_from_flags() -> None:
     s = load_settings(
         GeneratorSettings,
-        ["--backend", "vllm", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.6", "--max-model-len", "4096",
-         "--dtype", "bfloat16", "--in-flight", "interleave", "--enforce-eager", "--device", "cuda"],
+        [
+            "--backend",
+            "vllm",
+            "--tensor-parallel-size",
+            "2",
+            "--gpu-memory-utilization",
+            "0.6",
+            "--max-model-len",
+            "4096",
+            "--dtype",
+            "bfloat16",
+            "--in-flight",
+            "interleave",
+            "--enforce-eager",
+            "--device",
+            "cuda",
+        ],
     )
-    assert (s.backend, s.tensor_parallel_size, s.gpu_memory_utilization, s.max_model_len, s.dtype, s.in_flight, s.enforce_eager) == (
-        "vllm", 2, 0.6, 4096, "bfloat16", "interleave", True,
+    assert (
+        s.backend,
+        s.tensor_parallel_size,
+        s.gpu_memory_utilization,
+        s.max_model_len,
+        s.dtype,
+        s.in_flight,
+        s.enforce_eager,
+    ) == (
+        "vllm",
+        2,
+        0.6,
+        4096,
+        "bfloat16",
+        "interleave",
+        True,
     )
 
 
@@ -58,9 +87,14 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tiny_model_dir) -> None:
 
 
 def test_gpu_ids_become_cuda_visible_devices(monkeypatch) -> None:
-    s = load_settings(GeneratorSettings, ["--backend", "vllm", "--device", "cuda", "--tensor-parallel-size", "2", "--gpu-ids", "2, 3"])
+    s = load_settings(
+        GeneratorSettings, ["--backend", "vllm", "--device", "cuda", "--tensor-parallel-size", "2", "--gpu-ids", "2, 3"]
+    )
     assert s.visible_devices() == "2,3"
     monkeypatch.setenv("ROLLSTREAM_GPU_IDS", "GPU-6f2c1a7e-0d4b-4c1e-9f0a-1b2c3d4e5f60")
-    assert load_settings(GeneratorSettings, ["--device", "cuda"]).visible_devices() == "GPU-6f2c1a7e-0d4b-4c1e-9f0a-1b2c3d4e5f60"
+    assert (
+        load_settings(GeneratorSettings, ["--device", "cuda"]).visible_devices()
+        == "GPU-6f2c1a7e-0d4b-4c1e-9f0a-1b2c3d4e5f60"
+    )
     monkeypatch.delenv("ROLLSTREAM_GPU_IDS")
     assert load_settings(GeneratorSettings, []).visible_devices() == ""

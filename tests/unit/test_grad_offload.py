@@ -51,7 +51,16 @@ def _xs(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _offloaded(model: torch.nn.Module, layout: MasterLayout = "split") -> HostAdamW:
-    return HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, grad_offload=True, bucket_mb=TINY_BUCKET_MB, moments_dtype="float32")
+    return HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout=layout,
+        grad_offload=True,
+        bucket_mb=TINY_BUCKET_MB,
+        moments_dtype="float32",
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +69,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["split", "fp32"])
-def test_accumulator_and_step_have_the_bits_of_the_synchronous_offload(layout: MasterLayout, dtype: torch.dtype) -> None:
+def test_accumulator_and_step_have_the_bits_of_the_synchronous_offload(
+    layout: MasterLayout, dtype: torch.dtype
+) -> None:
     model = _net(dtype)
     twin = copy.deepcopy(model)  # the same model without hooks: the synchronous reference
     opt = _offloaded(model, layout)
@@ -69,7 +80,15 @@ def test_accumulator_and_step_have_the_bits_of_the_synchronous_offload(layout: M
     # The reference step: a HostAdamW on fp32 copies of the weights, fed the synchronously
     # accumulated gradients as plain .grad.
     ref_params = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in model.named_parameters()}
-    ref_opt = HostAdamW(ref_params, lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, bucket_mb=TINY_BUCKET_MB, moments_dtype="float32")
+    ref_opt = HostAdamW(
+        ref_params,
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout=layout,
+        bucket_mb=TINY_BUCKET_MB,
+        moments_dtype="float32",
+    )
     xs = _xs(12)
     for step in range(4):
         acc = {n: torch.zeros(p.numel()) for n, p in twin.named_parameters()}
@@ -140,7 +159,15 @@ def _small_xs(n: int, seed: int) -> list[torch.Tensor]:
 
 
 def _small_offloaded(model: torch.nn.Module) -> HostAdamW:
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, grad_offload=True, bucket_mb=SMALL_BUCKET_MB, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        grad_offload=True,
+        bucket_mb=SMALL_BUCKET_MB,
+        moments_dtype="float32",
+    )
     assert opt._grad_offload is not None and opt._grad_offload.slot_bytes >= 4 * 64 * 64
     return opt
 
@@ -202,7 +229,9 @@ def test_adds_land_in_the_order_the_hooks_fired(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("how", ["discard_grads", "non-finite step"])
-def test_dropped_gradients_leave_nothing_pending_and_the_next_step_is_exact(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropped_gradients_leave_nothing_pending_and_the_next_step_is_exact(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The host thread is held at its first add, so that the adds are certainly pending when
     the gradients are dropped: dropping them must wait for those adds, or they would land in
     the next step's accumulator."""
@@ -236,7 +265,9 @@ def _next_step_is_a_fresh_one(model: torch.nn.Module, opt: HostAdamW) -> None:
         assert torch.equal(_bits(opt.master[n]), _bits(m)), n
 
 
-def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     add = staging._add
     calls = []
 
@@ -253,7 +284,9 @@ def test_a_failure_in_the_host_thread_is_raised_by_the_step_which_applies_nothin
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     for x in _small_xs(2, seed=5):
         _loss_small(model, x).backward()  # the failure is the host thread's: backward goes on
-    with pytest.raises(RuntimeError, match="gradient offload: adding a gradient into the host accumulator failed") as raised:
+    with pytest.raises(
+        RuntimeError, match="gradient offload: adding a gradient into the host accumulator failed"
+    ) as raised:
         opt.step(MAX_NORM)
     assert isinstance(raised.value.__cause__, OSError)
     assert len(calls) == 2  # the adds after the failure were skipped, not attempted

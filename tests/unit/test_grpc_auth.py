@@ -14,13 +14,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pydantic import ValidationError
 
+from helpers import code_of, wait_healthy
 from rollstream.core import credentials, grpc_auth, grpc_utils, push_signing, redis_policy, weight_transfer
 from rollstream.core.config import CommonSettings, ConfigError, load_settings
 from rollstream.core.credentials import ROLES
 from rollstream.core.service import ServiceHost
-from rollstream.v1 import generator_pb2, generator_pb2_grpc, reference_pb2, reward_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
-
-from helpers import code_of, wait_healthy
+from rollstream.v1 import (
+    generator_pb2,
+    generator_pb2_grpc,
+    reference_pb2,
+    reward_pb2,
+    trainer_pb2,
+    trainer_pb2_grpc,
+    weights_pb2,
+)
 
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
 GENERATOR_PUSH = "/rollstream.v1.Generator/PushWeights"
@@ -51,11 +58,18 @@ def test_table_rules() -> None:
     assert allowed("/rollstream.v1.Generator/Generate") == {"admin", "trainer"}
     assert allowed("/rollstream.v1.Trainer/FetchWeights") == {"generator", "admin"}
     assert allowed("/rollstream.v1.Trainer/SaveCheckpoint") == {"admin"}
-    for method in ("/rollstream.v1.Generator/GetState", "/rollstream.v1.Trainer/GetState", "/rollstream.v1.Reference/GetState",
-                   "/rollstream.v1.Reward/Score", "/rollstream.v1.Reference/ComputeLogprobs"):
+    for method in (
+        "/rollstream.v1.Generator/GetState",
+        "/rollstream.v1.Trainer/GetState",
+        "/rollstream.v1.Reference/GetState",
+        "/rollstream.v1.Reward/Score",
+        "/rollstream.v1.Reference/ComputeLogprobs",
+    ):
         assert allowed(method) == set(ROLES), method
     assert allowed("/rollstream.v1.Generator/Nope") == frozenset()  # default deny
-    assert grpc_auth.is_open("/grpc.health.v1.Health/Check") and grpc_auth.is_open("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert grpc_auth.is_open("/grpc.health.v1.Health/Check") and grpc_auth.is_open(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    )
     assert not grpc_auth.is_open(GENERATOR_PUSH)
 
 
@@ -107,7 +121,9 @@ def test_roles_file_written_with_the_credentials_layout_loads(tmp_path: Path) ->
     root = tmp_path / "secrets"
     for role, token in TOKENS.items():
         credentials.write_secret(root / "grpc" / f"{role}.token", token)
-    credentials.write_secret(root / "grpc" / "roles.json", json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()}))
+    credentials.write_secret(
+        root / "grpc" / "roles.json", json.dumps({r: credentials.digest(t) for r, t in TOKENS.items()})
+    )
     t = grpc_auth.load_roles(root / "grpc" / "roles.json")
     assert t.role_of(credentials.read_secret(root / "grpc" / "generator.token", "token")) == "generator"
 
@@ -200,7 +216,9 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
     def GetState(self, request, context):
         return generator_pb2.GeneratorState(generator_id="g")
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         try:
             for _ in request_iterator:
                 self.chunks_read += 1
@@ -208,12 +226,16 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return weights_pb2.PushResult(applied=True)
 
-    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+    def PushNonce(
+        self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.PushNonceResponse:
         return generator_pb2.PushNonceResponse(nonce=self.nonces.issue())
 
 
 class Trainer(trainer_pb2_grpc.TrainerServicer):
-    def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
+    def FetchWeights(
+        self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext
+    ) -> Iterator[weights_pb2.WeightChunk]:
         yield weights_pb2.WeightChunk(data=b"w")
 
     def SaveCheckpoint(self, request, context):
@@ -231,17 +253,29 @@ class Server:
         self.nonces = push_signing.PushNonces()
         self.generator = Generator(self.nonces)
         services = [
-            grpc_utils.Service("rollstream.v1.Generator", self.generator, generator_pb2_grpc.add_GeneratorServicer_to_server),
+            grpc_utils.Service(
+                "rollstream.v1.Generator", self.generator, generator_pb2_grpc.add_GeneratorServicer_to_server
+            ),
             grpc_utils.Service("rollstream.v1.Trainer", Trainer(), trainer_pb2_grpc.add_TrainerServicer_to_server),
             # A stream-stream method that is in no table: default deny for every role.
             grpc_utils.Service(
-                "test.Echo", None, lambda _s, server: server.add_generic_rpc_handlers(
-                    [grpc.method_handlers_generic_handler("test.Echo", {"Both": grpc.stream_stream_rpc_method_handler(_echo)})]
+                "test.Echo",
+                None,
+                lambda _s, server: server.add_generic_rpc_handlers(
+                    [
+                        grpc.method_handlers_generic_handler(
+                            "test.Echo", {"Both": grpc.stream_stream_rpc_method_handler(_echo)}
+                        )
+                    ]
                 ),
             ),
         ]
         self.running = grpc_utils.serve(
-            services, "127.0.0.1", 0, interceptors=[grpc_auth.AuthInterceptor(roles or table(), nonces=self.nonces)], unix_socket=str(folder / "grpc.sock")
+            services,
+            "127.0.0.1",
+            0,
+            interceptors=[grpc_auth.AuthInterceptor(roles or table(), nonces=self.nonces)],
+            unix_socket=str(folder / "grpc.sock"),
         )
         self.running.set_serving(True)
         self.address = self.running.address
@@ -259,8 +293,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def test_health_and_reflection_need_no_token(server: Server) -> None:
     with grpc_utils.channel(server.address) as ch:
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
-        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        assert (
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert "rollstream.v1.Generator" in names
     wait_healthy(server.address, timeout_s=5)
@@ -279,14 +318,26 @@ def test_each_kind_of_call_is_allowed_or_refused_by_role(server: Server, token: 
         gen, tr = generator_pb2_grpc.GeneratorStub(ch), trainer_pb2_grpc.TrainerStub(ch)
         echo = ch.stream_stream("/test.Echo/Both")
         calls = {
-            "/rollstream.v1.Generator/GetState": lambda: gen.GetState(generator_pb2.GetStateRequest(), timeout=5),  # unary-unary
-            GENERATOR_PUSH: lambda: gen.PushWeights(iter([weights_pb2.WeightChunk(data=b"x")] * 3), timeout=5),  # stream-unary
-            "/rollstream.v1.Trainer/FetchWeights": lambda: list(tr.FetchWeights(trainer_pb2.FetchWeightsRequest(), timeout=5)),  # unary-stream
-            "/rollstream.v1.Trainer/SaveCheckpoint": lambda: tr.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=5),
+            "/rollstream.v1.Generator/GetState": lambda: gen.GetState(
+                generator_pb2.GetStateRequest(), timeout=5
+            ),  # unary-unary
+            GENERATOR_PUSH: lambda: gen.PushWeights(
+                iter([weights_pb2.WeightChunk(data=b"x")] * 3), timeout=5
+            ),  # stream-unary
+            "/rollstream.v1.Trainer/FetchWeights": lambda: list(
+                tr.FetchWeights(trainer_pb2.FetchWeightsRequest(), timeout=5)
+            ),  # unary-stream
+            "/rollstream.v1.Trainer/SaveCheckpoint": lambda: tr.SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(), timeout=5
+            ),
             "/test.Echo/Both": lambda: list(echo(iter([b"a", b"b"]), timeout=5)),  # stream-stream
         }
         for method, call in calls.items():
-            want = grpc.StatusCode.UNAUTHENTICATED if method in grpc_auth.SIGNED_METHODS else expect(grpc_auth.allowed_roles(method))
+            want = (
+                grpc.StatusCode.UNAUTHENTICATED
+                if method in grpc_auth.SIGNED_METHODS
+                else expect(grpc_auth.allowed_roles(method))
+            )
             assert code_of(call) == want, (role, method)
         # Not a method of this server: UNIMPLEMENTED for anyone (gRPC's own answer; the protos
         # are public, so it reveals nothing), and nothing of the request is read.
@@ -309,7 +360,10 @@ def test_refusals_say_why_and_read_nothing_of_the_stream(server: Server) -> None
         with server.channel(token) as ch, pytest.raises(grpc.RpcError) as e:
             generator_pb2_grpc.GeneratorStub(ch).PushWeights(chunks(), timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert f"{GENERATOR_PUSH} takes the trainer's signature (rollstream-push-signature), not a bearer token" in e.value.details()
+        assert (
+            f"{GENERATOR_PUSH} takes the trainer's signature (rollstream-push-signature), not a bearer token"
+            in e.value.details()
+        )
         # The client stops at the refusal: a few MiB in flight at most, never the 300 MiB.
         assert pulled < 20, pulled
     assert server.generator.chunks_read == before  # the servicer never saw a chunk
@@ -322,7 +376,9 @@ def test_refusals_say_why_and_read_nothing_of_the_stream(server: Server) -> None
 
 
 def header(sha256: str = "ab" * 32) -> weights_pb2.WeightHeader:
-    return weights_pb2.WeightHeader(kind="delta", base_version=3, version=4, total_bytes=3, sha256=sha256, model_fingerprint="f")
+    return weights_pb2.WeightHeader(
+        kind="delta", base_version=3, version=4, total_bytes=3, sha256=sha256, model_fingerprint="f"
+    )
 
 
 def signed_push(ch: grpc.Channel, signer: push_signing.PushSigner, head: weights_pb2.WeightHeader, data: list[bytes],
@@ -348,7 +404,10 @@ def test_a_signed_push_lands_once_and_only_with_its_own_header(server: Server) -
         # Another payload under a signature made for the first one's header.
         with pytest.raises(grpc.RpcError) as e:
             signed_push(ch, trainer, header("cd" * 32), [b"y"], signed_header=header())
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "does not match this payload's header" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            and "does not match this payload's header" in e.value.details()
+        )
         # Signed with another role's key (a generator's token, derived the same way).
         with pytest.raises(grpc.RpcError) as e:
             signed_push(ch, push_signing.PushSigner(TOKENS["generator"]), header(), [b"x"])
@@ -356,10 +415,15 @@ def test_a_signed_push_lands_once_and_only_with_its_own_header(server: Server) -
         # A nonce another generator made (or this one before a restart).
         with pytest.raises(grpc.RpcError) as e:
             signed_push(ch, trainer, header(), [b"x"], nonce=push_signing.PushNonces().issue())
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not a nonce of this generator" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "not a nonce of this generator" in e.value.details()
+        )
         # A genuine signed payload with a second, unsigned payload appended to its stream.
         nonce = stub.PushNonce(generator_pb2.PushNonceRequest(), timeout=5).nonce
-        chunks = [weights_pb2.WeightChunk(header=header(), data=b"x"), weights_pb2.WeightChunk(header=header("ee" * 32), data=b"evil")]
+        chunks = [
+            weights_pb2.WeightChunk(header=header(), data=b"x"),
+            weights_pb2.WeightChunk(header=header("ee" * 32), data=b"evil"),
+        ]
         with pytest.raises(grpc.RpcError) as e:
             stub.PushWeights(iter(chunks), timeout=30, metadata=trainer.metadata(nonce, header()))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one payload" in e.value.details()

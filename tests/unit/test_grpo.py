@@ -50,7 +50,9 @@ def test_zero_variance_group_gives_zero_advantages(rewards: list[float]) -> None
 # --- the reference implementation -------------------------------------------------------------
 
 
-def reference_loss_and_grad(seqs: list[dict], total_seqs: int, clip_eps: float, beta: float) -> tuple[float, list[list[float]]]:
+def reference_loss_and_grad(
+    seqs: list[dict], total_seqs: int, clip_eps: float, beta: float
+) -> tuple[float, list[list[float]]]:
     """Per sequence, per token, in plain Python floats:
     loss = (1/total_seqs) * sum_s mean_t [ -min(r A, clip(r, 1-eps, 1+eps) A) + beta * k3 ],
     r = exp(logp - behaviour), k3 = exp(ref - logp) - (ref - logp) - 1;
@@ -97,7 +99,9 @@ def make_sequences(seed: int = 0) -> list[dict]:
         ratio = [ratios[(k + i) % len(ratios)] for i in range(n)]
         k += n
         behaviour = [lp - math.log(r) for lp, r in zip(logp, ratio, strict=True)]
-        ref = (torch.tensor(logp, dtype=torch.float64) + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).tolist()
+        ref = (
+            torch.tensor(logp, dtype=torch.float64) + torch.randn(n, generator=g, dtype=torch.float64) * 0.3
+        ).tolist()
         seqs.append({"logp": logp, "behaviour": behaviour, "adv": [adv] * n, "ref": ref})
     return seqs
 
@@ -117,7 +121,16 @@ def run_grpo(seqs: list[dict], denom: float, clip_eps: float, beta: float):
     lengths = torch.tensor([len(s["logp"]) for s in seqs], dtype=torch.long)
     seq = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
     seq_adv = torch.tensor([s["adv"][0] for s in seqs], dtype=torch.float64)
-    parts = policy_loss(grpo_config(clip_eps, beta), logp, cat("behaviour"), seq_adv, seq, lengths, denom, cat("ref") if beta > 0 else None)
+    parts = policy_loss(
+        grpo_config(clip_eps, beta),
+        logp,
+        cat("behaviour"),
+        seq_adv,
+        seq,
+        lengths,
+        denom,
+        cat("ref") if beta > 0 else None,
+    )
     return parts, leaves
 
 
@@ -134,7 +147,14 @@ def test_reference_covers_every_clip_case() -> None:
             r = math.exp(lp - b)
             where = "below" if r < 1 - CLIP else "above" if r > 1 + CLIP else "inside"
             cases.add((where, "pos" if a > 0 else "neg" if a < 0 else "zero"))
-    assert {("below", "pos"), ("below", "neg"), ("above", "pos"), ("above", "neg"), ("inside", "pos"), ("inside", "neg")} <= cases
+    assert {
+        ("below", "pos"),
+        ("below", "neg"),
+        ("above", "pos"),
+        ("above", "neg"),
+        ("inside", "pos"),
+        ("inside", "neg"),
+    } <= cases
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04, 0.5])
@@ -189,7 +209,16 @@ def test_on_policy_gradient_is_the_policy_gradient() -> None:
 def test_beta_needs_reference_logprobs() -> None:
     x = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(ValueError, match="reference"):
-        policy_loss(grpo_config(CLIP, 0.1), x, x, torch.zeros(1, dtype=torch.float64), torch.zeros(2, dtype=torch.long), torch.tensor([2]), 1.0, ref_logp=None)
+        policy_loss(
+            grpo_config(CLIP, 0.1),
+            x,
+            x,
+            torch.zeros(1, dtype=torch.float64),
+            torch.zeros(2, dtype=torch.long),
+            torch.tensor([2]),
+            1.0,
+            ref_logp=None,
+        )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
@@ -208,7 +237,9 @@ def test_micro_batches_add_up_to_the_full_batch(beta: float, split: list[int]) -
     (a.loss + b.loss).backward()
 
     assert (a.loss + b.loss).item() == pytest.approx(full.loss.item(), abs=1e-12)
-    by_index = dict(zip(split, a_leaves, strict=True)) | dict(zip([i for i in range(total) if i not in split], b_leaves, strict=True))
+    by_index = dict(zip(split, a_leaves, strict=True)) | dict(
+        zip([i for i in range(total) if i not in split], b_leaves, strict=True)
+    )
     for i, leaf in enumerate(full_leaves):
         assert torch.allclose(by_index[i].grad, leaf.grad, rtol=0, atol=1e-12), f"sequence {i}"
     assert a.tokens + b.tokens == full.tokens

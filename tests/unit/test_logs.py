@@ -21,7 +21,9 @@ TS = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}"
 def _restore_logging() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    noisy = {name: logging.getLogger(name).level for name in ("httpx", "urllib3", "filelock", "transformers", "datasets")}
+    noisy = {
+        name: logging.getLogger(name).level for name in ("httpx", "urllib3", "filelock", "transformers", "datasets")
+    }
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
@@ -46,7 +48,9 @@ def test_text_format(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.fullmatch(TS + r" INFO    reward step step=3 reward=0\.5 ok=True nothing=None", out[0]), out[0]
     assert re.fullmatch(TS + r" INFO    reward started", out[1]), out[1]  # no trailing space
     # A value with a space is quoted (logfmt), so it cannot run into the next field.
-    assert re.fullmatch(TS + r' WARNING reward redis unavailable error="Connection refused" url=redis://h:1/0', out[2]), out[2]
+    assert re.fullmatch(
+        TS + r' WARNING reward redis unavailable error="Connection refused" url=redis://h:1/0', out[2]
+    ), out[2]
     assert " step " in out[0]
 
 
@@ -59,7 +63,16 @@ def test_json_format(capsys: pytest.CaptureFixture[str]) -> None:
     first = json.loads(out[0])
     assert list(first)[:4] == ["ts", "level", "service", "event"]
     assert re.fullmatch(TS, first.pop("ts"))
-    assert first == {"level": "INFO", "service": "trainer", "event": "step", "step": 3, "reward": 0.5, "ok": True, "nothing": None, "path": "/x"}
+    assert first == {
+        "level": "INFO",
+        "service": "trainer",
+        "event": "step",
+        "step": 3,
+        "reward": 0.5,
+        "ok": True,
+        "nothing": None,
+        "path": "/x",
+    }
     second = json.loads(out[1])
     assert (second["level"], second["event"]) == ("DEBUG", "detail") and "exc" not in second
 
@@ -74,7 +87,10 @@ def test_third_party_logging_records_come_out_the_same(capsys: pytest.CaptureFix
     assert len(out) == 2, out
     if as_json:
         rows = [json.loads(line) for line in out]
-        assert [(r["level"], r["service"], r["event"]) for r in rows] == [("WARNING", "generator", "Exception X in handler"), ("INFO", "generator", "from structlog")]
+        assert [(r["level"], r["service"], r["event"]) for r in rows] == [
+            ("WARNING", "generator", "Exception X in handler"),
+            ("INFO", "generator", "from structlog"),
+        ]
         assert rows[1]["n"] == 2
     else:
         assert re.fullmatch(TS + r" WARNING generator Exception X in handler", out[0]), out[0]
@@ -103,7 +119,13 @@ def test_an_exception_carries_its_traceback(capsys: pytest.CaptureFixture[str], 
 
 def test_json_mode_is_one_line_an_event_whatever_the_fields_hold(capsys: pytest.CaptureFixture[str]) -> None:
     log = logs.setup("reward", "INFO", as_json=True)
-    nasty = {"spaces": "a b  c", "newlines": "one\ntwo\r\nthree", "unicode": "résumé – 数学 🙂", "quotes": 'say "hi" \\ bye', "tab": "x\ty"}
+    nasty = {
+        "spaces": "a b  c",
+        "newlines": "one\ntwo\r\nthree",
+        "unicode": "résumé – 数学 🙂",
+        "quotes": 'say "hi" \\ bye',
+        "tab": "x\ty",
+    }
     logs.event(log, "scored\nevent with a newline", **nasty)
     logging.getLogger("lib").warning("multi\nline\nmessage")
     out = capsys.readouterr().err
@@ -120,7 +142,7 @@ def test_text_mode_keeps_a_field_on_its_line(capsys: pytest.CaptureFixture[str])
     logs.event(log, "scored", answer="two\nlines", who="résumé")
     out = lines(capsys)
     assert len(out) == 1, out
-    assert out[0].endswith(r'answer=two\nlines who=résumé'), out[0]
+    assert out[0].endswith(r"answer=two\nlines who=résumé"), out[0]
 
 
 def test_fields_ride_on_the_record(caplog: pytest.LogCaptureFixture) -> None:
@@ -134,7 +156,9 @@ def test_fields_ride_on_the_record(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_a_service_names_its_run_on_every_line_and_events_name_their_groups(capsys: pytest.CaptureFixture[str], as_json: bool) -> None:
+def test_a_service_names_its_run_on_every_line_and_events_name_their_groups(
+    capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
     """One grep of a group id follows it through the services: each event that moves groups
     carries their ids, and every line its run."""
 
@@ -153,5 +177,7 @@ def test_a_service_names_its_run_on_every_line_and_events_name_their_groups(caps
         assert (rows[0]["run"], rows[0]["groups"], rows[0]["version"]) == ("demo", "t-17,t-18", 4)
         assert rows[1]["run"] == "demo"
     else:
-        assert re.fullmatch(TS + r" INFO    generator groups_written run=demo n=2 version=4 groups=t-17,t-18", out[0]), out[0]
+        assert re.fullmatch(
+            TS + r" INFO    generator groups_written run=demo n=2 version=4 groups=t-17,t-18", out[0]
+        ), out[0]
         assert re.fullmatch(TS + r" INFO    generator from structlog run=demo", out[1]), out[1]

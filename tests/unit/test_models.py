@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers import build_tiny_model
 from rollstream.core import models
 from rollstream.core.models import (
     DEFAULT_MODEL_ALIAS,
@@ -25,8 +26,6 @@ from rollstream.core.models import (
     default_model_dir,
     resolve_model,
 )
-
-from helpers import build_tiny_model
 
 CORE_SRC = Path(__file__).resolve().parents[2] / "core" / "src"
 MESSAGES = [{"role": "user", "content": "What is 3 + 5?"}]
@@ -164,7 +163,13 @@ def test_default_model_converts_once_then_cache_hit(converted: tuple[Path, Path,
     cache, path, _ = converted
     assert path == cache / "models" / "SmolLM2-135M-Instruct"
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "chat_template.jinja"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    } <= names
     # Only the final folder is left: no temp dirs from the atomic rename.
     assert [p.name for p in (cache / "models").iterdir()] == ["SmolLM2-135M-Instruct"]
 
@@ -256,6 +261,8 @@ def test_models_py_converts_without_the_rollstream_package(monkeypatch: pytest.M
     standalone = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(standalone)  # as the Dockerfile's runpy.run_path does: by path
     calls = []
-    monkeypatch.setattr(standalone, "_convert_gguf_steps", lambda src, out, advance: (advance(1), calls.append((src, out))))
+    monkeypatch.setattr(
+        standalone, "_convert_gguf_steps", lambda src, out, advance: (advance(1), calls.append((src, out)))
+    )
     standalone._convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
     assert calls == [(tmp_path / "model.gguf", tmp_path / "out")]

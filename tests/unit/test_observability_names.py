@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from metric_names import exported, service_registry, documented
+from metric_names import documented, exported, service_registry
 from rollstream.core import metrics
 
 
@@ -34,7 +34,9 @@ def test_names_follow_the_rule() -> None:
 
 
 def test_exported_names_helper_matches() -> None:
-    assert metrics.exported_names(service_registry("reward")) == {n for n in exported() if n.startswith("rollstream_reward_")}
+    assert metrics.exported_names(service_registry("reward")) == {
+        n for n in exported() if n.startswith("rollstream_reward_")
+    }
 
 
 def test_gpu_collector_is_silent_without_cuda() -> None:
@@ -51,12 +53,20 @@ def test_gpu_collector_reads_torch_cuda_per_device(monkeypatch: pytest.MonkeyPat
     import types
 
     cuda = types.SimpleNamespace(
-        is_available=lambda: True, is_initialized=lambda: True, device_count=lambda: 2,
-        memory_allocated=lambda i: 1000.0 * (i + 1), max_memory_allocated=lambda i: 5000.0 * (i + 1),
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        device_count=lambda: 2,
+        memory_allocated=lambda i: 1000.0 * (i + 1),
+        max_memory_allocated=lambda i: 5000.0 * (i + 1),
     )
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     families = {f.name: f for f in metrics.GpuMemoryCollector("trainer").collect()}
-    assert {s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_allocated_bytes"].samples} == {"0": 1000.0, "1": 2000.0}
-    assert {s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_max_allocated_bytes"].samples} == {"0": 5000.0, "1": 10000.0}
+    assert {s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_allocated_bytes"].samples} == {
+        "0": 1000.0,
+        "1": 2000.0,
+    }
+    assert {
+        s.labels["device"]: s.value for s in families["rollstream_trainer_gpu_memory_max_allocated_bytes"].samples
+    } == {"0": 5000.0, "1": 10000.0}
     doc = documented()
     assert all(doc[name][1] for name in families)  # documented as CUDA only

@@ -36,7 +36,9 @@ def _grads(model: torch.nn.Module, steps: int, seed: int = 1) -> list[dict[str, 
 def _reference(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max_grad_norm: float):
     """fp32 copy + torch.optim.AdamW(fused=False); returns masters and norms after each step."""
     params = {n: p.detach().clone().float().requires_grad_(True) for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(list(params.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=False, foreach=False)
+    opt = torch.optim.AdamW(
+        list(params.values()), lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, fused=False, foreach=False
+    )
     history, norms = [], []
     for step in grads:
         for n, p in params.items():
@@ -51,14 +53,28 @@ def _reference(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max
 
 
 def _run_host(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], max_grad_norm: float, layout: MasterLayout):
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout=layout,
+        moments_dtype="float32",
+    )
     history = []
     for step in grads:
         for n, p in model.named_parameters():
             p.grad = step[n].clone()
         norm, bits = opt.step(max_grad_norm)
         # Copies: the split layout's bits are views of its masters, changed by the next step.
-        history.append((norm, {n: b.copy() for n, b in bits.items()}, {n: m.clone() for n, m in opt.master.items()}, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        history.append(
+            (
+                norm,
+                {n: b.copy() for n, b in bits.items()},
+                {n: m.clone() for n, m in opt.master.items()},
+                {n: p.detach().clone() for n, p in model.named_parameters()},
+            )
+        )
         # The model's gradients were consumed.
         assert all(p.grad is None for p in model.parameters())
     return opt, history
@@ -121,7 +137,14 @@ def test_missing_gradients_count_as_zero() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sync_model_writes_bf16_of_master(layout: MasterLayout) -> None:
     model = _model()
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout=layout, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout=layout,
+        moments_dtype="float32",
+    )
     # At construction the masters are the model's fp32 weights, not yet rounded to bf16.
     assert all(torch.equal(opt.master[n], p.detach()) for n, p in model.named_parameters())
     bits = opt.sync_model()
@@ -167,7 +190,15 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float, layout: Ma
     results = []
     for bucket_mb in BUCKET_SIZES:
         m = _model()
-        opt = HostAdamW(dict(m.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=bucket_mb, master_layout=layout, moments_dtype="float32")
+        opt = HostAdamW(
+            dict(m.named_parameters()),
+            lr=LR,
+            betas=BETAS,
+            weight_decay=WD,
+            bucket_mb=bucket_mb,
+            master_layout=layout,
+            moments_dtype="float32",
+        )
         if bucket_mb < 1:
             assert len(opt.buckets) > 1
             assert any(len(b.pieces) > 1 for b in opt.buckets)  # a bucket holds several parameters
@@ -184,7 +215,9 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float, layout: Ma
             # With clipping, the factor itself can differ in its last bit: the total norm is
             # summed in another order (see staging._sum_of_squares).
             torch.testing.assert_close(state[f"exp_avg/{n}"], ref_opt.state[p]["exp_avg"], rtol=1e-6, atol=1e-8, msg=n)
-            torch.testing.assert_close(state[f"exp_avg_sq/{n}"], ref_opt.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9, msg=n)
+            torch.testing.assert_close(
+                state[f"exp_avg_sq/{n}"], ref_opt.state[p]["exp_avg_sq"], rtol=1e-6, atol=1e-9, msg=n
+            )
             assert opt.step_count == int(ref_opt.state[p]["step"])
         if max_grad_norm == 0:
             # Most of it is bit-identical to torch's run.
@@ -198,7 +231,9 @@ def test_bucketed_step_equals_fused_torch_adamw(max_grad_norm: float, layout: Ma
 
 def test_buckets_cover_every_element_once() -> None:
     model = _model()
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, moments_dtype="float32"
+    )
     covered = {n: torch.zeros(p.numel(), dtype=torch.int64) for n, p in model.named_parameters()}
     for b in opt.buckets:
         assert b.start % 64 == 0 and b.size > 0
@@ -238,7 +273,13 @@ def test_bf16_moments(layout: MasterLayout) -> None:
     ref_params, ref_m, ref_v = _bf16_moment_reference(model, grads)
     fp32_history, _ = _reference(model, grads, max_grad_norm=0.0)
     opt = HostAdamW(
-        dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype="bfloat16", bucket_mb=0.0004, master_layout=layout,
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        moments_dtype="bfloat16",
+        bucket_mb=0.0004,
+        master_layout=layout,
     )
     assert opt.exp_avg.dtype == torch.bfloat16 and opt.exp_avg_sq.dtype == torch.bfloat16
     assert opt.exp_avg.element_size() * opt.numel * 2 == 4 * opt.numel  # 4 bytes per parameter for both moments
@@ -268,7 +309,15 @@ def test_gradient_offload_gives_the_same_step(max_grad_norm: float) -> None:
     runs = {}
     for offload in (False, True):
         model = _model()
-        opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, grad_offload=offload, bucket_mb=0.0004, moments_dtype="float32")
+        opt = HostAdamW(
+            dict(model.named_parameters()),
+            lr=LR,
+            betas=BETAS,
+            weight_decay=WD,
+            grad_offload=offload,
+            bucket_mb=0.0004,
+            moments_dtype="float32",
+        )
         norms = []
         for step in range(3):
             for x in xs[2 * step : 2 * step + 2]:  # two micro-batches per step
@@ -287,11 +336,21 @@ def test_gradient_offload_gives_the_same_step(max_grad_norm: float) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_on_piece_hands_over_every_piece_once_with_its_old_and_new_bits_as_its_bucket_is_stepped(layout: MasterLayout) -> None:
+def test_on_piece_hands_over_every_piece_once_with_its_old_and_new_bits_as_its_bucket_is_stepped(
+    layout: MasterLayout,
+) -> None:
     model = _model()
     # Buckets of 64 elements, 220 parameters in all: the first weight (16 x 8) is complete
     # after bucket 1 of 4, so its pieces are handed over before the later buckets are stepped.
-    opt = HostAdamW(dict(model.named_parameters()), lr=1e-2, betas=BETAS, weight_decay=0.0, bucket_mb=0.0004, master_layout=layout, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=1e-2,
+        betas=BETAS,
+        weight_decay=0.0,
+        bucket_mb=0.0004,
+        master_layout=layout,
+        moments_dtype="float32",
+    )
     before = {n: b.copy() for n, b in opt.sync_model().items()}
     names = list(before)
     last = names[-1]
@@ -310,7 +369,9 @@ def test_on_piece_hands_over_every_piece_once_with_its_old_and_new_bits_as_its_b
         pieces = sorted((start, old, new) for n, start, old, new, _ in calls if n == name)
         assert [s for s, _, _ in pieces] == list(np.cumsum([0] + [len(o) for _, o, _ in pieces[:-1]]))  # contiguous
         np.testing.assert_array_equal(np.concatenate([o for _, o, _ in pieces]), before[name].reshape(-1))
-        np.testing.assert_array_equal(np.concatenate([n for _, _, n in pieces]), after[name].reshape(-1))  # final when handed over
+        np.testing.assert_array_equal(
+            np.concatenate([n for _, _, n in pieces]), after[name].reshape(-1)
+        )  # final when handed over
     assert calls[0][4], "the first parameter was handed over only after the last bucket"
     assert not calls[-1][4]
 
@@ -325,7 +386,15 @@ def test_delta_built_on_the_way_is_the_delta_after_the_step(layout: MasterLayout
     from rollstream.core import deltas
 
     model = _model()
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, master_layout=layout, moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        bucket_mb=0.0004,
+        master_layout=layout,
+        moments_dtype="float32",
+    )
     base = opt.sync_model()
     kept = {n: b.copy() for n, b in base.items()}
     grads = _grads(model, steps=1)[0]
@@ -349,18 +418,36 @@ def test_state_round_trip_continues_identically(saved: MasterLayout, loaded: Mas
     between layouts, so those are compared within a layout)."""
     model_a, model_b = _model(), _model(seed=5)  # b starts elsewhere: everything comes from the state
     grads = _grads(model_a, steps=4)
-    a = HostAdamW(dict(model_a.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.0004, master_layout=saved, moments_dtype="float32")
+    a = HostAdamW(
+        dict(model_a.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        bucket_mb=0.0004,
+        master_layout=saved,
+        moments_dtype="float32",
+    )
     for step in grads[:2]:
         for n, p in model_a.named_parameters():
             p.grad = step[n].clone()
         a.step(1.0)
-    b = HostAdamW(dict(model_b.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, bucket_mb=0.002, master_layout=loaded, moments_dtype="float32")
+    b = HostAdamW(
+        dict(model_b.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        bucket_mb=0.002,
+        master_layout=loaded,
+        moments_dtype="float32",
+    )
     bits = b.load_state({k: v.clone() for k, v in a.state_tensors().items()}, a.step_count)
     assert all(torch.equal(b.master[n], m) for n, m in a.master.items())
     assert all(np.array_equal(bits[n], served_bits(m, loaded)) for n, m in a.master.items())
     if saved == loaded:
         assert all(np.array_equal(bits[n], x) for n, x in a.published_bits().items())
-        assert all(torch.equal(p.detach(), dict(model_a.named_parameters())[n].detach()) for n, p in model_b.named_parameters())
+        assert all(
+            torch.equal(p.detach(), dict(model_a.named_parameters())[n].detach()) for n, p in model_b.named_parameters()
+        )
     for step in grads[2:]:
         for model, opt in ((model_a, a), (model_b, b)):
             for n, p in model.named_parameters():
@@ -384,7 +471,14 @@ def test_gradient_norm_is_accurate_on_large_tensors(dtype: torch.dtype) -> None:
     exact = float(torch.linalg.vector_norm(big.weight.grad.double()))
     norms = []
     for bucket_mb in (0.01, 32.0):
-        opt = HostAdamW(dict(big.named_parameters()), lr=LR, betas=BETAS, weight_decay=0.0, bucket_mb=bucket_mb, moments_dtype="float32")
+        opt = HostAdamW(
+            dict(big.named_parameters()),
+            lr=LR,
+            betas=BETAS,
+            weight_decay=0.0,
+            bucket_mb=bucket_mb,
+            moments_dtype="float32",
+        )
         norms.append(opt.grad_norm())
     assert norms[0] == norms[1]
     assert norms[0] == pytest.approx(exact, rel=1e-6)
@@ -394,7 +488,15 @@ def test_bits_handed_out_stay_valid_and_free_buffers_are_reused() -> None:
     """The bits buffer of two steps ago is reused only when nobody holds a view of it."""
     model = _model()
     grads = _grads(model, steps=6)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, spare_bits=True, master_layout="fp32", moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        spare_bits=True,
+        master_layout="fp32",
+        moments_dtype="float32",
+    )
 
     def step(k: int) -> dict[str, np.ndarray]:
         for n, p in model.named_parameters():
@@ -427,7 +529,14 @@ def test_on_a_cpu_only_machine_the_previous_bits_are_freed_once_nobody_holds_the
     split layout keeps no bits buffer at all."""
     model = _model()
     grads = _grads(model, steps=3)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, master_layout="fp32", moments_dtype="float32")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout="fp32",
+        moments_dtype="float32",
+    )
 
     def step(k: int) -> dict[str, np.ndarray]:
         for n, p in model.named_parameters():

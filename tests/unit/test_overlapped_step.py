@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from synthetic import scored_groups  # tests/synthetic.py
 from rollstream.core import deltas, modeling
 from rollstream.trainer.grpo import LossConfig
 from rollstream.trainer.optimizer import HostAdamW, MasterLayout, MomentsDtype, NonFiniteStep
 from rollstream.trainer.step import StepConfig, train_step
+from synthetic import scored_groups  # tests/synthetic.py
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -28,7 +28,15 @@ BUCKET_MB = 4096 / 2**20
 
 def config() -> StepConfig:
     # Micro-batches of 40 tokens: several a step, so gradients accumulate.
-    return StepConfig(LossConfig("grpo", 0.2, 0.2), 40, chunk_tokens=16, temperature=1.0, max_grad_norm=MAX_GRAD_NORM, device="cpu", share_prompts=False)
+    return StepConfig(
+        LossConfig("grpo", 0.2, 0.2),
+        40,
+        chunk_tokens=16,
+        temperature=1.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        device="cpu",
+        share_prompts=False,
+    )
 
 
 def run(model_dir: Path, layout: MasterLayout, moments: MomentsDtype, background: bool) -> dict[str, list]:
@@ -36,13 +44,29 @@ def run(model_dir: Path, layout: MasterLayout, moments: MomentsDtype, background
     the masters and moments at the end."""
     model, tokenizer = modeling.load_model(model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.01, bucket_mb=BUCKET_MB, moments_dtype=moments, master_layout=layout)
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.01,
+        bucket_mb=BUCKET_MB,
+        moments_dtype=moments,
+        master_layout=layout,
+    )
     bits = opt.sync_model()
     base = {name: b.copy() for name, b in bits.items()}
     out: dict[str, list] = {"bits": [], "payload": [], "logprobs": [], "norm": []}
     for step in range(STEPS):
         encoder = deltas.DeltaEncoder(base, step, step + 1, "fp")
-        r = train_step(model, opt, scored_groups(step, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=encoder.add_piece, background=background)
+        r = train_step(
+            model,
+            opt,
+            scored_groups(step, 3),
+            config(),
+            pad_id=tokenizer.pad_token_id,
+            on_piece=encoder.add_piece,
+            background=background,
+        )
         assert r.trained_bits is not None
         opt.wait()
         payload, _ = encoder.finish()
@@ -55,11 +79,17 @@ def run(model_dir: Path, layout: MasterLayout, moments: MomentsDtype, background
     return out
 
 
-@pytest.mark.parametrize(("layout", "moments"), [("split", "bfloat16"), ("split", "float32"), ("fp32", "bfloat16"), ("fp32", "float32")])
-def test_overlapped_steps_give_the_sequential_bits(tiny_model_dir: Path, layout: MasterLayout, moments: MomentsDtype) -> None:
+@pytest.mark.parametrize(
+    ("layout", "moments"), [("split", "bfloat16"), ("split", "float32"), ("fp32", "bfloat16"), ("fp32", "float32")]
+)
+def test_overlapped_steps_give_the_sequential_bits(
+    tiny_model_dir: Path, layout: MasterLayout, moments: MomentsDtype
+) -> None:
     sequential = run(tiny_model_dir, layout, moments, background=False)
     overlapped = run(tiny_model_dir, layout, moments, background=True)
-    assert any(norm > MAX_GRAD_NORM for norm in sequential["norm"]) and any(norm < MAX_GRAD_NORM for norm in sequential["norm"])
+    assert any(norm > MAX_GRAD_NORM for norm in sequential["norm"]) and any(
+        norm < MAX_GRAD_NORM for norm in sequential["norm"]
+    )
     assert overlapped["norm"] == sequential["norm"]
     for step in range(STEPS):
         # The log-probs come from each step's forward, which overlapped the previous update.
@@ -68,8 +98,10 @@ def test_overlapped_steps_give_the_sequential_bits(tiny_model_dir: Path, layout:
         for name, b in sequential["bits"][step].items():
             assert np.array_equal(overlapped["bits"][step][name], b), (step, name)
     for key, t in sequential["state"][0].items():
-        assert torch.equal(overlapped["state"][0][key].view(torch.int16 if t.element_size() == 2 else torch.int32),
-                           t.view(torch.int16 if t.element_size() == 2 else torch.int32)), key
+        assert torch.equal(
+            overlapped["state"][0][key].view(torch.int16 if t.element_size() == 2 else torch.int32),
+            t.view(torch.int16 if t.element_size() == 2 else torch.int32),
+        ), key
 
 
 def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) -> None:
@@ -78,7 +110,14 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
     stepped, and the step's results are still the sequential ones."""
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=BUCKET_MB,
+        moments_dtype="float32",
+    )
     opt.sync_model()
     embedding = model.get_input_embeddings()
     embedding_buckets = set(opt._buckets_of[next(n for n, p in opt.params.items() if p is embedding.weight)])
@@ -104,7 +143,14 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
 
     reference, _ = modeling.load_model(tiny_model_dir)
     reference.train()
-    ref_opt = HostAdamW(modeling.named_weights(reference), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
+    ref_opt = HostAdamW(
+        modeling.named_weights(reference),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=BUCKET_MB,
+        moments_dtype="float32",
+    )
     ref_opt.sync_model()
     for step in range(2):
         train_step(reference, ref_opt, scored_groups(step, 3), cfg, pad_id=tokenizer.pad_token_id)
@@ -117,13 +163,22 @@ def test_the_next_forward_runs_while_the_update_goes_on(tiny_model_dir: Path) ->
 def test_a_failed_update_surfaces_and_no_forward_waits_forever(tiny_model_dir: Path) -> None:
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=BUCKET_MB,
+        moments_dtype="float32",
+    )
     opt.sync_model()
 
     def broken(name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
         raise OSError("the encoder's disk is full")
 
-    train_step(model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=broken, background=True)
+    train_step(
+        model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=broken, background=True
+    )
     with pytest.raises(OSError, match="disk is full"):
         train_step(model, opt, scored_groups(1, 3), config(), pad_id=tokenizer.pad_token_id)
     with pytest.raises(OSError, match="disk is full"):
@@ -133,7 +188,14 @@ def test_a_failed_update_surfaces_and_no_forward_waits_forever(tiny_model_dir: P
 def test_a_refused_step_after_an_overlapped_one_applies_nothing(tiny_model_dir: Path) -> None:
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=BUCKET_MB,
+        moments_dtype="float32",
+    )
     opt.sync_model()
     train_step(model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, background=True)
     opt.wait()
@@ -151,7 +213,14 @@ def test_each_device_gradient_goes_once_its_last_piece_is_down(tiny_model_dir: P
     dropped as soon as the bucket holding its last piece has come down, not at the update's end."""
     model, tokenizer = modeling.load_model(tiny_model_dir)
     model.train()
-    opt = HostAdamW(modeling.named_weights(model), lr=3e-3, betas=(0.9, 0.999), weight_decay=0.0, bucket_mb=BUCKET_MB, moments_dtype="float32")
+    opt = HostAdamW(
+        modeling.named_weights(model),
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        bucket_mb=BUCKET_MB,
+        moments_dtype="float32",
+    )
     opt.sync_model()
     seen: dict[str, bool] = {}
 
@@ -160,7 +229,9 @@ def test_each_device_gradient_goes_once_its_last_piece_is_down(tiny_model_dir: P
         seen[name] = seen.get(name, False) or last
         assert (opt.params[name].grad is None) == last, (name, start)
 
-    train_step(model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=on_piece, background=True)
+    train_step(
+        model, opt, scored_groups(0, 3), config(), pad_id=tokenizer.pad_token_id, on_piece=on_piece, background=True
+    )
     opt.wait()
     assert set(seen) == set(opt.params) and all(seen.values())
     assert any(len(held) > 1 for held in opt._buckets_of.values())  # a parameter cut by buckets was in it

@@ -32,11 +32,20 @@ def run(tmp_path: Path, tty: bool) -> tuple[str, str]:
     target.parent.mkdir()
     env = {**os.environ, "COLUMNS": "100", "TERM": "xterm"}
     if not tty:
-        done = subprocess.run([sys.executable, "-c", SCRIPT, str(target)], capture_output=True, text=True, timeout=120, env=env, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=True,
+        )
         return done.stdout, done.stderr
     leader, follower = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(target)], stdout=subprocess.PIPE, stderr=follower, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(target)], stdout=subprocess.PIPE, stderr=follower, env=env
+        )
         os.close(follower)
         chunks = []
         while True:

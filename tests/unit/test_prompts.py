@@ -17,7 +17,7 @@ def test_arithmetic_is_seeded_and_verifiable() -> None:
     assert a == b
     assert a != list(itertools.islice(prompts.arithmetic(seed=4), 50))
     for p in a:
-        (role, question), = p.messages
+        ((role, question),) = p.messages
         x, y = (int(t) for t in question.split("?")[0].removeprefix("What is ").split(" + "))
         assert role == "user" and 0 <= x <= 9 and 0 <= y <= 9
         assert p.answer == str(x + y) and p.task_kind == "arithmetic"
@@ -92,7 +92,7 @@ def test_countdown_is_seeded_solvable_and_scored_by_the_reward_recipe() -> None:
         numbers, target = meta["numbers"], meta["target"]
         assert p.task_kind == "countdown" and p.answer == str(target)
         assert 3 <= len(numbers) <= 4 and all(1 <= n <= 20 for n in numbers) and 1 <= target <= 100
-        (role, question), = p.messages
+        ((role, question),) = p.messages
         assert role == "user" and str(target) in question and "<answer>" in question
         assert all(str(n) in question for n in numbers)
         solution = _solutions(numbers, target)[0]
@@ -108,7 +108,10 @@ def test_metadata_field_maps_objects_and_json_text(tmp_path: Path) -> None:
         {"q": "Write dec.", "a": "", "meta": json.dumps({"tests": ["assert dec(1) == 0"]})},
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    got = {p.messages[0][1]: p for p in itertools.islice(prompts.from_file(str(path), "q", "a", "code", seed=0, metadata_field="meta"), 2)}
+    got = {
+        p.messages[0][1]: p
+        for p in itertools.islice(prompts.from_file(str(path), "q", "a", "code", seed=0, metadata_field="meta"), 2)
+    }
     assert json.loads(got["Write inc."].metadata_json) == {"tests": ["assert inc(1) == 2"]}
     assert json.loads(got["Write dec."].metadata_json) == {"tests": ["assert dec(1) == 0"]}
     assert {p.task_kind for p in got.values()} == {"code"}
@@ -121,14 +124,24 @@ def test_load_from_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
 
     data = Dataset.from_dict({"problem": ["1+1?", "2+3?"], "solution": [2, 5], "info": [{"level": 1}, {"level": 2}]})
     data.save_to_disk(str(tmp_path / "plain"))
-    got = list(itertools.islice(prompts.from_disk(str(tmp_path / "plain"), "problem", "solution", "math", seed=0, metadata_field="info"), 4))
+    got = list(
+        itertools.islice(
+            prompts.from_disk(str(tmp_path / "plain"), "problem", "solution", "math", seed=0, metadata_field="info"), 4
+        )
+    )
     assert len(got) == 4  # epochs repeat
-    assert {(p.messages, p.answer, json.loads(p.metadata_json)["level"]) for p in got} == {((("user", "1+1?"),), "2", 1), ((("user", "2+3?"),), "5", 2)}
+    assert {(p.messages, p.answer, json.loads(p.metadata_json)["level"]) for p in got} == {
+        ((("user", "1+1?"),), "2", 1),
+        ((("user", "2+3?"),), "5", 2),
+    }
     assert {p.task_kind for p in got} == {"math"}
 
     DatasetDict({"train": data, "test": data.select([0])}).save_to_disk(str(tmp_path / "dict"))
     assert next(prompts.from_disk(str(tmp_path / "dict"), "problem", "solution", "math", seed=0)).answer in {"2", "5"}
-    assert next(prompts.from_disk(str(tmp_path / "dict"), "problem", "solution", "math", seed=0, split="test")).answer == "2"
+    assert (
+        next(prompts.from_disk(str(tmp_path / "dict"), "problem", "solution", "math", seed=0, split="test")).answer
+        == "2"
+    )
     with pytest.raises(ValueError, match=r"no split 'validation' \(splits: \['test', 'train'\]\)"):
         next(prompts.from_disk(str(tmp_path / "dict"), "problem", "solution", "math", seed=0, split="validation"))
     with pytest.raises(ValueError, match="no field 'question'"):
@@ -144,7 +157,21 @@ def test_trainer_settings_pick_the_source(tmp_path: Path) -> None:
     assert next(prompts.from_settings(load_settings(TrainerSettings, []))).task_kind == "arithmetic"
     assert next(prompts.from_settings(load_settings(TrainerSettings, ["--task", "countdown"]))).task_kind == "countdown"
     Dataset.from_dict({"p": ["hi"], "a": ["yes"]}).save_to_disk(str(tmp_path / "d"))
-    s = load_settings(TrainerSettings, ["--task", "dataset", "--dataset-path", str(tmp_path / "d"), "--prompt-field", "p", "--answer-field", "a", "--task-kind", "exact"])
+    s = load_settings(
+        TrainerSettings,
+        [
+            "--task",
+            "dataset",
+            "--dataset-path",
+            str(tmp_path / "d"),
+            "--prompt-field",
+            "p",
+            "--answer-field",
+            "a",
+            "--task-kind",
+            "exact",
+        ],
+    )
     assert next(prompts.from_settings(s)) == prompts.Prompt(messages=(("user", "hi"),), answer="yes", task_kind="exact")
     with pytest.raises(ConfigError, match="dataset_path is required when task = 'dataset'"):
         load_settings(TrainerSettings, ["--task", "dataset"])

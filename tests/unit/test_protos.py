@@ -74,14 +74,19 @@ def _rollout_group() -> rollout_pb2.RolloutGroup:
             rollout_pb2.Completion(
                 token_ids=[5, 6, 7],
                 behaviour_logprobs=[-0.5, -0.25, -1.5],
-                versions=[rollout_pb2.VersionSpan(version=3, start=0, end=2), rollout_pb2.VersionSpan(version=4, start=2, end=3)],
+                versions=[
+                    rollout_pb2.VersionSpan(version=3, start=0, end=2),
+                    rollout_pb2.VersionSpan(version=4, start=2, end=3),
+                ],
                 text="8",
                 finish_reason="stop",
                 reward=1.0,
                 reward_components=[rollout_pb2.RewardComponent(name="correct", value=1.0, weight=1.0, status="ok")],
                 ref_logprobs=[-0.75, -0.125, -2.0],
             ),
-            rollout_pb2.Completion(token_ids=[9], behaviour_logprobs=[-3.0], text="x", finish_reason="length", ref_logprobs=[-1.0]),
+            rollout_pb2.Completion(
+                token_ids=[9], behaviour_logprobs=[-3.0], text="x", finish_reason="length", ref_logprobs=[-1.0]
+            ),
         ],
         answer="8",
         metadata_json="{}",
@@ -108,9 +113,26 @@ def _dead_letter() -> rollout_pb2.DeadLetter:
 
 def _step_metrics() -> rollout_pb2.StepMetrics:
     return rollout_pb2.StepMetrics(
-        step=5, version=6, groups=8, completions=64, reward_mean=0.5, reward_std=0.25, loss=-0.125, kl=0.01,
-        clip_fraction=0.0625, entropy=2.5, stale_dropped=1, tokens=900, step_seconds=1.5, train_tokens_per_s=600.0,
-        delta_bytes=12345, dense_bytes=2**40, mean_staleness=0.5, grad_norm=0.75, time=1_700_000_001.0, zero_variance_groups=2,
+        step=5,
+        version=6,
+        groups=8,
+        completions=64,
+        reward_mean=0.5,
+        reward_std=0.25,
+        loss=-0.125,
+        kl=0.01,
+        clip_fraction=0.0625,
+        entropy=2.5,
+        stale_dropped=1,
+        tokens=900,
+        step_seconds=1.5,
+        train_tokens_per_s=600.0,
+        delta_bytes=12345,
+        dense_bytes=2**40,
+        mean_staleness=0.5,
+        grad_norm=0.75,
+        time=1_700_000_001.0,
+        zero_variance_groups=2,
     )
 
 
@@ -119,7 +141,9 @@ def _as_redis_fields(encoded: dict[str, bytes]) -> dict[bytes, bytes]:
     return {k.encode(): v for k, v in encoded.items()}
 
 
-@pytest.mark.parametrize("make", [_prompt_task, _rollout_group, _dead_letter, _step_metrics], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "make", [_prompt_task, _rollout_group, _dead_letter, _step_metrics], ids=lambda f: f.__name__.strip("_")
+)
 def test_round_trip(make) -> None:
     message = make()
     encoded = codec.encode(message)
@@ -199,5 +223,3 @@ def test_decode_bad_bytes(data: bytes) -> None:
 def test_entry_error_is_a_value_error() -> None:
     # Stages catch ValueError around parsing; EntryError must be one.
     assert issubclass(codec.EntryError, ValueError)
-
-

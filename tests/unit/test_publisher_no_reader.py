@@ -35,7 +35,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 def make_trainer(model_dir: Path, anchor_dir: Path) -> tuple[Trainer, ServiceHost]:
     settings = load_settings(
-        TrainerSettings, [], model=str(model_dir), lr=1e-2, max_new_tokens=6, anchor_dir=str(anchor_dir), anchor_interval=100, master_layout="split",
+        TrainerSettings,
+        [],
+        model=str(model_dir),
+        lr=1e-2,
+        max_new_tokens=6,
+        anchor_dir=str(anchor_dir),
+        anchor_interval=100,
+        master_layout="split",
     )
     host = ServiceHost("trainer", settings)
     return Trainer(settings, host), host
@@ -92,7 +99,12 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         for step in (1, 2):
             before = copied(pub.bits())
             _, published, stats = trainer.train_step(scored_groups(step, 2))
-            assert published is None and stats.nbytes == 0 and stats.dense_bytes > 0 and trainer.last_skipped == "no reader"
+            assert (
+                published is None
+                and stats.nbytes == 0
+                and stats.dense_bytes > 0
+                and trainer.last_skipped == "no reader"
+            )
             trainer.optimizer.wait()  # with no delta the update goes on after the step (the overlapped step): its bits once it ends
             assert not same(before, pub.bits()), "the weights never moved: the test would prove nothing"
         assert trainer.version == 2 and not pub.has_chain
@@ -110,13 +122,25 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         pub.readers.saw(["127.0.0.1:9"], from_registry=True)
         for step in (3, 4, 5):
             _, published, stats = trainer.train_step(scored_groups(step, 2))
-            assert published is not None and published.info.kind == "delta" and stats.nbytes > 0 and trainer.last_skipped == ""
-            assert trainer.last_reanchor == ("registered generators: 127.0.0.1:9" if step == 3 else "")  # the step log's `reanchored`
+            assert (
+                published is not None
+                and published.info.kind == "delta"
+                and stats.nbytes > 0
+                and trainer.last_skipped == ""
+            )
+            assert trainer.last_reanchor == (
+                "registered generators: 127.0.0.1:9" if step == 3 else ""
+            )  # the step log's `reanchored`
         assert counted(host, "reanchors") == 1
 
         # A generator holding nothing reads the store: anchor 2, deltas 3..5.
         anchor, chain = weight_store.read_manifest(anchor_dir)
-        assert [(p.info.kind, p.info.version) for p in [anchor, *chain]] == [("anchor", 2), ("delta", 3), ("delta", 4), ("delta", 5)]
+        assert [(p.info.kind, p.info.version) for p in [anchor, *chain]] == [
+            ("anchor", 2),
+            ("delta", 3),
+            ("delta", 4),
+            ("delta", 5),
+        ]
         held = HostWeights({n: np.zeros_like(b) for n, b in at_2.items()}, None)
         apply(held, weight_store.chunks(anchor_dir, [anchor]))
         assert held.version == 2 and same(held.bits, at_2)
@@ -137,7 +161,9 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
 
 def fetch(address: str, have: int) -> Iterator[weights_pb2.WeightChunk]:
     with channel(address) as ch:
-        yield from trainer_pb2_grpc.TrainerStub(ch).FetchWeights(trainer_pb2.FetchWeightsRequest(have_version=have), timeout=120)
+        yield from trainer_pb2_grpc.TrainerStub(ch).FetchWeights(
+            trainer_pb2.FetchWeightsRequest(have_version=have), timeout=120
+        )
 
 
 def test_fetch_weights_after_skipped_deltas_gets_the_current_version(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -146,7 +172,9 @@ def test_fetch_weights_after_skipped_deltas_gets_the_current_version(tiny_model_
     trainer, host = make_trainer(tiny_model_dir, tmp_path / "anchor")
     socket_dir = Path(tempfile.mkdtemp(prefix="rs-nd-", dir="/tmp"))  # a unix socket's path is short
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(trainer, GeneratorDirectory([]), CheckpointRequests()), server)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(
+        TrainerServicer(trainer, GeneratorDirectory([]), CheckpointRequests()), server
+    )
     address = f"unix:{socket_dir}/trainer.sock"
     assert server.add_insecure_port(address)
     server.start()
@@ -161,7 +189,9 @@ def test_fetch_weights_after_skipped_deltas_gets_the_current_version(tiny_model_
         held = HostWeights(at_0, 0)
         headers = apply(held, fetch(address, 0))
         assert [(h.kind, h.version) for h in headers] == [("anchor", 3)]
-        state = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(address)).GetState(trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=60)
+        state = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(address)).GetState(
+            trainer_pb2.TrainerStateRequest(with_weights_sha256=True), timeout=60
+        )
         assert held.version == state.version == 3 and deltas.weights_sha256(held.bits) == state.weights_sha256
         assert counted(host, "reanchors") == 1 and "FetchWeights" in pub.readers.reader()
 

@@ -21,7 +21,6 @@ import grpc
 import numpy as np
 import pytest
 
-from synthetic import scored_groups
 from rollstream.core import credentials, grpc_auth, push_signing
 from rollstream.core.config import load_settings
 from rollstream.core.credentials import ROLES
@@ -37,6 +36,7 @@ from rollstream.trainer.fleet import AddressBackoff, PushOutcome
 from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.trainer.trainer import Trainer, TrainerServicer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
+from synthetic import scored_groups
 
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}
 ROLE_TABLE = grpc_auth.parse_roles(json.dumps(credentials.roles_table(TOKENS)), "test")
@@ -68,7 +68,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
     done: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)  # set at teardown
 
-    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+    def PushNonce(
+        self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.PushNonceResponse:
         self.nonce_calls += 1
         if self.hang_nonce:
             self.released.wait()
@@ -76,7 +78,9 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         proof = push_signing.GeneratorProver(TOKENS["generator"]).prove(request.challenge, nonce, self.address)
         return generator_pb2.PushNonceResponse(nonce=nonce, address=self.address, proof=proof)
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         self.push_calls += 1
         self.entered.set()
         header = None
@@ -92,9 +96,15 @@ class FakeGenerator(generator_pb2_grpc.GeneratorServicer):
         self.payloads += 1
         self.done.set()
         signed = push_signing.parse_signature(context.invocation_metadata())
-        ack = push_signing.GeneratorProver(TOKENS["generator"]).ack(signed[0], header) if signed and header is not None else b""
+        ack = (
+            push_signing.GeneratorProver(TOKENS["generator"]).ack(signed[0], header)
+            if signed and header is not None
+            else b""
+        )
         version = header.version if header is not None else 0
-        lies = [weights_pb2.RelayedPush(address=a, applied=True, version=version, via=self.address) for a in self.lie_about]
+        lies = [
+            weights_pb2.RelayedPush(address=a, applied=True, version=version, via=self.address) for a in self.lie_about
+        ]
         return weights_pb2.PushResult(applied=True, version=version, ack=ack, relayed=lies)
 
 
@@ -135,13 +145,19 @@ def next_bits(bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def signed_publisher(nonce_timeout_s: float = 5.0, stall_s: float = 30.0) -> WeightPublisher:
     """`stall_s`: generous where no test of it (an honest generator must answer within it)."""
     return WeightPublisher(
-        BITS, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key,
-        nonce_timeout_s=nonce_timeout_s, stall_s=stall_s,
+        BITS,
+        anchor_interval=100,
+        creds=ClientCredentials(token=TOKENS["trainer"]),
+        generator_key=ROLE_TABLE.generator_key,
+        nonce_timeout_s=nonce_timeout_s,
+        stall_s=stall_s,
     )
 
 
 @pytest.mark.parametrize("fanout", [0, 1])
-def test_a_pushnonce_that_never_answers_costs_one_short_deadline_once(serve: Callable[..., FakeGenerator], fanout: int) -> None:
+def test_a_pushnonce_that_never_answers_costs_one_short_deadline_once(
+    serve: Callable[..., FakeGenerator], fanout: int
+) -> None:
     """A registered stranger that accepts the call and never answers: left out of the push
     after nonce_timeout_s (not push_timeout_s), directly and in a relay tree, the honest
     generators get the push, and the next push does not ask the stranger at all."""
@@ -154,7 +170,9 @@ def test_a_pushnonce_that_never_answers_costs_one_short_deadline_once(serve: Cal
             bits = next_bits(bits)
             published, _ = publisher.publish(bits)
             outcomes = {o.address: o for o in publisher.fleet.push(addresses, published, timeout_s=300, fanout=fanout)}
-            assert outcomes[honest.address].applied and outcomes[other.address].applied, [o.error for o in outcomes.values()]
+            assert outcomes[honest.address].applied and outcomes[other.address].applied, [
+                o.error for o in outcomes.values()
+            ]
             assert not outcomes[stranger.address].applied
             assert ("no nonce" if version == 1 else "backed off") in outcomes[stranger.address].error
         assert stranger.nonce_calls == 1 and stranger.payloads == 0
@@ -173,11 +191,17 @@ def test_a_relay_that_lies_about_its_subtree_is_not_believed(serve: Callable[...
     publisher = signed_publisher()
     try:
         published, _ = publisher.publish(next_bits(BITS))
-        outcomes = {o.address: o for o in publisher.fleet.push([liar.address, child.address], published, timeout_s=300, fanout=1)}
+        outcomes = {
+            o.address: o
+            for o in publisher.fleet.push([liar.address, child.address], published, timeout_s=300, fanout=1)
+        }
         assert outcomes[liar.address].applied  # its own apply, acknowledged
         assert not outcomes[child.address].applied and "acknowledgement" in outcomes[child.address].error
         assert child.payloads == 0
-        assert liar.address in publisher.fleet.backoff.backed_off() and child.address not in publisher.fleet.backoff.backed_off()
+        assert (
+            liar.address in publisher.fleet.backoff.backed_off()
+            and child.address not in publisher.fleet.backoff.backed_off()
+        )
     finally:
         publisher.close()
 
@@ -186,7 +210,9 @@ def test_a_relay_forwards_the_whole_push_before_its_own_apply_reads_it(serve: Ca
     """The relay's apply has taken one chunk and waits (its weights lock, a batch being
     sampled): its target still gets every chunk and the end of the stream, and answers."""
     target = serve(signed=False)
-    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=3, sha256="ab" * 32, model_fingerprint="f")
+    header = weights_pb2.WeightHeader(
+        kind="delta", base_version=0, version=1, total_bytes=3, sha256="ab" * 32, model_fingerprint="f"
+    )
     chunks = [
         weights_pb2.WeightChunk(header=header, data=b"a", forward=[weights_pb2.RelayTarget(address=target.address)]),
         weights_pb2.WeightChunk(data=b"b"),
@@ -211,14 +237,23 @@ def test_a_target_the_relay_could_not_reach_is_reported_unreachable(serve: Calla
     relay's own deadline, and it is reported unreachable (the trainer leaves it out a while),
     not as a push it refused."""
     stuck = serve(signed=False, hold=threading.Event())
-    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=1, sha256="ab" * 32, model_fingerprint="f")
-    chunks = [weights_pb2.WeightChunk(header=header, data=b"a", forward=[weights_pb2.RelayTarget(address=stuck.address)])]
+    header = weights_pb2.WeightHeader(
+        kind="delta", base_version=0, version=1, total_bytes=1, sha256="ab" * 32, model_fingerprint="f"
+    )
+    chunks = [
+        weights_pb2.WeightChunk(header=header, data=b"a", forward=[weights_pb2.RelayTarget(address=stuck.address)])
+    ]
     peers = PeerChannels(ClientCredentials())
     stream = RelayedStream(iter(chunks), "relay", peers, time_left_s=3.5)  # the target's call: 1.5 s
     try:
         assert [c.data for c in stream] == [b"a"]
         [outcome] = stream.finish(read_rest=True)
-        assert outcome.address == stuck.address and not outcome.applied and outcome.unreachable and "DEADLINE_EXCEEDED" in outcome.error
+        assert (
+            outcome.address == stuck.address
+            and not outcome.applied
+            and outcome.unreachable
+            and "DEADLINE_EXCEEDED" in outcome.error
+        )
     finally:
         peers.close()
 
@@ -229,18 +264,34 @@ def fetched(servicer: TrainerServicer) -> list[int]:
     return [c.header.version for c in chunks if c.HasField("header")]
 
 
-def test_getstate_tells_no_version_while_its_push_is_going_out(serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None) -> None:
+def test_getstate_tells_no_version_while_its_push_is_going_out(
+    serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None
+) -> None:
     """The step commits and returns while its push is still going out (a generator holding
     it); meanwhile GetState reports the version before and FetchWeights would serve nothing
     newer, so no generator being pushed a version also fetches it. Once the push ends, both do."""
     hold = threading.Event()
     slow = serve(signed=False, hold=hold)
-    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=300, push_stall_s=300)
+    settings = load_settings(
+        TrainerSettings,
+        [],
+        model=str(tiny_model_dir),
+        lr=1e-3,
+        max_new_tokens=6,
+        group_size=4,
+        push_timeout_s=300,
+        push_stall_s=300,
+    )
     trainer = Trainer(settings, ServiceHost("trainer", settings))
     servicer = TrainerServicer(trainer, GeneratorDirectory([]), CheckpointRequests())
     recorded: list[int] = []
     try:
-        trainer.train_and_push(scored_groups(2, 4), lambda: [slow.address], False, lambda metrics, outcomes: recorded.append(metrics.version))
+        trainer.train_and_push(
+            scored_groups(2, 4),
+            lambda: [slow.address],
+            False,
+            lambda metrics, outcomes: recorded.append(metrics.version),
+        )
         assert recorded == [1] and trainer.version == 1  # committed before the push ended
         assert slow.entered.wait(WAIT_S)
         assert servicer.GetState(trainer_pb2.TrainerStateRequest(), None).version == 0
@@ -310,22 +361,32 @@ def in_background(push: Callable[[], list[T]]) -> tuple[threading.Event, list[T]
     return ended, outcomes
 
 
-BIG = {"w": np.random.default_rng(0).integers(0, 2**16, size=(4096, 4096), dtype=np.uint16)}  # a 32 MiB anchor: 8 chunks
+BIG = {
+    "w": np.random.default_rng(0).integers(0, 2**16, size=(4096, 4096), dtype=np.uint16)
+}  # a 32 MiB anchor: 8 chunks
 
 
 @pytest.mark.parametrize("fanout", [0, 1])
-def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(serve: Callable[..., FakeGenerator], fanout: int) -> None:
+def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(
+    serve: Callable[..., FakeGenerator], fanout: int
+) -> None:
     """A generator that answers its nonce, takes one chunk and reads no more: gRPC's flow
     control holds the trainer's sends to it, and the push cuts it once it has taken nothing for
     push_stall_s (push_timeout_s is 600 s), directly and as a relay's child; the others get
     the push, and the stalled address is backed off."""
     honest, stalled = serve(), serve(read_only=1)
     publisher = WeightPublisher(
-        BIG, anchor_interval=100, creds=ClientCredentials(token=TOKENS["trainer"]), generator_key=ROLE_TABLE.generator_key, stall_s=10.0
+        BIG,
+        anchor_interval=100,
+        creds=ClientCredentials(token=TOKENS["trainer"]),
+        generator_key=ROLE_TABLE.generator_key,
+        stall_s=10.0,
     )
     anchor = Published(PayloadInfo("anchor", 0, 0, publisher.fingerprint), encode_anchor(BIG, 0, publisher.fingerprint))
     try:
-        ended, outcomes = in_background(lambda: publisher.fleet.push([honest.address, stalled.address], anchor, timeout_s=600, fanout=fanout))
+        ended, outcomes = in_background(
+            lambda: publisher.fleet.push([honest.address, stalled.address], anchor, timeout_s=600, fanout=fanout)
+        )
         assert ended.wait(WAIT_S), "the push still waits for the generator that stopped reading"
         by_address = {o.address: o for o in outcomes}
         assert by_address[honest.address].applied, by_address[honest.address].error
@@ -336,7 +397,9 @@ def test_a_generator_that_stops_reading_is_cut_after_push_stall_s(serve: Callabl
         publisher.close()
 
 
-def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None) -> None:
+def test_a_generator_that_never_answers_holds_no_step(
+    serve: Callable[..., FakeGenerator], tiny_model_dir: Path, one_thread: None
+) -> None:
     """A generator that takes every chunk of the step's push and never answers: the next step
     commits once push_stall_s has passed after its last chunk (push_timeout_s is 600 s), while
     that call is still open; the next push leaves it out (no second push open at it, so no
@@ -344,12 +407,25 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
     comes, backs it off."""
     hold = threading.Event()
     silent, honest = serve(signed=False, hold=hold, fail_late=True), serve(signed=False)
-    settings = load_settings(TrainerSettings, [], model=str(tiny_model_dir), lr=1e-3, max_new_tokens=6, group_size=4, push_timeout_s=600, push_stall_s=10)
+    settings = load_settings(
+        TrainerSettings,
+        [],
+        model=str(tiny_model_dir),
+        lr=1e-3,
+        max_new_tokens=6,
+        group_size=4,
+        push_timeout_s=600,
+        push_stall_s=10,
+    )
     trainer = Trainer(settings, ServiceHost("trainer", settings))
     addresses = [silent.address, honest.address]
     try:
         trainer.train_and_push(scored_groups(2, 4), lambda: addresses, False, lambda metrics, outcomes: None)
-        ended, outcomes = in_background(lambda: trainer.train_and_push(scored_groups(2, 4), lambda: addresses, False, lambda metrics, outcomes: None)[2])
+        ended, outcomes = in_background(
+            lambda: trainer.train_and_push(
+                scored_groups(2, 4), lambda: addresses, False, lambda metrics, outcomes: None
+            )[2]
+        )
         assert ended.wait(WAIT_S), "the step still waits for the push of a generator that never answers"
         assert silent.entered.is_set() and not silent.done.is_set() and not hold.is_set()  # its call is still open
         first = {o.address: o for o in outcomes}
@@ -360,7 +436,9 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
         assert silent.push_calls == 1 and honest.payloads == 2
         assert trainer.publisher.fleet.backoff.backed_off() == []
         hold.set()
-        assert eventually(lambda: trainer.publisher.fleet.backoff.backed_off() == [silent.address]), "its late failure was not counted"
+        assert eventually(lambda: trainer.publisher.fleet.backoff.backed_off() == [silent.address]), (
+            "its late failure was not counted"
+        )
         assert trainer.publisher.fleet.unanswered.open() == {}
     finally:
         hold.set()
@@ -368,15 +446,23 @@ def test_a_generator_that_never_answers_holds_no_step(serve: Callable[..., FakeG
 
 
 @pytest.mark.parametrize("stall", ["stops reading", "never answers"])
-def test_a_relay_child_that_stalls_holds_neither_the_relay_stream_nor_its_answer(serve: Callable[..., FakeGenerator], stall: str) -> None:
+def test_a_relay_child_that_stalls_holds_neither_the_relay_stream_nor_its_answer(
+    serve: Callable[..., FakeGenerator], stall: str
+) -> None:
     """A relay's target that takes one chunk and reads no more, or takes every chunk and never
     answers, with 600 s left on the relay's own call: the relay's apply still reads its whole
     stream, and its answer reports the target unreachable after RELAY_STALL_S, not at the
     relay's deadline (120 s)."""
-    target = serve(signed=False, read_only=1) if stall == "stops reading" else serve(signed=False, hold=threading.Event())
-    header = weights_pb2.WeightHeader(kind="delta", base_version=0, version=1, total_bytes=8 * 4 << 20, sha256="ab" * 32, model_fingerprint="f")
+    target = (
+        serve(signed=False, read_only=1) if stall == "stops reading" else serve(signed=False, hold=threading.Event())
+    )
+    header = weights_pb2.WeightHeader(
+        kind="delta", base_version=0, version=1, total_bytes=8 * 4 << 20, sha256="ab" * 32, model_fingerprint="f"
+    )
     data = b"x" * (4 << 20)
-    chunks = [weights_pb2.WeightChunk(header=header, data=data, forward=[weights_pb2.RelayTarget(address=target.address)])]
+    chunks = [
+        weights_pb2.WeightChunk(header=header, data=data, forward=[weights_pb2.RelayTarget(address=target.address)])
+    ]
     chunks += [weights_pb2.WeightChunk(data=data) for _ in range(7)]
     peers = PeerChannels(ClientCredentials())
     stream = RelayedStream(iter(chunks), "relay", peers, time_left_s=600)

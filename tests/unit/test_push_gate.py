@@ -33,19 +33,25 @@ class Generator(generator_pb2_grpc.GeneratorServicer):
         self.address = ""
         self.payloads = 0
 
-    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+    def PushNonce(
+        self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.PushNonceResponse:
         nonce = self.nonces.issue()
         address = self.proves if self.proves is not None else self.address
         proof = self.prover.prove(request.challenge, nonce, address) if self.prover else b""
         return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         header = next(iter(request_iterator)).header
         for _ in request_iterator:
             pass
         self.payloads += 1
         nonce, _ = push_signing.parse_signature(context.invocation_metadata())
-        return weights_pb2.PushResult(applied=True, version=4, ack=self.prover.ack(nonce, header) if self.prover else b"")
+        return weights_pb2.PushResult(
+            applied=True, version=4, ack=self.prover.ack(nonce, header) if self.prover else b""
+        )
 
 
 @pytest.fixture
@@ -55,7 +61,10 @@ def serve() -> Iterator:
     def start(token: str | None, proves: str | None = None) -> tuple[Generator, str]:
         nonces = push_signing.PushNonces()
         gen = Generator(nonces, token, proves)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[grpc_auth.AuthInterceptor(ROLE_TABLE, nonces=nonces)])
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2),
+            interceptors=[grpc_auth.AuthInterceptor(ROLE_TABLE, nonces=nonces)],
+        )
         generator_pb2_grpc.add_GeneratorServicer_to_server(gen, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -68,7 +77,9 @@ def serve() -> Iterator:
         s.stop(0)
 
 
-HEADER = weights_pb2.WeightHeader(kind="delta", base_version=3, version=4, total_bytes=1, sha256="ab" * 32, model_fingerprint="f")
+HEADER = weights_pb2.WeightHeader(
+    kind="delta", base_version=3, version=4, total_bytes=1, sha256="ab" * 32, model_fingerprint="f"
+)
 WIRE = [weights_pb2.WeightChunk(header=HEADER, data=b"x").SerializeToString()]
 GATE = PushGate(push_signing.PushSigner(TOKENS["trainer"]), ROLE_TABLE.generator_key, prove_address=True)
 
@@ -101,4 +112,3 @@ def test_an_address_without_the_generators_key_gets_nothing(serve, token: str | 
     outcome = push(address)
     assert not outcome.applied and "gave no proof of the generator's key" in outcome.error
     assert gen.payloads == 0
-

@@ -20,7 +20,11 @@ def script_tiers() -> list[str]:
 def readme_tiers() -> list[str]:
     text = (ROOT / "README.md").read_text()
     table = text.split("What `bash scripts/test.sh` runs", 1)[1].split("\n\n", 2)[1]
-    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and not line.startswith("| step")]
+    rows = [
+        line.split("|")[1].strip()
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| step")
+    ]
     return [r for r in rows if not r.startswith("installs")]
 
 
@@ -33,6 +37,9 @@ def test_fast_runs_the_browser_tier_and_the_readme_says_so() -> None:
     text = (ROOT / "scripts" / "test.sh").read_text()
     # The browser tier (and chromium's install) sits outside the `if [ "$fast" = 0 ]` block.
     before_full_only = text.split('if [ "$fast" = 0 ]; then\n  # Images', 1)[0]
-    assert "pytest -m browser" in before_full_only and "apt-get install -y --no-install-recommends chromium" in before_full_only
+    assert (
+        "pytest -m browser" in before_full_only
+        and "apt-get install -y --no-install-recommends chromium" in before_full_only
+    )
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "`bash scripts/test.sh --fast` runs the default suite and then the browser tier" in readme

@@ -27,7 +27,10 @@ CHUNK_TOKENS = 16
 def sequences(vocab: int) -> list[TokenPair]:
     gen = torch.Generator().manual_seed(3)
     shapes = [(12, 7), (30, 25), (3, 1), (18, 40), (9, 9), (25, 3)]
-    return [(torch.randint(0, vocab, (p,), generator=gen).tolist(), torch.randint(0, vocab, (c,), generator=gen).tolist()) for p, c in shapes]
+    return [
+        (torch.randint(0, vocab, (p,), generator=gen).tolist(), torch.randint(0, vocab, (c,), generator=gen).tolist())
+        for p, c in shapes
+    ]
 
 
 def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], token_budget: int) -> list[list[float]]:
@@ -35,13 +38,20 @@ def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], to
     version 0 (HostAdamW.sync_model) through step.train_step itself, one group per sequence."""
     model, tokenizer = modeling.load_model(tiny_model_dir, dtype=dtype)
     model.train()
-    optimizer = HostAdamW(modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
+    optimizer = HostAdamW(
+        modeling.named_weights(model), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32"
+    )
     optimizer.sync_model()
     groups = [
-        rollout_pb2.RolloutGroup(prompt_ids=p, completions=[rollout_pb2.Completion(token_ids=c, behaviour_logprobs=[0.0] * len(c), reward=0.0)])
+        rollout_pb2.RolloutGroup(
+            prompt_ids=p,
+            completions=[rollout_pb2.Completion(token_ids=c, behaviour_logprobs=[0.0] * len(c), reward=0.0)],
+        )
         for p, c in seqs
     ]
-    cfg = StepConfig(LossConfig(), token_budget, CHUNK_TOKENS, TEMPERATURE, max_grad_norm=1.0, device="cpu", share_prompts=False)
+    cfg = StepConfig(
+        LossConfig(), token_budget, CHUNK_TOKENS, TEMPERATURE, max_grad_norm=1.0, device="cpu", share_prompts=False
+    )
     result = train_step(model, optimizer, groups, cfg, pad_id=tokenizer.pad_token_id)
     return [values.float().tolist() for values in result.logprobs]
 
@@ -50,7 +60,14 @@ def trainer_logprobs(tiny_model_dir: Path, dtype: str, seqs: list[TokenPair], to
 def test_reference_equals_trainer_at_version_0(tiny_model_dir: Path, dtype: str) -> None:
     # share_prompts off: the packed path is the trainer's own computation (with shared
     # prompts the values agree up to float rounding: test_reference_scoring.py).
-    ref = ReferenceModel.load(tiny_model_dir, dtype=dtype, token_budget=128, chunk_tokens=CHUNK_TOKENS, temperature=TEMPERATURE, share_prompts=False)
+    ref = ReferenceModel.load(
+        tiny_model_dir,
+        dtype=dtype,
+        token_budget=128,
+        chunk_tokens=CHUNK_TOKENS,
+        temperature=TEMPERATURE,
+        share_prompts=False,
+    )
     seqs = sequences(ref.vocab_size)
     got = ref.logprobs(seqs)
     # Same micro-batches as the reference: the very same computation, bit for bit.

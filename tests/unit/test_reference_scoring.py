@@ -56,8 +56,12 @@ def bf16_rounded_model(tiny_model_dir: Path) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_full_logits_computation(tiny_model_dir: Path, bf16_rounded_model: torch.nn.Module, temperature: float) -> None:
-    ref = ReferenceModel.load(tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=temperature)
+def test_logprobs_equal_full_logits_computation(
+    tiny_model_dir: Path, bf16_rounded_model: torch.nn.Module, temperature: float
+) -> None:
+    ref = ReferenceModel.load(
+        tiny_model_dir, token_budget=TOKEN_BUDGET, chunk_tokens=CHUNK_TOKENS, temperature=temperature
+    )
     sequences = make_sequences(ref.vocab_size)
     lengths = [len(p) + len(c) for p, c in sequences]
     # The setup really exercises packing and chunking.
@@ -106,16 +110,29 @@ def grouped_sequences(vocab: int) -> list[TokenPair]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_prompts_give_the_packed_values_for_fewer_tokens(tiny_model_dir: Path, bf16_rounded_model: torch.nn.Module, dtype: str) -> None:
+def test_shared_prompts_give_the_packed_values_for_fewer_tokens(
+    tiny_model_dir: Path, bf16_rounded_model: torch.nn.Module, dtype: str
+) -> None:
     budget = 256
-    shared = ReferenceModel.load(tiny_model_dir, dtype=dtype, token_budget=budget, chunk_tokens=CHUNK_TOKENS, temperature=0.7)
-    packed = ReferenceModel.load(tiny_model_dir, dtype=dtype, token_budget=budget, chunk_tokens=CHUNK_TOKENS, temperature=0.7, share_prompts=False)
+    shared = ReferenceModel.load(
+        tiny_model_dir, dtype=dtype, token_budget=budget, chunk_tokens=CHUNK_TOKENS, temperature=0.7
+    )
+    packed = ReferenceModel.load(
+        tiny_model_dir,
+        dtype=dtype,
+        token_budget=budget,
+        chunk_tokens=CHUNK_TOKENS,
+        temperature=0.7,
+        share_prompts=False,
+    )
     sequences = grouped_sequences(shared.vocab_size)
 
     def decoder_tokens(ref: ReferenceModel, seqs: list[TokenPair]) -> tuple[list[list[float]], int]:
         """The log-probs, and how many token positions went through the decoder."""
         seen = [0]
-        hook = ref.model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.__setitem__(0, seen[0] + kw["input_ids"].numel()), with_kwargs=True)
+        hook = ref.model.get_decoder().register_forward_pre_hook(
+            lambda _m, _a, kw: seen.__setitem__(0, seen[0] + kw["input_ids"].numel()), with_kwargs=True
+        )
         try:
             return ref.logprobs(seqs), seen[0]
         finally:
@@ -198,7 +215,10 @@ def test_empty_inputs(tiny_model_dir: Path) -> None:
 def test_settings_defaults_flags_and_errors() -> None:
     s = load_settings(ReferenceSettings, [])
     assert (s.model, s.dtype, s.device, s.temperature, s.group) == ("smollm2-135m", "float32", "cpu", 1.0, "reference")
-    s = load_settings(ReferenceSettings, ["--dtype", "bfloat16", "--token-budget", "512", "--chunk-tokens", "64", "--temperature", "0.8"])
+    s = load_settings(
+        ReferenceSettings,
+        ["--dtype", "bfloat16", "--token-budget", "512", "--chunk-tokens", "64", "--temperature", "0.8"],
+    )
     assert (s.dtype, s.token_budget, s.chunk_tokens, s.temperature) == ("bfloat16", 512, 64, 0.8)
     with pytest.raises(ConfigError, match="field 'dtype'"):
         load_settings(ReferenceSettings, ["--dtype", "float16"])

@@ -55,7 +55,9 @@ def test_a_push_naming_more_targets_than_any_fanout_is_refused_before_forwarding
     from rollstream.generator.relay import MAX_TARGETS, PeerChannels, RelayedStream
     from rollstream.v1 import weights_pb2
 
-    first = weights_pb2.WeightChunk(forward=[weights_pb2.RelayTarget(address=f"127.0.0.1:{i + 1}") for i in range(MAX_TARGETS + 1)])
+    first = weights_pb2.WeightChunk(
+        forward=[weights_pb2.RelayTarget(address=f"127.0.0.1:{i + 1}") for i in range(MAX_TARGETS + 1)]
+    )
     stream = RelayedStream(iter([first]), "127.0.0.1:9", PeerChannels(ClientCredentials()))
     with pytest.raises(TransferRefused, match=f"{MAX_TARGETS + 1} targets"):
         list(stream)

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import MIN_WAIT_S, wait_for
 from rollstream.reward.limits import ScorePool, recipe_source
 from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, Sample, build_check, default_specs
 from rollstream.reward.remote import CircuitBreaker, check_reply, service_config
 from rollstream.v1 import reward_pb2
-
-from helpers import MIN_WAIT_S, wait_for
 
 # -- checks the test recipes are made of (module-level: the workers import them) ------------------
 
@@ -69,7 +68,10 @@ def test_recipes(default_timeout_s: float = 0.5) -> Recipes:
     no_limit = 120.0  # checks the test ends itself: the limit only stops a runaway
     return Recipes(
         {
-            "spin": (RecipeComponent("slow", 1.0, spin, default_timeout_s), RecipeComponent("format", 0.1, fmt, default_timeout_s)),
+            "spin": (
+                RecipeComponent("slow", 1.0, spin, default_timeout_s),
+                RecipeComponent("format", 0.1, fmt, default_timeout_s),
+            ),
             "pid": (RecipeComponent("pid", 1.0, whoami, no_limit),),
             "kill": (RecipeComponent("answer", 1.0, wait_for_kill, no_limit),),
             "die": (RecipeComponent("answer", 1.0, suicide, no_limit), RecipeComponent("format", 0.1, fmt, no_limit)),
@@ -96,7 +98,9 @@ def builtin_pool() -> Iterator[ScorePool]:
         **default_specs(),
         "math": [ComponentSpec(component="math", weight=1.0, timeout_s=1.0)],
         # Catastrophic backtracking: one C call (re's matcher) for ever on 40 a's and a b.
-        "regex": [ComponentSpec(component="regex", weight=1.0, timeout_s=0.5, params={"pattern": "(a+)+$", "match": "search"})],
+        "regex": [
+            ComponentSpec(component="regex", weight=1.0, timeout_s=0.5, params={"pattern": "(a+)+$", "match": "search"})
+        ],
     }
     p = ScorePool(recipe_source(specs, 5.0), workers=2)
     p.warm_up()
@@ -136,7 +140,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_one_timeout_leaves_the_other_completions_alone(pool: ScorePool) -> None:
-    scores = pool.score_many([("format", Sample("8")), ("spin", Sample("x")), ("format", Sample("The answer is 8")), ("chess", Sample("e4"))])
+    scores = pool.score_many(
+        [("format", Sample("8")), ("spin", Sample("x")), ("format", Sample("The answer is 8")), ("chess", Sample("e4"))]
+    )
     assert [s.reward for s in scores] == pytest.approx([0.1, 0.0, 0.1, 0.0])
     assert statuses(scores[1])[0][2] == "timeout"
     assert scores[3].unknown_kind  # answered here, without a worker
@@ -144,7 +150,9 @@ def test_one_timeout_leaves_the_other_completions_alone(pool: ScorePool) -> None
 
 def test_math_verify_on_a_tower_of_powers_times_out(builtin_pool: ScorePool) -> None:
     # math-verify would compute 9^(9^(9^9)); its `except Exception` blocks cannot swallow a kill.
-    tower, fine = builtin_pool.score_many([("math", Sample(r"\boxed{9^{9^{9^{9}}}}", "1")), ("math", Sample(r"\boxed{1}", "1"))])
+    tower, fine = builtin_pool.score_many(
+        [("math", Sample(r"\boxed{9^{9^{9^{9}}}}", "1")), ("math", Sample(r"\boxed{1}", "1"))]
+    )
     assert statuses(tower) == [("math", 0.0, "timeout")]
     assert statuses(fine) == [("math", 1.0, "ok")]
 
@@ -160,7 +168,9 @@ def test_catastrophic_regex_stuck_in_one_c_call_times_out(builtin_pool: ScorePoo
 def test_a_worker_killed_mid_task_is_replaced_and_the_task_run_again(pool: ScorePool, tmp_path: Path) -> None:
     marker = tmp_path / "pid"
     result: list[object] = []
-    scoring = threading.Thread(target=lambda: result.append(pool.score_many([("kill", Sample(str(marker))), ("format", Sample("8"))])))
+    scoring = threading.Thread(
+        target=lambda: result.append(pool.score_many([("kill", Sample(str(marker))), ("format", Sample("8"))]))
+    )
     scoring.start()
     wait_for(lambda: marker.exists() and marker.read_text(), 60, "the check to start")
     os.kill(int(marker.read_text()), signal.SIGKILL)
@@ -188,7 +198,14 @@ def test_a_check_that_kills_its_worker_every_time_is_an_error(pool: ScorePool) -
 
 
 def test_non_finite_values_are_errors_and_finite_ones_pass(pool: ScorePool) -> None:
-    scores = pool.score_many([("value", Sample("", "nan")), ("value", Sample("", "inf")), ("value", Sample("", "1e300")), ("value", Sample("", "x"))])
+    scores = pool.score_many(
+        [
+            ("value", Sample("", "nan")),
+            ("value", Sample("", "inf")),
+            ("value", Sample("", "1e300")),
+            ("value", Sample("", "x")),
+        ]
+    )
     assert [c.status for s in scores for c in s.components] == [
         "error: ValueError: the check gave a non-finite value (nan)",
         "error: ValueError: the check gave a non-finite value (inf)",

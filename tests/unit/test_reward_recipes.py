@@ -51,7 +51,9 @@ def test_builtin_math_countdown_and_code_kinds(builtin: Recipes) -> None:
     assert builtin.score("countdown", Sample("3 * 5 + 2", "16", countdown)).reward == 0.0
     code = json.dumps({"tests": ["assert inc(1) == 2", "assert inc(-1) == 0"]})
     assert builtin.score("code", Sample("```python\ndef inc(x):\n    return x + 1\n```", "", code)).reward == 1.0
-    assert builtin.score("code", Sample("```python\ndef inc(x):\n    return 2\n```", "", code)).reward == pytest.approx(0.5)
+    assert builtin.score("code", Sample("```python\ndef inc(x):\n    return 2\n```", "", code)).reward == pytest.approx(
+        0.5
+    )
 
 
 def test_unknown_kind_is_reported_not_silently_zero(builtin: Recipes) -> None:
@@ -91,7 +93,9 @@ def test_non_numeric_reference_answer_is_a_verifier_error(builtin: Recipes) -> N
 
 def test_metadata_problems_are_errors_with_the_reason(builtin: Recipes) -> None:
     missing = builtin.score("countdown", Sample("1 + 2", "3", json.dumps({"target": 3})))
-    assert missing.components[0].status == 'error: ValueError: countdown metadata_json needs "numbers": a list of integers'
+    assert (
+        missing.components[0].status == 'error: ValueError: countdown metadata_json needs "numbers": a list of integers'
+    )
     not_json = builtin.score("countdown", Sample("1 + 2", "3", "{oops"))
     assert not_json.components[0].status.startswith("error: ValueError: metadata_json is not JSON")
     no_tests = builtin.score("code", Sample("print(1)", "", "{}"))
@@ -107,7 +111,9 @@ def test_regex_length_and_exact_params() -> None:
         ],
         "caseless": [ComponentSpec(component="exact", weight=1.0, params={"case_sensitive": False})],
         "shout": [ComponentSpec(component="regex", weight=1.0, params={"pattern": "[A-Z ]+!", "dotall": False})],
-        "chars": [ComponentSpec(component="length", weight=1.0, params={"max_length": 10, "cache_length": 5, "unit": "chars"})],
+        "chars": [
+            ComponentSpec(component="length", weight=1.0, params={"max_length": 10, "cache_length": 5, "unit": "chars"})
+        ],
     }
     table = build_recipes(specs, default_timeout_s=5.0)
     good = "<think>2+2 is 4</think>\n<answer>\\boxed{4}</answer>"
@@ -132,9 +138,15 @@ def test_regex_length_and_exact_params() -> None:
         ({"k": []}, "recipes.k: a recipe needs at least one component"),
         ({"k": [{"component": "regex", "weight": 1, "params": {"pattern": "("}}]}, "recipes.k[0]"),
         ({"k": [{"component": "regex", "weight": 1, "params": {}}]}, "exactly one of `pattern` and `preset`"),
-        ({"k": [{"component": "exact", "weight": 1, "params": {"strip": True, "colour": "red"}}]}, "colour: Extra inputs are not permitted"),
+        (
+            {"k": [{"component": "exact", "weight": 1, "params": {"strip": True, "colour": "red"}}]},
+            "colour: Extra inputs are not permitted",
+        ),
         ({"k": [{"component": "math", "weight": 1, "params": {"x": 1}}]}, "component 'math' params"),
-        ({"k": [{"component": "length", "weight": 1, "params": {"max_length": 4, "cache_length": 8}}]}, "cache_length must be at most max_length"),
+        (
+            {"k": [{"component": "length", "weight": 1, "params": {"max_length": 4, "cache_length": 8}}]},
+            "cache_length must be at most max_length",
+        ),
         ({"k": [{"component": "exact", "weight": 1}, {"component": "exact", "weight": 2}]}, "component names repeat"),
     ],
 )
@@ -208,7 +220,15 @@ def test_settings_defaults_and_validation() -> None:
 
 
 def test_the_workers_recipes_are_the_services() -> None:
-    s = load_settings(RewardSettings, ["--answer-weight", "2", "--recipes", json.dumps({"yes": [{"component": "exact", "weight": 3, "timeout_s": 1}]})])
+    s = load_settings(
+        RewardSettings,
+        [
+            "--answer-weight",
+            "2",
+            "--recipes",
+            json.dumps({"yes": [{"component": "exact", "weight": 3, "timeout_s": 1}]}),
+        ],
+    )
     mine, theirs = s.build_recipes(), s.recipe_source()()
     assert {k: [(c.name, c.weight, c.timeout_s) for c in r] for k, r in mine.table.items()} == {
         k: [(c.name, c.weight, c.timeout_s) for c in r] for k, r in theirs.table.items()
@@ -237,17 +257,24 @@ def test_score_group_fills_rewards_and_marks_scored(builtin: Recipes) -> None:
     assert group.scored
     assert [s.reward for s in scores] == pytest.approx([1.1, 0.1])
     assert [c.reward for c in group.completions] == pytest.approx([1.1, 0.1])
-    assert [[rc.name for rc in c.reward_components] for c in group.completions] == [["answer", "format"], ["answer", "format"]]
+    assert [[rc.name for rc in c.reward_components] for c in group.completions] == [
+        ["answer", "format"],
+        ["answer", "format"],
+    ]
     assert group.completions[1].reward_components[0].value == 0.0
 
 
 def test_group_token_counts_reach_the_length_component() -> None:
-    table = build_recipes({"len": [ComponentSpec(component="length", weight=1.0, params={"max_length": 4, "cache_length": 2})]}, 5.0)
+    table = build_recipes(
+        {"len": [ComponentSpec(component="length", weight=1.0, params={"max_length": 4, "cache_length": 2})]}, 5.0
+    )
     group = rollout_pb2.RolloutGroup(
         group_id="g",
         task_kind="len",
         prompt_ids=[1],
-        completions=[rollout_pb2.Completion(text="a", token_ids=[1] * n, behaviour_logprobs=[-0.1] * n) for n in (2, 3, 4, 9)],
+        completions=[
+            rollout_pb2.Completion(text="a", token_ids=[1] * n, behaviour_logprobs=[-0.1] * n) for n in (2, 3, 4, 9)
+        ],
     )
     score_groups({0: group}, table)
     assert [c.reward for c in group.completions] == pytest.approx([0.0, -0.5, -1.0, -1.0])

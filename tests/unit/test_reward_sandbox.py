@@ -52,7 +52,11 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_assert_tests_partial_credit() -> None:
-    result = run_tests("def add(a, b):\n    return a + b\n", ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0"], LIMITS)
+    result = run_tests(
+        "def add(a, b):\n    return a + b\n",
+        ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(-1, 1) == 0"],
+        LIMITS,
+    )
     assert result.passed == (True, False, True)
     assert result.fraction == pytest.approx(2 / 3)
     assert not result.timed_out
@@ -61,11 +65,17 @@ def test_assert_tests_partial_credit() -> None:
 
 def test_io_tests_compare_stdout() -> None:
     code = "import sys\na, b = map(int, sys.stdin.readline().split())\nprint(a + b)\n"
-    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10   \n\n"}, {"input": "1 1\n", "output": "3"}]
+    tests = [
+        {"input": "1 2\n", "output": "3\n"},
+        {"input": "5 5", "output": "10   \n\n"},
+        {"input": "1 1\n", "output": "3"},
+    ]
     assert run_tests(code, tests, LIMITS).passed == (True, True, False)
     # input() and open(0) read the same stdin.
     assert run_tests("print(int(input()) * 2)", [{"input": "21\n", "output": "42"}], LIMITS).passed == (True,)
-    assert run_tests("print(open(0).read().upper(), end='')", [{"input": "abc", "output": "ABC"}], LIMITS).passed == (True,)
+    assert run_tests("print(open(0).read().upper(), end='')", [{"input": "abc", "output": "ABC"}], LIMITS).passed == (
+        True,
+    )
 
 
 def test_main_block_runs_for_io_tests_not_for_assert_tests() -> None:
@@ -86,7 +96,11 @@ def test_exceptions_and_syntax_errors_fail_the_tests() -> None:
 
 def test_a_test_that_hangs_fails_and_the_others_still_run() -> None:
     code = "import time\ndef f(x):\n    if x == 2:\n        while True:\n            time.sleep(0.01)\n    return x\n"
-    result = run_tests(code, ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"], SandboxLimits(wall_s=20.0, test_timeout_s=0.5))
+    result = run_tests(
+        code,
+        ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"],
+        SandboxLimits(wall_s=20.0, test_timeout_s=0.5),
+    )
     assert result.passed == (True, False, True)
     assert not result.timed_out and result.timeouts == 1  # the code component makes this a "timeout"
     assert "test 1: timed out" in result.detail
@@ -203,7 +217,10 @@ def test_temp_dirs_are_private_to_the_run() -> None:
         "    with open(path) as f:\n"
         "        return f.read() == 'left behind'\n"
     )
-    tests = [f"assert not os.path.exists({str(host_file)!r})", *(f"assert write_and_read({f'{d}/{name}'!r})" for d in TEMP_DIRS)]
+    tests = [
+        f"assert not os.path.exists({str(host_file)!r})",
+        *(f"assert write_and_read({f'{d}/{name}'!r})" for d in TEMP_DIRS),
+    ]
     try:
         result = run_tests(code, tests, LIMITS)
     finally:
@@ -223,7 +240,10 @@ def test_system_v_ipc_is_private_to_the_run() -> None:
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         f"shm_id = libc.shmget({key}, 4096, 0o1600)  # IPC_CREAT | 0600\n"
     )
-    tests = ["assert shm_id >= 0", f"assert any(line.split()[0] == {str(key)!r} for line in open('/proc/sysvipc/shm').readlines()[1:])"]
+    tests = [
+        "assert shm_id >= 0",
+        f"assert any(line.split()[0] == {str(key)!r} for line in open('/proc/sysvipc/shm').readlines()[1:])",
+    ]
     result = run_tests(code, tests, LIMITS)
     assert result.passed == (True, True), result.detail
     host_keys = [line.split()[0] for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
@@ -254,7 +274,10 @@ def test_the_program_can_write_in_its_work_dir() -> None:
         "if __name__ == '__main__':\n"
         "    print(open('sub/notes.txt').read())\n"
     )
-    tests = ["assert open(os.path.join(os.getcwd(), 'sub', 'notes.txt')).read() == 'kept'", {"input": "", "output": "kept"}]
+    tests = [
+        "assert open(os.path.join(os.getcwd(), 'sub', 'notes.txt')).read() == 'kept'",
+        {"input": "", "output": "kept"},
+    ]
     result = run_tests(code, tests, LIMITS)
     assert result.passed == (True, True), result.detail
     assert result.private_fs
@@ -366,7 +389,9 @@ def _readable_by_others(path: Path) -> bool:
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _readable_by_others(Path(sandbox.__file__).resolve()),
+    os.geteuid() != 0
+    or not Path("/usr/bin/python3").exists()
+    or not _readable_by_others(Path(sandbox.__file__).resolve()),
     reason="needs root (to start the service as nobody), /usr/bin/python3, and the sandbox module readable by others",
 )
 def test_a_service_that_is_not_root_gets_the_same_file_system() -> None:
@@ -412,6 +437,7 @@ def test_the_harness_and_the_runner_use_the_standard_library_only() -> None:
         outside = {name for name in names if name.split(".")[0] not in sys.stdlib_module_names | {"sandbox_judge"}}
         assert not outside, (path.name, outside)
 
+
 def test_output_flood_is_bounded() -> None:
     code = "import sys\nfor _ in range(10**6):\n    sys.stdout.write('x' * 1000)\n"
     result = run_tests(code, [{"input": "", "output": "x"}], SandboxLimits(max_file_mb=1, wall_s=20.0))
@@ -424,7 +450,10 @@ def test_unavailable_interpreter_is_reported() -> None:
 
 
 def test_parse_tests_explains_bad_metadata() -> None:
-    assert sandbox.parse_tests({"tests": ["assert 1", {"input": "", "output": "1"}]}) == ["assert 1", {"input": "", "output": "1"}]
+    assert sandbox.parse_tests({"tests": ["assert 1", {"input": "", "output": "1"}]}) == [
+        "assert 1",
+        {"input": "", "output": "1"},
+    ]
     with pytest.raises(ValueError, match='no "tests" list'):
         sandbox.parse_tests({})
     with pytest.raises(ValueError, match="test 1 is neither"):
@@ -436,7 +465,9 @@ def test_a_sandbox_that_cannot_run_is_found_at_start() -> None:
     code kind whose sandbox cannot start is named with why; one that can (here) is not."""
     from rollstream.reward.recipes import ComponentSpec, sandbox_problems
 
-    broken = ComponentSpec(component="code", weight=1.0, params={"python": "/nonexistent/python3", "wall_s": 240.0, "test_timeout_s": 60.0})
+    broken = ComponentSpec(
+        component="code", weight=1.0, params={"python": "/nonexistent/python3", "wall_s": 240.0, "test_timeout_s": 60.0}
+    )
     working = ComponentSpec(component="code", weight=1.0, params={"wall_s": 240.0, "test_timeout_s": 60.0})
     problems = sandbox_problems({"broken_code": [broken], "code": [working], "arithmetic": []})
     assert list(problems) == ["broken_code"] and "/nonexistent/python3" in problems["broken_code"]

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from rollstream.reward import sandbox, sandbox_judge
 from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes
 from rollstream.reward.sandbox import SandboxLimits, run_tests
@@ -127,12 +128,16 @@ if __name__ == "__main__":
 
 def _recipes(test_timeout_s: float = 5.0) -> Recipes:
     params = {"wall_s": 20.0, "test_timeout_s": test_timeout_s}
-    return build_recipes({"code": [ComponentSpec(component="code", name="tests", weight=1.0, params=params)]}, default_timeout_s=None)
+    return build_recipes(
+        {"code": [ComponentSpec(component="code", name="tests", weight=1.0, params=params)]}, default_timeout_s=None
+    )
 
 
 def _score(code: str, tests: list, recipes: Recipes | None = None) -> tuple[float, str]:
     """(reward, status) of a completion that is `code` in a fence, as Reward.Score reports it."""
-    item = reward_pb2.ScoreItem(task_kind="code", completion=f"```python\n{code}\n```", metadata_json=json.dumps({"tests": tests}))
+    item = reward_pb2.ScoreItem(
+        task_kind="code", completion=f"```python\n{code}\n```", metadata_json=json.dumps({"tests": tests})
+    )
     [score] = score_items([item], recipes or _recipes())
     return score.reward, score.components[0].status
 
@@ -219,7 +224,7 @@ FAKES = {
     "forged report on fd 4": (
         "import os\n"
         "def add(a, b):\n"
-        "    os.write(4, b'[\"r\",0,[\"i\",\"0x0\"]]\\n[\"d\"]\\n')\n"
+        '    os.write(4, b\'["r",0,["i","0x0"]]\\n["d"]\\n\')\n'
         "    os._exit(0)\n"
         "if __name__ == '__main__':\n"
         "    add(0, 0)\n"
@@ -239,7 +244,14 @@ def test_classic_fakes_score_0(fake: str, tests: list) -> None:
     assert _score(FAKES[fake], tests[:1]) == (0.0, "ok")
 
 
-@pytest.mark.parametrize("code", ["import os\nos.ftruncate(4, 0)\nos._exit(0)", "import os\nos.close(4)\nos._exit(0)", "import os\nos.write(4, b'x' * 100000)"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.ftruncate(4, 0)\nos._exit(0)",
+        "import os\nos.close(4)\nos._exit(0)",
+        "import os\nos.write(4, b'x' * 100000)",
+    ],
+)
 def test_tampering_with_the_report_is_a_failure_not_a_sandbox_error(code: str) -> None:
     # RUNNER's first line tells "the interpreter started" from "it did not" (an error of the
     # sandbox, not of the program): the program cannot take it back, so it cannot turn its
@@ -255,7 +267,7 @@ def test_a_forged_unreadable_report_fails_its_test_alone() -> None:
         "import os\n"
         "def add(a, b):\n"
         "    if a == 0:\n"
-        "        os.write(4, b'[\"u\",0,\"zz\"]\\n[\"d\"]\\n')\n"
+        '        os.write(4, b\'["u",0,"zz"]\\n["d"]\\n\')\n'
         "        os._exit(0)\n"
         "    return a + b\n"
     )
@@ -278,7 +290,9 @@ def test_one_hanging_test_makes_the_whole_score_a_timeout() -> None:
 
 
 def test_the_cpu_limit_counts_as_a_timeout() -> None:
-    result = run_tests("while True:\n    pass\n", ["assert True"], SandboxLimits(wall_s=20.0, test_timeout_s=10.0, cpu_s=1))
+    result = run_tests(
+        "while True:\n    pass\n", ["assert True"], SandboxLimits(wall_s=20.0, test_timeout_s=10.0, cpu_s=1)
+    )
     assert result.passed == (False,) and result.timeouts == 1, result
     assert "CPU limit" in result.detail
 
@@ -365,7 +379,9 @@ def _readable_by_others(path: Path) -> bool:
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _readable_by_others(Path(sandbox.__file__).resolve()),
+    os.geteuid() != 0
+    or not Path("/usr/bin/python3").exists()
+    or not _readable_by_others(Path(sandbox.__file__).resolve()),
     reason="needs root (to start the service as nobody), /usr/bin/python3, and the sandbox module readable by others",
 )
 def test_the_harness_is_out_of_reach_in_a_user_namespace_too() -> None:
@@ -395,13 +411,21 @@ def test_the_harness_is_out_of_reach_in_a_user_namespace_too() -> None:
         ("def f():\n    return 'caf\\u00e9 \\ud800'", "assert f() == 'caf\\u00e9 \\ud800'", True),
         ("def f():\n    return b'\\x00\\xff'", "assert f() == b'\\x00\\xff'", True),
         ("def f():\n    return 1 + 2j", "assert f() == complex(1, 2)", True),
-        ("def f():\n    return {(1, 2): [None, True, {3}], 'k': frozenset({'a'})}", "assert f() == {'k': frozenset({'a'}), (1, 2): [None, True, {3}]}", True),
+        (
+            "def f():\n    return {(1, 2): [None, True, {3}], 'k': frozenset({'a'})}",
+            "assert f() == {'k': frozenset({'a'}), (1, 2): [None, True, {3}]}",
+            True,
+        ),
         ("def f():\n    return (4, 5)", "assert f() == [4, 5]", False),
         ("def f(x):\n    return x[::-1]", "assert set(f((4, 5))) == set((5, 4))", True),
         ("from fractions import Fraction\ndef f():\n    return Fraction(1, 3)", "assert f() == 1 / 3", False),
         ("from fractions import Fraction\ndef f():\n    return Fraction(6, 2)", "assert f() == 3", True),
         ("from decimal import Decimal\ndef f():\n    return Decimal('2.50')", "assert f() == 2.5", True),
-        ("from collections import Counter\ndef f():\n    return Counter('aab')", "assert f() == {'a': 2, 'b': 1}", True),
+        (
+            "from collections import Counter\ndef f():\n    return Counter('aab')",
+            "assert f() == {'a': 2, 'b': 1}",
+            True,
+        ),
         ("from collections import deque\ndef f():\n    return deque([1])", "assert f() == [1]", False),
         ("def f():\n    return None", "assert f() is None", True),
         ("def f():\n    return 1", "assert f() is True", False),
@@ -410,7 +434,11 @@ def test_the_harness_is_out_of_reach_in_a_user_namespace_too() -> None:
         ("def f():\n    return 2", "assert 1 < f()", True),
         ("def f():\n    return 'a'", "assert f() < 1", False),
         ("def f():\n    return 4", "assert f() == 4, 'with a message'", True),
-        ("def f(xs):\n    xs.sort()\n    return len(xs)", "xs = [3, 1, 2]\nassert f(xs) == 3\nassert xs == [1, 2, 3]", True),
+        (
+            "def f(xs):\n    xs.sort()\n    return len(xs)",
+            "xs = [3, 1, 2]\nassert f(xs) == 3\nassert xs == [1, 2, 3]",
+            True,
+        ),
         ("def f(xs):\n    return xs", "xs = [3, 1]\nassert f(xs) == [3, 1]\nassert f(xs) == [1, 3]", False),
         ("sorted = lambda xs: xs\ndef f():\n    return [1, 2]", "assert f() == sorted([2, 1])", True),
         ("def f():\n    return 1", "assert f() == f()", True),

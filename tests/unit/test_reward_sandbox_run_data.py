@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_reward_sandbox import NOT_ROOT, _readable_by_others, _run_script
 
 from rollstream.launcher.redis_server import EmbeddedRedis
-from test_reward_sandbox import NOT_ROOT, _readable_by_others, _run_script
 from rollstream.reward import sandbox
 from rollstream.reward.sandbox import SandboxLimits, run_tests
 
@@ -88,11 +88,16 @@ def test_a_program_run_by_a_root_service_cannot_read_the_runs_data(run_dir: Path
     assert result.passed == (False, False) + (True,) * (len(tests) - 2), result.detail
     # Normal programs still pass, io and assertion tests alike.
     add = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))\n"
-    assert run_tests(add, ["assert add(1, 2) == 3", {"input": "20 22\n", "output": "42"}], LIMITS).passed == (True, True)
+    assert run_tests(add, ["assert add(1, 2) == 3", {"input": "20 22\n", "output": "42"}], LIMITS).passed == (
+        True,
+        True,
+    )
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not _readable_by_others(Path(sandbox.__file__).resolve()),
+    os.geteuid() != 0
+    or not Path("/usr/bin/python3").exists()
+    or not _readable_by_others(Path(sandbox.__file__).resolve()),
     reason="needs root (to start the service as nobody, owning the run's files), /usr/bin/python3 and the sandbox module readable by others",
 )
 def test_a_program_run_by_the_files_owner_cannot_read_the_runs_data(run_dir: Path) -> None:

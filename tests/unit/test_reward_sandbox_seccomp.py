@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rollstream.reward import sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,18 @@ ALSO_NEEDED = {
     "setgid", "setuid", "getrandom",
 }  # fmt: skip
 # Never to be allowed without the capability that Docker's default asks for.
-STILL_PRIVILEGED = {"setns", "pivot_root", "umount2", "bpf", "ptrace", "process_vm_readv", "kexec_load", "open_by_handle_at", "init_module", "clone3"}
+STILL_PRIVILEGED = {
+    "setns",
+    "pivot_root",
+    "umount2",
+    "bpf",
+    "ptrace",
+    "process_vm_readv",
+    "kexec_load",
+    "open_by_handle_at",
+    "init_module",
+    "clone3",
+}
 
 
 def _profile() -> dict[str, Any]:
@@ -46,7 +58,12 @@ def _unconditional(profile: dict[str, Any]) -> set[str]:
     """Names allowed to any container on x86-64: no caps, arch or kernel condition, no args."""
     names: set[str] = set()
     for rule in profile["syscalls"]:
-        if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args") and not rule.get("includes") and not rule.get("excludes"):
+        if (
+            rule["action"] == "SCMP_ACT_ALLOW"
+            and not rule.get("args")
+            and not rule.get("includes")
+            and not rule.get("excludes")
+        ):
             names.update(rule["names"])
     return names
 
@@ -185,7 +202,9 @@ def _apply(profile: dict[str, Any]) -> dict[str, Any]:
 )
 def test_under_the_profile_the_sandbox_runs_and_under_dockers_default_it_cannot() -> None:
     profile = _profile()
-    default = dict(profile, syscalls=[r for r in profile["syscalls"] if not (ADDED & set(r["names"]) and not r.get("includes"))])
+    default = dict(
+        profile, syscalls=[r for r in profile["syscalls"] if not (ADDED & set(r["names"]) and not r.get("includes"))]
+    )
     refused = _apply(default)
     assert "unshare failed with errno 1" in refused.get("unavailable", ""), refused
     report = _apply(profile)

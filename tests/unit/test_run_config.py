@@ -46,13 +46,17 @@ def weight_decay_default() -> Iterator[float]:
         importlib.reload(run_config)
 
 
-def test_a_default_changed_in_its_class_reaches_help_config_and_the_child(weight_decay_default: float, tmp_path: Path) -> None:
+def test_a_default_changed_in_its_class_reaches_help_config_and_the_child(
+    weight_decay_default: float, tmp_path: Path
+) -> None:
     help_text = run_config.cli_source().root_parser.format_help()
     entry = " ".join(help_text.rsplit("--trainer.weight-decay float", 1)[1].split("--trainer.", 1)[0].split())
     assert f"(default: {weight_decay_default})" in entry
     cfg = run_config.load(["--workdir", str(tmp_path)])
     assert cfg.trainer.weight_decay == weight_decay_default
-    shown = {key: (value, came) for key, value, came in run_config.sources(run_config.layers(["--workdir", str(tmp_path)]))}
+    shown = {
+        key: (value, came) for key, value, came in run_config.sources(run_config.layers(["--workdir", str(tmp_path)]))
+    }
     assert shown["trainer.weight_decay"] == (weight_decay_default, "default")
     path = tmp_path / "trainer.toml"
     path.write_text(tomli_w.dumps(run_config.child_toml(cfg.trainer, "trainer", checkpoint_dir=str(tmp_path / "c"))))
@@ -62,16 +66,25 @@ def test_a_default_changed_in_its_class_reaches_help_config_and_the_child(weight
 def test_the_child_reads_what_the_run_configuration_says(tmp_path: Path) -> None:
     cfg = run_config.load(["--workdir", str(tmp_path), "--trainer.loss", "dapo", "--trainer.betas", "[0.8, 0.9]"])
     path = tmp_path / "trainer.toml"
-    path.write_text(tomli_w.dumps(run_config.child_toml(cfg.trainer, "trainer", checkpoint_dir=cfg.trainer.checkpoint_dir)))
+    path.write_text(
+        tomli_w.dumps(run_config.child_toml(cfg.trainer, "trainer", checkpoint_dir=cfg.trainer.checkpoint_dir))
+    )
     child = load_settings(TrainerSettings, ["--config", str(path)])
     differ = {f for f in TrainerSettings.model_fields if getattr(child, f) != getattr(cfg.trainer, f)}
     assert differ <= SET_BY_UP["trainer"], differ
-    assert (child.loss, child.betas, child.lr, child.steps) == ("dapo", (0.8, 0.9), 2e-5, 15)  # flags, the default, the demo profile
+    assert (child.loss, child.betas, child.lr, child.steps) == (
+        "dapo",
+        (0.8, 0.9),
+        2e-5,
+        15,
+    )  # flags, the default, the demo profile
 
 
 def test_sources_in_order_flags_over_environment_over_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     profile = tmp_path / "mine.toml"
-    profile.write_text('generators = 2\n[trainer]\nlr = 3e-5\nbeta = 0.01\ngroup_size = 4\n[reward]\ngroup = "scorers"\n')
+    profile.write_text(
+        'generators = 2\n[trainer]\nlr = 3e-5\nbeta = 0.01\ngroup_size = 4\n[reward]\ngroup = "scorers"\n'
+    )
     monkeypatch.setenv("ROLLSTREAM_TRAINER__BETA", "0.02")
     monkeypatch.setenv("ROLLSTREAM_TRAINER__GROUP_SIZE", "6")
     found = run_config.layers(["--profile", str(profile), "--trainer.group-size", "5", "--workdir", str(tmp_path)])
@@ -85,7 +98,9 @@ def test_sources_in_order_flags_over_environment_over_profile(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))
-def test_a_field_up_sets_is_refused_from_every_source(section: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_field_up_sets_is_refused_from_every_source(
+    section: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     profile = tmp_path / "p.toml"
     profile.write_text(f'[{section}]\nconsumer = "mine"\n')
     with pytest.raises(ConfigError, match=rf"{section}\.consumer: `rollstream up` sets it"):
@@ -101,15 +116,33 @@ def test_a_field_up_sets_is_refused_from_every_source(section: str, monkeypatch:
 def test_what_the_trainer_decides_for_another_service_is_derived_never_given(tmp_path: Path) -> None:
     profile = tmp_path / "p.toml"
     profile.write_text("[reference]\ntemperature = 0.7\n")
-    with pytest.raises(ConfigError, match=r"reference\.temperature: `rollstream up` sets it for every run \(set the top-level value or the trainer's"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reference\.temperature: `rollstream up` sets it for every run \(set the top-level value or the trainer's",
+    ):
         run_config.load(["--profile", str(profile)])
-    flags = ["--trainer.temperature", "0.7", "--trainer.max-staleness", "2", "--trainer.groups-per-step", "3", "--trainer.beta", "0.1"]
+    flags = [
+        "--trainer.temperature",
+        "0.7",
+        "--trainer.max-staleness",
+        "2",
+        "--trainer.groups-per-step",
+        "3",
+        "--trainer.beta",
+        "0.1",
+    ]
     cfg = run_config.load(["--profile", "gpu", *flags])
     derived = run_config.derived(cfg.trainer)
-    assert derived == {"generator": {"max_staleness": 2, "max_inflight_groups": 9}, "reference": {"temperature": 0.7}, "reward": {"output_stage": "scored"}}
+    assert derived == {
+        "generator": {"max_staleness": 2, "max_inflight_groups": 9},
+        "reference": {"temperature": 0.7},
+        "reward": {"output_stage": "scored"},
+    }
     path = tmp_path / "reference.toml"
     path.write_text(tomli_w.dumps(run_config.child_toml(cfg.reference, "reference", **derived["reference"])))
-    assert load_settings(ReferenceSettings, ["--config", str(path)]).temperature == 0.7  # the child's log-probs are of the trainer's logits / T
+    assert (
+        load_settings(ReferenceSettings, ["--config", str(path)]).temperature == 0.7
+    )  # the child's log-probs are of the trainer's logits / T
 
 
 @pytest.mark.parametrize(
@@ -124,7 +157,10 @@ def test_what_the_trainer_decides_for_another_service_is_derived_never_given(tmp
         (["--trainer.task", "jsonl"], "dataset_path"),
         (["--external-reward", "--reward.scorer-address", "127.0.0.1:1"], "reward.scorer_address"),
         (["--trainer.group-size", "300"], "trainer.group_size is over generator.max_group_size"),
-        (["--trainer.max-new-tokens", "20", "--generator.max-task-new-tokens", "19"], "trainer.max_new_tokens is over generator.max_task_new_tokens"),
+        (
+            ["--trainer.max-new-tokens", "20", "--generator.max-task-new-tokens", "19"],
+            "trainer.max_new_tokens is over generator.max_task_new_tokens",
+        ),
         (["--profile", "no-such-profile"], "no-such-profile"),
     ],
 )
@@ -153,18 +189,31 @@ def test_every_named_profile_loads_and_sets_only_real_fields() -> None:
 
 
 def test_up_help_lists_each_section_field_once_with_its_default_and_the_profile() -> None:
-    shown = subprocess.run([str(ROLLSTREAM), "up", "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    shown = subprocess.run(
+        [str(ROLLSTREAM), "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
     assert shown.returncode == 0, shown.stderr
     for section, cls in SECTIONS.items():
         for name in cls.model_fields:
             flag = f"--{section}.{name.replace('_', '-')} "
             assert (flag in shown.stdout) == (name not in SET_BY_UP[section]), flag
     assert "--trainer.lr float" in shown.stdout and "(default: 2e-05)" in shown.stdout
-    assert "The demo profile sets: colocate = sync, trainer.steps = 15, trainer.token_budget = 512" in " ".join(shown.stdout.split())
+    assert "The demo profile sets: colocate = sync, trainer.steps = 15, trainer.token_budget = 512" in " ".join(
+        shown.stdout.split()
+    )
 
 
 def test_config_command_prints_toml_with_sources(tmp_path: Path) -> None:
-    shown = subprocess.run([str(ROLLSTREAM), "config", "--trainer.lr", "4e-5", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [str(ROLLSTREAM), "config", "--trainer.lr", "4e-5", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr
     assert "lr = 4e-05  # flags" in shown.stdout and "steps = 15  # profile" in shown.stdout
     values = tomllib.loads(shown.stdout)  # comments aside, it is the TOML of the run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollstream.core import modeling
-from rollstream.generator.backends import SampleRequest, TransformersBackend, RowSampler
+from rollstream.generator.backends import RowSampler, SampleRequest, TransformersBackend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # torch on one thread, restored after each test
 
@@ -22,7 +22,9 @@ def backend(tiny_model_dir: Path) -> TransformersBackend:
 
 
 def request(prompt: list[int], n: int, seed: int, max_new_tokens: int = 8) -> SampleRequest:
-    return SampleRequest(prompt_ids=prompt, n=n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed)
+    return SampleRequest(
+        prompt_ids=prompt, n=n, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=seed
+    )
 
 
 PROMPTS = [[5, 9, 14, 3, 21, 8, 30], [17, 2], [40, 41, 42, 43]]
@@ -50,7 +52,9 @@ def test_behaviour_logprobs_are_a_plain_forward_over_the_sequence(backend: Trans
 
 
 def test_lengths_stop_at_each_rows_own_limit(backend: TransformersBackend) -> None:
-    groups = backend.sample([request(PROMPTS[0], n=2, seed=1, max_new_tokens=3), request(PROMPTS[1], n=2, seed=2, max_new_tokens=6)])
+    groups = backend.sample(
+        [request(PROMPTS[0], n=2, seed=1, max_new_tokens=3), request(PROMPTS[1], n=2, seed=2, max_new_tokens=6)]
+    )
     assert all(len(s.token_ids) <= 3 for s in groups[0]) and all(len(s.token_ids) <= 6 for s in groups[1])
     for s in groups[0] + groups[1]:
         assert len(s.logprobs) == len(s.token_ids)
@@ -63,7 +67,9 @@ PROBS = torch.tensor([0.5, 0.3, 0.2, 0.0])
 def draws(rows: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> torch.Tensor:
     """One draw from PROBS for each of `rows` rows with seeds seed, seed + 1, ... (fixed seeds:
     the counts below are the same on every run)."""
-    sampler = RowSampler([temperature] * rows, [top_p] * rows, [top_k] * rows, [seed + i for i in range(rows)], torch.device("cpu"))
+    sampler = RowSampler(
+        [temperature] * rows, [top_p] * rows, [top_k] * rows, [seed + i for i in range(rows)], torch.device("cpu")
+    )
     return sampler.draw(PROBS.log().expand(rows, -1))
 
 

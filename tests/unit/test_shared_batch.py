@@ -22,7 +22,11 @@ def test_shared_prompts_give_the_log_probs_of_whole_sequences(tiny_model_dir: Pa
     def tokens(n: int) -> list[int]:
         return torch.randint(5, 200, (n,), generator=gen).tolist()
 
-    units = [(tokens(9), [tokens(3), tokens(7), tokens(1)]), (tokens(2), [tokens(5), tokens(5)]), (tokens(14), [tokens(2)])]
+    units = [
+        (tokens(9), [tokens(3), tokens(7), tokens(1)]),
+        (tokens(2), [tokens(5), tokens(5)]),
+        (tokens(14), [tokens(2)]),
+    ]
     pad = tokenizer.pad_token_id
     whole = modeling.make_batch([(p, c) for p, cs in units for c in cs], pad)
     shared = modeling.make_shared_batch(units, pad, model.get_input_embeddings().weight.dtype)

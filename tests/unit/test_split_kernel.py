@@ -26,7 +26,9 @@ def kernel() -> split_kernel.SplitKernel:
     loaded = split_kernel.load(threads=3)
     if loaded is None and shutil.which("cc") is None:
         pytest.skip("no C compiler here: the split layout runs its torch path (test_split_masters.py)")
-    assert loaded is not None, "a C compiler is here but the kernel is not built: pip install -e services/trainer (scripts/install.sh)"
+    assert loaded is not None, (
+        "a C compiler is here but the kernel is not built: pip install -e services/trainer (scripts/install.sh)"
+    )
     return loaded
 
 
@@ -65,7 +67,15 @@ def _join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
         (3e-4, (0.3, 0.99), 0.01, 1.0),  # 1 - beta1 >= 0.5: torch's lerp takes its other branch
     ],
 )
-def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel, moments: torch.dtype, grads: torch.dtype, lr: float, betas: tuple[float, float], weight_decay: float, clip: float) -> None:
+def test_twenty_steps_equal_torchs_fused_adamw(
+    kernel: split_kernel.SplitKernel,
+    moments: torch.dtype,
+    grads: torch.dtype,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    clip: float,
+) -> None:
     g = torch.Generator().manual_seed(0)
     reference = _masters(g)
     hi, lo = _split(reference)
@@ -84,16 +94,32 @@ def test_twenty_steps_equal_torchs_fused_adamw(kernel: split_kernel.SplitKernel,
         clipped = grad * clip if clip < 1.0 else grad.clone()
         m32, v32 = m_ref.float(), v_ref.float()
         functional_adamw(
-            [reference], [clipped], [m32], [v32], [], [torch.tensor(float(step - 1))], fused=True, amsgrad=False,
-            beta1=betas[0], beta2=betas[1], lr=lr, weight_decay=weight_decay, eps=1e-8, maximize=False,
+            [reference],
+            [clipped],
+            [m32],
+            [v32],
+            [],
+            [torch.tensor(float(step - 1))],
+            fused=True,
+            amsgrad=False,
+            beta1=betas[0],
+            beta2=betas[1],
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=1e-8,
+            maximize=False,
         )
         m_ref.copy_(m32)
         v_ref.copy_(v32)
 
-        settings = AdamWStep(lr=lr, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=weight_decay, step=step, clip=clip)
+        settings = AdamWStep(
+            lr=lr, beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=weight_decay, step=step, clip=clip
+        )
         kernel.step(hi, lo, m, v, grad.to(grads), old, out, settings)
 
-        assert torch.equal(_join(hi, lo).view(torch.int32), reference.view(torch.int32)), f"masters differ at step {step}"
+        assert torch.equal(_join(hi, lo).view(torch.int32), reference.view(torch.int32)), (
+            f"masters differ at step {step}"
+        )
         assert torch.equal(_bits(m), _bits(m_ref)), f"exp_avg differs at step {step}"
         assert torch.equal(_bits(v), _bits(v_ref)), f"exp_avg_sq differs at step {step}"
         assert np.array_equal(old, served_before.numpy().view(np.uint16))
@@ -113,7 +139,16 @@ def test_threads_cut_anywhere_and_give_the_same_bits(kernel: split_kernel.SplitK
         m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
         out, old = torch.empty(n, dtype=torch.int16), np.empty(n, dtype=np.uint16)
         for step in (1, 2):
-            loaded.step(hi, lo, m, v, torch.randn(n, generator=g), old, out, AdamWStep(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step))
+            loaded.step(
+                hi,
+                lo,
+                m,
+                v,
+                torch.randn(n, generator=g),
+                old,
+                out,
+                AdamWStep(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step),
+            )
         results.append((hi, lo, m.view(torch.int16), v.view(torch.int16)))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
@@ -124,14 +159,36 @@ def test_refuses_mismatched_buffers(kernel: split_kernel.SplitKernel) -> None:
     m = v = torch.zeros(64, dtype=torch.bfloat16)
     settings = AdamWStep(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     with pytest.raises(ValueError, match="one length"):
-        kernel.step(hi, lo, m, v, torch.zeros(63), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
+        kernel.step(
+            hi, lo, m, v, torch.zeros(63), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings
+        )
     with pytest.raises(ValueError, match="dtypes"):
-        kernel.step(hi, lo, m, v, torch.zeros(64, dtype=torch.float16), np.empty(64, dtype=np.uint16), torch.empty(64, dtype=torch.int16), settings)
+        kernel.step(
+            hi,
+            lo,
+            m,
+            v,
+            torch.zeros(64, dtype=torch.float16),
+            np.empty(64, dtype=np.uint16),
+            torch.empty(64, dtype=torch.int16),
+            settings,
+        )
     with pytest.raises(ValueError, match="one length"):
-        kernel.step(hi[::2], lo[::2], m[::2], v[::2], torch.zeros(32), np.empty(32, dtype=np.uint16), torch.empty(32, dtype=torch.int16), settings)
+        kernel.step(
+            hi[::2],
+            lo[::2],
+            m[::2],
+            v[::2],
+            torch.zeros(32),
+            np.empty(32, dtype=np.uint16),
+            torch.empty(32, dtype=torch.int16),
+            settings,
+        )
 
 
-def test_a_library_that_does_not_load_falls_back_to_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_library_that_does_not_load_falls_back_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A kernel file built for another machine (here: not a library at all) is reported and
     skipped; the optimizer then steps with torch operations."""
     broken = tmp_path / "_split_adamw.abi3.so"

@@ -33,7 +33,9 @@ def test_every_finite_master_is_kept_exactly_and_served_as_its_bf16_rounding() -
     back bit for bit and is served as its bf16 rounding, ties away from zero."""
     values = _finite_patterns()
     param = torch.nn.Parameter(torch.zeros_like(values))
-    opt = HostAdamW({"w": param}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5, moments_dtype="float32")
+    opt = HostAdamW(
+        {"w": param}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5, moments_dtype="float32"
+    )
     zeros = torch.zeros_like(values)
     served = opt.load_state({"master/w": values, "exp_avg/w": zeros, "exp_avg_sq/w": zeros}, 0)["w"]
     assert torch.equal(opt.master["w"].view(torch.int32), values.view(torch.int32))
@@ -44,7 +46,9 @@ def test_every_finite_master_is_kept_exactly_and_served_as_its_bf16_rounding() -
     assert np.array_equal(served[~ties], nearest_even[~ties])  # the same rounding but on exact ties
     assert ties.sum() > 0 and (served[ties] != nearest_even[ties]).sum() > 0  # which this sample has
     # Ties go away from zero: the magnitude's bits round up.
-    np.testing.assert_array_equal(served[ties] & 0x7FFF, ((values.view(torch.int32)[torch.from_numpy(ties)] >> 16) + 1).numpy() & 0x7FFF)
+    np.testing.assert_array_equal(
+        served[ties] & 0x7FFF, ((values.view(torch.int32)[torch.from_numpy(ties)] >> 16) + 1).numpy() & 0x7FFF
+    )
 
 
 def test_version_0_is_torchs_rounding_of_the_model() -> None:
@@ -52,7 +56,15 @@ def test_version_0_is_torchs_rounding_of_the_model() -> None:
     lower, so the served bits are torch's bf16 rounding of every weight; the others are
     the model's values exactly."""
     values = _finite_patterns()
-    opt = HostAdamW({"w": torch.nn.Parameter(values.clone())}, lr=LR, betas=BETAS, weight_decay=WD, master_layout="split", bucket_mb=0.5, moments_dtype="float32")
+    opt = HostAdamW(
+        {"w": torch.nn.Parameter(values.clone())},
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        master_layout="split",
+        bucket_mb=0.5,
+        moments_dtype="float32",
+    )
     served = opt.sync_model()["w"]
     assert np.array_equal(served, values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
     w = values.view(torch.int32)
@@ -65,7 +77,9 @@ def test_version_0_is_torchs_rounding_of_the_model() -> None:
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.GELU(), torch.nn.Linear(40, 23), torch.nn.LayerNorm(23))  # 2,949 values: 2949 % 16 = 5
+    return torch.nn.Sequential(
+        torch.nn.Linear(48, 40), torch.nn.GELU(), torch.nn.Linear(40, 23), torch.nn.LayerNorm(23)
+    )  # 2,949 values: 2949 % 16 = 5
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16"])
@@ -78,8 +92,14 @@ def test_fifty_steps_equal_fp32_master_adamw_bit_for_bit(moments: MomentsDtype) 
     for run in ("split", "split-torch", "fp32"):
         model = _model(0)
         opt = HostAdamW(
-            dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype=moments, master_layout=run.split("-")[0],
-            bucket_mb=0.004, split_kernel=False if run == "split-torch" else None,
+            dict(model.named_parameters()),
+            lr=LR,
+            betas=BETAS,
+            weight_decay=WD,
+            moments_dtype=moments,
+            master_layout=run.split("-")[0],
+            bucket_mb=0.004,
+            split_kernel=False if run == "split-torch" else None,
         )
         runs[run] = (model, opt)
     # The same starting masters (the split layout nudges exact ties when it reads a model).
@@ -104,7 +124,9 @@ def test_fifty_steps_equal_fp32_master_adamw_bit_for_bit(moments: MomentsDtype) 
         fp32 = runs["fp32"][1]
         for split in (runs["split"][1], runs["split-torch"][1]):
             for name in fp32.layout:
-                assert torch.equal(split.master[name].view(torch.int32), fp32.master[name].view(torch.int32)), f"step {step} {name}"
+                assert torch.equal(split.master[name].view(torch.int32), fp32.master[name].view(torch.int32)), (
+                    f"step {step} {name}"
+                )
             assert torch.equal(split.exp_avg.view(-1).float(), fp32.exp_avg.view(-1).float()), f"step {step}"
             assert torch.equal(split.exp_avg_sq.view(-1).float(), fp32.exp_avg_sq.view(-1).float()), f"step {step}"
     split_bits, fp32_bits = runs["split"][1].published_bits(), runs["fp32"][1].published_bits()
@@ -124,6 +146,13 @@ def test_host_bytes_per_parameter() -> None:
     assert host_bytes_per_parameter("split", "bfloat16", grad_offload=True) == 12
     # The optimizer's own buffers hold what the function says (staging aside).
     model = _model(0)
-    opt = HostAdamW(dict(model.named_parameters()), lr=LR, betas=BETAS, weight_decay=WD, moments_dtype="bfloat16", master_layout="split")
+    opt = HostAdamW(
+        dict(model.named_parameters()),
+        lr=LR,
+        betas=BETAS,
+        weight_decay=WD,
+        moments_dtype="bfloat16",
+        master_layout="split",
+    )
     held = sum(t.numel() * t.element_size() for t in (opt.hi, opt.lo, opt.flat_master, opt.exp_avg, opt.exp_avg_sq))
     assert held == 8 * opt.numel

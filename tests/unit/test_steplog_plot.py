@@ -16,15 +16,36 @@ from rollstream.v1 import rollout_pb2
 
 def metrics(step: int) -> rollout_pb2.StepMetrics:
     return rollout_pb2.StepMetrics(
-        step=step, version=step, groups=8, completions=64, reward_mean=0.1 + 0.05 * step, reward_std=0.3, loss=-0.01, kl=0.001 * step,
-        clip_fraction=0.02, entropy=1.5, tokens=900, step_seconds=2.5, train_tokens_per_s=1200.0 + step, delta_bytes=40_000 + step,
-        dense_bytes=2_000_000, mean_staleness=0.5, grad_norm=0.7, time=1_790_000_000.0 + step, zero_variance_groups=1,
+        step=step,
+        version=step,
+        groups=8,
+        completions=64,
+        reward_mean=0.1 + 0.05 * step,
+        reward_std=0.3,
+        loss=-0.01,
+        kl=0.001 * step,
+        clip_fraction=0.02,
+        entropy=1.5,
+        tokens=900,
+        step_seconds=2.5,
+        train_tokens_per_s=1200.0 + step,
+        delta_bytes=40_000 + step,
+        dense_bytes=2_000_000,
+        mean_staleness=0.5,
+        grad_norm=0.7,
+        time=1_790_000_000.0 + step,
+        zero_variance_groups=1,
     )
 
 
 def write_log(path: Path, steps: range) -> None:
     for s in steps:
-        steplog.append(path, steplog.record(metrics(s), run="demo", phases={"forward_s": 0.5, "backward_s": 1.0, "optimizer_s": 0.25, "push_s": 0.1}))
+        steplog.append(
+            path,
+            steplog.record(
+                metrics(s), run="demo", phases={"forward_s": 0.5, "backward_s": 1.0, "optimizer_s": 0.25, "push_s": 0.1}
+            ),
+        )
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -65,8 +86,10 @@ def test_garbage_lines_are_skipped_and_a_repeated_step_keeps_its_last_line(tmp_p
     path = tmp_path / "steps.jsonl"
     write_log(path, range(1, 4))
     with path.open("a") as f:
-        f.write("not json at all\n[1, 2]\n{\"step\": \"x\"}\n\n")
-    steplog.append(path, {**steplog.record(metrics(2), run="demo"), "reward_mean": 0.99})  # step 2 trained again after a resume
+        f.write('not json at all\n[1, 2]\n{"step": "x"}\n\n')
+    steplog.append(
+        path, {**steplog.record(metrics(2), run="demo"), "reward_mean": 0.99}
+    )  # step 2 trained again after a resume
     log = steplog.read(path)
     assert [r["step"] for r in log.steps] == [1, 2, 3]
     assert log.steps[1]["reward_mean"] == 0.99
@@ -83,7 +106,7 @@ def test_plot_renders_a_png_and_warns_about_skipped_lines(tmp_path: Path, capsys
     run = tmp_path / "runs" / "demo"
     write_log(run / steplog.FILE_NAME, range(1, 16))
     with (run / steplog.FILE_NAME).open("a") as f:
-        f.write("garbage\n{\"step\": 16, \"rew")
+        f.write('garbage\n{"step": 16, "rew')
     assert cli.main_code(["plot", str(run)]) == 0
     out = capsys.readouterr()
     png = run / "curves.png"
@@ -114,8 +137,17 @@ def test_plot_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def eval_metrics(step: int, accuracy: float, samples: int = 1) -> rollout_pb2.EvalMetrics:
     return rollout_pb2.EvalMetrics(
-        step=step, version=step, version_max=step, prompts=32, prompts_fed=32, samples=samples, reward_mean=accuracy + 0.1,
-        accuracy=accuracy, pass_at_k=min(1.0, accuracy + 0.1), completion_tokens=7.5, time=1_790_000_100.0 + step,
+        step=step,
+        version=step,
+        version_max=step,
+        prompts=32,
+        prompts_fed=32,
+        samples=samples,
+        reward_mean=accuracy + 0.1,
+        accuracy=accuracy,
+        pass_at_k=min(1.0, accuracy + 0.1),
+        completion_tokens=7.5,
+        time=1_790_000_100.0 + step,
     )
 
 
@@ -134,7 +166,9 @@ def test_eval_lines_are_read_apart_from_the_step_lines(tmp_path: Path) -> None:
     steplog.append(path, steplog.eval_record(eval_metrics(0, 0.2), run="demo"))  # before the first step
     write_log(path, range(1, 4))
     steplog.append(path, steplog.eval_record(eval_metrics(2, 0.5), run="demo"))  # reported after step 3's line
-    steplog.append(path, steplog.eval_record(eval_metrics(2, 0.6), run="demo"))  # a resumed trainer's round again: the last wins
+    steplog.append(
+        path, steplog.eval_record(eval_metrics(2, 0.6), run="demo")
+    )  # a resumed trainer's round again: the last wins
     steplog.append(path, {"schema": 1, "kind": "summary", "step": 3})  # a kind from a later version
     log = steplog.read(path)
     assert [r["step"] for r in log.steps] == [1, 2, 3] and all("kind" not in r for r in log.steps)
@@ -149,16 +183,30 @@ def test_plot_leaves_out_constant_panels_and_draws_held_out_rounds(tmp_path: Pat
     path = tmp_path / "steps.jsonl"
     for s in range(1, 9):
         m = metrics(s)
-        m.kl, m.mean_staleness, m.entropy, m.grad_norm, m.tokens = 0.0, 0.0, 1.5 - 0.01 * s, 0.5 + 0.1 * (s % 3), 900 + 10 * s
-        steplog.append(path, steplog.record(m, run="demo", phases={"forward_s": 0.5 + 0.01 * s, "backward_s": 1.0, "push_s": 0.1}))
+        m.kl, m.mean_staleness, m.entropy, m.grad_norm, m.tokens = (
+            0.0,
+            0.0,
+            1.5 - 0.01 * s,
+            0.5 + 0.1 * (s % 3),
+            900 + 10 * s,
+        )
+        steplog.append(
+            path, steplog.record(m, run="demo", phases={"forward_s": 0.5 + 0.01 * s, "backward_s": 1.0, "push_s": 0.1})
+        )
     for s, acc in ((0, 0.2), (4, 0.5), (8, 0.9)):
         steplog.append(path, steplog.eval_record(eval_metrics(s, acc, samples=4), run="demo"))
     log = steplog.read(path)
     fig = plot.figure(log, "demo")
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == [
-        "reward (train, mean ± std)", "held-out accuracy (%)", "held-out reward (mean)", "completion length (tokens trained / completions)",
-        "entropy (nats per token)", "gradient norm (before clipping)", "step phases (s, stacked)", "delta size (% of dense bf16)",
+        "reward (train, mean ± std)",
+        "held-out accuracy (%)",
+        "held-out reward (mean)",
+        "completion length (tokens trained / completions)",
+        "entropy (nats per token)",
+        "gradient norm (before clipping)",
+        "step phases (s, stacked)",
+        "delta size (% of dense bf16)",
         "training tokens/s",
     ]  # loss is constant in metrics() too
     held_out = fig.axes[1]

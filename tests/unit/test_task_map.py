@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-
 import pytest
 import redis
 from transformers import AutoTokenizer
@@ -15,12 +14,13 @@ from rollstream.core import validation
 from rollstream.core.codec import EntryError
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
-
 from synthetic import Decode
 
 
 def _pair(decode: Decode) -> tuple[rollout_pb2.RolloutGroup, rollout_pb2.PromptTask]:
-    task = rollout_pb2.PromptTask(task_id="t-1", prompt_ids=[7, 8, 9], answer="12", metadata_json='{"n": 1}', task_kind="arithmetic", group_size=2)
+    task = rollout_pb2.PromptTask(
+        task_id="t-1", prompt_ids=[7, 8, 9], answer="12", metadata_json='{"n": 1}', task_kind="arithmetic", group_size=2
+    )
     tokens = [[40, 41, 42], [50, 51]]
     group = rollout_pb2.RolloutGroup(
         group_id="t-1", task_id="t-1", prompt_ids=task.prompt_ids, answer=task.answer, metadata_json=task.metadata_json, task_kind=task.task_kind,
@@ -38,7 +38,9 @@ def test_an_honest_group_passes_and_each_forgery_is_named(tiny_decode: Decode) -
         "metadata_json '{}' is not the task's": lambda g: setattr(g, "metadata_json", "{}"),
         "task_kind 'math' is not the task's 'arithmetic'": lambda g: setattr(g, "task_kind", "math"),
         "group_size 3 is not the task's 2": lambda g: setattr(g, "group_size", 3),
-        "completion 1: text 'The answer is 12' is not its token_ids decoded": lambda g: setattr(g.completions[1], "text", "The answer is 12"),
+        "completion 1: text 'The answer is 12' is not its token_ids decoded": lambda g: setattr(
+            g.completions[1], "text", "The answer is 12"
+        ),
     }
     for reason, forge in cases.items():
         forged = rollout_pb2.RolloutGroup()
@@ -67,7 +69,9 @@ def test_what_vllm_holds_back_may_be_missing_and_nothing_else(tiny_model_dir: Pa
     assert validation.completion_text_matches(decode(words + snowman), words + snowman, decode)
     assert validation.completion_text_matches(" " + decode(words), words, decode)  # a SentencePiece first word, primed
     assert not validation.completion_text_matches("The answer is", cut, decode)  # more held back than vLLM does
-    assert not validation.completion_text_matches("The answer is ", words + snowman, decode)  # a whole character missing
+    assert not validation.completion_text_matches(
+        "The answer is ", words + snowman, decode
+    )  # a whole character missing
     assert not validation.completion_text_matches("The answer is 7", words, decode)
     assert not validation.completion_text_matches("  " + decode(words), words, decode)
 

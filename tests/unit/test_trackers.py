@@ -29,7 +29,12 @@ EVALS = {0: 0.25, 3: 0.75}  # eval/accuracy by step
 
 
 def settings(tmp_path: Path, report_to: str) -> TrainerSettings:
-    return load_settings(TrainerSettings, ["--report-to", report_to, "--tracker-dir", str(tmp_path / "trackers")], run=RUN, redis_password="hunter2")
+    return load_settings(
+        TrainerSettings,
+        ["--report-to", report_to, "--tracker-dir", str(tmp_path / "trackers")],
+        run=RUN,
+        redis_password="hunter2",
+    )
 
 
 def write_run(s: TrainerSettings) -> None:
@@ -40,10 +45,14 @@ def write_run(s: TrainerSettings) -> None:
     assert sorted(t.backends) == sorted(s.report_to)
     t.log_config(trackers.run_config(s))
     for step in (1, 2, 3):
-        metrics = rollout_pb2.StepMetrics(step=step, version=step, reward_mean=REWARDS[step], loss=LOSSES[step], groups=2, time=1.8e9 + step)
+        metrics = rollout_pb2.StepMetrics(
+            step=step, version=step, reward_mean=REWARDS[step], loss=LOSSES[step], groups=2, time=1.8e9 + step
+        )
         t.log_metrics(trackers.step_metrics(metrics, {"forward_s": 0.5, "optimizer_s": 0.25}), step)
         if step == 1:
-            t.log_metrics(trackers.eval_metrics(rollout_pb2.EvalMetrics(step=0, accuracy=EVALS[0], prompts=20, samples=1)), 0)
+            t.log_metrics(
+                trackers.eval_metrics(rollout_pb2.EvalMetrics(step=0, accuracy=EVALS[0], prompts=20, samples=1)), 0
+            )
     t.log_metrics({"eval/accuracy": EVALS[3], "eval/pass_at_k": float("nan"), "eval/nothing": None}, 3)  # type: ignore[dict-item]  # a value that is no number, on purpose
     t.close()
     assert not t.backends
@@ -65,7 +74,9 @@ def test_tensorboard_reads_back_every_step(tmp_path: Path) -> None:
     assert written.series["eval/accuracy"] == EVALS
     assert written.series["eval/prompts"] == {0: 20.0}
     assert written.series["eval/pass_at_k"] == {0: 0.0}  # step 3's NaN left out
-    assert not {"train/step", "train/time", "eval/step", "eval/time", "eval/nothing"} & written.series.keys()  # the x-axis, and no curve
+    assert (
+        not {"train/step", "train/time", "eval/step", "eval/time", "eval/nothing"} & written.series.keys()
+    )  # the x-axis, and no curve
     assert_config(written.config)
     assert written.config["report_to"] == ["tensorboard"]
 
@@ -101,10 +112,19 @@ def test_wandb_offline_run_reads_back_every_step(tmp_path: Path) -> None:
 
 
 def test_run_config_leaves_secrets_out(tmp_path: Path) -> None:
-    s = load_settings(TrainerSettings, [], redis_url="redis://:hunter2@db:6379/0", redis_password="hunter2", grpc_token_file="/run/secrets/t")
+    s = load_settings(
+        TrainerSettings,
+        [],
+        redis_url="redis://:hunter2@db:6379/0",
+        redis_password="hunter2",
+        grpc_token_file="/run/secrets/t",
+    )
     config = trackers.run_config(s)
     assert "hunter2" not in json.dumps(config)
-    assert not {"redis_url", "redis_password", "redis_password_file", "grpc_token_file", "redis_observer_password_file"} & config.keys()
+    assert (
+        not {"redis_url", "redis_password", "redis_password_file", "grpc_token_file", "redis_observer_password_file"}
+        & config.keys()
+    )
     assert config["token_budget"] == 4096 and config["max_new_tokens"] == 16 and config["betas"] == [0.9, 0.999]
     assert trackers.flatten({"a": {"b": 1, "c": [1, 2]}, "d": "x"}) == {"a.b": "1", "a.c": "[1, 2]", "d": "x"}
 
@@ -120,14 +140,20 @@ def test_no_report_to_no_trackers(tmp_path: Path) -> None:
 def test_a_missing_extra_fails_at_start_with_the_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert trackers.missing_extras(["tensorboard", "mlflow", "wandb"]) == ""  # the dev install has them all
     absent = {"tensorboard": "tensorboard", "mlflow": "rollstream_no_mlflow_here", "wandb": "rollstream_no_wandb_here"}
-    assert trackers.missing_extras(["wandb"], absent) == "report_to = ['wandb'] needs the rollstream_no_wandb_here package: pip install 'rollstream-trainer[wandb]'"
+    assert (
+        trackers.missing_extras(["wandb"], absent)
+        == "report_to = ['wandb'] needs the rollstream_no_wandb_here package: pip install 'rollstream-trainer[wandb]'"
+    )
     assert trackers.missing_extras(["tensorboard", "mlflow", "wandb"], absent) == (
         "report_to = ['tensorboard', 'mlflow', 'wandb'] needs the rollstream_no_mlflow_here and rollstream_no_wandb_here packages: "
         "pip install 'rollstream-trainer[mlflow,wandb]'"
     )
     # Through the settings, as the trainer (and `rollstream up`) load them: before any model.
     monkeypatch.setattr(trackers.WandB, "module", "rollstream_no_wandb_here")
-    with pytest.raises(ConfigError, match=r"report_to = \['wandb'\] needs the rollstream_no_wandb_here package: pip install 'rollstream-trainer\[wandb\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"report_to = \['wandb'\] needs the rollstream_no_wandb_here package: pip install 'rollstream-trainer\[wandb\]'",
+    ):
         settings(tmp_path, "wandb")
 
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from synthetic import scored_groups  # tests/synthetic.py
 from rollstream.core import modeling
 from rollstream.trainer.grpo import LossConfig
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
 from rollstream.trainer.step import StepConfig, StepResult, train_step
 from rollstream.v1 import rollout_pb2
+from synthetic import scored_groups  # tests/synthetic.py
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -34,7 +34,14 @@ def load(model_dir: Path, adam_eps: float = 1e-8) -> tuple[torch.nn.Module, Host
     """The model at version 0 and its optimizer, as the Trainer builds them."""
     model, tokenizer = modeling.load_model(model_dir)
     model.train()
-    optimizer = HostAdamW(modeling.named_weights(model), lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=adam_eps, moments_dtype="float32")
+    optimizer = HostAdamW(
+        modeling.named_weights(model),
+        lr=LR,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        eps=adam_eps,
+        moments_dtype="float32",
+    )
     optimizer.sync_model()
     return model, optimizer, tokenizer.pad_token_id
 
@@ -50,7 +57,13 @@ def with_ref(groups: list[rollout_pb2.RolloutGroup], seed: int) -> list[rollout_
 
 def step_config(beta: float = 0.0, token_budget: int = 4096, share_prompts: bool = False) -> StepConfig:
     return StepConfig(
-        LossConfig("grpo", CLIP, CLIP, beta=beta), token_budget, chunk_tokens=1024, temperature=1.0, max_grad_norm=1.0, device="cpu", share_prompts=share_prompts
+        LossConfig("grpo", CLIP, CLIP, beta=beta),
+        token_budget,
+        chunk_tokens=1024,
+        temperature=1.0,
+        max_grad_norm=1.0,
+        device="cpu",
+        share_prompts=share_prompts,
     )
 
 
@@ -181,7 +194,13 @@ def run_packed(
     # ~lr * sign(g), and a gradient that is zero up to noise could flip sign).
     model, optimizer, pad_id = load(model_dir, adam_eps=1e-2)
     before = {n: m.clone() for n, m in optimizer.master.items()}
-    r = train_step(model, optimizer, groups, step_config(beta=BETA, token_budget=token_budget, share_prompts=share_prompts), pad_id=pad_id)
+    r = train_step(
+        model,
+        optimizer,
+        groups,
+        step_config(beta=BETA, token_budget=token_budget, share_prompts=share_prompts),
+        pad_id=pad_id,
+    )
     return r, optimizer, {n: optimizer.master[n] - before[n] for n in before}
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from synthetic import scored_groups
 from rollstream.core import codec, deltas, validation
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
@@ -19,6 +18,7 @@ from rollstream.core.streams import Entry
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.service import Trainer
+from synthetic import scored_groups
 
 
 @pytest.fixture
@@ -102,10 +102,16 @@ def _grown_to(n: int):
         (lambda g: setattr(g, "scored", False), "scored"),
         # The attack findings of issue 27, each refused at intake with the field named:
         # a finite log-prob whose ratio overflows float32 (G1) ...
-        (lambda g: g.completions[1].behaviour_logprobs.__setitem__(0, -200.0), r"behaviour_logprobs\[0\] = -200.0 is not a log-prob"),
+        (
+            lambda g: g.completions[1].behaviour_logprobs.__setitem__(0, -200.0),
+            r"behaviour_logprobs\[0\] = -200.0 is not a log-prob",
+        ),
         (_forged_ref(-9999.0), r"ref_logprobs\[0\] = -9999.0 is not a log-prob"),
         # ... a prompt the model's context (2048) cannot hold (G2) ...
-        (lambda g: g.prompt_ids.extend([5] * 120_000), r"longer than the model's context of 2048 \(max_position_embeddings\)"),
+        (
+            lambda g: g.prompt_ids.extend([5] * 120_000),
+            r"longer than the model's context of 2048 \(max_position_embeddings\)",
+        ),
         # ... and a group of 200 in a group-size-4 run, claiming group_size 200 itself.
         (_grown_to(200), "200 completions, more than the limit 4"),
     ],
@@ -114,7 +120,9 @@ def test_ready_entries_that_would_crash_the_trainer_are_refused(trainer: Trainer
     group = scored_groups(1, 1)[0]
     group.group_size = 4
 
-    ready = functools.partial(validation.parse_group, limits=trainer.limits, stage="ready", need_ref=trainer.need_ref)  # as TrainerLoop reads
+    ready = functools.partial(
+        validation.parse_group, limits=trainer.limits, stage="ready", need_ref=trainer.need_ref
+    )  # as TrainerLoop reads
     ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
     poison(group)
     with pytest.raises(codec.EntryError, match=reason):

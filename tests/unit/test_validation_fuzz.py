@@ -38,15 +38,25 @@ def _hypothesis_home(tmp_path_factory: pytest.TempPathFactory):
 
 def fuzz_settings(n: int) -> settings:
     return settings(
-        max_examples=n, deadline=None, derandomize=True, database=None, print_blob=False,
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        print_blob=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 
 
 # Small limits, so the bounds are reached by small messages; a second set with nothing known.
 LIMITS = Limits(
-    vocab_size=50, max_group_size=5, max_new_tokens=6, max_prompt_tokens=5, max_reward_abs=100.0, max_temperature=2.0,
-    task_kinds=frozenset({"arithmetic", "countdown"}), min_logprob=-50.0,
+    vocab_size=50,
+    max_group_size=5,
+    max_new_tokens=6,
+    max_prompt_tokens=5,
+    max_reward_abs=100.0,
+    max_temperature=2.0,
+    task_kinds=frozenset({"arithmetic", "countdown"}),
+    min_logprob=-50.0,
 )
 OPEN_LIMITS = Limits(vocab_size=0, max_group_size=5, max_new_tokens=6, max_prompt_tokens=5, task_kinds=None)
 STAGES = ("rollouts", "scored", "ready")
@@ -94,8 +104,10 @@ def task_ok(t: rollout_pb2.PromptTask, limits: Limits) -> bool:
         and _ids_ok(list(t.prompt_ids), limits.max_prompt_tokens, limits.vocab_size)
         and 1 <= t.group_size <= limits.max_group_size
         and 1 <= s.max_new_tokens <= limits.max_new_tokens
-        and math.isfinite(s.temperature) and 0 <= s.temperature <= limits.max_temperature
-        and math.isfinite(s.top_p) and 0 <= s.top_p <= 1
+        and math.isfinite(s.temperature)
+        and 0 <= s.temperature <= limits.max_temperature
+        and math.isfinite(s.top_p)
+        and 0 <= s.top_p <= 1
         and (limits.vocab_size == 0 or s.top_k <= limits.vocab_size)
         and _json_ok(t.metadata_json)
         and (limits.task_kinds is None or t.task_kind in limits.task_kinds)
@@ -155,13 +167,56 @@ def _passes(check: Callable[[], None]) -> bool:
 # OPEN_LIMITS; whether a fault makes the message bad is for the oracle to say (a drawn
 # float may well be a fine log-prob).
 
-ODD_FLOATS = [math.nan, -math.nan, math.inf, -math.inf, 1e30, -1e30, 5.0, 1e-3, 5e-4, 2e-3, 0.0, -0.0, -50.0, -50.001,
-              100.0, 100.01, -100.0, 3.5e38, 1e-45, 2.0, 2.0001, 1.0, 1.0001, -1e4, -1e4 - 1]
+ODD_FLOATS = [
+    math.nan,
+    -math.nan,
+    math.inf,
+    -math.inf,
+    1e30,
+    -1e30,
+    5.0,
+    1e-3,
+    5e-4,
+    2e-3,
+    0.0,
+    -0.0,
+    -50.0,
+    -50.001,
+    100.0,
+    100.01,
+    -100.0,
+    3.5e38,
+    1e-45,
+    2.0,
+    2.0001,
+    1.0,
+    1.0001,
+    -1e4,
+    -1e4 - 1,
+]
 ODD_INTS = [0, 1, 4, 5, 6, 49, 50, 51, 100000, 2**31, U32]
 JSON_TEXTS = [
-    "", "{}", '{"numbers": [1, 2, 3]}', '{"x": NaN}', '{"x": Infinity}', '{"x": [-Infinity]}', '{"x": 1e999}', '{"x": -1e999}',
-    '{"x": 1e308}', "[1]", "1", '"s"', "null", "{", "{not json}", '{"a": {"b": [1.5, {"c": 2}]}}', "[" * 5000, "{}{}",
-    '{"n": ' + "1" * 5000 + "}", '{"a": 1} ', '{"a":\n1}',
+    "",
+    "{}",
+    '{"numbers": [1, 2, 3]}',
+    '{"x": NaN}',
+    '{"x": Infinity}',
+    '{"x": [-Infinity]}',
+    '{"x": 1e999}',
+    '{"x": -1e999}',
+    '{"x": 1e308}',
+    "[1]",
+    "1",
+    '"s"',
+    "null",
+    "{",
+    "{not json}",
+    '{"a": {"b": [1.5, {"c": 2}]}}',
+    "[" * 5000,
+    "{}{}",
+    '{"n": ' + "1" * 5000 + "}",
+    '{"a": 1} ',
+    '{"a":\n1}',
 ]
 FAULT_COUNTS = [0, 0, 0, 1, 1, 1, 2, 3]  # sampled_from picks by index: ~3/8 of messages start clean
 
@@ -182,14 +237,43 @@ versions = st.integers(0, U64)
 ids = st.sampled_from(["", "x" * 1000, "a\nb"]) | short_text
 kinds = st.sampled_from(["", "poetry", "arithmetic "]) | short_text
 roles = st.sampled_from(["", "user"]) | short_text
-GROUP_FAULTS = st.sampled_from([
-    "group_id", "group_size", "completions", "prompt_ids", "metadata", "unscored", "ref_flag", "need_ref", "token", "tokens",
-    "behaviour", "behaviour_len", "ref", "ref_len", "span", "reward", "component",
-])
-TASK_FAULTS = st.sampled_from([
-    "task_id", "no_prompt", "role", "prompt_id", "prompt_len", "group_size", "max_new_tokens", "temperature", "top_p", "top_k",
-    "metadata", "task_kind",
-])
+GROUP_FAULTS = st.sampled_from(
+    [
+        "group_id",
+        "group_size",
+        "completions",
+        "prompt_ids",
+        "metadata",
+        "unscored",
+        "ref_flag",
+        "need_ref",
+        "token",
+        "tokens",
+        "behaviour",
+        "behaviour_len",
+        "ref",
+        "ref_len",
+        "span",
+        "reward",
+        "component",
+    ]
+)
+TASK_FAULTS = st.sampled_from(
+    [
+        "task_id",
+        "no_prompt",
+        "role",
+        "prompt_id",
+        "prompt_len",
+        "group_size",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "metadata",
+        "task_kind",
+    ]
+)
 
 
 def _logprob(rnd: random.Random) -> float:
@@ -200,15 +284,24 @@ def _base_group(rnd: random.Random) -> rollout_pb2.RolloutGroup:
     n = rnd.randint(1, 5)
     has_ref = rnd.random() < 0.5
     g = rollout_pb2.RolloutGroup(
-        group_id=f"g-{rnd.randrange(1000)}", task_id="t", policy_version=rnd.randrange(2**64), prompt_ids=[rnd.randrange(50) for _ in range(rnd.randint(1, 5))],
-        metadata_json=rnd.choice(["", "{}", '{"numbers": [1, 2]}']), task_kind="arithmetic", scored=True, has_ref_logprobs=has_ref,
-        group_size=rnd.choice([0, n]), created_at=rnd.random(),
+        group_id=f"g-{rnd.randrange(1000)}",
+        task_id="t",
+        policy_version=rnd.randrange(2**64),
+        prompt_ids=[rnd.randrange(50) for _ in range(rnd.randint(1, 5))],
+        metadata_json=rnd.choice(["", "{}", '{"numbers": [1, 2]}']),
+        task_kind="arithmetic",
+        scored=True,
+        has_ref_logprobs=has_ref,
+        group_size=rnd.choice([0, n]),
+        created_at=rnd.random(),
     )
     for _ in range(n):
         k = rnd.randint(1, 6)
         c = g.completions.add(
-            token_ids=[rnd.randrange(50) for _ in range(k)], behaviour_logprobs=[_logprob(rnd) for _ in range(k)],
-            reward=rnd.choice([-100.0, 100.0, 0.0]) if rnd.random() < 0.1 else rnd.uniform(-100.0, 100.0), finish_reason="stop",
+            token_ids=[rnd.randrange(50) for _ in range(k)],
+            behaviour_logprobs=[_logprob(rnd) for _ in range(k)],
+            reward=rnd.choice([-100.0, 100.0, 0.0]) if rnd.random() < 0.1 else rnd.uniform(-100.0, 100.0),
+            finish_reason="stop",
         )
         if has_ref or rnd.random() < 0.2:  # without the flag they are ignored, whatever they hold
             c.ref_logprobs.extend(_logprob(rnd) for _ in range(k))
@@ -217,7 +310,9 @@ def _base_group(rnd: random.Random) -> rollout_pb2.RolloutGroup:
         if cut < k or rnd.random() < 0.2:
             c.versions.add(version=4, start=cut, end=k)
         if rnd.random() < 0.5:
-            c.reward_components.add(name="answer", value=rnd.uniform(-1.0, 1.0), weight=rnd.uniform(0.0, 2.0), status="ok")
+            c.reward_components.add(
+                name="answer", value=rnd.uniform(-1.0, 1.0), weight=rnd.uniform(0.0, 2.0), status="ok"
+            )
     return g
 
 
@@ -238,7 +333,7 @@ def _fault_group(draw: st.DrawFn, g: rollout_pb2.RolloutGroup) -> bool:
         g.group_size = [n + 1, max(0, n - 1), 0, U32, draw(uint32)][draw(index) % 5]
     elif kind == "completions":
         if c is None or draw(st.booleans()):
-            del g.completions[draw(index) % (len(g.completions) + 1):]
+            del g.completions[draw(index) % (len(g.completions) + 1) :]
         else:
             for _ in range(draw(small)):
                 g.completions.add().CopyFrom(c)
@@ -302,12 +397,17 @@ def groups(draw: st.DrawFn) -> tuple[rollout_pb2.RolloutGroup, bool]:
 
 def _base_task(rnd: random.Random) -> rollout_pb2.PromptTask:
     t = rollout_pb2.PromptTask(
-        task_id=f"t-{rnd.randrange(1000)}", answer="3", metadata_json=rnd.choice(["", "{}", '{"numbers": [1, 2]}']), group_size=rnd.randint(1, 5),
+        task_id=f"t-{rnd.randrange(1000)}",
+        answer="3",
+        metadata_json=rnd.choice(["", "{}", '{"numbers": [1, 2]}']),
+        group_size=rnd.randint(1, 5),
         task_kind=rnd.choice(["arithmetic", "countdown"]),
         sampling=rollout_pb2.SamplingParams(
             temperature=rnd.choice([0.0, 2.0, 1.0]) if rnd.random() < 0.2 else rnd.uniform(0.0, 2.0),
             top_p=rnd.choice([0.0, 1.0]) if rnd.random() < 0.2 else rnd.uniform(0.0, 1.0),
-            max_new_tokens=rnd.randint(1, 6), top_k=rnd.choice([0, 0, rnd.randint(1, 50)]), seed=rnd.randrange(2**64),
+            max_new_tokens=rnd.randint(1, 6),
+            top_k=rnd.choice([0, 0, rnd.randint(1, 50)]),
+            seed=rnd.randrange(2**64),
         ),
     )
     form = rnd.choice(["messages", "ids", "both"])
@@ -359,7 +459,12 @@ def tasks(draw: st.DrawFn) -> rollout_pb2.PromptTask:
 
 
 metrics = st.builds(
-    rollout_pb2.StepMetrics, step=st.sampled_from([0, 1, 2, 10**6, U64]), reward_mean=any_float, loss=any_float, kl=any_float, grad_norm=any_float,
+    rollout_pb2.StepMetrics,
+    step=st.sampled_from([0, 1, 2, 10**6, U64]),
+    reward_mean=any_float,
+    loss=any_float,
+    kl=any_float,
+    grad_norm=any_float,
 )
 
 
@@ -450,7 +555,9 @@ def test_arbitrary_field_dicts_raise_only_entry_error() -> None:
     prop()
 
 
-schema = st.sampled_from([b"1"] * 12 + [b"01", b" 1 ", b"2", b"-1", b"1.0", b"", b"\xff", b"\xd9\xa1", b"9" * 5000, b"1\x00"])
+schema = st.sampled_from(
+    [b"1"] * 12 + [b"01", b" 1 ", b"2", b"-1", b"1.0", b"", b"\xff", b"\xd9\xa1", b"9" * 5000, b"1\x00"]
+)
 EDITS = st.sampled_from(["flip", "set", "insert", "delete", "truncate"])
 edit_counts = st.integers(0, 4)
 positions = st.integers(0, 2**16)  # taken modulo the length
@@ -458,8 +565,19 @@ bits = st.integers(0, 7)
 byte_values = st.sampled_from([0x00, 0x7F, 0x80, 0xFF, 0x08, 0x0A, 0x12, 0x2A, 0x22]) | st.integers(0, 255)
 inserts = st.binary(min_size=1, max_size=6)
 deletes = st.integers(1, 4)
-MESSAGES = {rollout_pb2.PromptTask: tasks(), rollout_pb2.RolloutGroup: groups().map(lambda d: d[0]), rollout_pb2.StepMetrics: metrics}
-TYPE_NAMES = {cls: st.sampled_from([cls.DESCRIPTOR.full_name.encode()] * 10 + [t.DESCRIPTOR.full_name.encode() for t in TYPES] + [b"", b"rollstream.v1.Nope", b"\xff"]) for cls in TYPES}
+MESSAGES = {
+    rollout_pb2.PromptTask: tasks(),
+    rollout_pb2.RolloutGroup: groups().map(lambda d: d[0]),
+    rollout_pb2.StepMetrics: metrics,
+}
+TYPE_NAMES = {
+    cls: st.sampled_from(
+        [cls.DESCRIPTOR.full_name.encode()] * 10
+        + [t.DESCRIPTOR.full_name.encode() for t in TYPES]
+        + [b"", b"rollstream.v1.Nope", b"\xff"]
+    )
+    for cls in TYPES
+}
 keep_bytes = st.sampled_from([True] * 5 + [False])
 random_data = st.binary(max_size=80)
 missing = st.lists(header_key, max_size=1)

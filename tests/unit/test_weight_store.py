@@ -20,7 +20,10 @@ SHAPES = {"emb": (120, 24), "ln": (24,), "head": (64, 24)}
 
 def bf16_bits(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Finite bf16 bit patterns: the top halves of random float32s."""
-    return {n: (rng.standard_normal(s).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for n, s in SHAPES.items()}
+    return {
+        n: (rng.standard_normal(s).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        for n, s in SHAPES.items()
+    }
 
 
 def evolved(rng: np.random.Generator, bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -35,7 +38,9 @@ def evolved(rng: np.random.Generator, bits: dict[str, np.ndarray]) -> dict[str, 
     return out
 
 
-def read_store(directory: Path, have: dict[str, np.ndarray] | None, have_version: int | None, fingerprint: str) -> tuple[dict[str, np.ndarray], int]:
+def read_store(
+    directory: Path, have: dict[str, np.ndarray] | None, have_version: int | None, fingerprint: str
+) -> tuple[dict[str, np.ndarray], int]:
     """What a generator does with the store: the chain's payloads from its version on, each
     checked as a transfer (from_chunks) and decoded onto what it holds."""
     anchor, chain = weight_store.read_manifest(directory)
@@ -110,15 +115,44 @@ def test_a_file_replaced_truncated_or_gone_under_its_chain_is_refused(tmp_path: 
         ('{"format": "something-else/9", "payloads": []}', "format 'something-else/9'"),
         (json.dumps({"format": weight_store.FORMAT}), "not a weight chain"),
         (json.dumps({"format": weight_store.FORMAT, "payloads": []}), "an anchor, then deltas"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "../../etc/passwd", "header": {"kind": "anchor"}}]}), "not a plain file name"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": 7, "header": {"kind": "anchor"}}]}), "not a plain file name"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "anchor", "version": "x"}}]}), "not a weight chain"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "delta"}}]}), "an anchor, then deltas"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "anchor", "nope": 1}}]}), "not a weight chain"),
+        (
+            json.dumps(
+                {
+                    "format": weight_store.FORMAT,
+                    "payloads": [{"file": "../../etc/passwd", "header": {"kind": "anchor"}}],
+                }
+            ),
+            "not a plain file name",
+        ),
+        (
+            json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": 7, "header": {"kind": "anchor"}}]}),
+            "not a plain file name",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": weight_store.FORMAT,
+                    "payloads": [{"file": "a", "header": {"kind": "anchor", "version": "x"}}],
+                }
+            ),
+            "not a weight chain",
+        ),
+        (
+            json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "delta"}}]}),
+            "an anchor, then deltas",
+        ),
+        (
+            json.dumps(
+                {"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "anchor", "nope": 1}}]}
+            ),
+            "not a weight chain",
+        ),
         ("[1, 2]", "not a weight chain"),
     ],
 )
-def test_a_missing_or_malformed_chain_is_refused_with_its_reason(tmp_path: Path, manifest: str | None, reason: str) -> None:
+def test_a_missing_or_malformed_chain_is_refused_with_its_reason(
+    tmp_path: Path, manifest: str | None, reason: str
+) -> None:
     if manifest is not None:
         (tmp_path / weight_store.MANIFEST).write_text(manifest)
     with pytest.raises(weight_store.StoreUnreadable, match=reason):

@@ -33,7 +33,9 @@ def header(total_bytes: int, version: int = 1, sha: str = "") -> weights_pb2.Wei
 
 
 def payload_chunks(payload: bytes, version: int, chunk_bytes: int = 100) -> list[weights_pb2.WeightChunk]:
-    return list(weight_transfer.to_chunks(payload, PayloadInfo("anchor", version, version, "fp"), chunk_bytes=chunk_bytes))
+    return list(
+        weight_transfer.to_chunks(payload, PayloadInfo("anchor", version, version, "fp"), chunk_bytes=chunk_bytes)
+    )
 
 
 def test_payloads_up_to_the_limit_pass() -> None:
@@ -44,7 +46,10 @@ def test_payloads_up_to_the_limit_pass() -> None:
 
 
 def test_a_header_above_the_limit_is_refused_before_anything_else_is_read() -> None:
-    stream = Counted([weights_pb2.WeightChunk(header=header(10**12), data=b"x" * 10)] + [weights_pb2.WeightChunk(data=b"x" * 10)] * 50)
+    stream = Counted(
+        [weights_pb2.WeightChunk(header=header(10**12), data=b"x" * 10)]
+        + [weights_pb2.WeightChunk(data=b"x" * 10)] * 50
+    )
     with pytest.raises(PayloadTooLarge, match="declares 1000000000000 bytes, more than the 1000 accepted"):
         list(weight_transfer.from_chunks(stream, max_bytes=1000))
     assert stream.taken == 1
@@ -52,7 +57,9 @@ def test_a_header_above_the_limit_is_refused_before_anything_else_is_read() -> N
 
 def test_a_later_payload_above_the_limit_is_refused_at_its_header() -> None:
     first = payload_chunks(b"a" * 300, 1)
-    stream = Counted(first + [weights_pb2.WeightChunk(header=header(5000, version=2))] + [weights_pb2.WeightChunk(data=b"x")] * 10)
+    stream = Counted(
+        first + [weights_pb2.WeightChunk(header=header(5000, version=2))] + [weights_pb2.WeightChunk(data=b"x")] * 10
+    )
     out = weight_transfer.from_chunks(stream, max_bytes=1000)
     assert next(out)[1] == b"a" * 300
     with pytest.raises(PayloadTooLarge):
@@ -62,7 +69,9 @@ def test_a_later_payload_above_the_limit_is_refused_at_its_header() -> None:
 
 def test_a_payload_sending_more_than_declared_is_cut_at_once() -> None:
     # Declares 1 byte, sends 10 chunks of 1 KiB: the first chunk already overruns.
-    stream = Counted([weights_pb2.WeightChunk(header=header(1), data=b"x" * 1024)] + [weights_pb2.WeightChunk(data=b"x" * 1024)] * 9)
+    stream = Counted(
+        [weights_pb2.WeightChunk(header=header(1), data=b"x" * 1024)] + [weights_pb2.WeightChunk(data=b"x" * 1024)] * 9
+    )
     with pytest.raises(PayloadOverrun, match="sent more than the 1 bytes its header declares"):
         list(weight_transfer.from_chunks(stream, max_bytes=1 << 30))
     assert stream.taken == 1

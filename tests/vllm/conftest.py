@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import skip_folder
 
+from helpers import skip_folder
 
 
 def _have_vllm() -> bool:

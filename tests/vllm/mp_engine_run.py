@@ -61,16 +61,28 @@ def main(model_dir: str, prompt: list[int]) -> None:
     inplace_update = backend.last_update
     refused = ""
     try:
-        backend.load_weights({"model.layers.0.mlp.down_proj.weight": bits["model.layers.0.mlp.down_proj.weight"] ^ 1}, version=4)
+        backend.load_weights(
+            {"model.layers.0.mlp.down_proj.weight": bits["model.layers.0.mlp.down_proj.weight"] ^ 1}, version=4
+        )
     except Exception as e:  # noqa: BLE001 - reported to the test
         refused = str(e)
-    print(json.dumps({
-        "touched": sorted(touched),
-        "before": {"tokens": before.token_ids, "logprobs": before.logprobs},
-        "after": {"tokens": after.token_ids, "logprobs": after.logprobs, "versions": after.versions},
-        "inplace": {"tokens": inplace.token_ids, "logprobs": inplace.logprobs, "update": inplace_update, "refused": refused},
-        "peak_rss_bytes": peak_rss_bytes(),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "touched": sorted(touched),
+                "before": {"tokens": before.token_ids, "logprobs": before.logprobs},
+                "after": {"tokens": after.token_ids, "logprobs": after.logprobs, "versions": after.versions},
+                "inplace": {
+                    "tokens": inplace.token_ids,
+                    "logprobs": inplace.logprobs,
+                    "update": inplace_update,
+                    "refused": refused,
+                },
+                "peak_rss_bytes": peak_rss_bytes(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def inplace_names(bits: dict) -> list[str]:

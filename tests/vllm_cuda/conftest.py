@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers import skip_folder
 
 ROOT = Path(__file__).resolve().parents[2]

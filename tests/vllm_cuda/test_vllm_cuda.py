@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tier_helpers import adamw_like_step, assert_engine_holds
 
 from rollstream.core import deltas, modeling
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.generator.host_weights import HostWeights
-from tier_helpers import adamw_like_step, assert_engine_holds
 
 pytestmark = pytest.mark.vllm_cuda
 
@@ -37,7 +37,17 @@ def engine(qwen_dir: Path) -> Iterator[object]:
     from rollstream.generator.config import GeneratorSettings
     from rollstream.generator.vllm_backend import VllmBackend
 
-    b = VllmBackend(str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=1024))
+    b = VllmBackend(
+        str(qwen_dir),
+        GeneratorSettings(
+            backend="vllm",
+            device="cuda",
+            dtype="bfloat16",
+            enforce_eager=True,
+            gpu_memory_utilization=0.25,
+            max_model_len=1024,
+        ),
+    )
     b.load_weights(b.host_bits(), version=0)
     print(f"vLLM transfer mode: {b.transfer_mode}; engine weight versions: {b.engine_versions}")
     yield b
@@ -61,7 +71,9 @@ def apply_delta(backend, host: HostWeights, new: dict[str, np.ndarray]) -> None:
     host.commit(info, touched)
 
 
-def reference_logprobs(reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int], tokens: list[int]) -> np.ndarray:
+def reference_logprobs(
+    reference: TransformersBackend, bits: dict[str, np.ndarray], prompt: list[int], tokens: list[int]
+) -> np.ndarray:
     reference.load_weights(bits)
     batch = modeling.make_batch([(prompt, tokens)], pad_id=reference.pad_id, device="cuda")
     with torch.no_grad():
@@ -75,7 +87,9 @@ def check_greedy(backend, reference: TransformersBackend, bits: dict[str, np.nda
     expected = reference.sample(greedy(prompt, len(sample.token_ids)))[0][0]
     assert sample.token_ids == expected.token_ids
     # Greedy requests report log_softmax(logits) (T = 1) in vLLM.
-    np.testing.assert_allclose(sample.logprobs, reference_logprobs(reference, bits, prompt, sample.token_ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        sample.logprobs, reference_logprobs(reference, bits, prompt, sample.token_ids), atol=ATOL, rtol=0
+    )
     return sample
 
 
@@ -144,7 +158,9 @@ def test_interleave_without_engine_versions_is_refused(engine, qwen_dir: Path) -
     from rollstream.generator.vllm_backend import VllmBackend
 
     with pytest.raises(RuntimeError, match="interleave"):
-        VllmBackend(str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", in_flight="interleave"))
+        VllmBackend(
+            str(qwen_dir), GeneratorSettings(backend="vllm", device="cuda", dtype="bfloat16", in_flight="interleave")
+        )
 
 
 def test_the_mode_is_the_installed_vllms(engine) -> None:
@@ -166,13 +182,24 @@ def inplace(engine) -> Iterator[object]:
 
 def test_inplace_deltas_are_bit_exact_and_move_the_changes_only(inplace, reference: TransformersBackend) -> None:
     host = HostWeights(inplace.host_bits(), version=0)
-    k_proj, q_bias, gate, head = "model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"
+    k_proj, q_bias, gate, head = (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.mlp.gate_proj.weight",
+        "lm_head.weight",
+    )
     steps = [
         lambda bits: adamw_like_step(bits, lr=1e-3, seed=11),  # every tensor moves
         lambda bits: adamw_like_step(bits, lr=2e-5, seed=12),  # a few ULPs, a share of the values
         lambda bits: {**bits, **adamw_like_step({k_proj: bits[k_proj]}, lr=1e-3, seed=13)},  # a lone fused shard
-        lambda bits: {**bits, **adamw_like_step({q_bias: bits[q_bias], gate: bits[gate]}, lr=1e-3, seed=14)},  # a bias shard, gate of gate/up
-        lambda bits: {**bits, **adamw_like_step({head: bits[head]}, lr=1e-3, seed=15)},  # the untied lm_head alone (a VocabParallelEmbedding)
+        lambda bits: {
+            **bits,
+            **adamw_like_step({q_bias: bits[q_bias], gate: bits[gate]}, lr=1e-3, seed=14),
+        },  # a bias shard, gate of gate/up
+        lambda bits: {
+            **bits,
+            **adamw_like_step({head: bits[head]}, lr=1e-3, seed=15),
+        },  # the untied lm_head alone (a VocabParallelEmbedding)
     ]
     prompt = inplace.encode_chat([("user", "What is 4 + 5?")])
     for step in steps:
@@ -185,8 +212,12 @@ def test_inplace_deltas_are_bit_exact_and_move_the_changes_only(inplace, referen
         host.commit(info, touched)
         update = inplace.last_update
         changed = sum(int(np.count_nonzero(touched[n] != old[n])) for n in touched)
-        print(f"inplace update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B in {update['seconds']} s")
-        assert update["mode"] == "inplace" and 2 * changed <= update["payload_bytes"] <= 2 * sum(touched[n].size for n in touched)
+        print(
+            f"inplace update {version}: {changed} values changed, delta {stats.nbytes} B, payload {update['payload_bytes']} B in {update['seconds']} s"
+        )
+        assert update["mode"] == "inplace" and 2 * changed <= update["payload_bytes"] <= 2 * sum(
+            touched[n].size for n in touched
+        )
         assert_engine_holds(inplace, new)
         check_greedy(inplace, reference, new, prompt)
 

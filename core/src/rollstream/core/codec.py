@@ -10,7 +10,6 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-
 SCHEMA_VERSION = 1
 
 M = TypeVar("M", bound=Message)

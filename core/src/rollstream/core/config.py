@@ -88,7 +88,8 @@ class CommonSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address the gRPC and HTTP servers bind to")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     grpc_socket: str = Field(
-        "", description="serve gRPC on this unix socket (an absolute path in a folder only its owner can enter) instead of host:grpc_port"
+        "",
+        description="serve gRPC on this unix socket (an absolute path in a folder only its owner can enter) instead of host:grpc_port",
     )
     http_port: int = Field(0, ge=0, le=65535, description="HTTP /healthz /readyz /metrics port (0: pick a free one)")
     consumer: str = Field("", description="consumer name in the stream groups (default: hostname-pid)")
@@ -99,7 +100,9 @@ class CommonSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="dead-letter an entry delivered more often than this")
     read_count: int = Field(8, ge=1, description="entries read per XREADGROUP")
     block_ms: int = Field(500, ge=1, description="XREADGROUP block time")
-    state_file: str = Field("", description="write {grpc_address, grpc_port, http_port, pid} here once serving (for supervisors)")
+    state_file: str = Field(
+        "", description="write {grpc_address, grpc_port, http_port, pid} here once serving (for supervisors)"
+    )
     # Credentials (docs/security.md). Secrets come from files (or ROLLSTREAM_REDIS_PASSWORD),
     # never from flags: a flag shows in every process listing. load_settings gives no
     # SecretStr field a flag, and refuses one given as a flag without echoing its value.
@@ -108,9 +111,13 @@ class CommonSettings(BaseSettings):
     redis_password: SecretStr = Field(SecretStr(""), description="Redis password (prefer redis_password_file)")
     grpc_token_file: str = Field("", description="file holding this service's gRPC token, sent on every call it makes")
     grpc_auth_file: str = Field("", description="JSON {role: sha256 of its token}: the callers this server accepts")
-    grpc_tls_cert_file: str = Field("", description="PEM certificate this service presents (server, and client for mTLS)")
+    grpc_tls_cert_file: str = Field(
+        "", description="PEM certificate this service presents (server, and client for mTLS)"
+    )
     grpc_tls_key_file: str = Field("", description="PEM private key for grpc_tls_cert_file")
-    grpc_tls_ca_file: str = Field("", description="PEM CA bundle: verifies peers (servers; clients too when set on a server)")
+    grpc_tls_ca_file: str = Field(
+        "", description="PEM CA bundle: verifies peers (servers; clients too when set on a server)"
+    )
     allow_unauthenticated: bool = Field(False, description="serve gRPC without grpc_auth_file on a non-loopback host")
     grpc_plaintext_token: bool = Field(
         False,
@@ -125,7 +132,9 @@ class CommonSettings(BaseSettings):
         # Whether the files exist is checked when the server starts (rollstream.core.grpc_auth),
         # so settings can be validated where the secrets are not mounted (CI, a laptop).
         if not self.grpc_auth_file and not self.allow_unauthenticated and not is_loopback(self.host):
-            raise ValueError(f"grpc_auth_file: serving gRPC on {self.host} without authentication: set grpc_auth_file, or allow_unauthenticated=true")
+            raise ValueError(
+                f"grpc_auth_file: serving gRPC on {self.host} without authentication: set grpc_auth_file, or allow_unauthenticated=true"
+            )
         if self.grpc_tls_cert_file and not self.grpc_tls_key_file:
             raise ValueError("grpc_tls_key_file: required with grpc_tls_cert_file")
         if self.grpc_tls_key_file and not self.grpc_tls_cert_file:
@@ -135,7 +144,11 @@ class CommonSettings(BaseSettings):
         # A token goes only to a server this service has authenticated: one behind a unix
         # socket in a private folder, or one whose TLS certificate the client checks. A
         # TCP port can be taken by any local user while its server restarts (issue 42).
-        if self.grpc_token_file and not (self.grpc_tls_ca_file or self.grpc_tls_cert_file) and not self.grpc_plaintext_token:
+        if (
+            self.grpc_token_file
+            and not (self.grpc_tls_ca_file or self.grpc_tls_cert_file)
+            and not self.grpc_plaintext_token
+        ):
             for name in TOKEN_ADDRESS_FIELDS:
                 address = getattr(self, name, "")
                 if address and not is_unix_address(address):
@@ -171,7 +184,9 @@ class TorchSettings(CommonSettings):
     description and the same default."""
 
     model: str = Field("smollm2-135m", description="local Hugging Face folder, or smollm2-135m (the demo model)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (weights are always bf16 values)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (weights are always bf16 values)"
+    )
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
 
@@ -205,13 +220,17 @@ def check_socket_path(path: str, field: str) -> str:
     if not p.is_absolute():
         raise ValueError(f"{field}: {path} is not an absolute path")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise ValueError(f"{field}: {path} is longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter folder")
+        raise ValueError(
+            f"{field}: {path} is longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter folder"
+        )
     try:
         folder = p.parent.stat()
     except OSError as e:
         raise ValueError(f"{field}: its folder {p.parent} cannot be used: {e.strerror or e}") from None
     if folder.st_mode & 0o077 or folder.st_uid != os.geteuid():
-        raise ValueError(f"{field}: its folder {p.parent} must be this user's only (mode 0700): others could take the socket's name")
+        raise ValueError(
+            f"{field}: its folder {p.parent} must be this user's only (mode 0700): others could take the socket's name"
+        )
     return path
 
 
@@ -239,7 +258,9 @@ def _format_validation_error(cls: type[BaseSettings], err: ValidationError) -> s
 
 def _secret_fields(cls: type[BaseSettings]) -> dict[str, str]:
     """{field name: its would-be flag} for the SecretStr fields of `cls`."""
-    return {name: "--" + name.replace("_", "-") for name, info in cls.model_fields.items() if info.annotation is SecretStr}
+    return {
+        name: "--" + name.replace("_", "-") for name, info in cls.model_fields.items() if info.annotation is SecretStr
+    }
 
 
 def _refuse_secret_flags(cls: type[BaseSettings], argv: list[str]) -> None:
@@ -247,7 +268,11 @@ def _refuse_secret_flags(cls: type[BaseSettings], argv: list[str]) -> None:
     # <the password>", printing the secret into logs on top of the process listing.
     for name, flag in _secret_fields(cls).items():
         if any(a == flag or a.startswith(flag + "=") for a in argv):
-            instead = f"{name}_file or {ENV_PREFIX}{name.upper()}" if f"{name}_file" in cls.model_fields else f"{ENV_PREFIX}{name.upper()}"
+            instead = (
+                f"{name}_file or {ENV_PREFIX}{name.upper()}"
+                if f"{name}_file" in cls.model_fields
+                else f"{ENV_PREFIX}{name.upper()}"
+            )
             raise ConfigError(
                 f"invalid {cls.__name__} configuration:\n  field '{name}': a secret is never a flag (a flag shows in every "
                 f"process listing): use {instead}"

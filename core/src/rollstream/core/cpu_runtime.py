@@ -86,7 +86,9 @@ def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
         quota, period = (root / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
         try:
-            quota, period = ((root / "cpu" / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+            quota, period = (
+                (root / "cpu" / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            )
         except OSError:
             return cores
     try:

@@ -126,7 +126,12 @@ def service_flags(root: Path, role: str, tls: bool = False, redis_acl: bool = Tr
     own: its token, its Redis password, the role table every server checks against; a
     generator also gets the read-only `observer` user's password, for its back-pressure over
     stages it may not write, and the trainer for its dashboard: rollstream.core.redis_acl)."""
-    flags = ["--grpc-token-file", str(grpc_dir(root) / f"{role}.token"), "--grpc-auth-file", str(grpc_dir(root) / "roles.json")]
+    flags = [
+        "--grpc-token-file",
+        str(grpc_dir(root) / f"{role}.token"),
+        "--grpc-auth-file",
+        str(grpc_dir(root) / "roles.json"),
+    ]
     if redis_acl:
         flags += ["--redis-username", role, "--redis-password-file", str(redis_dir(root) / f"{role}.password")]
         if role in ("generator", "trainer"):  # back-pressure; the dashboard
@@ -134,8 +139,11 @@ def service_flags(root: Path, role: str, tls: bool = False, redis_acl: bool = Tr
     if tls:
         folder = tls_dir(root)
         flags += [
-            "--grpc-tls-cert-file", str(folder / f"{role}.pem"),
-            "--grpc-tls-key-file", str(folder / f"{role}.key"),
-            "--grpc-tls-ca-file", str(folder / "ca.pem"),
+            "--grpc-tls-cert-file",
+            str(folder / f"{role}.pem"),
+            "--grpc-tls-key-file",
+            str(folder / f"{role}.key"),
+            "--grpc-tls-ca-file",
+            str(folder / "ca.pem"),
         ]
     return flags

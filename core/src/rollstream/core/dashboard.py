@@ -123,14 +123,23 @@ class PipelineView(Collector):
             "ok": True,
             "run": self.keys.run,
             "at": cur.at,
-            "trainer": {"step": cur.trainer_step, "version": cur.trainer_version, "groups_per_step": cur.counters.get("groups_per_step")},
+            "trainer": {
+                "step": cur.trainer_step,
+                "version": cur.trainer_version,
+                "groups_per_step": cur.counters.get("groups_per_step"),
+            },
             "stages": stages,
             "generators": [{"id": self.scrub(k), "version": v} for k, v in sorted(cur.generators.items())],
             "dead": cur.dead,
             "counters": dict(sorted(cur.counters.items())),
-            "last_step": steplog.record(last, run=self.keys.run) if last is not None else None,  # as steps.jsonl holds it
+            "last_step": steplog.record(last, run=self.keys.run)
+            if last is not None
+            else None,  # as steps.jsonl holds it
             "last_eval": steplog.eval_record(held_out, run=self.keys.run) if held_out is not None else None,
-            "findings": [{"level": f.level, "stage": f.stage, "reason": self.scrub(f.reason), "line": self.scrub(f.line())} for f in findings],
+            "findings": [
+                {"level": f.level, "stage": f.stage, "reason": self.scrub(f.reason), "line": self.scrub(f.line())}
+                for f in findings
+            ],
             "headline": self.scrub(findings[0].line()),
             "errors": [self.scrub(e) for e in extra.get("errors", [])],
         }
@@ -155,10 +164,22 @@ class PipelineView(Collector):
         up.add_metric([], 1.0 if view.get("ok") else 0.0)
         yield up
         families = {
-            "lag": GaugeMetricFamily(p + "stream_lag", "entries of a stage's input stream its consumer group has not read yet", labels=["stage", "stream"]),
-            "pending": GaugeMetricFamily(p + "stream_pending", "entries a stage has read and not acknowledged", labels=["stage", "stream"]),
-            "length": GaugeMetricFamily(p + "stream_length", "entries held in a stage's input stream (trimmed behind every group)", labels=["stage", "stream"]),
-            "consumers": GaugeMetricFamily(p + "stream_consumers", "consumers in a stage's consumer group", labels=["stage", "stream"]),
+            "lag": GaugeMetricFamily(
+                p + "stream_lag",
+                "entries of a stage's input stream its consumer group has not read yet",
+                labels=["stage", "stream"],
+            ),
+            "pending": GaugeMetricFamily(
+                p + "stream_pending", "entries a stage has read and not acknowledged", labels=["stage", "stream"]
+            ),
+            "length": GaugeMetricFamily(
+                p + "stream_length",
+                "entries held in a stage's input stream (trimmed behind every group)",
+                labels=["stage", "stream"],
+            ),
+            "consumers": GaugeMetricFamily(
+                p + "stream_consumers", "consumers in a stage's consumer group", labels=["stage", "stream"]
+            ),
         }
         for st in view.get("stages", []):
             if not st["active"]:
@@ -172,15 +193,27 @@ class PipelineView(Collector):
         if view.get("ok"):
             dead.add_metric([], float(view["dead"]))
         yield dead
-        gens = GaugeMetricFamily(p + "generator_policy_version", "policy version each live generator reported in its heartbeat (-1: no weights)", labels=["generator"])
+        gens = GaugeMetricFamily(
+            p + "generator_policy_version",
+            "policy version each live generator reported in its heartbeat (-1: no weights)",
+            labels=["generator"],
+        )
         for g in view.get("generators", []):
             gens.add_metric([g["id"]], float(-1 if g["version"] is None else g["version"]))
         yield gens
         # The last held-out round (no sample before the first): its fields in the step log's names.
         held_out = view.get("last_eval") or {}
         for field, name, doc in (
-            ("eval_accuracy", "eval_accuracy", "share of the last held-out round's completions with full marks (pass@1)"),
-            ("eval_pass_at_k", "eval_pass_at_k", "share of the last held-out round's prompts with a completion with full marks among its samples"),
+            (
+                "eval_accuracy",
+                "eval_accuracy",
+                "share of the last held-out round's completions with full marks (pass@1)",
+            ),
+            (
+                "eval_pass_at_k",
+                "eval_pass_at_k",
+                "share of the last held-out round's prompts with a completion with full marks among its samples",
+            ),
             ("eval_reward_mean", "eval_reward_mean", "mean reward of the last held-out round's completions"),
             ("step", "eval_step", "the step after which the last held-out round was fed (0: before the first)"),
             ("eval_version", "eval_policy_version", "the (oldest) policy version that sampled the last held-out round"),
@@ -217,7 +250,9 @@ def install(app: FastAPI, view: PipelineView, steps_file: str) -> None:
 
     @app.get("/dashboard.js", include_in_schema=False)
     def dashboard_js() -> Response:
-        return Response(static_text("dashboard.js"), media_type="text/javascript", headers={"Cache-Control": "no-store"})
+        return Response(
+            static_text("dashboard.js"), media_type="text/javascript", headers={"Cache-Control": "no-store"}
+        )
 
     @app.get("/api/pipeline")
     def pipeline() -> JSONResponse:
@@ -241,4 +276,3 @@ def json_safe(value: object) -> object:
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return str(value)
-

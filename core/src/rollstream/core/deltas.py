@@ -101,7 +101,9 @@ def encode_anchor(weights: Mapping[str, np.ndarray], version: int, fingerprint: 
     return safetensors_io.dumps(dict(weights), _meta("anchor", version, version, fingerprint), bf16=set(weights))
 
 
-def write_anchor(f: SupportsWrite[bytes | memoryview], weights: Mapping[str, np.ndarray], version: int, fingerprint: str) -> int:
+def write_anchor(
+    f: SupportsWrite[bytes | memoryview], weights: Mapping[str, np.ndarray], version: int, fingerprint: str
+) -> int:
     """encode_anchor's bytes, written to the binary file `f` tensor by tensor instead of
     returned whole (a 14B anchor is 29.6 GB); returns the bytes written."""
     return safetensors_io.dump_to(f, weights, _meta("anchor", version, version, fingerprint), bf16=set(weights))
@@ -181,7 +183,9 @@ def _changed_positions(mask: np.ndarray, pieces: list[_Changes]) -> Iterator[tup
         end = c.start + c.new.size
         for lo in range(c.start, end, _CHUNK):
             hi = min(end, lo + _CHUNK)
-            bits = np.unpackbits(mask[lo // 8 : (hi + 7) // 8]).view(bool)  # flatnonzero is 5x faster on bools than on uint8
+            bits = np.unpackbits(mask[lo // 8 : (hi + 7) // 8]).view(
+                bool
+            )  # flatnonzero is 5x faster on bools than on uint8
             yield c, lo, np.flatnonzero(bits[lo % 8 : lo % 8 + hi - lo])
 
 
@@ -238,7 +242,15 @@ def _encode_changes(shape: tuple[int, ...], size: int, pieces: list[_Changes]) -
     hasher = xxhash.xxh3_64()
     for c in pieces:
         hasher.update(np.ascontiguousarray(c.new).data)
-    info = {"shape": list(shape), "count": count, "pos": pos_kind, "pos_zstd": pos_z, "val": val_kind, "val_zstd": val_z, "xxh3": hasher.hexdigest()}
+    info = {
+        "shape": list(shape),
+        "count": count,
+        "pos": pos_kind,
+        "pos_zstd": pos_z,
+        "val": val_kind,
+        "val_zstd": val_z,
+        "xxh3": hasher.hexdigest(),
+    }
     return _Encoded(info, pos, val)
 
 
@@ -247,7 +259,9 @@ def _encode_tensor(base: np.ndarray, new: np.ndarray) -> _Encoded | None:
     found a chunk at a time, as pieces (a bool and a uint16 per value of the whole tensor would
     be 3 bytes a value)."""
     flat_base, flat_new = base.reshape(-1), new.reshape(-1)
-    pieces = [_changes(lo, flat_base[lo : lo + _CHUNK], flat_new[lo : lo + _CHUNK]) for lo in range(0, flat_base.size, _CHUNK)]
+    pieces = [
+        _changes(lo, flat_base[lo : lo + _CHUNK], flat_new[lo : lo + _CHUNK]) for lo in range(0, flat_base.size, _CHUNK)
+    ]
     return _encode_changes(base.shape, base.size, pieces)
 
 
@@ -282,7 +296,12 @@ class DeltaEncoder:
     whatever the bound, so it is small (64 MiB: 4 buckets of 32 MB fp32 masters' old bits)."""
 
     def __init__(
-        self, base: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str, executor: Executor | None = None,
+        self,
+        base: Mapping[str, np.ndarray],
+        base_version: int,
+        version: int,
+        fingerprint: str,
+        executor: Executor | None = None,
         max_pending_bytes: int = 64 << 20,
     ):
         self.base = base
@@ -303,7 +322,9 @@ class DeltaEncoder:
         if name in self._parts:
             raise DeltaError(f"{name} was added twice")
         if self.base[name].size > MAX_TENSOR_VALUES:
-            raise DeltaError(f"{name} has {self.base[name].size} values: a delta's positions are uint32, at most {MAX_TENSOR_VALUES} values a tensor")
+            raise DeltaError(
+                f"{name} has {self.base[name].size} values: a delta's positions are uint32, at most {MAX_TENSOR_VALUES} values a tensor"
+            )
         return self.base[name]
 
     def add(self, name: str, new: np.ndarray) -> None:
@@ -312,7 +333,9 @@ class DeltaEncoder:
             raise DeltaError(f"{name} was added twice")
         if base.shape != new.shape:
             raise DeltaError(f"{name}: shape {base.shape} != {new.shape}")
-        self._parts[name] = self._executor.submit(_encode_tensor, base, new) if self._executor else _encode_tensor(base, new)
+        self._parts[name] = (
+            self._executor.submit(_encode_tensor, base, new) if self._executor else _encode_tensor(base, new)
+        )
 
     def add_piece(self, name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
         """The flattened elements [start, start + new.size) of tensor `name`: `old` are their
@@ -322,7 +345,9 @@ class DeltaEncoder:
             raise DeltaError(f"{name}: piece [{start}, {start + new.size}) of {size} values with {old.size} old bits")
         partial = self._partial.setdefault(name, _Partial())
         if partial.covered + new.size > size:
-            raise DeltaError(f"{name}: pieces would cover {partial.covered + new.size} of {size} values (one added twice)")
+            raise DeltaError(
+                f"{name}: pieces would cover {partial.covered + new.size} of {size} values (one added twice)"
+            )
         partial.covered += new.size
         if self._executor is None:
             partial.pieces.append(_changes(start, old, new))
@@ -335,7 +360,11 @@ class DeltaEncoder:
         if partial.covered == size:
             del self._partial[name]
             shape = self.base[name].shape
-            self._parts[name] = self._executor.submit(_finish_pieces, shape, size, partial.pieces) if self._executor else _finish_pieces(shape, size, partial.pieces)
+            self._parts[name] = (
+                self._executor.submit(_finish_pieces, shape, size, partial.pieces)
+                if self._executor
+                else _finish_pieces(shape, size, partial.pieces)
+            )
 
     def _wait_for_room(self, nbytes: int) -> None:
         while self._pending and (self._pending_bytes + nbytes > self._max_pending or self._pending[0][0].done()):
@@ -373,13 +402,17 @@ class DeltaEncoder:
         # Every piece's tensor is encoded by now: the changes their futures hold go before the payload is made.
         self._pending.clear()
         self._pending_bytes = 0
-        meta = _meta("delta", self.base_version, self.version, self.fingerprint, tensors=json.dumps(infos, separators=(",", ":")))
+        meta = _meta(
+            "delta", self.base_version, self.version, self.fingerprint, tensors=json.dumps(infos, separators=(",", ":"))
+        )
         payload = safetensors_io.dumps_taking(arrays, meta)
         stats.nbytes = len(payload)
         return payload, stats
 
 
-def encode_delta(base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str) -> tuple[bytes, DeltaStats]:
+def encode_delta(
+    base: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], base_version: int, version: int, fingerprint: str
+) -> tuple[bytes, DeltaStats]:
     """Exact delta turning `base` into `new` (same names and shapes)."""
     if base.keys() != new.keys():
         raise DeltaError(f"weight names differ: {sorted(set(base) ^ set(new))[:5]}")
@@ -395,9 +428,16 @@ def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str],
     except safetensors_io.SafetensorsError as e:
         raise DeltaError(f"not a valid safetensors payload: {e}") from None
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise DeltaError(f"not a {FORMAT} v{FORMAT_VERSION} payload (format={meta.get('format')!r}, version={meta.get('format_version')!r})")
+        raise DeltaError(
+            f"not a {FORMAT} v{FORMAT_VERSION} payload (format={meta.get('format')!r}, version={meta.get('format_version')!r})"
+        )
     try:
-        info = PayloadInfo(kind=meta["kind"], base_version=int(meta["base_version"]), version=int(meta["version"]), fingerprint=meta["fingerprint"])
+        info = PayloadInfo(
+            kind=meta["kind"],
+            base_version=int(meta["base_version"]),
+            version=int(meta["version"]),
+            fingerprint=meta["fingerprint"],
+        )
     except (KeyError, ValueError) as e:
         raise DeltaError(f"payload metadata incomplete: {e}") from None
     if info.kind not in ("anchor", "delta"):
@@ -405,7 +445,9 @@ def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str],
     return info, meta, arrays
 
 
-def decode(payload: bytes | memoryview, held: Mapping[str, np.ndarray], held_version: int | None, fingerprint: str) -> tuple[PayloadInfo, Weights]:
+def decode(
+    payload: bytes | memoryview, held: Mapping[str, np.ndarray], held_version: int | None, fingerprint: str
+) -> tuple[PayloadInfo, Weights]:
     """Decode a payload against the weights held; returns the tensors to replace.
 
     Nothing in `held` is modified, so a refused payload leaves the receiver as it was.
@@ -426,7 +468,9 @@ def decode(payload: bytes | memoryview, held: Mapping[str, np.ndarray], held_ver
             _refuse_nonfinite(f"anchor {name}", array)
         return info, {name: array.copy() for name, array in arrays.items()}
     if held_version is None or info.base_version != held_version:
-        raise DeltaError(f"delta base is version {info.base_version}, this holds version {held_version}: fetch anchor + deltas")
+        raise DeltaError(
+            f"delta base is version {info.base_version}, this holds version {held_version}: fetch anchor + deltas"
+        )
     if info.version <= info.base_version:
         raise DeltaError(f"delta goes backwards: {info.base_version} -> {info.version}")
     try:
@@ -470,10 +514,14 @@ def _refuse_nonfinite(name: str, bits: np.ndarray, chunk: int = 1 << 20) -> None
         hits = masked == 0x7F80
         if hits.any():
             i = start + int(np.argmax(hits))
-            raise DeltaError(f"{name}: value {i} is not finite (bf16 bits 0x{int(flat[i]):04X}); refusing weights from a diverged trainer")
+            raise DeltaError(
+                f"{name}: value {i} is not finite (bf16 bits 0x{int(flat[i]):04X}); refusing weights from a diverged trainer"
+            )
 
 
-def _apply_tensor(base: np.ndarray, t: dict, pos: np.ndarray, val: np.ndarray, dctx: zstandard.ZstdDecompressor) -> np.ndarray:
+def _apply_tensor(
+    base: np.ndarray, t: dict, pos: np.ndarray, val: np.ndarray, dctx: zstandard.ZstdDecompressor
+) -> np.ndarray:
     count = int(t["count"])
     pos_raw = dctx.decompress(pos.tobytes()) if t["pos_zstd"] else pos.tobytes()
     val_raw = dctx.decompress(val.tobytes()) if t["val_zstd"] else val.tobytes()

@@ -170,7 +170,11 @@ def _crash_loops(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterato
     for name, n in sorted(cur.restarts.items()):
         more = n - (prev.restarts.get(name, 0) if prev is not None else 0)
         if n >= t.crash_restarts or (prev is not None and more > 0):
-            yield Finding("stuck", name, f"restarted {n} times by `up`{f' ({more} since the last look)' if prev is not None and more else ''}: a crash loop? see its log (WORKDIR/logs/{name}.log)")
+            yield Finding(
+                "stuck",
+                name,
+                f"restarted {n} times by `up`{f' ({more} since the last look)' if prev is not None and more else ''}: a crash loop? see its log (WORKDIR/logs/{name}.log)",
+            )
 
 
 def _deadlock(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
@@ -202,10 +206,18 @@ def _stages(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Fin
         if backlog == 0:
             continue
         if g is None:
-            yield Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and no consumer group reads it: is the {spec.name} running?")
+            yield Finding(
+                "stuck",
+                spec.name,
+                f"{backlog} entries wait in {spec.stream} and no consumer group reads it: is the {spec.name} running?",
+            )
             continue
         if not g.consumers:
-            yield Finding("stuck", spec.name, f"{backlog} entries wait in {spec.stream} and group '{g.name}' has no consumer: is the {spec.name} running?")
+            yield Finding(
+                "stuck",
+                spec.name,
+                f"{backlog} entries wait in {spec.stream} and group '{g.name}' has no consumer: is the {spec.name} running?",
+            )
             continue
         idle = min(c.idle_s for c in g.consumers)
         # A batch slower than idle_s (CPU sampling) leaves its consumer idle too: with an
@@ -217,7 +229,8 @@ def _stages(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Fin
             if spec is _TRAINER and cur.training():
                 continue  # a step in progress reads nothing until it commits
             yield Finding(
-                "stuck", spec.name,
+                "stuck",
+                spec.name,
                 f"not reading {spec.stream}: {backlog} waiting ({g.pending} pending), every consumer idle for {idle:.0f}s or more (dead or hung?)",
             )
             continue
@@ -225,20 +238,31 @@ def _stages(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Fin
             before = prev.backlog(spec.stream, spec.group)
             if backlog > before and cur.consumed(spec) == prev.consumed(spec) and not (spec is _GEN and downstream > 0):
                 yield Finding(
-                    "warn", spec.name, f"falling behind: backlog in {spec.stream} grew {before} -> {backlog} in {cur.at - prev.at:.0f}s and it consumed nothing",
+                    "warn",
+                    spec.name,
+                    f"falling behind: backlog in {spec.stream} grew {before} -> {backlog} in {cur.at - prev.at:.0f}s and it consumed nothing",
                 )
 
 
 def _generators_behind(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
-    if cur.stream("prompts").exists and not cur.generators and (cur.trainer_step > 0 or cur.stream("prompts").length > 0):
-        yield Finding("warn", "generator", "no generator registered (no heartbeat in the registry): nothing samples, and the trainer pushes weights nowhere")
+    if (
+        cur.stream("prompts").exists
+        and not cur.generators
+        and (cur.trainer_step > 0 or cur.stream("prompts").length > 0)
+    ):
+        yield Finding(
+            "warn",
+            "generator",
+            "no generator registered (no heartbeat in the registry): nothing samples, and the trainer pushes weights nowhere",
+        )
     for name, v in sorted(cur.generators.items()):
         if v is None:
             yield Finding("warn", name, f"holds no weights yet; the trainer is at v{cur.trainer_version}")
         elif cur.trainer_version - v > t.max_staleness:
             pushes = cur.counters.get("pushes_not_applied", 0)
             yield Finding(
-                "warn", name,
+                "warn",
+                name,
                 f"at policy v{v}, the trainer at v{cur.trainer_version}: {cur.trainer_version - v} versions behind (max_staleness {t.max_staleness}), "
                 f"its groups come out stale (pushes not applied so far: {pushes})",
             )
@@ -247,7 +271,11 @@ def _generators_behind(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> I
 def _dead_letters(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
     if prev is not None and cur.dead > prev.dead:
         last = "; ".join(f"{k}: {v}" for k, v in sorted(cur.last_dead.items()))
-        yield Finding("warn", "dead letters", f"+{cur.dead - prev.dead} since the last look ({cur.dead} in all){f'; last: {last}' if last else ''}")
+        yield Finding(
+            "warn",
+            "dead letters",
+            f"+{cur.dead - prev.dead} since the last look ({cur.dead} in all){f'; last: {last}' if last else ''}",
+        )
 
 
 def _flow(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Finding]:
@@ -259,9 +287,15 @@ def _flow(cur: Snapshot, prev: Snapshot | None, t: Thresholds) -> Iterator[Findi
         held = f" (it holds {ready.pending} pending)" if ready is not None and ready.pending else ""
         if holding:
             spec, n = holding[-1]
-            yield Finding("info", spec.name, f"the trainer waits for groups{held}; nearest backlog: {n} in {spec.stream}{_rate_text(r[spec.name])}")
+            yield Finding(
+                "info",
+                spec.name,
+                f"the trainer waits for groups{held}; nearest backlog: {n} in {spec.stream}{_rate_text(r[spec.name])}",
+            )
         else:
-            yield Finding("ok", "", f"nothing waiting anywhere (trainer step {cur.trainer_step}, v{cur.trainer_version})")
+            yield Finding(
+                "ok", "", f"nothing waiting anywhere (trainer step {cur.trainer_step}, v{cur.trainer_version})"
+            )
         return
     since = f" for {min(c.idle_s for c in ready.consumers):.0f}s" if training and ready.consumers else ""
     doing = f"training a step on {ready.pending} groups{since}" if training else f"{ready.pending} groups pending on it"

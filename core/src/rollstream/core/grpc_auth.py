@@ -74,7 +74,9 @@ PERMISSIONS: Mapping[str, frozenset[str]] = MappingProxyType(
 )
 
 # Services any caller reaches without a token (health probes, grpcurl's reflection).
-OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"})
+OPEN_SERVICES = frozenset(
+    {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"}
+)
 # Methods any caller reaches without a token: a generator's one-time nonces reveal nothing.
 OPEN_METHODS = frozenset({f"/{GENERATOR}/PushNonce"})
 # Method -> the role that signs it (rollstream.core.push_signing) instead of sending a token.
@@ -183,7 +185,10 @@ def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
 
 
 def check_call(
-    table: RoleTable, method: str, metadata: Iterable[tuple[str, Any]] | None, nonces: push_signing.PushNonces | None = None
+    table: RoleTable,
+    method: str,
+    metadata: Iterable[tuple[str, Any]] | None,
+    nonces: push_signing.PushNonces | None = None,
 ) -> tuple[str | None, Refusal | None]:
     """(caller's role, why the call is refused or None). Open methods pass without a token;
     the caller is authenticated before the method is looked at, so an outsider learns
@@ -197,7 +202,10 @@ def check_call(
     role = table.role_of(token) if token is not None else None
     if role is None:
         why = "no bearer token" if token is None else "unknown token"
-        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"{why}: send 'authorization: Bearer <token>' with a token from grpc_token_file")
+        return None, Refusal(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{why}: send 'authorization: Bearer <token>' with a token from grpc_token_file",
+        )
     if role not in allowed_roles(method):
         return role, Refusal(grpc.StatusCode.PERMISSION_DENIED, f"role {role!r} may not call {method}")
     return role, None
@@ -212,14 +220,19 @@ def _check_signed(
         how = f"{method} takes the {signer}'s signature ({push_signing.METADATA_KEY}), not a bearer token"
         return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, how)
     if table.push_key is None:
-        return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, "this server's roles.json has no trainer_push_key: run `rollstream secrets` again")
+        return None, Refusal(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "this server's roles.json has no trainer_push_key: run `rollstream secrets` again",
+        )
     why = nonces.check(signed[0]) if nonces is not None else "this server issues no nonces"
     if why is not None:
         return None, Refusal(grpc.StatusCode.UNAUTHENTICATED, f"push signature refused: {why}")
     return signer, None
 
 
-def _signature_checked(handler: grpc.RpcMethodHandler, table: RoleTable, nonces: push_signing.PushNonces, metadata: Any) -> grpc.RpcMethodHandler:
+def _signature_checked(
+    handler: grpc.RpcMethodHandler, table: RoleTable, nonces: push_signing.PushNonces, metadata: Any
+) -> grpc.RpcMethodHandler:
     """PushWeights' handler, behind a check of its first chunk: the header must carry a
     signature by the trainer's push key over this call's nonce, which is then spent; a second
     payload in the same stream is refused (the signature covers one). The chunks themselves
@@ -230,7 +243,11 @@ def _signature_checked(handler: grpc.RpcMethodHandler, table: RoleTable, nonces:
 
     def checked(chunks: Iterator[Any], context: grpc.ServicerContext) -> Any:
         first = next(chunks, None)
-        if first is None or not first.HasField("header") or not push_signing.verify(key, nonce, signature, first.header):
+        if (
+            first is None
+            or not first.HasField("header")
+            or not push_signing.verify(key, nonce, signature, first.header)
+        ):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "push signature does not match this payload's header")
         why = nonces.spend(nonce)
         if why is not None:
@@ -273,13 +290,17 @@ def _refusing(handler: grpc.RpcMethodHandler, refusal: Refusal) -> grpc.RpcMetho
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every call whose token or role does not match PERMISSIONS."""
 
-    def __init__(self, table: RoleTable, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None):
+    def __init__(
+        self, table: RoleTable, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None
+    ):
         self.table = table
         self.log = log
         self.nonces = nonces
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         metadata = handler_call_details.invocation_metadata
@@ -293,7 +314,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 return _signature_checked(handler, self.table, self.nonces, metadata)
             return handler
         if self.log is not None:
-            logs.event(self.log, "grpc_call_refused", logging.WARNING, method=method, code=refusal.code.name, role=role or "-")
+            logs.event(
+                self.log, "grpc_call_refused", logging.WARNING, method=method, code=refusal.code.name, role=role or "-"
+            )
         return _refusing(handler, refusal)
 
 
@@ -330,7 +353,9 @@ class ServerSecurity:
     tls: str  # "off", "tls" or "mtls"
 
 
-def server_security(settings: _Security, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None) -> ServerSecurity:
+def server_security(
+    settings: _Security, log: logging.Logger | None = None, nonces: push_signing.PushNonces | None = None
+) -> ServerSecurity:
     """The interceptor and TLS credentials a server is built with, from its settings. Reads
     every file now (ValueError naming the field): a typo fails the start, not a call.
     `nonces`: the ones this server hands out (a generator's), against which signed pushes
@@ -344,7 +369,9 @@ def server_security(settings: _Security, log: logging.Logger | None = None, nonc
         cert = read_pem(settings.grpc_tls_cert_file, "grpc_tls_cert_file")
         key = read_pem(settings.grpc_tls_key_file, "grpc_tls_key_file")
         ca = read_pem(settings.grpc_tls_ca_file, "grpc_tls_ca_file") if settings.grpc_tls_ca_file else None
-        credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        credentials = grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
         tls = "mtls" if ca is not None else "tls"
     return ServerSecurity(interceptors=interceptors, credentials=credentials, auth=bool(interceptors), tls=tls)
 
@@ -378,11 +405,18 @@ class ClientCredentials:
             cert = read_pem(settings.grpc_tls_cert_file, "grpc_tls_cert_file")
             key = read_pem(settings.grpc_tls_key_file, "grpc_tls_key_file")
         return cls(
-            token=token, tls=ca is not None or cert is not None, ca_pem=ca, cert_pem=cert, key_pem=key, plaintext_token=settings.grpc_plaintext_token
+            token=token,
+            tls=ca is not None or cert is not None,
+            ca_pem=ca,
+            cert_pem=cert,
+            key_pem=key,
+            plaintext_token=settings.grpc_plaintext_token,
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
+        )
 
 
 def token_refusal(address: str, creds: ClientCredentials | None) -> str:
@@ -400,14 +434,19 @@ def token_refusal(address: str, creds: ClientCredentials | None) -> str:
 
 
 class _CallDetails(
-    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
     grpc.ClientCallDetails,
 ):
     pass
 
 
 class TokenInterceptor(
-    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
 ):
     """Adds `authorization: Bearer <token>` to every call. An interceptor, not call
     credentials (grpc.metadata_call_credentials), because gRPC sends call credentials only
@@ -418,11 +457,12 @@ class TokenInterceptor(
 
     def _with_token(self, details: grpc.ClientCallDetails) -> _CallDetails:
         metadata = tuple(m for m in (details.metadata or ()) if m[0] != METADATA_KEY) + self._metadata
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
 
     def _intercept(self, continuation, client_call_details, request_or_iterator):
         return continuation(self._with_token(client_call_details), request_or_iterator)
 
     # The four call shapes differ only in whether the request is one message or an iterator.
     intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _intercept
-

@@ -76,7 +76,9 @@ class OpenStreamLimit(grpc.ServerInterceptor):
         self._slots = threading.BoundedSemaphore(limit)
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], handler_call_details: grpc.HandlerCallDetails
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
         if handler is None or not handler.request_streaming or not is_open(handler_call_details.method):
@@ -92,14 +94,21 @@ class OpenStreamLimit(grpc.ServerInterceptor):
                 return stream_unary(requests, context)
 
         if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(bounded_stream, handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(bounded_unary, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(
+                bounded_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            bounded_unary, handler.request_deserializer, handler.response_serializer
+        )
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
         """One of the `limit` slots for the call's whole run; none free: the call is refused."""
         if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limit} streams of open services (reflection) are already open here; try again later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limit} streams of open services (reflection) are already open here; try again later",
+            )
         try:
             yield
         finally:
@@ -128,12 +137,16 @@ def serve(
     names = [s.name for s in services] + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     address = f"unix:{unix_socket}" if unix_socket else f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    bound = (
+        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise RuntimeError(f"could not bind gRPC to {address}")
     server.start()
     port = 0 if unix_socket else bound
-    running = RunningServer(server=server, port=port, health=health_servicer, address=address if unix_socket else f"{host}:{port}")
+    running = RunningServer(
+        server=server, port=port, health=health_servicer, address=address if unix_socket else f"{host}:{port}"
+    )
     running.set_serving(False, ["", *[s.name for s in services]])
     return running
 
@@ -155,7 +168,9 @@ def channel(
     all_options = CHANNEL_OPTIONS + list(options)
     if creds is not None and creds.tls:
         ch = grpc.secure_channel(
-            address, creds.channel_credentials(), options=all_options + ([("grpc.ssl_target_name_override", server_name)] if server_name else [])
+            address,
+            creds.channel_credentials(),
+            options=all_options + ([("grpc.ssl_target_name_override", server_name)] if server_name else []),
         )
     else:
         ch = grpc.insecure_channel(address, options=all_options)

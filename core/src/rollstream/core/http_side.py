@@ -63,7 +63,11 @@ class HostCheck:
             hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
             status = 400 if len(hosts) != 1 else 0 if host_allowed(hosts[0], self.bound) else 421
             if status:
-                body = b"a request needs one Host header\n" if status == 400 else b"this server does not answer for that Host\n"
+                body = (
+                    b"a request needs one Host header\n"
+                    if status == 400
+                    else b"this server does not answer for that Host\n"
+                )
                 headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
@@ -71,7 +75,9 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: CollectorRegistry, bound_host: str = "127.0.0.1") -> FastAPI:
+def build_app(
+    service: str, ready: Callable[[], tuple[bool, str]], registry: CollectorRegistry, bound_host: str = "127.0.0.1"
+) -> FastAPI:
     """The HTTP side's app; `bound_host` (the host setting) is one more name its Host may carry."""
     app = FastAPI(title=f"rollstream-{service}", docs_url=None, redoc_url=None)
     app.add_middleware(HostCheck, bound=bound_host)
@@ -89,7 +95,9 @@ def build_app(service: str, ready: Callable[[], tuple[bool, str]], registry: Col
 
     # prometheus_client's own exposition app: text format, or OpenMetrics when the scraper
     # asks for it, gzip when it accepts it, `name[]=` filters.
-    app.router.routes.append(Route("/metrics", endpoint=_Asgi(make_asgi_app(registry)), methods=["GET", "HEAD"], include_in_schema=False))
+    app.router.routes.append(
+        Route("/metrics", endpoint=_Asgi(make_asgi_app(registry)), methods=["GET", "HEAD"], include_in_schema=False)
+    )
 
     return app
 

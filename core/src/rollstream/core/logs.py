@@ -46,8 +46,19 @@ def _structure(service: str, run: str = "") -> Processor:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
         # A service host's own logger (rollstream.<name>) names its service: one process can
         # host two (the colocated trainer and generator).
-        host = record.name.removeprefix("rollstream.") if record.name.count(".") == 1 and record.name.startswith("rollstream.") else service
-        out: EventDict = {"ts": ts, "level": record.levelname, "service": host, "event": str(ed.get("event", "")), **first, **fields}
+        host = (
+            record.name.removeprefix("rollstream.")
+            if record.name.count(".") == 1 and record.name.startswith("rollstream.")
+            else service
+        )
+        out: EventDict = {
+            "ts": ts,
+            "level": record.levelname,
+            "service": host,
+            "event": str(ed.get("event", "")),
+            **first,
+            **fields,
+        }
         if "exception" in ed:  # set by format_exc_info
             out["exc"] = str(ed["exception"]).rstrip("\n")
         return out

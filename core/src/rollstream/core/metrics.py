@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, ProcessCollector, disable_creat
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-
 # No `<name>_created` series next to every counter and histogram: in the text format they are
 # one more gauge per metric that no panel uses (process-wide; services import this module).
 disable_created_metrics()
@@ -41,8 +40,16 @@ class GpuMemoryCollector(Collector):
         try:
             if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
                 return
-            allocated = GaugeMetricFamily(self.p + "gpu_memory_allocated_bytes", "bytes held by tensors on the GPU (torch.cuda.memory_allocated)", labels=["device"])
-            peak = GaugeMetricFamily(self.p + "gpu_memory_max_allocated_bytes", "peak bytes held by tensors on the GPU (torch.cuda.max_memory_allocated)", labels=["device"])
+            allocated = GaugeMetricFamily(
+                self.p + "gpu_memory_allocated_bytes",
+                "bytes held by tensors on the GPU (torch.cuda.memory_allocated)",
+                labels=["device"],
+            )
+            peak = GaugeMetricFamily(
+                self.p + "gpu_memory_max_allocated_bytes",
+                "peak bytes held by tensors on the GPU (torch.cuda.max_memory_allocated)",
+                labels=["device"],
+            )
             for i in range(torch.cuda.device_count()):
                 allocated.add_metric([str(i)], float(torch.cuda.memory_allocated(i)))
                 peak.add_metric([str(i)], float(torch.cuda.max_memory_allocated(i)))

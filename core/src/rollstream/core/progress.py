@@ -11,7 +11,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 T = TypeVar("T")
 
@@ -26,8 +34,13 @@ def enabled() -> bool:
 def _progress(*, as_bytes: bool) -> Progress:
     amount = DownloadColumn() if as_bytes else TaskProgressColumn()
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), amount, TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        amount,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
     )
 
 

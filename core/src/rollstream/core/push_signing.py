@@ -63,13 +63,20 @@ NONCE_BYTES = _STAMP.size + _RANDOM_BYTES + _MAC_BYTES
 def role_key(token: str, role: str) -> Ed25519PrivateKey:
     """A role's signing key, derived from its token (HKDF-SHA256, no salt: the token is 32
     random bytes already; the role in `info`, so one token never makes two roles' keys)."""
-    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"rollstream {role} key v1".encode()).derive(token.encode())
+    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"rollstream {role} key v1".encode()).derive(
+        token.encode()
+    )
     return Ed25519PrivateKey.from_private_bytes(seed)
 
 
 def public_key_hex(token: str, role: str) -> str:
     """What roles.json holds for the role: its raw Ed25519 public key, hex."""
-    return role_key(token, role).public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+    return (
+        role_key(token, role)
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        .hex()
+    )
 
 
 def load_public_key(text: str, what: str) -> Ed25519PublicKey:
@@ -177,8 +184,14 @@ def payload_text(run: str, header: weights_pb2.WeightHeader) -> bytes:
     """What a catch-up payload's signature covers (FetchWeights' first chunk of each payload,
     the store's chain.json entry): the run and every field of its header."""
     fields = [
-        "rollstream.v1.Trainer/FetchWeights", run, header.kind, str(header.base_version), str(header.version),
-        str(header.total_bytes), header.sha256, header.model_fingerprint,
+        "rollstream.v1.Trainer/FetchWeights",
+        run,
+        header.kind,
+        str(header.base_version),
+        str(header.version),
+        str(header.total_bytes),
+        header.sha256,
+        header.model_fingerprint,
     ]
     return "\n".join(fields).encode()
 
@@ -206,7 +219,9 @@ def verify_payload(key: Ed25519PublicKey, run: str, header: weights_pb2.WeightHe
     return _valid(key, signature, payload_text(run, header))
 
 
-def verify_state(key: Ed25519PublicKey, run: str, challenge: bytes, version: int, fingerprint: str, signature: bytes) -> bool:
+def verify_state(
+    key: Ed25519PublicKey, run: str, challenge: bytes, version: int, fingerprint: str, signature: bytes
+) -> bool:
     return _valid(key, signature, state_text(run, challenge, version, fingerprint))
 
 
@@ -230,7 +245,7 @@ class PushNonces:
         signature cannot fill any table by calling."""
         if len(nonce) != NONCE_BYTES:
             return "malformed nonce"
-        body, mac = nonce[: -_MAC_BYTES], nonce[-_MAC_BYTES:]
+        body, mac = nonce[:-_MAC_BYTES], nonce[-_MAC_BYTES:]
         if not hmac.compare_digest(mac, self._mac(body)):
             return "not a nonce of this generator (restarted since?)"
         age_s = time.monotonic() - _STAMP.unpack_from(body)[0] / 1000

@@ -85,8 +85,21 @@ ACL_FILE = "users.acl"
 
 # Commands, grouped by what needs them (see the module docstring).
 _CONNECTION = ("ping", "info", "select", "cluster|slots", "command")
-_STAGE = ("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "evalsha", "script|load", "type", "hget", "xadd", "hincrby", "xinfo|groups",
-          "xtrim")
+_STAGE = (
+    "xgroup|create",
+    "xreadgroup",
+    "xpending",
+    "xclaim",
+    "xack",
+    "evalsha",
+    "script|load",
+    "type",
+    "hget",
+    "xadd",
+    "hincrby",
+    "xinfo|groups",
+    "xtrim",
+)
 # The admin user: everything but @dangerous, and back from it only what reads (module docstring).
 ADMIN_RULES = "~* &* +@all -@dangerous +info +acl|log +cluster|slots"
 _WAITING = ("eval", "exists", "xlen", "xrange")
@@ -171,11 +184,15 @@ def render_acl_file(passwords: dict[str, str], reference_stage: bool = False) ->
     missing = [r for r in REDIS_USERS if not passwords.get(r)]
     unknown = sorted(set(passwords) - set(REDIS_USERS))
     if missing or unknown:
-        raise ValueError(f"passwords needed for exactly {', '.join(REDIS_USERS)} (missing: {missing or 'none'}, unknown: {unknown or 'none'})")
+        raise ValueError(
+            f"passwords needed for exactly {', '.join(REDIS_USERS)} (missing: {missing or 'none'}, unknown: {unknown or 'none'})"
+        )
     # Nothing but `user` lines: redis-server refuses comments and blank lines in an ACL file.
     lines = ["user default reset resetchannels"]
     # `reset` first: off, no password, no keys, no commands; then exactly what the user gets.
-    lines += [f"user {user} reset on #{digest(passwords[user])} {acl_rules(user, reference_stage)}" for user in REDIS_USERS]
+    lines += [
+        f"user {user} reset on #{digest(passwords[user])} {acl_rules(user, reference_stage)}" for user in REDIS_USERS
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -104,7 +104,11 @@ def redact(url: str) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, "***" if "pass" in k.lower() else v) for k, v in pairs], safe="*/")
     # Not urlunsplit: it writes unix:///path as unix:/path.
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return (
+        f"{parts.scheme}://{netloc}{parts.path}"
+        + (f"?{query}" if query else "")
+        + (f"#{parts.fragment}" if parts.fragment else "")
+    )
 
 
 def url_credentials(url: str) -> tuple[str | None, str | None]:
@@ -113,20 +117,26 @@ def url_credentials(url: str) -> tuple[str | None, str | None]:
     return options.get("username") or None, options.get("password") or None
 
 
-def credentials(url: str, username: str = "", password_file: str = "", password: str = "") -> tuple[str | None, str | None]:
+def credentials(
+    url: str, username: str = "", password_file: str = "", password: str = ""
+) -> tuple[str | None, str | None]:
     """The (user, password) to pass to `connect` besides the URL, from the settings' fields
     `redis_username`, `redis_password_file` (read now) and `redis_password` (used when no
     file is given). ValueError naming the field when they cannot be used (module docstring)."""
     secret = read_secret(password_file, "redis_password_file") if password_file else (password or None)
     in_url_user, in_url_password = url_credentials(url)
     if username and in_url_user:
-        raise ValueError(f"redis_username: {username!r} is set and redis_url names a user too ({in_url_user!r}): give it in one place")
+        raise ValueError(
+            f"redis_username: {username!r} is set and redis_url names a user too ({in_url_user!r}): give it in one place"
+        )
     if secret and in_url_password:
         field = "redis_password_file" if password_file else "redis_password"
         raise ValueError(f"{field}: a password is set and redis_url carries one too: give it in one place")
     user = username or in_url_user
     if user and not (secret or in_url_password):
-        raise ValueError(f"redis_username: user {user!r} needs a password: set redis_password_file (or ROLLSTREAM_REDIS_PASSWORD)")
+        raise ValueError(
+            f"redis_username: user {user!r} needs a password: set redis_password_file (or ROLLSTREAM_REDIS_PASSWORD)"
+        )
     return username or None, secret
 
 
@@ -137,7 +147,9 @@ def _no_client_commands() -> dict[str, object]:
     each refusal would land in the server's ACL LOG at every connect. Each redis-py version
     says so in its own words: use those it has."""
     parameters = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
-    options: dict[str, object] = {"driver_info": None} if "driver_info" in parameters else {"lib_name": None, "lib_version": None}
+    options: dict[str, object] = (
+        {"driver_info": None} if "driver_info" in parameters else {"lib_name": None, "lib_version": None}
+    )
     if "maint_notifications_config" in parameters:
         from redis.maint_notifications import MaintNotificationsConfig
 
@@ -192,7 +204,9 @@ def is_denied(error: BaseException) -> bool:
     """Redis refused who we are (WRONGPASS, NOAUTH: a wrong user or password, a user that is
     off) or what we asked (NOPERM: a command or key outside the user's ACL, also inside a
     script). A configuration error: no retry changes it."""
-    if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)):
+    if isinstance(
+        error, (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)
+    ):
         return True
     if not isinstance(error, redis.ResponseError):
         return False
@@ -246,7 +260,13 @@ class RedisHealth:
     """Back-off, readiness and logging for one process's Redis trouble. Thread-safe; the
     HTTP /readyz and gRPC health read `ok` and `detail` through the service host."""
 
-    def __init__(self, log: logging.Logger, stop: threading.Event, on_change: Callable[[bool], None] | None = None, user: str = ""):
+    def __init__(
+        self,
+        log: logging.Logger,
+        stop: threading.Event,
+        on_change: Callable[[bool], None] | None = None,
+        user: str = "",
+    ):
         self.log = log
         self.stop = stop
         self.on_change = on_change
@@ -286,7 +306,9 @@ class RedisHealth:
         if is_refused_write(error):
             self.refused_write(error, doing)
             return
-        self._down(error, doing, "redis_unavailable", logging.WARNING, f"redis unavailable ({doing}): {short(error)}", None)
+        self._down(
+            error, doing, "redis_unavailable", logging.WARNING, f"redis unavailable ({doing}): {short(error)}", None
+        )
 
     def refused_write(self, error: BaseException, doing: str) -> None:
         """Record a call refused for what a key holds (is_refused_write; mostly a commit)
@@ -294,7 +316,9 @@ class RedisHealth:
         detail = f"redis refused ({doing}): {short(error)}; fix or delete that key as the admin user, retried every {self.refused_retry_s:g} s"
         self._down(error, doing, "redis_write_refused", logging.ERROR, detail, self.refused_retry_s)
 
-    def _down(self, error: BaseException, doing: str, event: str, level: int, detail: str, wait_s: float | None) -> None:
+    def _down(
+        self, error: BaseException, doing: str, event: str, level: int, detail: str, wait_s: float | None
+    ) -> None:
         """Not ready with `detail`; log `event` when this trouble starts and every
         REMIND_EVERY_S; wait `wait_s` (None: the backoff, doubling)."""
         now = time.monotonic()
@@ -311,7 +335,15 @@ class RedisHealth:
             if remind:
                 self._reminded = now
         if first or remind:
-            logs.event(self.log, event, level, doing=doing, error=short(error), retry_s=round(delay, 2), down_s=round(now - self._since, 1))
+            logs.event(
+                self.log,
+                event,
+                level,
+                doing=doing,
+                error=short(error),
+                retry_s=round(delay, 2),
+                down_s=round(now - self._since, 1),
+            )
         if first and self.on_change is not None:
             self.on_change(False)
         self.stop.wait(delay)

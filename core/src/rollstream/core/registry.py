@@ -22,7 +22,9 @@ def _now_ms(client: redis_policy.Client) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def heartbeat(client: redis_policy.Client, keys: RunKeys, generator_id: str, address: str, version: int | None = None) -> None:
+def heartbeat(
+    client: redis_policy.Client, keys: RunKeys, generator_id: str, address: str, version: int | None = None
+) -> None:
     """Register (or refresh) one generator, with the policy version it holds (None: none yet).
     Every key carries the run's hash tag: one slot."""
     now = _now_ms(client)
@@ -59,7 +61,9 @@ def live(client: redis_policy.Client, keys: RunKeys, ttl_s: float = TTL_S, forge
     not `forget`: a read-only look, for `rollstream status`)."""
     cutoff = _now_ms(client) - int(ttl_s * 1000)
     dead = [m.decode(errors="replace") for m in client.zrangebyscore(keys.generators_seen, "-inf", f"({cutoff}")]
-    addresses = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in client.hgetall(keys.generators).items()}
+    addresses = {
+        k.decode(errors="replace"): v.decode(errors="replace") for k, v in client.hgetall(keys.generators).items()
+    }
     seen = {m.decode(errors="replace") for m in client.zrangebyscore(keys.generators_seen, cutoff, "+inf")}
     # A hash entry with no heartbeat at all (written by an older generator) counts as dead too.
     dead += [g for g in addresses if g not in seen and g not in dead]

@@ -13,7 +13,13 @@ from rollstream.core import redis_policy
 STAGES = ("prompts", "rollouts", "scored", "ready")
 # The role that reads each stage: what it dead-letters from that stage (dead_<stage>) is
 # counted in its own counters (RunKeys.counters).
-STAGE_READER = {"prompts": "generator", "eval_prompts": "generator", "rollouts": "reward", "scored": "reference", "ready": "trainer"}
+STAGE_READER = {
+    "prompts": "generator",
+    "eval_prompts": "generator",
+    "rollouts": "reward",
+    "scored": "reference",
+    "ready": "trainer",
+}
 COUNTER_ROLES = ("generator", "reward", "reference", "trainer")
 
 

@@ -42,14 +42,22 @@ class SafetensorsError(ValueError):
     pass
 
 
-def dumps(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> bytes:
+def dumps(
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    bf16: frozenset[str] | set[str] = frozenset(),
+) -> bytes:
     """Serialise `tensors`; names in `bf16` are uint16 arrays written as BF16."""
     # Byte views of the arrays, not .tobytes() copies: the join is then the only copy, so an
     # in-memory anchor (2 bytes per parameter) peaks at the payload once, not twice.
     return b"".join([_header(tensors, metadata, bf16), *(_data(array) for array in tensors.values())])
 
 
-def dumps_taking(tensors: dict[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> bytes:
+def dumps_taking(
+    tensors: dict[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    bf16: frozenset[str] | set[str] = frozenset(),
+) -> bytes:
     """What `dumps` returns, taking each tensor out of `tensors` once its bytes are copied: one
     that nothing else holds is freed then, so the payload and its tensors are never both whole
     in memory (a delta's encoded parts are as large as the payload they make). `tensors` is
@@ -61,7 +69,12 @@ def dumps_taking(tensors: dict[str, np.ndarray], metadata: Mapping[str, str] | N
     return out.getvalue()
 
 
-def dump_to(f: SupportsWrite[bytes | memoryview], tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None, bf16: frozenset[str] | set[str] = frozenset()) -> int:
+def dump_to(
+    f: SupportsWrite[bytes | memoryview],
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    bf16: frozenset[str] | set[str] = frozenset(),
+) -> int:
     """Write what `dumps` returns to the binary file `f`, tensor by tensor: the payload is never
     whole in memory (a 14B anchor is 29.6 GB). Returns the number of bytes written. Every
     tensor is checked before the first byte is written."""
@@ -75,7 +88,9 @@ def dump_to(f: SupportsWrite[bytes | memoryview], tensors: Mapping[str, np.ndarr
     return written
 
 
-def _header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None, bf16: frozenset[str] | set[str]) -> bytes:
+def _header(
+    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None, bf16: frozenset[str] | set[str]
+) -> bytes:
     """The 8-byte length and the JSON header, padded: made from shapes and dtypes alone."""
     header: dict[str, object] = {}
     if metadata:
@@ -84,7 +99,11 @@ def _header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | Non
     for name, array in tensors.items():
         array = np.asarray(array)  # no copy: only its dtype and shape are read here
         nbytes = array.size * array.dtype.itemsize
-        header[name] = {"dtype": _dtype_name(name, array, bf16), "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _dtype_name(name, array, bf16),
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format aligns the data start to 8 bytes
@@ -134,6 +153,8 @@ def loads(buf: bytes | memoryview) -> tuple[dict[str, str], dict[str, np.ndarray
             raise SafetensorsError(f"{name}: bad header entry {info!r} ({e})") from None
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if not 0 <= start <= end <= len(data) or end - start != count * np.dtype(dtype).itemsize:
-            raise SafetensorsError(f"{name}: data_offsets {start}..{end} do not match shape {shape} {info['dtype']} in {len(data)} bytes")
+            raise SafetensorsError(
+                f"{name}: data_offsets {start}..{end} do not match shape {shape} {info['dtype']} in {len(data)} bytes"
+            )
         arrays[name] = np.frombuffer(data[start:end], dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
     return dict(metadata), arrays

@@ -72,9 +72,13 @@ class StageMetrics:
         return cls(
             dead_lettered=Counter(p + "dead_lettered", "entries moved to the dead-letter stream", registry=registry),
             redelivered=Counter(
-                p + "redelivered", "entries read again: claimed from a dead consumer, or our own after a restart", registry=registry
+                p + "redelivered",
+                "entries read again: claimed from a dead consumer, or our own after a restart",
+                registry=registry,
             ),
-            batch_seconds=Histogram(p + "batch_seconds", "time to process and commit one read's batch", registry=registry),
+            batch_seconds=Histogram(
+                p + "batch_seconds", "time to process and commit one read's batch", registry=registry
+            ),
         )
 
 
@@ -138,7 +142,11 @@ class ServiceHost:
         except ValueError as e:  # a file missing or unreadable: a configuration error (exit 2)
             raise self.redis.invalid(str(e)) from None
         self.grpc = grpc_utils.serve(
-            services, self.settings.host, self.settings.grpc_port, interceptors=security.interceptors, credentials=security.credentials,
+            services,
+            self.settings.host,
+            self.settings.grpc_port,
+            interceptors=security.interceptors,
+            credentials=security.credentials,
             unix_socket=self.settings.grpc_socket,
         )
         app = build_app(self.name, self.readiness, self.registry, self.settings.host)
@@ -149,12 +157,21 @@ class ServiceHost:
             path = Path(self.settings.state_file)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            state = {"pid": os.getpid(), "grpc_address": self.grpc.address, "grpc_port": self.grpc.port, "http_port": self.http.port}
+            state = {
+                "pid": os.getpid(),
+                "grpc_address": self.grpc.address,
+                "grpc_port": self.grpc.port,
+                "http_port": self.http.port,
+            }
             tmp.write_text(json.dumps(state))
             tmp.replace(path)
         logs.event(
-            self.log, "serving", grpc=self.grpc.address, http=f"{self.settings.host}:{self.http.port}",
-            grpc_auth="on" if security.auth else "off", grpc_tls=security.tls,
+            self.log,
+            "serving",
+            grpc=self.grpc.address,
+            http=f"{self.settings.host}:{self.http.port}",
+            grpc_auth="on" if security.auth else "off",
+            grpc_tls=security.tls,
         )
 
     def readiness(self) -> tuple[bool, str]:
@@ -190,16 +207,22 @@ class ServiceHost:
         try:
             if as_user:
                 if any(redis_policy.url_credentials(url)):
-                    raise ValueError(f"{field}: redis_url carries credentials: give the service's own in redis_username and redis_password_file")
+                    raise ValueError(
+                        f"{field}: redis_url carries credentials: give the service's own in redis_username and redis_password_file"
+                    )
                 username, password = as_user, read_secret(password_file, field)
             else:
-                username, password = redis_policy.credentials(url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value())
+                username, password = redis_policy.credentials(
+                    url, s.redis_username, s.redis_password_file, s.redis_password.get_secret_value()
+                )
         except ValueError as e:
             raise self.redis.invalid(str(e)) from None
         health = RedisHealth(self.log, self.stop, user=as_user) if as_user else self.redis
         if not as_user:
             health.user = username or redis_policy.url_credentials(url)[0] or ""
-        doing = f"connecting to {redis_policy.redact(url)} as {health.user or 'default'}" + (f" ({field})" if field else "")
+        doing = f"connecting to {redis_policy.redact(url)} as {health.user or 'default'}" + (
+            f" ({field})" if field else ""
+        )
         return health.call(lambda: redis_policy.connect(url, username, password), doing)
 
     def open_stage(self, client: redis_policy.Client, source: str, group: str) -> streams.StreamStage:
@@ -208,13 +231,17 @@ class ServiceHost:
         here (`stage.dead_letter`, for one that parsed but cannot be used: a scorer's NaN, a
         failed sample, a refused step)."""
         return self.redis.call(
-            lambda: streams.StreamStage.for_service(client, self.settings, source, group, health=self.redis, on_dead_letter=self._count_dead_letter),
+            lambda: streams.StreamStage.for_service(
+                client, self.settings, source, group, health=self.redis, on_dead_letter=self._count_dead_letter
+            ),
             f"joining {group} on {source}",
         )
 
     # -- the stream stage: read, dead-letter, loop --------------------------------------
 
-    def read(self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0, wait: bool = True) -> list[tuple[Entry, M]]:
+    def read(
+        self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0, wait: bool = True
+    ) -> list[tuple[Entry, M]]:
         """One read's worth of parsed entries (`parse` decodes and validates, raising
         codec.EntryError with the reason), waiting up to block_ms for new ones unless `wait`
         is False. What does not parse goes to the dead letters alone, counted and logged;
@@ -233,8 +260,12 @@ class ServiceHost:
         logs.event(self.log, "dead_lettered", logging.WARNING, entry=entry.id.decode(), reason=reason)
 
     def run_loop(
-        self, stage: StreamStage, turn: Callable[[], None], doing: str,
-        on_redis_error: Callable[[], None] | None = None, until: Callable[[], bool] | None = None,
+        self,
+        stage: StreamStage,
+        turn: Callable[[], None],
+        doing: str,
+        on_redis_error: Callable[[], None] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> None:
         """Call `turn` until stopped (or `until()` says done). Redis trouble never ends the
         loop: what was read and not committed stays pending on us and is read again first
@@ -271,10 +302,11 @@ class ServiceHost:
 
     def __exit__(self, *exc: object) -> bool:
         # Misconfigured has logged its one line already; it exits with status 2.
-        if isinstance(exc[0], type) and not issubclass(exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)):
+        if isinstance(exc[0], type) and not issubclass(
+            exc[0], (KeyboardInterrupt, redis_policy.Stopped, redis_policy.Misconfigured)
+        ):
             self.log.exception("service failed")
         self.close()
         os.umask(self._previous_umask)
         # Stopped while waiting for Redis is a clean stop, not a failure.
         return exc[0] is redis_policy.Stopped
-

@@ -112,7 +112,9 @@ def restarts(workdir: Path | None) -> dict[str, int]:
         return {}
 
 
-def collect(client: redis_policy.Client, keys: run_keys.RunKeys, workdir: Path | None = None) -> tuple[diagnose.Snapshot, dict]:
+def collect(
+    client: redis_policy.Client, keys: run_keys.RunKeys, workdir: Path | None = None
+) -> tuple[diagnose.Snapshot, dict]:
     """A snapshot of the run (its `at` is the Redis server's clock, in seconds), and what the
     view shows besides: the last step's metrics, the live generators, errors met."""
     read = _Reader()
@@ -142,9 +144,15 @@ def collect(client: redis_policy.Client, keys: run_keys.RunKeys, workdir: Path |
         except codec.EntryError as e:
             read.errors.append(f"last eval entry unreadable: {e}")
     snap = diagnose.Snapshot(
-        at=at, streams=states, counters=counters, trainer_version=version, trainer_step=counters.get("step", 0),
-        generators={g: versions.get(g) for g in live}, dead=dead,
-        last_dead=_last_dead(client, keys, read) if dead else {}, restarts=restarts(workdir),
+        at=at,
+        streams=states,
+        counters=counters,
+        trainer_version=version,
+        trainer_step=counters.get("step", 0),
+        generators={g: versions.get(g) for g in live},
+        dead=dead,
+        last_dead=_last_dead(client, keys, read) if dead else {},
+        restarts=restarts(workdir),
     )
     return snap, extra
 
@@ -157,7 +165,9 @@ def check_eval(m: rollout_pb2.EvalMetrics) -> rollout_pb2.EvalMetrics:
             raise codec.EntryError(f"EvalMetrics step {m.step}: {name} is {value!r}")
     for name in ("accuracy", "pass_at_k"):
         if not 0.0 <= getattr(m, name) <= 1.0:
-            raise codec.EntryError(f"EvalMetrics step {m.step}: {name} {getattr(m, name)!r} is not a share within [0, 1]")
+            raise codec.EntryError(
+                f"EvalMetrics step {m.step}: {name} {getattr(m, name)!r} is not a share within [0, 1]"
+            )
     return m
 
 
@@ -166,7 +176,9 @@ def eval_line(m: rollout_pb2.EvalMetrics) -> str:
     step 15, version 15, 32 prompts"."""
     at_k = f" (pass@{m.samples} {100 * m.pass_at_k:.0f}%)" if m.samples > 1 else ""
     version = f"versions {m.version}-{m.version_max}" if m.version_max > m.version else f"version {m.version}"
-    prompts = f"{m.prompts} prompts" if m.prompts >= m.prompts_fed else f"{m.prompts} of {m.prompts_fed} prompts (incomplete)"
+    prompts = (
+        f"{m.prompts} prompts" if m.prompts >= m.prompts_fed else f"{m.prompts} of {m.prompts_fed} prompts (incomplete)"
+    )
     return f"held-out: accuracy {100 * m.accuracy:.0f}%{at_k}, reward {m.reward_mean:.2f} at step {m.step}, {version}, {prompts}"
 
 
@@ -190,7 +202,10 @@ _STYLE = {"stuck": "bold red", "warn": "yellow", "info": "cyan", "ok": "green"}
 def render(keys: run_keys.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: diagnose.Snapshot | None = None,
            thresholds: diagnose.Thresholds = diagnose.Thresholds()) -> RichGroup:  # fmt: skip
     """The view: the stage table, the trainer and generators, counters, and the diagnosis."""
-    table = Table(title=f"run {keys.run}: trainer step {cur.trainer_step}, policy version {cur.trainer_version}", title_justify="left")
+    table = Table(
+        title=f"run {keys.run}: trainer step {cur.trainer_step}, policy version {cur.trainer_version}",
+        title_justify="left",
+    )
     for col, justify in (("stage", "left"), ("stream", "left"), ("rate/s", "right"), ("backlog", "right"), ("pending", "right"),
                          ("length", "right"), ("consumers (idle)", "left"), ("last dead letter", "left")):  # fmt: skip
         table.add_column(col, justify=justify)  # type: ignore[arg-type]  # each one of rich's JustifyMethod literals
@@ -209,8 +224,14 @@ def render(keys: run_keys.RunKeys, cur: diagnose.Snapshot, extra: dict, prev: di
         else:
             consumers = Text(printable(f"{g.name}: " + ", ".join(f"{c.name} ({c.idle_s:.0f}s)" for c in g.consumers)))
         table.add_row(
-            spec.name, keys.stream(spec.stream), "…" if r is None else f"{r:.2f}", str(cur.backlog(spec.stream, spec.group)),
-            str(g.pending) if g is not None else "-", str(s.length), consumers, Text(printable(cur.last_dead.get(spec.stream, ""))),
+            spec.name,
+            keys.stream(spec.stream),
+            "…" if r is None else f"{r:.2f}",
+            str(cur.backlog(spec.stream, spec.group)),
+            str(g.pending) if g is not None else "-",
+            str(s.length),
+            consumers,
+            Text(printable(cur.last_dead.get(spec.stream, ""))),
         )
     lines: list[Text | Table] = [table]
     gens = ", ".join(f"{g} v{'?' if v is None else v}" for g, v in sorted(cur.generators.items())) or "none registered"

@@ -145,7 +145,9 @@ class Ops:
         if fields:
             self.commands.append(("HDEL", key, list(fields)))
 
-    def keys_and_argv(self, source: str, group: str, consumer: str, inputs: Sequence[bytes]) -> tuple[list[str], list[Arg]]:
+    def keys_and_argv(
+        self, source: str, group: str, consumer: str, inputs: Sequence[bytes]
+    ) -> tuple[list[str], list[Arg]]:
         keys = [source]
         index = {source: 1}
         argv: list[Arg] = [group, consumer, len(inputs), *inputs, len(self.commands)]
@@ -227,13 +229,25 @@ class StreamStage:
 
     @classmethod
     def for_service(
-        cls, client: redis_policy.Client, settings: CommonSettings, source: str, group: str, health: redis_policy.RedisHealth | None = None,
+        cls,
+        client: redis_policy.Client,
+        settings: CommonSettings,
+        source: str,
+        group: str,
+        health: redis_policy.RedisHealth | None = None,
         on_dead_letter: Callable[[Entry, str], None] | None = None,
     ) -> "StreamStage":
         """The stage a service reads: its run, consumer name and delivery settings."""
         return cls(
-            client, RunKeys(settings.run), source, group, consumer_name(settings),
-            claim_idle_ms=settings.claim_idle_ms, max_deliveries=settings.max_deliveries, health=health, on_dead_letter=on_dead_letter,
+            client,
+            RunKeys(settings.run),
+            source,
+            group,
+            consumer_name(settings),
+            claim_idle_ms=settings.claim_idle_ms,
+            max_deliveries=settings.max_deliveries,
+            health=health,
+            on_dead_letter=on_dead_letter,
         )
 
     # -- reading ---------------------------------------------------------------------
@@ -287,7 +301,9 @@ class StreamStage:
             entries = self._with_deliveries(self._entries(reply))
         else:
             low = "-" if self._own_cursor == "0" else b"(" + _as_bytes(self._own_cursor)
-            pending = self.client.xpending_range(self.stream, self.group, min=low, max="+", count=count, consumername=self.consumer)
+            pending = self.client.xpending_range(
+                self.stream, self.group, min=low, max="+", count=count, consumername=self.consumer
+            )
             entries = []
             for p in pending:
                 claimed = self.client.xclaim(
@@ -309,7 +325,9 @@ class StreamStage:
         try:
             summary = self.client.xpending(self.stream, self.group)
         except redis.ResponseError as e:
-            if "NOGROUP" in str(e):  # stream or group gone (a flushed Redis): nobody holds anything; read() makes it again
+            if "NOGROUP" in str(
+                e
+            ):  # stream or group gone (a flushed Redis): nobody holds anything; read() makes it again
                 return 0
             raise
         others = sum(int(c["pending"]) for c in summary.get("consumers") or [] if as_text(c["name"]) != self.consumer)
@@ -320,7 +338,9 @@ class StreamStage:
     def _idle_on_others(self, count: int) -> list[bytes]:
         """Ids of the entries idle past claim_idle_ms on *other* consumers, among the first
         `count` pending entries idle that long: orphans, up for a take-over."""
-        pending = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms)
+        pending = self.client.xpending_range(
+            self.stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms
+        )
         return [p["message_id"] for p in pending if as_text(p["consumer"]) != self.consumer]
 
     def _claim_stale(self, count: int) -> list[Entry]:
@@ -345,11 +365,15 @@ class StreamStage:
             self.client.xclaim(self.stream, self.group, self.consumer, 0, [e.id for e in entries], justid=True)
 
     def _read_new(self, count: int, block_ms: int | None) -> list[Entry]:
-        return self._entries(self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms))
+        return self._entries(
+            self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        )
 
     @staticmethod
     def _entries(reply) -> list[Entry]:
-        return [Entry(id=eid, fields=fields or {}, deliveries=1) for _stream, items in reply or [] for eid, fields in items]
+        return [
+            Entry(id=eid, fields=fields or {}, deliveries=1) for _stream, items in reply or [] for eid, fields in items
+        ]
 
     def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
         """Fill in each entry's delivery count from the pending entries list."""
@@ -358,7 +382,12 @@ class StreamStage:
         # Our pending list may hold other entries inside this id range (a trainer filling its
         # batch), hence the margin on count.
         pending = self.client.xpending_range(
-            self.stream, self.group, min=entries[0].id, max=entries[-1].id, count=4 * len(entries) + 100, consumername=self.consumer
+            self.stream,
+            self.group,
+            min=entries[0].id,
+            max=entries[-1].id,
+            count=4 * len(entries) + 100,
+            consumername=self.consumer,
         )
         counts = {p["message_id"]: p["times_delivered"] for p in pending}
         for e in entries:
@@ -382,7 +411,9 @@ class StreamStage:
 
     # -- writing ---------------------------------------------------------------------
 
-    def commit(self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None) -> bool:
+    def commit(
+        self, entries: Sequence[Entry], outputs: Sequence[tuple[str, Message]] = (), extra: Extra | None = None
+    ) -> bool:
         """Write `outputs` (stage name, message), run `extra`, then ack `entries`, in one script:
         atomic against crashes, and idempotent. Returns False (nothing written) when the
         entries are no longer pending on us: an earlier try of this very commit went

@@ -23,7 +23,9 @@ LEAF_DAYS = 825  # what public CAs allowed for a long time; rotate by deleting t
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> str:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
 
 
 def _load(key_path: Path, cert_path: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None:
@@ -74,7 +76,12 @@ def _san(names: list[str]) -> x509.SubjectAlternativeName:
 
 
 def ensure_leaf(
-    key_path: Path, cert_path: Path, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, common_name: str, names: list[str]
+    key_path: Path,
+    cert_path: Path,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    common_name: str,
+    names: list[str],
 ) -> None:
     if _load(key_path, cert_path) is not None:
         return
@@ -89,7 +96,9 @@ def ensure_leaf(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(_san(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )

@@ -160,7 +160,9 @@ def check_task(task: rollout_pb2.PromptTask, limits: Limits) -> None:
             raise EntryError(f"{where}: messages[{i}].role {_short(m.role)} is not one of {sorted(CHAT_ROLES)}")
         chars += len(m.content)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
-        raise EntryError(f"{where}: messages hold {chars} characters, more than the limit {limits.max_prompt_chars} (the model's context in characters)")
+        raise EntryError(
+            f"{where}: messages hold {chars} characters, more than the limit {limits.max_prompt_chars} (the model's context in characters)"
+        )
     _check_ids(task.prompt_ids, f"{where}: prompt_ids", limits.max_prompt_tokens, limits.vocab_size)
     if not 1 <= task.group_size <= limits.max_group_size:
         raise EntryError(f"{where}: group_size {task.group_size} is not in [1, {limits.max_group_size}]")
@@ -231,16 +233,22 @@ def check_group(group: rollout_pb2.RolloutGroup, limits: Limits, *, stage: Stage
         for j, span in enumerate(c.versions):
             # Bounds only (an empty span is harmless); policy_version is the trainer's call.
             if not span.start <= span.end <= n_tokens:
-                raise EntryError(f"{at}: versions[{j}] = [{span.start}, {span.end}) is not a token range within {n_tokens} tokens")
+                raise EntryError(
+                    f"{at}: versions[{j}] = [{span.start}, {span.end}) is not a token range within {n_tokens} tokens"
+                )
         if rewards:
             if not abs(c.reward) <= limits.max_reward_abs:  # NaN fails the comparison too
                 raise EntryError(f"{at}: reward {c.reward!r} is not finite with |reward| <= {limits.max_reward_abs:g}")
             for j, rc in enumerate(c.reward_components):
                 if not (math.isfinite(rc.value) and math.isfinite(rc.weight)):
-                    raise EntryError(f"{at}: reward_components[{j}] {_short(rc.name)} has value {rc.value!r}, weight {rc.weight!r}")
+                    raise EntryError(
+                        f"{at}: reward_components[{j}] {_short(rc.name)} has value {rc.value!r}, weight {rc.weight!r}"
+                    )
 
 
-def parse_group(entry: Entry, limits: Limits, *, stage: Stage, need_ref: bool = False, drop_ref: bool = False) -> rollout_pb2.RolloutGroup:
+def parse_group(
+    entry: Entry, limits: Limits, *, stage: Stage, need_ref: bool = False, drop_ref: bool = False
+) -> rollout_pb2.RolloutGroup:
     """The RolloutGroup of an entry read from rs:{<run>}:<stage>, decoded and checked (raises EntryError
     with the dead-letter reason). drop_ref: its ref log-probs dropped first (the reference computes them)."""
     group = decode(entry.fields, rollout_pb2.RolloutGroup)
@@ -291,7 +299,9 @@ def take_task_fields(group: rollout_pb2.RolloutGroup, task: rollout_pb2.PromptTa
     group.answer, group.metadata_json, group.task_kind = task.answer, task.metadata_json, task.task_kind
 
 
-def check_against_task(group: rollout_pb2.RolloutGroup, task: rollout_pb2.PromptTask, decode: Callable[[Sequence[int]], str]) -> None:
+def check_against_task(
+    group: rollout_pb2.RolloutGroup, task: rollout_pb2.PromptTask, decode: Callable[[Sequence[int]], str]
+) -> None:
     """The trainer's side: a group trains only what its task asked and what it says it
     sampled. Its prompt ids are the task's (as the trainer rendered them when it fed it),
     its answer, metadata, kind and size are the task's, and each completion's text, which
@@ -299,13 +309,19 @@ def check_against_task(group: rollout_pb2.RolloutGroup, task: rollout_pb2.Prompt
     trained are the text rewarded."""
     where = f"group {_short(group.group_id)}"
     if list(group.prompt_ids) != list(task.prompt_ids):
-        raise EntryError(f"{where}: prompt_ids ({len(group.prompt_ids)} tokens) are not task {_short(task.task_id)}'s ({len(task.prompt_ids)} tokens)")
+        raise EntryError(
+            f"{where}: prompt_ids ({len(group.prompt_ids)} tokens) are not task {_short(task.task_id)}'s ({len(task.prompt_ids)} tokens)"
+        )
     for name in ("answer", "metadata_json", "task_kind", "group_size"):
         if getattr(group, name) != getattr(task, name):
-            raise EntryError(f"{where}: {name} {_short(getattr(group, name))} is not the task's {_short(getattr(task, name))}")
+            raise EntryError(
+                f"{where}: {name} {_short(getattr(group, name))} is not the task's {_short(getattr(task, name))}"
+            )
     for i, c in enumerate(group.completions):
         if not completion_text_matches(c.text, c.token_ids, decode):
-            raise EntryError(f"{where} completion {i}: text {_short(c.text, 40)} is not its token_ids decoded ({_short(decode(c.token_ids), 40)})")
+            raise EntryError(
+                f"{where} completion {i}: text {_short(c.text, 40)} is not its token_ids decoded ({_short(decode(c.token_ids), 40)})"
+            )
 
 
 def completion_text_matches(text: str, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> bool:

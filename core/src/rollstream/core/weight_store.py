@@ -75,7 +75,11 @@ def write_manifest(directory: Path, anchor: StoredPayload, chain: Sequence[Store
     body = {
         "format": FORMAT,
         "payloads": [
-            {"file": p.file, "header": json_format.MessageToDict(p.header, preserving_proto_field_name=True), "signature": p.signature.hex()}
+            {
+                "file": p.file,
+                "header": json_format.MessageToDict(p.header, preserving_proto_field_name=True),
+                "signature": p.signature.hex(),
+            }
             for p in (anchor, *chain)
         ],
     }
@@ -93,11 +97,17 @@ def read_manifest(directory: Path) -> tuple[StoredPayload, list[StoredPayload]]:
         if body.get("format") != FORMAT:
             raise StoreUnreadable(f"{path}: format {body.get('format')!r}, not {FORMAT!r}")
         payloads = [
-            StoredPayload(_file_name(p["file"]), json_format.ParseDict(p["header"], weights_pb2.WeightHeader()), bytes.fromhex(p.get("signature", "")))
+            StoredPayload(
+                _file_name(p["file"]),
+                json_format.ParseDict(p["header"], weights_pb2.WeightHeader()),
+                bytes.fromhex(p.get("signature", "")),
+            )
             for p in body["payloads"]
         ]
     except FileNotFoundError as e:
-        raise StoreUnreadable(f"{path}: no chain yet (the trainer writes it with its first version, and not while nobody reads deltas)") from e
+        raise StoreUnreadable(
+            f"{path}: no chain yet (the trainer writes it with its first version, and not while nobody reads deltas)"
+        ) from e
     except (OSError, ValueError, KeyError, TypeError, AttributeError, json_format.ParseError) as e:
         raise StoreUnreadable(f"{path}: not a weight chain: {e}") from e
     if not payloads or payloads[0].header.kind != "anchor" or any(p.header.kind != "delta" for p in payloads[1:]):

@@ -29,7 +29,9 @@ DEFAULT_MAX_BYTES = 32 * 1024**3
 def push_stream(ch: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
     """Generator.PushWeights taking serialized WeightChunks as they are (no request
     serializer): a pusher serializes a payload's chunks once for every stream it sends them on."""
-    return ch.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString)
+    return ch.stream_unary(
+        PUSH_METHOD, request_serializer=None, response_deserializer=weights_pb2.PushResult.FromString
+    )
 
 
 class Leg(enum.Enum):
@@ -48,7 +50,13 @@ class WatchedPush:
     is how long the receiver has taken nothing; time spent inside `chunks` (a relay waiting
     for its own stream) is not counted."""
 
-    def __init__(self, push: grpc.StreamUnaryMultiCallable, chunks: Iterable[bytes], timeout_s: float, metadata: tuple[tuple[str, str], ...] = ()):
+    def __init__(
+        self,
+        push: grpc.StreamUnaryMultiCallable,
+        chunks: Iterable[bytes],
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ):
         self._chunks = iter(chunks)
         self._cond = threading.Condition()
         self._taken = time.monotonic()  # when gRPC last took a chunk (the call's start before any)
@@ -117,7 +125,9 @@ def _view(payload: bytes | Payload) -> memoryview | Payload:
     return memoryview(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload
 
 
-def make_header(payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES) -> weights_pb2.WeightHeader:
+def make_header(
+    payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES
+) -> weights_pb2.WeightHeader:
     """A payload's header: its kind, versions, size, fingerprint and sha256. A sender pushing
     one payload to many receivers makes it once (the hash is the costly part: ~2 s per GB).
     A payload that is not in memory is hashed `chunk_bytes` at a time."""
@@ -132,13 +142,20 @@ def header_of(info: PayloadInfo, total_bytes: int, sha256: str) -> weights_pb2.W
     """The header of a payload of `total_bytes` whose sha256 is known (make_header, or a
     writer that hashed it on the way: the trainer's file-held anchor)."""
     return weights_pb2.WeightHeader(
-        kind=info.kind, base_version=info.base_version, version=info.version,
-        total_bytes=total_bytes, sha256=sha256, model_fingerprint=info.fingerprint,
+        kind=info.kind,
+        base_version=info.base_version,
+        version=info.version,
+        total_bytes=total_bytes,
+        sha256=sha256,
+        model_fingerprint=info.fingerprint,
     )
 
 
 def to_chunks(
-    payload: bytes | Payload, info: PayloadInfo, chunk_bytes: int = CHUNK_BYTES, header: weights_pb2.WeightHeader | None = None
+    payload: bytes | Payload,
+    info: PayloadInfo,
+    chunk_bytes: int = CHUNK_BYTES,
+    header: weights_pb2.WeightHeader | None = None,
 ) -> Iterator[weights_pb2.WeightChunk]:
     """The payload as a stream of chunks, its header on the first; `header`: one made
     earlier by make_header for this payload (else it is made here)."""
@@ -176,7 +193,9 @@ class _Assembly:
 
     def __init__(self, header: weights_pb2.WeightHeader, max_bytes: int):
         if header.total_bytes > max_bytes:
-            raise PayloadTooLarge(f"payload for version {header.version} declares {header.total_bytes} bytes, more than the {max_bytes} accepted (max_weight_bytes)")
+            raise PayloadTooLarge(
+                f"payload for version {header.version} declares {header.total_bytes} bytes, more than the {max_bytes} accepted (max_weight_bytes)"
+            )
         self.header = header
         self.parts: list[bytes] = []
         self.received = 0
@@ -185,7 +204,9 @@ class _Assembly:
     def add(self, data: bytes) -> None:
         self.received += len(data)
         if self.received > self.header.total_bytes:
-            raise PayloadOverrun(f"payload for version {self.header.version} sent more than the {self.header.total_bytes} bytes its header declares; stream cut")
+            raise PayloadOverrun(
+                f"payload for version {self.header.version} sent more than the {self.header.total_bytes} bytes its header declares; stream cut"
+            )
         self.sha.update(data)
         self.parts.append(data)
 
@@ -201,7 +222,9 @@ class _Assembly:
         return h, payload
 
 
-def from_chunks(chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[tuple[weights_pb2.WeightHeader, bytes]]:
+def from_chunks(
+    chunks: Iterable[weights_pb2.WeightChunk], max_bytes: int = DEFAULT_MAX_BYTES
+) -> Iterator[tuple[weights_pb2.WeightHeader, bytes]]:
     """Yield (header, payload) per payload in the stream, each verified.
 
     Bounded per payload: a header declaring more than `max_bytes` is refused as it arrives

@@ -1,22 +1,22 @@
 """The `rollstream` command.
 
-  rollstream up       the whole system as local processes: embedded redis-server (or
-                      --redis-url), trainer, generator(s), reward, reference (when
-                      beta > 0 and the trainer is not its own reference), with a live
-                      progress display; Ctrl-C stops it all cleanly (up.py). Configured by a
-                      profile (--profile, default demo), ROLLSTREAM_* variables and flags,
-                      all generated from the services' settings classes (run_config.py):
-                      `rollstream up --help` lists them
-  rollstream eval     `up` that trains nothing: one held-out round of a model (or of a run's
-                      exported model) through the same generator and reward services
-  rollstream config   the run configuration `up` would use, every value with its source
-  rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
-                      line naming the bottleneck or the stuck stage (core/diagnose.py)
-  rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
-  rollstream export   a run's checkpoint as a Hugging Face folder (transformers, vLLM, peft
-                      for a LoRA run's adapter) (trainer/export.py)
-  rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
-                      and with --tls a CA and a certificate per role (docs/security.md)
+rollstream up       the whole system as local processes: embedded redis-server (or
+                    --redis-url), trainer, generator(s), reward, reference (when
+                    beta > 0 and the trainer is not its own reference), with a live
+                    progress display; Ctrl-C stops it all cleanly (up.py). Configured by a
+                    profile (--profile, default demo), ROLLSTREAM_* variables and flags,
+                    all generated from the services' settings classes (run_config.py):
+                    `rollstream up --help` lists them
+rollstream eval     `up` that trains nothing: one held-out round of a model (or of a run's
+                    exported model) through the same generator and reward services
+rollstream config   the run configuration `up` would use, every value with its source
+rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
+                    line naming the bottleneck or the stuck stage (core/diagnose.py)
+rollstream plot     a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG
+rollstream export   a run's checkpoint as a Hugging Face folder (transformers, vLLM, peft
+                    for a LoRA run's adapter) (trainer/export.py)
+rollstream secrets  write a credentials folder: gRPC tokens per role, Redis ACL users,
+                    and with --tls a CA and a certificate per role (docs/security.md)
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource, CliSuppress, SettingsConfigDict, SettingsError
 from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.text import Text
-
-from pydantic import Field, SecretStr, ValidationError
-from pydantic_settings import BaseSettings, CliSettingsSource, CliSuppress, SettingsConfigDict, SettingsError
 
 from rollstream.core import credentials, diagnose, redis_acl, redis_policy, run_keys, steplog
 from rollstream.core import status as pipeline_status
@@ -62,7 +61,11 @@ def cmd_up(argv: list[str]) -> int:
 
 
 # `rollstream eval`'s own flags, and the run configuration's fields they stand for.
-EVAL_FLAGS = {"--dataset": "--trainer.eval-dataset-path", "--prompts": "--trainer.eval-prompts", "--samples": "--trainer.eval-samples"}
+EVAL_FLAGS = {
+    "--dataset": "--trainer.eval-dataset-path",
+    "--prompts": "--trainer.eval-prompts",
+    "--samples": "--trainer.eval-samples",
+}
 EVAL_PROMPTS = 100  # held-out prompts when --prompts is not given
 
 
@@ -125,7 +128,9 @@ def cmd_config(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         plain_console(stderr=True).print(str(e), style="red")
         return 2
-    print(f"# rollstream up --profile {found.profile}: each value and its source (default, profile, environment, flags, set by up)")
+    print(
+        f"# rollstream up --profile {found.profile}: each value and its source (default, profile, environment, flags, set by up)"
+    )
     section = ""
     for key, value, came in rows:
         head, _, name = key.rpartition(".")
@@ -135,9 +140,13 @@ def cmd_config(argv: list[str]) -> int:
         line = f"{name} = {_inline_toml(value)}" if value is not None else f"# {name} = (none)"
         print(f"{line}  # {came}")
     redis = "an embedded redis-server, an ACL user per role" if the_plan.embedded_redis else "the operator's"
-    print(f"\n# `up`'s plan (plan.py), the trainer first: Redis {redis}; restart {the_plan.restart}; the model resolved at start")
+    print(
+        f"\n# `up`'s plan (plan.py), the trainer first: Redis {redis}; restart {the_plan.restart}; the model resolved at start"
+    )
     for child in the_plan.children:
-        print(f"# {child.name}: python -m rollstream.{' '.join(child.args(the_plan.workdir))} (and --state-file: where it says it serves)")
+        print(
+            f"# {child.name}: python -m rollstream.{' '.join(child.args(the_plan.workdir))} (and --state-file: where it says it serves)"
+        )
         print(tomli_w.dumps({"plan": {child.name: child.config}}))
     if the_plan.external_reward is not None:
         print(f"# no reward process: {the_plan.external_reward.instructions()}".replace("\n", "\n# "))
@@ -149,7 +158,9 @@ def _inline_toml(value: object) -> str:
     import tomli_w
 
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_inline_toml(v)}" for k, v in value.items()) + " }" if value else "{}"
+        return (
+            "{ " + ", ".join(f"{json.dumps(k)} = {_inline_toml(v)}" for k, v in value.items()) + " }" if value else "{}"
+        )
     if isinstance(value, list):
         return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
     return tomli_w.dumps({"v": value})[4:].strip()
@@ -184,7 +195,11 @@ class StatusSettings(BaseSettings):
     bottleneck or the stuck stage."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, allow_inf_nan=False, cli_kebab_case=True, cli_exit_on_error=False, cli_show_env_vars=True,
+        env_prefix=ENV_PREFIX,
+        allow_inf_nan=False,
+        cli_kebab_case=True,
+        cli_exit_on_error=False,
+        cli_show_env_vars=True,
         cli_prog_name="rollstream status",
     )
 
@@ -192,11 +207,23 @@ class StatusSettings(BaseSettings):
     run: str = Field(CommonSettings.model_fields["run"].default, pattern=NAME_PATTERN, description="the run's name")
     workdir: str = Field("", description="an `up` run's workdir: its embedded Redis, as admin (instead of --redis-url)")
     redis_username: str = Field("", description="Redis ACL user (under `up`: admin; empty: the URL's or none)")
-    redis_password_file: str = Field("", description="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)")
-    redis_password: CliSuppress[SecretStr] = Field(SecretStr(""), description="the password, from the environment only (prefer the file)")
-    watch: float = Field(0.0, ge=0, description="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once")
-    idle_s: float = Field(300.0, gt=0, description="consumers idle this long with a backlog (and no progress) count as not reading")
-    max_staleness: int = Field(1, ge=0, description="the run's max_staleness: generators further behind the trainer are flagged")
+    redis_password_file: str = Field(
+        "", description="its password's file (under `up`: WORKDIR/credentials/redis/admin.password)"
+    )
+    redis_password: CliSuppress[SecretStr] = Field(
+        SecretStr(""), description="the password, from the environment only (prefer the file)"
+    )
+    watch: float = Field(
+        0.0,
+        ge=0,
+        description="refresh every N seconds (a live view; rates are per second between refreshes); 0: show once",
+    )
+    idle_s: float = Field(
+        300.0, gt=0, description="consumers idle this long with a backlog (and no progress) count as not reading"
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="the run's max_staleness: generators further behind the trainer are flagged"
+    )
 
 
 def cmd_status(argv: list[str]) -> int:
@@ -216,12 +243,18 @@ def cmd_status(argv: list[str]) -> int:
             recorded = json.loads((workdir / "state" / "redis.json").read_text())
             args.redis_url, redis_pid = recorded["url"], int(recorded.get("pid", 0))
         except (OSError, ValueError, KeyError) as e:
-            console.print(f"--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})", style="red")
+            console.print(
+                f"--workdir: no embedded Redis recorded in {workdir / 'state' / 'redis.json'} ({e})", style="red"
+            )
             return 2
         args.redis_username = args.redis_username or redis_acl.ADMIN
-        args.redis_password_file = args.redis_password_file or str(redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN))
+        args.redis_password_file = args.redis_password_file or str(
+            redis_acl.password_file(workdir / "credentials", redis_acl.ADMIN)
+        )
     try:
-        username, password = redis_policy.credentials(args.redis_url, args.redis_username, args.redis_password_file, args.redis_password.get_secret_value())
+        username, password = redis_policy.credentials(
+            args.redis_url, args.redis_username, args.redis_password_file, args.redis_password.get_secret_value()
+        )
     except ValueError as e:
         console.print(str(e), style="red")
         return 2
@@ -292,7 +325,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         from rollstream.trainer import export
     except ImportError as e:  # the launcher without its [up] extra
-        console.print(f"rollstream export needs the trainer package (pip install 'rollstream-launcher[up]'): {e}", style="red")
+        console.print(
+            f"rollstream export needs the trainer package (pip install 'rollstream-launcher[up]'): {e}", style="red"
+        )
         return 2
     out = Path(args.out)
     try:
@@ -308,7 +343,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print(f"interrupted: nothing written to {out}", style="yellow")
         return 130
-    print(f"exported step {trained.step} (version {trained.version}) of {path} as {args.dtype} to {written} ({export.folder_bytes(written) / 1e6:.1f} MB)")
+    print(
+        f"exported step {trained.step} (version {trained.version}) of {path} as {args.dtype} to {written} ({export.folder_bytes(written) / 1e6:.1f} MB)"
+    )
     return 0
 
 
@@ -332,7 +369,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        empty = action.default is None or action.default is False or action.default == "" or action.default == []  # 0 is a default
+        empty = (
+            action.default is None or action.default is False or action.default == "" or action.default == []
+        )  # 0 is a default
         if not action.option_strings or "%(default)" in text or empty or action.default is argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
@@ -343,33 +382,72 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Listed for --help; their flags are generated from settings classes (main_code).
     sub.add_parser("up", help="run the whole system locally (flags: rollstream up --help)", add_help=False)
-    sub.add_parser("eval", help="the held-out accuracy of a model or a run's exported model, through the same services (flags: rollstream eval --help)", add_help=False)
-    sub.add_parser("config", help="print the run configuration `up` would use, with each value's source", add_help=False)
-    sub.add_parser("status", help="show a run's streams, consumer groups and counters (flags: rollstream status --help)", add_help=False)
-    pl = sub.add_parser("plot", help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG", formatter_class=HelpFormatter)
+    sub.add_parser(
+        "eval",
+        help="the held-out accuracy of a model or a run's exported model, through the same services (flags: rollstream eval --help)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "config", help="print the run configuration `up` would use, with each value's source", add_help=False
+    )
+    sub.add_parser(
+        "status",
+        help="show a run's streams, consumer groups and counters (flags: rollstream status --help)",
+        add_help=False,
+    )
+    pl = sub.add_parser(
+        "plot",
+        help="render a run's curves (reward, KL, tokens/s, staleness, delta size) as a PNG",
+        formatter_class=HelpFormatter,
+    )
     pl.add_argument("run", help=f"an `up` run folder (its {steplog.FILE_NAME}) or a step log file")
     pl.add_argument("-o", "--output", default="", help="the PNG (default: curves.png in the run folder)")
     pl.add_argument("--title", default="", help="the run's name in the title (default: from the log)")
     pl.set_defaults(func=cmd_plot)
-    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (model or LoRA adapter, tokenizer)", formatter_class=HelpFormatter)
+    ex = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face folder (model or LoRA adapter, tokenizer)",
+        formatter_class=HelpFormatter,
+    )
     ex.add_argument("run", help="an `up` run folder (its checkpoints/), a checkpoint_dir, or one checkpoint folder")
-    ex.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest whole one)")
     ex.add_argument(
-        "--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+        "--step", type=int, default=None, help="the checkpoint of this step (default: the latest whole one)"
+    )
+    ex.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
         help="bfloat16: the weights the trainer served at that step, bit for bit; float32: its fp32 master weights",
     )
-    ex.add_argument("--merge", action="store_true", help="LoRA runs: the merged weights as a full model instead of the adapter folder")
-    ex.add_argument("--out", required=True, help="the folder to write (new, empty, or an earlier export, which is replaced once the new one is whole)")
+    ex.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: the merged weights as a full model instead of the adapter folder",
+    )
+    ex.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write (new, empty, or an earlier export, which is replaced once the new one is whole)",
+    )
     ex.set_defaults(func=cmd_export)
-    se = sub.add_parser("secrets", help="write a credentials folder for compose, Kubernetes or your own deployment", formatter_class=HelpFormatter)
+    se = sub.add_parser(
+        "secrets",
+        help="write a credentials folder for compose, Kubernetes or your own deployment",
+        formatter_class=HelpFormatter,
+    )
     se.add_argument("dir", help="the folder (created; existing secrets in it are kept: delete a file to rotate it)")
     se.add_argument("--tls", action="store_true", help="also a CA and a certificate per role (mTLS)")
     se.add_argument(
-        "--reference", action="store_true",
+        "--reference",
+        action="store_true",
         help="the deployment runs a reference stage (beta > 0): the reward's Redis user may not write ready (run it again without to drop one)",
     )
-    se.add_argument("--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc")
-    se.add_argument("--dns", action="append", default=[], help="with --tls: another name every certificate carries (repeatable)")
+    se.add_argument(
+        "--namespace", default="", help="with --tls: add the Kubernetes Service names <role>.<namespace>.svc"
+    )
+    se.add_argument(
+        "--dns", action="append", default=[], help="with --tls: another name every certificate carries (repeatable)"
+    )
     se.set_defaults(func=cmd_secrets)
     return parser
 

@@ -64,6 +64,7 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.service import serve
 from rollstream.trainer.trainer import Trainer
 
+
 class ColocatedWeights(HostWeights):
     """A colocated generator's weights: the trainer's, so no payload is ever applied here.
     `bits` are the trainer's published bits (what the generator's size limits and state read)."""
@@ -139,7 +140,9 @@ class EngineWeights(ColocatedWeights):
 
     def follow(self) -> None:
         with self.lock:
-            self._backend.follow_trainer(self._trainer.model, self._trainer.weights.bits(), self._trainer.weights.version)
+            self._backend.follow_trainer(
+                self._trainer.model, self._trainer.weights.bits(), self._trainer.weights.version
+            )
             self.version = self._trainer.version
 
 
@@ -160,7 +163,9 @@ def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: boo
         # The trainer's tensors are handed to the engine in process: its core must be here
         # whatever the environment says (the deployed generator's default is a process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        engine = VllmBackend(trainer.model_dir, settings, trainer_bits=trainer.weights.bits(), tokenizer=trainer.tokenizer)
+        engine = VllmBackend(
+            trainer.model_dir, settings, trainer_bits=trainer.weights.bits(), tokenizer=trainer.tokenizer
+        )
         engine_weights = EngineWeights(trainer, engine, threading.Lock() if asynchronous else trainer.weights_lock)
         trainer.weights.after_step(engine_weights.follow)
         return engine, engine_weights
@@ -174,10 +179,15 @@ def sampler_for(trainer: Trainer, settings: GeneratorSettings, asynchronous: boo
 
 def run(trainer_settings: TrainerSettings, generator_settings: GeneratorSettings, asynchronous: bool = False) -> int:
     failed = threading.Event()
-    with ServiceHost("trainer", trainer_settings) as trainer_host, ServiceHost("generator", generator_settings) as generator_host:
+    with (
+        ServiceHost("trainer", trainer_settings) as trainer_host,
+        ServiceHost("generator", generator_settings) as generator_host,
+    ):
         trainer_host.install_signal_handlers()
         trainer = Trainer(trainer_settings, trainer_host)
-        gen = Generator(generator_settings, generator_host, shared=sampler_for(trainer, generator_settings, asynchronous))
+        gen = Generator(
+            generator_settings, generator_host, shared=sampler_for(trainer, generator_settings, asynchronous)
+        )
         # Health and metrics only: no PushWeights or Generate, since nothing outside may
         # write the trainer's weights or sample between its steps.
         generator_host.start([])

@@ -73,7 +73,9 @@ def load(argv: list[str], environ: dict[str, str]) -> Colocated:
     try:
         both = Colocated.model_validate({**top, "trainer": trainer, "generator": generator})
     except ValidationError as e:
-        raise ConfigError(f"colocated configuration {path}: " + ", ".join(f"{err['loc'][0]}: {err['msg']}" for err in e.errors())) from None
+        raise ConfigError(
+            f"colocated configuration {path}: " + ", ".join(f"{err['loc'][0]}: {err['msg']}" for err in e.errors())
+        ) from None
     why = refusal(trainer, generator, both.colocate) or vllm_missing(generator)
     if why:
         raise ConfigError(f"colocated configuration {path}: {why}")
@@ -82,7 +84,9 @@ def load(argv: list[str], environ: dict[str, str]) -> Colocated:
 
 def config_file(argv: list[str], environ: dict[str, str]) -> str:
     """The `--config` file, as core/config.py reads it (a flag, else ROLLSTREAM_CONFIG; '' if none)."""
-    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [a.partition("=")[2] for a in argv if a.startswith("--config=")]
+    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [
+        a.partition("=")[2] for a in argv if a.startswith("--config=")
+    ]
     return found[-1] if found else environ.get(CONFIG_ENV, "")
 
 

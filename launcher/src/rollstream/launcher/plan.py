@@ -25,7 +25,9 @@ class ChildPlan:
 
     name: str  # its config, log and state files' name
     module: str
-    config: dict[str, Any]  # the TOML it reads: its section's values, what `up` sets, its credentials' files (never a secret)
+    config: dict[
+        str, Any
+    ]  # the TOML it reads: its section's values, what `up` sets, its credentials' files (never a secret)
     sections: tuple[str, ...]  # the services whose settings it reads (two for the colocated process: a table each)
 
     def tables(self) -> dict[str, dict[str, Any]]:
@@ -86,13 +88,28 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
         # Its role's credentials: paths of files, never the secrets (docs/security.md).
         flags = credentials.service_flags(creds, section, redis_acl=embedded)
         own = {flag.removeprefix("--").replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])}
-        return child_toml(getattr(cfg, section), section, **set_by_up, grpc_socket=str(workdir / "sockets" / f"{name}.sock"), **own)
+        return child_toml(
+            getattr(cfg, section), section, **set_by_up, grpc_socket=str(workdir / "sockets" / f"{name}.sock"), **own
+        )
 
     def generator(i: int, **more: Any) -> dict[str, Any]:
-        return values("generator", f"generator-{i}", **shared, **derive["generator"], consumer=f"generator-{i}", seed=cfg.generator.seed + i, **more)
+        return values(
+            "generator",
+            f"generator-{i}",
+            **shared,
+            **derive["generator"],
+            consumer=f"generator-{i}",
+            seed=cfg.generator.seed + i,
+            **more,
+        )
 
     trainer_values = values(
-        "trainer", "trainer", **shared, threads=trainer_threads, consumer="trainer-0", **trainer_folders(workdir),
+        "trainer",
+        "trainer",
+        **shared,
+        threads=trainer_threads,
+        consumer="trainer-0",
+        **trainer_folders(workdir),
         metrics_file=str(workdir / steplog.FILE_NAME),
     )
     if cfg.colocated:  # named `trainer`: its gRPC and HTTP sides and its state file are the trainer's
@@ -101,20 +118,37 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
     else:
         children = [ChildPlan("trainer", "trainer", trainer_values, ("trainer",))]
         for i in range(cfg.generators):
-            more = {"threads": trainer_threads if max_staleness == 0 else side_threads, "weight_store": trainer_values["anchor_dir"],
-                    "trainer_address": f"unix:{trainer_values['grpc_socket']}"}
+            more = {
+                "threads": trainer_threads if max_staleness == 0 else side_threads,
+                "weight_store": trainer_values["anchor_dir"],
+                "trainer_address": f"unix:{trainer_values['grpc_socket']}",
+            }
             children.append(ChildPlan(f"generator-{i}", "generator", generator(i, **more), ("generator",)))
     external = None
     if cfg.external_reward:
         external = ExternalReward(
-            redis_url=redis_url, keys=run_keys.RunKeys(cfg.run), group=cfg.reward.group, output_stage=derive["reward"]["output_stage"],
-            username=REWARD_ROLE if embedded else "", password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded else None,
+            redis_url=redis_url,
+            keys=run_keys.RunKeys(cfg.run),
+            group=cfg.reward.group,
+            output_stage=derive["reward"]["output_stage"],
+            username=REWARD_ROLE if embedded else "",
+            password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded else None,
         )
     else:
-        reward = values("reward", "reward-0", run=cfg.run, redis_url=redis_url, log_json=cfg.log_json, **derive["reward"], consumer="reward-0")
+        reward = values(
+            "reward",
+            "reward-0",
+            run=cfg.run,
+            redis_url=redis_url,
+            log_json=cfg.log_json,
+            **derive["reward"],
+            consumer="reward-0",
+        )
         children.append(ChildPlan("reward-0", "reward", reward, ("reward",)))
     if cfg.with_reference:
-        reference = values("reference", "reference-0", **shared, **derive["reference"], threads=side_threads, consumer="reference-0")
+        reference = values(
+            "reference", "reference-0", **shared, **derive["reference"], threads=side_threads, consumer="reference-0"
+        )
         children.append(ChildPlan("reference-0", "reference", reference, ("reference",)))
     return Plan(workdir, redis_url, embedded, tuple(children), external)
 

@@ -62,7 +62,9 @@ def resolve_log(run: Path) -> Path:
     path = run / steplog.FILE_NAME if run.is_dir() else run
     if not path.exists():
         where = f"{run} has no {steplog.FILE_NAME}" if run.is_dir() else f"{run} does not exist"
-        raise PlotError(f"{where}: no step log (the trainer writes it with --metrics-file; `rollstream up` puts it in WORKDIR/{steplog.FILE_NAME})")
+        raise PlotError(
+            f"{where}: no step log (the trainer writes it with --metrics-file; `rollstream up` puts it in WORKDIR/{steplog.FILE_NAME})"
+        )
     return path
 
 
@@ -94,11 +96,22 @@ def panels(log: steplog.StepLog) -> tuple[list[Panel], list[str]]:
             held.append(Series("pass@k", at, [_value(e, "eval_pass_at_k", 100.0) for e in log.evals]))
         candidates += [
             Panel("held-out accuracy (%)", held, style="points", always=True, ylim=(-5.0, 110.0)),
-            Panel("held-out reward (mean)", [Series("reward", at, [_value(e, "eval_reward_mean") for e in log.evals])], style="points", always=True),
+            Panel(
+                "held-out reward (mean)",
+                [Series("reward", at, [_value(e, "eval_reward_mean") for e in log.evals])],
+                style="points",
+                always=True,
+            ),
         ]
-    phases = [Series(p.removesuffix("_s"), steps, [_value(r, p) for r in log.steps]) for p in PHASES if any(p in r for r in log.steps)]
+    phases = [
+        Series(p.removesuffix("_s"), steps, [_value(r, p) for r in log.steps])
+        for p in PHASES
+        if any(p in r for r in log.steps)
+    ]
     candidates += [
-        line("completion length (tokens trained / completions)", [_ratio(r, "tokens", "completions") for r in log.steps]),
+        line(
+            "completion length (tokens trained / completions)", [_ratio(r, "tokens", "completions") for r in log.steps]
+        ),
         line("entropy (nats per token)", [_value(r, "entropy") for r in log.steps]),
         line("gradient norm (before clipping)", [_value(r, "grad_norm") for r in log.steps]),
         Panel("step phases (s, stacked)", phases, style="stack"),
@@ -114,7 +127,11 @@ def panels(log: steplog.StepLog) -> tuple[list[Panel], list[str]]:
         if p.always or values is None:
             shown.append(p)
         elif p.series:  # a panel with no series (no phase times in the log) is not news
-            left_out.append(f"{p.title} = {values[0]:g}" if len(values) == 1 else f"{p.title} ({'constant' if values else 'not in the log'})")
+            left_out.append(
+                f"{p.title} = {values[0]:g}"
+                if len(values) == 1
+                else f"{p.title} ({'constant' if values else 'not in the log'})"
+            )
     return shown, left_out
 
 
@@ -132,7 +149,7 @@ def figure(log: steplog.StepLog, title: str) -> Figure:
     fig = Figure(figsize=(12, 2.4 * rows + 0.8), layout="constrained")
     grid = fig.subplots(rows, 2, squeeze=False)
     axes = list(grid.flat)
-    for extra in axes[len(shown):]:
+    for extra in axes[len(shown) :]:
         extra.remove()
     first, last = log.steps[0]["step"], log.steps[-1]["step"]
     if log.evals:
@@ -142,7 +159,9 @@ def figure(log: steplog.StepLog, title: str) -> Figure:
         if p.style == "stack":
             layers = [[0.0 if math.isnan(v) else v for v in s.y] for s in p.series]
             ax.stackplot(p.series[0].x, *layers, labels=[s.label for s in p.series], alpha=0.8)
-            ax.set_ylim(0.0, 1.45 * max(map(sum, zip(*layers)), default=1.0) or 1.0)  # room for the legend above the stack
+            ax.set_ylim(
+                0.0, 1.45 * max(map(sum, zip(*layers)), default=1.0) or 1.0
+            )  # room for the legend above the stack
             ax.legend(fontsize=7, loc="upper left", ncol=3)
         for i, s in enumerate(p.series if p.style != "stack" else ()):
             if p.style == "points":
@@ -166,7 +185,9 @@ def figure(log: steplog.StepLog, title: str) -> Figure:
     n = len(log.steps)
     evals = f", {len(log.evals)} held-out rounds" if log.evals else ""
     fig.suptitle(f"rollstream run {title}: {n} steps{evals}")
-    fig.supxlabel("step" + (f"\nconstant over the run, left out: {'; '.join(left_out)}" if left_out else ""), fontsize=9)
+    fig.supxlabel(
+        "step" + (f"\nconstant over the run, left out: {'; '.join(left_out)}" if left_out else ""), fontsize=9
+    )
     return fig
 
 

@@ -97,8 +97,18 @@ class Child:
         self.state_file.unlink(missing_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"rollstream.{self.args[0]}", *self.args[1:], "--state-file", str(self.state_file)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,  # Ctrl-C reaches `up` only
+                [
+                    sys.executable,
+                    "-m",
+                    f"rollstream.{self.args[0]}",
+                    *self.args[1:],
+                    "--state-file",
+                    str(self.state_file),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # Ctrl-C reaches `up` only
                 preexec_fn=die_with_parent,
             )
 
@@ -117,7 +127,10 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while not self.state_file.exists():
             if self.proc is not None and self.proc.poll() is not None:
-                raise ChildFailed(self.proc.returncode, f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{tail(self.log_path)}")
+                raise ChildFailed(
+                    self.proc.returncode,
+                    f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n{tail(self.log_path)}",
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start within {timeout_s}s; see {self.log_path}")
             time.sleep(0.2)

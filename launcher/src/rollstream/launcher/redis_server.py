@@ -28,9 +28,9 @@ from pathlib import Path
 
 import redis
 
-from rollstream.launcher.procs import private_child, stop_process
 from rollstream.core.config import MAX_SOCKET_PATH
 from rollstream.core.redis_acl import ADMIN
+from rollstream.launcher.procs import private_child, stop_process
 
 MIN_VERSION = (6, 2, 0)
 
@@ -55,7 +55,9 @@ SOCKET_NAME = "redis.sock"
 def check_socket_length(path: Path) -> None:
     """ValueError unless a unix socket can be bound at `path` (sun_path: 107 bytes)."""
     if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
-        raise ValueError(f"{path}: longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter workdir")
+        raise ValueError(
+            f"{path}: longer than a unix socket path can be ({MAX_SOCKET_PATH} bytes): use a shorter workdir"
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -111,26 +113,40 @@ class EmbeddedRedis:
         self.data_dir.chmod(0o700)
         # On a unix socket: no TCP port at all (port 0), the socket 0700 in the 0700 folder.
         # redis-server removes a socket its killed predecessor left before it binds.
-        listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"] if self.socket_path else [
-            "--bind", "127.0.0.1", "--port", str(self.port)
-        ]
+        listen = (
+            ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+            if self.socket_path
+            else ["--bind", "127.0.0.1", "--port", str(self.port)]
+        )
         args = [
             find_redis_server(),
             *listen,
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--save", "",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         if self.aclfile is not None:
             args += ["--aclfile", str(self.aclfile)]
         # Own session: a Ctrl-C meant for `rollstream up` must not kill Redis before the
         # services have shut down cleanly (up stops Redis last).
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=private_child
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=private_child,
         )
         client = self.admin_client()
         deadline = time.monotonic() + timeout_s

@@ -40,24 +40,57 @@ from rollstream.trainer.config import TrainerSettings
 PROFILES = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "demo"
 SECTIONS: dict[str, type[CommonSettings]] = {
-    "trainer": TrainerSettings, "generator": GeneratorSettings, "reward": RewardSettings, "reference": ReferenceSettings,
+    "trainer": TrainerSettings,
+    "generator": GeneratorSettings,
+    "reward": RewardSettings,
+    "reference": ReferenceSettings,
 }
 # What `up` decides for every child: where it runs (the run's Redis, its ports, its consumer
 # name, its credentials) and what the top level says once for all (the run, the model, the
 # torch threads, log format). Everything else in a section is the user's.
 CREDENTIALS = {
-    "redis_username", "redis_password_file", "redis_password", "grpc_token_file", "grpc_auth_file",
-    "grpc_tls_cert_file", "grpc_tls_key_file", "grpc_tls_ca_file", "redis_observer_password_file",
+    "redis_username",
+    "redis_password_file",
+    "redis_password",
+    "grpc_token_file",
+    "grpc_auth_file",
+    "grpc_tls_cert_file",
+    "grpc_tls_key_file",
+    "grpc_tls_ca_file",
+    "redis_observer_password_file",
 }
 _EVERY_CHILD = {
-    "run", "redis_url", "host", "grpc_port", "grpc_socket", "http_port", "consumer", "log_json", "state_file", "model", "threads",
-    "allow_unauthenticated", "grpc_plaintext_token",
+    "run",
+    "redis_url",
+    "host",
+    "grpc_port",
+    "grpc_socket",
+    "http_port",
+    "consumer",
+    "log_json",
+    "state_file",
+    "model",
+    "threads",
+    "allow_unauthenticated",
+    "grpc_plaintext_token",
 } | CREDENTIALS
 SET_BY_UP: dict[str, set[str]] = {
     # The run's folders (trainer_folders) and where the trainer finds the generators.
-    "trainer": _EVERY_CHILD | {"checkpoint_dir", "anchor_dir", "export_dir", "tracker_dir", "metrics_file", "resume", "linger", "generators", "generators_dns"},
+    "trainer": _EVERY_CHILD
+    | {
+        "checkpoint_dir",
+        "anchor_dir",
+        "export_dir",
+        "tracker_dir",
+        "metrics_file",
+        "resume",
+        "linger",
+        "generators",
+        "generators_dns",
+    },
     # The trainer's address and anchor_dir (the weight store); what the trainer's values decide (`derived`).
-    "generator": _EVERY_CHILD | {"trainer_address", "weight_store", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
+    "generator": _EVERY_CHILD
+    | {"trainer_address", "weight_store", "max_staleness", "max_inflight_groups", "generator_id", "advertise_address"},
     "reward": _EVERY_CHILD | {"output_stage"},  # `scored` when a reference stage follows, else `ready`
     "reference": _EVERY_CHILD | {"temperature"},
 }
@@ -69,7 +102,10 @@ def derived(trainer: TrainerSettings) -> dict[str, dict[str, Any]]:
         # The trainer's staleness, and max_staleness + 1 steps of groups in flight: with 1 the
         # next batch is sampled while the trainer trains on this one, with 0 only once it is
         # trained (acknowledged with the new version). More would only be dropped as stale.
-        "generator": {"max_staleness": trainer.max_staleness, "max_inflight_groups": (trainer.max_staleness + 1) * trainer.groups_per_step},
+        "generator": {
+            "max_staleness": trainer.max_staleness,
+            "max_inflight_groups": (trainer.max_staleness + 1) * trainer.groups_per_step,
+        },
         # The KL compares log pi_ref with the trainer's log pi, both of logits / temperature.
         "reference": {"temperature": trainer.temperature},
         # The reward stage feeds the reference stage exactly when the KL needs it.
@@ -93,10 +129,20 @@ class RunConfig(BaseSettings):
         cli_prog_name="rollstream up",
     )
 
-    run: str = Field(CommonSettings.model_fields["run"].default, pattern=NAME_PATTERN, description="the run's name: its Redis keys and the default workdir")
-    model: str = Field(TorchSettings.model_fields["model"].default, description=TorchSettings.model_fields["model"].description)
-    redis_url: str = Field("", description="use this Redis instead of an embedded redis-server (empty: embedded, in the workdir)")
-    workdir: str = Field("", description="logs, redis data, checkpoints, steps.jsonl and summary.json (empty: runs/<run>)")
+    run: str = Field(
+        CommonSettings.model_fields["run"].default,
+        pattern=NAME_PATTERN,
+        description="the run's name: its Redis keys and the default workdir",
+    )
+    model: str = Field(
+        TorchSettings.model_fields["model"].default, description=TorchSettings.model_fields["model"].description
+    )
+    redis_url: str = Field(
+        "", description="use this Redis instead of an embedded redis-server (empty: embedded, in the workdir)"
+    )
+    workdir: str = Field(
+        "", description="logs, redis data, checkpoints, steps.jsonl and summary.json (empty: runs/<run>)"
+    )
     generators: int = Field(1, ge=1, description="generator processes (generator i samples with generator.seed + i)")
     colocate: Colocate = Field(
         "off",
@@ -106,14 +152,33 @@ class RunConfig(BaseSettings):
         "trainer.max_staleness >= 1). With --generator.backend vllm: a vLLM engine in the process, written from the trainer's "
         "weights after each step",
     )
-    threads: int = Field(0, ge=0, description="torch threads per service; 0: all cores for the trainer, half for the others")
+    threads: int = Field(
+        0, ge=0, description="torch threads per service; 0: all cores for the trainer, half for the others"
+    )
     fresh: bool = Field(True, description="delete the run's keys and checkpoints first; --no-fresh continues the run")
-    external_reward: bool = Field(False, description="start no reward service: print what an outside one must use and wait for it (docs/custom-reward.md)")
-    log_json: bool = Field(CommonSettings.model_fields["log_json"].default, description="the services log JSON lines (in WORKDIR/logs)")
-    trainer: TrainerSettings = Field(TrainerSettings.model_validate({}), description="the trainer service's settings (its class's defaults; the profile's values: rollstream config)")
-    generator: GeneratorSettings = Field(GeneratorSettings.model_validate({}), description="the generator service's settings (its class's defaults; the profile's values: rollstream config)")
-    reward: RewardSettings = Field(RewardSettings.model_validate({}), description="the reward service's settings (its class's defaults; the profile's values: rollstream config)")
-    reference: ReferenceSettings = Field(ReferenceSettings.model_validate({}), description="the reference service's settings (its class's defaults; the profile's values: rollstream config)")
+    external_reward: bool = Field(
+        False,
+        description="start no reward service: print what an outside one must use and wait for it (docs/custom-reward.md)",
+    )
+    log_json: bool = Field(
+        CommonSettings.model_fields["log_json"].default, description="the services log JSON lines (in WORKDIR/logs)"
+    )
+    trainer: TrainerSettings = Field(
+        TrainerSettings.model_validate({}),
+        description="the trainer service's settings (its class's defaults; the profile's values: rollstream config)",
+    )
+    generator: GeneratorSettings = Field(
+        GeneratorSettings.model_validate({}),
+        description="the generator service's settings (its class's defaults; the profile's values: rollstream config)",
+    )
+    reward: RewardSettings = Field(
+        RewardSettings.model_validate({}),
+        description="the reward service's settings (its class's defaults; the profile's values: rollstream config)",
+    )
+    reference: ReferenceSettings = Field(
+        ReferenceSettings.model_validate({}),
+        description="the reference service's settings (its class's defaults; the profile's values: rollstream config)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -127,7 +192,9 @@ class RunConfig(BaseSettings):
             section = dict(data.get(name) or {})
             given = sorted(set(section) & SET_BY_UP[name])
             if given:
-                raise ValueError(f"{name}.{given[0]}: `rollstream up` sets it for every run (set the top-level value or the trainer's, if there is one)")
+                raise ValueError(
+                    f"{name}.{given[0]}: `rollstream up` sets it for every run (set the top-level value or the trainer's, if there is one)"
+                )
             data[name] = section
         workdir = run_workdir(str(data.get("workdir") or ""), str(data.get("run") or cls.model_fields["run"].default))
         data["trainer"].update(trainer_folders(workdir))
@@ -141,10 +208,14 @@ class RunConfig(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         if self.external_reward and self.reward.scorer_address:
-            raise ValueError("reward.scorer_address: only with the built-in reward service (an external one scores by itself)")
+            raise ValueError(
+                "reward.scorer_address: only with the built-in reward service (an external one scores by itself)"
+            )
         if self.reward.scorer_address and not is_unix_address(self.reward.scorer_address):
             # The reward stage sends its token to the scorer: under `up` only over a unix socket.
-            raise ValueError(f"reward.scorer_address: {self.reward.scorer_address} is TCP; under `up` serve the scorer on a unix socket (unix:/path)")
+            raise ValueError(
+                f"reward.scorer_address: {self.reward.scorer_address} is TCP; under `up` serve the scorer on a unix socket (unix:/path)"
+            )
         # A generator dead-letters a task over its limits: here, every task of the run.
         for asks, limit in (("group_size", "max_group_size"), ("max_new_tokens", "max_task_new_tokens")):
             if getattr(self.trainer, asks) > getattr(self.generator, limit):
@@ -153,7 +224,9 @@ class RunConfig(BaseSettings):
             # The demo profile colocates: say how to leave it (not to one who asked for async).
             hint = "" if self.colocate == "async" else " (--colocate off: the generators in processes of their own)"
             if self.generators != 1:
-                raise ValueError(f"generators: colocated, the one generator is in the trainer's process, not {self.generators}{hint}")
+                raise ValueError(
+                    f"generators: colocated, the one generator is in the trainer's process, not {self.generators}{hint}"
+                )
             why = refusal(self.trainer, self.generator.model_copy(update={"model": self.trainer.model}), self.colocate)
             if why:
                 raise ValueError(why + hint)
@@ -171,7 +244,6 @@ class RunConfig(BaseSettings):
         return self.trainer.reference_service
 
 
-
 def run_workdir(workdir: str, run: str) -> Path:
     return Path(workdir or f"runs/{run}").resolve()
 
@@ -181,8 +253,12 @@ def trainer_folders(workdir: Path) -> dict[str, Any]:
     own checks need checkpoint_dir). A restarted trainer resumes its newest checkpoint and
     lingers after its last step, so the generators can catch up; the anchor lives on disk."""
     return {
-        "checkpoint_dir": str(workdir / "checkpoints"), "anchor_dir": str(workdir / "anchor"), "resume": "auto", "linger": True,
-        "export_dir": str(workdir / "model"), "tracker_dir": str(workdir / "trackers"),
+        "checkpoint_dir": str(workdir / "checkpoints"),
+        "anchor_dir": str(workdir / "anchor"),
+        "resume": "auto",
+        "linger": True,
+        "export_dir": str(workdir / "model"),
+        "tracker_dir": str(workdir / "trackers"),
     }
 
 
@@ -211,10 +287,17 @@ def cli_source() -> CliSettingsSource[Any]:
     cli: CliSettingsSource[Any] = CliSettingsSource(RunConfig, add_argument_method=add_argument)
     # The defaults above are the services' classes'; the profile sets some of them again.
     given = TomlConfigSettingsSource(RunConfig, toml_file=profile_path(DEFAULT_PROFILE))()
-    shown = ", ".join(f"{k}.{f} = {v}" if isinstance(vs, dict) else f"{k} = {vs}" for k, vs in given.items() for f, v in (vs.items() if isinstance(vs, dict) else [(k, vs)]))
+    shown = ", ".join(
+        f"{k}.{f} = {v}" if isinstance(vs, dict) else f"{k} = {vs}"
+        for k, vs in given.items()
+        for f, v in (vs.items() if isinstance(vs, dict) else [(k, vs)])
+    )
     cli.root_parser.epilog = f"The {DEFAULT_PROFILE} profile sets: {shown}. Every value and its source: rollstream config [--profile ...] [flags]."
     cli.root_parser.add_argument(
-        "--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH", help=f"a profile in {PROFILES} by name, or a TOML file (default: {DEFAULT_PROFILE})"
+        "--profile",
+        default=DEFAULT_PROFILE,
+        metavar="NAME|PATH",
+        help=f"a profile in {PROFILES} by name, or a TOML file (default: {DEFAULT_PROFILE})",
     )
     return cli
 

@@ -37,7 +37,6 @@ from rollstream.launcher.redis_server import EmbeddedRedis, check_socket_length
 from rollstream.launcher.run_config import CREDENTIALS, SECTIONS, RunConfig, run_workdir
 from rollstream.v1 import rollout_pb2
 
-
 StepM = TypeVar("StepM", rollout_pb2.StepMetrics, rollout_pb2.EvalMetrics)
 
 
@@ -55,17 +54,27 @@ class Progress:
     def poll(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
         """New step metrics (an entry that does not decode or check is skipped: anyone can
         write to the stream, and the display must not die of it)."""
-        self.last_id, new = read_by_step(client, keys.metrics, self.last_id, rollout_pb2.StepMetrics, self.by_step, validation.check_metrics)
+        self.last_id, new = read_by_step(
+            client, keys.metrics, self.last_id, rollout_pb2.StepMetrics, self.by_step, validation.check_metrics
+        )
         return new
 
     def poll_evals(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.EvalMetrics]:
         """New held-out rounds (one that does not decode is skipped, as in `poll`)."""
-        self.evals_last_id, new = read_by_step(client, keys.evals, self.evals_last_id, rollout_pb2.EvalMetrics, self.evals)
+        self.evals_last_id, new = read_by_step(
+            client, keys.evals, self.evals_last_id, rollout_pb2.EvalMetrics, self.evals
+        )
         return new
 
 
-def read_by_step(client: redis_policy.Client, stream: str, after: bytes, message: type[StepM], by_step: dict[int, StepM],
-                 check: Callable[[StepM], None] | None = None) -> tuple[bytes, list[StepM]]:
+def read_by_step(
+    client: redis_policy.Client,
+    stream: str,
+    after: bytes,
+    message: type[StepM],
+    by_step: dict[int, StepM],
+    check: Callable[[StepM], None] | None = None,
+) -> tuple[bytes, list[StepM]]:
     """The entries of `stream` after id `after`, decoded as `message` (and checked), into
     `by_step`; returns the last id read and the messages of steps not seen before."""
     new = []
@@ -101,8 +110,16 @@ def summary(steps: list[rollout_pb2.StepMetrics], wall_s: float, evals: Sequence
         "delta_fraction_of_dense": [round(m.delta_bytes / m.dense_bytes, 5) for m in steps if m.dense_bytes],
         "mean_staleness": _mean([m.mean_staleness for m in steps], 3),
         "held_out": [
-            {"step": m.step, "accuracy": round(m.accuracy, 4), "pass_at_k": round(m.pass_at_k, 4), "reward_mean": round(m.reward_mean, 4),
-             "prompts": m.prompts, "samples": m.samples, "version": m.version, "version_max": m.version_max}
+            {
+                "step": m.step,
+                "accuracy": round(m.accuracy, 4),
+                "pass_at_k": round(m.pass_at_k, 4),
+                "reward_mean": round(m.reward_mean, 4),
+                "prompts": m.prompts,
+                "samples": m.samples,
+                "version": m.version,
+                "version_max": m.version_max,
+            }
             for m in evals
         ],
     }
@@ -120,7 +137,10 @@ def child_env(tables: dict[str, dict[str, Any]]) -> dict[str, str]:
     configuration file (the run configuration read them already). Credentials `up` does not
     set stay: with an external Redis they are the operator's (docs/security.md)."""
     fields = {
-        ENV_PREFIX + name.upper() for service, values in tables.items() for name in SECTIONS[service].model_fields if name not in CREDENTIALS or name in values
+        ENV_PREFIX + name.upper()
+        for service, values in tables.items()
+        for name in SECTIONS[service].model_fields
+        if name not in CREDENTIALS or name in values
     }
     env = {k: v for k, v in os.environ.items() if k not in fields | {ENV_PREFIX + "CONFIG"}}
     return {**env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -129,7 +149,11 @@ def child_env(tables: dict[str, dict[str, Any]]) -> dict[str, str]:
 def delta_text(m: rollout_pb2.StepMetrics) -> str:
     """The step's delta for the console: an encoded one always has bytes (a header at least),
     so 0 is a step whose delta nobody would read (the step log's delta_skipped)."""
-    return f"delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense" if m.delta_bytes else "no delta (no reader)"
+    return (
+        f"delta {100 * m.delta_bytes / max(m.dense_bytes, 1):.2f}% of dense"
+        if m.delta_bytes
+        else "no delta (no reader)"
+    )
 
 
 def _up(cfg: RunConfig) -> int:
@@ -151,7 +175,10 @@ def _up(cfg: RunConfig) -> int:
     # the conversion in a child process, so that `up` stays small for the whole run.
     from rollstream.core.models import ModelNotFoundError, resolve_model_in_child
 
-    console.print(Text("rollstream up", style="bold"), f"run={cfg.run} workdir={workdir}{'' if cfg.fresh else ' (continuing the run)'}")
+    console.print(
+        Text("rollstream up", style="bold"),
+        f"run={cfg.run} workdir={workdir}{'' if cfg.fresh else ' (continuing the run)'}",
+    )
     try:
         the_plan = plan(cfg, str(resolve_model_in_child(cfg.model)), redis_url_of(cfg), os.cpu_count() or 2)
         for path in the_plan.sockets:
@@ -171,17 +198,24 @@ def _up(cfg: RunConfig) -> int:
         passwords = redis_acl.ensure_redis_credentials(creds, reference_stage=cfg.with_reference)
         admin_redis = (redis_acl.ADMIN, passwords[redis_acl.ADMIN])
         embedded = EmbeddedRedis(
-            workdir / "redis", aclfile=redis_acl.acl_file(creds), admin_password=passwords[redis_acl.ADMIN], state_file=workdir / "state" / "redis.json",
+            workdir / "redis",
+            aclfile=redis_acl.acl_file(creds),
+            admin_password=passwords[redis_acl.ADMIN],
+            state_file=workdir / "state" / "redis.json",
             unix_socket=True,
         ).start()
-        console.print(f"embedded redis-server: {embedded.url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})")
+        console.print(
+            f"embedded redis-server: {embedded.url} (data in {workdir / 'redis'}, AOF on, ACL users per service in {creds})"
+        )
     keys = run_keys.RunKeys(cfg.run)
     try:
         client = redis_policy.connect(the_plan.redis_url, *admin_redis)
         if cfg.fresh and (stale_keys := list(client.scan_iter(match=keys.prefix + "*"))):
             client.delete(*stale_keys)
     except redis_policy.ERRORS as e:
-        console.print(f"Redis at {redis_policy.redact(the_plan.redis_url)} does not answer: {redis_policy.short(e)}", style="red")
+        console.print(
+            f"Redis at {redis_policy.redact(the_plan.redis_url)} does not answer: {redis_policy.short(e)}", style="red"
+        )
         if embedded is not None:
             embedded.stop()
         return 1
@@ -226,7 +260,9 @@ def supervise(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int:
         if code is not None:
             return code
         if run.finished:
-            versions = settle_versions(run.children[0], [c for c in run.children if c.name.startswith("generator-")], run.admin)
+            versions = settle_versions(
+                run.children[0], [c for c in run.children if c.name.startswith("generator-")], run.admin
+            )
     except ChildFailed as e:  # at start: a bad setting (2) or a broken install; nothing to restart
         run.console.print(str(e), style="red")
         return 2 if e.returncode == 2 else 1
@@ -250,7 +286,9 @@ def _start(the_plan: Plan, cfg: RunConfig, run: Supervised) -> None:
         engine = ", vLLM" if cfg.generator.backend == "vllm" else ""
         names[0] += f" (with generator-0 in its process{engine}{', asynchronous' if cfg.colocate == 'async' else ''})"
     run.console.print(f"services up: {', '.join(names)}; logs in {the_plan.workdir / 'logs'}")
-    run.console.print(f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)")
+    run.console.print(
+        f"dashboard: http://127.0.0.1:{trainer.http_port()}/dashboard (metrics: /metrics on each service's HTTP port)"
+    )
     if (external := the_plan.external_reward) is not None:
         run.console.print(external.instructions())
         external.write(the_plan.workdir / EXTERNAL_REWARD_FILE)
@@ -261,7 +299,9 @@ def _restart_the_dead(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | 
     """Restart each child that exited (the plan's restart policy); the run's exit status when
     one that must not be restarted did."""
     if run.embedded is not None and run.embedded.proc is not None and run.embedded.proc.poll() is not None:
-        run.console.print(f"redis-server exited with {run.embedded.proc.returncode}; restarting it on its AOF", style="yellow")
+        run.console.print(
+            f"redis-server exited with {run.embedded.proc.returncode}; restarting it on its AOF", style="yellow"
+        )
         run.embedded.stop()
         _restart_redis(run.embedded, run.console)
     for child in run.children:
@@ -271,15 +311,24 @@ def _restart_the_dead(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | 
         if child is run.children[0] and code == 0:
             # steps 0 runs until stopped: an exit of 0 then came from outside (SIGTERM).
             steps = cfg.trainer.steps
-            run.console.print(f"the trainer exited before step {steps}" if steps else "the trainer was stopped from outside", style="red")
+            run.console.print(
+                f"the trainer exited before step {steps}" if steps else "the trainer was stopped from outside",
+                style="red",
+            )
             return 1
         if code == 2:  # a bad setting: restarting would fail the same way
-            run.console.print(Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n")
+            run.console.print(
+                Text(f"{child.name} refused its configuration:", style="red"), tail(child.log_path, 10), sep="\n"
+            )
             return 2
         delay = child.restart_delay_s()
         child.restarts += 1
         _write_restarts(the_plan.workdir, run.children)  # `rollstream status --workdir` shows a crash loop
-        run.console.print(Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"), tail(child.log_path, 10), sep="\n")
+        run.console.print(
+            Text(f"{child.name} exited with {code}; restarting ({child.restarts}) in {delay:.0f}s", style="yellow"),
+            tail(child.log_path, 10),
+            sep="\n",
+        )
         time.sleep(delay)
         child.start()
     return None
@@ -291,7 +340,9 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
     external = the_plan.external_reward
     redis_down = False
     # Text: a spinner's str is read as markup whatever the console says.
-    with run.console.status(Text(external.waiting_line() if external is not None else "waiting for the first step...")) as status:
+    with run.console.status(
+        Text(external.waiting_line() if external is not None else "waiting for the first step...")
+    ) as status:
         while not run.stopping:
             if (code := _restart_the_dead(the_plan, cfg, run)) is not None:
                 return code
@@ -313,7 +364,9 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
                     redis_down = False
             except redis_policy.ERRORS as e:
                 if not redis_down:
-                    run.console.print(f"Redis unavailable ({redis_policy.short(e)}); the services wait and retry", style="yellow")
+                    run.console.print(
+                        f"Redis unavailable ({redis_policy.short(e)}); the services wait and retry", style="yellow"
+                    )
                     redis_down = True
                 time.sleep(1.0)
                 continue
@@ -323,10 +376,13 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
             if trained and (not cfg.trainer.eval_prompts or (evals if cfg.trainer.eval_only else steps in evals)):
                 run.finished = True
                 return None
-            status.update(Text(
-                reward_line or f"steps {len(by_step)}/{steps or '-'}  elapsed {time.monotonic() - run.started:.0f}s  generated {stats.get('generated', 0)}  "
-                f"trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}  evaluated {stats.get('evaluated', 0)}"
-            ))
+            status.update(
+                Text(
+                    reward_line
+                    or f"steps {len(by_step)}/{steps or '-'}  elapsed {time.monotonic() - run.started:.0f}s  generated {stats.get('generated', 0)}  "
+                    f"trained {stats.get('trained', 0)}  stale {stats.get('stale', 0)}  evaluated {stats.get('evaluated', 0)}"
+                )
+            )
             time.sleep(0.5)
     return None
 
@@ -341,7 +397,9 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
         # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
         # are not acknowledged), but a clean exit flushes its logs and metrics.
         child.stop(timeout_s=120.0 if child is trainer else 30.0)
-    result = summary(progress.steps, time.monotonic() - run.started, [progress.evals[k] for k in sorted(progress.evals)])
+    result = summary(
+        progress.steps, time.monotonic() - run.started, [progress.evals[k] for k in sorted(progress.evals)]
+    )
     result["versions"] = versions
     result["restarts"] = {c.name: c.restarts for c in run.children if c.restarts}
     try:
@@ -354,18 +412,25 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
     (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     if progress.steps:
         console.print(
-            Text.assemble(("done", "bold"), f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
-            f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})")
+            Text.assemble(
+                ("done", "bold"),
+                f": {result['steps']} steps in {result['wall_seconds']}s; mean reward first 5 steps "
+                f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})",
+            )
         )
     if len(progress.evals) >= 2:
         first, last = progress.evals[min(progress.evals)], progress.evals[max(progress.evals)]
-        console.print(f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}")
+        console.print(
+            f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}"
+        )
     elif run.stopping:
         console.print("stopped before the first step")
     if (checkpoints := Path(cfg.trainer.checkpoint_dir)).is_dir():
         # What resume needs (docs/reliability.md, "Checkpoints"): the trainer prunes the rest.
         held = sum(p.stat().st_size for p in checkpoints.rglob("*") if p.is_file())
-        console.print(f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})")
+        console.print(
+            f"checkpoints: {held / 1e9:.2f} GB in {checkpoints} ({', '.join(sorted(p.name for p in checkpoints.iterdir())) or 'none'})"
+        )
     if (exported := Path(cfg.trainer.export_dir)).is_dir():  # the trained model (trainer/export.py)
         console.print(f"model: {exported}", soft_wrap=True)
     if (step_log := workdir / steplog.FILE_NAME).exists() and not cfg.trainer.eval_only:
@@ -381,7 +446,10 @@ def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
     except plot.PlotError as e:
         console.print(f"no curve: {e}", style="yellow", soft_wrap=True)
         return
-    console.print(f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""), soft_wrap=True)
+    console.print(
+        f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""),
+        soft_wrap=True,
+    )
 
 
 def _write_restarts(workdir: Path, children: list[Child]) -> None:
@@ -400,12 +468,16 @@ def _restart_redis(embedded: EmbeddedRedis, console: Console) -> None:
             embedded.start(timeout_s=60.0)
             return
         except RuntimeError as e:
-            console.print(f"redis-server did not start again ({str(e).splitlines()[0]}); retrying in {delay:.0f}s", style="yellow")
+            console.print(
+                f"redis-server did not start again ({str(e).splitlines()[0]}); retrying in {delay:.0f}s", style="yellow"
+            )
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
 
-def settle_versions(trainer: Child, generators: list[Child], creds: ClientCredentials, timeout_s: float = 60.0) -> dict[str, int]:
+def settle_versions(
+    trainer: Child, generators: list[Child], creds: ClientCredentials, timeout_s: float = 60.0
+) -> dict[str, int]:
     """After the last step: wait until every generator serves the trainer's version (a push
     that missed is caught up within a few seconds), and return each one's version. Asks as
     `creds` (the admin role)."""
@@ -418,7 +490,11 @@ def settle_versions(trainer: Child, generators: list[Child], creds: ClientCreden
 
     def generator_version(g: Child) -> int:
         with channel(g.grpc_address(timeout_s=30.0), creds, server_name="generator") as ch:
-            return int(generator_pb2_grpc.GeneratorStub(ch).GetState(generator_pb2.GetStateRequest(), timeout=10).policy_version)
+            return int(
+                generator_pb2_grpc.GeneratorStub(ch)
+                .GetState(generator_pb2.GetStateRequest(), timeout=10)
+                .policy_version
+            )
 
     deadline = time.monotonic() + timeout_s
     versions: dict[str, int] = {}

@@ -8,7 +8,6 @@ Both report, per sampled token, log_softmax(logits / T) of the distribution samp
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -110,7 +109,9 @@ class TransformersBackend:
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         chat = [{"role": r, "content": c} for r, c in messages]
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
     def host_bits(self) -> dict[str, np.ndarray]:
         return modeling.model_bits(self.model)
@@ -121,7 +122,9 @@ class TransformersBackend:
         # No version bookkeeping here: the service holds the weights lock while sampling,
         # so it knows the one version every token of a batch came from.
         if self.shared:
-            raise RuntimeError("a colocated generator's weights are the trainer's model: only the trainer's step changes them")
+            raise RuntimeError(
+                "a colocated generator's weights are the trainer's model: only the trainer's step changes them"
+            )
         modeling.load_bits_(self.model, bits)
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
@@ -155,10 +158,15 @@ class TransformersBackend:
         logits_last = out.logits[row_of, -1, :]
         mask, positions = mask[row_of], positions[row_of, -1:]
 
-        temps = torch.tensor([requests[ri].temperature for ri, _ in rows], dtype=torch.float32, device=self.device).unsqueeze(1)
+        temps = torch.tensor(
+            [requests[ri].temperature for ri, _ in rows], dtype=torch.float32, device=self.device
+        ).unsqueeze(1)
         sampler = RowSampler(
-            [requests[ri].temperature for ri, _ in rows], [requests[ri].top_p for ri, _ in rows], [requests[ri].top_k for ri, _ in rows],
-            [requests[ri].seed * 1_000_003 + k for ri, k in rows], self.device,
+            [requests[ri].temperature for ri, _ in rows],
+            [requests[ri].top_p for ri, _ in rows],
+            [requests[ri].top_k for ri, _ in rows],
+            [requests[ri].seed * 1_000_003 + k for ri, k in rows],
+            self.device,
         )
         limits = torch.tensor([requests[ri].max_new_tokens for ri, _ in rows], device=self.device)
         max_new = int(limits.max())
@@ -186,7 +194,13 @@ class TransformersBackend:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
             positions = positions + 1
-            out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            out = self.model(
+                input_ids=tokens.unsqueeze(1),
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
             past, logits_last = out.past_key_values, out.logits[:, -1, :]
 
         results: list[list[Sample]] = [[] for _ in requests]
@@ -219,17 +233,28 @@ class RowSampler:
     "GPU: the first figures").
     """
 
-    def __init__(self, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int], seeds: Sequence[int], device: torch.device):
+    def __init__(
+        self,
+        temperatures: Sequence[float],
+        top_ps: Sequence[float],
+        top_ks: Sequence[int],
+        seeds: Sequence[int],
+        device: torch.device,
+    ):
         self.device = device
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         self.greedy = torch.tensor([t <= 1e-5 for t in temperatures], device=device)
-        self.top_p = torch.tensor([p if 0.0 < p < 1.0 else 1.0 for p in top_ps], dtype=torch.float32, device=device).unsqueeze(1)
+        self.top_p = torch.tensor(
+            [p if 0.0 < p < 1.0 else 1.0 for p in top_ps], dtype=torch.float32, device=device
+        ).unsqueeze(1)
         self.top_k = torch.tensor([k if k > 0 else 2**62 for k in top_ks], dtype=torch.long, device=device).unsqueeze(1)
         self.filtered = any(0.0 < p < 1.0 for p in top_ps) or any(k > 0 for k in top_ks)
 
     def draw(self, logp: torch.Tensor) -> torch.Tensor:
         """Tokens (batch,) from log-probs (batch, vocab)."""
-        u = 1.0 - torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators])  # (0, 1]: never a zero-mass token
+        u = 1.0 - torch.cat(
+            [torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators]
+        )  # (0, 1]: never a zero-mass token
         u = u.to(self.device, non_blocking=True).unsqueeze(1)
         probs = logp.exp()
         if self.filtered:

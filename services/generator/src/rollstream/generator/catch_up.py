@@ -23,9 +23,8 @@ from rollstream.core import deltas, logs, push_signing, weight_store, weight_tra
 from rollstream.core.grpc_auth import load_roles
 from rollstream.core.grpc_utils import channel, rpc_error_text
 from rollstream.core.service import ServiceHost
-from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
-
 from rollstream.generator.host_weights import ApplyTimings
+from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 if TYPE_CHECKING:
     from rollstream.generator.generator import Generator
@@ -144,14 +143,26 @@ class CatchUp:
         (with signed catch-up). A forged one would cost at most a fetch, whose payloads are
         checked in turn; this one makes the version a rollback may trust (check_stream)."""
         why = self._unsigned(
-            state.signature, lambda key: push_signing.verify_state(key, self.settings.run, challenge, state.version, state.model_fingerprint, state.signature)
+            state.signature,
+            lambda key: push_signing.verify_state(
+                key, self.settings.run, challenge, state.version, state.model_fingerprint, state.signature
+            ),
         )
         if why:
             self.gen.metrics.payloads_refused.inc()
-            logs.event(self.gen.log, "trainer_state_refused", logging.WARNING, address=self.settings.trainer_address, reason=why, claimed_version=state.version)
+            logs.event(
+                self.gen.log,
+                "trainer_state_refused",
+                logging.WARNING,
+                address=self.settings.trainer_address,
+                reason=why,
+                claimed_version=state.version,
+            )
             raise CatchUpRefused(f"GetState from {self.settings.trainer_address}: {why}")
 
-    def check_stream(self, chunks: Iterable[weights_pb2.WeightChunk], source: str, trainer_version: int | None) -> Iterator[weights_pb2.WeightChunk]:
+    def check_stream(
+        self, chunks: Iterable[weights_pb2.WeightChunk], source: str, trainer_version: int | None
+    ) -> Iterator[weights_pb2.WeightChunk]:
         """`chunks` as they come, each payload's header checked before any of its bytes are
         used: signed by the trainer for this run (with signed catch-up; from_chunks then
         checks the bytes against the header's sha256), and no anchor below the version held
@@ -165,7 +176,15 @@ class CatchUp:
                 if why:
                     h = chunk.header
                     self.gen.metrics.payloads_refused.inc()
-                    logs.event(self.gen.log, "catch_up_payload_refused", logging.WARNING, source=source, kind=h.kind, version=h.version, reason=why)
+                    logs.event(
+                        self.gen.log,
+                        "catch_up_payload_refused",
+                        logging.WARNING,
+                        source=source,
+                        kind=h.kind,
+                        version=h.version,
+                        reason=why,
+                    )
                     raise CatchUpRefused(f"{source}: {h.kind} of version {h.version}: {why}")
             yield chunk
 
@@ -174,14 +193,21 @@ class CatchUp:
         if why:
             return why
         held = self.gen.weights.version
-        if header.kind == "anchor" and held is not None and header.version < held and not (trainer_version is not None and trainer_version < held):
+        if (
+            header.kind == "anchor"
+            and held is not None
+            and header.version < held
+            and not (trainer_version is not None and trainer_version < held)
+        ):
             return f"would take this generator back from version {held}"
         return ""
 
     def _unsigned_payload(self, header: weights_pb2.WeightHeader, signature: bytes) -> str:
         """Why `signature` is not the trainer's over `header` for this run ("": it is, or
         catch-up is not signed here)."""
-        return self._unsigned(signature, lambda key: push_signing.verify_payload(key, self.settings.run, header, signature))
+        return self._unsigned(
+            signature, lambda key: push_signing.verify_payload(key, self.settings.run, header, signature)
+        )
 
     def _unsigned(self, signature: bytes, valid: Callable[[Ed25519PublicKey], bool]) -> str:
         """Why `signature` is not the trainer's ("": `valid` says it is, or catch-up is not
@@ -211,12 +237,22 @@ class CatchUp:
             if have == newest:
                 return ""
             if anchor.header.model_fingerprint != self.gen.weights.fingerprint:
-                raise weight_store.StoreUnreadable(f"{directory}: the chain is for model {anchor.header.model_fingerprint}, this generator's is {self.gen.weights.fingerprint}")
+                raise weight_store.StoreUnreadable(
+                    f"{directory}: the chain is for model {anchor.header.model_fingerprint}, this generator's is {self.gen.weights.fingerprint}"
+                )
             needed = weight_store.catch_up_chain(-1 if have is None else have, anchor, chain, lambda p: p.info)
             logs.event(self.gen.log, "catching_up", have=have, store=newest, source="store", payloads=len(needed))
-            self._restarting("reading the anchor", lambda from_anchor: self.gen.apply_stream(
-                self.check_stream(weight_store.chunks(directory, [anchor, *chain] if from_anchor else needed), "store", None), skip_held=not from_anchor, timings=ApplyTimings(),
-            ), restart=not (needed[0] is anchor or (have is not None and anchor.header.version < have)))  # not when the anchor was tried, or would take us back
+            self._restarting(
+                "reading the anchor",
+                lambda from_anchor: self.gen.apply_stream(
+                    self.check_stream(
+                        weight_store.chunks(directory, [anchor, *chain] if from_anchor else needed), "store", None
+                    ),
+                    skip_held=not from_anchor,
+                    timings=ApplyTimings(),
+                ),
+                restart=not (needed[0] is anchor or (have is not None and anchor.header.version < have)),
+            )  # not when the anchor was tried, or would take us back
         except CatchUpRefused as e:
             return str(e)  # logged: left to the trainer, whose signed word may allow what the store's does not
         except weight_transfer.TransferRefused:
@@ -226,12 +262,20 @@ class CatchUp:
             return str(e)
         return ""
 
-    def fetch(self, stub: trainer_pb2_grpc.TrainerStub, request: trainer_pb2.FetchWeightsRequest, trainer_version: int, skip_held: bool = False) -> None:
+    def fetch(
+        self,
+        stub: trainer_pb2_grpc.TrainerStub,
+        request: trainer_pb2.FetchWeightsRequest,
+        trainer_version: int,
+        skip_held: bool = False,
+    ) -> None:
         """FetchWeights and apply what it streams, each payload checked (check_stream); a
         refused stream is cancelled, not drained."""
         responses = stub.FetchWeights(request, timeout=600)
         try:
-            self.gen.apply_stream(self.check_stream(responses, "trainer", trainer_version), skip_held=skip_held, timings=ApplyTimings())
+            self.gen.apply_stream(
+                self.check_stream(responses, "trainer", trainer_version), skip_held=skip_held, timings=ApplyTimings()
+            )
         finally:
             responses.cancel()  # no-op once the stream has ended
 
@@ -246,7 +290,11 @@ class CatchUp:
                 self.once()
             except Exception as e:  # noqa: BLE001 - whatever it was, the next attempt may succeed
                 error = rpc_error_text(e) if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
-                delay = min(2 * delay, 16 * self.settings.sync_interval_s, max(self.settings.sync_interval_s, MAX_SYNC_BACKOFF_S))
+                delay = min(
+                    2 * delay,
+                    16 * self.settings.sync_interval_s,
+                    max(self.settings.sync_interval_s, MAX_SYNC_BACKOFF_S),
+                )
                 logs.event(self.gen.log, "catch_up_failed", logging.WARNING, error=error, retry_in_s=round(delay, 1))
                 self.health.attempt(error, self.gen.weights.version)
             else:

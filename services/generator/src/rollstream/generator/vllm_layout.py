@@ -24,7 +24,9 @@ def packed_modules(llm: Any) -> dict[str, list[str]]:
     return {fused: list(shards) for fused, shards in getattr(model_cls, "packed_modules_mapping", {}).items()}
 
 
-def module_groups(names: Mapping[str, np.ndarray], packed: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, str]]:
+def module_groups(
+    names: Mapping[str, np.ndarray], packed: Mapping[str, list[str]]
+) -> tuple[dict[str, list[str]], dict[str, str]]:
     """Group Hugging Face tensor names by the vLLM module that holds them.
 
     "model.layers.0.self_attn.k_proj.weight" -> "model.layers.0.self_attn.qkv_proj". Within a

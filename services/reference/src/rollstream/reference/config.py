@@ -13,7 +13,9 @@ class ReferenceSettings(TorchSettings):
     # model, dtype, device, threads: TorchSettings (the reference says nothing more about them).
     # The trainer's KL term compares log pi_ref with its own log pi, both of logits/temperature;
     # a different value here would make the KL measure the temperature, not the policy drift.
-    temperature: float = Field(1.0, gt=0, description="log-probs are of logits/temperature: the trainer's temperature (`up` sets it)")
+    temperature: float = Field(
+        1.0, gt=0, description="log-probs are of logits/temperature: the trainer's temperature (`up` sets it)"
+    )
     token_budget: int = Field(8192, ge=1, description="padded tokens per micro-batch (bounds activation memory)")
     chunk_tokens: int = Field(1024, ge=1, description="completion tokens per LM-head chunk (bounds logits memory)")
     share_prompts: bool = Field(

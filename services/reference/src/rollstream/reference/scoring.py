@@ -71,7 +71,9 @@ def shared_prompt_logprobs(
     for i, c in enumerate(completions):
         ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
         mask[i, len(prompt) : len(prompt) + len(c)] = 1
-    hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=cache, use_cache=True).last_hidden_state
+    hidden = decoder(
+        input_ids=ids.to(device), attention_mask=mask.to(device), past_key_values=cache, use_cache=True
+    ).last_hidden_state
     # A completion's first token is predicted from the prompt's last position, token j > 0
     # from the completion's position j - 1.
     last = first.last_hidden_state[0, -1:]
@@ -84,7 +86,16 @@ def shared_prompt_logprobs(
 class ReferenceModel:
     """Frozen causal LM computing log pi_ref(token | prefix) for completion tokens."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, *, token_budget: int, chunk_tokens: int, temperature: float = 1.0, share_prompts: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        *,
+        token_budget: int,
+        chunk_tokens: int,
+        temperature: float = 1.0,
+        share_prompts: bool = True,
+    ):
         self.model = model.eval().requires_grad_(False)
         self.pad_id = pad_id
         self.token_budget = token_budget
@@ -112,7 +123,14 @@ class ReferenceModel:
     ) -> "ReferenceModel":
         model, tokenizer = modeling.load_model(path, dtype=dtype, device=device)
         round_to_bf16_(model)
-        return cls(model, int(tokenizer.pad_token_id), token_budget=token_budget, chunk_tokens=chunk_tokens, temperature=temperature, share_prompts=share_prompts)
+        return cls(
+            model,
+            int(tokenizer.pad_token_id),
+            token_budget=token_budget,
+            chunk_tokens=chunk_tokens,
+            temperature=temperature,
+            share_prompts=share_prompts,
+        )
 
     def check(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> None:
         """Raise ValueError (the message says what is wrong) for a pair the model cannot score."""
@@ -152,17 +170,34 @@ class ReferenceModel:
             self._score(alone, sequences, out)
         return out
 
-    def _score(self, indices: list[int], sequences: Sequence[TokenPair], out: list[list[float]], prompt: tuple[int, ...] | None = None) -> None:
+    def _score(
+        self,
+        indices: list[int],
+        sequences: Sequence[TokenPair],
+        out: list[list[float]],
+        prompt: tuple[int, ...] | None = None,
+    ) -> None:
         """The sequences at `indices`, packed into micro-batches of at most token_budget padded
         tokens. With `prompt` (all of theirs) it runs once per micro-batch and its KV cache
         serves every completion; packed as the whole sequences would be (each row holds the
         prompt's cache and its completion), so memory stays within the same token budget."""
-        for packed in modeling.pack_by_tokens([len(sequences[i][0]) + len(sequences[i][1]) for i in indices], self.token_budget):
+        for packed in modeling.pack_by_tokens(
+            [len(sequences[i][0]) + len(sequences[i][1]) for i in indices], self.token_budget
+        ):
             pairs = [sequences[indices[k]] for k in packed]
             if prompt is None:
                 batch = modeling.make_batch(pairs, self.pad_id, self.device)
-                flat, _ = modeling.completion_logprobs(self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+                flat, _ = modeling.completion_logprobs(
+                    self.model, batch, chunk_tokens=self.chunk_tokens, temperature=self.temperature
+                )
             else:
-                flat = shared_prompt_logprobs(self.model, prompt, [c for _, c in pairs], self.pad_id, chunk_tokens=self.chunk_tokens, temperature=self.temperature)
+                flat = shared_prompt_logprobs(
+                    self.model,
+                    prompt,
+                    [c for _, c in pairs],
+                    self.pad_id,
+                    chunk_tokens=self.chunk_tokens,
+                    temperature=self.temperature,
+                )
             for k, values in zip(packed, flat.float().cpu().split([len(c) for _, c in pairs])):
                 out[indices[k]] = values.clamp(min=validation.MIN_LOGPROB).tolist()

@@ -63,7 +63,9 @@ class Metrics:
             groups=Counter(p + "groups", "groups written to ready", ["outcome"], registry=registry),
             tokens=Counter(p + "tokens", "tokens run through the reference model", ["kind"], registry=registry),
             seconds=Counter(p + "compute_seconds", "time spent computing log-probs", registry=registry),
-            tokens_per_s=Gauge(p + "tokens_per_second", "prompt+completion tokens/s of the last call", registry=registry),
+            tokens_per_s=Gauge(
+                p + "tokens_per_second", "prompt+completion tokens/s of the last call", registry=registry
+            ),
         )
 
 
@@ -99,7 +101,9 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
         self.totals = totals
         self.scorer: Scorer | None = None  # set once, by run(), after the model loads
 
-    def ComputeLogprobs(self, request: reference_pb2.LogprobsRequest, context: grpc.ServicerContext) -> reference_pb2.LogprobsResponse:
+    def ComputeLogprobs(
+        self, request: reference_pb2.LogprobsRequest, context: grpc.ServicerContext
+    ) -> reference_pb2.LogprobsResponse:
         scorer = self.scorer
         if scorer is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the reference model is still loading")
@@ -112,9 +116,13 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServicer):
         values = scorer.score(sequences)  # type: ignore[union-attr]  # context.abort raised above: grpc has no types to say so
         return reference_pb2.LogprobsResponse(sequences=[reference_pb2.SequenceLogprobs(logprobs=v) for v in values])
 
-    def GetState(self, request: reference_pb2.ReferenceStateRequest, context: grpc.ServicerContext) -> reference_pb2.ReferenceState:
+    def GetState(
+        self, request: reference_pb2.ReferenceStateRequest, context: grpc.ServicerContext
+    ) -> reference_pb2.ReferenceState:
         with self.totals.lock:
-            return reference_pb2.ReferenceState(model=self.model_name, groups_processed=self.totals.groups, tokens_processed=self.totals.tokens)
+            return reference_pb2.ReferenceState(
+                model=self.model_name, groups_processed=self.totals.groups, tokens_processed=self.totals.tokens
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,15 +149,25 @@ def run(settings: ReferenceSettings) -> int:
             logs.event(host.log, "model_not_found", logging.ERROR, error=str(e))
             return 2
         model = ReferenceModel.load(
-            model_dir, dtype=settings.dtype, device=settings.device, token_budget=settings.token_budget, chunk_tokens=settings.chunk_tokens,
-            temperature=settings.temperature, share_prompts=settings.share_prompts,
+            model_dir,
+            dtype=settings.dtype,
+            device=settings.device,
+            token_budget=settings.token_budget,
+            chunk_tokens=settings.chunk_tokens,
+            temperature=settings.temperature,
+            share_prompts=settings.share_prompts,
         )
         scorer = Scorer(model, metrics, totals)
         servicer.model_name = str(model_dir)
         servicer.scorer = scorer
         logs.event(
-            host.log, "model_loaded", model=model_dir, dtype=settings.dtype, device=settings.device,
-            vocab=model.vocab_size, seconds=round(time.perf_counter() - started, 1),
+            host.log,
+            "model_loaded",
+            model=model_dir,
+            dtype=settings.dtype,
+            device=settings.device,
+            vocab=model.vocab_size,
+            seconds=round(time.perf_counter() - started, 1),
         )
         host.set_ready(False, "joining the scored stream")
 
@@ -158,7 +176,14 @@ def run(settings: ReferenceSettings) -> int:
             stage = host.open_stage(client, "scored", settings.group)
             loop = ReferenceLoop(host, stage, scorer, Every(settings.trim_every_s))
             host.set_ready(True, f"reading {stage.stream}")
-            logs.event(host.log, "started", run=settings.run, source=stage.stream, group=settings.group, consumer=stage.consumer)
+            logs.event(
+                host.log,
+                "started",
+                run=settings.run,
+                source=stage.stream,
+                group=settings.group,
+                consumer=stage.consumer,
+            )
             host.run_loop(stage, loop.turn, "reference loop")
         finally:
             client.close()
@@ -232,7 +257,13 @@ class ReferenceLoop:
         scorer.metrics.groups.labels("referenced").inc(referenced)
         tokens = sum(len(p) + len(c) for p, c in sequences)
         logs.event(
-            host.log, "groups_referenced", referenced=referenced, completions=len(sequences), tokens=tokens, seconds=round(seconds, 3),
-            tokens_per_s=round(tokens / seconds) if seconds > 0 else 0, versions=",".join(sorted({str(g.policy_version) for _, g in ok})),
+            host.log,
+            "groups_referenced",
+            referenced=referenced,
+            completions=len(sequences),
+            tokens=tokens,
+            seconds=round(seconds, 3),
+            tokens_per_s=round(tokens / seconds) if seconds > 0 else 0,
+            versions=",".join(sorted({str(g.policy_version) for _, g in ok})),
             groups=logs.group_ids(g for _, g in ok),
         )

@@ -44,15 +44,23 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
 import pebble
-from concurrent.futures.process import BrokenProcessPool
 
 from rollstream.core import logs
 from rollstream.reward.recipes import (
-    TIMEOUT, ComponentResult, ComponentSpec, RecipeComponent, Recipes, Sample, Score, build_recipes, run_component,
+    TIMEOUT,
+    ComponentResult,
+    ComponentSpec,
+    RecipeComponent,
+    Recipes,
+    Sample,
+    Score,
+    build_recipes,
+    run_component,
 )
 
 log = logging.getLogger("rollstream.reward.limits")
@@ -76,7 +84,9 @@ class PoolFailed(RuntimeError):
 
 
 def recipes_from_data(specs: Mapping[str, Sequence[Mapping[str, Any]]], default_timeout_s: float | None) -> Recipes:
-    return build_recipes({kind: [ComponentSpec.model_validate(e) for e in entries] for kind, entries in specs.items()}, default_timeout_s)
+    return build_recipes(
+        {kind: [ComponentSpec.model_validate(e) for e in entries] for kind, entries in specs.items()}, default_timeout_s
+    )
 
 
 def recipe_source(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_s: float | None) -> RecipeSource:
@@ -149,7 +159,9 @@ class ScorePool:
         return self.recipes.kinds
 
     def _new_pool(self) -> pebble.ProcessPool:
-        return pebble.ProcessPool(max_workers=self.workers, initializer=_init_worker, initargs=(self.source,), context=self._context)
+        return pebble.ProcessPool(
+            max_workers=self.workers, initializer=_init_worker, initargs=(self.source,), context=self._context
+        )
 
     def warm_up(self, timeout_s: float = 120.0) -> None:
         """Start the workers and wait until they take work (they build their recipes first)."""
@@ -204,7 +216,9 @@ class ScorePool:
                     raise PoolFailed("the scoring pool is closed")
                 pool = self._pool
                 try:
-                    task.future = pool.schedule(_run, args=(task.task_kind, task.index, task.sample), timeout=task.component.timeout_s)
+                    task.future = pool.schedule(
+                        _run, args=(task.task_kind, task.index, task.sample), timeout=task.component.timeout_s
+                    )
                     task.pool = pool
                     return
                 except RuntimeError:  # broken (pebble: "Unexpected error within the Pool")
@@ -247,7 +261,10 @@ class ScorePool:
                     pid=e.pid, exit_code=e.exitcode, retry=task.crashes <= CRASH_RETRIES,
                 )  # fmt: skip
                 if task.crashes > CRASH_RETRIES:
-                    value, status = 0.0, f"error: ProcessExpired: the scoring worker died {task.crashes} times (exit code {e.exitcode})"
+                    value, status = (
+                        0.0,
+                        f"error: ProcessExpired: the scoring worker died {task.crashes} times (exit code {e.exitcode})",
+                    )
                 else:
                     self._submit(task)
                     continue

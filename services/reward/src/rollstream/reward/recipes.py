@@ -75,7 +75,9 @@ class Sample:
 
 
 Check = Callable[[Sample], float]
-ComponentKind = Literal["arithmetic_answer", "arithmetic_format", "exact", "math", "regex", "length", "countdown", "code"]
+ComponentKind = Literal[
+    "arithmetic_answer", "arithmetic_format", "exact", "math", "regex", "length", "countdown", "code"
+]
 
 
 class ComponentSpec(BaseModel):
@@ -359,7 +361,10 @@ def default_specs(answer_weight: float = 1.0, format_weight: float = 0.1) -> dic
         return ComponentSpec(component=component, name=name, weight=weight, params=params)  # type: ignore[arg-type, call-arg]  # pydantic checks the name and fills timeout_s's Field default
 
     return {
-        "arithmetic": [spec("arithmetic_answer", "answer", answer_weight), spec("arithmetic_format", "format", format_weight)],
+        "arithmetic": [
+            spec("arithmetic_answer", "answer", answer_weight),
+            spec("arithmetic_format", "format", format_weight),
+        ],
         "exact": [spec("exact", "answer", answer_weight)],
         "math": [spec("math", "answer", answer_weight)],
         "countdown": [spec("countdown", "answer", answer_weight)],
@@ -401,7 +406,9 @@ def build_recipes(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_
             raise ValueError(f"recipes.{kind}: a recipe needs at least one component")
         names = [e.label for e in entries]
         if len(set(names)) != len(names):
-            raise ValueError(f"recipes.{kind}: component names repeat ({', '.join(names)}); give each a distinct `name`")
+            raise ValueError(
+                f"recipes.{kind}: component names repeat ({', '.join(names)}); give each a distinct `name`"
+            )
         components = []
         for i, spec in enumerate(entries):
             try:

@@ -182,7 +182,9 @@ class RemoteScorer:
 
     def _score_batch(self, batch: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ItemScore]:
         if not self.breaker.allow():
-            raise ScorerUnavailable(f"circuit open after {self.breaker.failures} failed calls; next try in {self.breaker.retry_in_s():.1f}s")
+            raise ScorerUnavailable(
+                f"circuit open after {self.breaker.failures} failed calls; next try in {self.breaker.retry_in_s():.1f}s"
+            )
         try:
             # gRPC retries transient failures within this call (the channel's retryPolicy).
             reply = self.stub.Score(reward_pb2.ScoreRequest(items=batch), timeout=self.deadline_s)
@@ -196,7 +198,9 @@ class RemoteScorer:
                 raise ScorerRejected(f"{code.name}: {details}") from None
             self.on_call("failed")
             self.breaker.record_failure()
-            raise ScorerUnavailable(f"call failed after up to {min(self.retries + 1, MAX_ATTEMPTS)} attempts, last: {code.name}: {details}") from None
+            raise ScorerUnavailable(
+                f"call failed after up to {min(self.retries + 1, MAX_ATTEMPTS)} attempts, last: {code.name}: {details}"
+            ) from None
         self.breaker.record_success()
         self.on_call("ok")
         problem = check_reply(reply, len(batch))

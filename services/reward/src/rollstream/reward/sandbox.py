@@ -229,7 +229,11 @@ def choose_python(configured: str) -> str:
         return sys.executable
     # Our own, where its standard library is reachable by others too.
     lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    if _world_runnable(Path(sys.executable)) and lib.is_dir() and all(p.stat().st_mode & stat.S_IXOTH for p in [lib, *lib.parents]):
+    if (
+        _world_runnable(Path(sys.executable))
+        and lib.is_dir()
+        and all(p.stat().st_mode & stat.S_IXOTH for p in [lib, *lib.parents])
+    ):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if _world_runnable(Path(candidate)):
@@ -372,4 +376,9 @@ def _parse_report(report: bytes, n_tests: int, timed_out: bool, stderr_tail: str
         )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         # No report: killed at the wall limit, or the harness itself died.
-        return RunResult(passed=(False,) * n_tests, timed_out=timed_out, isolated=False, detail=stderr_tail or "the harness did not report")
+        return RunResult(
+            passed=(False,) * n_tests,
+            timed_out=timed_out,
+            isolated=False,
+            detail=stderr_tail or "the harness did not report",
+        )

@@ -27,7 +27,13 @@ import sys
 import time
 
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x40000000, 0x20000000, 0x10000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = (
+    0x00020000,
+    0x08000000,
+    0x40000000,
+    0x20000000,
+    0x10000000,
+)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x1, 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
@@ -37,7 +43,12 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 class MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def fail(status, text):
@@ -63,7 +74,11 @@ def make_mounts_private(in_user_ns, uid, gid):
         if in_user_ns:
             # Without a uid/gid map a new tmpfs refuses to create files (EOVERFLOW). We
             # keep our own ids; "deny" (no setgroups) is the price of mapping the gid.
-            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", "%d %d 1" % (uid, uid)),
+                ("gid_map", "%d %d 1" % (gid, gid)),
+            ):
                 with open("/proc/self/" + name, "w") as f:
                     f.write(text)
         # On a host whose mounts are shared, what we mount below would otherwise appear
@@ -78,7 +93,17 @@ def make_mounts_private(in_user_ns, uid, gid):
 # nothing else of the host (no home, no work dir, no run data: the rollout buffer's AOF,
 # checkpoints, credentials). Top-level entries that are links (merged /usr) stay links.
 ALLOWED_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ALLOWED_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "os-release", "passwd", "group", "nsswitch.conf")
+ALLOWED_ETC = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "os-release",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+)
 ALLOWED_DEV = ("null", "zero", "full", "random", "urandom")
 ROOT_OPTIONS = b"size=1m,nr_inodes=1024,mode=755"
 
@@ -106,7 +131,10 @@ def copy_entry(source, root):
 def python_trees():
     """The folders the interpreter needs (its prefix: binary and standard library) that the
     allowed trees do not hold already (pyenv under a home folder)."""
-    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))}
+    needed = {
+        os.path.realpath(p)
+        for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))
+    }
     held = [os.path.realpath(t) for t in ALLOWED_TREES if os.path.isdir(t)]
     return sorted(p for p in needed if not any(p == h or p.startswith(h + "/") for h in held))
 
@@ -124,12 +152,21 @@ def build_root(root):
             bind("/dev/" + name, root + "/dev/" + name)
     for folder in ("/tmp", "/var/tmp", "/dev/shm", "/proc"):
         os.makedirs(root + folder, exist_ok=True)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, root + "/dev/" + name)
     # The service's own folders (its work dir, its home) hidden where an allowed tree holds
     # them (a checkout under /usr/src), unless the interpreter lives there.
     for folder in job["hide"]:
-        if folder != "/" and os.path.isdir(root + folder) and not any(t == folder or t.startswith(folder + "/") for t in trees):
+        if (
+            folder != "/"
+            and os.path.isdir(root + folder)
+            and not any(t == folder or t.startswith(folder + "/") for t in trees)
+        ):
             mount(b"tmpfs", root + folder, b"tmpfs", MS_NOSUID | MS_NODEV, b"size=4k,nr_inodes=1,mode=555")
 
 
@@ -161,7 +198,17 @@ def enclose(root):
     work dir (chdir). What failed, or ""."""
     why = ""
     attr = MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, root.encode(), AT_RECURSIVE, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+    if (
+        libc.syscall(
+            SYS_MOUNT_SETATTR,
+            AT_FDCWD,
+            root.encode(),
+            AT_RECURSIVE,
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        )
+        != 0
+    ):
         why = "mount_setattr (read-only tree): %s" % os.strerror(ctypes.get_errno())
     top = root.rstrip("/")
     try:
@@ -202,7 +249,7 @@ def scratch(data=b""):
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
     except OSError:
         os.close(fd)
@@ -303,7 +350,12 @@ def run_one(index, test):
             return False, False, "test %d: its input cannot be given to the program: %s" % (index, e)
         # Reports go through a pipe: what RUNNER wrote there, the program cannot take back.
         report_r, report_w = os.pipe()
-        fds += [scratch(), 2, scratch(marshal.dumps({"io": io_test, "code": job["code"], "steps": steps, "index": index})), report_w]
+        fds += [
+            scratch(),
+            2,
+            scratch(marshal.dumps({"io": io_test, "code": job["code"], "steps": steps, "index": index})),
+            report_w,
+        ]
         pid = spawn(fds)
         for position in (0, 3, 4):
             os.close(fds[position])  # the program's own now
@@ -324,11 +376,19 @@ def run_one(index, test):
     cpu_killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU
     if lines[:1] != [b'["h"]'] and ended and not cpu_killed:
         # RUNNER writes this before the program runs: the interpreter itself did not start.
-        fail(122, "test %d: %s did not start inside the sandbox (exit status %d)" % (index, PYTHON, os.waitstatus_to_exitcode(status)))
+        fail(
+            122,
+            "test %d: %s did not start inside the sandbox (exit status %d)"
+            % (index, PYTHON, os.waitstatus_to_exitcode(status)),
+        )
     if len(report) > limit:
         return False, False, "test %d: reported more than the file-size limit" % index
     if not ended or cpu_killed:
-        why = "timed out after %ss" % job["test_timeout_s"] if not ended else "ran past the CPU limit (%ss)" % job["cpu_s"]
+        why = (
+            "timed out after %ss" % job["test_timeout_s"]
+            if not ended
+            else "ran past the CPU limit (%ss)" % job["cpu_s"]
+        )
         return False, True, "test %d: %s" % (index, why)
     return verdict(index, test, lines[1:], expected, output, os.waitstatus_to_exitcode(status), limit)
 
@@ -340,7 +400,15 @@ def run_all():
         passed.append(ok)
         timeouts += timed_out
         first_failure = first_failure or why
-    report = json.dumps({"passed": passed, "isolated": isolated, "fs_private": not fs_why, "detail": first_failure, "timeouts": timeouts}).encode()
+    report = json.dumps(
+        {
+            "passed": passed,
+            "isolated": isolated,
+            "fs_private": not fs_why,
+            "detail": first_failure,
+            "timeouts": timeouts,
+        }
+    ).encode()
     os.write(results_fd, report)
     os.close(results_fd)
 
@@ -366,7 +434,11 @@ if __name__ == "__main__":
     if not isolated:
         isolated = libc.unshare(flags) == 0  # no mount namespace here: keep the rest of the isolation
     if not isolated and job["require_isolation"]:
-        fail(121, "network isolation unavailable: unshare failed with errno %d (%s)" % (ctypes.get_errno(), os.strerror(ctypes.get_errno())))
+        fail(
+            121,
+            "network isolation unavailable: unshare failed with errno %d (%s)"
+            % (ctypes.get_errno(), os.strerror(ctypes.get_errno())),
+        )
     mounts_private = False
     fs_why = "no mount namespace"
     if has_mount_ns:

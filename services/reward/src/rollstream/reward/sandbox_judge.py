@@ -11,15 +11,49 @@ import operator
 EXPECTED_BUILTINS = {
     name: getattr(builtins, name)
     for name in (
-        "abs", "all", "any", "bool", "bytes", "chr", "complex", "dict", "divmod", "enumerate", "filter", "float",
-        "frozenset", "int", "len", "list", "map", "max", "min", "ord", "pow", "range", "reversed", "round",
-        "set", "sorted", "str", "sum", "tuple", "zip",
+        "abs",
+        "all",
+        "any",
+        "bool",
+        "bytes",
+        "chr",
+        "complex",
+        "dict",
+        "divmod",
+        "enumerate",
+        "filter",
+        "float",
+        "frozenset",
+        "int",
+        "len",
+        "list",
+        "map",
+        "max",
+        "min",
+        "ord",
+        "pow",
+        "range",
+        "reversed",
+        "round",
+        "set",
+        "sorted",
+        "str",
+        "sum",
+        "tuple",
+        "zip",
     )
 }
 COMPARISONS = {
-    ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<", operator.lt), ast.LtE: ("<=", operator.le),
-    ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge), ast.In: ("in", lambda a, b: a in b),
-    ast.NotIn: ("not in", lambda a, b: a not in b), ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not),
+    ast.Eq: ("==", operator.eq),
+    ast.NotEq: ("!=", operator.ne),
+    ast.Lt: ("<", operator.lt),
+    ast.LtE: ("<=", operator.le),
+    ast.Gt: (">", operator.gt),
+    ast.GtE: (">=", operator.ge),
+    ast.In: ("in", lambda a, b: a in b),
+    ast.NotIn: ("not in", lambda a, b: a not in b),
+    ast.Is: ("is", operator.is_),
+    ast.IsNot: ("is not", operator.is_not),
 }
 NO_VALUE = object()
 
@@ -66,7 +100,9 @@ def judged_outside(stmt, source):
     if left_plain == right_plain:
         return None  # both sides the program's, or neither
     program, expected, program_left = (left, right, True) if right_plain else (right, left, False)
-    if op[0] in ("is", "is not") and not (isinstance(expected, ast.Constant) and type(expected.value) in (type(None), bool)):
+    if op[0] in ("is", "is not") and not (
+        isinstance(expected, ast.Constant) and type(expected.value) in (type(None), bool)
+    ):
         return None
     value = expected_value(expected)
     if value is NO_VALUE:
@@ -124,9 +160,11 @@ def decode(item, depth=0):
         return bytes.fromhex(rest[0])
     if tag == "q":
         from fractions import Fraction
+
         return Fraction(int(rest[0], 16), int(rest[1], 16))
     if tag == "D":
         from decimal import Decimal
+
         return Decimal(bytes.fromhex(rest[0]).decode("ascii"))
     items = rest[0]
     if not isinstance(items, list):
@@ -140,7 +178,6 @@ def decode(item, depth=0):
 def short(value):
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
 
 
 def verdict(index, test, report_lines, expected, output, exit_code, limit):
@@ -176,12 +213,20 @@ def verdict(index, test, report_lines, expected, output, exit_code, limit):
                 name = bytes.fromhex(event[2]).decode(errors="replace")
             except (TypeError, ValueError):
                 name = "?"
-            return False, False, "test %d: assertion %d: the program's side is a %s, not plain data" % (index, k, name[:60])
+            return (
+                False,
+                False,
+                "test %d: assertion %d: the program's side is a %s, not plain data" % (index, k, name[:60]),
+            )
         try:
             got = decode(event[2])
             ok = bool(compare(got, value) if program_left else compare(value, got))
         except Exception:  # noqa: BLE001 - the program's value is untrusted: any failure to read or compare it fails the test
             return False, False, "test %d: assertion %d: unreadable or incomparable value" % (index, k)
         if not ok:
-            return False, False, "test %d: assertion %d failed: got %s, expected %s %s" % (index, k, short(got), op, short(value))
+            return (
+                False,
+                False,
+                "test %d: assertion %d failed: got %s, expected %s %s" % (index, k, short(got), op, short(value)),
+            )
     return True, False, ""

@@ -46,7 +46,9 @@ def encoder():
         if t in sequences:
             return '["%s",[%s]]' % (sequences[t], ",".join([encode(x, depth + 1) for x in v]))
         if t is dict or any(t is stdlib_type("collections", n) for n in ("Counter", "OrderedDict", "defaultdict")):
-            return '["d",[%s]]' % ",".join(["[%s,%s]" % (encode(k, depth + 1), encode(x, depth + 1)) for k, x in dict.items(v)])
+            return '["d",[%s]]' % ",".join(
+                ["[%s,%s]" % (encode(k, depth + 1), encode(x, depth + 1)) for k, x in dict.items(v)]
+            )
         if t is stdlib_type("fractions", "Fraction"):
             return '["q","%s","%s"]' % (hex_(int(v.numerator)), hex_(int(v.denominator)))
         if t is stdlib_type("decimal", "Decimal"):
@@ -62,7 +64,7 @@ def main():
     def emit(text):
         data = (text + "\n").encode()
         while data:
-            data = data[write(4, data):]
+            data = data[write(4, data) :]
 
     emit('["h"]')
     with open(3, "rb") as f:

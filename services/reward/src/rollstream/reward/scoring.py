@@ -60,16 +60,34 @@ class Metrics:
             groups=Counter(p + "groups", "groups written downstream, by outcome", ["outcome"], registry=registry),
             completions=Counter(p + "completions", "completions scored from the stream", registry=registry),
             tokens=Counter(p + "tokens", "completion tokens of the groups scored from the stream", registry=registry),
-            reward=Histogram(p + "completion_reward", "reward of each scored completion (stream and Score RPC)",
-                             buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2, 5), registry=registry),
-            reward_mean=Gauge(p + "batch_reward_mean", "mean reward of the completions in the last scored batch", registry=registry),
-            verifier_errors=Counter(p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry),
-            timeouts=Counter(p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry),
-            unknown_kind=Counter(p + "unknown_task_kind", "completions of a task kind no recipe knows", registry=registry),
+            reward=Histogram(
+                p + "completion_reward",
+                "reward of each scored completion (stream and Score RPC)",
+                buckets=(-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 1.5, 2, 5),
+                registry=registry,
+            ),
+            reward_mean=Gauge(
+                p + "batch_reward_mean", "mean reward of the completions in the last scored batch", registry=registry
+            ),
+            verifier_errors=Counter(
+                p + "verifier_errors", "components whose check failed, by component", ["component"], registry=registry
+            ),
+            timeouts=Counter(
+                p + "timeouts", "components that ran out of time, by component", ["component"], registry=registry
+            ),
+            unknown_kind=Counter(
+                p + "unknown_task_kind", "completions of a task kind no recipe knows", registry=registry
+            ),
             rpc_items=Counter(p + "rpc_items", "items scored through the Score RPC", registry=registry),
-            scorer_calls=Counter(p + "scorer_calls", "calls to the remote scorer, by outcome", ["outcome"], registry=registry),
-            scorer_circuit_open=Gauge(p + "scorer_circuit_open", "1 while the remote scorer's circuit breaker is open", registry=registry),
-            held_groups=Gauge(p + "held_groups", "groups held pending while the remote scorer is unavailable", registry=registry),
+            scorer_calls=Counter(
+                p + "scorer_calls", "calls to the remote scorer, by outcome", ["outcome"], registry=registry
+            ),
+            scorer_circuit_open=Gauge(
+                p + "scorer_circuit_open", "1 while the remote scorer's circuit breaker is open", registry=registry
+            ),
+            held_groups=Gauge(
+                p + "held_groups", "groups held pending while the remote scorer is unavailable", registry=registry
+            ),
         )
 
     def count_scores(self, scores: Sequence[Score]) -> None:
@@ -89,12 +107,16 @@ class Metrics:
 
 
 def to_pb(component: ComponentResult) -> rollout_pb2.RewardComponent:
-    return rollout_pb2.RewardComponent(name=component.name, value=component.value, weight=component.weight, status=component.status)
+    return rollout_pb2.RewardComponent(
+        name=component.name, value=component.value, weight=component.weight, status=component.status
+    )
 
 
 def from_pb(score: reward_pb2.ItemScore) -> Score:
     """A remote scorer's answer in our terms (its statuses are counted like ours)."""
-    components = tuple(ComponentResult(name=c.name, value=c.value, weight=c.weight, status=c.status or OK) for c in score.components)
+    components = tuple(
+        ComponentResult(name=c.name, value=c.value, weight=c.weight, status=c.status or OK) for c in score.components
+    )
     return Score(reward=score.reward, components=components)
 
 
@@ -117,20 +139,27 @@ def score_groups(groups: dict[int, rollout_pb2.RolloutGroup], scorer: ScoresItem
     """Score every completion of every group with its task kind's recipe, in place; all of
     them in one go, so that the pool's workers share the whole batch."""
     items = [
-        (g.task_kind, Sample(completion=c.text, answer=g.answer, metadata_json=g.metadata_json, num_tokens=len(c.token_ids)))
+        (
+            g.task_kind,
+            Sample(completion=c.text, answer=g.answer, metadata_json=g.metadata_json, num_tokens=len(c.token_ids)),
+        )
         for g in groups.values()
         for c in g.completions
     ]
     return apply_scores(groups, scorer.score_many(items))
 
 
-def score_items(items: Sequence[reward_pb2.ScoreItem], scorer: ScoresItems, timeout_s: float | None = None) -> list[Score]:
+def score_items(
+    items: Sequence[reward_pb2.ScoreItem], scorer: ScoresItems, timeout_s: float | None = None
+) -> list[Score]:
     return scorer.score_many(
         [
             (
                 item.task_kind,
                 Sample(
-                    completion=item.completion, answer=item.answer, metadata_json=item.metadata_json,
+                    completion=item.completion,
+                    answer=item.answer,
+                    metadata_json=item.metadata_json,
                     num_tokens=item.num_tokens if item.HasField("num_tokens") else None,
                 ),
             )  # fmt: skip
@@ -194,7 +223,8 @@ class Scorer:
             known = self.local.kinds
             rejected = {
                 i: f"task_kind {g.task_kind!r} has no verifier in this reward service (known: {', '.join(known)})"
-                for i, g in groups.items() if g.task_kind not in known
+                for i, g in groups.items()
+                if g.task_kind not in known
             }
             todo = {i: g for i, g in groups.items() if i not in rejected}
             return Scored(scores=score_groups(todo, self.local) if todo else {}, rejected=rejected)
@@ -216,8 +246,14 @@ class Scorer:
         assert self.remote is not None
         items = [
             reward_pb2.ScoreItem(
-                group_id=g.group_id, completion_index=k, task_kind=g.task_kind, completion=c.text, answer=g.answer,
-                metadata_json=g.metadata_json, num_tokens=len(c.token_ids), finish_reason=c.finish_reason,
+                group_id=g.group_id,
+                completion_index=k,
+                task_kind=g.task_kind,
+                completion=c.text,
+                answer=g.answer,
+                metadata_json=g.metadata_json,
+                num_tokens=len(c.token_ids),
+                finish_reason=c.finish_reason,
             )
             for g in groups.values()
             for k, c in enumerate(g.completions)

@@ -22,8 +22,8 @@ again (never acknowledged with made-up zeros).
 from __future__ import annotations
 
 import logging
-import threading
 import sys
+import threading
 from dataclasses import asdict, dataclass, field
 
 from rollstream.core import codec, grpc_utils, logs, streams, validation
@@ -57,21 +57,38 @@ def run(settings: RewardSettings) -> int:
         pool = ScorePool(settings.recipe_source(), settings.score_workers)
         remote = None
         try:
-            host.start([grpc_utils.Service(SERVICE_NAME, RewardServicer(pool, metrics), reward_pb2_grpc.add_RewardServicer_to_server)])
+            host.start(
+                [
+                    grpc_utils.Service(
+                        SERVICE_NAME, RewardServicer(pool, metrics), reward_pb2_grpc.add_RewardServicer_to_server
+                    )
+                ]
+            )
             host.set_ready(False, "starting the scoring workers")
             pool.warm_up()
             if settings.scorer_address:
-                remote = RemoteScorer.from_settings(settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc())
+                remote = RemoteScorer.from_settings(
+                    settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc()
+                )
             else:  # beside the start, not before readiness: a sandbox's interpreter can take seconds to start
-                threading.Thread(target=say_sandbox_problems, args=(settings, host.log), name="sandbox-probe", daemon=True).start()
+                threading.Thread(
+                    target=say_sandbox_problems, args=(settings, host.log), name="sandbox-probe", daemon=True
+                ).start()
             client = host.connect_redis()
             try:
                 stage = host.open_stage(client, SOURCE_STAGE, settings.group)
                 loop = RewardLoop(host, settings, stage, Scorer(local=pool, remote=remote), metrics)
                 host.set_ready(True, f"reading {stage.stream}")
                 logs.event(
-                    host.log, "started", source=stage.stream, output=stage.keys.stream(settings.output_stage), group=stage.group,
-                    consumer=stage.consumer, task_kinds=",".join(pool.kinds), weights=settings.weights(), remote_scorer=settings.scorer_address or "none",
+                    host.log,
+                    "started",
+                    source=stage.stream,
+                    output=stage.keys.stream(settings.output_stage),
+                    group=stage.group,
+                    consumer=stage.consumer,
+                    task_kinds=",".join(pool.kinds),
+                    weights=settings.weights(),
+                    remote_scorer=settings.scorer_address or "none",
                 )
                 # After Redis trouble the held batch is dropped: its entries are still pending on
                 # us and are read again first.
@@ -89,7 +106,14 @@ def say_sandbox_problems(settings: RewardSettings, log: logging.Logger) -> None:
     """A WARNING for each code task kind whose sandbox cannot run here (k8s/ runs this pod with
     the runtime's default seccomp profile; code tasks need k8s-code-sandbox/, docs/deploy.md)."""
     for kind, why in sandbox_problems(settings.recipe_specs()).items():
-        logs.event(log, "code_sandbox_unavailable", logging.WARNING, task_kind=kind, error=why, consequence="its completions score 0 (status error)")
+        logs.event(
+            log,
+            "code_sandbox_unavailable",
+            logging.WARNING,
+            task_kind=kind,
+            error=why,
+            consequence="its completions score 0 (status error)",
+        )
 
 
 @dataclass
@@ -129,7 +153,11 @@ class RewardLoop:
         host = self.host
         recovered = False
         if not self.held:
-            self.held.extend(self.of_known_tasks(host.read(self.stage, lambda e: validation.parse_group(e, LIMITS, stage="rollouts"))))
+            self.held.extend(
+                self.of_known_tasks(
+                    host.read(self.stage, lambda e: validation.parse_group(e, LIMITS, stage="rollouts"))
+                )
+            )
         if self.held:
             try:
                 with host.metrics.batch_seconds.time():
@@ -226,7 +254,12 @@ class RewardLoop:
         errors = sum(s.errors for s in scores)
         timeouts = sum(s.timeouts for s in scores)
         # No unknown_kind here: the Scorer dead-letters a kind no recipe knows (a remote scorer rejects it).
-        stats = {"scored": newly_scored, "reward_passthrough": passed_through, "reward_verifier_errors": errors, "reward_timeouts": timeouts}
+        stats = {
+            "scored": newly_scored,
+            "reward_passthrough": passed_through,
+            "reward_verifier_errors": errors,
+            "reward_timeouts": timeouts,
+        }
 
         def count_in_redis(ops: streams.Ops) -> None:
             for name, n in stats.items():
@@ -249,7 +282,14 @@ class RewardLoop:
         totals.timeouts += timeouts
         groups = [g for _, g in outputs]
         logs.event(
-            host.log, "groups_scored", n=len(done), scored=newly_scored, completions=len(scores), verifier_errors=errors, timeouts=timeouts,
+            host.log,
+            "groups_scored",
+            n=len(done),
+            scored=newly_scored,
+            completions=len(scores),
+            verifier_errors=errors,
+            timeouts=timeouts,
             reward=round(sum(s.reward for s in scores) / len(scores), 4) if scores else None,
-            versions=",".join(sorted({str(g.policy_version) for g in groups})), groups=logs.group_ids(groups),
+            versions=",".join(sorted({str(g.policy_version) for g in groups})),
+            groups=logs.group_ids(groups),
         )

@@ -76,6 +76,7 @@ def arithmetic_format(completion: str, answer: str) -> float:
 
 # -- math (math-verify) ---------------------------------------------------------------------
 
+
 def _math_verify() -> Any:
     """math_verify, imported on first use: it pulls in sympy and antlr (a second to import),
     which the other task kinds do not need.

@@ -153,7 +153,9 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     """Stream CPU tensors into a safetensors file, one after the other, without building the
     whole file in memory (the optimizer state is 12 bytes per parameter). Tensors may be
     views sharing storage (safetensors' own writer refuses those)."""
@@ -212,11 +214,19 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
     cuda = sorted((k for k in state if k.startswith("cuda/")), key=lambda k: int(k.split("/")[1]))
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            raise CheckpointError(f"checkpoint has {len(cuda)} CUDA generator states, this machine {torch.cuda.device_count()} GPUs")
+            raise CheckpointError(
+                f"checkpoint has {len(cuda)} CUDA generator states, this machine {torch.cuda.device_count()} GPUs"
+            )
         torch.cuda.set_rng_state_all([state[k].clone() for k in cuda])
 
 
-def save(path: Path, state: CheckpointState, optimizer_tensors: Mapping[str, torch.Tensor], rng: Mapping[str, torch.Tensor], replace: bool = False) -> Path:
+def save(
+    path: Path,
+    state: CheckpointState,
+    optimizer_tensors: Mapping[str, torch.Tensor],
+    rng: Mapping[str, torch.Tensor],
+    replace: bool = False,
+) -> Path:
     """Write a checkpoint folder at `path` atomically. An existing one is an error, unless
     `replace`: then the new one takes its place once complete (for a moment between two
     renames neither is there; a partial one never is)."""
@@ -418,7 +428,9 @@ def resolve(spec: str, checkpoint_dir: str) -> Path | None:
             return found.latest.path
         if found.unusable:
             why = "; ".join(reason for _, reason in found.unusable)
-            raise CheckpointError(f"resume = {spec!r}: no checkpoint in {checkpoint_dir} is whole ({why}); move them away to start over")
+            raise CheckpointError(
+                f"resume = {spec!r}: no checkpoint in {checkpoint_dir} is whole ({why}); move them away to start over"
+            )
         if spec == "latest":
             raise CheckpointError(f"resume = 'latest' but {checkpoint_dir} holds no checkpoint")
         return None
@@ -442,7 +454,9 @@ def confine(path: str, checkpoint_dir: str) -> Path:
     given = Path(path)
     target = (given if given.is_absolute() else root / given).resolve()
     if target == root or not target.is_relative_to(root):
-        raise CheckpointPathRefused(f"checkpoint path {path!r} resolves to {target}, outside the checkpoint folder {root}")
+        raise CheckpointPathRefused(
+            f"checkpoint path {path!r} resolves to {target}, outside the checkpoint folder {root}"
+        )
     top = target.relative_to(root).parts[0]
     # casefold: on a case-insensitive file system STEP-00000007 is the trainer's step-00000007.
     if top.casefold().startswith(("step-", ".")):

@@ -27,12 +27,17 @@ class TrainerSettings(TorchSettings):
     linger: bool = Field(False, description="after the last step keep serving gRPC (weights, state) until stopped")
     # Data
     task: Literal["arithmetic", "countdown", "jsonl", "dataset"] = Field(
-        "arithmetic", description="built-in synthetic task (arithmetic, countdown), prompts from a JSONL/Parquet file (jsonl), or a save_to_disk folder (dataset)"
+        "arithmetic",
+        description="built-in synthetic task (arithmetic, countdown), prompts from a JSONL/Parquet file (jsonl), or a save_to_disk folder (dataset)",
     )
-    dataset_path: str = Field("", description="JSONL/Parquet file (task = jsonl) or datasets.save_to_disk folder (task = dataset)")
+    dataset_path: str = Field(
+        "", description="JSONL/Parquet file (task = jsonl) or datasets.save_to_disk folder (task = dataset)"
+    )
     prompt_field: str = Field("prompt")
     answer_field: str = Field("answer")
-    metadata_field: str = Field("", description="optional column with task metadata for the reward recipe (an object or JSON text)")
+    metadata_field: str = Field(
+        "", description="optional column with task metadata for the reward recipe (an object or JSON text)"
+    )
     task_kind: str = Field("arithmetic", description="reward recipe name written into each task (jsonl, dataset)")
     max_operand: int = Field(9, ge=1, description="arithmetic: operands are 0..max_operand")
     # Sampling (sent with each task). Defaults: the GPU profile's (its compose.yaml and k8s/ repeat none).
@@ -46,10 +51,16 @@ class TrainerSettings(TorchSettings):
     betas: tuple[float, float] = Field((0.9, 0.999))
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field("grpo", description="policy loss (formulas in rollstream/trainer/grpo.py)")
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
+        "grpo", description="policy loss (formulas in rollstream/trainer/grpo.py)"
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ratio clipped below at 1 - clip_eps_low")
-    clip_eps_high: float = Field(0.2, gt=0, description="ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28; GSPO: ~4e-4)")
-    tis_cap: float = Field(0.0, ge=0, description="truncated importance sampling: weight min(pi_trainer / pi_behaviour, cap); 0 disables")
+    clip_eps_high: float = Field(
+        0.2, gt=0, description="ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28; GSPO: ~4e-4)"
+    )
+    tis_cap: float = Field(
+        0.0, ge=0, description="truncated importance sampling: weight min(pi_trainer / pi_behaviour, cap); 0 disables"
+    )
     beta: float = Field(0.0, ge=0, description="KL (k3) weight; > 0 needs reference log-probs (see kl_reference)")
     kl_reference: Literal["service", "lora_base"] = Field(
         "service",
@@ -57,7 +68,9 @@ class TrainerSettings(TorchSettings):
         "the trainer's own frozen base with the adapters switched off (lora_base: no reference service to deploy)",
     )
     max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
-    max_abs_reward: float = Field(1e4, gt=0, description="dead-letter groups with a reward of larger magnitude (a scorer gone wrong)")
+    max_abs_reward: float = Field(
+        1e4, gt=0, description="dead-letter groups with a reward of larger magnitude (a scorer gone wrong)"
+    )
     prompt_buffer: int = Field(16, ge=1, description="tasks kept waiting in the prompts stream")
     token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
     share_prompts: bool = Field(
@@ -69,7 +82,9 @@ class TrainerSettings(TorchSettings):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in backward")
     # Optimizer memory (see rollstream/trainer/optimizer.py)
     bucket_mb: float = Field(32.0, gt=0, description="optimizer step bucket size, MB of fp32 masters")
-    moments_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="AdamW moments in host memory (bfloat16: 4 bytes a parameter less)")
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="AdamW moments in host memory (bfloat16: 4 bytes a parameter less)"
+    )
     master_layout: Literal["split", "fp32"] = Field(
         "split",
         description="fp32 masters in host memory: split = their served bf16 bits plus a 16-bit remainder, exact, 4 bytes a parameter "
@@ -81,65 +96,109 @@ class TrainerSettings(TorchSettings):
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank)")
     # NoDecode: the environment gives "q_proj,v_proj" (or a JSON list), not only JSON. A plain
     # default, not a factory: pydantic copies it per instance, and --help can show it.
-    lora_target_modules: Annotated[list[str], NoDecode] = Field(["all-linear"], description="module names, comma-separated, or all-linear")
+    lora_target_modules: Annotated[list[str], NoDecode] = Field(
+        ["all-linear"], description="module names, comma-separated, or all-linear"
+    )
     # Checkpoints
     checkpoint_dir: str = Field(
-        "", description="where checkpoints go: the trainer's own as step-NNNNNNNN folders (resumed from, pruned), "
+        "",
+        description="where checkpoints go: the trainer's own as step-NNNNNNNN folders (resumed from, pruned), "
         "SaveCheckpoint's under any other name (kept)",
     )
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps, and at the last step (0: only on request and at the last step)")
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="save a checkpoint every N steps, and at the last step (0: only on request and at the last step)",
+    )
     # A resume needs the latest checkpoint and the trained log after it; the spare is what a
     # torn latest falls back to, losing nothing (the log reaches back to it). Each one is the
     # optimizer state: 12 bytes a trained parameter (8 with bfloat16 moments).
     keep_checkpoints: int = Field(
-        2, ge=0, description="the trainer's checkpoints kept, highest recorded step first: 2 = the latest + a spare in case it is torn, "
+        2,
+        ge=0,
+        description="the trainer's checkpoints kept, highest recorded step first: 2 = the latest + a spare in case it is torn, "
         "1 = the latest only, 0 = all",
     )
-    resume: str = Field("", description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)")
+    resume: str = Field(
+        "",
+        description="checkpoint folder to resume from, 'latest' (in checkpoint_dir), or 'auto' (latest if there is one, else start)",
+    )
     # The trained model (trainer/export.py)
     export_dir: str = Field(
-        "", description="when training ends (after its last step, or on a stop), write the model here as a Hugging Face folder: config, "
+        "",
+        description="when training ends (after its last step, or on a stop), write the model here as a Hugging Face folder: config, "
         "generation config, tokenizer and chat template, safetensors (LoRA: a PEFT adapter folder); `rollstream up` sets WORKDIR/model; empty: none",
     )
     export_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="the exported weights: bfloat16 = the served weights bit for bit, float32 = the optimizer's masters"
+        "bfloat16",
+        description="the exported weights: bfloat16 = the served weights bit for bit, float32 = the optimizer's masters",
     )
     # Held-out evaluation (trainer/evaluation.py): rounds of eval tasks through the same streams,
     # scored by the same reward service, never trained on.
-    eval_prompts: int = Field(0, ge=0, le=100_000, description="prompts per held-out evaluation round (0: no evaluation)")
-    eval_every: int = Field(
-        0, ge=0, description="a round every N steps, besides the one before the first step and the one after the last (0: only those two)"
+    eval_prompts: int = Field(
+        0, ge=0, le=100_000, description="prompts per held-out evaluation round (0: no evaluation)"
     )
-    eval_samples: int = Field(1, ge=1, le=64, description="completions per eval prompt: 1 = greedy; more = sampled at `temperature`, reported as pass@k")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="a round every N steps, besides the one before the first step and the one after the last (0: only those two)",
+    )
+    eval_samples: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="completions per eval prompt: 1 = greedy; more = sampled at `temperature`, reported as pass@k",
+    )
     eval_dataset_path: str = Field(
-        "", description="eval prompts from this JSONL/Parquet file or datasets.save_to_disk folder (the training task's fields); "
+        "",
+        description="eval prompts from this JSONL/Parquet file or datasets.save_to_disk folder (the training task's fields); "
         "empty: the training task's own generator with eval_seed (arithmetic, countdown)",
     )
-    eval_seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (another seed than the training one: other prompts)")
-    eval_only: bool = Field(False, description="train nothing: one held-out round of the model as it is, reported, then stop (`rollstream eval`)")
+    eval_seed: int = Field(
+        1_000_003,
+        description="seed of the built-in task's held-out prompts (another seed than the training one: other prompts)",
+    )
+    eval_only: bool = Field(
+        False,
+        description="train nothing: one held-out round of the model as it is, reported, then stop (`rollstream eval`)",
+    )
     eval_timeout_s: float = Field(
-        600.0, gt=0, description="how long a round waits for its groups (some may have died upstream); then it is reported with what came in"
+        600.0,
+        gt=0,
+        description="how long a round waits for its groups (some may have died upstream); then it is reported with what came in",
     )
     # Trackers (trainer/trackers.py): TRL's `report_to`
     report_to: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NoDecode] = Field(
-        [], description="where each step's and each eval round's metrics and the run configuration also go: tensorboard, mlflow (a local file store), "
+        [],
+        description="where each step's and each eval round's metrics and the run configuration also go: tensorboard, mlflow (a local file store), "
         "wandb (offline: no network), comma-separated; each needs its extra (pip install 'rollstream-trainer[tensorboard]')",
     )
-    tracker_dir: str = Field("", description="the trackers' folder (tensorboard events, mlflow's file store, wandb's offline runs); `rollstream up` sets WORKDIR/trackers")
+    tracker_dir: str = Field(
+        "",
+        description="the trackers' folder (tensorboard events, mlflow's file store, wandb's offline runs); `rollstream up` sets WORKDIR/trackers",
+    )
     # Observability
     metrics_file: str = Field(
-        "", description="append one JSON line per step here (StepMetrics + phase times; `rollstream plot` reads it); empty: none. "
+        "",
+        description="append one JSON line per step here (StepMetrics + phase times; `rollstream plot` reads it); empty: none. "
         "`rollstream up` sets WORKDIR/steps.jsonl",
     )
-    dashboard: bool = Field(True, description="serve the run's dashboard on the HTTP side (/dashboard, /api/pipeline, /api/steps) and the pipeline gauges on /metrics")
+    dashboard: bool = Field(
+        True,
+        description="serve the run's dashboard on the HTTP side (/dashboard, /api/pipeline, /api/steps) and the pipeline gauges on /metrics",
+    )
     # The dashboard reads every stage's stream, which the trainer's own Redis user may not.
     redis_observer_password_file: str = Field(
-        "", description="the read-only `observer` Redis user's password file, for the dashboard's look at every stage "
+        "",
+        description="the read-only `observer` Redis user's password file, for the dashboard's look at every stage "
         "(empty: the trainer's own connection; with ACLs it then sees only its own keys)",
     )
     # Weight sync
     # NoDecode: the environment gives "a:1,b:2" (or a JSON list), not only JSON.
-    generators: Annotated[list[str], NoDecode] = Field(default_factory=list, description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)")
+    generators: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="generator gRPC addresses, comma-separated (empty, with no generators_dns: the Redis registry)",
+    )
     generators_dns: str = Field(
         "",
         description="host:port whose every A/AAAA record is a generator, resolved at each push (a Kubernetes headless Service, "
@@ -148,7 +207,10 @@ class TrainerSettings(TorchSettings):
     anchor_interval: int = Field(20, ge=1, description="publish a full anchor every N versions")
     # The anchor is read only when a generator catches up, yet as large as the bf16 weights
     # (257 MB at 135M, 14 GB at 7B): a file keeps it out of the trainer's resident memory.
-    anchor_dir: str = Field("", description="keep the latest anchor (served to generators catching up) in a file in this directory; empty: in memory")
+    anchor_dir: str = Field(
+        "",
+        description="keep the latest anchor (served to generators catching up) in a file in this directory; empty: in memory",
+    )
     # The encoder is the host's costliest work a step (at 1.5B on an H200's host: 20 thread-seconds
     # for a 5.8 % delta against 0.72 s of AdamW), and the cores sit idle through forward and
     # backward on a GPU: half of them by default (docs/benchmarks.md, "GPU: the third run").
@@ -159,20 +221,24 @@ class TrainerSettings(TorchSettings):
     )
     push_timeout_s: float = Field(120.0, gt=0)
     push_nonce_timeout_s: float = Field(
-        3.0, gt=0,
+        3.0,
+        gt=0,
         description="how long a generator has to answer PushNonce before it is left out of that push (and backed off a while): one stranger costs this, not push_timeout_s",
     )
     # A healthy receiver takes a 4 MiB chunk in milliseconds (tens on a loaded 2-core box), and
     # an apply that is not waiting for a batch answers in under a second (docs/design-notes.md).
     push_stall_s: float = Field(
-        5.0, gt=0,
+        5.0,
+        gt=0,
         description="a generator that takes no chunk of a push for this long is cut and left out a while; one that has every chunk "
         "is waited for this long (per level of a relay tree), then the push ends without its answer and the next step goes on",
     )
     # Past ~16 generators the trainer's egress, not the receivers, bounds a push (docs/deploy.md,
     # "Scaling out"): down a relay tree it sends each payload push_fanout times, whatever N.
     push_fanout: int = Field(
-        0, ge=0, le=64,
+        0,
+        ge=0,
+        le=64,
         description="push down a relay tree: the trainer sends each payload to this many generators, each forwards it to as many more (0: to every generator itself)",
     )
     group: str = Field("trainer", description="consumer group on the ready stream")
@@ -198,7 +264,9 @@ class TrainerSettings(TorchSettings):
         if self.eval_only and not self.eval_prompts:
             raise ValueError("eval_only needs eval_prompts > 0 (how many held-out prompts to evaluate)")
         if self.eval_prompts and self.task in ("jsonl", "dataset") and not self.eval_dataset_path:
-            raise ValueError(f"eval_dataset_path is required for held-out evaluation (eval_prompts > 0) with task = {self.task!r}")
+            raise ValueError(
+                f"eval_dataset_path is required for held-out evaluation (eval_prompts > 0) with task = {self.task!r}"
+            )
         if self.eval_dataset_path and not Path(self.eval_dataset_path).exists():
             raise ValueError(f"eval_dataset_path {self.eval_dataset_path!r}: no such file or folder")
         if self.report_to and not self.tracker_dir:
@@ -206,7 +274,9 @@ class TrainerSettings(TorchSettings):
         if self.report_to and (missing := missing_extras(self.report_to)):
             raise ValueError(missing)  # at start, before the model loads, not at the first step
         if self.kl_reference == "lora_base" and not self.lora_rank:
-            raise ValueError("kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters")
+            raise ValueError(
+                "kl_reference = 'lora_base' needs LoRA training (lora_rank > 0): the reference is the base under the adapters"
+            )
         return self
 
     @property

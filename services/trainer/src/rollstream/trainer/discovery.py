@@ -18,7 +18,7 @@ class DiscoveryError(ValueError):
 
 
 def split_host_port(target: str) -> tuple[str, int]:
-    """"host:port" or "[v6addr]:port" -> (host, port)."""
+    """ "host:port" or "[v6addr]:port" -> (host, port)."""
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DiscoveryError(f"{target!r} is not host:port")
@@ -39,7 +39,10 @@ def resolve_all(target: str) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    addresses = {f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}" for family, *_, sockaddr in infos}
+    addresses = {
+        f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
+        for family, *_, sockaddr in infos
+    }
     return sorted(addresses)
 
 

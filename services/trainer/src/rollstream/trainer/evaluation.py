@@ -69,17 +69,26 @@ class Result:
     @classmethod
     def of(cls, group: rollout_pb2.RolloutGroup) -> "Result":
         return cls(
-            version=group.policy_version, rewards=[float(c.reward) for c in group.completions],
-            correct=[full_marks(c) for c in group.completions], tokens=sum(len(c.token_ids) for c in group.completions),
+            version=group.policy_version,
+            rewards=[float(c.reward) for c in group.completions],
+            correct=[full_marks(c) for c in group.completions],
+            tokens=sum(len(c.token_ids) for c in group.completions),
         )
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "rewards": self.rewards, "correct": self.correct, "tokens": self.tokens})
+        return json.dumps(
+            {"version": self.version, "rewards": self.rewards, "correct": self.correct, "tokens": self.tokens}
+        )
 
     @classmethod
     def from_json(cls, text: bytes | str) -> "Result":
         d = json.loads(text)
-        return cls(version=int(d["version"]), rewards=[float(r) for r in d["rewards"]], correct=[bool(c) for c in d["correct"]], tokens=int(d["tokens"]))
+        return cls(
+            version=int(d["version"]),
+            rewards=[float(r) for r in d["rewards"]],
+            correct=[bool(c) for c in d["correct"]],
+            tokens=int(d["tokens"]),
+        )
 
 
 @dataclass
@@ -97,8 +106,12 @@ class Round:
         correct = [c for res in results for c in res.correct]
         versions = [res.version for res in results]
         return rollout_pb2.EvalMetrics(
-            step=self.step, version=min(versions, default=0), version_max=max(versions, default=0), prompts=len(results),
-            prompts_fed=self.fed, samples=samples,
+            step=self.step,
+            version=min(versions, default=0),
+            version_max=max(versions, default=0),
+            prompts=len(results),
+            prompts_fed=self.fed,
+            samples=samples,
             reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
             accuracy=sum(correct) / len(correct) if correct else 0.0,
             pass_at_k=sum(any(res.correct) for res in results) / len(results) if results else 0.0,
@@ -110,7 +123,9 @@ class Round:
 class Evaluator:
     """The trainer's side of held-out evaluation: feeds rounds, takes their groups, reports them."""
 
-    def __init__(self, settings: TrainerSettings, client: redis_policy.Client, stage: streams.StreamStage, encode: Encode):
+    def __init__(
+        self, settings: TrainerSettings, client: redis_policy.Client, stage: streams.StreamStage, encode: Encode
+    ):
         self.settings = settings
         self.client = client
         self.stage = stage  # the trainer's `ready` stage: its commit script acks eval groups with their results
@@ -137,10 +152,17 @@ class Evaluator:
         """The rounds fed before this process (a restart): markers and results from Redis."""
         if not self.enabled:
             return
-        stored = {(k.decode() if isinstance(k, bytes) else k): v for k, v in self.client.hgetall(self.keys.eval_results).items()}
-        markers = {int(k.removeprefix(ROUND_PREFIX)): json.loads(v) for k, v in stored.items() if k.startswith(ROUND_PREFIX)}
+        stored = {
+            (k.decode() if isinstance(k, bytes) else k): v
+            for k, v in self.client.hgetall(self.keys.eval_results).items()
+        }
+        markers = {
+            int(k.removeprefix(ROUND_PREFIX)): json.loads(v) for k, v in stored.items() if k.startswith(ROUND_PREFIX)
+        }
         self.fed_steps.update(markers)
-        self.rounds = {step: Round(step, int(m["fed"]), float(m["at"])) for step, m in markers.items() if not m.get("reported")}
+        self.rounds = {
+            step: Round(step, int(m["fed"]), float(m["at"])) for step, m in markers.items() if not m.get("reported")
+        }
         for task_id, value in stored.items():
             live = self.rounds.get(self.step_of(task_id)) if not task_id.startswith(ROUND_PREFIX) else None
             if live is not None:
@@ -151,24 +173,42 @@ class Evaluator:
         s = self.settings
         if not self.enabled or step in self.fed_steps:
             return False
-        return s.eval_only or step == 0 or (s.eval_every > 0 and step % s.eval_every == 0) or (s.steps > 0 and step == s.steps)
+        return (
+            s.eval_only
+            or step == 0
+            or (s.eval_every > 0 and step % s.eval_every == 0)
+            or (s.steps > 0 and step == s.steps)
+        )
 
     def feed(self, ops: streams.Ops, step: int, version: int) -> None:
         """Add the round after `step` to `ops` (run with the step's commit, or alone)."""
         s = self.settings
         greedy = s.eval_samples == 1
         sampling = rollout_pb2.SamplingParams(
-            temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p, max_new_tokens=s.max_new_tokens
+            temperature=0.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            max_new_tokens=s.max_new_tokens,
         )
         stream = self.keys.stream("eval_prompts")
         for n, p in enumerate(self.prompts):
             task = rollout_pb2.PromptTask(
-                task_id=self.task_id(step, n), messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages], answer=p.answer,
-                group_size=s.eval_samples, sampling=sampling, fed_at_version=version, task_kind=p.task_kind, metadata_json=p.metadata_json, eval=True,
+                task_id=self.task_id(step, n),
+                messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages],
+                answer=p.answer,
+                group_size=s.eval_samples,
+                sampling=sampling,
+                fed_at_version=version,
+                task_kind=p.task_kind,
+                metadata_json=p.metadata_json,
+                eval=True,
             )
             feed_task(ops, self.keys, stream, task, self.encode(p.messages))
         at = time.time()
-        ops.hset(self.keys.eval_results, f"{ROUND_PREFIX}{step:08d}", json.dumps({"fed": len(self.prompts), "at": at, "version": version}))
+        ops.hset(
+            self.keys.eval_results,
+            f"{ROUND_PREFIX}{step:08d}",
+            json.dumps({"fed": len(self.prompts), "at": at, "version": version}),
+        )
         self.fed_steps.add(step)
         self.rounds[step] = Round(step, len(self.prompts), at)
 
@@ -193,7 +233,9 @@ class Evaluator:
             for task_id, result in new.items():
                 ops.hset(self.keys.eval_results, task_id, result.to_json())
             ops.hincrby(counters, "evaluated", len(new))
-            ops.sadd(self.keys.groups("evaluated"), *group_ids)  # the ledger's fifth outcome, beside trained, stale, dead, waiting
+            ops.sadd(
+                self.keys.groups("evaluated"), *group_ids
+            )  # the ledger's fifth outcome, beside trained, stale, dead, waiting
             ops.hincrby(counters, "eval_duplicates", len(entries) - len(new))
 
         self.stage.commit(entries, extra=ledger)
@@ -205,7 +247,8 @@ class Evaluator:
         or more (with what came in); returns their metrics, oldest first."""
         now = time.time()
         done = [
-            r for r in sorted(self.rounds.values(), key=lambda r: r.step)
+            r
+            for r in sorted(self.rounds.values(), key=lambda r: r.step)
             if len(r.results) >= r.fed or now - r.fed_at >= self.settings.eval_timeout_s
         ]
         reported = []
@@ -214,7 +257,11 @@ class Evaluator:
             task_ids = [self.task_id(r.step, n) for n in range(r.fed)]
             ops = streams.Ops()
             ops.xadd(self.keys.evals, codec.encode(metrics), maxlen=10_000, approximate=True)
-            ops.hset(self.keys.eval_results, f"{ROUND_PREFIX}{r.step:08d}", json.dumps({"fed": r.fed, "at": r.fed_at, "reported": True}))
+            ops.hset(
+                self.keys.eval_results,
+                f"{ROUND_PREFIX}{r.step:08d}",
+                json.dumps({"fed": r.fed, "at": r.fed_at, "reported": True}),
+            )
             ops.hdel(self.keys.eval_results, *task_ids)
             ops.hdel(self.keys.tasks, *task_ids)
             self.stage.apply(ops)

@@ -80,7 +80,15 @@ class Trained:
 def from_trainer(trainer: "Trainer") -> Trained:
     """The live trainer's state (call between steps: the split layout's bits are rewritten in place by a step)."""
     trainer.optimizer.wait()  # an overlapped step's update makes the bits
-    return Trained(trainer.model_dir, trainer.optimizer, trainer.lora, trainer.publisher.bits(), trainer.step, trainer.version, "trainer")
+    return Trained(
+        trainer.model_dir,
+        trainer.optimizer,
+        trainer.lora,
+        trainer.publisher.bits(),
+        trainer.step,
+        trainer.version,
+        "trainer",
+    )
 
 
 def _setting(settings: Mapping[str, Any], name: str) -> Any:
@@ -117,10 +125,17 @@ def from_checkpoint(path: Path) -> Trained:
         raise ExportError(f"{path}: checkpoint is for model {state.model_fingerprint}, {model_dir} is {fingerprint}")
     # state.json's strings, narrowed to the optimizer's choices (the trainer wrote them from its settings).
     moments: Literal["float32", "bfloat16"] = "bfloat16" if state.moments_dtype == "bfloat16" else "float32"
-    layout: Literal["split", "fp32"] = "split" if state.master_layout == "split" else "fp32"  # load_state reads either layout
+    layout: Literal["split", "fp32"] = (
+        "split" if state.master_layout == "split" else "fp32"
+    )  # load_state reads either layout
     optimizer = HostAdamW(
-        params, lr=_setting(settings, "lr"), betas=tuple(_setting(settings, "betas")), weight_decay=_setting(settings, "weight_decay"),
-        bucket_mb=_setting(settings, "bucket_mb"), moments_dtype=moments, master_layout=layout,
+        params,
+        lr=_setting(settings, "lr"),
+        betas=tuple(_setting(settings, "betas")),
+        weight_decay=_setting(settings, "weight_decay"),
+        bucket_mb=_setting(settings, "bucket_mb"),
+        moments_dtype=moments,
+        master_layout=layout,
     )
     try:
         trained_bits = optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
@@ -175,7 +190,13 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[Path, list[
 # -- writing ----------------------------------------------------------------------------------
 
 
-def export(trained: Trained, out: Path, dtype: Dtype = "bfloat16", merge: bool = False, max_shard_size: int | str = MAX_SHARD_SIZE) -> Path:
+def export(
+    trained: Trained,
+    out: Path,
+    dtype: Dtype = "bfloat16",
+    merge: bool = False,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> Path:
     """Write `trained` to the folder `out` (atomically; an earlier export there is replaced) and return it."""
     if dtype not in _TORCH_DTYPES:
         raise ExportError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, not {dtype!r}")
@@ -185,8 +206,14 @@ def export(trained: Trained, out: Path, dtype: Dtype = "bfloat16", merge: bool =
     check_output(out)
     kind = "full" if trained.lora is None else "lora-merged" if merge else "lora-adapter"
     record = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "dtype": dtype, "step": trained.step, "version": trained.version,
-        "source": trained.source, "base_model": trained.model_dir,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "dtype": dtype,
+        "step": trained.step,
+        "version": trained.version,
+        "source": trained.source,
+        "base_model": trained.model_dir,
     }
 
     def write(folder: Path) -> None:
@@ -215,17 +242,24 @@ def _model_weights(trained: Trained, dtype: Dtype) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, master in trained.optimizer.master.items():
             fresh.adapters[name].copy_(master)
-    return {name: fresh.merged_weight(name) if name in fresh.layers else p.detach().clone() for name, p in fresh.base.items()}
+    return {
+        name: fresh.merged_weight(name) if name in fresh.layers else p.detach().clone()
+        for name, p in fresh.base.items()
+    }
 
 
 def _adapter_weights(trained: Trained, dtype: Dtype) -> dict[str, torch.Tensor]:
     """The adapters by their peft name: their served bits (bf16) or fp32 masters."""
     if dtype == "bfloat16":
-        return {name: modeling.bits_to_tensor(bits).clone() for name, bits in trained.optimizer.published_bits().items()}
+        return {
+            name: modeling.bits_to_tensor(bits).clone() for name, bits in trained.optimizer.published_bits().items()
+        }
     return {name: master.clone() for name, master in trained.optimizer.master.items()}
 
 
-def _save_model(model_dir: str, weights: dict[str, torch.Tensor], dtype: torch.dtype, folder: Path, max_shard_size: int | str) -> None:
+def _save_model(
+    model_dir: str, weights: dict[str, torch.Tensor], dtype: torch.dtype, folder: Path, max_shard_size: int | str
+) -> None:
     """transformers' save_pretrained on an empty (meta) model of the source's config: config.json
     records `dtype`, the generation config is the source's, tied weights are transformers' business."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -272,7 +306,9 @@ def check_output(out: Path) -> None:
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ExportError(f"--out {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not is_export(out):
-        raise ExportError(f"--out {out} exists, is not empty and is not an export (no {MARKER}): choose another folder or empty it")
+        raise ExportError(
+            f"--out {out} exists, is not empty and is not an export (no {MARKER}): choose another folder or empty it"
+        )
 
 
 def _temp_names(out: Path) -> tuple[Path, Path]:
@@ -335,4 +371,12 @@ def export_at_end(trainer: "Trainer", log: logging.Logger) -> None:
     except Exception as e:  # noqa: BLE001 - a full disk, a folder in the way: never the run's end
         logs.event(log, "export_failed", logging.ERROR, path=s.export_dir, step=trainer.step, error=str(e))
         return
-    logs.event(log, "exported", path=str(path), step=trainer.step, version=trainer.version, dtype=s.export_dtype, mb=round(folder_bytes(path) / 1e6, 1))
+    logs.event(
+        log,
+        "exported",
+        path=str(path),
+        step=trainer.step,
+        version=trainer.version,
+        dtype=s.export_dtype,
+        mb=round(folder_bytes(path) / 1e6, 1),
+    )

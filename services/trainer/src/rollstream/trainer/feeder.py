@@ -40,7 +40,9 @@ def chat_encoder(tokenizer: Any) -> Encode:
     return encode
 
 
-def feed_task(ops: streams.Ops, keys: run_keys.RunKeys, stream: str, task: rollout_pb2.PromptTask, prompt_ids: Sequence[int]) -> None:
+def feed_task(
+    ops: streams.Ops, keys: run_keys.RunKeys, stream: str, task: rollout_pb2.PromptTask, prompt_ids: Sequence[int]
+) -> None:
     """Add `task` to `stream` and to the task map, with its prompt ids as the trainer rendered
     them (what groups of it are checked against), in the same `ops`."""
     ops.xadd(stream, codec.encode(task))
@@ -51,7 +53,14 @@ def feed_task(ops: streams.Ops, keys: run_keys.RunKeys, stream: str, task: rollo
 
 
 class PromptFeeder:
-    def __init__(self, settings: TrainerSettings, client: redis_policy.Client, stage: streams.StreamStage, fed: int, encode: Encode):
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        client: redis_policy.Client,
+        stage: streams.StreamStage,
+        fed: int,
+        encode: Encode,
+    ):
         self.settings = settings
         self.client = client
         self.stage = stage  # runs the feeder's writes through the run's commit script
@@ -95,7 +104,9 @@ class PromptFeeder:
                 messages=[rollout_pb2.ChatMessage(role=r, content=c) for r, c in p.messages],
                 answer=p.answer,
                 group_size=s.group_size,
-                sampling=rollout_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
+                sampling=rollout_pb2.SamplingParams(
+                    temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
+                ),
                 fed_at_version=version,
                 task_kind=p.task_kind,
                 metadata_json=p.metadata_json,

@@ -35,7 +35,16 @@ from rollstream.core.grpc_utils import channel
 from rollstream.core.push_signing import PushSigner
 from rollstream.trainer import relay
 from rollstream.trainer.push import (
-    NONCE_TIMEOUT_S, STALL_S, AddressBackoff, PushCall, PushGate, PushOutcome, PushParts, Unanswered, Watch, push_call,
+    NONCE_TIMEOUT_S,
+    STALL_S,
+    AddressBackoff,
+    PushCall,
+    PushGate,
+    PushOutcome,
+    PushParts,
+    Unanswered,
+    Watch,
+    push_call,
 )
 
 if TYPE_CHECKING:
@@ -46,7 +55,10 @@ MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relay
 # The ways a payload goes out to many generators, by name (as vLLM registers its weight-transfer
 # engines): each is handed the pool, the addresses to reach, the push's shared parts, the
 # deadline and the fan-out, and gives one outcome per address.
-WAYS: dict[str, Callable[[ThreadPoolExecutor, Sequence[str], PushParts, float, int], list[PushOutcome]]] = {"push": relay.direct, "relay": relay.push_down}
+WAYS: dict[str, Callable[[ThreadPoolExecutor, Sequence[str], PushParts, float, int], list[PushOutcome]]] = {
+    "push": relay.direct,
+    "relay": relay.push_down,
+}
 
 
 class BackgroundPush:
@@ -118,7 +130,10 @@ class Fleet:
     has every chunk (then the push ends without it: Unanswered)."""
 
     def __init__(
-        self, creds: ClientCredentials | None = None, generator_key: Ed25519PublicKey | None = None, nonce_timeout_s: float = NONCE_TIMEOUT_S,
+        self,
+        creds: ClientCredentials | None = None,
+        generator_key: Ed25519PublicKey | None = None,
+        nonce_timeout_s: float = NONCE_TIMEOUT_S,
         stall_s: float = STALL_S,
     ):
         self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
@@ -133,7 +148,12 @@ class Fleet:
         self._channels_lock = threading.Lock()
 
     def push(
-        self, addresses: Sequence[str], published: Published, timeout_s: float, from_registry: bool = False, fanout: int = 0
+        self,
+        addresses: Sequence[str],
+        published: Published,
+        timeout_s: float,
+        from_registry: bool = False,
+        fanout: int = 0,
     ) -> list[PushOutcome]:
         """Push one payload to every generator concurrently (each as a stream of chunks).
         `from_registry`: the addresses come from the generator registry, which a lesser role
@@ -147,7 +167,9 @@ class Fleet:
         gate = PushGate(self.signer, self.generator_key, from_registry)
         live, skipped = self.backoff.split(addresses)
         live, busy = self.unanswered.split(live)
-        parts = PushParts(calls, wire, published.header(), gate, Watch(self.stall_s, self.unanswered), self.nonce_timeout_s)
+        parts = PushParts(
+            calls, wire, published.header(), gate, Watch(self.stall_s, self.unanswered), self.nonce_timeout_s
+        )
         done = WAYS["relay" if 1 <= fanout < len(live) else "push"](self._pool, live, parts, timeout_s, fanout)
         self.backoff.update(done, keep=addresses)
         by_address = {o.address: o for o in [*skipped, *busy, *done]}
@@ -172,4 +194,3 @@ class Fleet:
                 ch.close()
             self._channels.clear()
         self._pool.shutdown(wait=False)
-

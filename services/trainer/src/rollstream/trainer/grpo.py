@@ -180,4 +180,3 @@ def policy_loss(
         tokens=int(logp.numel()),
         entropy_sum=float(entropy.detach().sum()) if entropy is not None else 0.0,
     )
-

@@ -49,8 +49,12 @@ class LoraModel:
         name_of = {id(p): name for name, p in self.base.items()}
         config = LoraConfig(
             lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft says int; a float scales the same (alpha / r)
-            r=spec.rank, target_modules=spec.peft_targets(),
-            lora_dropout=0.0, bias="none", use_rslora=False, use_dora=False,
+            r=spec.rank,
+            target_modules=spec.peft_targets(),
+            lora_dropout=0.0,
+            bias="none",
+            use_rslora=False,
+            use_dora=False,
         )
         self.model = get_peft_model(model, config)
         self.layers: dict[str, LoraLinear] = {}
@@ -58,11 +62,15 @@ class LoraModel:
             if not isinstance(module, LoraLayer):
                 continue
             if not isinstance(module, LoraLinear):
-                raise ValueError(f"{module_name}: only Linear layers are supported for LoRA here, got {type(module).__name__}")
+                raise ValueError(
+                    f"{module_name}: only Linear layers are supported for LoRA here, got {type(module).__name__}"
+                )
             self.layers[name_of[id(module.get_base_layer().weight)]] = module
         if not self.layers:
             raise ValueError(f"LoRA target_modules {list(spec.target_modules)} matched no layer")
-        self.adapters: dict[str, torch.nn.Parameter] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.adapters: dict[str, torch.nn.Parameter] = {
+            n: p for n, p in self.model.named_parameters() if p.requires_grad
+        }
         self.base_bits: dict[str, np.ndarray] = {}  # set by round_base_to_bf16
 
     def round_base_to_bf16(self) -> None:

@@ -112,7 +112,9 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-def host_bytes_per_parameter(master_layout: MasterLayout, moments_dtype: MomentsDtype, grad_offload: bool = False) -> int:
+def host_bytes_per_parameter(
+    master_layout: MasterLayout, moments_dtype: MomentsDtype, grad_offload: bool = False
+) -> int:
     """What the layout holds a parameter in host memory (staging buffers and deltas aside)."""
     moments = 2 * _MOMENT_DTYPES[moments_dtype].itemsize
     return _LAYOUTS[master_layout].bytes_per_parameter + moments + (4 if grad_offload else 0)
@@ -151,8 +153,20 @@ class Moments:
         # and runs the fused CPU kernel in place on master, m32, v32.
         step = torch.tensor(float(s.step - 1))
         functional_adamw(
-            [master], [grad], [m32], [v32], [], [step], fused=True, amsgrad=False, beta1=s.beta1, beta2=s.beta2,
-            lr=s.lr, weight_decay=s.weight_decay, eps=s.eps, maximize=False,
+            [master],
+            [grad],
+            [m32],
+            [v32],
+            [],
+            [step],
+            fused=True,
+            amsgrad=False,
+            beta1=s.beta1,
+            beta2=s.beta2,
+            lr=s.lr,
+            weight_decay=s.weight_decay,
+            eps=s.eps,
+            maximize=False,
         )
         if self._wide:
             m.copy_(m32)
@@ -162,7 +176,9 @@ class Moments:
 def _read_bucket(b: Bucket, params: Mapping[str, torch.nn.Parameter], out: torch.Tensor) -> torch.Tensor:
     """Bucket b's values in the model, into `out` (fp32): bucket by bucket, no whole-model fp32 copy."""
     for pc in b.pieces:
-        out[pc.bucket_start : pc.bucket_start + pc.count].copy_(flat(params[pc.name].detach())[pc.param_start : pc.param_start + pc.count])
+        out[pc.bucket_start : pc.bucket_start + pc.count].copy_(
+            flat(params[pc.name].detach())[pc.param_start : pc.param_start + pc.count]
+        )
     return out
 
 
@@ -235,7 +251,9 @@ class SplitMasters(_Layout):
 
     published = new_bits
 
-    def step_bucket(self, b: Bucket, grad: torch.Tensor, s: AdamWStep, out: torch.Tensor, new_bits: np.ndarray, keep_old: bool) -> np.ndarray:
+    def step_bucket(
+        self, b: Bucket, grad: torch.Tensor, s: AdamWStep, out: torch.Tensor, new_bits: np.ndarray, keep_old: bool
+    ) -> np.ndarray:
         """AdamW on bucket b's masters and moments, its served bits after the step into `out`;
         returns those before it (kept only with `keep_old`). The compiled kernel does what torch's
         fused kernel does with vector code, in one pass; the bucket's last n % 16 values (only
@@ -246,7 +264,9 @@ class SplitMasters(_Layout):
         if self.kernel is not None and body:
             at = slice(b.start, b.start + body)
             m = self.moments
-            self.kernel.step(self.hi[at], self.lo[at], m.exp_avg[at], m.exp_avg_sq[at], grad[:body], old[:body], out16[:body], s)
+            self.kernel.step(
+                self.hi[at], self.lo[at], m.exp_avg[at], m.exp_avg_sq[at], grad[:body], old[:body], out16[:body], s
+            )
         if body < n:
             old[body:] = bits_of(self.hi[b.start + body : b.end])
             master = self._load(b.start + body, b.end, self._master32[: n - body])
@@ -309,7 +329,9 @@ class Fp32Masters(_Layout):
         if delta and self.bits.size != self.flat.numel():
             raise RuntimeError("no previous bits to encode a delta from: sync_model() or load_state() first")
 
-    def step_bucket(self, b: Bucket, grad: torch.Tensor, s: AdamWStep, out: torch.Tensor, new_bits: np.ndarray, keep_old: bool) -> np.ndarray:
+    def step_bucket(
+        self, b: Bucket, grad: torch.Tensor, s: AdamWStep, out: torch.Tensor, new_bits: np.ndarray, keep_old: bool
+    ) -> np.ndarray:
         self.moments.adamw(self.flat[b.start : b.end], grad, b.start, s)
         self.copy_out(b, out, new_bits)
         return self.bits[b.start : b.end]
@@ -338,7 +360,10 @@ _LAYOUTS: dict[MasterLayout, type[Masters]] = {"split": SplitMasters, "fp32": Fp
 
 def saved_layout(keys: set[str], names: Iterable[str], ours: MasterLayout) -> MasterLayout:
     """The layout a checkpoint's tensors were saved in (either is loaded, converted exactly)."""
-    expected = {layout: {f"{kind}/{n}" for kind in (*cls.kinds, *Moments.kinds) for n in names} for layout, cls in _LAYOUTS.items()}
+    expected = {
+        layout: {f"{kind}/{n}" for kind in (*cls.kinds, *Moments.kinds) for n in names}
+        for layout, cls in _LAYOUTS.items()
+    }
     for layout, wanted in expected.items():
         if keys == wanted:
             return layout
@@ -346,13 +371,23 @@ def saved_layout(keys: set[str], names: Iterable[str], ours: MasterLayout) -> Ma
     raise ValueError(f"optimizer state does not match the parameters (missing {missing}, unexpected {extra})")
 
 
-def make_masters(layout: MasterLayout, width: int, moments: Moments, device: torch.device, spare_bits: bool | None, kernel: bool | None) -> Masters:
+def make_masters(
+    layout: MasterLayout,
+    width: int,
+    moments: Moments,
+    device: torch.device,
+    spare_bits: bool | None,
+    kernel: bool | None,
+) -> Masters:
     """The layout's masters, as many as the moments. `spare_bits` (fp32): keep the bits buffer of
     two steps ago for reuse (Fp32Masters.new_bits); None: only on a GPU. `kernel` (split): step
     with the compiled kernel; None: where it was built, False: with torch operations (the same bits)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"master_layout must be 'split' or 'fp32', not {layout!r}")
-    numel, split = moments.exp_avg.numel(), split_kernel_module.load() if layout == "split" and kernel is not False else None
+    numel, split = (
+        moments.exp_avg.numel(),
+        split_kernel_module.load() if layout == "split" and kernel is not False else None,
+    )
     if kernel and split is None:
         raise RuntimeError("the split layout's compiled kernel was not built (setup.py needs a C compiler at install)")
     if layout == "split":

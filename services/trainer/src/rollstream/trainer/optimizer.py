@@ -48,7 +48,15 @@ from rollstream.trainer.masters import MasterLayout, Moments, MomentsDtype, host
 from rollstream.trainer.split_kernel import AdamWStep
 from rollstream.trainer.staging import Copier, DeviceGrads, GradOffload
 
-__all__ = ["HostAdamW", "MasterLayout", "MomentsDtype", "NonFiniteStep", "OnPiece", "host_bytes_per_parameter", "served_bits"]
+__all__ = [
+    "HostAdamW",
+    "MasterLayout",
+    "MomentsDtype",
+    "NonFiniteStep",
+    "OnPiece",
+    "host_bytes_per_parameter",
+    "served_bits",
+]
 # Called for every piece of a parameter once its bucket is stepped, as
 # on_piece(name, start, old, new): `start` is the piece's offset in the flattened parameter,
 # `old` its bits before the step (the receiver may keep them) and `new` its bits now (a view
@@ -74,9 +82,19 @@ class _InFlight:
 
 class HostAdamW:
     def __init__(
-        self, params: Mapping[str, torch.nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8, *,
-        moments_dtype: MomentsDtype, bucket_mb: float = 32.0, master_layout: MasterLayout = "split", grad_offload: bool = False,
-        spare_bits: bool | None = None, split_kernel: bool | None = None,
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float = 1e-8,
+        *,
+        moments_dtype: MomentsDtype,
+        bucket_mb: float = 32.0,
+        master_layout: MasterLayout = "split",
+        grad_offload: bool = False,
+        spare_bits: bool | None = None,
+        split_kernel: bool | None = None,
     ):
         """`moments_dtype` has no default: the trainer's settings hold it (TrainerSettings).
         `spare_bits`, `split_kernel`: masters.make_masters."""
@@ -172,7 +190,9 @@ class HostAdamW:
         names = {id(p): name for name, p in self.params.items()}
         hooks = []
         for module in model.modules():
-            held = sorted({k for p in module.parameters(recurse=False) if id(p) in names for k in self._buckets_of[names[id(p)]]})
+            held = sorted(
+                {k for p in module.parameters(recurse=False) if id(p) in names for k in self._buckets_of[names[id(p)]]}
+            )
             if held:
                 hooks.append(module.register_forward_pre_hook(lambda _m, _args, held=held: self._await_buckets(held)))
         get_decoder = getattr(model, "get_decoder", None)
@@ -198,7 +218,9 @@ class HostAdamW:
         self.grads.zero()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    def step(
+        self, max_grad_norm: float, on_piece: OnPiece | None = None, model: torch.nn.Module | None = None
+    ) -> tuple[float, dict[str, np.ndarray]]:
         """One AdamW step from the accumulated gradients (then cleared). Returns (grad norm
         before clipping, the new bf16 bits of every parameter: what is published and what the
         model computes with; split layout: views of hi, changed in place by the next step);
@@ -246,7 +268,9 @@ class HostAdamW:
             for uploaded in update.uploaded:
                 uploaded.set()
 
-    def _update_buckets(self, s: AdamWStep | None, on_piece: OnPiece | None, new_bits: np.ndarray, update: _InFlight | None = None) -> dict[str, np.ndarray]:
+    def _update_buckets(
+        self, s: AdamWStep | None, on_piece: OnPiece | None, new_bits: np.ndarray, update: _InFlight | None = None
+    ) -> dict[str, np.ndarray]:
         """Step with `s` or only copy out (None: sync_model) every bucket, writing the bits into
         `new_bits` and the model; with `update`, each bucket is marked once its copy into the
         model is issued."""
@@ -261,8 +285,16 @@ class HostAdamW:
             if s is None:
                 self.masters.copy_out(b, out, new_bits)
             else:
-                old = self.masters.step_bucket(b, self.grads.bucket(k, b), s, out, new_bits, keep_old=on_piece is not None)
-            pairs = [(out[pc.bucket_start : pc.bucket_start + pc.count], masters.flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count]) for pc in b.pieces]
+                old = self.masters.step_bucket(
+                    b, self.grads.bucket(k, b), s, out, new_bits, keep_old=on_piece is not None
+                )
+            pairs = [
+                (
+                    out[pc.bucket_start : pc.bucket_start + pc.count],
+                    masters.flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count],
+                )
+                for pc in b.pieces
+            ]
             put[k % 2] = self._copier.copy(pairs, self._copier.h2d)
             if update is not None:
                 update.copied[k] = put[k % 2]
@@ -270,7 +302,12 @@ class HostAdamW:
             if on_piece is not None:  # (only a step has one)
                 for pc in b.pieces:
                     at = b.start + pc.bucket_start
-                    on_piece(pc.name, pc.param_start, old[pc.bucket_start : pc.bucket_start + pc.count], new_bits[at : at + pc.count])
+                    on_piece(
+                        pc.name,
+                        pc.param_start,
+                        old[pc.bucket_start : pc.bucket_start + pc.count],
+                        new_bits[at : at + pc.count],
+                    )
         for event in put:
             self._copier.wait(event)
         self._copier.end()
@@ -285,7 +322,11 @@ class HostAdamW:
         (split layout), exp_avg/<name>, exp_avg_sq/<name>."""
         self.wait()
         held = self.masters.tensors | self.moments.tensors
-        return {f"{kind}/{name}": t[off : off + n].view(shape) for name, (off, n, shape) in self.layout.items() for kind, t in held.items()}
+        return {
+            f"{kind}/{name}": t[off : off + n].view(shape)
+            for name, (off, n, shape) in self.layout.items()
+            for kind, t in held.items()
+        }
 
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, torch.Tensor], step_count: int) -> dict[str, np.ndarray]:

@@ -89,7 +89,9 @@ class Published:
     (sha256 of the payload) is made on first use, once, whatever the number of generators it
     goes to."""
 
-    def __init__(self, info: deltas.PayloadInfo, payload: bytes | PayloadFile, header: weights_pb2.WeightHeader | None = None):
+    def __init__(
+        self, info: deltas.PayloadInfo, payload: bytes | PayloadFile, header: weights_pb2.WeightHeader | None = None
+    ):
         """`header`: the payload's, when it was made already (the same bytes moved to a file)."""
         self.info = info
         self.payload = payload
@@ -155,14 +157,26 @@ class StoreFiles:
         except OSError as e:  # then every payload stays in memory (`file` says so)
             log.warning("anchor_dir_unusable: %s: %s", directory, e)
 
-    def file(self, info: deltas.PayloadInfo, write: Callable[[BinaryIO], object], header: Callable[[], weights_pb2.WeightHeader]) -> Published | None:
+    def file(
+        self,
+        info: deltas.PayloadInfo,
+        write: Callable[[BinaryIO], object],
+        header: Callable[[], weights_pb2.WeightHeader],
+    ) -> Published | None:
         """The payload `write` writes, in its file (header: made once it is written), or None
         when the disk refuses it (logged; the caller keeps it in memory)."""
         name = ANCHOR_FILE if info.kind == "anchor" else f"delta-{info.version:08d}.safetensors"
         try:
             return Published(info, PayloadFile(self.directory / name, write), header=header())
         except OSError as e:
-            log.warning("%s_in_memory: cannot write version %d's %s to %s (%s); keeping it in memory", info.kind, info.version, info.kind, self.directory, e)
+            log.warning(
+                "%s_in_memory: cannot write version %d's %s to %s (%s); keeping it in memory",
+                info.kind,
+                info.version,
+                info.kind,
+                self.directory,
+                e,
+            )
             return None
 
     def write_manifest(self, kept: Sequence[Published], signature: Callable[[weights_pb2.WeightHeader], bytes]) -> None:
@@ -179,7 +193,9 @@ class StoreFiles:
             else:  # no chain, or an anchor in memory: generators ask the trainer at once
                 self.withdraw()
         except OSError as e:
-            log.warning("weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.directory, e)
+            log.warning(
+                "weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.directory, e
+            )
 
     def withdraw(self) -> None:
         """No chain.json: no generator reads a chain whose files are going."""

@@ -51,7 +51,9 @@ def arithmetic(seed: int, max_operand: int = 9) -> Iterator[Prompt]:
         yield Prompt(messages=(("user", question),), answer=str(a + b), task_kind="arithmetic")
 
 
-def countdown(seed: int, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 20, max_target: int = 100) -> Iterator[Prompt]:
+def countdown(
+    seed: int, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 20, max_target: int = 100
+) -> Iterator[Prompt]:
     """Endless countdown puzzles: numbers, and a target that some expression of them reaches.
 
     Every puzzle is solvable: the target is the value of a random expression built from
@@ -113,8 +115,16 @@ def _metadata_json(raw: Any) -> str:
     return json.dumps(raw)
 
 
-def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str,
-          epochs: int | None = None) -> Iterator[Prompt]:
+def _rows(
+    data: "Dataset",
+    source: str,
+    prompt_field: str,
+    answer_field: str,
+    task_kind: str,
+    seed: int,
+    metadata_field: str,
+    epochs: int | None = None,
+) -> Iterator[Prompt]:
     """Rows of `data` as prompts, reshuffled every epoch (`epochs` of them; None: endless)."""
     wanted = [prompt_field, answer_field] + ([metadata_field] if metadata_field else [])
     for name in wanted:
@@ -134,7 +144,15 @@ def _rows(data: "Dataset", source: str, prompt_field: str, answer_field: str, ta
         epoch += 1
 
 
-def from_file(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "", epochs: int | None = None) -> Iterator[Prompt]:
+def from_file(
+    path: str,
+    prompt_field: str,
+    answer_field: str,
+    task_kind: str,
+    seed: int,
+    metadata_field: str = "",
+    epochs: int | None = None,
+) -> Iterator[Prompt]:
     """Rows of a local JSONL or Parquet file, reshuffled every epoch. `prompt_field` holds
     either a string (one user message) or a list of {role, content} chat messages;
     `metadata_field` (optional) an object or JSON text, passed to the reward recipe."""
@@ -145,8 +163,16 @@ def from_file(path: str, prompt_field: str, answer_field: str, task_kind: str, s
     yield from _rows(data, path, prompt_field, answer_field, task_kind, seed, metadata_field, epochs)
 
 
-def from_disk(path: str, prompt_field: str, answer_field: str, task_kind: str, seed: int, metadata_field: str = "", split: str = "train",
-              epochs: int | None = None) -> Iterator[Prompt]:
+def from_disk(
+    path: str,
+    prompt_field: str,
+    answer_field: str,
+    task_kind: str,
+    seed: int,
+    metadata_field: str = "",
+    split: str = "train",
+    epochs: int | None = None,
+) -> Iterator[Prompt]:
     """A data set saved with `save_to_disk` (a Dataset, or a DatasetDict and its `split`)."""
     from datasets import Dataset, DatasetDict, load_from_disk
 
@@ -183,7 +209,9 @@ def held_out(settings: "TrainerSettings") -> list[Prompt]:
     source: Iterator[Prompt]
     if s.eval_dataset_path:
         read = from_disk if Path(s.eval_dataset_path).is_dir() else from_file
-        source = read(s.eval_dataset_path, s.prompt_field, s.answer_field, s.task_kind, s.eval_seed, s.metadata_field, epochs=1)
+        source = read(
+            s.eval_dataset_path, s.prompt_field, s.answer_field, s.task_kind, s.eval_seed, s.metadata_field, epochs=1
+        )
     elif s.task == "arithmetic":
         source = arithmetic(s.eval_seed, s.max_operand)
     elif s.task == "countdown":

@@ -75,7 +75,9 @@ class Readers:
             if self._configured:
                 return "configured push targets (generators / generators_dns)"
             if self._targets:
-                return f"registered generators: {', '.join(self._targets[:4])}{' ...' if len(self._targets) > 4 else ''}"
+                return (
+                    f"registered generators: {', '.join(self._targets[:4])}{' ...' if len(self._targets) > 4 else ''}"
+                )
             if self._fetched_at is not None and (ago := self._clock() - self._fetched_at) < READER_GRACE_S:
                 return f"a FetchWeights {ago:.0f} s ago"
             return ""
@@ -83,9 +85,17 @@ class Readers:
 
 class WeightPublisher:
     def __init__(
-        self, bits: Mapping[str, np.ndarray], anchor_interval: int, version: int = 0, creds: ClientCredentials | None = None,
-        encode_threads: int = 0, anchor_dir: Path | None = None, generator_key: Ed25519PublicKey | None = None, run: str = "",
-        nonce_timeout_s: float = NONCE_TIMEOUT_S, stall_s: float = STALL_S,
+        self,
+        bits: Mapping[str, np.ndarray],
+        anchor_interval: int,
+        version: int = 0,
+        creds: ClientCredentials | None = None,
+        encode_threads: int = 0,
+        anchor_dir: Path | None = None,
+        generator_key: Ed25519PublicKey | None = None,
+        run: str = "",
+        nonce_timeout_s: float = NONCE_TIMEOUT_S,
+        stall_s: float = STALL_S,
     ):
         """`creds`: the trainer's token, which signs pushes and catch-up payloads and is
         never sent, and TLS material (Fleet); None: unsigned, in the clear (generators without
@@ -102,11 +112,15 @@ class WeightPublisher:
         self._anchor: Published | None = None  # None: no chain (deltas skipped), until reanchor
         self.readers = Readers()
         # The push key signs what generators catch up from too (push_signing.TrainerSigner).
-        self.catch_up_signer = push_signing.TrainerSigner(creds.token, run) if creds is not None and creds.token else None
+        self.catch_up_signer = (
+            push_signing.TrainerSigner(creds.token, run) if creds is not None and creds.token else None
+        )
         self.fleet = Fleet(creds, generator_key, nonce_timeout_s, stall_s)
         self.pushes = BackgroundPush(version)
         self._lock = threading.Lock()
-        self._encode_pool = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="delta") if encode_threads else None
+        self._encode_pool = (
+            ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="delta") if encode_threads else None
+        )
         self._set_anchor(dict(bits), version)
 
     @property
@@ -153,7 +167,15 @@ class WeightPublisher:
     def _set_anchor(self, bits: dict[str, np.ndarray], version: int) -> None:
         info = deltas.PayloadInfo("anchor", version, version, self.fingerprint)
         hashing = HashingWriter()  # streamed to its file: no anchor bytes in memory
-        filed = self.store.file(info, lambda f: deltas.write_anchor(hashing.into(f), bits, version, self.fingerprint), lambda: hashing.header(info)) if self.store else None
+        filed = (
+            self.store.file(
+                info,
+                lambda f: deltas.write_anchor(hashing.into(f), bits, version, self.fingerprint),
+                lambda: hashing.header(info),
+            )
+            if self.store
+            else None
+        )
         anchor = filed or Published(info, deltas.encode_anchor(bits, version, self.fingerprint))
         with self._lock:
             self._bits = bits
@@ -166,9 +188,13 @@ class WeightPublisher:
     def begin_delta(self) -> deltas.DeltaEncoder:
         """An encoder for the next version's delta, to be fed tensor by tensor as the step
         produces them (HostAdamW.step's on_piece) and handed to publish()."""
-        return deltas.DeltaEncoder(self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool)
+        return deltas.DeltaEncoder(
+            self._bits, self._version, self._version + 1, self.fingerprint, executor=self._encode_pool
+        )
 
-    def publish(self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None) -> tuple[Published, deltas.DeltaStats]:
+    def publish(
+        self, new_bits: Mapping[str, np.ndarray], encoder: deltas.DeltaEncoder | None = None
+    ) -> tuple[Published, deltas.DeltaStats]:
         """Encode the delta from the last published version (the tensors not yet given to
         `encoder`, from begin_delta, are added now); every anchor_interval versions also
         start a new anchor (older deltas are then no longer needed). With anchor_dir the delta
@@ -178,11 +204,15 @@ class WeightPublisher:
         trainer's memory, issue 28) and the bytes returned live as long as the push."""
         base = self._version
         if not self.has_chain:  # the base's bits may be gone (rewritten in place): nothing to anchor the delta on
-            raise deltas.DeltaError(f"no chain reaches version {base} (deltas were skipped): reanchor before publishing a delta")
+            raise deltas.DeltaError(
+                f"no chain reaches version {base} (deltas were skipped): reanchor before publishing a delta"
+            )
         if encoder is None:
             encoder = self.begin_delta()
         elif encoder.base_version != base or encoder.base is not self._bits:
-            raise deltas.DeltaError(f"the encoder's base is version {encoder.base_version}, the last published is {base}")
+            raise deltas.DeltaError(
+                f"the encoder's base is version {encoder.base_version}, the last published is {base}"
+            )
         for name in sorted(new_bits):
             if name not in encoder:
                 encoder.add(name, new_bits[name])

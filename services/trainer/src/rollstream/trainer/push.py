@@ -64,15 +64,25 @@ class PushOutcome:
     orphaned: bool = False  # never pushed to: a relay above it failed (RelayedPush.orphaned)
     unreachable: bool = False  # no nonce, a failed call, an unproven claim made, or backed off: AddressBackoff
     unproven: bool = False  # claimed applied without its acknowledgement (PushGate.believed)
-    unanswered: bool = False  # sent whole, no answer when the push stopped waiting (Unanswered): neither applied nor failed
+    unanswered: bool = (
+        False  # sent whole, no answer when the push stopped waiting (Unanswered): neither applied nor failed
+    )
 
     @classmethod
     def of(cls, address: str, result: weights_pb2.PushResult, seconds: float) -> "PushOutcome":
         """A generator's own answer."""
         return cls(
-            address, result.applied, result.version, result.error, seconds,
-            receive_s=result.receive_seconds, lock_wait_s=result.lock_wait_seconds, decode_s=result.decode_seconds, load_s=result.load_seconds,
+            address,
+            result.applied,
+            result.version,
+            result.error,
+            seconds,
+            receive_s=result.receive_seconds,
+            lock_wait_s=result.lock_wait_seconds,
+            decode_s=result.decode_seconds,
+            load_s=result.load_seconds,
         )
+
 
 class AddressBackoff:
     """Addresses whose last push failed (no nonce in time, a refused or broken call, a relay's
@@ -93,7 +103,12 @@ class AddressBackoff:
         now = self._clock()
         with self._lock:
             waiting = {a: until - now for a in addresses if (until := self._until.get(a, (0.0, 0.0))[0]) > now}
-        left_out = [PushOutcome(a, False, -1, f"{BACKED_OFF}: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True) for a, s in waiting.items()]
+        left_out = [
+            PushOutcome(
+                a, False, -1, f"{BACKED_OFF}: its last push failed; tried again in {s:.0f} s", 0.0, unreachable=True
+            )
+            for a, s in waiting.items()
+        ]
         return [a for a in addresses if a not in waiting], left_out
 
     def update(self, outcomes: Iterable[PushOutcome], keep: Sequence[str] | None = None) -> None:
@@ -142,14 +157,21 @@ class Unanswered:
         """The addresses with no call open, and an outcome for each one that has."""
         with self._lock:
             busy = {a: self._open[a] for a in addresses if a in self._open}
-        left_out = [PushOutcome(a, False, -1, f"{UNANSWERED}: its push of version {v} is not answered yet", 0.0, unanswered=True) for a, v in busy.items()]
+        left_out = [
+            PushOutcome(
+                a, False, -1, f"{UNANSWERED}: its push of version {v} is not answered yet", 0.0, unanswered=True
+            )
+            for a, v in busy.items()
+        ]
         return [a for a in addresses if a not in busy], left_out
 
     def open(self) -> dict[str, int]:
         with self._lock:
             return dict(self._open)
 
-    def hold(self, addresses: Sequence[str], version: int, future: grpc.Future, outcomes: Callable[[], list[PushOutcome]]) -> None:
+    def hold(
+        self, addresses: Sequence[str], version: int, future: grpc.Future, outcomes: Callable[[], list[PushOutcome]]
+    ) -> None:
         """`addresses` (a generator, or a relay and its subtree) are open until `future` ends;
         then `outcomes` are counted."""
         with self._lock:
@@ -174,7 +196,6 @@ class PushCall:
 
     push: grpc.StreamUnaryMultiCallable
     nonce: grpc.UnaryUnaryMultiCallable
-
 
 
 def push_call(ch: grpc.Channel) -> PushCall:
@@ -208,10 +229,14 @@ class PushGate:
             if not push_signing.verify_proof(self.generator_key, challenge, answer.nonce, answer.address, answer.proof):
                 raise NotAGenerator(f"{address} gave no proof of the generator's key: not pushing there")
             if self.prove_address and answer.address != address:
-                raise NotAGenerator(f"registered as {address}, but the generator answering there is {answer.address!r}: not pushing there")
+                raise NotAGenerator(
+                    f"registered as {address}, but the generator answering there is {answer.address!r}: not pushing there"
+                )
         return self.signer.metadata(answer.nonce, header)
 
-    def believed(self, outcome: PushOutcome, metadata: Metadata, header: weights_pb2.WeightHeader, ack: bytes) -> PushOutcome:
+    def believed(
+        self, outcome: PushOutcome, metadata: Metadata, header: weights_pb2.WeightHeader, ack: bytes
+    ) -> PushOutcome:
         """`outcome` as the trainer counts it: applied only with the generator's acknowledgement
         over the nonce the trainer signed for it (when pushes are signed and the generator key
         known; else there is nothing to check it with). A claim without one counts as not
@@ -224,10 +249,14 @@ class PushGate:
             return outcome
         why = f"not reached: applied on {outcome.via or 'its own'} word, without its acknowledgement"
         log.warning("push_claim_unproven: %s: %s", outcome.address, why)
-        return dataclasses.replace(outcome, applied=False, version=-1, error=why, unreachable=not outcome.via, unproven=True)
+        return dataclasses.replace(
+            outcome, applied=False, version=-1, error=why, unreachable=not outcome.via, unproven=True
+        )
 
 
-def sign_one(call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float) -> tuple[Metadata, str]:
+def sign_one(
+    call: PushCall, address: str, header: weights_pb2.WeightHeader, gate: PushGate, nonce_timeout_s: float
+) -> tuple[Metadata, str]:
     """The push's metadata for `address` (its nonce and the trainer's signature; () unsigned)
     and "", or () and why nothing may be pushed there."""
     try:
@@ -249,7 +278,14 @@ class Watch:
     unanswered: Unanswered
 
     def send(
-        self, call: PushCall, subtree: Sequence[str], levels: int, chunks: Iterable[bytes], metadata: Metadata, timeout_s: float, version: int,
+        self,
+        call: PushCall,
+        subtree: Sequence[str],
+        levels: int,
+        chunks: Iterable[bytes],
+        metadata: Metadata,
+        timeout_s: float,
+        version: int,
         outcomes: Callable[[weights_pb2.PushResult | None, str, float], list[PushOutcome]],
     ) -> list[PushOutcome]:
         """`chunks` to `subtree[0]` (with the rest of its subtree, `levels` deep, named in them), then
@@ -273,7 +309,18 @@ class Watch:
             return answer()
         self.unanswered.hold(subtree, version, leg.future, answer)
         why = f"{UNANSWERED}: sent whole, no answer within {self.stall_s * levels:g} s; counted when it comes"
-        return [PushOutcome(a, False, -1, why, time.perf_counter() - start, via="" if a == subtree[0] else subtree[0], unanswered=True) for a in subtree]
+        return [
+            PushOutcome(
+                a,
+                False,
+                -1,
+                why,
+                time.perf_counter() - start,
+                via="" if a == subtree[0] else subtree[0],
+                unanswered=True,
+            )
+            for a in subtree
+        ]
 
 
 @dataclass(frozen=True)

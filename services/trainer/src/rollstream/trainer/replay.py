@@ -14,7 +14,9 @@ from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2
 
 
-def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy.Client, stage: streams.StreamStage) -> None:
+def replay_trained_log(
+    trainer: Trainer, host: ServiceHost, client: redis_policy.Client, stage: streams.StreamStage
+) -> None:
     """Train again, step by step and in their order, the groups trained after the checkpoint
     we resumed from (their acknowledgements outlived the update they fed, which died with
     the process). Same groups, same optimizer state and RNG: the same weights, bit for bit.
@@ -32,7 +34,14 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
     replayed = 0
     for step in sorted(steps):
         if step != trainer.step + 1:
-            logs.event(host.log, "trained_log_gap", logging.ERROR, expected=trainer.step + 1, found=step, note="replay stops here")
+            logs.event(
+                host.log,
+                "trained_log_gap",
+                logging.ERROR,
+                expected=trainer.step + 1,
+                found=step,
+                note="replay stops here",
+            )
             break
         trainer.replay_step(steps[step])
         replayed += 1
@@ -51,7 +60,9 @@ def replay_trained_log(trainer: Trainer, host: ServiceHost, client: redis_policy
         counted = streams.Ops()
         counted.hincrby(stage.counters, "steps_lost_on_resume", lost)
         stage.apply(counted)
-        logs.event(host.log, "steps_not_replayable", logging.ERROR, run_step=run_step, resumed_step=trainer.step, lost=lost)
+        logs.event(
+            host.log, "steps_not_replayable", logging.ERROR, run_step=run_step, resumed_step=trainer.step, lost=lost
+        )
     if replayed:
         logs.event(host.log, "replayed_trained_log", steps=replayed, step=trainer.step, version=trainer.version)
 

@@ -77,14 +77,27 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
     directory = GeneratorDirectory(settings.generators, dns_name=settings.generators_dns)
     checkpoints = CheckpointRequests()
     view = pipeline_view.install(settings, host) if settings.dashboard else None
-    host.start([Service("rollstream.v1.Trainer", TrainerServicer(trainer, directory, checkpoints), trainer_pb2_grpc.add_TrainerServicer_to_server)])
+    host.start(
+        [
+            Service(
+                "rollstream.v1.Trainer",
+                TrainerServicer(trainer, directory, checkpoints),
+                trainer_pb2_grpc.add_TrainerServicer_to_server,
+            )
+        ]
+    )
     client = host.connect_redis()
-    trackers = Trackers.from_settings(settings, settings.run)  # report_to; a tracker that fails is turned off, never raised
+    trackers = Trackers.from_settings(
+        settings, settings.run
+    )  # report_to; a tracker that fails is turned off, never raised
     try:
         trackers.log_config(run_config(settings))
         keys = run_keys.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
-        fed = host.redis.call(lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0), "reading the feeder's position")
+        fed = host.redis.call(
+            lambda: PromptFeeder.position(client, keys, restored.prompts_fed if restored else 0),
+            "reading the feeder's position",
+        )
         encode = chat_encoder(trainer.tokenizer)
         feeder = PromptFeeder(settings, client, stage, fed, encode)
         evaluator = host.redis.call(lambda: Evaluator(settings, client, stage, encode), "reading the evaluation rounds")
@@ -149,12 +162,19 @@ class TrainerLoop:
             self.feeder.top_up(trainer.version)
         held_ids = {e.id for e, _ in self.batch}
         new: validation.Groups = []
-        for entry, group in self.host.read(self.stage, lambda e: validation.parse_group(e, trainer.limits, stage="ready", need_ref=trainer.need_ref)):
+        for entry, group in self.host.read(
+            self.stage, lambda e: validation.parse_group(e, trainer.limits, stage="ready", need_ref=trainer.need_ref)
+        ):
             if entry.id in held_ids:
                 continue  # already held (re-read after a failed call): not a duplicate group
-            seen = group.group_id in {g.group_id for _, g in self.batch} or group.group_id in {g.group_id for _, g in new}
+            seen = group.group_id in {g.group_id for _, g in self.batch} or group.group_id in {
+                g.group_id for _, g in new
+            }
             # Evaluated too: a copy arriving after its round was reported (its task gone from the map) is no dead letter.
-            finished = any(self.client.sismember(keys.groups(outcome), group.group_id) for outcome in ("trained", "stale", "evaluated"))
+            finished = any(
+                self.client.sismember(keys.groups(outcome), group.group_id)
+                for outcome in ("trained", "stale", "evaluated")
+            )
             if seen or finished:
                 self.stage.commit([entry], extra=lambda ops: ops.hincrby(self.stage.counters, "duplicates", 1))
                 trainer.count_dropped("duplicate", 1)
@@ -187,7 +207,9 @@ class TrainerLoop:
     def finish(self) -> None:
         """After the loop: the final checkpoint of a finished run; with linger, checkpoints still served."""
         s = self.trainer.settings
-        self.count_pushes(self.trainer.publisher.pushes.wait())  # the last step's push, counted as the others are at the next commit
+        self.count_pushes(
+            self.trainer.publisher.pushes.wait()
+        )  # the last step's push, counted as the others are at the next commit
         logs.event(self.host.log, "training_finished", steps=self.trainer.step, version=self.trainer.version)
         if self.trained_enough() and s.checkpoint_dir and not s.eval_only:
             # A finished run keeps its final state as a checkpoint, not only in the trained log.
@@ -209,7 +231,9 @@ class TrainerLoop:
             ops.hincrby(self.stage.counters, "pushes_applied", applied)
             ops.hincrby(self.stage.counters, "pushes_not_applied", len(outcomes) - applied)
 
-        with contextlib.suppress(*redis_policy.ERRORS, redis_policy.Stopped):  # counts, not the run's state: never worth the export after them
+        with contextlib.suppress(
+            *redis_policy.ERRORS, redis_policy.Stopped
+        ):  # counts, not the run's state: never worth the export after them
             self.stage.commit([], extra=ledger)
 
     def drop_stale(self) -> None:
@@ -257,8 +281,12 @@ class TrainerLoop:
             try:
                 if task is not None and task.eval:
                     validation.check_against_task(group, task, decode)
-                    if group.policy_version > self.trainer.version:  # a round's versions are the report's: none from the future
-                        raise codec.EntryError(f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {self.trainer.version}")
+                    if (
+                        group.policy_version > self.trainer.version
+                    ):  # a round's versions are the report's: none from the future
+                        raise codec.EntryError(
+                            f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {self.trainer.version}"
+                        )
                     evals.append((entry, group))
                     continue
                 if not self.stale(group):
@@ -279,15 +307,26 @@ class TrainerLoop:
             self.trainer.metrics.observe_eval(m)
             self.trackers.log_metrics(eval_metrics(m), m.step)
             logs.event(
-                self.host.log, "evaluated", step=m.step, version=m.version, version_max=m.version_max, prompts=m.prompts, prompts_fed=m.prompts_fed,
-                samples=m.samples, accuracy=round(m.accuracy, 4), pass_at_k=round(m.pass_at_k, 4), reward=round(m.reward_mean, 4),
+                self.host.log,
+                "evaluated",
+                step=m.step,
+                version=m.version,
+                version_max=m.version_max,
+                prompts=m.prompts,
+                prompts_fed=m.prompts_fed,
+                samples=m.samples,
+                accuracy=round(m.accuracy, 4),
+                pass_at_k=round(m.pass_at_k, 4),
+                reward=round(m.reward_mean, 4),
             )
             path = self.trainer.settings.metrics_file
             if path:
                 try:
                     steplog.append(path, steplog.eval_record(m, run=self.keys.run))
                 except OSError as e:
-                    logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, eval_step=m.step, error=str(e))
+                    logs.event(
+                        self.host.log, "step_log_failed", logging.ERROR, path=path, eval_step=m.step, error=str(e)
+                    )
 
     def train_and_commit(self, taken: validation.Groups) -> bool:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;
@@ -312,7 +351,9 @@ class TrainerLoop:
                     self.evaluator.feed(ops, trainer.step, trainer.version)
                 if log_trained:
                     for entry, _ in taken:
-                        ops.xadd(keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}})
+                        ops.xadd(
+                            keys.trained_log, {"step": trainer.step, **{k.decode(): v for k, v in entry.fields.items()}}
+                        )
 
             try:
                 self.stage.commit([e for e, _ in taken], extra=ledger)
@@ -333,13 +374,21 @@ class TrainerLoop:
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(
-            self.host.log, "step",
-            step=trainer.step, version=trainer.version, reward=round(metrics.reward_mean, 4), loss=round(metrics.loss, 5),
-            clip=round(metrics.clip_fraction, 4), staleness=round(metrics.mean_staleness, 2), seconds=round(metrics.step_seconds, 2),
-            delta_kb=stats.nbytes // 1024, delta_pct=round(100 * stats.fraction_of_dense, 2),
+            self.host.log,
+            "step",
+            step=trainer.step,
+            version=trainer.version,
+            reward=round(metrics.reward_mean, 4),
+            loss=round(metrics.loss, 5),
+            clip=round(metrics.clip_fraction, 4),
+            staleness=round(metrics.mean_staleness, 2),
+            seconds=round(metrics.step_seconds, 2),
+            delta_kb=stats.nbytes // 1024,
+            delta_pct=round(100 * stats.fraction_of_dense, 2),
             **({"delta_skipped": trainer.last_skipped} if trainer.last_skipped else {}),  # type: ignore[arg-type]  # a field, never `level`
             tis_truncated=round(trainer.last_truncated_fraction, 4),
-            zero_var=metrics.zero_variance_groups, groups=logs.group_ids(groups),
+            zero_var=metrics.zero_variance_groups,
+            groups=logs.group_ids(groups),
         )
         return True
 
@@ -353,9 +402,15 @@ class TrainerLoop:
         step = trainer.step + 1
         culprits = trainer.nonfinite_groups([g for _, g in taken])
         if culprits:
-            refused = {taken[k][0].id: f"step {step} refused: on its own this group's {why}; nothing applied or published" for k, why in culprits.items()}
+            refused = {
+                taken[k][0].id: f"step {step} refused: on its own this group's {why}; nothing applied or published"
+                for k, why in culprits.items()
+            }
         else:
-            refused = {e.id: f"step {step} refused: {error}, and no group of it alone: all {len(taken)} refused; nothing applied or published" for e, _ in taken}
+            refused = {
+                e.id: f"step {step} refused: {error}, and no group of it alone: all {len(taken)} refused; nothing applied or published"
+                for e, _ in taken
+            }
         for entry, _ in taken:
             if entry.id in refused:
                 self.stage.dead_letter(entry, refused[entry.id])
@@ -363,10 +418,19 @@ class TrainerLoop:
         counted = streams.Ops()
         counted.hincrby(self.stage.counters, "nonfinite_steps", 1)
         self.stage.apply(counted)
-        logs.event(host.log, "step_refused", logging.ERROR, reason=str(error), groups=len(taken), refused=len(refused),
-                   refused_groups=logs.group_ids(g for e, g in taken if e.id in refused))
+        logs.event(
+            host.log,
+            "step_refused",
+            logging.ERROR,
+            reason=str(error),
+            groups=len(taken),
+            refused=len(refused),
+            refused_groups=logs.group_ids(g for e, g in taken if e.id in refused),
+        )
 
-    def log_step(self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float], skipped: str = "", reanchored: str = "") -> None:
+    def log_step(
+        self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float], skipped: str = "", reanchored: str = ""
+    ) -> None:
         """Append the committed step's line to metrics_file (core/steplog.py), with
         `delta_skipped` (why no delta was encoded: delta_bytes is then 0) and `reanchored` (why
         an anchor was written at its start or end, for a reader that appeared) when they happened. A disk that
@@ -392,14 +456,21 @@ class TrainerLoop:
         trainer, s = self.trainer, self.trainer.settings
         if not path and not s.checkpoint_dir:
             raise ValueError("no checkpoint path given and no checkpoint_dir configured")
-        log_end = self.host.redis.call(lambda: replay.trained_log_end(self.client, self.keys), "reading the trained log's end")
+        log_end = self.host.redis.call(
+            lambda: replay.trained_log_end(self.client, self.keys), "reading the trained log's end"
+        )
         if path:
-            saved = trainer.save_checkpoint(Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end)
+            saved = trainer.save_checkpoint(
+                Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end
+            )
             return saved, trainer.version
 
         def trim_log(through: str) -> None:
             ms, seq = run_keys.id_tuple(through)
-            self.host.redis.call(lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False), "trimming the trained log")
+            self.host.redis.call(
+                lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False),
+                "trimming the trained log",
+            )
 
         return trainer.save_own_checkpoint(self.feeder.fed, self.stage.consumer, log_end, trim_log), trainer.version
 
@@ -418,5 +489,11 @@ class TrainerLoop:
         try:
             return self.host.redis.call(lambda: self.directory.addresses(self.client, self.keys), "listing generators")
         except redis_policy.ERRORS as e:
-            logs.event(self.host.log, "generator_registry_unreadable", logging.ERROR, error=redis_policy.short(e), pushing_to=len(self.directory.last))
+            logs.event(
+                self.host.log,
+                "generator_registry_unreadable",
+                logging.ERROR,
+                error=redis_policy.short(e),
+                pushing_to=len(self.directory.last),
+            )
             return self.directory.last

@@ -94,7 +94,8 @@ class SplitKernel:
         # By (moments dtype, gradients dtype).
         self._functions = {
             (moments, grads): getattr(lib, f"split_adamw_m{_C_NAMES[moments]}_g{_C_NAMES[grads]}")
-            for moments in _C_NAMES for grads in _C_NAMES
+            for moments in _C_NAMES
+            for grads in _C_NAMES
         }
         for fn in self._functions.values():
             fn.restype = None
@@ -102,21 +103,46 @@ class SplitKernel:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="split-adamw") if self.threads > 1 else None
 
-    def step(self, hi: torch.Tensor, lo: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-             old: np.ndarray, out: torch.Tensor, settings: AdamWStep) -> None:
+    def step(
+        self,
+        hi: torch.Tensor,
+        lo: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        old: np.ndarray,
+        out: torch.Tensor,
+        settings: AdamWStep,
+    ) -> None:
         """In place on hi, lo (int16), exp_avg, exp_avg_sq (bf16 or fp32, one dtype); reads
         grad (fp32 or bf16); writes hi's bits before the step into `old` (uint16) and after it into
         `out` (16-bit). All contiguous, of one length."""
         n = hi.numel()
         tensors = (hi, lo, exp_avg, exp_avg_sq, grad, out)
-        if any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors) or old.size != n or not old.flags.c_contiguous:
+        if (
+            any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors)
+            or old.size != n
+            or not old.flags.c_contiguous
+        ):
             raise ValueError("split kernel: every buffer must be a contiguous CPU buffer of one length")
         fn = self._functions.get((exp_avg.dtype, grad.dtype))
-        if fn is None or (hi.dtype, lo.dtype, out.element_size(), old.dtype) != (torch.int16, torch.int16, 2, np.uint16) or exp_avg_sq.dtype != exp_avg.dtype:
+        if (
+            fn is None
+            or (hi.dtype, lo.dtype, out.element_size(), old.dtype) != (torch.int16, torch.int16, 2, np.uint16)
+            or exp_avg_sq.dtype != exp_avg.dtype
+        ):
             raise ValueError("split kernel: wrong dtypes")
         hyper = settings.hyper()
         sizes = (2, 2, exp_avg.element_size(), exp_avg_sq.element_size(), grad.element_size(), 2, 2)
-        bases = (hi.data_ptr(), lo.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), old.ctypes.data, out.data_ptr())
+        bases = (
+            hi.data_ptr(),
+            lo.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            grad.data_ptr(),
+            old.ctypes.data,
+            out.data_ptr(),
+        )
 
         def run(start: int, end: int) -> None:
             fn(*(base + start * size for base, size in zip(bases, sizes)), end - start, ctypes.byref(hyper))

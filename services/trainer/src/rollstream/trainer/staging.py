@@ -150,7 +150,9 @@ class GradOffload:
         for k in range(slots):
             self._free.put(k)
         self._pending = _Pending()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(name, layout[name][0])) for name, p in params.items()]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(name, layout[name][0])) for name, p in params.items()
+        ]
 
     @property
     def pending(self) -> int:
@@ -191,7 +193,16 @@ class GradOffload:
             else:
                 src.copy_(flat[start : start + count])
             self._pending.add()
-            _host_thread().put(_Add(slot, src, self.accumulator[offset + start : offset + start + count], event, self._free, self._pending))
+            _host_thread().put(
+                _Add(
+                    slot,
+                    src,
+                    self.accumulator[offset + start : offset + start + count],
+                    event,
+                    self._free,
+                    self._pending,
+                )
+            )
 
     def wait(self) -> None:
         """Return once every gradient handed over so far is in the accumulator. If the host
@@ -201,7 +212,9 @@ class GradOffload:
             error = self._pending.failed[0]
             self._pending.failed.clear()
             self.accumulator.zero_()
-            raise RuntimeError(f"gradient offload: adding a gradient into the host accumulator failed ({error!r}); this step's gradients were dropped") from error
+            raise RuntimeError(
+                f"gradient offload: adding a gradient into the host accumulator failed ({error!r}); this step's gradients were dropped"
+            ) from error
 
     def zero(self) -> None:
         """Drop the accumulated gradients (after the pending adds, which would land later)."""
@@ -234,7 +247,9 @@ class Copier:
         if self.d2h is not None:
             self.d2h.wait_stream(torch.cuda.current_stream(self.d2h.device))
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: "torch.cuda.Stream | None") -> torch.cuda.Event | None:
+    def copy(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: "torch.cuda.Stream | None"
+    ) -> torch.cuda.Event | None:
         """Copy each (source -> destination) on `stream` (d2h or h2d); returns an event to wait for."""
         if not self.cuda:
             for src, dst in pairs:
@@ -264,7 +279,13 @@ class DeviceGrads:
     the parameters' gradients dropped (GradOffload has the same four). `wide`: the gradient
     dtypes the masters' step reads itself; others are widened into fp32 first."""
 
-    def __init__(self, params: Mapping[str, torch.nn.Parameter], buckets: list[Bucket], copier: Copier, wide: frozenset[torch.dtype]):
+    def __init__(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        buckets: list[Bucket],
+        copier: Copier,
+        wide: frozenset[torch.dtype],
+    ):
         self.params, self.buckets, self.copier = params, buckets, copier
         width, dtypes = max(b.size for b in buckets), {p.dtype for p in params.values()}
         dtype = dtypes.pop() if copier.cuda and len(dtypes) == 1 else torch.float32

@@ -65,8 +65,12 @@ class StepConfig:
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> StepConfig:
         loss = grpo.LossConfig(
-            kind=s.loss, clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high, beta=s.beta,
-            tis_cap=s.tis_cap, max_completion_tokens=s.max_new_tokens,
+            kind=s.loss,
+            clip_eps_low=s.clip_eps_low,
+            clip_eps_high=s.clip_eps_high,
+            beta=s.beta,
+            tis_cap=s.tis_cap,
+            max_completion_tokens=s.max_new_tokens,
         )
         return cls(loss, s.token_budget, s.chunk_tokens, s.temperature, s.max_grad_norm, s.device, s.share_prompts)
 
@@ -111,7 +115,9 @@ class _Row:
     ref: list[float]  # empty when pi_ref is not read from the groups
 
 
-def base_logprobs(model: torch.nn.Module, adapters_off: AdaptersOff, batch: modeling.Batch, cfg: StepConfig) -> torch.Tensor:
+def base_logprobs(
+    model: torch.nn.Module, adapters_off: AdaptersOff, batch: modeling.Batch, cfg: StepConfig
+) -> torch.Tensor:
     """log pi_ref of the batch's completion tokens from the frozen base: the LoRA model with
     its adapters switched off (kl_reference = lora_base). The base holds the bf16 rounding of
     the checkpoint, exactly what the reference service computes with, and version 0 (B = 0)
@@ -135,7 +141,9 @@ class _Sums:
     backward_s: float = 0.0
 
 
-def _rows(groups: Sequence[rollout_pb2.RolloutGroup], loss_cfg: grpo.LossConfig, ref_from_groups: bool) -> tuple[list[_Row], list[int]]:
+def _rows(
+    groups: Sequence[rollout_pb2.RolloutGroup], loss_cfg: grpo.LossConfig, ref_from_groups: bool
+) -> tuple[list[_Row], list[int]]:
     """The completions to train on, and for each the index of its group in `groups`: the
     group's advantages (dapo drops the groups whose rewards are all equal)."""
     rows: list[_Row] = []
@@ -199,8 +207,14 @@ def _micro_batches(rows: Sequence[_Row], token_budget: int, share_prompts: bool)
 
 
 def _accumulate(
-    model: torch.nn.Module, optimizer: HostAdamW, rows: Sequence[_Row], denom: float, cfg: StepConfig, pad_id: int,
-    adapters_off: AdaptersOff | None, logprobs: list[torch.Tensor] | None = None,
+    model: torch.nn.Module,
+    optimizer: HostAdamW,
+    rows: Sequence[_Row],
+    denom: float,
+    cfg: StepConfig,
+    pad_id: int,
+    adapters_off: AdaptersOff | None,
+    logprobs: list[torch.Tensor] | None = None,
 ) -> _Sums:
     """Forward, loss and backward of `rows` in token-budget micro-batches: the gradients
     accumulate in the parameters. A non-finite micro-batch loss drops every gradient and
@@ -212,7 +226,9 @@ def _accumulate(
         micro = part.rows
         start = time.perf_counter()
         batch = part.batch(rows, pad_id, dtype, cfg.device)
-        logp, entropy = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True)
+        logp, entropy = modeling.completion_logprobs(
+            model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True
+        )
         dev = logp.device
         # The loss works on flat [tokens] vectors; `seq` says which sequence each token is of.
         seq_lengths = torch.tensor(batch.lengths, device=dev)
@@ -290,7 +306,9 @@ def train_step(
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
-    grad_norm, trained_bits = optimizer.step(cfg.max_grad_norm, on_piece, model if background else None) if rows else (0.0, None)
+    grad_norm, trained_bits = (
+        optimizer.step(cfg.max_grad_norm, on_piece, model if background else None) if rows else (0.0, None)
+    )
     optimizer_s = time.perf_counter() - start
 
     # 5. Metrics.

@@ -159,7 +159,12 @@ BACKENDS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "mlflow": MLfl
 # in W&B's service process that inherits the environment). MLflow 3 put its file store in
 # maintenance mode and refuses it unless allowed: its SQL store needs SQLAlchemy and Alembic
 # (a database migration at every open), and a folder of plain files is what a run folder holds.
-_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_ERROR_REPORTING": "false", "WANDB_MODE": "offline"}
+_ENV = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ALLOW_FILE_STORE": "true",
+    "WANDB_ERROR_REPORTING": "false",
+    "WANDB_MODE": "offline",
+}
 
 
 def missing_extras(report_to: Sequence[str], modules: Mapping[str, str] | None = None) -> str:
@@ -238,7 +243,15 @@ def _number(value: object) -> float:
 
 
 def _failed(name: str, doing: str, error: BaseException) -> None:
-    logs.event(log, "tracker_failed", logging.ERROR, tracker=name, doing=doing, error=f"{type(error).__name__}: {error}", turned_off=True)
+    logs.event(
+        log,
+        "tracker_failed",
+        logging.ERROR,
+        tracker=name,
+        doing=doing,
+        error=f"{type(error).__name__}: {error}",
+        turned_off=True,
+    )
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -278,7 +291,9 @@ def figures(message: Message, prefix: str) -> dict[str, float]:
 def step_metrics(metrics: Message, phases: Mapping[str, float]) -> dict[str, float]:
     """A committed step's figures: StepMetrics as train/<field>, its phase times as
     time/<phase> (seconds)."""
-    return figures(metrics, "train") | {f"time/{phase.removesuffix('_s')}": float(seconds) for phase, seconds in phases.items()}
+    return figures(metrics, "train") | {
+        f"time/{phase.removesuffix('_s')}": float(seconds) for phase, seconds in phases.items()
+    }
 
 
 def eval_metrics(metrics: Message) -> dict[str, float]:

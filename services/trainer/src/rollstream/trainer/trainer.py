@@ -26,8 +26,8 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.metrics import Metrics
 from rollstream.trainer.optimizer import HostAdamW
-from rollstream.trainer.push import BACKED_OFF, PushOutcome
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
+from rollstream.trainer.push import BACKED_OFF, PushOutcome
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 
@@ -74,11 +74,14 @@ class Trainer:
         # intake, not found by a failed allocation minutes into a step), exactly the run's
         # group size, bounded rewards (rollstream.core.validation).
         self.limits = validation.Limits(
-            vocab_size=vocab_size(self.model_dir), max_new_tokens=s.max_new_tokens, max_reward_abs=s.max_abs_reward,
+            vocab_size=vocab_size(self.model_dir),
+            max_new_tokens=s.max_new_tokens,
+            max_reward_abs=s.max_abs_reward,
             max_context_tokens=context_length(self.model_dir),
             # Evaluation groups hold eval_samples completions: the size is then checked against
             # each group's own task (TrainerLoop.checked), which holds the run's for training tasks.
-            group_size=s.group_size if not s.eval_prompts else 0, max_group_size=max(s.group_size, s.eval_samples),
+            group_size=s.group_size if not s.eval_prompts else 0,
+            max_group_size=max(s.group_size, s.eval_samples),
         )
         self.need_ref = s.beta > 0 and s.kl_reference == "service"
         self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
@@ -87,7 +90,9 @@ class Trainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora: lora.LoraModel | None = None
         if s.lora_rank:
-            self.lora = lora.LoraModel(self.model, lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)))
+            self.lora = lora.LoraModel(
+                self.model, lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules))
+            )
             self.model = self.lora.model
             self.lora.round_base_to_bf16()
             self.params = self.lora.adapters
@@ -99,8 +104,14 @@ class Trainer:
         self.adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
         self.step_config = StepConfig.from_settings(s)
         self.optimizer = HostAdamW(
-            self.params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay,
-            bucket_mb=s.bucket_mb, moments_dtype=s.moments_dtype, master_layout=s.master_layout, grad_offload=s.grad_offload,
+            self.params,
+            lr=s.lr,
+            betas=s.betas,
+            weight_decay=s.weight_decay,
+            bucket_mb=s.bucket_mb,
+            moments_dtype=s.moments_dtype,
+            master_layout=s.master_layout,
+            grad_offload=s.grad_offload,
         )
         self.step = 0
         self.groups_trained = 0
@@ -108,7 +119,9 @@ class Trainer:
         self.last_truncated_fraction = 0.0
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
         self.last_skipped = ""  # why the last step's delta was not encoded ("": it was)
-        self.last_reanchor = ""  # why an anchor was written at the last step's start or end, for a reader that appeared ("": none)
+        self.last_reanchor = (
+            ""  # why an anchor was written at the last step's start or end, for a reader that appeared ("": none)
+        )
         self.overlapped = False  # whether the last step's update ran on while the next forward started
         # Held through each step: in the split master layout the published bits are the
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
@@ -130,9 +143,16 @@ class Trainer:
             # Version 0 = bf16 rounding of the checkpoint; the model computes with exactly that.
             bits = self._published_bits(self.optimizer.sync_model())
         self.publisher = WeightPublisher(
-            bits, s.anchor_interval, version=version, creds=ClientCredentials.from_settings(s), encode_threads=s.encode_threads(),
-            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None, nonce_timeout_s=s.push_nonce_timeout_s, stall_s=s.push_stall_s,
-            generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None, run=s.run,
+            bits,
+            s.anchor_interval,
+            version=version,
+            creds=ClientCredentials.from_settings(s),
+            encode_threads=s.encode_threads(),
+            anchor_dir=Path(s.anchor_dir) if s.anchor_dir else None,
+            nonce_timeout_s=s.push_nonce_timeout_s,
+            stall_s=s.push_stall_s,
+            generator_key=load_roles(s.grpc_auth_file).generator_key if s.grpc_auth_file else None,
+            run=s.run,
         )
         self.weights = WeightsView(self.publisher, self._after_step)
         self.metrics = Metrics.register(host.registry)
@@ -148,39 +168,70 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
 
-    def save_checkpoint(self, path: Path, prompts_fed: int = 0, consumer: str = "", replace: bool = False, trained_log_id: str = "") -> Path:
+    def save_checkpoint(
+        self, path: Path, prompts_fed: int = 0, consumer: str = "", replace: bool = False, trained_log_id: str = ""
+    ) -> Path:
         """Write everything a resume needs (call between steps)."""
         s = self.settings
         state = checkpoint.CheckpointState(
-            version=self.version, step=self.step, optimizer_steps=self.optimizer.step_count, groups_trained=self.groups_trained,
-            groups_stale=self.groups_stale, prompts_fed=prompts_fed, run=s.run, consumer=consumer, consumer_group=s.group,
-            model_fingerprint=self.publisher.fingerprint, moments_dtype=s.moments_dtype, master_layout=s.master_layout, trained_log_id=trained_log_id,
+            version=self.version,
+            step=self.step,
+            optimizer_steps=self.optimizer.step_count,
+            groups_trained=self.groups_trained,
+            groups_stale=self.groups_stale,
+            prompts_fed=prompts_fed,
+            run=s.run,
+            consumer=consumer,
+            consumer_group=s.group,
+            model_fingerprint=self.publisher.fingerprint,
+            moments_dtype=s.moments_dtype,
+            master_layout=s.master_layout,
+            trained_log_id=trained_log_id,
             base_weights_sha256=deltas.weights_sha256(self.lora.base_bits) if self.lora is not None else "",
             lora=self.lora.spec.as_dict() if self.lora is not None else None,
             # The Redis URL may carry a password: it stays out of the file.
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
         )
         saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
-        logs.event(self.log, "checkpoint_saved", path=str(saved), step=self.step, version=self.version, mb=round(checkpoint.disk_bytes(saved) / 1e6, 1))
+        logs.event(
+            self.log,
+            "checkpoint_saved",
+            path=str(saved),
+            step=self.step,
+            version=self.version,
+            mb=round(checkpoint.disk_bytes(saved) / 1e6, 1),
+        )
         return saved
 
-    def save_own_checkpoint(self, prompts_fed: int, consumer: str, trained_log_id: str, trim_log: Callable[[str], None]) -> Path:
+    def save_own_checkpoint(
+        self, prompts_fed: int, consumer: str, trained_log_id: str, trim_log: Callable[[str], None]
+    ) -> Path:
         """The trainer's own checkpoint, checkpoint_dir/step-N (what a restart resumes from), the
         folder pruned to keep_checkpoints (checkpoint.save_own), then `trim_log(id)`: the trained
         log may drop what is up to `id`, the oldest checkpoint a resume may need having those
         steps in its weights. `checkpoints_kept` is logged once all of it is done."""
         root, keep = Path(self.settings.checkpoint_dir), self.settings.keep_checkpoints
         saved, removed = checkpoint.save_own(
-            root, self.step, keep,
-            lambda target: self.save_checkpoint(target, prompts_fed=prompts_fed, consumer=consumer, replace=True, trained_log_id=trained_log_id),
+            root,
+            self.step,
+            keep,
+            lambda target: self.save_checkpoint(
+                target, prompts_fed=prompts_fed, consumer=consumer, replace=True, trained_log_id=trained_log_id
+            ),
         )
         found = checkpoint.scan(root)
         oldest = checkpoint.fallback(found, keep)
         if oldest is not None and oldest.state.trained_log_id:
             trim_log(oldest.state.trained_log_id)
         logs.event(
-            self.log, "checkpoints_kept", step=self.step, dir=str(root), kept=",".join(f.path.name for f in found.usable),
-            removed=",".join(p.name for p in removed), dir_mb=round(checkpoint.disk_bytes(root) / 1e6, 1), keep=keep,
+            self.log,
+            "checkpoints_kept",
+            step=self.step,
+            dir=str(root),
+            kept=",".join(f.path.name for f in found.usable),
+            removed=",".join(p.name for p in removed),
+            dir_mb=round(checkpoint.disk_bytes(root) / 1e6, 1),
+            keep=keep,
         )
         self._log_unusable(found)
         return saved
@@ -194,15 +245,21 @@ class Trainer:
         state = checkpoint.load_state(path)
         want_lora = self.lora.spec.as_dict() if self.lora is not None else None
         if state.lora != want_lora:
-            raise checkpoint.CheckpointError(f"{path}: checkpoint LoRA config {state.lora} != this trainer's {want_lora}")
+            raise checkpoint.CheckpointError(
+                f"{path}: checkpoint LoRA config {state.lora} != this trainer's {want_lora}"
+            )
         if self.lora is not None and state.base_weights_sha256 != deltas.weights_sha256(self.lora.base_bits):
             raise checkpoint.CheckpointError(f"{path}: the adapters belong to another base model than {self.model_dir}")
         if state.moments_dtype != self.settings.moments_dtype:
-            raise checkpoint.CheckpointError(f"{path}: checkpoint moments are {state.moments_dtype}, moments_dtype is {self.settings.moments_dtype}")
+            raise checkpoint.CheckpointError(
+                f"{path}: checkpoint moments are {state.moments_dtype}, moments_dtype is {self.settings.moments_dtype}"
+            )
         published = self.lora.base if self.lora is not None else self.params
         fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
         if state.model_fingerprint != fingerprint:
-            raise checkpoint.CheckpointError(f"{path}: checkpoint is for model {state.model_fingerprint}, this one is {fingerprint}")
+            raise checkpoint.CheckpointError(
+                f"{path}: checkpoint is for model {state.model_fingerprint}, this one is {fingerprint}"
+            )
         self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
         checkpoint.set_rng_state(checkpoint.rng_tensors(path))
         self.step = state.step
@@ -215,9 +272,18 @@ class Trainer:
     def nonfinite_groups(self, groups: list[rollout_pb2.RolloutGroup]) -> dict[int, str]:
         """After a refused step: the groups that make it non-finite alone, index -> why
         (step.nonfinite_groups; nothing applied)."""
-        return nonfinite_groups(self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off)
+        return nonfinite_groups(
+            self.model,
+            self.optimizer,
+            groups,
+            self.step_config,
+            pad_id=self.tokenizer.pad_token_id,
+            adapters_off=self.adapters_off,
+        )
 
-    def train_step(self, groups: list[rollout_pb2.RolloutGroup]) -> tuple[rollout_pb2.StepMetrics, Published | None, deltas.DeltaStats]:
+    def train_step(
+        self, groups: list[rollout_pb2.RolloutGroup]
+    ) -> tuple[rollout_pb2.StepMetrics, Published | None, deltas.DeltaStats]:
         """One GRPO step (step.py), published as the next version: with its delta, or None when
         nobody would read one (publisher.Readers; last_skipped says why). Raises NonFiniteStep
         with nothing applied or published."""
@@ -238,12 +304,28 @@ class Trainer:
             # Whatever reads them later waits for it (optimizer.wait).
             background = self.lora is None and not reader and not self._after_step
             if background != self.overlapped:  # said when it starts and when it stops
-                logs.event(self.log, "optimizer_overlap", on=background, reason="nothing reads the weights before the next forward" if background
-                           else "LoRA merges after the update" if self.lora is not None else "a follower copies the weights" if self._after_step else f"a delta for {reader}")
+                logs.event(
+                    self.log,
+                    "optimizer_overlap",
+                    on=background,
+                    reason="nothing reads the weights before the next forward"
+                    if background
+                    else "LoRA merges after the update"
+                    if self.lora is not None
+                    else "a follower copies the weights"
+                    if self._after_step
+                    else f"a delta for {reader}",
+                )
                 self.overlapped = background
             r = train_step(
-                self.model, self.optimizer, groups, self.step_config, pad_id=self.tokenizer.pad_token_id, adapters_off=self.adapters_off,
-                on_piece=encoder.add_piece if encoder is not None else None, background=background,
+                self.model,
+                self.optimizer,
+                groups,
+                self.step_config,
+                pad_id=self.tokenizer.pad_token_id,
+                adapters_off=self.adapters_off,
+                on_piece=encoder.add_piece if encoder is not None else None,
+                background=background,
             )
             # No update (dapo filtered every group): the version still advances, since the groups
             # were consumed, with an empty delta.
@@ -260,29 +342,55 @@ class Trainer:
         # delta_encode_s: what encoding took after the optimizer step (with delta_encode_threads,
         # most of it overlaps the step and is inside optimizer_s).
         self.last_phases = {
-            "forward_s": r.forward_s, "backward_s": r.backward_s, "optimizer_s": r.optimizer_s,
+            "forward_s": r.forward_s,
+            "backward_s": r.backward_s,
+            "optimizer_s": r.optimizer_s,
             "delta_encode_s": time.perf_counter() - encode_start,
         }
         self.step += 1
         self.last_truncated_fraction = r.truncated_fraction
         step_seconds = time.perf_counter() - start
         metrics = rollout_pb2.StepMetrics(
-            step=self.step, version=self.version, groups=r.groups, completions=r.completions,
-            reward_mean=r.reward_mean, reward_std=r.reward_std, loss=r.loss, kl=r.kl, clip_fraction=r.clip_fraction,
-            entropy=r.entropy, tokens=r.tokens, step_seconds=step_seconds, train_tokens_per_s=r.train_tokens / step_seconds,
-            delta_bytes=stats.nbytes, dense_bytes=stats.dense_bytes,
+            step=self.step,
+            version=self.version,
+            groups=r.groups,
+            completions=r.completions,
+            reward_mean=r.reward_mean,
+            reward_std=r.reward_std,
+            loss=r.loss,
+            kl=r.kl,
+            clip_fraction=r.clip_fraction,
+            entropy=r.entropy,
+            tokens=r.tokens,
+            step_seconds=step_seconds,
+            train_tokens_per_s=r.train_tokens / step_seconds,
+            delta_bytes=stats.nbytes,
+            dense_bytes=stats.dense_bytes,
             mean_staleness=sum(self.version - 1 - g.policy_version for g in groups) / len(groups),
-            grad_norm=r.grad_norm, time=time.time(), zero_variance_groups=r.zero_variance_groups,
+            grad_norm=r.grad_norm,
+            time=time.time(),
+            zero_variance_groups=r.zero_variance_groups,
         )
-        self.metrics.observe_step(metrics, [self.version - 1 - g.policy_version for g in groups], stats.nbytes, stats.fraction_of_dense, skipped=published is None)
+        self.metrics.observe_step(
+            metrics,
+            [self.version - 1 - g.policy_version for g in groups],
+            stats.nbytes,
+            stats.fraction_of_dense,
+            skipped=published is None,
+        )
         for phase, seconds in self.last_phases.items():
             self.metrics.phase_seconds.labels(phase=phase.removesuffix("_s")).observe(seconds)
         return metrics, published, stats
 
     # -- what the loop calls: a step trained and pushed, a resume's replay and anchor, drops ----
 
-    def train_and_push(self, groups: list[rollout_pb2.RolloutGroup], targets: Callable[[], list[str]], from_registry: bool,
-                       record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None]) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
+    def train_and_push(
+        self,
+        groups: list[rollout_pb2.RolloutGroup],
+        targets: Callable[[], list[str]],
+        from_registry: bool,
+        record: Callable[[rollout_pb2.StepMetrics, list[PushOutcome]], None],
+    ) -> tuple[rollout_pb2.StepMetrics, deltas.DeltaStats, list[PushOutcome]]:
         """The loop's step: train_step (the previous version's push still going out meanwhile), the
         new version copied by the after-step hooks (WeightsView), the previous push waited for, `record` (the loop's
         commit of the groups and ledger, with that push's outcomes), the groups counted as
@@ -336,8 +444,14 @@ class Trainer:
         self.optimizer.wait()  # the anchor is the bits: the update in flight must have made them
         anchor = self.publisher.reanchor()
         self.metrics.reanchors.inc()
-        logs.event(self.log, "reanchored", version=anchor.info.version, reason=why, seconds=round(time.perf_counter() - start, 3),
-                   filed=not isinstance(anchor.payload, bytes))
+        logs.event(
+            self.log,
+            "reanchored",
+            version=anchor.info.version,
+            reason=why,
+            seconds=round(time.perf_counter() - start, 3),
+            filed=not isinstance(anchor.payload, bytes),
+        )
 
     def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
         """FetchWeights' payloads. A fetch is a reader (publisher.Readers): after skipped
@@ -350,14 +464,27 @@ class Trainer:
     def _push(self, addresses: list[str], published: Published, from_registry: bool, version: int) -> list[PushOutcome]:
         """One version's push (on BackgroundPush's thread), logged when it ends."""
         start = time.perf_counter()
-        outcomes = self.publisher.fleet.push(addresses, published, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
+        outcomes = self.publisher.fleet.push(
+            addresses,
+            published,
+            self.settings.push_timeout_s,
+            from_registry=from_registry,
+            fanout=self.settings.push_fanout,
+        )
         for o in outcomes:
             if not o.applied and not o.error.startswith(BACKED_OFF):  # those: once when they failed, then in `pushed`
-                logs.event(self.log, "push_not_applied", logging.WARNING, generator=o.address, version=version, error=o.error)
+                logs.event(
+                    self.log, "push_not_applied", logging.WARNING, generator=o.address, version=version, error=o.error
+                )
         self.metrics.phase_seconds.labels(phase="push").observe(time.perf_counter() - start)
         logs.event(
-            self.log, "pushed", version=version, applied=sum(o.applied for o in outcomes), generators=len(outcomes),
-            seconds=round(time.perf_counter() - start, 3), backed_off=len(self.publisher.fleet.backoff.backed_off()),
+            self.log,
+            "pushed",
+            version=version,
+            applied=sum(o.applied for o in outcomes),
+            generators=len(outcomes),
+            seconds=round(time.perf_counter() - start, 3),
+            backed_off=len(self.publisher.fleet.backoff.backed_off()),
         )
         return outcomes
 
@@ -380,8 +507,16 @@ class Trainer:
             return
         self.reanchor("after a resume: push targets")
         anchor = self.publisher.catch_up_payloads(-1, "")[0]
-        outcomes = self.publisher.fleet.push(targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout)
-        logs.event(self.log, "anchor_pushed", version=self.version, applied=sum(o.applied for o in outcomes), generators=len(outcomes))
+        outcomes = self.publisher.fleet.push(
+            targets, anchor, self.settings.push_timeout_s, from_registry=from_registry, fanout=self.settings.push_fanout
+        )
+        logs.event(
+            self.log,
+            "anchor_pushed",
+            version=self.version,
+            applied=sum(o.applied for o in outcomes),
+            generators=len(outcomes),
+        )
 
     def count_dropped(self, outcome: str, n: int) -> None:
         """Groups the loop acknowledged without training them: "stale" or "duplicate"."""
@@ -399,7 +534,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.generators = generators
         self.checkpoints = checkpoints
 
-    def GetState(self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
+    def GetState(
+        self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.TrainerState:
         t = self.trainer
         # The newest version whose push has ended (BackgroundPush): a generator being pushed
         # one must not fetch it too. With the sha256: the bits and version of the last step.
@@ -413,13 +550,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         signer = t.publisher.catch_up_signer
         # Signed over the caller's fresh challenge: a version claim nobody can replay, so a
         # generator acts only on the trainer's own, current word (generator.catch_up).
-        signature = signer.state(request.challenge, version, t.publisher.fingerprint) if signer is not None and request.challenge else b""
+        signature = (
+            signer.state(request.challenge, version, t.publisher.fingerprint)
+            if signer is not None and request.challenge
+            else b""
+        )
         return trainer_pb2.TrainerState(
-            version=version, step=t.step, model=t.model_dir, model_fingerprint=t.publisher.fingerprint, groups_trained=t.groups_trained,
-            groups_stale=t.groups_stale, generators=self.generators.last, weights_sha256=sha, signature=signature,
+            version=version,
+            step=t.step,
+            model=t.model_dir,
+            model_fingerprint=t.publisher.fingerprint,
+            groups_trained=t.groups_trained,
+            groups_stale=t.groups_stale,
+            generators=self.generators.last,
+            weights_sha256=sha,
+            signature=signature,
         )
 
-    def FetchWeights(self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightChunk]:
+    def FetchWeights(
+        self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext
+    ) -> Iterator[weights_pb2.WeightChunk]:
         try:
             payloads = self.trainer.catch_up_payloads(request.have_version, request.model_fingerprint)
         except deltas.DeltaError as e:
@@ -428,7 +578,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         payloads = [p for p in payloads if p.info.version <= self.trainer.publisher.pushes.version]
         yield from self.trainer.publisher.catch_up_chunks(payloads)  # each payload signed
 
-    def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveCheckpointResult:
+    def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.SaveCheckpointResult:
         """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;
         any other path must lie inside checkpoint_dir, a relative one is taken there, and it
         may not be one of the trainer's own names: checkpoint.confine)."""
@@ -447,7 +599,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except FileExistsError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step in progress did not finish in time; the checkpoint is still queued")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the step in progress did not finish in time; the checkpoint is still queued",
+            )
         except (ValueError, OSError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RuntimeError as e:
