@@ -72,7 +72,8 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
     workdir = run_workdir(cfg.workdir, cfg.run)
     creds = workdir / "credentials"
     embedded = not cfg.redis_url
-    shared = {"run": cfg.run, "redis_url": redis_url, "log_json": cfg.log_json, "model": model}
+    common = {"run": cfg.run, "redis_url": redis_url, "log_json": cfg.log_json}
+    shared = {**common, "model": model}  # the reward service alone has no model
     derive = derived(cfg.trainer)  # what the trainer's settings decide for the others
     # The trainer's step is the long pole: it gets every core. With max_staleness >= 1 the
     # next batch is sampled while the trainer trains, so the generators (and the reference)
@@ -135,15 +136,7 @@ def plan(cfg: RunConfig, model: str, redis_url: str, cores: int) -> Plan:
             password_file=redis_acl.password_file(creds, REWARD_ROLE) if embedded else None,
         )
     else:
-        reward = values(
-            "reward",
-            "reward-0",
-            run=cfg.run,
-            redis_url=redis_url,
-            log_json=cfg.log_json,
-            **derive["reward"],
-            consumer="reward-0",
-        )
+        reward = values("reward", "reward-0", **common, **derive["reward"], consumer="reward-0")
         children.append(ChildPlan("reward-0", "reward", reward, ("reward",)))
     if cfg.with_reference:
         reference = values(

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import tomli_w
 from rich.console import Console
@@ -41,55 +41,33 @@ StepM = TypeVar("StepM", rollout_pb2.StepMetrics, rollout_pb2.EvalMetrics)
 
 
 @dataclass
-class Progress:
-    by_step: dict[int, rollout_pb2.StepMetrics] = field(default_factory=dict)
+class ByStep(Generic[StepM]):
+    """A metrics stream read as it grows, its latest entry of each step. An entry that does not
+    decode (or check) is skipped: anyone can write to the stream, and the display must not die of it."""
+
+    message: type[StepM]
+    check: Callable[[StepM], None] | None = None
+    seen: dict[int, StepM] = field(default_factory=dict)
     last_id: bytes = b"0-0"
-    evals: dict[int, rollout_pb2.EvalMetrics] = field(default_factory=dict)  # held-out rounds by step
-    evals_last_id: bytes = b"0-0"
 
-    @property
-    def steps(self) -> list[rollout_pb2.StepMetrics]:
-        return [self.by_step[k] for k in sorted(self.by_step)]
+    def in_order(self) -> list[StepM]:
+        return [self.seen[k] for k in sorted(self.seen)]
 
-    def poll(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
-        """New step metrics (an entry that does not decode or check is skipped: anyone can
-        write to the stream, and the display must not die of it)."""
-        self.last_id, new = read_by_step(
-            client, keys.metrics, self.last_id, rollout_pb2.StepMetrics, self.by_step, validation.check_metrics
-        )
+    def poll(self, client: redis_policy.Client, stream: str) -> list[StepM]:
+        """The entries after the last one read; returns the messages of steps not seen before."""
+        new = []
+        for eid, fields in client.xrange(stream, min=b"(" + self.last_id, count=1000):
+            self.last_id = eid
+            try:
+                m = codec.decode(fields, self.message)
+                if self.check is not None:
+                    self.check(m)
+            except codec.EntryError:
+                continue
+            if m.step not in self.seen:
+                new.append(m)
+            self.seen[m.step] = m
         return new
-
-    def poll_evals(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[rollout_pb2.EvalMetrics]:
-        """New held-out rounds (one that does not decode is skipped, as in `poll`)."""
-        self.evals_last_id, new = read_by_step(
-            client, keys.evals, self.evals_last_id, rollout_pb2.EvalMetrics, self.evals
-        )
-        return new
-
-
-def read_by_step(
-    client: redis_policy.Client,
-    stream: str,
-    after: bytes,
-    message: type[StepM],
-    by_step: dict[int, StepM],
-    check: Callable[[StepM], None] | None = None,
-) -> tuple[bytes, list[StepM]]:
-    """The entries of `stream` after id `after`, decoded as `message` (and checked), into
-    `by_step`; returns the last id read and the messages of steps not seen before."""
-    new = []
-    for eid, fields in client.xrange(stream, min=b"(" + after, count=1000):
-        after = eid
-        try:
-            m = codec.decode(fields, message)
-            if check is not None:
-                check(m)
-        except codec.EntryError:
-            continue
-        if m.step not in by_step:
-            new.append(m)
-        by_step[m.step] = m
-    return after, new
 
 
 def _mean(xs: list[float], digits: int) -> float | None:
@@ -232,7 +210,10 @@ class Supervised:
     embedded: EmbeddedRedis | None
     admin: ClientCredentials  # the admin role's gRPC credentials (settle_versions)
     children: list[Child] = field(default_factory=list)
-    progress: Progress = field(default_factory=Progress)
+    steps: ByStep[rollout_pb2.StepMetrics] = field(
+        default_factory=lambda: ByStep(rollout_pb2.StepMetrics, validation.check_metrics)
+    )
+    evals: ByStep[rollout_pb2.EvalMetrics] = field(default_factory=lambda: ByStep(rollout_pb2.EvalMetrics))  # held-out
     started: float = field(default_factory=time.monotonic)
     stopping: bool = False
     finished: bool = False
@@ -348,7 +329,7 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
                 return code
             try:
                 reward_line = external.poll(run.client, run.console) if external is not None else ""
-                for m in run.progress.poll(run.client, run.keys):
+                for m in run.steps.poll(run.client, run.keys.metrics):
                     # GRPO's loss is ~1e-8 when the mean advantage is 0 (+0.0000 at 4
                     # decimals): 3 significant digits, and the gradient norm, which moves.
                     run.console.print(
@@ -356,7 +337,7 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
                         f"loss {m.loss:+.3g}  grad norm {m.grad_norm:.3g}  length {m.tokens / max(m.completions, 1):.1f} tokens  "
                         f"staleness {m.mean_staleness:.2f}  {delta_text(m)}  {m.step_seconds:.1f}s  {m.train_tokens_per_s:.0f} tok/s"
                     )
-                for held_out in run.progress.poll_evals(run.client, run.keys):
+                for held_out in run.evals.poll(run.client, run.keys.evals):
                     run.console.print(pipeline_status.eval_line(held_out))
                 stats = run_keys.read_counters(run.client, run.keys)[0]
                 if redis_down:
@@ -370,7 +351,7 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
                     redis_down = True
                 time.sleep(1.0)
                 continue
-            by_step, evals = run.progress.by_step, run.progress.evals
+            by_step, evals = run.steps.seen, run.evals.seen
             # The trainer reports the round after the last step before it stops training.
             trained = cfg.trainer.eval_only or (steps and by_step and max(by_step) >= steps)
             if trained and (not cfg.trainer.eval_prompts or (evals if cfg.trainer.eval_only else steps in evals)):
@@ -389,7 +370,7 @@ def _watch(the_plan: Plan, cfg: RunConfig, run: Supervised) -> int | None:
 
 def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: dict[str, int]) -> None:
     """Stop every child (the trainer last), write WORKDIR/summary.json and say where the results are."""
-    console, progress, workdir = run.console, run.progress, the_plan.workdir
+    console, workdir, evals = run.console, the_plan.workdir, run.evals.seen
     trainer = run.children[0]
     if trainer.proc is not None and trainer.proc.poll() is None and not run.finished:
         console.print("stopping: the trainer finishes its current step first (Ctrl-C again does not hurry it)")
@@ -397,9 +378,7 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
         # A step on CPU can take a minute; killed mid-step it would lose nothing (its groups
         # are not acknowledged), but a clean exit flushes its logs and metrics.
         child.stop(timeout_s=120.0 if child is trainer else 30.0)
-    result = summary(
-        progress.steps, time.monotonic() - run.started, [progress.evals[k] for k in sorted(progress.evals)]
-    )
+    result = summary(run.steps.in_order(), time.monotonic() - run.started, run.evals.in_order())
     result["versions"] = versions
     result["restarts"] = {c.name: c.restarts for c in run.children if c.restarts}
     try:
@@ -410,7 +389,7 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
     if run.embedded is not None:
         run.embedded.stop()
     (workdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-    if progress.steps:
+    if run.steps.seen:
         console.print(
             Text.assemble(
                 ("done", "bold"),
@@ -418,8 +397,8 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
                 f"{result['first5_reward_mean']}, last 5 steps {result['last5_reward_mean']} (summary: {workdir / 'summary.json'})",
             )
         )
-    if len(progress.evals) >= 2:
-        first, last = progress.evals[min(progress.evals)], progress.evals[max(progress.evals)]
+    if len(evals) >= 2:
+        first, last = evals[min(evals)], evals[max(evals)]
         console.print(
             f"held-out accuracy: {100 * first.accuracy:.0f}% at step {first.step} -> {100 * last.accuracy:.0f}% at step {last.step}"
         )
