@@ -45,7 +45,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 from safetensors import safe_open
 
-from rollstream.core import progress
+from rollstream.core import progress, safetensors_io
+from rollstream.trainer import folders
 
 FORMAT: Final = "rollstream-trainer-checkpoint"
 FORMAT_VERSION: Final = 1
@@ -178,8 +179,6 @@ def write_safetensors(
             if t.numel():
                 f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 advance(t.numel() * t.element_size())
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class SafetensorsReader(Mapping[str, torch.Tensor]):
@@ -234,45 +233,18 @@ def save(
     if path.exists() and not replace:
         raise FileExistsError(f"checkpoint {path} already exists")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a crash of this very process id: never a complete checkpoint
-    tmp.mkdir()
-    try:
-        write_safetensors(tmp / OPTIMIZER_FILE, optimizer_tensors, {"format": FORMAT})
-        write_safetensors(tmp / RNG_FILE, rng, {"format": FORMAT})
+
+    def write(folder: Path) -> None:
+        write_safetensors(folder / OPTIMIZER_FILE, optimizer_tensors, {"format": FORMAT})
+        write_safetensors(folder / RNG_FILE, rng, {"format": FORMAT})
         # state.json last: a folder with it is complete (the rename makes that moot, but a
         # reader of a half-copied folder gets an error instead of a half state).
-        with open(tmp / STATE_FILE, "w") as f:
-            f.write(state.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(tmp)
-        move_into_place(tmp, path, path.parent / f".{path.name}.old-{os.getpid()}")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        (folder / STATE_FILE).write_text(state.to_json())
 
-
-def move_into_place(tmp: Path, path: Path, old: Path) -> None:
-    """Rename the folder `tmp`, written and fsynced whole, to `path`; a folder already there is
-    first renamed to `old` (a folder cannot be renamed over a non-empty one) and removed after,
-    so `path` never names a partial folder."""
-    if path.exists():
-        os.rename(path, old)
-    os.rename(tmp, path)
-    fsync_path(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder: its entries' names)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    pid = os.getpid()
+    return folders.write_folder(
+        path, write, path.parent / f".{path.name}.tmp-{pid}", path.parent / f".{path.name}.old-{pid}"
+    )
 
 
 def load_state(path: Path) -> CheckpointState:
@@ -313,7 +285,7 @@ def _check_length(path: Path) -> None:
         with open(path, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= min(size - 8, _MAX_HEADER):
+            if not 0 < n <= min(size - 8, safetensors_io.MAX_HEADER_BYTES):
                 raise CheckpointError(f"{path}: {size} bytes, too short for its safetensors header")
             header = json.loads(f.read(n))
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
@@ -323,9 +295,6 @@ def _check_length(path: Path) -> None:
         raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
     if size != 8 + n + end:
         raise CheckpointError(f"{path}: {size} bytes, its header says {8 + n + end}: torn")
-
-
-_MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import torch
 
 from rollstream.core import deltas, logs, modeling
 from rollstream.core.models import ModelNotFoundError, resolve_model
-from rollstream.trainer import checkpoint, lora
+from rollstream.trainer import checkpoint, folders, lora
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW
 
@@ -339,20 +339,7 @@ def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     check_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
-    tmp, old = _temp_names(out)
-    shutil.rmtree(tmp, ignore_errors=True)  # this very process id's: never a whole export
-    tmp.mkdir()
-    try:
-        write(tmp)
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                checkpoint.fsync_path(file)
-        checkpoint.fsync_path(tmp)
-        checkpoint.move_into_place(tmp, out, old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return folders.write_folder(out, write, *_temp_names(out))
 
 
 def folder_bytes(path: Path) -> int:
