@@ -1,7 +1,7 @@
 """The generator service: rs:{<run>}:prompts -> sampled rollout groups -> rs:{<run>}:rollouts,
 plus the weight path from the trainer.
 
-Loop (one thread, `GeneratorLoop.turn`): wait while we are too many versions behind; take the
+Loop (one thread, `GeneratorLoop.turn`): wait while too many versions behind (again once tasks are taken); take the
 trainer's held-out evaluation tasks first (rs:{<run>}:eval_prompts: never held back by the
 training groups downstream, which wait for the trainer and would otherwise block the round the
 trainer waits for); else, while downstream has room, read PromptTasks; sample `group_size`
@@ -136,12 +136,7 @@ class GeneratorLoop:
 
     def turn(self) -> None:
         gen, stage, host, keys, s = self.gen, self.stage, self.host, self.stage.keys, self.gen.settings
-        current = run_keys.current_version(self.client, keys)
-        gen.sync.health.trainer_at("redis", current, gen.weights.version)
-        behind = current - (gen.weights.version or 0)
-        if behind > s.max_staleness:
-            gen.sync.wake.set()
-            host.stop.wait(0.2)
+        if self.behind():
             return
         # Evaluation tasks first, whatever waits downstream: a round is a few tasks the trainer
         # takes off `ready` at once, and it waits for them at the end of a run.
@@ -167,10 +162,25 @@ class GeneratorLoop:
         if taken:
             self.write(stage, taken)
 
+    def behind(self) -> bool:
+        """More than max_staleness versions behind the trainer's: the sync thread woken, a moment waited."""
+        current = run_keys.current_version(self.client, self.stage.keys)
+        self.gen.sync.health.trainer_at("redis", current, self.gen.weights.version)
+        if current - (self.gen.weights.version or 0) <= self.gen.settings.max_staleness:
+            return False
+        self.gen.sync.wake.set()
+        self.host.stop.wait(0.2)
+        return True
+
     def write(self, stage: streams.StreamStage, taken: list[tuple[streams.Entry, rollout_pb2.PromptTask]]) -> None:
         """Sample the tasks taken from `stage`, write their groups to rollouts and ack the tasks,
         with the ledger, in one transaction."""
         keys, host = stage.keys, self.host
+        # Again now the tasks are ours: the trainer's commit that made room (its acks) or fed the round sets
+        # its version too, maybe after turn's look; sampled before those weights land, they come out stale.
+        while self.behind():
+            if host.stop.is_set():
+                return  # still pending on us: read again first on restart
         with host.metrics.batch_seconds.time():
             done = self.sample(stage, taken)
             if not done:
