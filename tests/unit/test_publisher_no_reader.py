@@ -26,7 +26,8 @@ from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.publisher import READER_GRACE_S, Readers
-from rollstream.trainer.trainer import Trainer, TrainerServicer
+from rollstream.trainer.servicer import TrainerServicer
+from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from synthetic import scored_groups  # tests/synthetic.py
 

@@ -34,7 +34,8 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.fleet import AddressBackoff, PushOutcome
 from rollstream.trainer.publisher import Published, WeightPublisher
-from rollstream.trainer.trainer import Trainer, TrainerServicer
+from rollstream.trainer.servicer import TrainerServicer
+from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 from synthetic import scored_groups
 

@@ -16,10 +16,10 @@ LoRA the merge every generator holds); float32 = the optimizer's fp32 masters, a
 not trained (the LoRA base) the base model's own values, merged with peft's formula.
 
 A checkpoint is read back the way a resuming trainer reads it (Trainer.__init__/_restore):
-the model loaded with modeling.load_model, LoRA wrapped by lora.LoraModel and its base rounded
-to bf16, a HostAdamW in the checkpoint's layout, optimizer.load_state; then the bits come from
-the functions the trainer publishes with, so the export of a checkpoint equals the export of
-the trainer that wrote it.
+the model loaded by lora.load (with LoRA its base rounded to bf16 under the adapters), a
+HostAdamW in the checkpoint's layout, optimizer.load_state; then the bits come from the
+functions the trainer publishes with, so the export of a checkpoint equals the export of the
+trainer that wrote it.
 
 Atomic: written into a hidden sibling folder, every file fsynced, renamed into place; an
 export already there is replaced only once the new one is whole. A crash, a full disk or a
@@ -109,17 +109,13 @@ def from_checkpoint(path: Path) -> Trained:
         model_dir = str(resolve_model(settings.get("model")))
     except ModelNotFoundError as e:
         raise ExportError(f"{path} was trained from model {settings.get('model')!r}, which is not here: {e}") from None
-    model, _tokenizer = modeling.load_model(model_dir, dtype=_setting(settings, "dtype"))
-    trained_lora: lora.LoraModel | None = None
+    spec = None
     if state.lora is not None:
         spec = lora.LoraSpec(int(state.lora["rank"]), float(state.lora["alpha"]), tuple(state.lora["target_modules"]))
-        trained_lora = lora.LoraModel(model, spec)
-        trained_lora.round_base_to_bf16()
-        params, published = trained_lora.adapters, trained_lora.base
-        if state.base_weights_sha256 != deltas.weights_sha256(trained_lora.base_bits):
-            raise ExportError(f"{path}: its adapters belong to another base model than {model_dir}")
-    else:
-        params = published = modeling.named_weights(model)
+    _model, _tokenizer, trained_lora, params = lora.load(model_dir, _setting(settings, "dtype"), spec=spec)
+    published = trained_lora.base if trained_lora is not None else params
+    if trained_lora is not None and state.base_weights_sha256 != deltas.weights_sha256(trained_lora.base_bits):
+        raise ExportError(f"{path}: its adapters belong to another base model than {model_dir}")
     fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
     if state.model_fingerprint != fingerprint:
         raise ExportError(f"{path}: checkpoint is for model {state.model_fingerprint}, {model_dir} is {fingerprint}")

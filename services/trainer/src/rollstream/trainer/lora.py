@@ -11,6 +11,7 @@ to any generator, and version 0 equals the full fine-tuning path's version 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,3 +99,20 @@ class LoraModel:
         for name in self.layers:
             out[name] = modeling.tensor_to_bits(self.merged_weight(name))
         return out
+
+
+def load(
+    model_dir: str, dtype: str, device: str = "cpu", spec: LoraSpec | None = None, checkpointing: bool = False
+) -> tuple[Any, Any, LoraModel | None, dict[str, torch.nn.Parameter]]:
+    """The model as the trainer trains it (and an export of its checkpoint rebuilds it), its tokenizer,
+    the LoraModel (None without a spec) and the trained parameters: all the weights, or the adapters
+    over a base rounded to bf16."""
+    model, tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
+    if checkpointing:
+        # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec is None:
+        return model, tokenizer, None, modeling.named_weights(model)
+    wrapped = LoraModel(model, spec)
+    wrapped.round_base_to_bf16()
+    return wrapped.model, tokenizer, wrapped, wrapped.adapters

@@ -39,7 +39,7 @@ from rollstream.core import codec, logs, redis_policy, run_keys, steplog, stream
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, export, pipeline_view, replay
+from rollstream.trainer import checkpoint, export, pipeline_view, replay, servicer
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
@@ -48,7 +48,7 @@ from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.push import PushOutcome
 from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
-from rollstream.trainer.trainer import Trainer, TrainerServicer
+from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
 
 
@@ -81,7 +81,7 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         [
             Service(
                 "rollstream.v1.Trainer",
-                TrainerServicer(trainer, directory, checkpoints),
+                servicer.TrainerServicer(trainer, directory, checkpoints),
                 trainer_pb2_grpc.add_TrainerServicer_to_server,
             )
         ]

@@ -1,60 +1,49 @@
-"""The trainer's state and its gRPC face: the model, the host-memory optimizer and the weight
-publisher (`Trainer`), one step on them (`train_step`: step.train_step, then the new version
-published; `train_and_push`: also pushed, recorded by the loop, counted), checkpoints of all of
-it, and `TrainerServicer` (GetState, FetchWeights, SaveCheckpoint). The loop is in service.py."""
+"""The trainer's state: the model, the host-memory optimizer and the weight publisher
+(`Trainer`), one step on them (`train_step`: step.train_step, then the new version published;
+`train_and_push`: also pushed, recorded by the loop, counted) and checkpoints of all of it. Its
+gRPC face and in-process view are in servicer.py, the loop in service.py."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import numpy as np
 import torch
 
-from rollstream.core import cpu_runtime, deltas, logs, modeling, push_signing, validation
+from rollstream.core import cpu_runtime, deltas, logs, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, lora
-from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.metrics import Metrics
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.push import BACKED_OFF, PushOutcome
+from rollstream.trainer.servicer import WeightsView
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
-from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from rollstream.v1 import rollout_pb2
 
 
-@dataclass(frozen=True)
-class WeightsView:
-    """The trainer's weights, read-only, for a reader in its process (the colocated generator):
-    the version and bits last published, the model's fingerprint, and hooks it calls in its own
-    thread after each step has changed them (nothing else writes the weights, so a hook reads
-    them without the weights lock)."""
-
-    _publisher: WeightPublisher
-    _hooks: list[Callable[[], None]]
-
-    @property
-    def version(self) -> int:
-        return self._publisher.version
-
-    @property
-    def fingerprint(self) -> str:
-        return self._publisher.fingerprint
-
-    def bits(self) -> dict[str, np.ndarray]:
-        return self._publisher.bits()
-
-    def after_step(self, hook: Callable[[], None]) -> None:
-        self._hooks.append(hook)
+def _limits(s: TrainerSettings, model_dir: str) -> validation.Limits:
+    """What a ready group may hold: ids inside the vocabulary, completions no longer than the
+    tasks this trainer feeds ask for (dr_grpo normalises by that length), prompt + completion
+    inside the model's context (a longer one cannot be run: checked here, at intake, not found by
+    a failed allocation minutes into a step), exactly the run's group size, bounded rewards."""
+    return validation.Limits(
+        vocab_size=vocab_size(model_dir),
+        max_new_tokens=s.max_new_tokens,
+        max_reward_abs=s.max_abs_reward,
+        max_context_tokens=context_length(model_dir),
+        # Evaluation groups hold eval_samples completions: the size is then checked against
+        # each group's own task (TrainerLoop.checked), which holds the run's for training tasks.
+        group_size=s.group_size if not s.eval_prompts else 0,
+        max_group_size=max(s.group_size, s.eval_samples),
+    )
 
 
 class Trainer:
@@ -68,36 +57,12 @@ class Trainer:
             torch.set_num_threads(s.threads)
         torch.manual_seed(s.seed)
         self.model_dir = str(resolve_model(s.model))
-        # What a ready group may hold: ids inside the vocabulary, completions no longer than
-        # the tasks this trainer feeds ask for (dr_grpo normalises by that length), prompt +
-        # completion inside the model's context (a longer one cannot be run: checked here, at
-        # intake, not found by a failed allocation minutes into a step), exactly the run's
-        # group size, bounded rewards (rollstream.core.validation).
-        self.limits = validation.Limits(
-            vocab_size=vocab_size(self.model_dir),
-            max_new_tokens=s.max_new_tokens,
-            max_reward_abs=s.max_abs_reward,
-            max_context_tokens=context_length(self.model_dir),
-            # Evaluation groups hold eval_samples completions: the size is then checked against
-            # each group's own task (TrainerLoop.checked), which holds the run's for training tasks.
-            group_size=s.group_size if not s.eval_prompts else 0,
-            max_group_size=max(s.group_size, s.eval_samples),
-        )
+        self.limits = _limits(s, self.model_dir)
         self.need_ref = s.beta > 0 and s.kl_reference == "service"
-        self.model, self.tokenizer = modeling.load_model(self.model_dir, dtype=s.dtype, device=s.device)
-        if s.activation_checkpointing:
-            # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.lora: lora.LoraModel | None = None
-        if s.lora_rank:
-            self.lora = lora.LoraModel(
-                self.model, lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules))
-            )
-            self.model = self.lora.model
-            self.lora.round_base_to_bf16()
-            self.params = self.lora.adapters
-        else:
-            self.params = modeling.named_weights(self.model)
+        spec = lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)) if s.lora_rank else None
+        self.model, self.tokenizer, self.lora, self.params = lora.load(
+            self.model_dir, s.dtype, s.device, spec, s.activation_checkpointing
+        )
         self.model.train()
         # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
         self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
@@ -119,9 +84,8 @@ class Trainer:
         self.last_truncated_fraction = 0.0
         self.last_phases: dict[str, float] = {}  # the last step's phase times (seconds), for the step log
         self.last_skipped = ""  # why the last step's delta was not encoded ("": it was)
-        self.last_reanchor = (
-            ""  # why an anchor was written at the last step's start or end, for a reader that appeared ("": none)
-        )
+        # Why an anchor was written at the last step's start or end, for a reader that appeared ("": none).
+        self.last_reanchor = ""
         self.overlapped = False  # whether the last step's update ran on while the next forward started
         # Held through each step: in the split master layout the published bits are the
         # optimizer's masters, rewritten in place, so a reader of the whole weights (GetState's
@@ -298,25 +262,7 @@ class Trainer:
             # encoded tensor by tensor during the optimizer step. With LoRA the published weights
             # are merged after it.
             encoder = self.publisher.begin_delta() if self.lora is None and reader else None
-            # Nothing reads the new weights before the next forward (no delta, no merge, no
-            # after-step hook): the update runs on while the loop commits and the next step's forward
-            # starts, each module waiting for its own weights (HostAdamW.step with the model).
-            # Whatever reads them later waits for it (optimizer.wait).
-            background = self.lora is None and not reader and not self._after_step
-            if background != self.overlapped:  # said when it starts and when it stops
-                logs.event(
-                    self.log,
-                    "optimizer_overlap",
-                    on=background,
-                    reason="nothing reads the weights before the next forward"
-                    if background
-                    else "LoRA merges after the update"
-                    if self.lora is not None
-                    else "a follower copies the weights"
-                    if self._after_step
-                    else f"a delta for {reader}",
-                )
-                self.overlapped = background
+            background = self._overlap(reader)
             r = train_step(
                 self.model,
                 self.optimizer,
@@ -350,6 +296,7 @@ class Trainer:
         self.step += 1
         self.last_truncated_fraction = r.truncated_fraction
         step_seconds = time.perf_counter() - start
+        staleness = [self.version - 1 - g.policy_version for g in groups]
         metrics = rollout_pb2.StepMetrics(
             step=self.step,
             version=self.version,
@@ -366,21 +313,35 @@ class Trainer:
             train_tokens_per_s=r.train_tokens / step_seconds,
             delta_bytes=stats.nbytes,
             dense_bytes=stats.dense_bytes,
-            mean_staleness=sum(self.version - 1 - g.policy_version for g in groups) / len(groups),
+            mean_staleness=sum(staleness) / len(groups),
             grad_norm=r.grad_norm,
             time=time.time(),
             zero_variance_groups=r.zero_variance_groups,
         )
-        self.metrics.observe_step(
-            metrics,
-            [self.version - 1 - g.policy_version for g in groups],
-            stats.nbytes,
-            stats.fraction_of_dense,
-            skipped=published is None,
-        )
+        self.metrics.observe_step(metrics, staleness, stats.nbytes, stats.fraction_of_dense, skipped=published is None)
         for phase, seconds in self.last_phases.items():
             self.metrics.phase_seconds.labels(phase=phase.removesuffix("_s")).observe(seconds)
         return metrics, published, stats
+
+    def _overlap(self, reader: str) -> bool:
+        """Whether the update runs on into the next forward (HostAdamW.step with the model): when nothing
+        reads the new weights before it (no delta, no merge, no after-step hook); later readers wait (optimizer.wait)."""
+        background = self.lora is None and not reader and not self._after_step
+        if background != self.overlapped:  # said when it starts and when it stops
+            logs.event(
+                self.log,
+                "optimizer_overlap",
+                on=background,
+                reason="nothing reads the weights before the next forward"
+                if background
+                else "LoRA merges after the update"
+                if self.lora is not None
+                else "a follower copies the weights"
+                if self._after_step
+                else f"a delta for {reader}",
+            )
+            self.overlapped = background
+        return background
 
     # -- what the loop calls: a step trained and pushed, a resume's replay and anchor, drops ----
 
@@ -453,14 +414,6 @@ class Trainer:
             filed=not isinstance(anchor.payload, bytes),
         )
 
-    def catch_up_payloads(self, have_version: int, fingerprint: str) -> list[Published]:
-        """FetchWeights' payloads. A fetch is a reader (publisher.Readers): after skipped
-        deltas the anchor is written first, at the current version."""
-        self.publisher.check_fingerprint(fingerprint)  # before anything costly
-        self.publisher.readers.fetched()
-        self.reanchor("a FetchWeights")
-        return self.publisher.catch_up_payloads(have_version, fingerprint)
-
     def _push(self, addresses: list[str], published: Published, from_registry: bool, version: int) -> list[PushOutcome]:
         """One version's push (on BackgroundPush's thread), logged when it ends."""
         start = time.perf_counter()
@@ -526,85 +479,3 @@ class Trainer:
 
     def close(self) -> None:
         self.publisher.close()
-
-
-class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: CheckpointRequests):
-        self.trainer = trainer
-        self.generators = generators
-        self.checkpoints = checkpoints
-
-    def GetState(
-        self, request: trainer_pb2.TrainerStateRequest, context: grpc.ServicerContext
-    ) -> trainer_pb2.TrainerState:
-        t = self.trainer
-        # The newest version whose push has ended (BackgroundPush): a generator being pushed
-        # one must not fetch it too. With the sha256: the bits and version of the last step.
-        sha, version = "", t.publisher.pushes.version
-        if request.with_weights_sha256:
-            with t.weights_lock:  # the bits and the version of one published step
-                t.optimizer.wait()  # ... whose update has ended (an overlapped step's goes on after it)
-                sha, version = deltas.weights_sha256(t.publisher.bits()), t.version
-        if len(request.challenge) > push_signing.MAX_CHALLENGE_BYTES:  # sign nothing large
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"challenge over {push_signing.MAX_CHALLENGE_BYTES} bytes")
-        signer = t.publisher.catch_up_signer
-        # Signed over the caller's fresh challenge: a version claim nobody can replay, so a
-        # generator acts only on the trainer's own, current word (generator.catch_up).
-        signature = (
-            signer.state(request.challenge, version, t.publisher.fingerprint)
-            if signer is not None and request.challenge
-            else b""
-        )
-        return trainer_pb2.TrainerState(
-            version=version,
-            step=t.step,
-            model=t.model_dir,
-            model_fingerprint=t.publisher.fingerprint,
-            groups_trained=t.groups_trained,
-            groups_stale=t.groups_stale,
-            generators=self.generators.last,
-            weights_sha256=sha,
-            signature=signature,
-        )
-
-    def FetchWeights(
-        self, request: trainer_pb2.FetchWeightsRequest, context: grpc.ServicerContext
-    ) -> Iterator[weights_pb2.WeightChunk]:
-        try:
-            payloads = self.trainer.catch_up_payloads(request.have_version, request.model_fingerprint)
-        except deltas.DeltaError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        # Not a version still being pushed (BackgroundPush.version): its push brings it.
-        payloads = [p for p in payloads if p.info.version <= self.trainer.publisher.pushes.version]
-        yield from self.trainer.publisher.catch_up_chunks(payloads)  # each payload signed
-
-    def SaveCheckpoint(
-        self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext
-    ) -> trainer_pb2.SaveCheckpointResult:
-        """Saved by the loop after the step in progress (empty path: checkpoint_dir/step-N;
-        any other path must lie inside checkpoint_dir, a relative one is taken there, and it
-        may not be one of the trainer's own names: checkpoint.confine)."""
-        target = ""
-        if request.path:
-            try:
-                target = str(checkpoint.confine(request.path, self.trainer.settings.checkpoint_dir))
-            except checkpoint.CheckpointPathRefused as e:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-            except checkpoint.CheckpointNameRefused as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except checkpoint.CheckpointError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        try:
-            path, version = self.checkpoints.request(target, context.time_remaining())
-        except FileExistsError as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except TimeoutError:
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the step in progress did not finish in time; the checkpoint is still queued",
-            )
-        except (ValueError, OSError) as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except RuntimeError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return trainer_pb2.SaveCheckpointResult(path=str(path), version=version)
