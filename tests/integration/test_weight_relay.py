@@ -1,4 +1,4 @@
-"""Pushes down the relay tree (trainer/relay.py, generator/relay.py): the trainer sends each
+"""Pushes down the relay tree (trainer/fleet.py, generator/relay.py): the trainer sends each
 payload to `fanout` generators, they forward it on, every generator serves the version
 exactly, and a relay that is gone orphans its subtree only until the trainer's next round."""
 

@@ -1,4 +1,4 @@
-"""The trainer's side of signed pushes (push.PushGate / relay.push_one), against real in-process
+"""The trainer's side of signed pushes (push.PushGate / fleet.push_one), against real in-process
 gRPC servers: nothing is pushed to an address whose PushNonce answer does not prove the
 generator's key, or, for a registry address, proves another address (a fake registered
 address relaying a real generator's answer); an honest generator gets the push, signed."""
@@ -14,8 +14,8 @@ import pytest
 
 from rollstream.core import credentials, grpc_auth, grpc_utils, push_signing
 from rollstream.core.credentials import ROLES
+from rollstream.trainer.fleet import push_one
 from rollstream.trainer.push import PushGate, push_call
-from rollstream.trainer.relay import push_one
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, weights_pb2
 
 TOKENS = {role: f"{role}-token-{i}" for i, role in enumerate(ROLES)}

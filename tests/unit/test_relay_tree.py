@@ -1,14 +1,14 @@
-"""The relay tree (trainer/relay.py): complete, breadth first, every generator once, at most
+"""The relay tree (trainer/fleet.py): complete, breadth first, every generator once, at most
 `fanout` children each, depth ceil(log_fanout N)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollstream.trainer import relay
+from rollstream.trainer import fleet
 
 
-def depth(nodes: list[relay.Node]) -> int:
+def depth(nodes: list[fleet.Node]) -> int:
     return 1 + max((depth(n.children) for n in nodes), default=0) if nodes else 0
 
 
@@ -16,12 +16,12 @@ def depth(nodes: list[relay.Node]) -> int:
 @pytest.mark.parametrize("fanout", [1, 2, 3, 4])
 def test_every_generator_once_and_no_more_than_fanout_children(n: int, fanout: int) -> None:
     addresses = [f"g{i}:1" for i in range(n)]
-    roots = relay.tree(addresses, fanout)
+    roots = fleet.tree(addresses, fanout)
     assert len(roots) == min(n, fanout)
     reached = [a for r in roots for a in r.addresses()]
     assert sorted(reached) == sorted(addresses)
 
-    def widths(nodes: list[relay.Node]) -> list[int]:
+    def widths(nodes: list[fleet.Node]) -> list[int]:
         return [len(x.children) for x in nodes] + [w for x in nodes for w in widths(x.children)]
 
     assert max(widths(roots)) <= fanout
@@ -35,8 +35,8 @@ def test_every_generator_once_and_no_more_than_fanout_children(n: int, fanout: i
 
 
 def test_targets_carry_each_generator_s_own_signature() -> None:
-    roots = relay.tree(["a", "b", "c", "d"], 2)
-    (a, b) = relay.targets(roots, {"a": "sa", "b": "sb", "c": "sc"})
+    roots = fleet.tree(["a", "b", "c", "d"], 2)
+    (a, b) = fleet.targets(roots, {"a": "sa", "b": "sb", "c": "sc"})
     assert (a.address, a.signature, [t.address for t in a.forward]) == ("a", "sa", ["c", "d"])
     assert [(t.address, t.signature) for t in a.forward] == [("c", "sc"), ("d", "")]
     assert b.forward == []
@@ -44,7 +44,7 @@ def test_targets_carry_each_generator_s_own_signature() -> None:
 
 def test_a_fanout_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="fanout"):
-        relay.tree(["a"], 0)
+        fleet.tree(["a"], 0)
 
 
 def test_a_push_naming_more_targets_than_any_fanout_is_refused_before_forwarding() -> None:

@@ -1,4 +1,4 @@
-"""Forwarding a push down the relay tree (issue 30; the tree: rollstream.trainer.relay).
+"""Forwarding a push down the relay tree (issue 30; the tree: rollstream.trainer.fleet).
 
 A push whose first chunk names targets (`WeightChunk.forward`) is forwarded by its receiver
 to each of them, chunk by chunk as the chunks arrive, each on a stream of its own, from a

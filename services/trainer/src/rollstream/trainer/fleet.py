@@ -1,4 +1,8 @@
-"""Pushing a published version to every generator: nonces, the relay tree, watched streams.
+"""The ways a payload leaves the trainer for every generator (WAYS, by name): "push", a stream
+from the trainer to each, or "relay", down a tree (issue 30; docs/deploy.md, "Scaling out");
+both over what every push shares (push.py: nonces, signatures by core/push_signing.py, watched
+calls, back-off). The trainer pushes in the background (BackgroundPush), telling pollers a
+version only once its push has ended.
 
 Nothing is done once per generator that can be done once per payload. A payload
 is encoded once and its header (with the sha256 of the whole payload) made once; every
@@ -12,10 +16,18 @@ so it is written to its file tensor by tensor (hashed as it is written) and each
 reads its chunks from the file as it sends them (the page cache serves the other streams);
 it is never whole in the trainer's memory.
 
-A payload goes out one of the WAYS, by name: "push" (a stream from the trainer to each
-generator) or "relay" (down a tree); both relay.py's, over what every push shares (push.py:
-nonces, signatures by core/push_signing.py, watched calls, back-off). The trainer pushes in
-the background (BackgroundPush), telling pollers a version only once its push has ended.
+With `push_fanout = k` the trainer sends a payload to at most k generators; each forwards it
+to at most k others as the chunks arrive (rollstream.generator.relay), so the trainer's
+egress is k payloads whatever the number N of generators, and the last one is reached after
+ceil(log_k N) hops of a chunk each. The tree is complete and breadth first: with the
+generators in order g_0 .. g_{N-1}, the trainer pushes to g_0 .. g_{k-1}, and g_i forwards
+to g_{k(i+1)} .. g_{k(i+1)+k-1}.
+
+Every generator in the tree gets its own signature from the trainer, over a nonce it issued
+(core/push_signing.py), carried to it in its parent's first chunk (`RelayTarget`): a relay
+passes the trainer's word on, it cannot make its own. A relay that fails orphans its subtree,
+which goes down a tree of its own with fresh nonces (RELAY_ROUNDS). A direct push (`direct`,
+`push_one`) is the same leg to a tree of one.
 """
 
 from __future__ import annotations
@@ -23,21 +35,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from rollstream.core import push_signing
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
-from rollstream.core.push_signing import PushSigner
-from rollstream.trainer import relay
 from rollstream.trainer.push import (
     NONCE_TIMEOUT_S,
     STALL_S,
     AddressBackoff,
+    Metadata,
     PushCall,
     PushGate,
     PushOutcome,
@@ -45,19 +59,216 @@ from rollstream.trainer.push import (
     Unanswered,
     Watch,
     push_call,
+    sign_one,
 )
+from rollstream.v1 import weights_pb2
 
 if TYPE_CHECKING:
     from rollstream.trainer.publisher import Published
 
 log = logging.getLogger(__name__)
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
+RELAY_ROUNDS = 3  # a tree, then one for its orphans, then one for theirs
+
+
+@dataclass
+class Node:
+    address: str
+    children: list["Node"] = field(default_factory=list)
+
+    def addresses(self) -> list[str]:
+        """This node's address and every one below it."""
+        return [self.address, *(a for c in self.children for a in c.addresses())]
+
+
+def tree(addresses: Sequence[str], fanout: int) -> list[Node]:
+    """The roots the trainer pushes to; every node has at most `fanout` children."""
+    if fanout < 1:
+        raise ValueError(f"fanout must be at least 1, not {fanout}")
+    nodes = [Node(a) for a in addresses]
+    for i, node in enumerate(nodes):
+        node.children = nodes[fanout * (i + 1) : fanout * (i + 2)]
+    return nodes[:fanout]
+
+
+def targets(nodes: Sequence[Node], signatures: Mapping[str, str]) -> list[weights_pb2.RelayTarget]:
+    """`nodes` as the `forward` of a first chunk, each with its signature and subtree."""
+    return [
+        weights_pb2.RelayTarget(
+            address=n.address, signature=signatures.get(n.address, ""), forward=targets(n.children, signatures)
+        )
+        for n in nodes
+    ]
+
+
+def height(node: Node) -> int:
+    """The levels of `node`'s subtree (1: no children)."""
+    return 1 + max((height(c) for c in node.children), default=0)
+
+
+def push_down(
+    pool: ThreadPoolExecutor, addresses: Sequence[str], parts: PushParts, timeout_s: float, fanout: int
+) -> list[PushOutcome]:
+    """The "relay" way: each round asks every generator's nonce at once, each within the nonce
+    deadline, and pushes each root of the tree as soon as its own subtree has answered
+    (push_subtree), so no subtree waits for another's stranger; orphans (a relay above them
+    failed) go down a tree of their own in the next round."""
+    outcomes: dict[str, PushOutcome] = {}
+    pending = list(addresses)
+    for _ in range(RELAY_ROUNDS):
+        start = time.perf_counter()
+        signing = {
+            a: pool.submit(sign_one, parts.calls[a], a, parts.header, parts.gate, parts.nonce_timeout_s)
+            for a in pending
+        }
+        futures = [
+            pool.submit(push_subtree, root, fanout, signing, parts, start + timeout_s) for root in tree(pending, fanout)
+        ]
+        for o in (o for f in futures for o in f.result()):
+            outcomes[o.address] = o
+        pending = [a for a in pending if outcomes[a].orphaned]
+        if not pending:
+            break
+    return list(outcomes.values())
+
+
+def push_subtree(
+    root: Node, fanout: int, signing: Mapping[str, Future[tuple[Metadata, str]]], parts: PushParts, deadline: float
+) -> list[PushOutcome]:
+    """`root`'s subtree once each of its nonces has come or timed out: those that answered, as
+    a tree of their own (the first in tree order at its top), get the payload; those that did
+    not are left out of this push, each an unreachable outcome."""
+    start = time.perf_counter()
+    signed = {a: signing[a].result() for a in root.addresses()}
+    left_out = [
+        PushOutcome(a, False, -1, why, time.perf_counter() - start, unreachable=True)
+        for a, (_, why) in signed.items()
+        if why
+    ]
+    metadata = {a: md for a, (md, why) in signed.items() if not why}
+    if not metadata:
+        return left_out
+    answered = list(metadata)
+    top = Node(answered[0], tree(answered[1:], fanout) if len(answered) > 1 else [])
+    return [*left_out, *push_forwarding(top, metadata, parts, deadline - time.perf_counter())]
+
+
+def push_forwarding(
+    root: Node, metadata: Mapping[str, Metadata], parts: PushParts, timeout_s: float
+) -> list[PushOutcome]:
+    """The payload to `root`, its first chunk naming root's subtree (the relay tree below it)
+    with each generator's signature in it; the outcomes of root and of every generator below
+    it, each believed applied only with its own acknowledgement (PushGate.believed)."""
+    gate, header = parts.gate, parts.header
+    signatures = {a: dict(md).get(push_signing.METADATA_KEY, "") for a, md in metadata.items()}
+    forward = targets(root.children, signatures)
+    below = set(root.addresses()[1:])
+
+    def chunks() -> Iterator[bytes]:
+        it = iter(parts.wire)
+        if not forward:  # a leaf: the chunks as they are
+            yield from it
+            return
+        first = weights_pb2.WeightChunk.FromString(next(it))
+        first.forward.extend(forward)
+        yield first.SerializeToString()
+        yield from it
+
+    def orphans(why: str, addresses: Iterable[str]) -> list[PushOutcome]:
+        return [
+            PushOutcome(a, False, -1, f"not reached: {root.address} {why}", 0.0, orphaned=True)
+            for a in sorted(addresses)
+        ]
+
+    def outcomes(result: weights_pb2.PushResult | None, error: str, seconds: float) -> list[PushOutcome]:
+        if result is None:
+            return [
+                PushOutcome(root.address, False, -1, error, seconds, unreachable=True),
+                *orphans("did not take the push", below),
+            ]
+        own = gate.believed(PushOutcome.of(root.address, result, seconds), metadata[root.address], header, result.ack)
+        # Only root's subtree: a relay's report on any other generator is not its to make, and on
+        # its own subtree it is believed only where that generator's acknowledgement says so.
+        relayed = [
+            gate.believed(
+                PushOutcome(
+                    r.address,
+                    r.applied,
+                    r.version if r.applied else -1,
+                    r.error,
+                    r.seconds,
+                    via=r.via,
+                    orphaned=r.orphaned,
+                    unreachable=r.unreachable,
+                ),
+                metadata[r.address],
+                header,
+                r.ack,
+            )
+            for r in result.relayed
+            if r.address in below
+        ]
+        # A relay that claimed an apply without the generator's acknowledgement is left out for a while.
+        claimants = {o.via for o in relayed if o.unproven}
+        reported = [dataclasses.replace(o, unreachable=True) if o.address in claimants else o for o in [own, *relayed]]
+        # A relay that answered but reported nobody below it (it forwarded nothing: an older
+        # generator, or one that crashed forwarding) orphans its subtree.
+        return [*reported, *orphans("reported no outcome for it", below - {o.address for o in relayed})]
+
+    return parts.watch.send(
+        parts.calls[root.address],
+        root.addresses(),
+        height(root),
+        chunks(),
+        metadata[root.address],
+        timeout_s,
+        header.version,
+        outcomes,
+    )
+
+
+def push_one(
+    call: PushCall,
+    address: str,
+    wire: Iterable[bytes],
+    header: weights_pb2.WeightHeader,
+    gate: PushGate,
+    nonce_timeout_s: float,
+    timeout_s: float,
+    watch: Watch | None = None,
+) -> PushOutcome:
+    """One payload to one generator: its nonce and proof (PushGate, within nonce_timeout_s),
+    the signature, then the chunks (`wire`, iterated afresh by each stream), watched (`watch`;
+    None: the defaults, with an Unanswered of its own). Every failure is an outcome, never an exception."""
+    start = time.perf_counter()
+    metadata, why = sign_one(call, address, header, gate, nonce_timeout_s)
+    if why:
+        return PushOutcome(address, False, -1, why, time.perf_counter() - start, unreachable=True)
+    parts = PushParts(
+        {address: call}, wire, header, gate, watch or Watch(STALL_S, Unanswered(AddressBackoff())), nonce_timeout_s
+    )
+    [outcome] = push_forwarding(Node(address), {address: metadata}, parts, timeout_s - (time.perf_counter() - start))
+    return outcome
+
+
+def direct(
+    pool: ThreadPoolExecutor, addresses: Sequence[str], parts: PushParts, timeout_s: float, fanout: int
+) -> list[PushOutcome]:
+    """The "push" way: a stream from the trainer to every generator at once (`fanout` unused)."""
+    p = parts
+    futures = [
+        pool.submit(push_one, p.calls[a], a, p.wire, p.header, p.gate, p.nonce_timeout_s, timeout_s, p.watch)
+        for a in addresses
+    ]
+    return [f.result() for f in futures]
+
+
 # The ways a payload goes out to many generators, by name (as vLLM registers its weight-transfer
 # engines): each is handed the pool, the addresses to reach, the push's shared parts, the
 # deadline and the fan-out, and gives one outcome per address.
 WAYS: dict[str, Callable[[ThreadPoolExecutor, Sequence[str], PushParts, float, int], list[PushOutcome]]] = {
-    "push": relay.direct,
-    "relay": relay.push_down,
+    "push": direct,
+    "relay": push_down,
 }
 
 
@@ -136,7 +347,7 @@ class Fleet:
         nonce_timeout_s: float = NONCE_TIMEOUT_S,
         stall_s: float = STALL_S,
     ):
-        self.signer = PushSigner(creds.token) if creds is not None and creds.token else None
+        self.signer = push_signing.PushSigner(creds.token) if creds is not None and creds.token else None
         self.creds = dataclasses.replace(creds, token="") if creds is not None else None
         self.generator_key = generator_key
         self.nonce_timeout_s = nonce_timeout_s
@@ -158,7 +369,7 @@ class Fleet:
         """Push one payload to every generator concurrently (each as a stream of chunks).
         `from_registry`: the addresses come from the generator registry, which a lesser role
         writes, so each generator must prove the address it was dialed at. `fanout` >= 1 with
-        more generators than that: down a relay tree (relay.py), the trainer sending to
+        more generators than that: down a relay tree (push_down), the trainer sending to
         `fanout` of them only; one outcome per address either way. Each nonce is asked within
         nonce_timeout_s, not `timeout_s`; an address that failed is left out while it is backed
         off (AddressBackoff), counted as not applied: it catches up by itself."""

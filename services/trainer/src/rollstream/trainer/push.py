@@ -1,6 +1,6 @@
 """What every push of a payload shares: its outcomes, its nonces and signatures (PushGate), how
 its calls are watched (Watch), the addresses left out (AddressBackoff, Unanswered). Pushing it
-down a tree of generators (a direct push: a tree of one) is relay.py's.
+down a tree of generators (a direct push: a tree of one) is fleet.py's.
 
 Authentication: no token goes to a generator (its address may come from a registry a lesser
 role writes). Each push asks that generator for a one-time nonce, with a challenge; nothing is
