@@ -3,15 +3,22 @@ refusal of deltas it cannot apply (wrong base, corrupted, another model)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from helpers import groups_in, wait_for, write
 from procs import ServiceProc, start_service
 from rollstream.core import codec, deltas, modeling, run_keys, streams, weight_transfer
 from rollstream.core.grpc_utils import channel
+from rollstream.core.service import ServiceHost
+from rollstream.generator.config import GeneratorSettings
+from rollstream.generator.generator import Generator
+from rollstream.generator.host_weights import ApplyTimings
+from rollstream.generator.service import GeneratorLoop
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
 
@@ -320,3 +327,54 @@ def test_tasks_a_dead_peer_held_past_claim_idle_do_not_block_the_room(
         assert sorted(g.group_id for g in groups_in(rclient, rollouts)) == [f"t{i}" for i in range(6)]
     finally:
         gen.stop()
+
+
+def test_a_batch_taken_as_the_trainer_steps_waits_for_the_new_weights(
+    redis_url: str, run_name: str, tiny_model_dir: Path, rclient: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_staleness 0, the room full with a step's groups, and the trainer's commit (their acks
+    and version 1, one transaction) landing right after the generator's look at the version:
+    the room it then counts is free while its weights are still version 0. It takes the tasks,
+    samples nothing on version 0 (those groups would be dropped as stale), and samples them
+    once version 1's weights land (the GeneratorLoop in this process, on a real Redis)."""
+    keys = run_keys.RunKeys(run_name)
+    ready, rollouts = keys.stream("ready"), keys.stream("rollouts")
+    for i in range(2):
+        write(rclient, keys, "prompts", _arithmetic_task(f"t{i}"))
+        rclient.xadd(ready, {"group": i})
+    rclient.xgroup_create(ready, "trainer", id="0")
+    step_groups = [eid for eid, _ in rclient.xreadgroup("trainer", "trainer-0", {ready: ">"})[0][1]]
+    look = run_keys.current_version
+
+    def look_then_the_step_commits(client: redis.Redis, k: run_keys.RunKeys) -> int:
+        version = look(client, k)
+        if rclient.xpending(ready, "trainer")["pending"]:
+            rclient.pipeline(transaction=True).xack(ready, "trainer", *step_groups).set(keys.version, 1).execute()
+        return version
+
+    monkeypatch.setattr(run_keys, "current_version", look_then_the_step_commits)
+    room = {"max_staleness": 0, "max_inflight_groups": 2, "tasks_per_batch": 2}  # synchronous, steps of 2 groups
+    settings = GeneratorSettings(redis_url=redis_url, run=run_name, model=str(tiny_model_dir), threads=1, **room)
+    with ServiceHost("generator", settings) as host:
+        gen = Generator(settings, host)
+        client = host.connect_redis()
+        loop = GeneratorLoop(gen, host, host.open_stage(client, "prompts", settings.group),
+                             host.open_stage(client, "eval_prompts", settings.group), client, client)  # fmt: skip
+        turn = threading.Thread(target=loop.turn)
+        turn.start()
+        try:
+            # Either it sampled, or it took the tasks and found itself behind (it wakes its sync).
+            wait_for(lambda: gen.sync.wake.is_set() or rclient.xlen(rollouts) > 0, 120, "the batch taken")
+            assert rclient.xlen(rollouts) == 0, [g.policy_version for g in groups_in(rclient, rollouts)]
+            assert rclient.xpending(keys.stream("prompts"), settings.group)["pending"] == 2  # the tasks are its own
+            v0 = version0_bits(tiny_model_dir)
+            fingerprint = deltas.model_fingerprint({k: v.shape for k, v in v0.items()})
+            payload, _ = deltas.encode_delta(v0, perturbed(v0, seed=1), 0, 1, fingerprint)
+            info = deltas.PayloadInfo("delta", 0, 1, fingerprint)
+            gen.apply_stream(weight_transfer.to_chunks(payload, info), skip_held=False, timings=ApplyTimings())
+            turn.join(timeout=120)
+            assert [(g.group_id, g.policy_version) for g in groups_in(rclient, rollouts)] == [("t0", 1), ("t1", 1)]
+        finally:
+            host.stop.set()
+            turn.join(timeout=30)
+            client.close()
