@@ -14,7 +14,7 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
-from rollstream.core import codec, registry, steplog, streams
+from rollstream.core import codec, run_keys, steplog, streams
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 from synthetic import scored_groups, tokenizer_decode
@@ -99,7 +99,7 @@ def start_trained_run(
         client.xreadgroup("generator", "gen-0", {keys.stream("prompts"): ">"}, count=1)
         _backlog(client, keys, "rollouts", "reward", "reward-0", 3, 1)
         _backlog(client, keys, "scored", "reference", "reference-0", 2, 1)
-        registry.heartbeat(client, keys, "gen-0", "127.0.0.1:1", version=STEPS)
+        run_keys.heartbeat(client, keys, "gen-0", "127.0.0.1:1", version=STEPS)
         for step, accuracy in EVAL_ROUNDS:
             steplog.append(steps_file, steplog.eval_record(eval_round(step, accuracy), run=keys.run))
             client.xadd(keys.evals, codec.encode(eval_round(step, accuracy)))

@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from helpers import code_of, still_running, wait_for
-from rollstream.core import credentials, registry
+from rollstream.core import credentials, run_keys
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.run_keys import RunKeys
@@ -125,7 +125,7 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(
         )
 
         def registered_and_asked() -> bool:
-            registry.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
+            run_keys.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
             return fake.nonces_asked.is_set()
 
         wait_for(
@@ -135,7 +135,7 @@ def test_a_registered_fake_generator_gets_no_credential_and_can_push_nothing(
         steps_then = admin.xlen(keys.metrics)
 
         def registered_and_two_more_steps() -> bool:
-            registry.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
+            run_keys.heartbeat(attacker, keys, "fake-generator", f"127.0.0.1:{fake_port}")
             return admin.xlen(keys.metrics) >= steps_then + 2
 
         wait_for(

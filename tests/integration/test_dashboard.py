@@ -15,7 +15,7 @@ import redis
 
 from dashboard_run import EVAL_ROUNDS, STEPS, TrainedRun, start_trained_run
 from metric_names import documented_trainer_names
-from rollstream.core import dashboard, redis_policy, registry, streams
+from rollstream.core import dashboard, redis_policy, run_keys, streams
 from rollstream.core.run_keys import RunKeys
 from rollstream.launcher.redis_server import free_port
 
@@ -133,7 +133,7 @@ def test_view_scrubs_secrets_and_caches(rclient: redis.Redis, redis_url: str, ke
     rclient.xadd(keys.stream("rollouts"), {"x": "1"})
     streams.StreamStage.ensure_group(rclient, keys.stream("rollouts"), "reward")
     rclient.xreadgroup("reward", f"reward-{secret}", {keys.stream("rollouts"): ">"}, count=1)
-    registry.heartbeat(rclient, keys, f"gen-{secret}", "127.0.0.1:1", version=None)
+    run_keys.heartbeat(rclient, keys, f"gen-{secret}", "127.0.0.1:1", version=None)
     clock = Clock()
     looks = []
 

@@ -18,7 +18,7 @@ import tomli_w
 
 from helpers import wait_for, write_ready
 from procs import free_port, generator_state, start_service, trainer_state
-from rollstream.core import registry, run_keys, steplog, weight_store
+from rollstream.core import run_keys, steplog, weight_store
 from synthetic import Decode, scored_groups
 
 GROUPS_PER_STEP = 2
@@ -140,7 +140,7 @@ def test_a_generator_joining_a_colocated_run_gets_the_exact_weights(
             "reanchored" in colocated.log() and "version=3" in colocated.log().split("reanchored", 1)[1].splitlines()[0]
         )
         wait_for(
-            lambda: gen.grpc_address in registry.live(rclient, keys, forget=False).values(),
+            lambda: gen.grpc_address in run_keys.live_generators(rclient, keys, forget=False).values(),
             60,
             "the remote generator registered",
             procs,

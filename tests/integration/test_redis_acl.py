@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
 from procs import start_service, trainer_state
-from rollstream.core import codec, dashboard, redis_acl, redis_policy, registry, run_keys, streams, validation
+from rollstream.core import codec, dashboard, redis_acl, redis_policy, run_keys, streams, validation
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.core.run_keys import RunKeys
@@ -202,10 +202,10 @@ def test_generator_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys)
     assert sum(run_keys.waiting(observer, keys.stream(name), limit=64) for name in ("rollouts", "scored", "ready")) == 3
     admin.set(keys.version, 7)
     assert run_keys.current_version(client, keys) == 7
-    registry.heartbeat(client, keys, "gen-0", "127.0.0.1:5000", version=6)
+    run_keys.heartbeat(client, keys, "gen-0", "127.0.0.1:5000", version=6)
     assert admin.hget(keys.generators, "gen-0") == b"127.0.0.1:5000"
-    assert registry.versions(admin, keys) == {"gen-0": 6}
-    registry.leave(client, keys, "gen-0")
+    assert run_keys.held_versions(admin, keys) == {"gen-0": 6}
+    run_keys.leave(client, keys, "gen-0")
     assert admin.hlen(keys.generators) == 0 and admin.hlen(keys.generators_versions) == 0
     assert denials(admin) == []
 
@@ -315,10 +315,10 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys, t
     end = client.xrevrange(keys.trained_log, count=1)[0][0]
     assert client.xtrim(keys.trained_log, minid=end, approximate=False) == 1
     # The generator registry: the live ones, and dead ones forgotten.
-    registry.heartbeat(generator, keys, "gen-live", "127.0.0.1:5001")
+    run_keys.heartbeat(generator, keys, "gen-live", "127.0.0.1:5001")
     assert GeneratorDirectory([]).addresses(client, keys) == ["127.0.0.1:5001"]
     time.sleep(0.01)  # deliberate: the heartbeat must be older than the 1 ms ttl below
-    assert registry.live(client, keys, ttl_s=0.001) == {}
+    assert run_keys.live_generators(client, keys, ttl_s=0.001) == {}
     assert admin.hlen(keys.generators) == 0 and admin.hlen(keys.generators_versions) == 0
     assert denials(admin) == []
 
@@ -525,7 +525,7 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
         ),
     )
     admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
-    registry.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
+    run_keys.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
     view = dashboard.PipelineView(lambda: connect_as("observer"), keys)
     got = view.look()
     assert got["ok"] and got["errors"] == [], got
@@ -743,7 +743,7 @@ def test_tiny_pipeline_trains_with_every_service_as_its_role(
         assert trainer_state(trainer.grpc_address).step == steps
         assert admin.scard(keys.groups("trained")) == 2 * steps
         assert admin.xlen(keys.dead) == 0
-        assert list(registry.live(admin, keys, forget=False)) == ["gen-0"]
+        assert list(run_keys.live_generators(admin, keys, forget=False)) == ["gen-0"]
         for p in reversed(procs):
             assert p.stop() == 0, f"{p.name} did not stop cleanly:\n{p.log()[-3000:]}"
     finally:

@@ -26,7 +26,7 @@ from redis.cluster import RedisCluster, key_slot
 from cluster import RedisClusterNodes
 from helpers import wait_for, write
 from procs import start_service, trainer_state
-from rollstream.core import codec, redis_policy, registry, run_keys, streams
+from rollstream.core import codec, redis_policy, run_keys, streams
 from rollstream.core.run_keys import read_counters
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
@@ -207,17 +207,17 @@ def _stage_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
 
 
 def _registry_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
-    registry.heartbeat(client, keys, "gen-a", "10.0.0.1:5001")
-    registry.heartbeat(client, keys, "gen-b", "10.0.0.2:5001")
-    assert registry.live(client, keys) == {"gen-a": "10.0.0.1:5001", "gen-b": "10.0.0.2:5001"}
+    run_keys.heartbeat(client, keys, "gen-a", "10.0.0.1:5001")
+    run_keys.heartbeat(client, keys, "gen-b", "10.0.0.2:5001")
+    assert run_keys.live_generators(client, keys) == {"gen-a": "10.0.0.1:5001", "gen-b": "10.0.0.2:5001"}
     # gen-b's last beat an hour ago: dead, forgotten from both keys.
     client.zadd(keys.generators_seen, {"gen-b": 1})
-    assert registry.live(client, keys, forget=False) == {"gen-a": "10.0.0.1:5001"}
+    assert run_keys.live_generators(client, keys, forget=False) == {"gen-a": "10.0.0.1:5001"}
     assert client.hexists(keys.generators, "gen-b")
-    assert registry.live(client, keys) == {"gen-a": "10.0.0.1:5001"}
+    assert run_keys.live_generators(client, keys) == {"gen-a": "10.0.0.1:5001"}
     assert not client.hexists(keys.generators, "gen-b") and client.zscore(keys.generators_seen, "gen-b") is None
-    registry.leave(client, keys, "gen-a")
-    assert registry.live(client, keys) == {}
+    run_keys.leave(client, keys, "gen-a")
+    assert run_keys.live_generators(client, keys) == {}
     assert client.hlen(keys.generators) == 0 and client.zcard(keys.generators_seen) == 0
 
 
@@ -274,7 +274,7 @@ def test_tiny_pipeline_trains_on_the_cluster(
         assert cclient.xlen(keys.dead) == 0, [f[b"reason"] for _i, f in cclient.xrange(keys.dead)]
         assert not {k: v for k, v in stats.items() if k.startswith("dead")}, stats
         # The registry lives in the run's slot too: the generator registered there.
-        assert list(registry.live(cclient, keys, forget=False)) == ["gen-0"]
+        assert list(run_keys.live_generators(cclient, keys, forget=False)) == ["gen-0"]
         # All of the run's keys are on node 2.
         assert {
             keys.stream("prompts"),

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from helpers import wait_for, write
-from rollstream.core import codec, diagnose, registry, status, streams
+from rollstream.core import codec, diagnose, run_keys, status, streams
 from rollstream.core.run_keys import RunKeys
 from rollstream.launcher import cli
 from rollstream.v1 import rollout_pb2
@@ -78,8 +78,8 @@ def test_pending_piling_up_on_idle_consumers(rclient: redis.Redis, keys: RunKeys
 
 def test_generators_behind_and_their_versions(rclient: redis.Redis, keys: RunKeys) -> None:
     rclient.set(keys.version, 5)
-    registry.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=5)
-    registry.heartbeat(rclient, keys, "gen-1", "127.0.0.1:2", version=2)
+    run_keys.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=5)
+    run_keys.heartbeat(rclient, keys, "gen-1", "127.0.0.1:2", version=2)
     snap, _ = status.collect(rclient, keys)
     assert snap.generators == {"gen-0": 5, "gen-1": 2} and snap.trainer_version == 5
     f = diagnose.diagnose(snap, None, HOUR)[0]
@@ -118,7 +118,7 @@ def test_a_training_trainer_is_the_bottleneck(rclient: redis.Redis, keys: RunKey
     fill(rclient, keys, "ready", 10)
     take(rclient, keys, "ready", "trainer", "trainer-0", 8)
     rclient.hset(keys.counters("trainer"), "groups_per_step", 8)
-    registry.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=0)
+    run_keys.heartbeat(rclient, keys, "gen-0", "127.0.0.1:1", version=0)
     f = headline(rclient, keys, NOW)
     assert (
         (f.level, f.stage) == ("info", "trainer")

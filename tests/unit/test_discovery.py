@@ -7,7 +7,7 @@ import socket
 import pytest
 import redis
 
-from rollstream.core import registry
+from rollstream.core import run_keys
 from rollstream.core.run_keys import RunKeys
 from rollstream.trainer import discovery
 from rollstream.trainer.config import TrainerSettings
@@ -47,7 +47,7 @@ def test_ipv6_literal_targets() -> None:
 
 def test_directory_combines_configured_addresses_and_the_dns_name(rclient: redis.Redis, keys: RunKeys) -> None:
     # A generator registered in Redis is ignored once addresses are configured.
-    registry.heartbeat(rclient, keys, "g-redis", "10.1.2.3:50051")
+    run_keys.heartbeat(rclient, keys, "g-redis", "10.1.2.3:50051")
     directory = GeneratorDirectory(["127.0.0.2:7000"], dns_name="localhost:50124")
     addresses = directory.addresses(rclient, keys)
     assert "127.0.0.2:7000" in addresses
@@ -58,22 +58,22 @@ def test_directory_combines_configured_addresses_and_the_dns_name(rclient: redis
 
 
 def test_registry_forgets_generators_that_stop_beating(rclient: redis.Redis, keys: RunKeys) -> None:
-    registry.heartbeat(rclient, keys, "alive", "127.0.0.1:1")
-    registry.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
+    run_keys.heartbeat(rclient, keys, "alive", "127.0.0.1:1")
+    run_keys.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
     # "dead" last beat an hour ago (its score is written as a dead generator would have left it).
     seconds, _ = rclient.time()
     rclient.zadd(keys.generators_seen, {"dead": (int(seconds) - 3600) * 1000})
     rclient.hset(keys.generators, "legacy", "127.0.0.1:3")  # an address with no heartbeat at all
-    assert registry.live(rclient, keys, forget=False) == {"alive": "127.0.0.1:1"}
+    assert run_keys.live_generators(rclient, keys, forget=False) == {"alive": "127.0.0.1:1"}
     assert rclient.hexists(keys.generators, "dead")  # a read-only look changes nothing
-    assert registry.live(rclient, keys) == {"alive": "127.0.0.1:1"}
+    assert run_keys.live_generators(rclient, keys) == {"alive": "127.0.0.1:1"}
     assert set(rclient.hkeys(keys.generators)) == {b"alive"}
     assert rclient.zrange(keys.generators_seen, 0, -1) == [b"alive"]
     # A restarted generator registers again and is pushed to.
-    registry.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
-    assert registry.live(rclient, keys) == {"alive": "127.0.0.1:1", "dead": "127.0.0.1:2"}
-    registry.leave(rclient, keys, "alive")
-    assert registry.live(rclient, keys) == {"dead": "127.0.0.1:2"}
+    run_keys.heartbeat(rclient, keys, "dead", "127.0.0.1:2")
+    assert run_keys.live_generators(rclient, keys) == {"alive": "127.0.0.1:1", "dead": "127.0.0.1:2"}
+    run_keys.leave(rclient, keys, "alive")
+    assert run_keys.live_generators(rclient, keys) == {"dead": "127.0.0.1:2"}
 
 
 def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +90,7 @@ def test_setting_reads_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
 def test_a_colocated_generator_is_registered_but_never_pushed_to(rclient: redis.Redis, keys: RunKeys) -> None:
     """`up --colocate`'s generator beats with no address (status sees it and its version):
     the trainer's directory leaves it out of its pushes."""
-    registry.heartbeat(rclient, keys, "generator-0", "", version=3)
-    registry.heartbeat(rclient, keys, "remote-1", "10.0.0.7:50051", version=3)
+    run_keys.heartbeat(rclient, keys, "generator-0", "", version=3)
+    run_keys.heartbeat(rclient, keys, "remote-1", "10.0.0.7:50051", version=3)
     assert GeneratorDirectory([]).addresses(rclient, keys) == ["10.0.0.7:50051"]
-    assert set(registry.live(rclient, keys)) == {"generator-0", "remote-1"}
+    assert set(run_keys.live_generators(rclient, keys)) == {"generator-0", "remote-1"}

@@ -19,12 +19,12 @@ progress         progress bars for long work, on a terminal only
 push_signing     signed pushes: the trainer's signature over a generator's nonce, the generator's proof
 redis_acl        least privilege on Redis: one ACL user per service role
 redis_policy     one Redis policy for every service and the CLI: timeouts, no hidden retries, outages
-registry         the generator registry the trainer pushes weights to
+run_keys         a run's Redis keys, what is read across a stream's groups, the generator registry
 safetensors_io   a minimal safetensors reader/writer over numpy arrays
 service          what every service process does around its loop
 status           a run's pipeline read from Redis, and its view (`rollstream status`, the dashboard)
 steplog          the run's step log: a JSON line per trainer step
-streams          the rollout buffer: Redis streams read through consumer groups; RunKeys
+streams          the rollout buffer: Redis streams read through consumer groups
 tls_files        a small private CA: one certificate per role
 validation       what a stream entry must satisfy before a stage uses it
 weight_store     the trainer's anchor and deltas as files with a manifest, read by generators to catch up

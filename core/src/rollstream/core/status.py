@@ -24,7 +24,7 @@ from rich.console import Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
-from rollstream.core import codec, diagnose, redis_policy, registry, run_keys, validation
+from rollstream.core import codec, diagnose, redis_policy, run_keys, validation
 from rollstream.v1 import rollout_pb2
 
 T = TypeVar("T")
@@ -124,8 +124,8 @@ def collect(
     counters, unreadable = run_keys.read_counters(client, keys)
     read.errors.extend(unreadable)
     version = read(lambda: run_keys.current_version(client, keys), 0, keys.version)
-    live: dict[str, str] = read(lambda: registry.live(client, keys, forget=False), {}, keys.generators)
-    versions: dict[str, int | None] = read(lambda: registry.versions(client, keys), {}, keys.generators_versions)
+    live: dict[str, str] = read(lambda: run_keys.live_generators(client, keys, forget=False), {}, keys.generators)
+    versions: dict[str, int | None] = read(lambda: run_keys.held_versions(client, keys), {}, keys.generators_versions)
     dead_kind = _text(read(lambda: client.type(keys.dead), b"none", keys.dead))
     dead = int(client.xlen(keys.dead)) if dead_kind == "stream" else 0
     extra: dict = {"generators": live, "errors": read.errors, "last_step": None, "last_eval": None}

@@ -19,7 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from rollstream.core import logs, redis_acl, redis_policy, registry, run_keys, streams, validation
+from rollstream.core import logs, redis_acl, redis_policy, run_keys, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -101,7 +101,7 @@ def sample_forever(gen: Generator, host: ServiceHost, register_as: str) -> None:
             beat.join(timeout=10.0)
         if client is not None:
             with contextlib.suppress(*redis_policy.ERRORS):
-                registry.leave(client, keys, gen.generator_id)
+                run_keys.leave(client, keys, gen.generator_id)
             client.close()
         if observer is not None and observer is not client:
             observer.close()
@@ -114,12 +114,12 @@ def heartbeat_forever(
     generators that stop beating."""
     while not host.stop.is_set():
         try:
-            registry.heartbeat(client, keys, gen.generator_id, address, gen.weights.version)
+            run_keys.heartbeat(client, keys, gen.generator_id, address, gen.weights.version)
         except redis_policy.ERRORS as e:
             # A refusal (the ACL lacks a registry command) will not pass by itself: say so loudly.
             level = logging.ERROR if redis_policy.is_denied(e) else logging.DEBUG
             logs.event(host.log, "heartbeat_failed", level, error=redis_policy.short(e))
-        host.stop.wait(registry.BEAT_EVERY_S)
+        host.stop.wait(run_keys.BEAT_EVERY_S)
 
 
 @dataclass

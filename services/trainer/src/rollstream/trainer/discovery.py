@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from rollstream.core import redis_policy, registry, run_keys
+from rollstream.core import redis_policy, run_keys
 
 
 class DiscoveryError(ValueError):
@@ -67,5 +67,5 @@ class GeneratorDirectory:
             self.last = sorted(set(self.configured) | set(resolved))
         else:
             # An empty address is a generator colocated with its trainer: nothing to push to.
-            self.last = sorted(a for a in registry.live(client, keys).values() if a)
+            self.last = sorted(a for a in run_keys.live_generators(client, keys).values() if a)
         return self.last

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import deltas, push_signing, registry, weight_store
+from rollstream.core import deltas, push_signing, run_keys, weight_store
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.trainer.fleet import NONCE_TIMEOUT_S, STALL_S, BackgroundPush, Fleet
 from rollstream.trainer.payloads import HashingWriter, Published, StoreFiles, unlink_files
@@ -32,7 +32,7 @@ from rollstream.v1 import weights_pb2
 log = logging.getLogger(__name__)
 # A FetchWeights makes its caller a reader this long: a generator polls every sync_interval_s
 # (2 s), so it is seen again long before; the registry forgets a silent generator as late.
-READER_GRACE_S = registry.TTL_S
+READER_GRACE_S = run_keys.GENERATOR_TTL_S
 NO_READER = f"no reader: no configured push target, no registered generator with an address, no FetchWeights in {READER_GRACE_S:.0f} s"
 
 
