@@ -20,12 +20,12 @@ from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, lora
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.metrics import Metrics
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.push import BACKED_OFF, PushOutcome
 from rollstream.trainer.servicer import WeightsView
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
+from rollstream.trainer.trackers import Metrics
 from rollstream.v1 import rollout_pb2
 
 
