@@ -148,8 +148,6 @@ class Generator:
 
     # -- weights --------------------------------------------------------------------
 
-    # -- weights --------------------------------------------------------------------
-
     def apply_payload(
         self, header: weights_pb2.WeightHeader, payload: bytes, skip_held: bool, timings: ApplyTimings
     ) -> None:
