@@ -466,7 +466,7 @@ def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_cred
         and dockerfile_entrypoint("trainer") == TRAINER_LAUNCHER
     )
     (mounted,) = [c for c in trainer["configs"] if c["target"] == trainer["entrypoint"][-1]]
-    (config := tmp_path / "colocated.toml").write_text(compose["configs"][mounted["source"]]["content"])
+    config = REPO / compose["configs"][mounted["source"]]["file"]  # a file the read-only container can mount
     env = compose_env(trainer)
     check_env_names("trainer", list(env))
     load_service_settings("trainer", env, [], monkeypatch)  # the environment as the container's

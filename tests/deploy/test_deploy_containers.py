@@ -596,10 +596,12 @@ def test_compose_one_gpu_runs_trainer_and_generator_as_one_process(images: Docke
     # The file's own colocated configuration, with the generator half's ports moved to free
     # ones (every container shares the host's network here).
     colocated = tomllib.loads(
-        load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["configs"]["colocated"]["content"]
+        (REPO / load_compose(COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU)["configs"]["colocated"]["file"]).read_text()
     )
     colocated["generator"].update(grpc_port=ports.grpc["generator"], http_port=ports.http["generator"])
-    override["configs"] = {"colocated": {"content": tomli_w.dumps(colocated)}}
+    (moved := tmp_path / "colocated.toml").write_text(tomli_w.dumps(colocated))
+    moved.chmod(0o444)  # bind-mounted with the host's owner and mode: the container's user reads it
+    override["configs"] = {"colocated": {"file": str(moved)}}
     override["services"]["trainer"]["environment"]["ROLLSTREAM_GENERATORS_DNS"] = ""
     project = Project.make(images, tmp_path, [COMPOSE_BASE, COMPOSE_CPU, COMPOSE_ONE_GPU], override)
     client = project.admin_client(ports.redis)
