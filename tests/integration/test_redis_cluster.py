@@ -261,6 +261,14 @@ def test_tiny_pipeline_trains_on_the_cluster(
         trained_s = time.monotonic() - started
         print(f"\n[cluster] pipeline: services ready after {ready_s:.1f}s, {STEPS} steps after {trained_s:.1f}s")
 
+        # GetState's version is the newest whose push has ended: the last step's push goes on after
+        # its commit (a step commits, then pushes), so wait for it rather than race it.
+        wait_for(
+            lambda: trainer_state(trainer.grpc_address).version >= STEPS,
+            120,
+            f"version {STEPS}'s push to end (the trainer's GetState)",
+            procs=procs,
+        )
         state = trainer_state(trainer.grpc_address)
         assert state.step == STEPS and state.version == STEPS
         assert int(cclient.get(keys.version)) == STEPS
