@@ -20,7 +20,6 @@ that exits at start saying so (docs/deploy.md, "One GPU": what an image for it n
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -43,7 +42,7 @@ def start_args(argv: list[str], table: str = "") -> list[str]:
 
 def main() -> None:
     argv = sys.argv[1:]
-    if colocation.colocated_file(argv, dict(os.environ)):
+    if colocation.colocated_file(argv):
         from rollstream.launcher import colocated
 
         args = start_args(argv, table="trainer")

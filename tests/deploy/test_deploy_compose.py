@@ -470,7 +470,7 @@ def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_cred
     env = compose_env(trainer)
     check_env_names("trainer", list(env))
     load_service_settings("trainer", env, [], monkeypatch)  # the environment as the container's
-    both = colocation.load(["--config", str(config)], env)  # refused if they could not be colocated
+    both = colocation.load(["--config", str(config)])  # refused if they could not be colocated
     t, g = both.trainer, both.generator
     assert both.colocate == "sync"
     assert g.device == t.device == ("cpu" if COMPOSE_CPU in files else "cuda")

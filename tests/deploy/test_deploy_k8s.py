@@ -902,7 +902,7 @@ def colocated_settings(
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return colocation.load(["--config", str(local_config)], env)
+    return colocation.load(["--config", str(local_config)])
 
 
 def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(

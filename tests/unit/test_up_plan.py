@@ -83,7 +83,7 @@ def test_colocated_is_one_child_whose_one_file_loads_as_both_halves(mode: str, t
     path = tmp_path / "colocated.toml"
     path.write_text(tomli_w.dumps(child.config))
     (tmp_path / "sockets").mkdir(mode=0o700)  # as `up` makes it: the sockets' folder is checked
-    both = colocation.load(["--config", str(path), "--state-file", str(tmp_path / "s.json")], {})
+    both = colocation.load(["--config", str(path), "--state-file", str(tmp_path / "s.json")])
     assert both.colocate == mode and both.trainer.state_file == str(
         tmp_path / "s.json"
     )  # the process's flags are the trainer's
@@ -103,7 +103,7 @@ def test_the_generators_table_wins_over_the_process_environment(
     env = {"ROLLSTREAM_REDIS_USERNAME": "trainer", "ROLLSTREAM_HTTP_PORT": "8080", "ROLLSTREAM_LR": "3e-5"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    both = colocation.load(["--config", str(path)], env)
+    both = colocation.load(["--config", str(path)])
     assert (both.trainer.redis_username, both.trainer.http_port, both.trainer.lr) == ("trainer", 8080, 3e-5)
     assert (both.generator.redis_username, both.generator.http_port) == ("generator", 8081)
 
@@ -125,7 +125,7 @@ def test_a_colocated_file_that_cannot_run_is_refused_naming_the_cause(
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=cause.replace("[", r"\[")):
-        colocation.load(["--config", str(path), *argv], {})
+        colocation.load(["--config", str(path), *argv])
 
 
 def test_an_external_reward_and_redis_are_in_the_plan_as_what_they_receive(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ Secrets (`SecretStr` fields) are never flags. A bad value fails at start with th
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import sys
@@ -294,11 +295,23 @@ def _cli_source(cls: type[BaseSettings]) -> CliSettingsSource[Any]:
         cli_prog_name=cls.model_config.get("cli_prog_name") or cls.__module__.rsplit(".", 1)[0],
         add_argument_method=add_argument,
     )
+    _add_config_flag(cli.root_parser)
+    return cli
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
     # Not a field: it picks the TOML source, which must exist before the settings are built.
-    cli.root_parser.add_argument(
+    parser.add_argument(
         "--config", default=os.environ.get(CONFIG_ENV), metavar="PATH", help=f"TOML settings file [env: {CONFIG_ENV}]"
     )
-    return cli
+
+
+def config_path(argv: list[str]) -> str:
+    """The TOML file `load_settings` reads for these flags: `--config PATH`, else the
+    environment's ROLLSTREAM_CONFIG ('' if neither)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_config_flag(parser)
+    return parser.parse_known_args(argv)[0].config or ""
 
 
 def _toml_source(cls: type[BaseSettings], config: str, table: str = "") -> TomlConfigSettingsSource:

@@ -148,7 +148,7 @@ class EngineWeights(ColocatedWeights):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = colocation.load(sys.argv[1:] if argv is None else argv, dict(os.environ))
+        settings = colocation.load(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"rollstream colocated: {e}", file=sys.stderr)
         return 2

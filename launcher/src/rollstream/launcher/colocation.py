@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rollstream.core.config import CONFIG_ENV, ConfigError, load_settings
+from rollstream.core.config import ConfigError, config_path, load_settings
 from rollstream.generator.config import GeneratorSettings
 from rollstream.trainer.config import TrainerSettings
 
@@ -61,11 +61,11 @@ class Colocated(BaseModel):
     generator: GeneratorSettings
 
 
-def load(argv: list[str], environ: dict[str, str]) -> Colocated:
+def load(argv: list[str]) -> Colocated:
     """The colocated process's settings from its flags (`--config FILE` and the trainer's); a
     ConfigError names the field, or says why the two cannot share a process."""
     trainer = load_settings(TrainerSettings, argv, table="trainer")  # also: the file exists, parses, has the table
-    if not (path := config_file(argv, environ)):
+    if not (path := config_path(argv)):
         raise ConfigError("the colocated process reads one file: --config FILE (colocate, [trainer], [generator])")
     with open(path, "rb") as f:
         top = tomllib.load(f)
@@ -82,19 +82,11 @@ def load(argv: list[str], environ: dict[str, str]) -> Colocated:
     return both
 
 
-def config_file(argv: list[str], environ: dict[str, str]) -> str:
-    """The `--config` file, as core/config.py reads it (a flag, else ROLLSTREAM_CONFIG; '' if none)."""
-    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [
-        a.partition("=")[2] for a in argv if a.startswith("--config=")
-    ]
-    return found[-1] if found else environ.get(CONFIG_ENV, "")
-
-
-def colocated_file(argv: list[str], environ: dict[str, str]) -> bool:
+def colocated_file(argv: list[str]) -> bool:
     """Whether the configuration file says `colocate` (docker/trainer_start.py runs the colocated
     process then); a file that does not read is the trainer's to report."""
     try:
-        with open(config_file(argv, environ), "rb") as f:
+        with open(config_path(argv), "rb") as f:
             return "colocate" in tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError):
         return False

@@ -45,7 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 from safetensors import safe_open
 
-from rollstream.core import progress, safetensors_io
+from rollstream.core import deltas, progress, safetensors_io
 from rollstream.trainer import folders
 
 FORMAT: Final = "rollstream-trainer-checkpoint"
@@ -128,6 +128,15 @@ class CheckpointState(BaseModel):
                 raise CheckpointError(f"not a {FORMAT} v{FORMAT_VERSION} state file: {problems}") from None
             raise CheckpointError(f"state file does not match this trainer: {problems}") from None
         return CheckpointState.model_validate(dict(read))
+
+    def check_model(self, path: Path, published: Mapping[str, torch.Tensor], lora_base: Any, model: str) -> None:
+        """CheckpointError unless these weights are this checkpoint's model: the same names and
+        shapes and, with LoRA (`lora_base` its frozen base bits), the same base weights."""
+        if lora_base is not None and self.base_weights_sha256 != deltas.weights_sha256(lora_base):
+            raise CheckpointError(f"{path}: its adapters belong to another base model than {model}")
+        fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
+        if self.model_fingerprint != fingerprint:
+            raise CheckpointError(f"{path}: checkpoint is for model {self.model_fingerprint}, {model} is {fingerprint}")
 
 
 # held_groups: the ids of groups read but not trained when a checkpoint was written. Only

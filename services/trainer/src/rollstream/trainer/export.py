@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from rollstream.core import deltas, logs, modeling
+from rollstream.core import logs, modeling
 from rollstream.core.models import ModelNotFoundError, resolve_model
 from rollstream.trainer import checkpoint, folders, lora
 from rollstream.trainer.config import TrainerSettings
@@ -114,11 +114,10 @@ def from_checkpoint(path: Path) -> Trained:
         spec = lora.LoraSpec(int(state.lora["rank"]), float(state.lora["alpha"]), tuple(state.lora["target_modules"]))
     _model, _tokenizer, trained_lora, params = lora.load(model_dir, _setting(settings, "dtype"), spec=spec)
     published = trained_lora.base if trained_lora is not None else params
-    if trained_lora is not None and state.base_weights_sha256 != deltas.weights_sha256(trained_lora.base_bits):
-        raise ExportError(f"{path}: its adapters belong to another base model than {model_dir}")
-    fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
-    if state.model_fingerprint != fingerprint:
-        raise ExportError(f"{path}: checkpoint is for model {state.model_fingerprint}, {model_dir} is {fingerprint}")
+    try:
+        state.check_model(path, published, trained_lora.base_bits if trained_lora is not None else None, model_dir)
+    except checkpoint.CheckpointError as e:
+        raise ExportError(str(e)) from None
     # state.json's strings, narrowed to the optimizer's choices (the trainer wrote them from its settings).
     moments: Literal["float32", "bfloat16"] = "bfloat16" if state.moments_dtype == "bfloat16" else "float32"
     layout: Literal["split", "fp32"] = (

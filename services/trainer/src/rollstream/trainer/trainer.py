@@ -212,18 +212,12 @@ class Trainer:
             raise checkpoint.CheckpointError(
                 f"{path}: checkpoint LoRA config {state.lora} != this trainer's {want_lora}"
             )
-        if self.lora is not None and state.base_weights_sha256 != deltas.weights_sha256(self.lora.base_bits):
-            raise checkpoint.CheckpointError(f"{path}: the adapters belong to another base model than {self.model_dir}")
         if state.moments_dtype != self.settings.moments_dtype:
             raise checkpoint.CheckpointError(
                 f"{path}: checkpoint moments are {state.moments_dtype}, moments_dtype is {self.settings.moments_dtype}"
             )
         published = self.lora.base if self.lora is not None else self.params
-        fingerprint = deltas.model_fingerprint({name: tuple(p.shape) for name, p in published.items()})
-        if state.model_fingerprint != fingerprint:
-            raise checkpoint.CheckpointError(
-                f"{path}: checkpoint is for model {state.model_fingerprint}, this one is {fingerprint}"
-            )
+        state.check_model(path, published, self.lora.base_bits if self.lora is not None else None, self.model_dir)
         self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
         checkpoint.set_rng_state(checkpoint.rng_tensors(path))
         self.step = state.step
