@@ -32,6 +32,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from rollstream.core.grpc_auth import is_unix_address
 from rollstream.core.redis_policy import check_url
 
 ENV_PREFIX = "ROLLSTREAM_"
@@ -199,18 +200,6 @@ S = TypeVar("S", bound=CommonSettings)
 TOKEN_ADDRESS_FIELDS = ("trainer_address", "scorer_address")
 # sun_path is 108 bytes with its terminating NUL: a longer path cannot be bound.
 MAX_SOCKET_PATH = 107
-
-
-def is_unix_address(address: str) -> bool:
-    """Whether a gRPC target is a unix socket by path (`unix:/abs/path` or `unix:///abs/path`).
-    `unix-abstract:` is not: an abstract socket has no folder to keep others out."""
-    return address.startswith("unix:") and unix_path(address).startswith("/")
-
-
-def unix_path(address: str) -> str:
-    """The path of a `unix:` target (gRPC's two spellings: unix:/p and unix:///p)."""
-    rest = address.removeprefix("unix:")
-    return rest[2:] if rest.startswith("//") else rest
 
 
 def check_socket_path(path: str, field: str) -> str:

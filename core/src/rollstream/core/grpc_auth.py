@@ -43,7 +43,6 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from rollstream.core import logs, push_signing
-from rollstream.core.config import is_unix_address
 from rollstream.core.credentials import ROLES, read_secret
 
 GENERATOR = "rollstream.v1.Generator"
@@ -417,6 +416,13 @@ class ClientCredentials:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
         )
+
+
+def is_unix_address(address: str) -> bool:
+    """Whether a gRPC target is a unix socket by path (`unix:/abs/path` or `unix:///abs/path`).
+    `unix-abstract:` is not: an abstract socket has no folder to keep others out."""
+    path = address.removeprefix("unix:")
+    return address.startswith("unix:") and (path[2:] if path.startswith("//") else path).startswith("/")
 
 
 def token_refusal(address: str, creds: ClientCredentials | None) -> str:

@@ -29,7 +29,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, TorchSettings, is_unix_address
+from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, ConfigError, TorchSettings
+from rollstream.core.grpc_auth import is_unix_address
 from rollstream.core.redis_policy import check_url
 from rollstream.generator.config import GeneratorSettings
 from rollstream.launcher.colocation import Colocate, refusal
