@@ -104,15 +104,15 @@ class _Peak:
 
 
 def _trace_encoder(peak: _Peak, records: list[dict[str, object]]) -> None:
-    """--trace-encoder: wrap delta_coding.encode_changes (each tensor's encode, once its pieces are
+    """--trace-encoder: wrap deltas.encode_changes (each tensor's encode, once its pieces are
     in) to record what its pieces' changes hold and the peak it adds over the memory at its
     start. With one encode thread the calls do not overlap; the step's own thread runs on
     meanwhile (a bucket's old bits, 2 bytes an element, come and go), and queues up to the
     encoder's max_pending_bytes (256 MB) of old bits for the thread this encode holds: that
     is in the peak added too."""
-    from rollstream.core import delta_coding
+    from rollstream.core import deltas
 
-    original = delta_coding.encode_changes
+    original = deltas.encode_changes
 
     def traced(shape: tuple[int, ...], size: int, pieces: list) -> object:
         held = sum(c.mask.nbytes + c.steps.nbytes for c in pieces)
@@ -130,7 +130,7 @@ def _trace_encoder(peak: _Peak, records: list[dict[str, object]]) -> None:
         )
         return out
 
-    delta_coding.encode_changes = traced
+    deltas.encode_changes = traced
 
 
 def _available_bytes() -> int:

@@ -20,7 +20,7 @@ import xxhash
 import zstandard
 from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 
-from rollstream.core import delta_coding, deltas, safetensors_io, weight_store, weight_transfer
+from rollstream.core import deltas, safetensors_io, weight_store, weight_transfer
 from rollstream.core.deltas import DeltaError
 from rollstream.trainer.payloads import PayloadFile
 from rollstream.trainer.publisher import WeightPublisher
@@ -793,7 +793,7 @@ def _reference_delta(
     """The delta format spelled out a whole tensor at a time (int64 positions, every candidate
     made at once, the smallest kept, the first of equals): the bytes the encoder's chunked,
     piece-by-piece path must reproduce exactly."""
-    cctx = zstandard.ZstdCompressor(level=delta_coding.ZSTD_LEVEL, write_checksum=True)
+    cctx = zstandard.ZstdCompressor(level=deltas.ZSTD_LEVEL, write_checksum=True)
 
     def smallest(options: list[tuple[str, bytes]]) -> tuple[str, bytes, bool]:
         candidates = []
@@ -834,7 +834,7 @@ def _reference_delta(
 def test_the_encoder_makes_the_reference_bytes_whole_or_piece_by_piece(scenario, monkeypatch, chunk: int) -> None:
     """At every density, whole tensors and pieces (cut inside mask bytes) in any order; with
     chunks of 8 mask bytes too, so that tensors and pieces span many, some without a change."""
-    monkeypatch.setattr(delta_coding, "_CHUNK", chunk)
+    monkeypatch.setattr(deltas, "_CHUNK", chunk)
     base, new, fp = scenario
     rng = np.random.default_rng(chunk)
     cases = [new]

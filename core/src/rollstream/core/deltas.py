@@ -2,11 +2,16 @@
 
 Weights are dicts of Hugging Face name -> uint16 numpy array of bf16 bit patterns (see
 safetensors_io for why bits). A delta from `base_version` to `version` holds, per tensor
-that changed, the changed positions and what to write there (delta_coding: how). Decoding
-is exact given the base; a payload whose base or model does not match what the receiver
-holds is refused. Each changed tensor also carries the xxh3-64 hash of its new bits, checked
-after decoding: a corrupted part, or a base with the right version number but other contents
-(a trainer restarted from scratch), is refused instead of silently producing wrong weights.
+that changed, the smallest of:
+  positions: a packed bitmask (n/8 bytes) or delta-coded indices (uint32 gaps);
+  values:    the new bf16 bits, or the ULP steps (new bits - base bits, int16 that wraps
+             exactly): at RL learning rates most changes are a few ULPs, which compress
+             better than the values themselves;
+each part zstd-compressed when that is smaller. Decoding is exact given the base; a payload
+whose base or model does not match what the receiver holds is refused. Each changed tensor
+also carries the xxh3-64 hash of its new bits, checked after decoding: a corrupted part, or
+a base with the right version number but other contents (a trainer restarted from scratch),
+is refused instead of silently producing wrong weights.
 """
 
 from __future__ import annotations
@@ -14,30 +19,26 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 import zstandard
 
 from rollstream.core import safetensors_io
-from rollstream.core.delta_coding import (
-    MAX_TENSOR_VALUES,
-    Changes,
-    Encoded,
-    apply_tensor,
-    changes,
-    encode_tensor,
-    finish_pieces,
-)
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
 FORMAT = "rollstream.weights"
 FORMAT_VERSION = "1"
+ZSTD_LEVEL = 3
+# Positions are uint32 gaps in the idx encoding (the mask has no such limit, but both are tried).
+MAX_TENSOR_VALUES = 1 << 32
+_CHUNK = 1 << 23  # positions at a time (a multiple of 8): 8 MB of bools and 64 MB of int64 positions at most
 
 Weights = dict[str, np.ndarray]  # name -> uint16 bf16 bits
 
@@ -110,10 +111,136 @@ def write_anchor(
     return safetensors_io.dump_to(f, weights, _meta("anchor", version, version, fingerprint), bf16=set(weights))
 
 
-@dataclass
-class _Partial:
-    """A tensor of which some pieces were added (DeltaEncoder.add_piece)."""
+def _maybe_zstd(raw: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[np.ndarray, bool]:
+    """The bytes of `raw` (a C-contiguous little-endian array), zstd-compressed when that is
+    smaller, as uint8: no copy of `raw` (zstd reads any buffer)."""
+    packed = cctx.compress(raw)  # type: ignore[arg-type]  # a buffer; numpy's stubs say so from Python 3.12
+    if len(packed) < raw.nbytes:
+        return np.frombuffer(packed, dtype=np.uint8), True
+    return raw.view(np.uint8), False
 
+
+@dataclass(frozen=True)
+class Encoded:
+    info: dict
+    pos: np.ndarray  # uint8
+    val: np.ndarray  # uint8
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed in the flattened elements [start, start + new.size) of a tensor, kept until
+    the tensor's pieces cover it, in a bit per value and 2 bytes per changed value: the changed
+    positions as the piece's bytes of the tensor's packed mask (bits outside the piece zero),
+    their ULP steps from the base (whose bits are not kept: the split layout overwrites them),
+    and the piece's new bits (a view: read back at the positions, and hashed, once encoded)."""
+
+    start: int
+    mask: np.ndarray  # uint8
+    steps: np.ndarray  # uint16
+    new: np.ndarray  # flat
+
+
+def changes(start: int, base: np.ndarray, new: np.ndarray) -> Changes:
+    """Safe to run on several threads at once: numpy's comparisons release the GIL. Makes a
+    bool per value of the piece (a bucket's part of a tensor, or _CHUNK) and int64 positions
+    of its changes (gathering at them is faster than indexing with the bools)."""
+    flat_base, flat_new = base.reshape(-1), new.reshape(-1)
+    lead = start % 8  # the piece's first bit in its first mask byte
+    changed = np.zeros(lead + flat_new.size, dtype=bool)
+    np.not_equal(flat_base, flat_new, out=changed[lead:])
+    idx = np.flatnonzero(changed[lead:])
+    steps = flat_new[idx] - flat_base[idx]  # uint16 arithmetic wraps: exactly invertible
+    return Changes(start, np.packbits(changed), steps, flat_new)
+
+
+def _gaps_and_values(mask: np.ndarray, pieces: list[Changes], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """In one pass over the changed positions (finding them is most of the work), _CHUNK at a
+    time (the whole tensor's int64 positions, 8 bytes a change, never exist): the idx encoding's
+    uint32 gaps between successive changed positions, the first from position 0
+    (np.diff(positions, prepend=0)), and the new bits there, read back from the pieces'."""
+    gaps = np.empty(count, dtype="<u4")
+    values = np.empty(count, dtype="<u2")
+    at, last = 0, 0
+    for c in pieces:
+        for lo in range(c.start, c.start + c.new.size, _CHUNK):
+            hi = min(c.start + c.new.size, lo + _CHUNK)
+            bits = np.unpackbits(mask[lo // 8 : (hi + 7) // 8]).view(bool)  # flatnonzero: 5x faster on bools
+            local = np.flatnonzero(bits[lo % 8 : lo % 8 + hi - lo])
+            if local.size == 0:
+                continue
+            out = gaps[at : at + local.size]
+            out[0] = lo + int(local[0]) - last  # from the previous chunk's (or piece's) last position
+            np.subtract(local[1:], local[:-1], out=out[1:], casting="unsafe")  # < MAX_TENSOR_VALUES: fits
+            last = lo + int(local[-1])
+            np.take(c.new, local + (lo - c.start), out=values[at : at + local.size])
+            at += local.size
+    return gaps, values
+
+
+def encode_changes(shape: tuple[int, ...], size: int, pieces: list[Changes]) -> Encoded | None:
+    """One tensor's part of a delta from the changes of its pieces, which cover it exactly
+    (None: unchanged); safe on several threads at once (zstd releases the GIL, the compressor
+    is this call's own). Each candidate encoding is made, compressed and dropped unless it is
+    the smallest so far (ties go to the first: mask before idx, bf16 before ulp), so beside
+    the pieces this holds at most the mask, one candidate's raw bytes (6 per changed value for
+    idx and the bf16 values, made in one pass) and the compressed winners."""
+    pieces = sorted(pieces, key=lambda c: c.start)
+    count = sum(c.steps.size for c in pieces)
+    if count == 0:
+        return None
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+    # The tensor's packed mask: n/8 bytes (29 MB for a 233M-value embedding; uint32 positions: 4 a change)
+    mask = np.zeros((size + 7) // 8, dtype=np.uint8)
+    for c in pieces:
+        part = mask[c.start // 8 : c.start // 8 + c.mask.size]
+        part |= c.mask  # a piece that starts or ends inside a byte shares it with its neighbour
+    pos_kind, (pos, pos_z) = "mask", _maybe_zstd(mask, cctx)
+    raw_gaps, raw_values = _gaps_and_values(mask, pieces, count)
+    del mask
+    gaps, gaps_z = _maybe_zstd(raw_gaps, cctx)
+    del raw_gaps
+    if gaps.size < pos.size:
+        pos_kind, pos, pos_z = "idx", gaps, gaps_z
+    del gaps
+    val_kind, (val, val_z) = "bf16", _maybe_zstd(raw_values, cctx)
+    del raw_values
+    steps, steps_z = _maybe_zstd(np.concatenate([c.steps for c in pieces]).astype("<u2", copy=False), cctx)
+    if steps.size < val.size:
+        val_kind, val, val_z = "ulp", steps, steps_z
+    del steps
+    hasher = xxhash.xxh3_64()
+    for c in pieces:
+        hasher.update(np.ascontiguousarray(c.new).data)
+    info = {
+        "shape": list(shape),
+        "count": count,
+        "pos": pos_kind,
+        "pos_zstd": pos_z,
+        "val": val_kind,
+        "val_zstd": val_z,
+        "xxh3": hasher.hexdigest(),
+    }
+    return Encoded(info, pos, val)
+
+
+def encode_tensor(base: np.ndarray, new: np.ndarray) -> Encoded | None:
+    """One tensor's part of a delta from its base and new bits (None: unchanged), its changes found
+    _CHUNK values at a time (a bool and a uint16 per value of the whole tensor: 3 bytes a value)."""
+    flat_base, flat_new = base.reshape(-1), new.reshape(-1)
+    pieces = [
+        changes(lo, flat_base[lo : lo + _CHUNK], flat_new[lo : lo + _CHUNK]) for lo in range(0, flat_base.size, _CHUNK)
+    ]
+    return encode_changes(base.shape, base.size, pieces)
+
+
+def finish_pieces(shape: tuple[int, ...], size: int, pieces: list[Future[Changes] | Changes]) -> Encoded | None:
+    # On the encoder's pool each piece's future was submitted before this call: running or done, not behind it.
+    return encode_changes(shape, size, [p.result() if isinstance(p, Future) else p for p in pieces])
+
+
+@dataclass
+class _Partial:  # a tensor of which some pieces were added (DeltaEncoder.add_piece)
     pieces: list[Future[Changes] | Changes] = field(default_factory=list)
     covered: int = 0
 
@@ -123,16 +250,14 @@ class DeltaEncoder:
     (`add`), or a piece of a tensor at a time with that piece's base bits (`add_piece`, which
     the trainer's optimizer calls as it steps each bucket: HostAdamW.step's `on_piece`). So
     the delta is encoded while the step still runs, on `executor`'s threads when one is
-    given, instead of in one pass over every tensor after the step; and a layout that
-    overwrites the previous version in place hands over each piece's old bits just before.
-    The payload is the same bytes whatever the order of the calls, the pieces or the number
-    of threads (tensors go in by name).
+    given, and a layout that overwrites the previous version in place hands over each
+    piece's old bits just before. The payload is the same bytes whatever the order of the
+    calls, the pieces or the number of threads (tensors go in by name).
 
     The `new` arrays given must not change until `finish` returns. Old bits given to
     add_piece are the encoder's: at most `max_pending_bytes` of them wait for a thread
     (add_piece then waits), so a slow encoder holds back the step instead of memory. The
-    bound only absorbs bursts: once the encoder is the slower side the step goes at its pace
-    whatever the bound, so it is small (64 MiB: 4 buckets of 32 MB fp32 masters' old bits)."""
+    bound only absorbs bursts, so it is small (64 MiB: 4 buckets of 32 MB fp32 masters' old bits)."""
 
     def __init__(
         self,
@@ -172,9 +297,7 @@ class DeltaEncoder:
             raise DeltaError(f"{name} was added twice")
         if base.shape != new.shape:
             raise DeltaError(f"{name}: shape {base.shape} != {new.shape}")
-        self._parts[name] = (
-            self._executor.submit(encode_tensor, base, new) if self._executor else encode_tensor(base, new)
-        )
+        self._encode(name, encode_tensor, base, new)
 
     def add_piece(self, name: str, start: int, old: np.ndarray, new: np.ndarray) -> None:
         """The flattened elements [start, start + new.size) of tensor `name`: `old` are their
@@ -198,12 +321,10 @@ class DeltaEncoder:
             partial.pieces.append(future)
         if partial.covered == size:
             del self._partial[name]
-            shape = self.base[name].shape
-            self._parts[name] = (
-                self._executor.submit(finish_pieces, shape, size, partial.pieces)
-                if self._executor
-                else finish_pieces(shape, size, partial.pieces)
-            )
+            self._encode(name, finish_pieces, self.base[name].shape, size, partial.pieces)
+
+    def _encode(self, name: str, encode: Callable[..., Encoded | None], *args: object) -> None:
+        self._parts[name] = self._executor.submit(encode, *args) if self._executor else encode(*args)
 
     def _wait_for_room(self, nbytes: int) -> None:
         while self._pending and (self._pending_bytes + nbytes > self._max_pending or self._pending[0][0].done()):
@@ -271,12 +392,7 @@ def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str],
             f"not a {FORMAT} v{FORMAT_VERSION} payload (format={meta.get('format')!r}, version={meta.get('format_version')!r})"
         )
     try:
-        info = PayloadInfo(
-            kind=meta["kind"],
-            base_version=int(meta["base_version"]),
-            version=int(meta["version"]),
-            fingerprint=meta["fingerprint"],
-        )
+        info = PayloadInfo(meta["kind"], int(meta["base_version"]), int(meta["version"]), meta["fingerprint"])
     except (KeyError, ValueError) as e:
         raise DeltaError(f"payload metadata incomplete: {e}") from None
     if info.kind not in ("anchor", "delta"):
@@ -287,12 +403,10 @@ def read_info(payload: bytes | memoryview) -> tuple[PayloadInfo, dict[str, str],
 def decode(
     payload: bytes | memoryview, held: Mapping[str, np.ndarray], held_version: int | None, fingerprint: str
 ) -> tuple[PayloadInfo, Weights]:
-    """Decode a payload against the weights held; returns the tensors to replace.
-
-    Nothing in `held` is modified, so a refused payload leaves the receiver as it was.
-    `held_version=None` means the receiver holds nothing it trusts (accepts anchors only).
-    Every tensor returned is finite: a payload carrying a bf16 NaN or inf is refused.
-    """
+    """Decode a payload against the weights held; returns the tensors to replace. Nothing in
+    `held` is modified, so a refused payload leaves the receiver as it was. `held_version=None`:
+    the receiver holds nothing it trusts (accepts anchors only). Every tensor returned is
+    finite: a payload carrying a bf16 NaN or inf is refused."""
     info, meta, arrays = read_info(payload)
     if info.fingerprint != fingerprint:
         raise DeltaError(f"payload is for model {info.fingerprint}, this one is {fingerprint}")
@@ -337,13 +451,40 @@ def decode(
     return info, out
 
 
-def _refuse_nonfinite(name: str, bits: np.ndarray, chunk: int = 1 << 20) -> None:
-    """Raise DeltaError if any bf16 value is NaN or +-inf (exponent bits all ones).
+def apply_tensor(
+    base: np.ndarray, t: dict, pos: np.ndarray, val: np.ndarray, dctx: zstandard.ZstdDecompressor
+) -> np.ndarray:
+    count = int(t["count"])
+    pos_raw = dctx.decompress(pos.tobytes()) if t["pos_zstd"] else pos.tobytes()
+    val_raw = dctx.decompress(val.tobytes()) if t["val_zstd"] else val.tobytes()
+    flat = base.reshape(-1)
+    if t["pos"] == "mask":
+        mask = np.unpackbits(np.frombuffer(pos_raw, dtype=np.uint8), count=flat.size).astype(bool)
+        idx = np.flatnonzero(mask)
+    elif t["pos"] == "idx":
+        idx = np.cumsum(np.frombuffer(pos_raw, dtype="<u4").astype(np.int64))
+    else:
+        raise ValueError(f"unknown position encoding {t['pos']!r}")
+    values = np.frombuffer(val_raw, dtype="<u2")
+    if idx.size != count or values.size != count or (count and (idx[-1] >= flat.size or idx[0] < 0)):
+        raise ValueError(f"{idx.size} positions / {values.size} values for count {count} in {flat.size}")
+    new = flat.copy()
+    if t["val"] == "bf16":
+        new[idx] = values
+    elif t["val"] == "ulp":
+        new[idx] = flat[idx] + values  # uint16 wrap-around inverts the encoder's subtraction
+    else:
+        raise ValueError(f"unknown value encoding {t['val']!r}")
+    if xxhash.xxh3_64_hexdigest(new.data) != t["xxh3"]:  # new: a fresh copy, C-ordered
+        raise ValueError("decoded weights do not hash to the trainer's (corrupted part, or a different base)")
+    return new.reshape(base.shape)
 
-    A trainer whose loss diverged publishes such weights with a valid hash; a generator
-    that applied them would sample garbage (or crash) for every task after. In chunks with
-    one reused buffer: ~30 ms for 135M values, where whole-array temporaries take ~120 ms.
-    """
+
+def _refuse_nonfinite(name: str, bits: np.ndarray, chunk: int = 1 << 20) -> None:
+    """Raise DeltaError if any bf16 value is NaN or +-inf (exponent bits all ones): a trainer
+    whose loss diverged publishes such weights with a valid hash, and a generator that applied
+    them would sample garbage (or crash) for every task after. In chunks with one reused
+    buffer: ~30 ms for 135M values, where whole-array temporaries take ~120 ms."""
     flat = bits.reshape(-1)
     buf = np.empty(min(chunk, flat.size), dtype=np.uint16)
     for start in range(0, flat.size, chunk):
