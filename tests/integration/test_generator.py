@@ -16,8 +16,7 @@ from rollstream.core import codec, deltas, modeling, run_keys, streams, weight_t
 from rollstream.core.grpc_utils import channel
 from rollstream.core.service import ServiceHost
 from rollstream.generator.config import GeneratorSettings
-from rollstream.generator.generator import Generator
-from rollstream.generator.host_weights import ApplyTimings
+from rollstream.generator.generator import ApplyTimings, Generator
 from rollstream.generator.service import GeneratorLoop
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 

@@ -21,7 +21,7 @@ from rollstream.core import deltas, weight_store, weight_transfer
 from rollstream.core.config import load_settings
 from rollstream.core.grpc_utils import channel
 from rollstream.core.service import ServiceHost
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import HostWeights
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory

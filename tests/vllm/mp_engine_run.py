@@ -21,7 +21,7 @@ from tier_helpers import adamw_like_step
 
 from rollstream.core import deltas
 from rollstream.generator.backends import SampleRequest
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import HostWeights
 
 
 def peak_rss_bytes() -> dict[str, int]:

@@ -20,7 +20,7 @@ from tier_helpers import adamw_like_step
 
 from rollstream.core import deltas, modeling
 from rollstream.generator.backends import Sample, SampleRequest, TransformersBackend, WeightsUnreadable
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import HostWeights
 
 pytestmark = pytest.mark.vllm
 

@@ -28,7 +28,7 @@ from tier_helpers import adamw_like_step, assert_engine_holds
 
 from rollstream.core import deltas
 from rollstream.generator.backends import TransformersBackend
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import HostWeights
 
 if TYPE_CHECKING:
     from rollstream.generator.vllm_backend import VllmBackend

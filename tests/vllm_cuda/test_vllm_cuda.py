@@ -23,7 +23,7 @@ from tier_helpers import adamw_like_step, assert_engine_holds
 
 from rollstream.core import deltas, modeling
 from rollstream.generator.backends import SampleRequest, TransformersBackend
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import HostWeights
 
 pytestmark = pytest.mark.vllm_cuda
 

@@ -55,8 +55,7 @@ from rollstream.core.config import ConfigError
 from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, TransformersBackend
 from rollstream.generator.config import GeneratorSettings
-from rollstream.generator.generator import Generator
-from rollstream.generator.host_weights import HostWeights
+from rollstream.generator.generator import Generator, HostWeights
 from rollstream.generator.service import sample_forever
 from rollstream.generator.vllm_backend import VllmBackend
 from rollstream.launcher import colocation

@@ -23,7 +23,6 @@ from rollstream.core import deltas, logs, push_signing, weight_store, weight_tra
 from rollstream.core.grpc_auth import load_roles
 from rollstream.core.grpc_utils import channel, rpc_error_text
 from rollstream.core.service import ServiceHost
-from rollstream.generator.host_weights import ApplyTimings
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
 
 if TYPE_CHECKING:
@@ -249,7 +248,6 @@ class CatchUp:
                         weight_store.chunks(directory, [anchor, *chain] if from_anchor else needed), "store", None
                     ),
                     skip_held=not from_anchor,
-                    timings=ApplyTimings(),
                 ),
                 restart=not (needed[0] is anchor or (have is not None and anchor.header.version < have)),
             )  # not when the anchor was tried, or would take us back
@@ -273,9 +271,7 @@ class CatchUp:
         refused stream is cancelled, not drained."""
         responses = stub.FetchWeights(request, timeout=600)
         try:
-            self.gen.apply_stream(
-                self.check_stream(responses, "trainer", trainer_version), skip_held=skip_held, timings=ApplyTimings()
-            )
+            self.gen.apply_stream(self.check_stream(responses, "trainer", trainer_version), skip_held=skip_held)
         finally:
             responses.cancel()  # no-op once the stream has ended
 

@@ -1,6 +1,7 @@
 """The generator's state and its gRPC face: the sampling backend and the weights it holds
 (`Generator`: sample a batch of tasks into rollout groups, apply pushed or fetched weight
-payloads), and `GeneratorServicer` (Generate, PushWeights, GetState). The loop that feeds it
+payloads against its host copy, `HostWeights`), and `GeneratorServicer` (Generate,
+PushWeights, GetState). The loop that feeds it
 lives in service.py; catching up with the trainer (weight store, FetchWeights), catch_up.py.
 
 In-flight policy `finish` (default) samples under the weights lock, so a batch is sampled by
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,7 +33,6 @@ from rollstream.core.service import ServiceHost
 from rollstream.generator.backends import Backend, SampleRequest, WeightsUnreadable, make_backend
 from rollstream.generator.catch_up import CatchUp
 from rollstream.generator.config import GeneratorSettings
-from rollstream.generator.host_weights import ApplyTimings, HostWeights
 from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, rollout_pb2, weights_pb2
 
@@ -91,6 +93,40 @@ def prompt_chars_limit(prompt_tokens: int, vocab: Iterable[str]) -> int:
     the template and the tokenizer spend memory on it (a 20 MB message once took 7.5 GB
     and a SIGABRT, five times over)."""
     return 2 * prompt_tokens * max(len(token) for token in vocab)
+
+
+class HostWeights:
+    """The host copy of the weights: bf16 bits by Hugging Face name, and its version. Every
+    payload is checked against it (model fingerprint, base version) before the engine sees
+    anything; a refused payload leaves both the copy and the engine as they were."""
+
+    def __init__(self, bits: Mapping[str, np.ndarray], version: int | None):
+        self.bits: dict[str, np.ndarray] = dict(bits)
+        # None: what we hold is not a trainer version we can vouch for (accept anchors only).
+        self.version = version
+        self.fingerprint = deltas.model_fingerprint({k: v.shape for k, v in self.bits.items()})
+        # Held while sampling and while applying, so a batch never mixes versions.
+        self.lock = threading.Lock()
+
+    def decode(self, payload: bytes) -> tuple[deltas.PayloadInfo, dict[str, np.ndarray]]:
+        """Check and decode a payload against the current copy (raises DeltaError)."""
+        return deltas.decode(payload, self.bits, self.version, self.fingerprint)
+
+    def commit(self, info: deltas.PayloadInfo, touched: Mapping[str, np.ndarray]) -> None:
+        self.bits.update(touched)
+        self.version = info.version
+
+
+@dataclass
+class ApplyTimings:
+    """Where a weight stream's time went on this generator, seconds, summed over its payloads,
+    whichever way it came (push, store, fetch). PushResult carries them back, so a pusher can
+    split its round trip into transfer and apply."""
+
+    receive: float = 0.0  # reassembly + sha256 check (on a push: from the call's start)
+    lock_wait: float = 0.0  # waiting for the weights lock (a batch being sampled)
+    decode: float = 0.0  # checking + decoding against the host copy
+    load: float = 0.0  # the backend's engine load + commit of the host copy
 
 
 class Generator:
@@ -189,13 +225,15 @@ class Generator:
         )
 
     def apply_stream(
-        self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool, timings: ApplyTimings
+        self, chunks: Iterable[weights_pb2.WeightChunk], skip_held: bool, timings: ApplyTimings | None = None
     ) -> generator_pb2.GeneratorState:
         """Apply every payload of a stream in order. With `skip_held` (catch-up), deltas up to
         the version already held are skipped: a push may have delivered them meanwhile.
         Raises weight_transfer.TransferRefused, having read no further, for a stream above
-        max_weight_bytes or longer than its header says. `timings` gets each payload's
-        stages added, receive counted from this call's start or the previous apply."""
+        max_weight_bytes or longer than its header says. `timings` (a push's, for its
+        PushResult) gets each payload's stages added, receive counted from this call's start
+        or the previous apply."""
+        timings = timings or ApplyTimings()
         mark = time.perf_counter()
         for header, payload in weight_transfer.from_chunks(chunks, self.max_weight_bytes):
             received = time.perf_counter() - mark
