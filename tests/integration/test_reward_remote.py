@@ -22,9 +22,8 @@ from rollstream.core import redis_policy
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.service import ServiceHost
 from rollstream.reward.config import RewardSettings
-from rollstream.reward.limits import ScorePool
 from rollstream.reward.remote import CircuitBreaker, RemoteScorer, ScorerRejected, ScorerUnavailable
-from rollstream.reward.scoring import Metrics, Scorer
+from rollstream.reward.scoring import Metrics, ScorePool, Scorer
 from rollstream.reward.service import RewardLoop
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from synthetic import rollout_group

@@ -1,4 +1,4 @@
-"""Time limits: the scoring pool (rollstream.reward.limits) runs every component in a worker
+"""Time limits: the scoring pool (rollstream.reward.scoring.ScorePool) runs every component in a worker
 process and kills one that overruns; a worker killed from outside is replaced and its task
 run again. Also the remote scorer's circuit breaker, reply checks and retry service config
 (with an injected clock: no sleeping).
@@ -20,9 +20,17 @@ from pathlib import Path
 import pytest
 
 from helpers import MIN_WAIT_S, wait_for
-from rollstream.reward.limits import ScorePool, recipe_source
-from rollstream.reward.recipes import ComponentSpec, RecipeComponent, Recipes, Sample, build_check, default_specs
+from rollstream.reward.recipes import (
+    ComponentSpec,
+    RecipeComponent,
+    Recipes,
+    Sample,
+    build_check,
+    default_specs,
+    recipe_source,
+)
 from rollstream.reward.remote import CircuitBreaker, check_reply, service_config
+from rollstream.reward.scoring import ScorePool
 from rollstream.v1 import reward_pb2
 
 # -- checks the test recipes are made of (module-level: the workers import them) ------------------
@@ -220,6 +228,22 @@ def test_a_deadline_cancels_what_is_left(pool: ScorePool, tmp_path: Path) -> Non
         pool.score_many([("kill", Sample(str(tmp_path / "pid")))], timeout_s=0.3)  # would sleep 600 s
     # The cancelled task's worker was killed; the pool carries on.
     assert pool.score_many([("format", Sample("8"))])[0].reward == pytest.approx(0.1)
+
+
+def test_the_sandbox_probe_runs_in_a_worker_and_reports_back(builtin_pool: ScorePool) -> None:
+    """check_sandboxes, what the service runs at start (code_sandbox_unavailable): the specs go
+    to a worker as plain data, recipes.sandbox_problems runs there, its answer comes back."""
+    broken = ComponentSpec(component="code", weight=1.0, params={"python": "/nonexistent/python3"})
+    found: list[dict[str, str]] = []
+    reported = threading.Event()
+
+    def report(problems: dict[str, str]) -> None:
+        found.append(problems)
+        reported.set()
+
+    builtin_pool.check_sandboxes({"broken_code": [broken], "arithmetic": default_specs()["arithmetic"]}, report)
+    assert reported.wait(120), "no report from the sandbox probe"
+    assert list(found[0]) == ["broken_code"] and "/nonexistent/python3" in found[0]["broken_code"]
 
 
 def test_recipes_are_rebuilt_in_the_workers_from_plain_data() -> None:

@@ -9,8 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rollstream.core.config import NAME_PATTERN, CommonSettings
-from rollstream.reward.limits import RecipeSource, recipe_source
-from rollstream.reward.recipes import ComponentSpec, Recipes, build_recipes, default_specs
+from rollstream.reward.recipes import ComponentSpec, Recipes, RecipeSource, build_recipes, default_specs, recipe_source
 
 
 class RewardSettings(CommonSettings):
@@ -84,7 +83,7 @@ class RewardSettings(CommonSettings):
         return build_recipes(self.recipe_specs(), self.component_timeout_s)
 
     def recipe_source(self) -> RecipeSource:
-        """How the scoring workers build the same recipes (plain data; rollstream.reward.limits)."""
+        """How the scoring workers build the same recipes (plain data; rollstream.reward.scoring)."""
         return recipe_source(self.recipe_specs(), self.component_timeout_s)
 
     def weights(self) -> dict[str, float]:

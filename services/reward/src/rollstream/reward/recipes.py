@@ -8,12 +8,16 @@ weight * value over the components.
 Every component result carries a status, so a 0 always says why it is a 0:
 - "ok": the check ran; its value is the verdict (a wrong answer is "ok" with value 0);
 - "timeout": it ran out of time (the service runs every component in a worker process
-  that is killed when it overruns, see rollstream.reward.limits; for the code component
+  that is killed when it overruns, see rollstream.reward.scoring; for the code component
   also a program that ran past its per-test or whole-run limit); value 0;
 - "error: <exception>": the check itself failed (say, a reference answer that does not
   parse, or a value that is not a finite number); value 0. One bad task never stops the stage.
 An unknown task kind gives a single "task_kind" component with a status naming the known
 kinds (never a silent 0 that would look like a wrong answer).
+
+The scoring pool's worker processes (rollstream.reward.scoring.ScorePool) run the checks: each
+builds the recipes once from a `RecipeSource` (the checks are closures, not picklable) and
+runs components by index (`worker_init`, `worker_run`), with only this module loaded.
 
 Configuration (TOML; a kind given here replaces the built-in recipe of that kind):
 
@@ -29,9 +33,13 @@ Configuration (TOML; a kind given here replaces the built-in recipe of that kind
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
+import os
 import re
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,7 +57,7 @@ THINK_ANSWER_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 
 class ComponentTimeout(Exception):
     """A component ran out of its own time: the code sandbox's per-test or wall-clock limit.
-    (The generic per-component limit is enforced from outside, by rollstream.reward.limits.)"""
+    (The generic per-component limit is enforced from outside, by rollstream.reward.scoring.)"""
 
 
 @dataclass(frozen=True)
@@ -304,7 +312,7 @@ class Score:
 
 def run_component(component: RecipeComponent, sample: Sample) -> ComponentResult:
     """Run one check here, in this process, with no time limit of its own: the service runs
-    this inside a worker of rollstream.reward.limits.ScorePool, which enforces timeout_s."""
+    this inside a worker of rollstream.reward.scoring.ScorePool, which enforces timeout_s."""
     try:
         value = float(component.check(sample))
         if not math.isfinite(value):
@@ -327,7 +335,7 @@ class Recipes:
     """The recipe of every task kind the service knows.
 
     `score` and `score_many` run the checks here, in this process and without time limits
-    (tests, tools); the service scores through rollstream.reward.limits.ScorePool, which has
+    (tests, tools); the service scores through rollstream.reward.scoring.ScorePool, which has
     the same `score_many` and runs each check in a worker process under its time limit."""
 
     def __init__(self, table: Mapping[str, Recipe]):
@@ -380,15 +388,19 @@ def code_backstop_s(spec: ComponentSpec) -> float:
     return float(CodeParams.model_validate(spec.params).wall_s) + 5.0
 
 
-def sandbox_problems(specs: Mapping[str, Sequence[ComponentSpec]]) -> dict[str, str]:
+Specs = Mapping[str, Sequence[ComponentSpec | Mapping[str, Any]]]
+"""Task kind -> its components: ComponentSpecs, or their dumps (what crosses to a scoring worker)."""
+
+
+def sandbox_problems(specs: Specs) -> dict[str, str]:
     """Task kind -> why its code component's sandbox cannot run here, for each kind whose
     sandbox cannot (one trivial program per distinct set of limits). Where it cannot, every
     completion of that kind scores 0 with status error (SandboxUnavailable): the service says
-    so once at start instead."""
+    so once at start instead, from a scoring worker (ScorePool.check_sandboxes)."""
     why: dict[sandbox.SandboxLimits, str] = {}
     problems: dict[str, str] = {}
     for kind, components in specs.items():
-        for spec in components:
+        for spec in map(ComponentSpec.model_validate, components):
             if spec.component == "code":
                 limits = CodeParams.model_validate(spec.params).limits()
                 if limits not in why:
@@ -398,10 +410,11 @@ def sandbox_problems(specs: Mapping[str, Sequence[ComponentSpec]]) -> dict[str, 
     return problems
 
 
-def build_recipes(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_s: float | None) -> Recipes:
+def build_recipes(specs: Specs, default_timeout_s: float | None) -> Recipes:
     """Build every recipe; ValueError names the kind and entry of a bad one."""
     table: dict[str, Recipe] = {}
-    for kind, entries in specs.items():
+    for kind, dumps in specs.items():
+        entries = [ComponentSpec.model_validate(e) for e in dumps]
         if not entries:
             raise ValueError(f"recipes.{kind}: a recipe needs at least one component")
         names = [e.label for e in entries]
@@ -421,3 +434,47 @@ def build_recipes(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_
             components.append(RecipeComponent(name=spec.label, weight=spec.weight, check=check, timeout_s=timeout))
         table[kind] = tuple(components)
     return Recipes(table)
+
+
+def plain_specs(specs: Mapping[str, Sequence[ComponentSpec]]) -> dict[str, list[dict[str, Any]]]:
+    """The specs as plain data, validated again in the worker that gets them."""
+    return {kind: [e.model_dump() for e in entries] for kind, entries in specs.items()}
+
+
+RecipeSource = Callable[[], Recipes]
+"""Builds the recipes; picklable (a module-level function, or a functools.partial of one
+with plain arguments), as the pool hands it to every worker it starts."""
+
+
+def recipe_source(specs: Mapping[str, Sequence[ComponentSpec]], default_timeout_s: float | None) -> RecipeSource:
+    """The RecipeSource of configured recipes: build_recipes of the specs as plain data."""
+    return functools.partial(build_recipes, plain_specs(specs), default_timeout_s)
+
+
+# -- in the scoring pool's worker processes ---------------------------------------------------
+
+_recipes: Recipes | None = None
+PR_SET_PDEATHSIG = 1
+
+
+def worker_init(source: RecipeSource) -> None:
+    global _recipes
+    # pebble makes SIGTERM run a Python handler, which waits for the interpreter: a worker
+    # stuck in one long C call would then hold on for pebble's 3 s before its SIGKILL. The
+    # default action ends it at once, wherever it is.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
+    try:
+        # Die with the forkserver (which exits when the service does, kill -9 included).
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)  # orphaned before the line above took effect
+    _recipes = source()
+
+
+def worker_run(task_kind: str, index: int, sample: tuple[str, str, str, int | None]) -> tuple[float, str]:
+    assert _recipes is not None, "worker not initialised"
+    result = run_component(_recipes.table[task_kind][index], Sample(*sample))
+    return result.value, result.status

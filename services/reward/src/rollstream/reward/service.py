@@ -7,8 +7,8 @@ acknowledged in the same transaction (StreamStage.commit), so a crash at any poi
 nothing; entries a dead consumer left pending are claimed after `claim_idle_ms`.
 
 Scoring (rollstream.reward.scoring) runs every component in the worker processes of a
-rollstream.reward.limits.ScorePool, which kills a worker that runs past the component's
-time limit; the `Reward/Score` RPC, on the gRPC server's threads, uses the same pool.
+ScorePool, which kills a worker that runs past the component's time limit; the
+`Reward/Score` RPC, on the gRPC server's threads, uses the same pool.
 
 Every group is scored with the answer, metadata and kind of its task as the trainer fed it
 (rs:{<run>}:tasks, validation.fetch_tasks), never with what the group says; a group of a
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from dataclasses import asdict, dataclass, field
 
 from rollstream.core import codec, grpc_utils, logs, streams, validation
@@ -31,10 +30,9 @@ from rollstream.core.config import load_or_exit
 from rollstream.core.service import Every, ServiceHost
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.reward.config import RewardSettings
-from rollstream.reward.limits import ScorePool
-from rollstream.reward.recipes import Score, sandbox_problems
+from rollstream.reward.recipes import Score
 from rollstream.reward.remote import RemoteScorer, ScorerUnavailable
-from rollstream.reward.scoring import Metrics, RewardServicer, Scored, Scorer
+from rollstream.reward.scoring import Metrics, RewardServicer, Scored, ScorePool, Scorer
 from rollstream.v1 import reward_pb2_grpc, rollout_pb2
 
 SERVICE_NAME = "rollstream.v1.Reward"
@@ -70,10 +68,8 @@ def run(settings: RewardSettings) -> int:
                 remote = RemoteScorer.from_settings(
                     settings, on_call=lambda outcome: metrics.scorer_calls.labels(outcome=outcome).inc()
                 )
-            else:  # beside the start, not before readiness: a sandbox's interpreter can take seconds to start
-                threading.Thread(
-                    target=say_sandbox_problems, args=(settings, host.log), name="sandbox-probe", daemon=True
-                ).start()
+            else:
+                pool.check_sandboxes(settings.recipe_specs(), lambda found: say_sandbox_problems(found, host.log))
             client = host.connect_redis()
             try:
                 stage = host.open_stage(client, SOURCE_STAGE, settings.group)
@@ -102,10 +98,10 @@ def run(settings: RewardSettings) -> int:
     return 0
 
 
-def say_sandbox_problems(settings: RewardSettings, log: logging.Logger) -> None:
+def say_sandbox_problems(problems: dict[str, str], log: logging.Logger) -> None:
     """A WARNING for each code task kind whose sandbox cannot run here (k8s/ runs this pod with
     the runtime's default seccomp profile; code tasks need k8s-code-sandbox/, docs/deploy.md)."""
-    for kind, why in sandbox_problems(settings.recipe_specs()).items():
+    for kind, why in problems.items():
         logs.event(
             log,
             "code_sandbox_unavailable",
