@@ -14,7 +14,7 @@ from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.streams import Ops, StreamStage
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.evaluation import ROUND_PREFIX, Evaluator
-from rollstream.trainer.feeder import chat_encoder
+from rollstream.trainer.prompts import chat_encoder
 from rollstream.v1 import rollout_pb2
 
 

@@ -24,7 +24,7 @@ from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.feeder import PromptFeeder, chat_encoder
+from rollstream.trainer.prompts import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
 from synthetic import Decode, tokenizer_decode
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from rollstream.core import codec, redis_policy, run_keys, streams
 from rollstream.trainer import prompts
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.feeder import Encode, feed_task
+from rollstream.trainer.prompts import Encode, feed_task
 from rollstream.v1 import rollout_pb2
 
 ROUND_PREFIX = "round:"  # eval_results field of a round's marker; task ids are the other fields

@@ -44,8 +44,8 @@ from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.evaluation import Evaluator
-from rollstream.trainer.feeder import PromptFeeder, chat_encoder
 from rollstream.trainer.optimizer import NonFiniteStep
+from rollstream.trainer.prompts import PromptFeeder, chat_encoder
 from rollstream.trainer.push import PushOutcome
 from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
 from rollstream.trainer.trainer import Trainer
