@@ -18,7 +18,7 @@ import tomli_w
 
 from helpers import wait_for, write_ready
 from procs import free_port, generator_state, start_service, trainer_state
-from rollstream.core import run_keys, steplog, weight_store
+from rollstream.core import run_keys, steplog, weight_transfer
 from synthetic import Decode, scored_groups
 
 GROUPS_PER_STEP = 2
@@ -96,7 +96,7 @@ def test_a_generator_joining_a_colocated_run_gets_the_exact_weights(
         assert [(s["step"], s["delta_bytes"], s.get("delta_skipped")) for s in skipped] == [
             (k, 0, "no reader") for k in (1, 2, 3)
         ], skipped
-        assert not (anchor_dir / weight_store.MANIFEST).exists() and not list(anchor_dir.glob("*.safetensors"))
+        assert not (anchor_dir / weight_transfer.MANIFEST).exists() and not list(anchor_dir.glob("*.safetensors"))
         assert " deltas_skipped " in colocated.log() and "reanchored" not in colocated.log()
 
         # A remote generator joins mid-run: it reads the store (no chain yet) and asks the trainer.
@@ -164,7 +164,7 @@ def test_a_generator_joining_a_colocated_run_gets_the_exact_weights(
         assert [s["step"] for s in later] == [4, 5, 6] and all(
             s["delta_bytes"] > 0 and "delta_skipped" not in s for s in later
         ), later
-        chain = json.loads((anchor_dir / weight_store.MANIFEST).read_text())
+        chain = json.loads((anchor_dir / weight_transfer.MANIFEST).read_text())
         assert [(p["header"]["kind"], int(p["header"].get("version", 0))) for p in chain["payloads"]] == [
             ("anchor", 3),
             ("delta", 4),

@@ -36,7 +36,7 @@ from test_weight_fanout import perturbed
 
 from helpers import wait_for
 from procs import ServiceProc, generator_state, start_service
-from rollstream.core import deltas, modeling, push_signing, weight_store, weight_transfer
+from rollstream.core import deltas, modeling, push_signing, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.publisher import WeightPublisher
@@ -199,7 +199,7 @@ def test_only_the_trainers_signed_weights_are_fetched_and_never_backwards(
         def fetch(request: trainer_pb2.FetchWeightsRequest) -> Chunks:
             return list(
                 publisher.catch_up_chunks(
-                    weight_store.catch_up_chain(request.have_version, anchor, chain, lambda p: p.info)
+                    weight_transfer.catch_up_chain(request.have_version, anchor, chain, lambda p: p.info)
                 )
             )
 
@@ -280,13 +280,13 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
 
         # Version 3's entry stripped of its signature, then its file swapped for version 2's
         # delta (a real payload, its header rewritten to match, the signature kept): refused.
-        manifest = store / weight_store.MANIFEST
+        manifest = store / weight_transfer.MANIFEST
         with stopped(gen):
             publish()
             signed = manifest.read_text()
-            anchor, chain = weight_store.read_manifest(store)
-            stripped = [*chain[:-1], weight_store.StoredPayload(chain[-1].file, chain[-1].header)]
-            weight_store.write_manifest(store, anchor, stripped)
+            anchor, chain = weight_transfer.read_manifest(store)
+            stripped = [*chain[:-1], weight_transfer.StoredPayload(chain[-1].file, chain[-1].header)]
+            weight_transfer.write_manifest(store, anchor, stripped)
         wait_for(lambda: "reason=unsigned" in gen.log(), 120, "an unsigned store entry refused", [gen])
         assert readiness(gen)[0] == 200  # an unsigned chain claims no version: not behind anything
         assert serves(2)
@@ -298,8 +298,8 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
             h = weights_pb2.WeightHeader()
             h.CopyFrom(chain[-1].header)
             h.total_bytes, h.sha256 = len(old), weight_transfer.make_header(old, chain[-1].info).sha256
-            weight_store.write_manifest(
-                store, anchor, [*chain[:-1], weight_store.StoredPayload(chain[-1].file, h, chain[-1].signature)]
+            weight_transfer.write_manifest(
+                store, anchor, [*chain[:-1], weight_transfer.StoredPayload(chain[-1].file, h, chain[-1].signature)]
             )
         wait_for(
             lambda: "its signature is not the trainer's" in gen.log(), 120, "a swapped store payload refused", [gen]
@@ -312,7 +312,7 @@ def test_the_store_is_signed_and_an_unreadable_file_does_not_end_catch_up(
         # Version 4's file unreadable: a directory where it was (pread: EISDIR).
         with stopped(gen):
             publish()
-            delta4 = store / weight_store.read_manifest(store)[1][-1].file
+            delta4 = store / weight_transfer.read_manifest(store)[1][-1].file
             kept = tmp_path / "delta4"
             delta4.rename(kept)
             delta4.mkdir()

@@ -20,7 +20,7 @@ import xxhash
 import zstandard
 from safetensors.torch import load as load_safetensors  # safetensors, not pickle
 
-from rollstream.core import deltas, safetensors_io, weight_store, weight_transfer
+from rollstream.core import deltas, safetensors_io, weight_transfer
 from rollstream.core.deltas import DeltaError
 from rollstream.trainer.payloads import PayloadFile
 from rollstream.trainer.publisher import WeightPublisher
@@ -540,7 +540,7 @@ def test_publisher_catch_up_reproduces_current_bits_from_any_version(anchor_in: 
             "delta-00000007.safetensors",
             "delta-00000008.safetensors",
         ]
-        stored_anchor, stored_chain = weight_store.read_manifest(tmp_path / "anchor")
+        stored_anchor, stored_chain = weight_transfer.read_manifest(tmp_path / "anchor")
         assert [p.file for p in (stored_anchor, *stored_chain)] == [p.payload.path.name for p in from_nothing]
         assert [p.header for p in (stored_anchor, *stored_chain)] == [p.header() for p in from_nothing]
         pub.close()

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rollstream.core import deltas, weight_store, weight_transfer
+from rollstream.core import deltas, weight_transfer
 from rollstream.core.config import load_settings
 from rollstream.core.grpc_utils import channel
 from rollstream.core.service import ServiceHost
@@ -95,7 +95,7 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
     trainer, host = make_trainer(tiny_model_dir, anchor_dir)
     try:
         pub = trainer.publisher
-        assert (anchor_dir / weight_store.MANIFEST).exists()  # version 0's anchor, as before
+        assert (anchor_dir / weight_transfer.MANIFEST).exists()  # version 0's anchor, as before
         pub.readers.saw([], from_registry=True)
         for step in (1, 2):
             before = copied(pub.bits())
@@ -111,8 +111,8 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         assert trainer.version == 2 and not pub.has_chain
         # No chain, no files: a reader of the store finds "no chain yet", never an old version as the newest.
         assert sorted(p.name for p in anchor_dir.iterdir()) == []
-        with pytest.raises(weight_store.StoreUnreadable, match="no chain yet"):
-            weight_store.read_manifest(anchor_dir)
+        with pytest.raises(weight_transfer.StoreUnreadable, match="no chain yet"):
+            weight_transfer.read_manifest(anchor_dir)
         with pytest.raises(deltas.DeltaError, match="no chain"):
             pub.catch_up_payloads(-1, "")
         assert counted(host, "deltas_skipped") == 2 and counted(host, "reanchors") == 0
@@ -135,7 +135,7 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         assert counted(host, "reanchors") == 1
 
         # A generator holding nothing reads the store: anchor 2, deltas 3..5.
-        anchor, chain = weight_store.read_manifest(anchor_dir)
+        anchor, chain = weight_transfer.read_manifest(anchor_dir)
         assert [(p.info.kind, p.info.version) for p in [anchor, *chain]] == [
             ("anchor", 2),
             ("delta", 3),
@@ -143,9 +143,9 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
             ("delta", 5),
         ]
         held = HostWeights({n: np.zeros_like(b) for n, b in at_2.items()}, None)
-        apply(held, weight_store.chunks(anchor_dir, [anchor]))
+        apply(held, weight_transfer.store_chunks(anchor_dir, [anchor]))
         assert held.version == 2 and same(held.bits, at_2)
-        apply(held, weight_store.chunks(anchor_dir, chain))
+        apply(held, weight_transfer.store_chunks(anchor_dir, chain))
         assert held.version == 5 == trainer.version
         assert same(held.bits, pub.bits())
         assert deltas.weights_sha256(held.bits) == deltas.weights_sha256(pub.bits())
@@ -153,7 +153,7 @@ def test_skipped_then_a_registered_reader_then_deltas_from_the_new_anchor(tiny_m
         # Nobody again: the chain goes at the next step (chain.json first), and the version goes on.
         pub.readers.saw([], from_registry=True)
         _, published, _ = trainer.train_step(scored_groups(6, 2))
-        assert published is None and trainer.version == 6 and not (anchor_dir / weight_store.MANIFEST).exists()
+        assert published is None and trainer.version == 6 and not (anchor_dir / weight_transfer.MANIFEST).exists()
         assert not list(anchor_dir.glob("*.safetensors"))
     finally:
         trainer.close()

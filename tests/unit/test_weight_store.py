@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollstream.core import deltas, weight_store, weight_transfer
+from rollstream.core import deltas, weight_transfer
 from rollstream.trainer.publisher import WeightPublisher
 
 SHAPES = {"emb": (120, 24), "ln": (24,), "head": (64, 24)}
@@ -43,11 +43,13 @@ def read_store(
 ) -> tuple[dict[str, np.ndarray], int]:
     """What a generator does with the store: the chain's payloads from its version on, each
     checked as a transfer (from_chunks) and decoded onto what it holds."""
-    anchor, chain = weight_store.read_manifest(directory)
-    needed = weight_store.catch_up_chain(-1 if have_version is None else have_version, anchor, chain, lambda p: p.info)
+    anchor, chain = weight_transfer.read_manifest(directory)
+    needed = weight_transfer.catch_up_chain(
+        -1 if have_version is None else have_version, anchor, chain, lambda p: p.info
+    )
     held = dict(have) if have is not None else {n: np.zeros(s, np.uint16) for n, s in SHAPES.items()}
     version = have_version
-    for _header, payload in weight_transfer.from_chunks(weight_store.chunks(directory, needed)):
+    for _header, payload in weight_transfer.from_chunks(weight_transfer.store_chunks(directory, needed)):
         info, replaced = deltas.decode(payload, held, version, fingerprint)
         held.update(replaced)
         version = info.version
@@ -63,7 +65,7 @@ def test_a_reader_of_the_store_reaches_the_trainers_bits_from_any_version(tmp_pa
         for _ in range(6):  # versions 1..6; 4 is an anchor
             history.append(evolved(rng, history[-1]))
             pub.publish(history[-1])
-        anchor, chain = weight_store.read_manifest(tmp_path)
+        anchor, chain = weight_transfer.read_manifest(tmp_path)
         assert [(p.info.kind, p.info.version) for p in (anchor, *chain)] == [("anchor", 4), ("delta", 5), ("delta", 6)]
         target = deltas.weights_sha256(history[6])
         for have in (None, 0, 2, 4, 5, 6):  # nothing, older than the anchor, the anchor, in the chain, current
@@ -72,7 +74,7 @@ def test_a_reader_of_the_store_reaches_the_trainers_bits_from_any_version(tmp_pa
             assert version == 6 and deltas.weights_sha256(held) == target, have
         # The files are exactly what FetchWeights would stream (same headers, same bytes).
         fetched = pub.catch_up_payloads(-1, pub.fingerprint)
-        stored = list(weight_transfer.from_chunks(weight_store.chunks(tmp_path, [anchor, *chain])))
+        stored = list(weight_transfer.from_chunks(weight_transfer.store_chunks(tmp_path, [anchor, *chain])))
         assert [h for h, _ in stored] == [p.header() for p in fetched]
         assert [d for _, d in stored] == [p.data() for p in fetched]
     finally:
@@ -86,23 +88,23 @@ def test_a_file_replaced_truncated_or_gone_under_its_chain_is_refused(tmp_path: 
     pub = WeightPublisher(bits, anchor_interval=10, anchor_dir=tmp_path)
     try:
         pub.publish(evolved(rng, bits))
-        anchor, chain = weight_store.read_manifest(tmp_path)
+        anchor, chain = weight_transfer.read_manifest(tmp_path)
         delta_file = tmp_path / chain[0].file
         good = delta_file.read_bytes()
         corrupted = bytearray(good)
         corrupted[len(good) // 2] ^= 0xFF
         delta_file.write_bytes(bytes(corrupted))
         with pytest.raises(deltas.DeltaError, match="corrupted"):
-            list(weight_transfer.from_chunks(weight_store.chunks(tmp_path, chain)))
+            list(weight_transfer.from_chunks(weight_transfer.store_chunks(tmp_path, chain)))
         delta_file.write_bytes(good[:-10])
         with pytest.raises(deltas.DeltaError, match="header says"):
-            list(weight_transfer.from_chunks(weight_store.chunks(tmp_path, chain)))
+            list(weight_transfer.from_chunks(weight_transfer.store_chunks(tmp_path, chain)))
         delta_file.unlink()
-        with pytest.raises(weight_store.StoreUnreadable, match="a newer chain replaced it"):
-            list(weight_transfer.from_chunks(weight_store.chunks(tmp_path, chain)))
+        with pytest.raises(weight_transfer.StoreUnreadable, match="a newer chain replaced it"):
+            list(weight_transfer.from_chunks(weight_transfer.store_chunks(tmp_path, chain)))
         # A header declaring more than the reader accepts is refused before the file is read.
         with pytest.raises(weight_transfer.PayloadTooLarge):
-            list(weight_transfer.from_chunks(weight_store.chunks(tmp_path, [anchor]), max_bytes=100))
+            list(weight_transfer.from_chunks(weight_transfer.store_chunks(tmp_path, [anchor]), max_bytes=100))
     finally:
         pub.close()
 
@@ -113,37 +115,44 @@ def test_a_file_replaced_truncated_or_gone_under_its_chain_is_refused(tmp_path: 
         (None, "no chain yet"),
         ("{not json", "not a weight chain"),
         ('{"format": "something-else/9", "payloads": []}', "format 'something-else/9'"),
-        (json.dumps({"format": weight_store.FORMAT}), "not a weight chain"),
-        (json.dumps({"format": weight_store.FORMAT, "payloads": []}), "an anchor, then deltas"),
+        (json.dumps({"format": weight_transfer.STORE_FORMAT}), "not a weight chain"),
+        (json.dumps({"format": weight_transfer.STORE_FORMAT, "payloads": []}), "an anchor, then deltas"),
         (
             json.dumps(
                 {
-                    "format": weight_store.FORMAT,
+                    "format": weight_transfer.STORE_FORMAT,
                     "payloads": [{"file": "../../etc/passwd", "header": {"kind": "anchor"}}],
                 }
             ),
             "not a plain file name",
         ),
         (
-            json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": 7, "header": {"kind": "anchor"}}]}),
+            json.dumps(
+                {"format": weight_transfer.STORE_FORMAT, "payloads": [{"file": 7, "header": {"kind": "anchor"}}]}
+            ),
             "not a plain file name",
         ),
         (
             json.dumps(
                 {
-                    "format": weight_store.FORMAT,
+                    "format": weight_transfer.STORE_FORMAT,
                     "payloads": [{"file": "a", "header": {"kind": "anchor", "version": "x"}}],
                 }
             ),
             "not a weight chain",
         ),
         (
-            json.dumps({"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "delta"}}]}),
+            json.dumps(
+                {"format": weight_transfer.STORE_FORMAT, "payloads": [{"file": "a", "header": {"kind": "delta"}}]}
+            ),
             "an anchor, then deltas",
         ),
         (
             json.dumps(
-                {"format": weight_store.FORMAT, "payloads": [{"file": "a", "header": {"kind": "anchor", "nope": 1}}]}
+                {
+                    "format": weight_transfer.STORE_FORMAT,
+                    "payloads": [{"file": "a", "header": {"kind": "anchor", "nope": 1}}],
+                }
             ),
             "not a weight chain",
         ),
@@ -154,9 +163,9 @@ def test_a_missing_or_malformed_chain_is_refused_with_its_reason(
     tmp_path: Path, manifest: str | None, reason: str
 ) -> None:
     if manifest is not None:
-        (tmp_path / weight_store.MANIFEST).write_text(manifest)
-    with pytest.raises(weight_store.StoreUnreadable, match=reason):
-        weight_store.read_manifest(tmp_path)
+        (tmp_path / weight_transfer.MANIFEST).write_text(manifest)
+    with pytest.raises(weight_transfer.StoreUnreadable, match=reason):
+        weight_transfer.read_manifest(tmp_path)
 
 
 def test_a_restarted_trainer_replaces_the_chain_of_its_earlier_run(tmp_path: Path) -> None:

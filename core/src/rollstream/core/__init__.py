@@ -27,8 +27,7 @@ steplog          the run's step log: a JSON line per trainer step
 streams          the rollout buffer: Redis streams read through consumer groups
 tls_files        a small private CA: one certificate per role
 validation       what a stream entry must satisfy before a stage uses it
-weight_store     the trainer's anchor and deltas as files with a manifest, read by generators to catch up
-weight_transfer  weight payloads over gRPC as streams of WeightChunks
+weight_transfer  weight payloads in transit: WeightChunk streams over gRPC, the weight store's files and manifest
 """
 
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import deltas, logs, push_signing, weight_store, weight_transfer
+from rollstream.core import deltas, logs, push_signing, weight_transfer
 from rollstream.core.grpc_auth import load_roles
 from rollstream.core.grpc_utils import channel, rpc_error_text
 from rollstream.core.service import ServiceHost
@@ -104,7 +104,7 @@ class CatchUp:
         store_error = self.from_store(Path(self.settings.weight_store)) if self.settings.weight_store else ""
         if not self.settings.trainer_address:
             if store_error:
-                raise weight_store.StoreUnreadable(store_error)  # nobody else to ask: the attempt failed
+                raise weight_transfer.StoreUnreadable(store_error)  # nobody else to ask: the attempt failed
             return True
         with channel(self.settings.trainer_address, self.gen.creds, server_name="trainer") as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
@@ -129,7 +129,7 @@ class CatchUp:
         An oversized or unsigned stream, or an unreadable store, is the error as it is."""
         try:
             apply(False)
-        except (weight_transfer.TransferRefused, weight_store.StoreUnreadable):
+        except (weight_transfer.TransferRefused, weight_transfer.StoreUnreadable):
             raise
         except deltas.DeltaError as e:
             if not restart:
@@ -227,7 +227,7 @@ class CatchUp:
         a file a newer chain replaced meanwhile or a payload refused is logged and left to the
         trainer or the next sync: returns why ("" when nothing failed)."""
         try:
-            anchor, chain = weight_store.read_manifest(directory)
+            anchor, chain = weight_transfer.read_manifest(directory)
             have = self.gen.weights.version
             last = chain[-1] if chain else anchor
             newest = last.header.version
@@ -236,16 +236,18 @@ class CatchUp:
             if have == newest:
                 return ""
             if anchor.header.model_fingerprint != self.gen.weights.fingerprint:
-                raise weight_store.StoreUnreadable(
+                raise weight_transfer.StoreUnreadable(
                     f"{directory}: the chain is for model {anchor.header.model_fingerprint}, this generator's is {self.gen.weights.fingerprint}"
                 )
-            needed = weight_store.catch_up_chain(-1 if have is None else have, anchor, chain, lambda p: p.info)
+            needed = weight_transfer.catch_up_chain(-1 if have is None else have, anchor, chain, lambda p: p.info)
             logs.event(self.gen.log, "catching_up", have=have, store=newest, source="store", payloads=len(needed))
             self._restarting(
                 "reading the anchor",
                 lambda from_anchor: self.gen.apply_stream(
                     self.check_stream(
-                        weight_store.chunks(directory, [anchor, *chain] if from_anchor else needed), "store", None
+                        weight_transfer.store_chunks(directory, [anchor, *chain] if from_anchor else needed),
+                        "store",
+                        None,
                     ),
                     skip_held=not from_anchor,
                 ),

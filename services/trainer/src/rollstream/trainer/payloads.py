@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from rollstream.core import deltas, weight_store, weight_transfer
+from rollstream.core import deltas, weight_transfer
 from rollstream.v1 import weights_pb2
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ ANCHOR_FILE = "anchor.safetensors"  # in the store's directory
 DELTA_FILES = "delta-*.safetensors"  # in the store's directory: the deltas since the anchor
 
 
-class PayloadFile(weight_store.FileSlices):
+class PayloadFile(weight_transfer.FileSlices):
     """A payload kept in a file instead of in memory: the anchor, which is read only when a
     generator catches up (at its start) yet is as large as the bf16 weights. Written to a
     temporary name, opened, then renamed over `path`: the file descriptor is always this
@@ -182,21 +182,21 @@ class StoreFiles:
     def write_manifest(self, kept: Sequence[Published], signature: Callable[[weights_pb2.WeightHeader], bytes]) -> None:
         """chain.json for `kept` (the anchor and deltas since it), up to the first that is in
         memory (a disk that failed): that one and those after it are served by FetchWeights only."""
-        files: list[weight_store.StoredPayload] = []
+        files: list[weight_transfer.StoredPayload] = []
         for p in kept:
             if not isinstance(p.payload, PayloadFile):
                 break
-            files.append(weight_store.StoredPayload(p.payload.path.name, p.header(), signature(p.header())))
+            files.append(weight_transfer.StoredPayload(p.payload.path.name, p.header(), signature(p.header())))
         try:
             if files:
-                weight_store.write_manifest(self.directory, files[0], files[1:])
+                weight_transfer.write_manifest(self.directory, files[0], files[1:])
             else:  # no chain, or an anchor in memory: generators ask the trainer at once
                 self.withdraw()
         except OSError as e:
             log.warning(
-                "weight_store_not_updated: cannot write %s in %s (%s)", weight_store.MANIFEST, self.directory, e
+                "weight_store_not_updated: cannot write %s in %s (%s)", weight_transfer.MANIFEST, self.directory, e
             )
 
     def withdraw(self) -> None:
         """No chain.json: no generator reads a chain whose files are going."""
-        (self.directory / weight_store.MANIFEST).unlink(missing_ok=True)
+        (self.directory / weight_transfer.MANIFEST).unlink(missing_ok=True)

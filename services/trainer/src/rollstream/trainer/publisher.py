@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import deltas, push_signing, run_keys, weight_store
+from rollstream.core import deltas, push_signing, run_keys, weight_transfer
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.trainer.fleet import NONCE_TIMEOUT_S, STALL_S, BackgroundPush, Fleet
 from rollstream.trainer.payloads import HashingWriter, Published, StoreFiles, unlink_files
@@ -249,7 +249,7 @@ class WeightPublisher:
             anchor, chain = self._anchor, list(self._deltas)
         if anchor is None:
             raise deltas.DeltaError(f"no chain reaches version {self._version} yet (deltas were skipped): try again")
-        return weight_store.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
+        return weight_transfer.catch_up_chain(have_version, anchor, chain, lambda p: p.info)
 
     def catch_up_chunks(self, payloads: Sequence[Published]) -> Iterator[weights_pb2.WeightChunk]:
         """FetchWeights' stream for `payloads`: each payload's first chunk with the trainer's
