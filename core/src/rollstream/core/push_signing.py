@@ -175,7 +175,7 @@ def verify(key: Ed25519PublicKey, nonce: bytes, signature: bytes, header: weight
 # -- catch-up: what a generator fetches or reads from the store ---------------------------
 # No live call to bind a nonce to (the store has no caller at all), so a payload's signature
 # covers its header alone, with the run: a replay can only offer the trainer's own payloads
-# of this run, and the generator's version rule (generator.CatchUpCheck) keeps it from
+# of this run, and the generator's version rule (catch_up.CatchUp.check_stream) keeps it from
 # going back. GetState's answer is signed over the generator's fresh challenge, so the
 # trainer's version a generator acts on is current, never replayed.
 
