@@ -1,4 +1,4 @@
-"""The weight store (rollstream.core.weight_store): the trainer's anchor_dir as files and a
+"""The weight store (rollstream.core.weight_transfer): the trainer's anchor_dir as files and a
 chain.json that a generator sharing the volume reads to catch up without the trainer. Read
 back through the same checks as a transfer (size, sha256, base version), a reader reaches the
 trainer's bits exactly from any version; a chain.json that is missing, garbage or points

@@ -1,6 +1,6 @@
 """Catching up: how a generator's weights reach the trainer's version when no push brings
 them (at its start, after a refused push, after a miss). The sync thread reads anchor +
-deltas from the weight store (a volume shared with the trainer, rollstream.core.weight_store)
+deltas from the weight store (a volume shared with the trainer, rollstream.core.weight_transfer)
 or fetches them from the trainer (FetchWeights); both end in the generator's one apply
 (Generator.apply_stream), as a push does. Everything it catches up from is signed by the
 trainer and checked (CatchUp.check_stream), and the sync thread outlives any failure of an
