@@ -247,7 +247,7 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
     from rollstream.core.service import ServiceHost
     from rollstream.trainer.checkpoint import CheckpointRequests
     from rollstream.trainer.config import TrainerSettings
-    from rollstream.trainer.discovery import GeneratorDirectory
+    from rollstream.trainer.fleet import GeneratorDirectory
     from rollstream.trainer.servicer import TrainerServicer
     from rollstream.trainer.trainer import Trainer
     from rollstream.v1 import trainer_pb2_grpc

@@ -39,7 +39,7 @@ from rollstream.core.streams import StreamStage
 from rollstream.launcher import cli
 from rollstream.launcher.redis_server import EmbeddedRedis, find_redis_server
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.prompts import PromptFeeder, chat_encoder
 from rollstream.v1 import rollout_pb2
 from synthetic import rollout_group, scored_group_in_vocab

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 from rollstream.core import deltas, grpc_utils, safetensors_io, weight_transfer
-from rollstream.trainer.payloads import ANCHOR_FILE, FileWire, PayloadFile
-from rollstream.trainer.publisher import WeightPublisher
+from rollstream.trainer.publisher import ANCHOR_FILE, FileWire, PayloadFile, WeightPublisher
 from rollstream.v1 import generator_pb2_grpc, weights_pb2
 
 MEMORY_TENSORS = 8

@@ -22,8 +22,7 @@ from safetensors.torch import load as load_safetensors  # safetensors, not pickl
 
 from rollstream.core import deltas, safetensors_io, weight_transfer
 from rollstream.core.deltas import DeltaError
-from rollstream.trainer.payloads import PayloadFile
-from rollstream.trainer.publisher import WeightPublisher
+from rollstream.trainer.publisher import PayloadFile, WeightPublisher
 from rollstream.v1 import weights_pb2
 
 SHAPES = {

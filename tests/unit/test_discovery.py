@@ -9,13 +9,13 @@ import redis
 
 from rollstream.core import run_keys
 from rollstream.core.run_keys import RunKeys
-from rollstream.trainer import discovery
+from rollstream.trainer import fleet
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.fleet import GeneratorDirectory
 
 
 def test_localhost_resolves_to_loopback_with_the_port() -> None:
-    addresses = discovery.resolve_all("localhost:50123")
+    addresses = fleet.resolve_all("localhost:50123")
     assert addresses, "localhost did not resolve"
     assert set(addresses) <= {"127.0.0.1:50123", "[::1]:50123"}
     assert addresses == sorted(set(addresses))
@@ -24,25 +24,25 @@ def test_localhost_resolves_to_loopback_with_the_port() -> None:
 def test_every_record_of_a_name_is_a_generator() -> None:
     # What getaddrinfo itself returns for the name, as addresses: no more, no fewer.
     expected = {info[4][0] for info in socket.getaddrinfo("localhost", 50123, type=socket.SOCK_STREAM)}
-    got = {a.rpartition(":")[0].strip("[]") for a in discovery.resolve_all("localhost:50123")}
+    got = {a.rpartition(":")[0].strip("[]") for a in fleet.resolve_all("localhost:50123")}
     assert got == expected
 
 
 def test_a_name_that_does_not_resolve_gives_nobody() -> None:
     # .invalid never resolves (RFC 2606): no pod ready yet, nothing to push to.
-    assert discovery.resolve_all("no-such-generator.invalid:50051") == []
+    assert fleet.resolve_all("no-such-generator.invalid:50051") == []
 
 
 @pytest.mark.parametrize(
     "bad", ["localhost", "localhost:", ":50051", "localhost:0", "localhost:70000", "localhost:http"]
 )
 def test_a_target_without_a_usable_port_is_refused(bad: str) -> None:
-    with pytest.raises(discovery.DiscoveryError):
-        discovery.resolve_all(bad)
+    with pytest.raises(fleet.DiscoveryError):
+        fleet.resolve_all(bad)
 
 
 def test_ipv6_literal_targets() -> None:
-    assert discovery.split_host_port("[::1]:50051") == ("::1", 50051)
+    assert fleet.split_host_port("[::1]:50051") == ("::1", 50051)
 
 
 def test_directory_combines_configured_addresses_and_the_dns_name(rclient: redis.Redis, keys: RunKeys) -> None:

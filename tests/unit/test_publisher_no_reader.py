@@ -24,7 +24,7 @@ from rollstream.core.service import ServiceHost
 from rollstream.generator.generator import HostWeights
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.publisher import READER_GRACE_S, Readers
 from rollstream.trainer.servicer import TrainerServicer
 from rollstream.trainer.trainer import Trainer

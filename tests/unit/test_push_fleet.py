@@ -31,8 +31,7 @@ from rollstream.core.service import ServiceHost
 from rollstream.generator.relay import PeerChannels, RelayedStream
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
-from rollstream.trainer.fleet import AddressBackoff, PushOutcome
+from rollstream.trainer.fleet import AddressBackoff, GeneratorDirectory, PushOutcome
 from rollstream.trainer.publisher import Published, WeightPublisher
 from rollstream.trainer.servicer import TrainerServicer
 from rollstream.trainer.trainer import Trainer

@@ -1,8 +1,11 @@
-"""The ways a payload leaves the trainer for every generator (WAYS, by name): "push", a stream
-from the trainer to each, or "relay", down a tree (issue 30; docs/deploy.md, "Scaling out");
-both over what every push shares (push.py: nonces, signatures by core/push_signing.py, watched
-calls, back-off). The trainer pushes in the background (BackgroundPush), telling pollers a
-version only once its push has ended.
+"""The fleet: the generators a trainer pushes to and the ways a payload leaves it for them.
+
+Who they are is GeneratorDirectory's, asked again at every push (pods come and go: one that
+joins gets the next delta, or catches up). The ways are WAYS, by name: "push", a stream from
+the trainer to each, or "relay", down a tree (issue 30; docs/deploy.md, "Scaling out"); both
+over what every push shares (push.py: nonces, signatures by core/push_signing.py, watched calls,
+back-off). The trainer pushes in the background (BackgroundPush), telling pollers a version only
+once its push has ended.
 
 Nothing is done once per generator that can be done once per payload. A payload
 is encoded once and its header (with the sha256 of the whole payload) made once; every
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -44,7 +48,7 @@ from typing import TYPE_CHECKING
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from rollstream.core import push_signing
+from rollstream.core import push_signing, redis_policy, run_keys
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer.push import (
@@ -69,6 +73,65 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_PUSH_STREAMS = 64  # concurrent pushes; past ~16 generators the design relays instead
 RELAY_ROUNDS = 3  # a tree, then one for its orphans, then one for theirs
+
+
+class DiscoveryError(ValueError):
+    """A `host:port` that cannot be used (no port, bad port)."""
+
+
+def split_host_port(target: str) -> tuple[str, int]:
+    """ "host:port" or "[v6addr]:port" -> (host, port)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DiscoveryError(f"{target!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def resolve_all(target: str) -> list[str]:
+    """Every address `host` resolves to, as sorted, de-duplicated "addr:port" strings.
+
+    IPv4 (A) and IPv6 (AAAA) both count; IPv6 comes back as "[addr]:port", which gRPC
+    accepts. A name that does not resolve (no pod ready yet) gives []: the caller has
+    nobody to push to this time, which is not an error.
+    """
+    host, port = split_host_port(target)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    addresses = {
+        f"[{sockaddr[0]}]:{port}" if family == socket.AF_INET6 else f"{sockaddr[0]}:{port}"
+        for family, *_, sockaddr in infos
+    }
+    return sorted(addresses)
+
+
+class GeneratorDirectory:
+    """Where to push: the configured addresses plus whatever the DNS name resolves to now (a
+    Kubernetes headless Service, clusterIP: None, has one A record per ready pod), else
+    (neither configured) the live generators of the Redis registry (heartbeats)."""
+
+    def __init__(self, configured: list[str], dns_name: str = ""):
+        self.configured = configured
+        self.dns_name = dns_name
+        self.last: list[str] = list(configured)  # what GetState reports, without a Redis call
+
+    @property
+    def from_registry(self) -> bool:
+        """Whether the addresses come from the Redis registry, which the `generator` user
+        writes: then each generator must prove the address it is dialed at (PushGate)."""
+        return not (self.configured or self.dns_name)
+
+    def addresses(self, client: redis_policy.Client, keys: run_keys.RunKeys) -> list[str]:
+        if self.configured or self.dns_name:
+            resolved = resolve_all(self.dns_name) if self.dns_name else []
+            self.last = sorted(set(self.configured) | set(resolved))
+        else:
+            # An empty address is a generator colocated with its trainer: nothing to push to.
+            self.last = sorted(a for a in run_keys.live_generators(client, keys).values() if a)
+        return self.last
 
 
 @dataclass

@@ -42,8 +42,8 @@ from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, export, pipeline_view, replay, servicer
 from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.discovery import GeneratorDirectory
 from rollstream.trainer.evaluation import Evaluator
+from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.prompts import PromptFeeder, chat_encoder
 from rollstream.trainer.push import PushOutcome

@@ -12,7 +12,7 @@ import numpy as np
 
 from rollstream.core import deltas, push_signing
 from rollstream.trainer import checkpoint
-from rollstream.trainer.discovery import GeneratorDirectory
+from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.publisher import WeightPublisher
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
 
