@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.core.redis_policy import connect
 from rollstream.core.run_keys import RunKeys
 from rollstream.launcher.redis_server import EmbeddedRedis
@@ -163,7 +163,7 @@ def measure(
         start = time.perf_counter()
         pipe = client.pipeline(transaction=False)
         for g in groups:
-            pipe.xadd(keys.stream("rollouts"), codec.encode(g))
+            pipe.xadd(keys.stream("rollouts"), validation.encode(g))
         pipe.execute()
         while client.xlen(keys.stream("scored")) < len(groups):
             time.sleep(0.01)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import redis
 
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.core.redis_policy import connect
 from rollstream.core.run_keys import STAGES, RunKeys
 from rollstream.core.streams import Ops, StreamStage
@@ -131,7 +131,7 @@ def run_stage(url: str, run: str, source: str, target: str, read_count: int, sto
             entries = stage.read(read_count, BLOCK_MS)
             if not entries:
                 continue
-            groups = [codec.decode(e.fields, rollout_pb2.RolloutGroup) for e in entries]
+            groups = [validation.decode(e.fields, rollout_pb2.RolloutGroup) for e in entries]
             if target == SINK:
                 count = len(entries)
 
@@ -155,7 +155,7 @@ def stage_rate(url: str, groups: list[rollout_pb2.RolloutGroup], read_count: int
     for start in range(0, len(groups), 500):
         pipe = client.pipeline(transaction=False)
         for g in groups[start : start + 500]:
-            pipe.xadd(keys.stream("prompts"), codec.encode(g))
+            pipe.xadd(keys.stream("prompts"), validation.encode(g))
         pipe.execute()
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event() if processes else threading.Event()

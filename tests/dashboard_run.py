@@ -14,7 +14,7 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service
-from rollstream.core import codec, run_keys, steplog, streams
+from rollstream.core import run_keys, steplog, streams, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
 from synthetic import scored_groups, tokenizer_decode
@@ -42,7 +42,7 @@ class TrainedRun:
 
 def _backlog(client: redis.Redis, keys: RunKeys, stage: str, group: str, consumer: str, n: int, read: int) -> None:
     for g in scored_groups(100 + n, n, tag=f"{stage}-backlog"):
-        client.xadd(keys.stream(stage), codec.encode(g))
+        client.xadd(keys.stream(stage), validation.encode(g))
     streams.StreamStage.ensure_group(client, keys.stream(stage), group)
     client.xreadgroup(group, consumer, {keys.stream(stage): ">"}, count=read)
 
@@ -102,7 +102,7 @@ def start_trained_run(
         run_keys.heartbeat(client, keys, "gen-0", "127.0.0.1:1", version=STEPS)
         for step, accuracy in EVAL_ROUNDS:
             steplog.append(steps_file, steplog.eval_record(eval_round(step, accuracy), run=keys.run))
-            client.xadd(keys.evals, codec.encode(eval_round(step, accuracy)))
+            client.xadd(keys.evals, validation.encode(eval_round(step, accuracy)))
     except BaseException:
         trainer.stop()
         raise

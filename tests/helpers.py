@@ -30,7 +30,7 @@ import redis
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.run_keys import RunKeys
@@ -166,7 +166,7 @@ def write(client: redis.Redis, keys: RunKeys, stage: str, message: Message) -> b
     run's task map first (synthetic.record_tasks), as the trainer's feeder would have."""
     if stage == "rollouts" and isinstance(message, rollout_pb2.RolloutGroup):
         record_tasks(client, keys, [message])
-    return client.xadd(keys.stream(stage), codec.encode(message))
+    return client.xadd(keys.stream(stage), validation.encode(message))
 
 
 def write_many(
@@ -177,7 +177,7 @@ def write_many(
         record_tasks(client, keys, groups)
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.xadd(keys.stream(stage), codec.encode(g))
+        pipe.xadd(keys.stream(stage), validation.encode(g))
     pipe.execute()
 
 
@@ -191,7 +191,7 @@ def write_ready(client: redis.Redis, keys: RunKeys, groups: Sequence[rollout_pb2
 
 def groups_in(client: redis.Redis, stream: str) -> list[rollout_pb2.RolloutGroup]:
     """Every RolloutGroup on `stream`, oldest first."""
-    return [codec.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in client.xrange(stream)]
+    return [validation.decode(fields, rollout_pb2.RolloutGroup) for _id, fields in client.xrange(stream)]
 
 
 REWARD_GROUP = "reward"  # the reward service's default consumer group
@@ -398,7 +398,7 @@ def dead_letters(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
     """group_id -> reason, for every dead letter of the run (each holds a RolloutGroup)."""
     out = {}
     for _id, fields in client.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)
-        group = codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
+        letter = validation.decode(fields, rollout_pb2.DeadLetter)
+        group = validation.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
         out[group.group_id] = letter.reason
     return out

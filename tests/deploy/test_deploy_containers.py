@@ -60,7 +60,7 @@ from deploy_files import (
 )
 
 from helpers import wait_for
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.launcher.redis_server import free_port
 from rollstream.v1 import rollout_pb2
@@ -409,7 +409,7 @@ def host_network_override(ports: Ports, run: str) -> dict:
 
 
 def step_metrics(client: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMetrics]:
-    return [codec.decode(fields, rollout_pb2.StepMetrics) for _, fields in client.xrange(keys.metrics)]
+    return [validation.decode(fields, rollout_pb2.StepMetrics) for _, fields in client.xrange(keys.metrics)]
 
 
 def json_events(log: str, name: str) -> list[dict]:

@@ -15,7 +15,7 @@ import redis
 from helpers import CUSTOM_REWARD_EXAMPLE as EXAMPLE
 from helpers import MIN_WAIT_S, LoggedProc, wait_for
 from procs import start_service
-from rollstream.core import codec, run_keys, streams
+from rollstream.core import run_keys, streams, validation
 from rollstream.v1 import rollout_pb2
 
 pytestmark = pytest.mark.e2e
@@ -120,11 +120,11 @@ def test_trainer_trains_on_the_custom_services_scores(
         wait_for(lambda: rclient.xlen(keys.metrics) >= STEPS, 600, f"{STEPS} training steps",
                  procs=[*procs, LoggedProc("the custom reward service", custom, custom_log)], poll_s=0.2)  # fmt: skip
 
-        steps = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
+        steps = [validation.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
         trained = {m.decode() for m in rclient.smembers(keys.groups("trained"))}
         ready = {}
         for _id, fields in rclient.xrange(keys.stream("ready")):
-            group = codec.decode(fields, rollout_pb2.RolloutGroup)
+            group = validation.decode(fields, rollout_pb2.RolloutGroup)
             ready[group.group_id] = group
 
         # Only the custom service scored: its consumer group, its component, its rule.

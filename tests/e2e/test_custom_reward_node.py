@@ -25,7 +25,7 @@ from faults.harness import FaultRun, RunShape, check_invariants
 from helpers import wait_for
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -137,12 +137,14 @@ def test_up_with_the_node_reward_service_as_the_only_reward_stage(tiny_model_dir
         # very entries the trainer took from `ready`, with their step.
         metrics = {
             m.step: m
-            for m in (codec.decode(f, rollout_pb2.StepMetrics) for _id, f in ledger_client.xrange(run.keys.metrics))
+            for m in (
+                validation.decode(f, rollout_pb2.StepMetrics) for _id, f in ledger_client.xrange(run.keys.metrics)
+            )
         }
         assert sorted(metrics) == list(range(1, SHAPE.steps + 1))
         by_step: dict[int, list[rollout_pb2.RolloutGroup]] = defaultdict(list)
         for _id, fields in ledger_client.xrange(run.keys.trained_log):
-            by_step[int(fields.pop(b"step"))].append(codec.decode(fields, rollout_pb2.RolloutGroup))
+            by_step[int(fields.pop(b"step"))].append(validation.decode(fields, rollout_pb2.RolloutGroup))
         assert sorted(by_step) == sorted(metrics)
         for step, groups in by_step.items():
             assert len(groups) == SHAPE.groups_per_step

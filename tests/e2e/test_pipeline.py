@@ -13,7 +13,7 @@ import redis
 
 from helpers import wait_for
 from procs import generator_state, start_service, trainer_state
-from rollstream.core import codec, run_keys
+from rollstream.core import run_keys, validation
 from rollstream.core.run_keys import read_counters
 from rollstream.v1 import rollout_pb2
 
@@ -26,8 +26,8 @@ def stream_group_ids(client: redis.Redis, key: str) -> set[str]:
     ids = set()
     for _eid, fields in client.xrange(key):
         try:
-            ids.add(codec.decode(fields, rollout_pb2.RolloutGroup).group_id)
-        except codec.EntryError:
+            ids.add(validation.decode(fields, rollout_pb2.RolloutGroup).group_id)
+        except validation.EntryError:
             pass
     return ids
 
@@ -41,7 +41,7 @@ def write_malformed(client: redis.Redis, keys: run_keys.RunKeys) -> None:
     no_logprobs = rollout_pb2.RolloutGroup(
         group_id="hand-made", prompt_ids=[1, 2], completions=[rollout_pb2.Completion(token_ids=[3, 4])], scored=True
     )
-    client.xadd(keys.stream("scored"), codec.encode(no_logprobs))
+    client.xadd(keys.stream("scored"), validation.encode(no_logprobs))
     client.xadd(keys.stream("ready"), {"type": b"rollstream.v1.RolloutGroup", "schema": b"99", "data": b""})
 
 
@@ -171,15 +171,15 @@ def test_pipeline_end_to_end(
         dead_ids = set()
         reasons = []
         for _eid, fields in rclient.xrange(keys.dead):
-            letter = codec.decode(fields, rollout_pb2.DeadLetter)
+            letter = validation.decode(fields, rollout_pb2.DeadLetter)
             reasons.append((letter.source_stream.rsplit(":", 1)[-1], letter.reason))
             try:
                 dead_ids.add(
-                    codec.decode(
+                    validation.decode(
                         {k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup
                     ).group_id
                 )
-            except codec.EntryError:
+            except validation.EntryError:
                 pass
 
         # Every malformed entry is in the dead-letter stream with a reason, one per stream.

@@ -18,7 +18,7 @@ import redis
 
 from helpers import MIN_WAIT_S, still_running, wait_for
 from procs import alive
-from rollstream.core import codec, steplog
+from rollstream.core import steplog, validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 
@@ -64,7 +64,7 @@ def four_small_steps(
 
 
 def step_metrics(rclient: redis.Redis, keys: RunKeys) -> list[rollout_pb2.StepMetrics]:
-    metrics = [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
+    metrics = [validation.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(keys.metrics)]
     assert [m.step for m in metrics] == [1, 2, 3, 4]
     return metrics
 
@@ -349,6 +349,6 @@ def test_up_scores_with_a_remote_scorer(
         server.stop(grace=None)
     assert done.returncode == 0, done.stdout + done.stderr
     metrics = [
-        codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(RunKeys(run_name).metrics)
+        validation.decode(fields, rollout_pb2.StepMetrics) for _id, fields in rclient.xrange(RunKeys(run_name).metrics)
     ]
     assert [m.reward_mean for m in metrics] == [0.25, 0.25]

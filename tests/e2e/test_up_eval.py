@@ -13,7 +13,7 @@ import pytest
 import redis
 from test_up import rollstream_cmd
 
-from rollstream.core import codec, steplog
+from rollstream.core import steplog, validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.trainer.evaluation import ROUND_PREFIX
 from rollstream.v1 import rollout_pb2
@@ -47,7 +47,7 @@ def up_with_rounds(model_dir: Path, redis_url: str, run: str, workdir: Path, sam
 
 def check_rounds(rclient: redis.Redis, keys: RunKeys, workdir: Path, out: str, samples: int, synchronous: bool) -> None:
     """The run's rounds at 0, 2, 4 reported once each, counted apart from training, in every place they are read."""
-    rounds = [codec.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in rclient.xrange(keys.evals)]
+    rounds = [validation.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in rclient.xrange(keys.evals)]
     assert [m.step for m in rounds] == [0, 2, 4], rounds
     for m in rounds:
         assert m.prompts == m.prompts_fed == PROMPTS and m.samples == samples, m
@@ -115,7 +115,7 @@ def test_up_colocated_synchronous_evaluates_greedily_at_steps_0_2_4_then_eval_ev
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     keys = RunKeys(f"{run_name}-eval")
-    rounds = [codec.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in rclient.xrange(keys.evals)]
+    rounds = [validation.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in rclient.xrange(keys.evals)]
     assert [(m.step, m.version, m.prompts, m.prompts_fed, m.samples) for m in rounds] == [(0, 0, 5, 5, 1)], rounds
     log = steplog.read(evaldir / steplog.FILE_NAME)
     assert log.steps == [] and [(r["step"], r["eval_prompts"]) for r in log.evals] == [(0, 5)]

@@ -19,7 +19,7 @@ import redis
 
 from helpers import still_running, wait_for
 from procs import alive
-from rollstream.core import codec, credentials
+from rollstream.core import credentials, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.launcher.procs import tail
 from rollstream.v1 import rollout_pb2
@@ -81,7 +81,7 @@ def test_up_prints_a_dead_services_log_as_written_and_keeps_its_workdir_private(
             dead = admin.xlen(keys.dead)
             for group_id in MARKUP_IDS:
                 admin.xadd(
-                    keys.stream("rollouts"), codec.encode(rollout_pb2.RolloutGroup(group_id=group_id, task_id="t"))
+                    keys.stream("rollouts"), validation.encode(rollout_pb2.RolloutGroup(group_id=group_id, task_id="t"))
                 )
             wait_for(
                 lambda: admin.xlen(keys.dead) >= dead + len(MARKUP_IDS),

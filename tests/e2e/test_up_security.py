@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from helpers import MIN_WAIT_S, code_of, dead_letters, still_running, wait_for
-from rollstream.core import codec, credentials
+from rollstream.core import credentials, validation
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import channel
 from rollstream.core.run_keys import RunKeys
@@ -39,7 +39,7 @@ def forged_group(keys: RunKeys) -> dict[bytes, bytes]:
         scored=True,
         completions=[rollout_pb2.Completion(token_ids=[3, 4], behaviour_logprobs=[-0.1, -0.1], reward=100.0)],
     )
-    return codec.encode(group)
+    return validation.encode(group)
 
 
 def forged_answers(admin: redis.Redis, keys: RunKeys, model: Path) -> dict[str, rollout_pb2.RolloutGroup]:
@@ -52,7 +52,7 @@ def forged_answers(admin: redis.Redis, keys: RunKeys, model: Path) -> dict[str, 
     _, fields = admin.xrevrange(keys.stream("prompts"), count=1)[
         0
     ]  # what a generator reads with XREADGROUP: the newest task
-    task = codec.decode(fields, rollout_pb2.PromptTask)
+    task = validation.decode(fields, rollout_pb2.PromptTask)
     chat = [{"role": m.role, "content": m.content} for m in task.messages]
     prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     claimed = str(int(task.answer) + 100)
@@ -156,7 +156,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
 
         forged = forged_answers(admin, keys, tiny_model_dir)
         for g in forged.values():  # XADD to rollouts: the generator's own lane
-            generator.xadd(keys.stream("rollouts"), codec.encode(g))
+            generator.xadd(keys.stream("rollouts"), validation.encode(g))
 
         # gRPC: the trainer's and generators' sockets, from another process's point of view.
         trainer_address = json.loads((tmp_path / "state" / "trainer.json").read_text())["grpc_address"]
@@ -234,7 +234,7 @@ def test_outsiders_are_refused_and_the_run_goes_on(tiny_model_dir: Path, tmp_pat
         )
         # The forged answer was scored against the real one (format only: 0.1), and trains no signal.
         trained = [
-            codec.decode({k: v for k, v in f.items() if k != b"step"}, rollout_pb2.RolloutGroup)
+            validation.decode({k: v for k, v in f.items() if k != b"step"}, rollout_pb2.RolloutGroup)
             for _, f in admin.xrange(keys.trained_log)
         ]
         (as_trained,) = [g for g in trained if g.group_id == "forged-answer"]

@@ -34,7 +34,7 @@ import redis
 
 from helpers import wait_for
 from procs import alive
-from rollstream.core import codec, credentials, redis_acl
+from rollstream.core import credentials, redis_acl, validation
 from rollstream.core.run_keys import RunKeys, id_tuple, read_counters
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.trainer.evaluation import ROUND_PREFIX
@@ -236,8 +236,8 @@ class FaultRun:
         steps = [0]
         for _eid, fields in entries:
             try:
-                steps.append(int(codec.decode(fields, rollout_pb2.StepMetrics).step))
-            except codec.EntryError:
+                steps.append(int(validation.decode(fields, rollout_pb2.StepMetrics).step))
+            except validation.EntryError:
                 continue
         return max(steps)
 
@@ -491,10 +491,10 @@ def _members(client: redis.Redis, key: str) -> set[str]:
     return {m.decode() for m in client.smembers(key)}
 
 
-def _group_id(fields: codec.Fields) -> str | None:
+def _group_id(fields: validation.Fields) -> str | None:
     try:
-        return codec.decode(fields, rollout_pb2.RolloutGroup).group_id or None
-    except codec.EntryError:
+        return validation.decode(fields, rollout_pb2.RolloutGroup).group_id or None
+    except validation.EntryError:
         return None
 
 
@@ -564,8 +564,8 @@ def check_invariants(
     dead_by_stage: dict[str, int] = {}
     for _eid, fields in client.xrange(keys.dead):
         try:
-            letter = codec.decode(fields, rollout_pb2.DeadLetter)
-        except codec.EntryError as e:
+            letter = validation.decode(fields, rollout_pb2.DeadLetter)
+        except validation.EntryError as e:
             v.append(f"a dead letter does not decode as DeadLetter: {e}")
             continue
         stage = letter.source_stream.rsplit(":", 1)[-1]

@@ -31,7 +31,7 @@ import redis
 from faults.harness import FaultRun, RunShape, check_invariants
 from helpers import wait_for
 from procs import alive
-from rollstream.core import codec, steplog
+from rollstream.core import steplog, validation
 from rollstream.core.redis_policy import SOCKET_TIMEOUT_S
 from rollstream.core.run_keys import RunKeys
 from rollstream.v1 import rollout_pb2
@@ -209,7 +209,9 @@ def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_m
 
         client = run.open_ledger()
         try:
-            reported = [codec.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in client.xrange(run.keys.evals)]
+            reported = [
+                validation.decode(fields, rollout_pb2.EvalMetrics) for _id, fields in client.xrange(run.keys.evals)
+            ]
             ledger = check_invariants(
                 client,
                 run.keys,
@@ -241,7 +243,7 @@ def test_held_out_round_in_flight_survives_kill9_of_the_colocated_trainer(tiny_m
 
 
 def _group(gid: str) -> dict[str, bytes]:
-    return codec.encode(
+    return validation.encode(
         rollout_pb2.RolloutGroup(
             group_id=gid, prompt_ids=[1], completions=[rollout_pb2.Completion(token_ids=[2], behaviour_logprobs=[-1.0])]
         )
@@ -252,7 +254,7 @@ def _dead_letter(client: redis.Redis, keys: RunKeys, stage: str, gid: str, reaso
     letter = rollout_pb2.DeadLetter(
         source_stream=keys.stream(stage), source_id="1-0", reason=reason, original_fields=_group(gid)
     )
-    client.xadd(keys.dead, {**codec.encode(letter), "reason": reason.encode()})
+    client.xadd(keys.dead, {**validation.encode(letter), "reason": reason.encode()})
 
 
 def test_invariant_checker_catches_a_broken_ledger(rclient: redis.Redis, keys: RunKeys) -> None:

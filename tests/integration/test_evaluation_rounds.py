@@ -9,7 +9,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from rollstream.core import codec
+from rollstream.core import validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.streams import Ops, StreamStage
 from rollstream.trainer.config import TrainerSettings
@@ -53,13 +53,13 @@ def sample_round(rclient: redis.Redis, keys: RunKeys, right: list[list[bool]], v
     """A generator takes the round's tasks from eval_prompts; their scored groups reach `ready`."""
     generator = StreamStage(rclient, keys, "eval_prompts", "generators", "gen-0")
     for (entry, task), ok in zip(
-        generator.read_valid(100, None, lambda e: codec.decode(e.fields, rollout_pb2.PromptTask)), right
+        generator.read_valid(100, None, lambda e: validation.decode(e.fields, rollout_pb2.PromptTask)), right
     ):
         generator.commit([entry], outputs=[("ready", answered(task, ok, version))])
 
 
 def take_all(evaluator: Evaluator, stage: StreamStage, count: int = 100) -> None:
-    evaluator.take(stage.read_valid(count, None, lambda e: codec.decode(e.fields, rollout_pb2.RolloutGroup)))
+    evaluator.take(stage.read_valid(count, None, lambda e: validation.decode(e.fields, rollout_pb2.RolloutGroup)))
 
 
 def evaluator_feed(evaluator: Evaluator, stage: StreamStage, step: int, version: int) -> int:
@@ -81,7 +81,7 @@ def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(
 
     # 1. Fed: the tasks in eval_prompts, the task map (eval, prompt ids rendered) and the round's marker.
     assert evaluator_feed(evaluator, stage, step=0, version=0) == 3 and not evaluator.due(0)
-    fed = [codec.decode(f, rollout_pb2.PromptTask) for _, f in rclient.xrange(keys.stream("eval_prompts"))]
+    fed = [validation.decode(f, rollout_pb2.PromptTask) for _, f in rclient.xrange(keys.stream("eval_prompts"))]
     assert [t.task_id for t in fed] == [f"{run_name}-eval-00000000-0000{n}" for n in range(3)]
     assert all(
         t.eval and t.group_size == 2 and abs(t.sampling.temperature - 0.7) < 1e-6 and t.fed_at_version == 0 for t in fed
@@ -106,7 +106,7 @@ def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(
 
     # 3. Reported once, in evals; the round's tasks and results gone, its marker kept.
     (entry,) = rclient.xrange(keys.evals)
-    assert codec.decode(entry[1], rollout_pb2.EvalMetrics) == m
+    assert validation.decode(entry[1], rollout_pb2.EvalMetrics) == m
     assert not [t for t in rclient.hkeys(keys.tasks) if b"-eval-" in t]
     assert rclient.hkeys(keys.eval_results) == [f"{ROUND_PREFIX}00000000".encode()]
     assert restarted.report_ready() == [] and not restarted.waiting()
@@ -116,7 +116,7 @@ def test_a_round_is_fed_taken_across_a_restart_reported_once_and_cleaned_up(
     assert not rclient.xpending(keys.stream("ready"), "trainer")["pending"]
 
     # 4. A copy of a group whose round is reported (a take-over's duplicate) is only acknowledged.
-    rclient.xadd(keys.stream("ready"), codec.encode(answered(fed[2], [True, True], 0)))
+    rclient.xadd(keys.stream("ready"), validation.encode(answered(fed[2], [True, True], 0)))
     take_all(restarted, stage)
     assert read_counters(rclient, keys)[0]["eval_duplicates"] == 1 and len(rclient.xrange(keys.evals)) == 1
 

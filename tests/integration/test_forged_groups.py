@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from helpers import dead_letters, wait_for
 from procs import start_service
-from rollstream.core import codec, redis_acl, redis_policy
+from rollstream.core import redis_acl, redis_policy, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 from rollstream.launcher.redis_server import EmbeddedRedis
@@ -91,7 +91,7 @@ def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
     generator = connect_as("generator")
     prompts = StreamStage(generator, keys, "prompts", "generators", "gen-0")
     taken = prompts.read(2, 100)
-    real = [codec.decode(entry.fields, rollout_pb2.PromptTask) for entry in taken]
+    real = [validation.decode(entry.fields, rollout_pb2.PromptTask) for entry in taken]
     forged_answer = str(int(real[0].answer) + 100)
     groups = [
         group_for("made-up-task", "made-up", "5", ["The answer is 5", "The answer is 5"], [1, 2, 3]),
@@ -116,7 +116,7 @@ def test_reward_scores_the_trainers_answer_and_refuses_unknown_tasks(
         assert reward.stop() == 0, reward.log()[-3000:]
     scored = {
         g.group_id: g
-        for g in (codec.decode(f, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.stream("scored")))
+        for g in (validation.decode(f, rollout_pb2.RolloutGroup) for _, f in admin.xrange(keys.stream("scored")))
     }
     dead = dead_letters(admin, keys)
     assert set(dead) == {"made-up"} and set(scored) == {real[0].task_id, real[1].task_id}
@@ -163,7 +163,7 @@ def test_trainer_trains_only_the_tokens_of_the_text_of_a_task_it_fed(
             honest(tasks[0], tasks[0].task_id, tokens, decode),
             honest(tasks[1], tasks[1].task_id, tokens, decode),
         ):
-            admin.xadd(keys.stream("ready"), codec.encode(g))
+            admin.xadd(keys.stream("ready"), validation.encode(g))
         wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
         dead = dead_letters(admin, keys)
@@ -188,7 +188,7 @@ def test_the_map_is_swept_behind_staleness_and_survives_a_restart(
     assert first.top_up(version=0) == 4
     prompts = StreamStage(generator, keys, "prompts", "generators", "gen-0")
     taken = prompts.read(2, 100)
-    assert prompts.commit(taken, outputs=[("rollouts", group_for(codec.decode(e.fields, rollout_pb2.PromptTask).task_id, "g", "1", ["1"], [1]))
+    assert prompts.commit(taken, outputs=[("rollouts", group_for(validation.decode(e.fields, rollout_pb2.PromptTask).task_id, "g", "1", ["1"], [1]))
                                           for e in taken])  # fmt: skip
     ids = [f"{keys.run}-{n:08d}" for n in range(8)]
 
@@ -208,7 +208,7 @@ def test_the_map_is_swept_behind_staleness_and_survives_a_restart(
     taken = prompts.read(4, 100)  # 2..5, then a forged head that claims a later position
     forged = rollout_pb2.PromptTask.FromString(admin.hget(keys.tasks, ids[5]))
     forged.task_id = f"{keys.run}-00099999"
-    generator.xadd(keys.stream("prompts"), codec.encode(forged))
+    generator.xadd(keys.stream("prompts"), validation.encode(forged))
     assert prompts.commit(taken[:2], outputs=[])  # 2 and 3 done; 4 and 5 still held by the generator
     second.top_up(version=10)
     second.top_up(version=20)
@@ -218,7 +218,7 @@ def test_the_map_is_swept_behind_staleness_and_survives_a_restart(
     second.top_up(version=40)
     assert held()[:6] == [False] * 4 + [True] * 2  # not ours (the map does not hold it): no mark
     head = prompts.read(2, 100)  # a generator takes the forged entry and task 6, and is done with the forged one
-    assert codec.decode(head[0].fields, rollout_pb2.PromptTask).task_id == forged.task_id
+    assert validation.decode(head[0].fields, rollout_pb2.PromptTask).task_id == forged.task_id
     assert prompts.commit(head[:1], outputs=[])
     second.top_up(version=50)
     second.top_up(version=60)
@@ -258,16 +258,16 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
         garbage = honest(tasks[eval_ids[1]], "garbage", tokens[:1], decode)
         garbage.task_id, garbage.eval = f"{keys.run}-eval-xx-yy", True
         for g in (claims_eval, claims_training, garbage, honest(tasks[train_ids[1]], train_ids[1], tokens, decode)):
-            admin.xadd(keys.stream("ready"), codec.encode(g))
+            admin.xadd(keys.stream("ready"), validation.encode(g))
         wait_for(lambda: admin.get(keys.version) == b"1", 120, "step 1 committed", [trainer])
         assert admin.xlen(keys.evals) == 0  # one of the round's two tasks answered
         future = honest(tasks[eval_ids[1]], "future", tokens[:1], decode)
         future.policy_version = 999  # would make the round read "versions 0-999"
-        admin.xadd(keys.stream("ready"), codec.encode(future))
-        admin.xadd(keys.stream("ready"), codec.encode(honest(tasks[eval_ids[1]], eval_ids[1], tokens[:1], decode)))
+        admin.xadd(keys.stream("ready"), validation.encode(future))
+        admin.xadd(keys.stream("ready"), validation.encode(honest(tasks[eval_ids[1]], eval_ids[1], tokens[:1], decode)))
         wait_for(lambda: admin.xlen(keys.evals) >= 1, 120, "the round of step 0 reported", [trainer])
         # A copy of an evaluated group after its round was reported (its task left the map): a duplicate, not a dead letter.
-        admin.xadd(keys.stream("ready"), codec.encode(claims_training))
+        admin.xadd(keys.stream("ready"), validation.encode(claims_training))
         wait_for(
             lambda: admin.hget(keys.counters("trainer"), "duplicates") == b"1" or admin.xlen(keys.dead) > 2,
             120,
@@ -277,7 +277,7 @@ def test_the_task_map_decides_what_is_evaluated_and_a_forged_eval_id_is_dead_let
         trained = {m.decode() for m in admin.smembers(keys.groups("trained"))}
         evaluated = {m.decode() for m in admin.smembers(keys.groups("evaluated"))}
         stats = {k.decode(): int(v) for k, v in admin.hgetall(keys.counters("trainer")).items()}
-        rounds = [codec.decode(f, rollout_pb2.EvalMetrics) for _, f in admin.xrange(keys.evals)]
+        rounds = [validation.decode(f, rollout_pb2.EvalMetrics) for _, f in admin.xrange(keys.evals)]
         dead = dead_letters(admin, keys)
     finally:
         assert trainer.stop() == 0, trainer.log()[-3000:]

@@ -12,7 +12,7 @@ import redis
 
 from helpers import groups_in, wait_for, write
 from procs import ServiceProc, start_service
-from rollstream.core import codec, deltas, modeling, run_keys, streams, weight_transfer
+from rollstream.core import deltas, modeling, run_keys, streams, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.core.service import ServiceHost
 from rollstream.generator.config import GeneratorSettings
@@ -204,17 +204,19 @@ def test_poison_tasks_are_dead_lettered_alone_and_the_batch_goes_on(
         f"{len(poison) + 1} dead letters and 2 rollout groups", procs=[generator],
         details=lambda: f"dead {rclient.xlen(keys.dead)}, rollouts {rclient.xlen(keys.stream('rollouts'))}", poll_s=0.2,
     )  # fmt: skip
-    groups = [codec.decode(f, rollout_pb2.RolloutGroup) for _, f in rclient.xrange(keys.stream("rollouts"))]
+    groups = [validation.decode(f, rollout_pb2.RolloutGroup) for _, f in rclient.xrange(keys.stream("rollouts"))]
     assert sorted(g.group_id for g in groups) == ["good-1", "good-2"]
     assert all(g.group_size == 2 and len(g.completions) == 2 for g in groups)
     reasons = {}
     for _, fields in rclient.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        letter = validation.decode(fields, rollout_pb2.DeadLetter)
         try:
             reasons[
-                codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.PromptTask).task_id
+                validation.decode(
+                    {k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.PromptTask
+                ).task_id
             ] = letter.reason
-        except codec.EntryError:
+        except validation.EntryError:
             reasons["garbage"] = letter.reason
     assert set(reasons) == {*poison, "garbage"}
     for name, reason in reasons.items():

@@ -23,7 +23,7 @@ import redis
 
 from helpers import wait_for
 from procs import start_service
-from rollstream.core import codec, redis_policy
+from rollstream.core import redis_policy, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import StreamStage
 from rollstream.v1 import rollout_pb2
@@ -71,7 +71,7 @@ def test_a_poisoned_counter_holds_the_commit_until_fixed(
     stage is not ready with the key named, the ERROR line says so, and once the field is
     fixed the commit lands once."""
     for i in range(2):
-        rclient.xadd(keys.stream("rollouts"), codec.encode(_group(i)))
+        rclient.xadd(keys.stream("rollouts"), validation.encode(_group(i)))
     refusals = Refusals()
     stage = StreamStage(rclient, keys, "rollouts", "reward", "reward-0", health=refusals.health)
     entries = stage.read(count=10, block_ms=10)
@@ -116,7 +116,7 @@ def test_a_poisoned_counter_holds_the_commit_until_fixed(
 def test_a_stop_ends_the_wait(rclient: redis.Redis, keys: RunKeys) -> None:
     """A service stopping while its commit is refused stops (Stopped, a clean stop), its
     entries still pending for its restart."""
-    rclient.xadd(keys.stream("rollouts"), codec.encode(_group(0)))
+    rclient.xadd(keys.stream("rollouts"), validation.encode(_group(0)))
     refusals = Refusals()
     stage = StreamStage(rclient, keys, "rollouts", "reward", "reward-0", health=refusals.health)
     entries = stage.read(count=10, block_ms=10)
@@ -163,7 +163,7 @@ def test_a_loop_meeting_a_key_of_another_type_says_so(
 def test_without_the_policy_a_refusal_is_an_error_not_an_outage(rclient: redis.Redis, keys: RunKeys) -> None:
     """What the classification says: a refused write is neither transient (an outage to
     back off from) nor a denied user (exit 2)."""
-    rclient.xadd(keys.stream("rollouts"), codec.encode(_group(0)))
+    rclient.xadd(keys.stream("rollouts"), validation.encode(_group(0)))
     stage = StreamStage(rclient, keys, "rollouts", "reward", "reward-0")
     entries = stage.read(count=10, block_ms=10)
     rclient.hset(keys.counters("reward"), "scored", "x")
@@ -198,7 +198,7 @@ def test_the_trainer_waits_out_a_poisoned_counter_and_trains_each_group_once(
         g.group_id = g.task_id = f"group-{i}"
     record_tasks(rclient, keys, groups, tokenizer_decode(tiny_model_dir))  # as if this trainer had fed them
     for g in groups:
-        rclient.xadd(keys.stream("ready"), codec.encode(g))
+        rclient.xadd(keys.stream("ready"), validation.encode(g))
     counters = keys.counters("trainer")
     if poison == "field":
         rclient.hset(counters, "trained", "x")

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, wait_for, write
 from procs import start_service, trainer_state
-from rollstream.core import codec, dashboard, redis_acl, redis_policy, run_keys, streams, validation
+from rollstream.core import dashboard, redis_acl, redis_policy, run_keys, streams, validation
 from rollstream.core.credentials import ROLES
 from rollstream.core.models import vocab_size
 from rollstream.core.run_keys import RunKeys
@@ -248,7 +248,7 @@ def test_with_a_reference_stage_reward_cannot_write_ready(
         reward = redis_policy.connect(server.url, "reward", passwords["reward"])
         reference = redis_policy.connect(server.url, "reference", passwords["reference"])
         try:
-            forged = codec.encode(rollout_group("forged", ["8"]))
+            forged = validation.encode(rollout_group("forged", ["8"]))
             assert_denied(lambda: reward.xadd(keys.stream("ready"), forged))
             assert_denied(
                 lambda: reward.eval("return redis.call('XADD', KEYS[1], '*', 'a', 1)", 1, keys.stream("ready"))
@@ -290,7 +290,7 @@ def test_trainer_can_do_its_job(admin: redis.Redis, connect_as, keys: RunKeys, t
         ops.hincrby(keys.counters("trainer"), "trained", 1)
         ops.hset(keys.counters("trainer"), "step", 1)
         ops.set(keys.version, 1)
-        ops.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=1)), maxlen=100_000, approximate=True)
+        ops.xadd(keys.metrics, validation.encode(rollout_pb2.StepMetrics(step=1)), maxlen=100_000, approximate=True)
         ops.xadd(keys.trained_log, {"step": 1, "type": b"x"})
         ops.sadd(keys.groups("stale"), "g-2")
         ops.hincrby(keys.counters("trainer"), "duplicates", 1)
@@ -344,7 +344,7 @@ def test_no_role_but_admin_runs_admin_commands(connect_as, role: str, command: t
 
 
 def test_roles_are_refused_other_stages_keys(connect_as, keys: RunKeys) -> None:
-    group = codec.encode(rollout_group("forged", ["8"]))
+    group = validation.encode(rollout_group("forged", ["8"]))
     generator, reward, reference, trainer = (connect_as(r) for r in ("generator", "reward", "reference", "trainer"))
     assert_denied(lambda: reward.xadd(keys.stream("prompts"), group))
     assert_denied(lambda: reference.xadd(keys.stream("prompts"), group))
@@ -470,7 +470,7 @@ def test_generator_cannot_write_ready_or_scored(admin: redis.Redis, connect_as, 
     """A stolen generator password cannot put a forged, self-rewarded group where the
     trainer (or the reference) reads: not by XADD, not inside a script; nor read there."""
     generator = connect_as("generator")
-    forged = codec.encode(rollout_group("forged", ["8"]))
+    forged = validation.encode(rollout_group("forged", ["8"]))
     for name in ("ready", "scored"):
         assert_denied(lambda name=name: generator.xadd(keys.stream(name), forged))
         assert_denied(
@@ -517,14 +517,16 @@ def test_observer_sees_the_whole_pipeline_for_the_dashboard(admin: redis.Redis, 
     admin.hset(keys.counters("generator"), "generated", 1)
     admin.hset(keys.counters("trainer"), "step", 2)
     admin.set(keys.version, 2)
-    admin.xadd(keys.metrics, codec.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
+    admin.xadd(keys.metrics, validation.encode(rollout_pb2.StepMetrics(step=2, version=2, groups=1)))
     admin.xadd(
         keys.evals,
-        codec.encode(
+        validation.encode(
             rollout_pb2.EvalMetrics(step=2, version=2, version_max=2, prompts=4, prompts_fed=4, samples=1, accuracy=0.5)
         ),
     )
-    admin.xadd(keys.dead, codec.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad")))
+    admin.xadd(
+        keys.dead, validation.encode(rollout_pb2.DeadLetter(source_stream=keys.stream("rollouts"), reason="bad"))
+    )
     run_keys.heartbeat(admin, keys, "gen-0", "127.0.0.1:1", version=2)
     view = dashboard.PipelineView(lambda: connect_as("observer"), keys)
     got = view.look()
@@ -547,7 +549,7 @@ def test_observer_writes_nothing(admin: redis.Redis, connect_as, keys: RunKeys, 
     write(admin, keys, "scored", rollout_group("s", ["8"]))
     admin.xgroup_create(keys.stream("scored"), "reference", id="0", mkstream=True)
     entry = admin.xreadgroup("reference", "c", {keys.stream("scored"): ">"}, count=1)[0][1][0][0]
-    forged = codec.encode(rollout_group("forged", ["8"]))
+    forged = validation.encode(rollout_group("forged", ["8"]))
     assert_denied(lambda: observer.xadd(key, forged))
     assert_denied(lambda: observer.xack(keys.stream("scored"), "reference", entry))
     assert_denied(lambda: observer.xgroup_create(key, "evil", id="$", mkstream=True))

@@ -26,7 +26,7 @@ from redis.cluster import RedisCluster, key_slot
 from cluster import RedisClusterNodes
 from helpers import wait_for, write
 from procs import start_service, trainer_state
-from rollstream.core import codec, redis_policy, run_keys, streams
+from rollstream.core import redis_policy, run_keys, streams, validation
 from rollstream.core.run_keys import read_counters
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
@@ -158,7 +158,7 @@ def _stage_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
     assert run_keys.waiting(client, source) == 3  # unread by the group
 
     entries = stage.read(count=10, block_ms=100)
-    assert [codec.decode(e.fields, rollout_pb2.RolloutGroup).group_id for e in entries] == ["g1", "g2", "g3"]
+    assert [validation.decode(e.fields, rollout_pb2.RolloutGroup).group_id for e in entries] == ["g1", "g2", "g3"]
     assert all(e.deliveries == 1 for e in entries)
     assert run_keys.waiting(client, source) == 3  # pending now
     assert stage.read(count=10, block_ms=50) == []
@@ -176,7 +176,7 @@ def _stage_cycle(client: RedisCluster, keys: run_keys.RunKeys) -> None:
 
     stage.dead_letter(entries[2], "test: unusable")
     ((_id, dead_fields),) = client.xrange(keys.dead)
-    letter = codec.decode(dead_fields, rollout_pb2.DeadLetter)
+    letter = validation.decode(dead_fields, rollout_pb2.DeadLetter)
     assert (letter.source_stream, letter.reason, dead_fields[b"reason"]) == (
         source,
         "test: unusable",
@@ -336,7 +336,7 @@ def test_a_lost_xreadgroup_reply_is_read_again(
                 lambda: int(admin.info("clients")["blocked_clients"]) >= 1, 10, "the read below to block on the server"
             )
             pipe = admin.pipeline(transaction=False)
-            pipe.xadd(keys.stream("rollouts"), codec.encode(group("g1")))  # delivered to the blocked read...
+            pipe.xadd(keys.stream("rollouts"), validation.encode(group("g1")))  # delivered to the blocked read...
             pipe.eval(_STALL, 0, 1500)  # ...whose reply then waits past the client's 1 s socket timeout
             pipe.execute()
 
@@ -349,7 +349,7 @@ def test_a_lost_xreadgroup_reply_is_read_again(
         writer.join()
         assert first == []
         got = [e for _ in range(5) for e in stage.read(count=10, block_ms=100)]
-        assert [codec.decode(e.fields, rollout_pb2.RolloutGroup).group_id for e in got] == ["g1"], (
+        assert [validation.decode(e.fields, rollout_pb2.RolloutGroup).group_id for e in got] == ["g1"], (
             f"the entry delivered by the lost reply is pending on us ({client.xpending(keys.stream('rollouts'), 'reward')['pending']}) "
             "but no read returns it"
         )

@@ -20,7 +20,7 @@ import redis
 
 from helpers import MIN_WAIT_S, wait_for, wait_healthy, write
 from procs import ServiceProc, start_service
-from rollstream.core import codec, redis_policy, run_keys
+from rollstream.core import redis_policy, run_keys, validation
 from rollstream.core.grpc_utils import Service, channel
 from rollstream.core.service import Every, ServiceHost
 from rollstream.launcher.redis_server import EmbeddedRedis
@@ -92,7 +92,7 @@ def in_process(tiny_model_dir: Path) -> ReferenceModel:
 def ready_groups(client: redis.Redis, keys: run_keys.RunKeys) -> dict[str, rollout_pb2.RolloutGroup]:
     out = {}
     for _id, fields in client.xrange(keys.stream("ready")):
-        group = codec.decode(fields, rollout_pb2.RolloutGroup)
+        group = validation.decode(fields, rollout_pb2.RolloutGroup)
         out[group.group_id] = group
     return out
 
@@ -105,7 +105,7 @@ def dead_reasons(client: redis.Redis, keys: run_keys.RunKeys) -> dict[str, str]:
     """source entry id -> reason, from the dead-letter stream."""
     out = {}
     for _id, fields in client.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)
+        letter = validation.decode(fields, rollout_pb2.DeadLetter)
         assert fields[b"reason"].decode() == letter.reason
         out[letter.source_id] = letter.reason
     return out

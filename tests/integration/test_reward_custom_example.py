@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from helpers import CUSTOM_REWARD_EXAMPLE, MIN_WAIT_S, LoggedProc, groups_in, wait_for, write, write_many
-from rollstream.core import codec, streams
+from rollstream.core import streams, validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.v1 import rollout_pb2
 from synthetic import rollout_group
@@ -55,7 +55,7 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(
     prescored.completions[0].reward = 0.25
     write(rclient, keys, "rollouts", prescored)
     # A group of a task the trainer never fed (written past helpers.write, which records one).
-    stranger = rclient.xadd(rollouts, codec.encode(rollout_group("stranger", ["ab"])))
+    stranger = rclient.xadd(rollouts, validation.encode(rollout_group("stranger", ["ab"])))
     proc = start(custom_reward_stubs, redis_url, keys.run, log)
     try:
         wait_for(lambda: rclient.xlen(keys.stream("scored")) == 2, 20, "two groups scored", procs=example(proc, log))
@@ -72,8 +72,8 @@ def test_scores_dead_letters_passes_through_and_stops_cleanly(
         assert out["pre"] == prescored  # forwarded unchanged
         (_, fields), (_, unknown) = rclient.xrange(keys.dead)
         assert unknown[b"reason"].decode().endswith(f"is not in {keys.tasks}: not a task the trainer fed")
-        assert codec.decode(unknown, rollout_pb2.DeadLetter).source_id == stranger.decode()
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)  # readable by rollstream's own codec
+        assert validation.decode(unknown, rollout_pb2.DeadLetter).source_id == stranger.decode()
+        letter = validation.decode(fields, rollout_pb2.DeadLetter)  # readable by rollstream's own decode
         assert letter.source_id == bad.decode() and letter.consumer_group == GROUP
         assert "schema b'2' is not supported" in fields[b"reason"].decode() == letter.reason
         assert rclient.xpending(rollouts, GROUP)["pending"] == 0

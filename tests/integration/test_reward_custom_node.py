@@ -17,7 +17,7 @@ import redis
 from helpers import MIN_WAIT_S, groups_in, wait_for, write, write_many
 from node_example import install_node_example, start_node_reward
 from procs import ChildProcess
-from rollstream.core import codec, redis_acl, streams
+from rollstream.core import redis_acl, streams, validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.launcher.redis_server import EmbeddedRedis
 from rollstream.v1 import rollout_pb2
@@ -89,7 +89,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(
         ): "data does not parse",
         write(rclient, keys, "rollouts", short): "2 completions, the task asked for 4",
         # A group of a task the trainer never fed (written past helpers.write, which records one).
-        rclient.xadd(rollouts, codec.encode(rollout_group("stranger", ["ab"]))): "is not in " + keys.tasks,
+        rclient.xadd(rollouts, validation.encode(rollout_group("stranger", ["ab"]))): "is not in " + keys.tasks,
     }
     proc = start(node_folder, redis_url, keys, tmp_path)
     started.append(proc)
@@ -101,7 +101,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(
     )
 
     entries = dict(rclient.xrange(keys.stream("ready")))
-    out = {codec.decode(f, rollout_pb2.RolloutGroup).group_id: f[b"data"] for f in entries.values()}
+    out = {validation.decode(f, rollout_pb2.RolloutGroup).group_id: f[b"data"] for f in entries.values()}
     scored = rollout_pb2.RolloutGroup.FromString(out["g1"])
     assert scored.scored and scored.policy_version == 2**64 - 1 and scored.group_size == 3
     assert [c.reward for c in scored.completions] == [node_rule(2), node_rule(3), node_rule(4)] == [1.0, 0.0, 0.5]
@@ -120,7 +120,7 @@ def test_scores_by_splicing_and_dead_letters_bad_entries(
 
     letters = {}
     for _id, fields in rclient.xrange(keys.dead):
-        letter = codec.decode(fields, rollout_pb2.DeadLetter)  # readable by rollstream's own codec
+        letter = validation.decode(fields, rollout_pb2.DeadLetter)  # readable by rollstream's own decode
         assert fields[b"reason"].decode() == letter.reason
         assert letter.consumer_group == GROUP and letter.consumer == "node-0" and letter.deliveries == 1
         assert letter.source_stream == rollouts and 1e9 < letter.dead_at < 1e11  # seconds since the epoch
@@ -177,11 +177,11 @@ def test_kill9_restart_takeover_and_over_delivered(
     ids = sorted(g.group_id for g in groups_in(rclient, keys.stream("ready")))
     assert len(ids) == len(set(ids)) == 11, ids  # exactly once each, the poison excepted
     ((_, fields),) = rclient.xrange(keys.dead)
-    letter = codec.decode(fields, rollout_pb2.DeadLetter)
+    letter = validation.decode(fields, rollout_pb2.DeadLetter)
     # 1 read + RETRYCOUNT 5 set by hand, + the take-over's XCLAIM: 6 > max_deliveries (5).
     assert letter.deliveries == 6 and "delivered 6 times (max_deliveries=5)" in letter.reason
     assert (
-        codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
+        validation.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
         == "p0"
     )
     assert '"event":"claimed"' in again.log()

@@ -25,7 +25,7 @@ from helpers import (
     write_many,
 )
 from procs import start_reward
-from rollstream.core import codec, grpc_utils, redis_policy
+from rollstream.core import grpc_utils, redis_policy, validation
 from rollstream.core.run_keys import RunKeys, read_counters
 from rollstream.core.streams import StreamStage
 from rollstream.launcher.redis_server import EmbeddedRedis
@@ -108,7 +108,7 @@ def test_scores_valid_groups_and_dead_letters_malformed_entries(
 
         dead = {}
         for _id, fields in rclient.xrange(keys.dead):
-            letter = codec.decode(fields, rollout_pb2.DeadLetter)
+            letter = validation.decode(fields, rollout_pb2.DeadLetter)
             assert fields[b"reason"].decode() == letter.reason  # readable with redis-cli too
             dead[letter.source_id] = letter
         reasons = {what: dead[eid.decode()].reason for what, eid in bad_ids.items()}

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from helpers import wait_for, write
-from rollstream.core import codec, diagnose, run_keys, status, streams
+from rollstream.core import diagnose, run_keys, status, streams, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.launcher import cli
 from rollstream.v1 import rollout_pb2
@@ -193,7 +193,7 @@ def test_status_shows_the_last_held_out_round_and_the_evaluated_groups(redis_url
     rclient.hset(keys.counters("generator"), "generated", 40)
     rclient.hset(keys.counters("trainer"), mapping={"step": 15, "trained": 24, "stale": 0, "evaluated": 16})
     for step, accuracy in ((0, 0.25), (15, 0.953125)):
-        rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(
+        rclient.xadd(keys.evals, validation.encode(rollout_pb2.EvalMetrics(
             step=step, version=step, version_max=step, prompts=32, prompts_fed=32, samples=4, reward_mean=1.02, accuracy=accuracy, pass_at_k=1.0,
             completion_tokens=6.0, time=1_790_000_000.0,
         )))  # fmt: skip
@@ -206,12 +206,12 @@ def test_status_shows_the_last_held_out_round_and_the_evaluated_groups(redis_url
     assert "groups: generated 40 trained 24 stale 0 evaluated 16" in out
 
     # A round that was cut short, and one that is not a share: shown as such, named, not a crash.
-    rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=16, version=15, version_max=16, prompts=30, prompts_fed=32, samples=1,
+    rclient.xadd(keys.evals, validation.encode(rollout_pb2.EvalMetrics(step=16, version=15, version_max=16, prompts=30, prompts_fed=32, samples=1,
                                                                   accuracy=0.5)))  # fmt: skip
     assert status.eval_line(status.collect(rclient, keys)[1]["last_eval"]) == (
         "held-out: accuracy 50%, reward 0.00 at step 16, versions 15-16, 30 of 32 prompts (incomplete)"
     )
-    rclient.xadd(keys.evals, codec.encode(rollout_pb2.EvalMetrics(step=17, accuracy=1.5)))
+    rclient.xadd(keys.evals, validation.encode(rollout_pb2.EvalMetrics(step=17, accuracy=1.5)))
     snap, extra = status.collect(rclient, keys)
     assert extra["last_eval"] is None and extra["errors"] == [
         "last eval entry unreadable: EvalMetrics step 17: accuracy 1.5 is not a share within [0, 1]"

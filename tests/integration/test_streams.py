@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from helpers import write
-from rollstream.core import codec, run_keys, streams
+from rollstream.core import run_keys, streams, validation
 from rollstream.core.run_keys import RunKeys
 from rollstream.core.streams import Entry, StreamStage
 from rollstream.v1 import rollout_pb2
@@ -66,14 +66,14 @@ def test_read_then_commit_moves_and_acks_in_one_step(rclient: redis.Redis, keys:
     assert all(e.deliveries == 1 for e in entries)
     assert _pending_ids(rclient, keys) == ids  # read but not yet committed: pending
 
-    groups = [codec.decode(e.fields, rollout_pb2.RolloutGroup) for e in entries]
+    groups = [validation.decode(e.fields, rollout_pb2.RolloutGroup) for e in entries]
     for g in groups:
         g.scored = True
     stage.commit(entries[:2], outputs=[(DST, g) for g in groups[:2]])
 
     out = rclient.xrange(keys.stream(DST))
-    assert [codec.decode(f, rollout_pb2.RolloutGroup).group_id for _, f in out] == ["g0", "g1"]
-    assert all(codec.decode(f, rollout_pb2.RolloutGroup).scored for _, f in out)
+    assert [validation.decode(f, rollout_pb2.RolloutGroup).group_id for _, f in out] == ["g0", "g1"]
+    assert all(validation.decode(f, rollout_pb2.RolloutGroup).scored for _, f in out)
     assert _pending_ids(rclient, keys) == ids[2:]  # only the uncommitted one is still pending
     # Nothing new to read: committed entries do not come back.
     assert stage.read(count=10, block_ms=10) == []
@@ -121,14 +121,14 @@ def test_dead_letter_records_reason_and_original_fields_and_acks(rclient: redis.
     entries = stage.read(count=10, block_ms=10)
     assert _ids(entries) == [good, bad]
 
-    with pytest.raises(codec.EntryError) as err:
-        codec.decode(entries[1].fields, rollout_pb2.RolloutGroup)
+    with pytest.raises(validation.EntryError) as err:
+        validation.decode(entries[1].fields, rollout_pb2.RolloutGroup)
     stage.dead_letter(entries[1], str(err.value))
 
     dead = rclient.xrange(keys.dead)
     assert len(dead) == 1
     _, fields = dead[0]
-    letter = codec.decode(fields, rollout_pb2.DeadLetter)
+    letter = validation.decode(fields, rollout_pb2.DeadLetter)
     assert letter.reason == str(err.value) and "does not parse" in letter.reason
     assert fields[b"reason"] == letter.reason.encode()  # readable with plain redis-cli
     assert dict(letter.original_fields) == bad_fields
@@ -159,7 +159,7 @@ def test_stale_entry_is_taken_over_by_another_consumer(rclient: redis.Redis, key
     taken = b.read(count=10, block_ms=10)
     assert _ids(taken) == ids[:1]
     assert taken[0].deliveries == 2
-    assert codec.decode(taken[0].fields, rollout_pb2.RolloutGroup).group_id == "g0"
+    assert validation.decode(taken[0].fields, rollout_pb2.RolloutGroup).group_id == "g0"
     owners = rclient.xpending_range(keys.stream(SRC), GROUP, min="-", max="+", count=10)
     assert [(o["message_id"], o["consumer"]) for o in owners] == [(ids[0], b"B")]
 
@@ -200,11 +200,11 @@ def test_entry_delivered_more_than_max_deliveries_goes_to_dead(rclient: redis.Re
 
     dead = rclient.xrange(keys.dead)
     assert len(dead) == 1
-    letter = codec.decode(dead[0][1], rollout_pb2.DeadLetter)
+    letter = validation.decode(dead[0][1], rollout_pb2.DeadLetter)
     assert "max_deliveries=2" in letter.reason and "delivered 3 times" in letter.reason
     assert letter.deliveries == 3 and letter.source_id == eid.decode() and letter.consumer == "C"
     assert (
-        codec.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
+        validation.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup).group_id
         == "g0"
     )
     assert _pending_ids(rclient, keys) == []
@@ -505,7 +505,7 @@ def test_read_valid_dead_letters_each_bad_entry_alone(rclient: redis.Redis, keys
     good += _feed(rclient, keys, 1, start=1)
     seen: list[str] = []
     stage = _stage(rclient, keys, "A", on_dead_letter=lambda e, r: seen.append(r))
-    parsed = stage.read_valid(10, 10, lambda e: codec.decode(e.fields, rollout_pb2.RolloutGroup))
+    parsed = stage.read_valid(10, 10, lambda e: validation.decode(e.fields, rollout_pb2.RolloutGroup))
     assert [e.id for e, _ in parsed] == good
     assert [g.group_id for _, g in parsed] == ["g0", "g1"]
     assert len(seen) == 1 and "missing field(s) schema, data" in seen[0]

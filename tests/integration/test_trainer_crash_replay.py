@@ -23,7 +23,7 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import start_service, trainer_state
-from rollstream.core import codec, redis_policy, run_keys
+from rollstream.core import redis_policy, run_keys, validation
 from rollstream.v1 import rollout_pb2
 from synthetic import Decode, scored_groups
 
@@ -84,7 +84,7 @@ def committed_step(client: redis.Redis, keys: run_keys.RunKeys) -> int:
 def losses(client: redis.Redis, keys: run_keys.RunKeys) -> dict[int, tuple[float, float]]:
     out = {}
     for _id, fields in client.xrange(keys.metrics):
-        m = codec.decode(fields, rollout_pb2.StepMetrics)
+        m = validation.decode(fields, rollout_pb2.StepMetrics)
         out[m.step] = (m.loss, m.grad_norm)
     return out
 

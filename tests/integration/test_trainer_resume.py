@@ -21,7 +21,7 @@ import redis
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, free_port, generator_state, start_service, trainer_state
-from rollstream.core import codec, run_keys
+from rollstream.core import run_keys, validation
 from rollstream.core.grpc_utils import channel
 from rollstream.trainer import checkpoint
 from rollstream.v1 import rollout_pb2, trainer_pb2, trainer_pb2_grpc
@@ -44,7 +44,7 @@ def save_checkpoint(address: str, path: str) -> trainer_pb2.SaveCheckpointResult
 
 
 def step_metrics(client: redis.Redis, keys: run_keys.RunKeys) -> list[rollout_pb2.StepMetrics]:
-    return [codec.decode(fields, rollout_pb2.StepMetrics) for _id, fields in client.xrange(keys.metrics)]
+    return [validation.decode(fields, rollout_pb2.StepMetrics) for _id, fields in client.xrange(keys.metrics)]
 
 
 def test_resumed_trainer_process_continues_exactly(

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
-from rollstream.core import codec, grpc_utils, status
+from rollstream.core import grpc_utils, status, validation
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.grpc_auth import AuthInterceptor, ClientCredentials, RoleTable
 from rollstream.core.http_side import HttpSide, build_app
@@ -161,7 +161,7 @@ def test_control_characters_from_redis_are_escaped(rclient: redis.Redis, keys: R
     letter = rollout_pb2.DeadLetter(
         source_stream=keys.stream("rollouts"), source_id="1-0", consumer=evil, reason=f"group {evil}: bad answer"
     )
-    rclient.xadd(keys.dead, codec.encode(letter))
+    rclient.xadd(keys.dead, validation.encode(letter))
     snap, extra = status.collect(rclient, keys)
     out = io.StringIO()
     Console(file=out, markup=False, width=400, force_terminal=False).print(status.render(keys, snap, extra))

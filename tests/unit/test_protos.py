@@ -1,4 +1,4 @@
-"""The stream wire contract: committed stubs are current, and rollstream.core.codec
+"""The stream wire contract: committed stubs are current, and rollstream.core.validation
 encodes, decodes and refuses entries with a reason a dead-letter reader can act on."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core import codec, validation
+from rollstream.core import validation
 from rollstream.v1 import rollout_pb2
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -38,13 +38,13 @@ def test_committed_stubs_are_current() -> None:
 
 def test_the_schema_number_is_stated_in_the_proto_and_the_doc() -> None:
     """rollout.proto is where a reader in another language learns the `schema` number; it,
-    docs/custom-reward.md and the codec must say the same."""
+    docs/custom-reward.md and validation.SCHEMA_VERSION must say the same."""
     root = Path(__file__).resolve().parents[2]
     proto = (root / "proto" / "rollstream" / "v1" / "rollout.proto").read_text()
     stated = re.search(r"schema\s+the ASCII integer (\d+)", proto)
-    assert stated is not None and int(stated.group(1)) == codec.SCHEMA_VERSION
+    assert stated is not None and int(stated.group(1)) == validation.SCHEMA_VERSION
     doc = (root / "docs" / "custom-reward.md").read_text()
-    assert f"| `schema` | the ASCII integer `{codec.SCHEMA_VERSION}`" in doc
+    assert f"| `schema` | the ASCII integer `{validation.SCHEMA_VERSION}`" in doc
 
 
 # --- round trips ---------------------------------------------------------------------------
@@ -146,18 +146,18 @@ def _as_redis_fields(encoded: dict[str, bytes]) -> dict[bytes, bytes]:
 )
 def test_round_trip(make) -> None:
     message = make()
-    encoded = codec.encode(message)
+    encoded = validation.encode(message)
     assert set(encoded) == {"type", "schema", "data"}
     assert encoded["type"] == message.DESCRIPTOR.full_name.encode()
     assert encoded["type"].startswith(b"rollstream.v1.")
-    assert encoded["schema"] == str(codec.SCHEMA_VERSION).encode()
-    decoded = codec.decode(_as_redis_fields(encoded), type(message))
+    assert encoded["schema"] == str(validation.SCHEMA_VERSION).encode()
+    decoded = validation.decode(_as_redis_fields(encoded), type(message))
     assert decoded == message
     assert decoded.SerializeToString(deterministic=True) == message.SerializeToString(deterministic=True)
 
 
 def test_round_trip_of_a_valid_group_passes_validation() -> None:
-    decoded = codec.decode(_as_redis_fields(codec.encode(_rollout_group())), rollout_pb2.RolloutGroup)
+    decoded = validation.decode(_as_redis_fields(validation.encode(_rollout_group())), rollout_pb2.RolloutGroup)
     validation.check_group(decoded, validation.Limits(), stage="ready")  # no exception
     assert decoded.completions[0].versions[1].version == 4
 
@@ -166,27 +166,27 @@ def test_round_trip_of_a_valid_group_passes_validation() -> None:
 
 
 def _fields() -> dict[bytes, bytes]:
-    return _as_redis_fields(codec.encode(_prompt_task()))
+    return _as_redis_fields(validation.encode(_prompt_task()))
 
 
 @pytest.mark.parametrize("missing", [b"type", b"schema", b"data"])
 def test_decode_missing_field(missing: bytes) -> None:
     fields = _fields()
     del fields[missing]
-    with pytest.raises(codec.EntryError, match=rf"missing field\(s\) {missing.decode()}"):
-        codec.decode(fields, rollout_pb2.PromptTask)
+    with pytest.raises(validation.EntryError, match=rf"missing field\(s\) {missing.decode()}"):
+        validation.decode(fields, rollout_pb2.PromptTask)
 
 
 def test_decode_missing_several_fields_names_them_all() -> None:
-    with pytest.raises(codec.EntryError) as err:
-        codec.decode({b"data": b""}, rollout_pb2.PromptTask)
+    with pytest.raises(validation.EntryError) as err:
+        validation.decode({b"data": b""}, rollout_pb2.PromptTask)
     assert "type" in str(err.value) and "schema" in str(err.value)
 
 
 def test_decode_wrong_type() -> None:
     fields = _fields()
-    with pytest.raises(codec.EntryError) as err:
-        codec.decode(fields, rollout_pb2.RolloutGroup)
+    with pytest.raises(validation.EntryError) as err:
+        validation.decode(fields, rollout_pb2.RolloutGroup)
     msg = str(err.value)
     assert "rollstream.v1.PromptTask" in msg and "rollstream.v1.RolloutGroup" in msg
 
@@ -194,15 +194,15 @@ def test_decode_wrong_type() -> None:
 def test_decode_non_integer_schema() -> None:
     fields = _fields()
     fields[b"schema"] = b"one"
-    with pytest.raises(codec.EntryError, match=r"schema b'one' is not an integer"):
-        codec.decode(fields, rollout_pb2.PromptTask)
+    with pytest.raises(validation.EntryError, match=r"schema b'one' is not an integer"):
+        validation.decode(fields, rollout_pb2.PromptTask)
 
 
 def test_decode_unsupported_schema() -> None:
     fields = _fields()
-    fields[b"schema"] = str(codec.SCHEMA_VERSION + 1).encode()
-    with pytest.raises(codec.EntryError, match=rf"schema {codec.SCHEMA_VERSION + 1} is not supported"):
-        codec.decode(fields, rollout_pb2.PromptTask)
+    fields[b"schema"] = str(validation.SCHEMA_VERSION + 1).encode()
+    with pytest.raises(validation.EntryError, match=rf"schema {validation.SCHEMA_VERSION + 1} is not supported"):
+        validation.decode(fields, rollout_pb2.PromptTask)
 
 
 @pytest.mark.parametrize(
@@ -216,10 +216,10 @@ def test_decode_unsupported_schema() -> None:
 def test_decode_bad_bytes(data: bytes) -> None:
     fields = _fields()
     fields[b"data"] = data
-    with pytest.raises(codec.EntryError, match=r"data does not parse as rollstream.v1.PromptTask"):
-        codec.decode(fields, rollout_pb2.PromptTask)
+    with pytest.raises(validation.EntryError, match=r"data does not parse as rollstream.v1.PromptTask"):
+        validation.decode(fields, rollout_pb2.PromptTask)
 
 
 def test_entry_error_is_a_value_error() -> None:
     # Stages catch ValueError around parsing; EntryError must be one.
-    assert issubclass(codec.EntryError, ValueError)
+    assert issubclass(validation.EntryError, ValueError)

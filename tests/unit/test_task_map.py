@@ -11,8 +11,8 @@ import redis
 from transformers import AutoTokenizer
 
 from rollstream.core import validation
-from rollstream.core.codec import EntryError
 from rollstream.core.run_keys import RunKeys
+from rollstream.core.validation import EntryError
 from rollstream.v1 import rollout_pb2
 from synthetic import Decode
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.core import codec, deltas, validation
+from rollstream.core import deltas, validation
 from rollstream.core.config import load_settings
 from rollstream.core.service import ServiceHost
 from rollstream.core.streams import Entry
@@ -48,7 +48,7 @@ def test_a_refused_step_blames_only_the_group_that_overflows(trainer: Trainer) -
     good, bad = scored_groups(1, 2)
     for c in bad.completions:
         c.behaviour_logprobs[:] = [validation.MIN_LOGPROB] * len(c.token_ids)
-    entry = Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(bad).items()}, deliveries=1)
+    entry = Entry(id=b"1-0", fields={k.encode(): v for k, v in validation.encode(bad).items()}, deliveries=1)
     validation.parse_group(entry, trainer.limits, stage="ready", need_ref=trainer.need_ref)  # inside every bound
     before = deltas.weights_sha256(trainer.publisher.bits())
     with pytest.raises(NonFiniteStep):
@@ -123,7 +123,7 @@ def test_ready_entries_that_would_crash_the_trainer_are_refused(trainer: Trainer
     ready = functools.partial(
         validation.parse_group, limits=trainer.limits, stage="ready", need_ref=trainer.need_ref
     )  # as TrainerLoop reads
-    ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
+    ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in validation.encode(group).items()}, deliveries=1))
     poison(group)
-    with pytest.raises(codec.EntryError, match=reason):
-        ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in codec.encode(group).items()}, deliveries=1))
+    with pytest.raises(validation.EntryError, match=reason):
+        ready(Entry(id=b"1-0", fields={k.encode(): v for k, v in validation.encode(group).items()}, deliveries=1))

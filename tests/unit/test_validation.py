@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rollstream.core import codec, validation
-from rollstream.core.codec import EntryError
-from rollstream.core.validation import Limits, check_group, check_metrics, check_task
+from rollstream.core import validation
+from rollstream.core.validation import EntryError, Limits, check_group, check_metrics, check_task
 from rollstream.v1 import rollout_pb2
 
 VOCAB = 49152
@@ -469,7 +468,7 @@ def test_group_checks_survive_the_wire() -> None:
     """The checks see what a reader decodes: NaN and 1e30 go through float32 and back."""
     g = good_group()
     g.completions[1].reward = NAN
-    decoded = codec.decode({k.encode(): v for k, v in codec.encode(g).items()}, rollout_pb2.RolloutGroup)
+    decoded = validation.decode({k.encode(): v for k, v in validation.encode(g).items()}, rollout_pb2.RolloutGroup)
     check_group(decoded, LIMITS, stage="rollouts")
     with pytest.raises(EntryError, match="completion 1: reward nan"):
         check_group(decoded, LIMITS, stage="scored")

@@ -1,4 +1,4 @@
-"""Property tests of the stream boundary: codec.decode + rollstream.core.validation.
+"""Property tests of the stream boundary: rollstream.core.validation (decode and the checks).
 
 Two properties, over inputs drawn to include NaN, +-inf, huge ints, out-of-vocab ids,
 mismatched lengths, corrupt bytes and bad JSON:
@@ -21,9 +21,16 @@ import pytest
 from hypothesis import HealthCheck, configuration, given, settings
 from hypothesis import strategies as st
 
-from rollstream.core import codec
-from rollstream.core.codec import EntryError
-from rollstream.core.validation import CHAT_ROLES, LOGPROB_SLACK, Limits, check_group, check_metrics, check_task
+from rollstream.core import validation
+from rollstream.core.validation import (
+    CHAT_ROLES,
+    LOGPROB_SLACK,
+    EntryError,
+    Limits,
+    check_group,
+    check_metrics,
+    check_task,
+)
 from rollstream.v1 import rollout_pb2
 
 
@@ -535,7 +542,7 @@ def _check_decoded(msg: Any, stage: str) -> bool:
 
 def _decode_and_check(fields: dict[bytes, bytes], cls: type, stage: str) -> str:
     try:
-        msg = codec.decode(fields, cls)
+        msg = validation.decode(fields, cls)
     except EntryError as e:
         assert str(e), fields
         return "undecodable"

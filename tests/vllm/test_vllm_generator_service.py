@@ -18,7 +18,7 @@ from tier_helpers import adamw_like_step
 
 from helpers import wait_for, write
 from procs import ServiceProc, start_service
-from rollstream.core import codec, deltas, modeling, redis_policy, run_keys, validation, weight_transfer
+from rollstream.core import deltas, modeling, redis_policy, run_keys, validation, weight_transfer
 from rollstream.core.grpc_utils import channel
 from rollstream.generator.backends import SampleRequest, TransformersBackend
 from rollstream.launcher.redis_server import EmbeddedRedis
@@ -126,7 +126,9 @@ def test_tasks_from_redis_become_rollout_groups_with_logprobs_and_versions(
             write(client, run, "prompts", task(f"{run.run}-{i}", question, group_size=4, temperature=1.0, tokens=10))
         # A hang guard, not a speed check.
         wait_for(lambda: client.xlen(run.stream("rollouts")) >= 2, 300, "2 rollout groups", [generator])
-        groups = [codec.decode(fields, rollout_pb2.RolloutGroup) for _, fields in client.xrange(run.stream("rollouts"))]
+        groups = [
+            validation.decode(fields, rollout_pb2.RolloutGroup) for _, fields in client.xrange(run.stream("rollouts"))
+        ]
     finally:
         client.close()
     assert sorted(g.group_id for g in groups) == [f"{run.run}-0", f"{run.run}-1"]

@@ -1,7 +1,6 @@
 """rollstream-core: what every rollstream service shares (the operator's tools, `up` among
 them, are the launcher package's: rollstream.launcher).
 
-codec            stream entries: protobuf message name, schema and bytes
 config           typed settings shared by the services
 cpu_runtime      process-wide C runtime settings under torch: OpenMP wait policy, malloc's mmap threshold
 credentials      secrets on disk: writing and reading the files that hold credentials
@@ -26,7 +25,7 @@ status           a run's pipeline read from Redis, and its view (`rollstream sta
 steplog          the run's step log: a JSON line per trainer step
 streams          the rollout buffer: Redis streams read through consumer groups
 tls_files        a small private CA: one certificate per role
-validation       what a stream entry must satisfy before a stage uses it
+validation       stream entries: protobuf message name, schema and bytes, and what one must satisfy
 weight_transfer  weight payloads in transit: WeightChunk streams over gRPC, the weight store's files and manifest
 """
 

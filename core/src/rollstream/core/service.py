@@ -243,7 +243,7 @@ class ServiceHost:
         self, stage: StreamStage, parse: Callable[[Entry], M], count: int = 0, wait: bool = True
     ) -> list[tuple[Entry, M]]:
         """One read's worth of parsed entries (`parse` decodes and validates, raising
-        codec.EntryError with the reason), waiting up to block_ms for new ones unless `wait`
+        validation.EntryError with the reason), waiting up to block_ms for new ones unless `wait`
         is False. What does not parse goes to the dead letters alone, counted and logged;
         entries read again (a dead consumer's, or ours before a restart) are counted and
         logged too."""

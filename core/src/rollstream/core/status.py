@@ -24,7 +24,7 @@ from rich.console import Group as RichGroup
 from rich.table import Table
 from rich.text import Text
 
-from rollstream.core import codec, diagnose, redis_policy, run_keys, validation
+from rollstream.core import diagnose, redis_policy, run_keys, validation
 from rollstream.v1 import rollout_pb2
 
 T = TypeVar("T")
@@ -93,9 +93,9 @@ def _last_dead(client: redis_policy.Client, keys: run_keys.RunKeys, read: _Reade
     letters: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.dead, count=200), [], keys.dead)
     for _eid, fields in letters:
         try:
-            letter = codec.decode(fields, rollout_pb2.DeadLetter)
+            letter = validation.decode(fields, rollout_pb2.DeadLetter)
             source, reason = letter.source_stream.rsplit(":", 1)[-1], letter.reason
-        except codec.EntryError:
+        except validation.EntryError:
             source, reason = "?", _text(fields.get(b"reason", b"(unreadable entry)"))
         out.setdefault(source, reason[:200])
     return out
@@ -132,16 +132,16 @@ def collect(
     last: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.metrics, count=1), [], keys.metrics)
     if last:
         try:
-            m = codec.decode(last[0][1], rollout_pb2.StepMetrics)
+            m = validation.decode(last[0][1], rollout_pb2.StepMetrics)
             validation.check_metrics(m)
             extra["last_step"] = m
-        except codec.EntryError as e:
+        except validation.EntryError as e:
             read.errors.append(f"last metrics entry unreadable: {e}")
     last_eval: list[tuple[bytes, dict]] = read(lambda: client.xrevrange(keys.evals, count=1), [], keys.evals)
     if last_eval:
         try:
-            extra["last_eval"] = check_eval(codec.decode(last_eval[0][1], rollout_pb2.EvalMetrics))
-        except codec.EntryError as e:
+            extra["last_eval"] = check_eval(validation.decode(last_eval[0][1], rollout_pb2.EvalMetrics))
+        except validation.EntryError as e:
             read.errors.append(f"last eval entry unreadable: {e}")
     snap = diagnose.Snapshot(
         at=at,
@@ -162,10 +162,10 @@ def check_eval(m: rollout_pb2.EvalMetrics) -> rollout_pb2.EvalMetrics:
     for name in ("reward_mean", "accuracy", "pass_at_k", "completion_tokens"):
         value = getattr(m, name)
         if not math.isfinite(value):
-            raise codec.EntryError(f"EvalMetrics step {m.step}: {name} is {value!r}")
+            raise validation.EntryError(f"EvalMetrics step {m.step}: {name} is {value!r}")
     for name in ("accuracy", "pass_at_k"):
         if not 0.0 <= getattr(m, name) <= 1.0:
-            raise codec.EntryError(
+            raise validation.EntryError(
                 f"EvalMetrics step {m.step}: {name} {getattr(m, name)!r} is not a share within [0, 1]"
             )
     return m

@@ -30,7 +30,7 @@ from typing import TypeVar
 import redis
 from google.protobuf.message import Message
 
-from rollstream.core import codec, redis_policy
+from rollstream.core import redis_policy, validation
 from rollstream.core.config import CommonSettings, consumer_name
 from rollstream.core.run_keys import STAGE_READER, RunKeys, as_text, trim_acknowledged
 from rollstream.v1 import rollout_pb2
@@ -44,7 +44,7 @@ M = TypeVar("M")
 @dataclass
 class Entry:
     id: bytes
-    fields: codec.Fields
+    fields: validation.Fields
     deliveries: int
 
 
@@ -272,14 +272,14 @@ class StreamStage:
             raise
 
     def read_valid(self, count: int, block_ms: int | None, parse: Callable[[Entry], M]) -> list[tuple[Entry, M]]:
-        """`read`, then `parse` each entry (decode + validate, raising codec.EntryError with
+        """`read`, then `parse` each entry (decode + validate, raising validation.EntryError with
         the reason); an entry that fails goes to the dead-letter stream alone, with its
         reason, and the others are returned."""
         good: list[tuple[Entry, M]] = []
         for entry in self.read(count, block_ms):
             try:
                 good.append((entry, parse(entry)))
-            except codec.EntryError as e:
+            except validation.EntryError as e:
                 self.dead_letter(entry, str(e))
         return good
 
@@ -424,7 +424,7 @@ class StreamStage:
         not ready, an ERROR line naming the key, a slow retry until an operator fixes it."""
         ops = Ops()
         for stage, message in outputs:
-            ops.xadd(self.keys.stream(stage), codec.encode(message))
+            ops.xadd(self.keys.stream(stage), validation.encode(message))
         if extra is not None:
             extra(ops)
         if entries:
@@ -461,7 +461,7 @@ class StreamStage:
             original_fields={k.decode(errors="replace"): v for k, v in entry.fields.items()},
             dead_at=time.time(),
         )
-        fields = codec.encode(letter)
+        fields = validation.encode(letter)
         fields["reason"] = reason.encode()  # readable with plain redis-cli
         ops = Ops()
         ops.xadd(self.keys.dead, fields, maxlen=100_000)

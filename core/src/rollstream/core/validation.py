@@ -1,12 +1,18 @@
-"""What a stream entry must satisfy before a stage uses it: one checker per message type.
+"""Stream entries: their wire contract, and what each must satisfy before a stage uses it.
+
+An entry is `type` (full protobuf message name), `schema` (integer) and `data` (bytes):
+`encode` writes one, `decode` reads one as the message expected. This is the whole wire
+contract of the Redis streams; docs/custom-reward.md restates it for people writing a stage
+in another language.
 
 docs/design.md, "Failure and trust model": a bad entry is refused where it is read, with a
 specific reason, alone; no value that is not finite, out of range or inconsistent reaches a
-loss, a sampler or the weights. Each checker raises codec.EntryError whose text (one line,
-long values truncated) becomes the dead-letter reason, and returns None for a good message.
+loss, a sampler or the weights. `decode` and each checker raise EntryError whose text (one
+line, long values truncated) becomes the dead-letter reason; a checker returns None for a
+good message.
 
-Use after codec.decode:
-    task = codec.decode(fields, rollout_pb2.PromptTask); check_task(task, limits)
+Use after decode:
+    task = decode(fields, rollout_pb2.PromptTask); check_task(task, limits)
     group = parse_group(entry, limits, stage="scored")  # a RolloutGroup entry: decode + check_group
 
 These run on every entry, so the per-token checks use numpy over the repeated fields
@@ -20,18 +26,58 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from rollstream.core.codec import EntryError, decode
-from rollstream.core.streams import Entry
+from google.protobuf.message import DecodeError, Message
+
 from rollstream.v1 import rollout_pb2
 
 if TYPE_CHECKING:
     from rollstream.core import redis_policy
+    from rollstream.core.streams import Entry  # streams imports this module: annotations only
 
+SCHEMA_VERSION = 1
+M = TypeVar("M", bound=Message)
+Fields = dict[bytes, bytes]
 Stage = Literal["rollouts", "scored", "ready"]
-Groups = list[tuple[Entry, rollout_pb2.RolloutGroup]]  # what a stage reads with parse_group
+Groups = list[tuple["Entry", rollout_pb2.RolloutGroup]]  # what a stage reads with parse_group
 STAGES: tuple[str, ...] = ("rollouts", "scored", "ready")
+
+
+class EntryError(ValueError):
+    """A stream entry that cannot be decoded or fails a check; the message is the dead-letter reason."""
+
+
+def encode(message: Message) -> dict[str, bytes]:
+    return {
+        "type": message.DESCRIPTOR.full_name.encode(),
+        "schema": str(SCHEMA_VERSION).encode(),
+        "data": message.SerializeToString(),
+    }
+
+
+def decode(fields: Fields, cls: type[M]) -> M:
+    """Parse an entry as `cls`, or raise EntryError saying exactly what is wrong."""
+    expected = cls.DESCRIPTOR.full_name
+    missing = [k for k in (b"type", b"schema", b"data") if k not in fields]
+    if missing:
+        raise EntryError(f"missing field(s) {', '.join(m.decode() for m in missing)}")
+    type_name = fields[b"type"].decode(errors="replace")
+    if type_name != expected:
+        raise EntryError(f"type is {type_name!r}, expected {expected!r}")
+    try:
+        schema = int(fields[b"schema"])
+    except ValueError:
+        raise EntryError(f"schema {fields[b'schema']!r} is not an integer") from None
+    if schema != SCHEMA_VERSION:
+        raise EntryError(f"schema {schema} is not supported (this build reads {SCHEMA_VERSION})")
+    message = cls()
+    try:
+        message.ParseFromString(fields[b"data"])
+    except DecodeError as e:
+        raise EntryError(f"data does not parse as {expected}: {e}") from None
+    return message
+
 
 # A log-prob is <= 0; engines computing in bf16/fp32 can round a near-certain token a hair
 # above 0, so allow this much.
@@ -269,8 +315,6 @@ def parse_group(
 def fetch_tasks(client: redis_policy.Client, key: str, task_ids: Sequence[str]) -> dict[str, rollout_pb2.PromptTask]:
     """The tasks of `task_ids` in the task map `key` (HMGET); a task the map does not hold,
     or holds as something that is not a PromptTask, is left out: unknown."""
-    from google.protobuf.message import DecodeError
-
     wanted = sorted(set(task_ids))
     if not wanted:
         return {}

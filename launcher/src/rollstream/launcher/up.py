@@ -24,7 +24,7 @@ import tomli_w
 from rich.console import Console
 from rich.text import Text
 
-from rollstream.core import codec, credentials, redis_acl, redis_policy, run_keys, steplog, validation
+from rollstream.core import credentials, redis_acl, redis_policy, run_keys, steplog, validation
 from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX
 from rollstream.core.grpc_auth import ClientCredentials
@@ -59,10 +59,10 @@ class ByStep(Generic[StepM]):
         for eid, fields in client.xrange(stream, min=b"(" + self.last_id, count=1000):
             self.last_id = eid
             try:
-                m = codec.decode(fields, self.message)
+                m = validation.decode(fields, self.message)
                 if self.check is not None:
                     self.check(m)
-            except codec.EntryError:
+            except validation.EntryError:
                 continue
             if m.step not in self.seen:
                 new.append(m)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollstream.core import codec, deltas, logs, push_signing, streams, validation, weight_transfer
+from rollstream.core import deltas, logs, push_signing, streams, validation, weight_transfer
 from rollstream.core.config import consumer_name
 from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.models import context_length, resolve_model, vocab_size
@@ -244,8 +244,8 @@ class Generator:
         return self.state()
 
     def parse_task(self, entry: streams.Entry) -> rollout_pb2.PromptTask:
-        """Decode and check one prompts entry (raises codec.EntryError with the reason)."""
-        task = codec.decode(entry.fields, rollout_pb2.PromptTask)
+        """Decode and check one prompts entry (raises validation.EntryError with the reason)."""
+        task = validation.decode(entry.fields, rollout_pb2.PromptTask)
         validation.check_task(task, self.limits)
         return task
 
@@ -254,7 +254,7 @@ class Generator:
         for task in tasks:
             prompt_ids = list(task.prompt_ids) or self.backend.encode_chat([(m.role, m.content) for m in task.messages])
             if len(prompt_ids) > self.limits.max_prompt_tokens:  # messages are counted only once rendered
-                raise codec.EntryError(
+                raise validation.EntryError(
                     f"task {task.task_id}: prompt of {len(prompt_ids)} tokens, more than max_prompt_tokens={self.limits.max_prompt_tokens}"
                 )
             s = task.sampling
@@ -345,7 +345,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     ) -> rollout_pb2.RolloutGroup:
         try:
             validation.check_task(request.task, self.gen.limits)
-        except codec.EntryError as e:
+        except validation.EntryError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return self.gen.generate([request.task])[0]
 

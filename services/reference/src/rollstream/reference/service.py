@@ -23,7 +23,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from rollstream.core import codec, logs, streams, validation
+from rollstream.core import logs, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.models import ModelNotFoundError, resolve_model
@@ -208,14 +208,14 @@ class ReferenceLoop:
             self.stage.trim()
 
     def parse(self, entry: streams.Entry) -> rollout_pb2.RolloutGroup:
-        """Decode and check one scored entry (raises codec.EntryError with the reason). Any
+        """Decode and check one scored entry (raises validation.EntryError with the reason). Any
         ref log-probs it carries are dropped first: they are computed here, never passed on."""
         group = validation.parse_group(entry, self.scorer.limits, stage="scored", drop_ref=True)
         for i, c in enumerate(group.completions):
             try:
                 self.scorer.model.check(group.prompt_ids, c.token_ids)
             except ValueError as e:
-                raise codec.EntryError(f"completion {i} of {group.group_id}: {e}") from None
+                raise validation.EntryError(f"completion {i} of {group.group_id}: {e}") from None
         return group
 
     def reference(self, good: validation.Groups) -> None:
@@ -235,7 +235,7 @@ class ReferenceLoop:
         for entry, g in good:
             try:
                 validation.check_group(g, scorer.limits, stage="ready", need_ref=True)
-            except codec.EntryError as e:
+            except validation.EntryError as e:
                 stage.dead_letter(entry, f"reference log-probs unusable: {e}")
             else:
                 ok.append((entry, g))

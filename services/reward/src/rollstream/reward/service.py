@@ -25,7 +25,7 @@ import logging
 import sys
 from dataclasses import asdict, dataclass, field
 
-from rollstream.core import codec, grpc_utils, logs, streams, validation
+from rollstream.core import grpc_utils, logs, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.service import Every, ServiceHost
 from rollstream.core.streams import Entry, StreamStage
@@ -231,7 +231,7 @@ class RewardLoop:
             try:
                 # A scorer (a remote one above all) may answer NaN or 1e30: refused here, alone.
                 validation.check_group(group, LIMITS, stage="scored")
-            except codec.EntryError as e:
+            except validation.EntryError as e:
                 stage.dead_letter(entry, f"scoring gave an unusable group: {e}")
                 continue
             done.append(entry)

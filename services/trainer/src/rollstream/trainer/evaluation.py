@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rollstream.core import codec, redis_policy, run_keys, streams
+from rollstream.core import redis_policy, run_keys, streams, validation
 from rollstream.trainer import prompts
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.prompts import Encode, feed_task
@@ -256,7 +256,7 @@ class Evaluator:
             metrics = r.metrics(self.settings.eval_samples)
             task_ids = [self.task_id(r.step, n) for n in range(r.fed)]
             ops = streams.Ops()
-            ops.xadd(self.keys.evals, codec.encode(metrics), maxlen=10_000, approximate=True)
+            ops.xadd(self.keys.evals, validation.encode(metrics), maxlen=10_000, approximate=True)
             ops.hset(
                 self.keys.eval_results,
                 f"{ROUND_PREFIX}{r.step:08d}",

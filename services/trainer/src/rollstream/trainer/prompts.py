@@ -36,7 +36,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollstream.core import codec, redis_policy, run_keys, streams
+from rollstream.core import redis_policy, run_keys, streams, validation
 from rollstream.v1 import rollout_pb2
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def feed_task(
 ) -> None:
     """Add `task` to `stream` and to the task map, with its prompt ids as the trainer rendered
     them (what groups of it are checked against), in the same `ops`."""
-    ops.xadd(stream, codec.encode(task))
+    ops.xadd(stream, validation.encode(task))
     known = rollout_pb2.PromptTask()
     known.CopyFrom(task)
     known.prompt_ids.extend(prompt_ids)
@@ -344,8 +344,8 @@ class PromptFeeder:
             position = self.fed
         else:
             try:
-                task = codec.decode(head[0][1], rollout_pb2.PromptTask)
-            except codec.EntryError:
+                task = validation.decode(head[0][1], rollout_pb2.PromptTask)
+            except validation.EntryError:
                 return
             n = self.position_of(task.task_id)
             if n is None:

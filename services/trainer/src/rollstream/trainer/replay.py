@@ -8,7 +8,7 @@ import logging
 
 import redis
 
-from rollstream.core import codec, logs, redis_policy, run_keys, streams
+from rollstream.core import logs, redis_policy, run_keys, streams, validation
 from rollstream.core.service import ServiceHost
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2
@@ -28,8 +28,8 @@ def replay_trained_log(
         try:
             step = int(fields.get(b"step", b""))
             if step > trainer.step:
-                steps.setdefault(step, []).append(codec.decode(fields, rollout_pb2.RolloutGroup))
-        except (ValueError, codec.EntryError) as e:  # not written by a trainer: say so, skip it
+                steps.setdefault(step, []).append(validation.decode(fields, rollout_pb2.RolloutGroup))
+        except (ValueError, validation.EntryError) as e:  # not written by a trainer: say so, skip it
             logs.event(host.log, "trained_log_entry_unreadable", logging.ERROR, entry=eid.decode(), error=str(e))
     replayed = 0
     for step in sorted(steps):

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import codec, logs, redis_policy, run_keys, steplog, streams, validation
+from rollstream.core import logs, redis_policy, run_keys, steplog, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -284,16 +284,16 @@ class TrainerLoop:
                     if (
                         group.policy_version > self.trainer.version
                     ):  # a round's versions are the report's: none from the future
-                        raise codec.EntryError(
+                        raise validation.EntryError(
                             f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {self.trainer.version}"
                         )
                     evals.append((entry, group))
                     continue
                 if not self.stale(group):
                     if task is None:
-                        raise codec.EntryError(validation.unknown_task(group, self.keys.tasks))
+                        raise validation.EntryError(validation.unknown_task(group, self.keys.tasks))
                     validation.check_against_task(group, task, decode)
-            except codec.EntryError as e:
+            except validation.EntryError as e:
                 self.stage.dead_letter(entry, str(e))
                 continue
             kept.append((entry, group))
@@ -346,7 +346,7 @@ class TrainerLoop:
                 ops.hincrby(counters, "pushes_not_applied", len(outcomes) - applied)
                 ops.hset(counters, "step", trainer.step)
                 ops.set(keys.version, trainer.version)
-                ops.xadd(keys.metrics, codec.encode(metrics), maxlen=100_000, approximate=True)
+                ops.xadd(keys.metrics, validation.encode(metrics), maxlen=100_000, approximate=True)
                 if self.evaluator.due(trainer.step):  # with the version it evaluates: generators see both at once
                     self.evaluator.feed(ops, trainer.step, trainer.version)
                 if log_trained:
