@@ -245,10 +245,9 @@ def sync_race(args: argparse.Namespace, model_dir: str, redis_url: str, n: int, 
     from rollstream.core.config import load_settings
     from rollstream.core.grpc_utils import Service
     from rollstream.core.service import ServiceHost
-    from rollstream.trainer.checkpoint import CheckpointRequests
     from rollstream.trainer.config import TrainerSettings
     from rollstream.trainer.fleet import GeneratorDirectory
-    from rollstream.trainer.servicer import TrainerServicer
+    from rollstream.trainer.servicer import CheckpointRequests, TrainerServicer
     from rollstream.trainer.trainer import Trainer
     from rollstream.v1 import trainer_pb2_grpc
 

@@ -22,11 +22,10 @@ from rollstream.core.config import load_settings
 from rollstream.core.grpc_utils import channel
 from rollstream.core.service import ServiceHost
 from rollstream.generator.generator import HostWeights
-from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.publisher import READER_GRACE_S, Readers
-from rollstream.trainer.servicer import TrainerServicer
+from rollstream.trainer.servicer import CheckpointRequests, TrainerServicer
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from synthetic import scored_groups  # tests/synthetic.py

@@ -29,11 +29,10 @@ from rollstream.core.grpc_auth import ClientCredentials
 from rollstream.core.grpc_utils import CHANNEL_OPTIONS
 from rollstream.core.service import ServiceHost
 from rollstream.generator.relay import PeerChannels, RelayedStream
-from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.fleet import AddressBackoff, GeneratorDirectory, PushOutcome
 from rollstream.trainer.publisher import Published, WeightPublisher
-from rollstream.trainer.servicer import TrainerServicer
+from rollstream.trainer.servicer import CheckpointRequests, TrainerServicer
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import generator_pb2, generator_pb2_grpc, trainer_pb2, weights_pb2
 from synthetic import scored_groups

@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shutil
 import struct
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -443,44 +440,3 @@ def confine(path: str, checkpoint_dir: str) -> Path:
             f"(step-* and hidden folders: resumed from and pruned); choose another, e.g. 'saved/{top.lstrip('.')}'"
         )
     return target
-
-
-class CheckpointRequests:
-    """SaveCheckpoint calls arrive on gRPC threads; the training loop serves them between
-    steps, so a checkpoint never sees half a step (or a feeder mid top-up)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[str, Future[tuple[Path, int]]]] = queue.Queue()
-        self._lock = threading.Lock()  # a request is either queued before close() or refused
-        self._closed = False
-
-    def request(self, path: str, timeout_s: float | None) -> tuple[Path, int]:
-        """Ask the loop for a checkpoint (at `path`, or the default one); wait for it."""
-        future: Future[tuple[Path, int]] = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the trainer is stopping")
-            self._queue.put((path, future))
-        return future.result(timeout=timeout_s)
-
-    def _queued(self) -> Iterator[tuple[str, Future[tuple[Path, int]]]]:
-        """The requests waiting now, each taken off the queue."""
-        while True:
-            try:
-                yield self._queue.get_nowait()
-            except queue.Empty:
-                return
-
-    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
-        for path, future in self._queued():
-            try:
-                future.set_result(save(path))
-            except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
-                future.set_exception(e)
-
-    def close(self) -> None:
-        """Refuse new requests and fail the waiting ones."""
-        with self._lock:
-            self._closed = True
-        for _path, future in self._queued():
-            future.set_exception(RuntimeError("the trainer is stopping"))

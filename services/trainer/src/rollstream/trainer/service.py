@@ -40,13 +40,13 @@ from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
 from rollstream.trainer import checkpoint, export, pipeline_view, replay, servicer
-from rollstream.trainer.checkpoint import CheckpointRequests
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.prompts import PromptFeeder, chat_encoder
 from rollstream.trainer.push import PushOutcome
+from rollstream.trainer.servicer import CheckpointRequests
 from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc

@@ -1,10 +1,15 @@
 """The trainer's faces to readers of its weights: `TrainerServicer`, its gRPC service (GetState,
-FetchWeights, SaveCheckpoint), and `WeightsView`, the weights as a reader in its process sees them."""
+FetchWeights, SaveCheckpoint, whose requests `CheckpointRequests` hands to the loop), and
+`WeightsView`, the weights as a reader in its process sees them."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -45,8 +50,49 @@ class WeightsView:
         self._hooks.append(hook)
 
 
+class CheckpointRequests:
+    """SaveCheckpoint calls arrive on gRPC threads; the training loop serves them between
+    steps, so a checkpoint never sees half a step (or a feeder mid top-up)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[str, Future[tuple[Path, int]]]] = queue.Queue()
+        self._lock = threading.Lock()  # a request is either queued before close() or refused
+        self._closed = False
+
+    def request(self, path: str, timeout_s: float | None) -> tuple[Path, int]:
+        """Ask the loop for a checkpoint (at `path`, or the default one); wait for it."""
+        future: Future[tuple[Path, int]] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the trainer is stopping")
+            self._queue.put((path, future))
+        return future.result(timeout=timeout_s)
+
+    def _queued(self) -> Iterator[tuple[str, Future[tuple[Path, int]]]]:
+        """The requests waiting now, each taken off the queue."""
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def serve(self, save: Callable[[str], tuple[Path, int]]) -> None:
+        for path, future in self._queued():
+            try:
+                future.set_result(save(path))
+            except Exception as e:  # noqa: BLE001 - the caller gets the error over gRPC
+                future.set_exception(e)
+
+    def close(self) -> None:
+        """Refuse new requests and fail the waiting ones."""
+        with self._lock:
+            self._closed = True
+        for _path, future in self._queued():
+            future.set_exception(RuntimeError("the trainer is stopping"))
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: checkpoint.CheckpointRequests):
+    def __init__(self, trainer: Trainer, generators: GeneratorDirectory, checkpoints: CheckpointRequests):
         self.trainer = trainer
         self.generators = generators
         self.checkpoints = checkpoints
