@@ -5,8 +5,10 @@
 Runs `rollstream up` for two steps (the tiny test model unless --model; the built-in reward) under
 coverage in every process, and counts the rollstream files in which a line inside a function ran
 while a service loop's `turn` was on the stack (coverage's dynamic context, this file's plugin):
-what a rollout enters, not what starting and stopping the run does. Work a turn hands to another
-thread or process (the fleet's push threads, the reward's recipe workers) is not counted.
+what a rollout enters, not what starting and stopping the run does. The context is the whole
+process's, so the lines other threads of a service run during a turn count too (the fleet's push
+threads, the gRPC handlers that apply and serve weights: the rollout's way back as weights); the
+work of other processes (the reward's scoring workers) does not.
 Prints one JSON object: the count, by package, and the files. Issue 45 measured 35 at ccd171e,
 the same way (docs/benchmarks.md, "Files one rollout enters").
 """
