@@ -206,6 +206,27 @@ def _micro_batches(rows: Sequence[_Row], token_budget: int, share_prompts: bool)
     return micros
 
 
+def backward_micro_batch(
+    optimizer: HostAdamW, loss: torch.Tensor, started: float, what: str
+) -> tuple[float, float, float]:
+    """One micro-batch's loss read on the host and its backward, its gradients added to the
+    parameters' (GRPO's _accumulate and sft_step's loop). A non-finite loss drops every
+    gradient accumulated so far and raises NonFiniteStep naming `what`. Returns the loss, the
+    seconds from `started` (the micro-batch's start) to its read (on a GPU: its forward) and
+    the backward's seconds."""
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        # Earlier micro-batches' gradients are in the parameters already: drop them, or
+        # they would leak into the next step.
+        optimizer.discard_grads()
+        raise NonFiniteStep(f"loss is {value} in {what}")
+    forward_s = time.perf_counter() - started
+    start = time.perf_counter()
+    optimizer.wait()  # the previous step's update (step with background): backward writes the gradients it drops
+    loss.backward()
+    return value, forward_s, time.perf_counter() - start
+
+
 def _accumulate(
     model: torch.nn.Module,
     optimizer: HostAdamW,
@@ -242,17 +263,11 @@ def _accumulate(
         else:
             ref = torch.tensor([x for i in micro for x in rows[i].ref], dtype=torch.float32, device=dev)
         parts = grpo.policy_loss(loss_cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
-        loss = float(parts.loss.detach())
-        if not math.isfinite(loss):
-            # Earlier micro-batches' gradients are in the parameters already: drop them, or
-            # they would leak into the next step.
-            optimizer.discard_grads()
-            raise NonFiniteStep(f"loss is {loss} in a micro-batch of {len(micro)} completions")
-        sums.forward_s += time.perf_counter() - start
-        start = time.perf_counter()
-        optimizer.wait()  # the previous step's update (step with background): backward writes the gradients it drops
-        parts.loss.backward()
-        sums.backward_s += time.perf_counter() - start
+        loss, forward_s, backward_s = backward_micro_batch(
+            optimizer, parts.loss, start, f"a micro-batch of {len(micro)} completions"
+        )
+        sums.forward_s += forward_s
+        sums.backward_s += backward_s
         if logprobs is not None:
             for i, values in zip(micro, logp.detach().split(batch.lengths)):
                 logprobs[i] = values
