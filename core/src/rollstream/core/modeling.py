@@ -173,14 +173,23 @@ def make_shared_batch(
             targets.extend(completion)
             lengths.append(m)
             at += m
+    return _on(device, ids, segment_mask(segment, dtype), rows, cols, targets, lengths, positions)
+
+
+def segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, T, T] in `dtype` of rows whose positions are
+    labelled by segment [B, T]: k >= 0 a segment (a completion; an SFT example), -1 a prefix
+    every later segment sees (a shared prompt), -2 padding. A position sees the positions at
+    or before it in its own segment and in the prefix, nothing else: causal and block-diagonal.
+    It grows as T^2, so callers keep T within their token budget."""
+    width = segment.shape[1]
     index = torch.arange(width)
     causal = (index.unsqueeze(1) >= index.unsqueeze(0)).unsqueeze(0)  # [1, T, T]: query >= key
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)
     allowed = causal & ((key == -1) | (query == key)) & (key != -2) & (query != -2)
     # A padding position attends to itself: no row of all -inf, so no NaN in what backward touches.
     allowed |= torch.eye(width, dtype=torch.bool).unsqueeze(0)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
-    return _on(device, ids, mask, rows, cols, targets, lengths, positions)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
 def _chunk_logprobs(
