@@ -216,6 +216,7 @@ def test_packing_keeps_every_example_whole(tokenizer: Any) -> None:
         seen += r.rows
     assert sorted(seen) == list(range(80))
     assert len(data.rows) < 80 / 2  # short chats: several to a row
+    assert data.loss_tokens == len(sft_data.packed_batch(data.rows, 3, torch.float32).targets) > 0
 
 
 def test_packing_runs_in_trls_slices_of_a_thousand() -> None:
@@ -241,7 +242,7 @@ def test_packed_batch_restarts_positions_and_blocks_attention(tokenizer: Any) ->
         (1, 0, 11),
         (1, 2, 13),
     ]
-    assert batch.lengths == [2, 1, 2]
+    assert batch.lengths == [2, 1, 2] and [r.loss_tokens for r in rows] == [3, 2]
     seen = batch.attention_mask[:, 0] == 0  # [B, T, T]: query sees key
     segment = [[0, 0, 0, 1, 1], [0, 0, 0, 0, -2]]
     for r in range(2):

@@ -101,6 +101,13 @@ class PackedRow:
         """Positions restarting at 0 at each example (TRL's collator, padding-free)."""
         return [p for n in self.seq_lengths for p in range(n)]
 
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens that take loss: labelled, and not an example's first (nothing predicts it):
+        packed_batch's targets, and the tokens TRL's loss counts."""
+        starts = {sum(self.seq_lengths[:k]) for k in range(len(self.seq_lengths))}
+        return sum(1 for t, label in enumerate(self.labels) if label != IGNORE and t not in starts)
+
 
 @dataclass(frozen=True)
 class SftData:
@@ -111,14 +118,7 @@ class SftData:
 
     @property
     def loss_tokens(self) -> int:
-        """Tokens that take loss: labels set, and not an example's first token (nothing predicts it)."""
-        total = 0
-        for r in self.rows:
-            start = 0
-            for n in r.seq_lengths:
-                total += sum(1 for label in r.labels[start + 1 : start + n] if label != IGNORE)
-                start += n
-        return total
+        return sum(r.loss_tokens for r in self.rows)
 
 
 def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
