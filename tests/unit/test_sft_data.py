@@ -167,6 +167,9 @@ def test_a_bad_jsonl_line_names_its_row_and_line(tokenizer: Any, tmp_path: Path)
     path.write_text(json.dumps(GOOD) + "\n\n{not json\n")
     with pytest.raises(SftDataError, match="row 1, line 3: not JSON"):
         sft_data.prepare(path, tokenizer, SftDataConfig())
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(chat("hi", "")) + "\n")
+    with pytest.raises(SftDataError, match=r"row 1 \(line 3\), messages\[1\].content: empty assistant turn"):
+        sft_data.prepare(path, tokenizer, SftDataConfig())
 
 
 def test_truncation_cuts_as_trl_does_and_drops_rows_left_without_loss(tokenizer: Any) -> None:

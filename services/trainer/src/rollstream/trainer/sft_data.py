@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +62,11 @@ class Problem:
     row: int
     field: str
     message: str
+    line: int | None = None  # the row's line in a JSONL file (1-based; blank lines are not rows)
 
     def __str__(self) -> str:
-        return f"row {self.row}, {self.field}: {self.message}"
+        at = f" (line {self.line})" if self.line is not None else ""
+        return f"row {self.row}{at}, {self.field}: {self.message}"
 
 
 class SftDataError(ValueError):
@@ -121,15 +123,12 @@ class SftData:
         return sum(r.loss_tokens for r in self.rows)
 
 
-def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
-    """The dataset's rows as dicts: a JSONL file (one JSON object a line; blank lines skipped)
-    or a folder written by `datasets`' save_to_disk (a DatasetDict's `split`). Local only."""
-    path = Path(path)
-    if path.is_dir():
-        return _load_saved(path, split)
+def _load_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """A JSONL file's rows (one JSON object a line; blank lines skipped), and the line each came from."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file or folder")
     rows: list[dict[str, Any]] = []
+    lines: list[int] = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -142,7 +141,8 @@ def load_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
                 problem = Problem(len(rows), f"line {line_no}", f"a JSON object expected, got {type(value).__name__}")
                 raise SftDataError([problem], str(path))
             rows.append(value)
-    return rows
+            lines.append(line_no)
+    return rows, lines
 
 
 def _load_saved(path: Path, split: str) -> list[dict[str, Any]]:
@@ -159,8 +159,17 @@ def _load_saved(path: Path, split: str) -> list[dict[str, Any]]:
 
 
 def prepare(path: str | Path, tokenizer: Any, config: SftDataConfig) -> SftData:
-    """Load, tokenize, validate (every row, before anything trains) and pack a dataset."""
-    return prepare_rows(load_rows(path, config.split), tokenizer, config, source=str(path))
+    """Load (a JSONL file, or a folder of `datasets`' save_to_disk: its `split` if a
+    DatasetDict; local only), tokenize, validate every row before anything trains, and pack."""
+    path = Path(path)
+    if path.is_dir():
+        return prepare_rows(_load_saved(path, config.split), tokenizer, config, source=str(path))
+    rows, lines = _load_jsonl(path)
+    try:
+        return prepare_rows(rows, tokenizer, config, source=str(path))
+    except SftDataError as e:  # name each bad row's line too: what an editor shows
+        located = [Problem(p.row, p.field, p.message, lines[p.row] if p.row < len(lines) else None) for p in e.problems]
+        raise SftDataError(located, str(path)) from None
 
 
 def prepare_rows(
@@ -178,6 +187,8 @@ def prepare_rows(
         )
     if kind == "messages" and not tokenizer.chat_template:
         raise ValueError("a conversational dataset needs a tokenizer with a chat template; this one has none")
+    if kind == "prompt_completion" and tokenizer.eos_token is None:
+        raise ValueError("a prompt/completion dataset needs a tokenizer with an EOS token (ended completions)")
     marked = _has_generation_markers(tokenizer.chat_template)
     examples: list[Example] = []
     problems: list[Problem] = []
@@ -426,17 +437,10 @@ def _pack_slice(examples: Sequence[Example], max_length: int) -> list[PackedRow]
     return [_row([live[k] for k in b]) for b in bins]
 
 
-def _row(examples: Iterable[Example]) -> PackedRow:
-    ids: list[int] = []
-    labels: list[int] = []
-    lengths: list[int] = []
-    rows: list[int] = []
-    for e in examples:
-        ids += e.input_ids
-        labels += e.labels
-        lengths.append(len(e.input_ids))
-        rows.append(e.row)
-    return PackedRow(ids, labels, lengths, rows)
+def _row(examples: Sequence[Example]) -> PackedRow:
+    ids = [t for e in examples for t in e.input_ids]
+    labels = [label for e in examples for label in e.labels]
+    return PackedRow(ids, labels, [len(e.input_ids) for e in examples], [e.row for e in examples])
 
 
 # --- to the model -------------------------------------------------------------------------
