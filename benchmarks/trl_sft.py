@@ -35,6 +35,30 @@ def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
+def sft_config(args: argparse.Namespace, out: str):
+    """TRL's defaults but for what the comparison sets (the module's docstring)."""
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=out,
+        seed=args.seed,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type=args.lr_scheduler,
+        packing=True,
+        max_length=args.max_length,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.rows,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a local Hugging Face folder")
@@ -54,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     data = load_dataset("json", data_files=args.data, split="train")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -89,26 +113,8 @@ def main() -> None:
                 )
 
     with tempfile.TemporaryDirectory(prefix="trl-sft-") as out:
-        config = SFTConfig(
-            output_dir=out,
-            seed=args.seed,
-            max_steps=args.steps,
-            learning_rate=args.lr,
-            lr_scheduler_type=args.lr_scheduler,
-            packing=True,
-            max_length=args.max_length,
-            per_device_train_batch_size=1,
-            gradient_accumulation_steps=args.rows,
-            train_sampling_strategy="sequential",
-            use_cpu=True,
-            bf16=False,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            dataloader_num_workers=0,
-        )
         trainer = Recording(
-            model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[Steps()]
+            model=model, args=sft_config(args, out), train_dataset=data, processing_class=tokenizer, callbacks=[Steps()]
         )
         train_started = time.monotonic()
         trainer.train()
