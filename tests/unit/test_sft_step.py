@@ -242,3 +242,18 @@ def test_the_clip_is_applied(tiny_model_dir: Path) -> None:
         moved.append(max(float((optimizer.master[n] - before[n]).abs().max()) for n in before))
     assert moved[0] == pytest.approx(LR, rel=1e-3)
     assert moved[1] < 0.2 * LR
+
+
+def test_the_overlapped_update_gives_the_same_bits(tiny_model_dir: Path) -> None:
+    """With `background`, each step's buckets are stepped while the next step's forward runs
+    (HostAdamW.step with the model): two steps give the bits of two sequential ones."""
+    bits = []
+    for background in (False, True):
+        model, optimizer, pad_id = load(tiny_model_dir)
+        rows = rows_by_hand(model.config.vocab_size)
+        for _ in range(2):
+            r = sft_step(model, optimizer, rows, config(max_grad_norm=1.0), pad_id=pad_id, background=background)
+        optimizer.wait()
+        bits.append({n: b.copy() for n, b in r.trained_bits.items()})
+        assert all(np.array_equal(modeling.model_bits(model)[n], b) for n, b in bits[-1].items())
+    assert all(np.array_equal(bits[0][n], bits[1][n]) for n in bits[0])
