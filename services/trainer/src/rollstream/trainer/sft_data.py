@@ -261,7 +261,7 @@ def _tokenize_row(
     if kind == "messages":
         messages = _messages(row, "messages", need_assistant=not all_tokens)
         if all_tokens:
-            ids = _render(tokenizer, messages, "messages")
+            ids = _render(tokenizer, messages, "messages", whole=True)
             return ids, list(ids)
         if marked:
             return _marked_assistant_labels(tokenizer, messages)
@@ -297,11 +297,13 @@ def _messages(row: Mapping[str, Any], name: str, need_assistant: bool) -> list[d
     return value
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], name: str, **kwargs: Any) -> list[int]:
-    return list(_render_dict(tokenizer, messages, name, **kwargs)["input_ids"])
+def _render(tokenizer: Any, messages: list[dict[str, Any]], name: str, whole: bool = False, **kwargs: Any) -> list[int]:
+    return list(_render_dict(tokenizer, messages, name, whole, **kwargs)["input_ids"])
 
 
-def _render_dict(tokenizer: Any, messages: list[dict[str, Any]], name: str, **kwargs: Any) -> Mapping[str, Any]:
+def _render_dict(
+    tokenizer: Any, messages: list[dict[str, Any]], name: str, whole: bool, **kwargs: Any
+) -> Mapping[str, Any]:
     """The chat template applied as TRL applies it (data_utils._tokenize); a template that
     refuses the conversation (a role it does not take, turns out of order) names the row."""
     from jinja2 import TemplateError
@@ -310,7 +312,8 @@ def _render_dict(tokenizer: Any, messages: list[dict[str, Any]], name: str, **kw
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
     except TemplateError as e:
         raise _RowError(name, f"the chat template refuses it: {e}") from None
-    _check_rendered(tokenizer, messages, name)
+    if whole:  # the row's whole conversation: checked once, not at every prefix of it
+        _check_rendered(tokenizer, messages, name)
     return out
 
 
@@ -327,7 +330,7 @@ def _check_rendered(tokenizer: Any, messages: list[dict[str, Any]], name: str) -
 def _marked_assistant_labels(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """The template's `{% generation %}` spans take loss (TRL's tokenize_fn with
     assistant_only_loss, then build_labels)."""
-    out = _render_dict(tokenizer, messages, "messages", return_assistant_tokens_mask=True)
+    out = _render_dict(tokenizer, messages, "messages", True, return_assistant_tokens_mask=True)
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     return ids, [t if bit else IGNORE for t, bit in zip(ids, mask, strict=True)]
 
@@ -338,7 +341,7 @@ def _turn_by_turn_assistant_labels(tokenizer: Any, messages: list[dict[str, Any]
     so the turn's text and end-of-turn tokens take loss, as a marked ChatML template has it.
     Needs each rendering to be a prefix of the next; a template that rewrites earlier turns
     (reasoning dropped from all but the last) is refused and needs markers."""
-    ids = _render(tokenizer, messages, "messages")
+    ids = _render(tokenizer, messages, "messages", whole=True)
     labels = [IGNORE] * len(ids)
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -377,7 +380,7 @@ def _prompt_completion(row: Mapping[str, Any], tokenizer: Any, all_tokens: bool)
         prompt_msgs = _messages(row, "prompt", need_assistant=False)
         completion_msgs = _messages(row, "completion", need_assistant=False)
         prompt_ids = _render(tokenizer, prompt_msgs, "prompt", add_generation_prompt=True)
-        ids = _render(tokenizer, prompt_msgs + completion_msgs, "completion")
+        ids = _render(tokenizer, prompt_msgs + completion_msgs, "completion", whole=True)
     else:
         kinds = f"{type(prompt).__name__} and {type(completion).__name__}"
         raise _RowError("completion", f"prompt and completion must both be strings or both message lists, got {kinds}")
