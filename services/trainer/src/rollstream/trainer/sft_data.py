@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -252,7 +253,7 @@ def _has_generation_markers(template: Any) -> bool:
     """Whether the chat template marks the assistant's tokens (`{% generation %}`), so that
     transformers' return_assistant_tokens_mask finds them (TRL's has_generation_markers)."""
     text = template.get("default", "") if isinstance(template, dict) else (template or "")
-    return "generation" in text and "endgeneration" in text
+    return re.search(r"\{%-?\s*generation\s*-?%\}", text) is not None  # {% generation %}, any trim variant
 
 
 def _tokenize_row(
