@@ -14,7 +14,7 @@ prints TRL's side for a comparison):
                  a role outside the template, a row longer than `max_length` (unless
                  `truncate`: then cut to its first max_length tokens, as TRL does) are all
                  reported at once, each with its row number (0-based, as `datasets` indexes
-                 rows) and field, in one SftDataError
+                 rows; a JSONL file's line too) and field, in one SftDataError
   5. pack        best-fit decreasing into rows of at most max_length tokens (TRL's default
                  "bfd"): no example is split; `packed_batch` turns rows into the modeling.Batch
                  a forward takes, positions restarting and attention block-diagonal per example
