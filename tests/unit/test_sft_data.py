@@ -289,8 +289,9 @@ def test_rows_equal_trls(tiny_model_dir: Path, args: list[str]) -> None:
         + ["--max-length", "128", "--compare", *args],
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
+    assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["trl"] == "1.16.0" and report["rows"] > 0
     assert report["equal"], report["first_difference"]
