@@ -6,8 +6,11 @@ sft_data's tests cover how a dataset becomes them; one test here trains on a dat
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +260,52 @@ def test_the_overlapped_update_gives_the_same_bits(tiny_model_dir: Path) -> None
         bits.append({n: b.copy() for n, b in r.trained_bits.items()})
         assert all(np.array_equal(modeling.model_bits(model)[n], b) for n, b in bits[-1].items())
     assert all(np.array_equal(bits[0][n], bits[1][n]) for n in bits[0])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+
+
+@pytest.mark.skipif(
+    not TRL_PYTHON.exists(), reason="no .venv-trl: run `bash scripts/install_trl.sh` to compare with TRL"
+)
+def test_the_first_steps_loss_is_trls(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """TRL 1.16's SFTTrainer (benchmarks/trl_sft.py: packing, fp32, lr 2e-5 linear, clip 1)
+    trains the tiny model three steps and writes its micro-batches down; the step on those
+    rows, from the same weights, gives TRL's first loss to 1e-5 and counts TRL's tokens.
+    With the model computing on the fp32 masters after each step (TRL's weights; the engine's
+    are their bf16 rounding) the next losses follow TRL's too: the normalisation, the clip and
+    AdamW are TRL's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sft_vs_trl  # benchmarks/sft_vs_trl.py
+
+    data, dump = tmp_path / "data.jsonl", tmp_path / "rows.jsonl"
+    sft_vs_trl.write_dataset(data, seed=0, examples=48)
+    out = subprocess.run(
+        [str(TRL_PYTHON), str(ROOT / "benchmarks" / "trl_sft.py"), "--model", str(tiny_model_dir)]
+        + ["--data", str(data), "--steps", "3", "--rows", "2", "--max-length", "128", "--threads", "1"]
+        + ["--dump", str(dump)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    trl = json.loads(out.stdout.splitlines()[-1])
+    steps, counts = sft_vs_trl.dumped_steps(dump)
+    assert len(steps) == 3 and all(len(rows) == 2 for rows in steps)
+
+    model, tokenizer = modeling.load_model(tiny_model_dir)  # the checkpoint's weights, as TRL's: no rounding
+    model.train()
+    params = modeling.named_weights(model)
+    optimizer = HostAdamW(params, lr=2e-5, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
+    losses = []
+    for k, (rows, count) in enumerate(zip(steps, counts, strict=True)):
+        optimizer.lr = 2e-5 * (3 - k) / 3
+        r = sft_step(model, optimizer, rows, config(max_grad_norm=1.0), pad_id=tokenizer.pad_token_id)
+        assert r.tokens == count
+        losses.append(r.loss)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(optimizer.master[name])
+    assert losses[0] == pytest.approx(trl["first_step_loss"], rel=1e-5)
+    assert losses == pytest.approx(trl["losses"], rel=1e-4)
