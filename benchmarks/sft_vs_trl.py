@@ -182,6 +182,7 @@ def one_seed(args: argparse.Namespace, model: str, seed: int, folder: Path) -> d
             str(args.rows),
             "--dump",
             str(dump),
+            *(["--bf16"] if args.trl_bf16 else []),
         ],
         args.threads,
         "TRL",
@@ -220,6 +221,9 @@ def main() -> None:
         action="store_true",
         help="a diagnosis, not the engine: rollstream's model computes with the fp32 masters after each step "
         "(the engine's hold their bf16 rounding), so what remains of a difference from TRL is the step's",
+    )
+    p.add_argument(
+        "--trl-bf16", action="store_true", help="TRL at its CPU default, bf16 autocast (its first loss then differs)"
     )
     p.add_argument("--trl-venv", default=".venv-trl")
     p.add_argument("--ours", default="", help=argparse.SUPPRESS)  # the rollstream side's child: trl_sft.py's dump

@@ -3,7 +3,7 @@
 Runs in .venv-trl (scripts/install_trl.sh), not in the project's venv. SFTConfig as TRL
 defaults it except where the comparison needs a setting: packing on (TRL's default strategy,
 bfd: padding-free rows of `--max-length` with positions restarting at each example), fp32
-compute (bf16=False: on the CPU TRL's default would be bf16 autocast), `--rows` packed rows a
+compute (bf16=False; `--bf16` for TRL's CPU default, bf16 autocast), `--rows` packed rows a
 step (per_device_train_batch_size 1, gradient accumulation `--rows`: one packed row a forward,
 as the padding-free collator would otherwise concatenate several into one), the sampler
 sequential (TRL's is random: a fixed order lets the other side train on the very same rows),
@@ -51,7 +51,7 @@ def sft_config(args: argparse.Namespace, out: str):
         gradient_accumulation_steps=args.rows,
         train_sampling_strategy="sequential",
         use_cpu=True,
-        bf16=False,
+        bf16=args.bf16,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dump", default="", help="write every micro-batch here (JSON lines)")
+    p.add_argument("--bf16", action="store_true", help="TRL's own default on the CPU: bf16 autocast over fp32 weights")
     args = p.parse_args()
 
     import torch
