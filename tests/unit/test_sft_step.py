@@ -142,6 +142,18 @@ def test_micro_batches_give_the_same_update(tiny_model_dir: Path) -> None:
         assert torch.allclose(updates[1][name], u, rtol=0, atol=1e-4 * scale), name
 
 
+def test_a_micro_batch_without_a_trained_token_is_skipped(tiny_model_dir: Path) -> None:
+    """A row labelled nowhere, alone in its micro-batch: no forward for it, and the step's
+    loss is that of the other rows."""
+    model, optimizer, pad_id = load(tiny_model_dir)
+    rows = rows_by_hand(model.config.vocab_size)
+    loss, _, _ = by_hand(model, rows)
+    unlabelled = PackedRow(list(range(3, 9)), [IGNORE] * 6, [6], [0])
+    r = sft_step(model, optimizer, [*rows, unlabelled], config(token_budget=12), pad_id=pad_id)
+    assert (r.rows, r.micro_batches, r.train_tokens) == (4, 3, sum(len(row.input_ids) for row in rows) + 6)
+    assert r.loss == pytest.approx(loss, rel=1e-5)
+
+
 def test_examples_do_not_see_each_other(tiny_model_dir: Path) -> None:
     """Packed behind an unlabelled first example of either length, an example's loss is the
     one it has alone: positions restart and the mask is block-diagonal."""

@@ -27,7 +27,7 @@ run, tests, benchmarks/sft_vs_trl.py) hands the rows in and records the result.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +54,7 @@ class SftStepResult:
     loss: float  # mean negative log-likelihood per trained token: TRL's logged loss
     tokens: int  # trained tokens (the normaliser)
     train_tokens: int  # tokens through the model, padding excluded
-    micro_batches: int
+    micro_batches: int  # forwards run (one without a trained token is skipped)
     grad_norm: float  # before clipping
     trained_bits: dict[str, np.ndarray]  # the new bf16 bits of the optimizer's parameters
     forward_s: float
@@ -76,6 +76,20 @@ def check_row(row: PackedRow, index: int) -> None:
     for t, (token, label) in enumerate(zip(row.input_ids, row.labels)):
         if label != IGNORE and label != token:
             raise ValueError(f"packed row {index}: labels[{t}] is {label}, neither {IGNORE} nor the token {token}")
+
+
+def micro_batches(
+    model: torch.nn.Module, rows: Sequence[PackedRow], cfg: SftStepConfig, pad_id: int
+) -> Iterator[tuple[list[int], modeling.Batch]]:
+    """The rows in micro-batches of at most `token_budget` padded tokens (modeling.pack_by_tokens,
+    as GRPO's step packs its sequences), each with the Batch its forward takes
+    (sft_data.packed_batch): a step's, and a held-out loss's. One without a trained token
+    is left out: it has no loss (TRL's adds a zero) and no gradient."""
+    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method; the mask adds to the attention scores
+    for micro in modeling.pack_by_tokens([len(row.input_ids) for row in rows], cfg.token_budget):
+        batch = packed_batch([rows[i] for i in micro], pad_id, dtype, cfg.device)
+        if batch.targets.numel():
+            yield micro, batch
 
 
 def sft_step(
@@ -103,14 +117,10 @@ def sft_step(
         raise ValueError(f"none of the step's {len(rows)} packed rows has a trained token")
 
     # 3. Micro-batches: forward, loss, backward.
-    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method; the mask adds to the attention scores
-    micro_batches = modeling.pack_by_tokens([len(row.input_ids) for row in rows], cfg.token_budget)
     loss = forward_s = backward_s = 0.0
-    for micro in micro_batches:
-        start = time.perf_counter()
-        batch = packed_batch([rows[i] for i in micro], pad_id, dtype, cfg.device)
-        if batch.targets.numel() == 0:
-            continue  # no trained token here: no loss, no gradient (TRL's adds a zero)
+    forwards = 0
+    start = time.perf_counter()  # forward_s counts each micro-batch's making too
+    for micro, batch in micro_batches(model, rows, cfg, pad_id):
         logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens)
         value, f_s, b_s = backward_micro_batch(
             optimizer, -logp.sum() / denom, start, f"a micro-batch of packed rows {micro}"
@@ -118,6 +128,8 @@ def sft_step(
         loss += value
         forward_s += f_s
         backward_s += b_s
+        forwards += 1
+        start = time.perf_counter()
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
@@ -129,7 +141,7 @@ def sft_step(
         loss=loss,
         tokens=denom,
         train_tokens=sum(len(row.input_ids) for row in rows),
-        micro_batches=len(micro_batches),
+        micro_batches=forwards,
         grad_norm=grad_norm,
         trained_bits=trained_bits,
         forward_s=forward_s,
