@@ -64,8 +64,10 @@ class _CallSources(NamedTuple):
 _call_sources: ContextVar[_CallSources | None] = ContextVar("rollstream_settings_sources", default=None)
 
 
-class CommonSettings(BaseSettings):
-    """Fields every service has."""
+class SettingsBase(BaseSettings):
+    """How every settings class loads (the flags' spelling, the sources and their order), with
+    no field: the services' classes add CommonSettings' fields, a command that is no service
+    (`rollstream sft`: trainer/config.py SftSettings) its own."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -84,6 +86,27 @@ class CommonSettings(BaseSettings):
         # --help names the environment variable of each field next to its description.
         cli_show_env_vars=True,
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest first (the module docstring's order). Flags and TOML exist only inside
+        load_settings (`_call_sources`); a class built directly, `XSettings(field=...)`, reads
+        its keyword arguments and the environment. No .env file, no secrets directory: the
+        services never used them, and a file read from the working directory would be a
+        surprise source."""
+        cli, toml = _call_sources.get() or _CallSources(None, None)
+        return tuple(s for s in (init_settings, cli, env_settings, toml) if s is not None)
+
+
+class CommonSettings(SettingsBase):
+    """Fields every service has."""
 
     run: str = Field("demo", pattern=NAME_PATTERN, description="run name: isolates experiments sharing one Redis")
     redis_url: RedisUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss:// or unix://)")
@@ -160,23 +183,6 @@ class CommonSettings(BaseSettings):
                     )
         return self
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Highest first (the module docstring's order). Flags and TOML exist only inside
-        load_settings (`_call_sources`); a class built directly, `XSettings(field=...)`, reads
-        its keyword arguments and the environment. No .env file, no secrets directory: the
-        services never used them, and a file read from the working directory would be a
-        surprise source."""
-        cli, toml = _call_sources.get() or _CallSources(None, None)
-        return tuple(s for s in (init_settings, cli, env_settings, toml) if s is not None)
-
 
 class TorchSettings(CommonSettings):
     """Fields of the services that run the model with torch (generator, reference, trainer).
@@ -193,7 +199,7 @@ class TorchSettings(CommonSettings):
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
 
 
-S = TypeVar("S", bound=CommonSettings)
+S = TypeVar("S", bound=SettingsBase)
 
 # The settings fields (of the services' own classes) naming a server a service calls with
 # its gRPC token: the generator's trainer, the reward stage's remote scorer.

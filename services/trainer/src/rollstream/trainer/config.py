@@ -3,18 +3,75 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import NoDecode
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from rollstream.core import cpu_runtime
-from rollstream.core.config import TorchSettings
+from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, SettingsBase, TorchSettings
 from rollstream.trainer.trackers import missing_extras
 
+if TYPE_CHECKING:
+    import torch
 
-class TrainerSettings(TorchSettings):
+    from rollstream.trainer.optimizer import HostAdamW
+
+
+def split_list(v: object) -> object:
+    """A list field's value: flags and the environment give "a:1,b:2" or "0.9,0.999" (or
+    JSON); TOML gives a list, passed on as it is."""
+    if isinstance(v, str):
+        return json.loads(v) if v.lstrip().startswith("[") else [a.strip() for a in v.split(",") if a.strip()]
+    return v
+
+
+class HostOptimizerSettings(BaseModel):
+    """The host optimizer's settings (trainer/optimizer.py HostAdamW), one definition for the
+    trainers that use it: GRPO's (TrainerSettings) and SFT's (SftSettings). The defaults are
+    TRL's too (learning rate, betas, no decay, the clip: docs/design-notes.md, "SFT (issue 46)").
+    No model_config here: the settings classes' own is the one in force."""
+
+    lr: float = Field(2e-5, gt=0, description="AdamW's learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas, comma-separated")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    # Memory (see rollstream/trainer/optimizer.py)
+    bucket_mb: float = Field(32.0, gt=0, description="optimizer step bucket size, MB of fp32 masters")
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="AdamW moments in host memory (bfloat16: 4 bytes a parameter less)"
+    )
+    master_layout: Literal["split", "fp32"] = Field(
+        "split",
+        description="fp32 masters in host memory: split = their served bf16 bits plus a 16-bit remainder, exact, 4 bytes a parameter "
+        "(8 in all with bfloat16 moments); fp32 = an fp32 vector plus the served bits twice, 8 bytes",
+    )
+    grad_offload: bool = Field(False, description="move gradients to host memory as backward produces them")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _split_betas(cls, v: object) -> object:
+        return split_list(v)
+
+    def host_adamw(self, params: Mapping[str, torch.nn.Parameter]) -> HostAdamW:
+        """The optimizer of `params` these settings describe (AdamW's eps: HostAdamW's, TRL's 1e-8)."""
+        from rollstream.trainer.optimizer import HostAdamW
+
+        return HostAdamW(
+            params,
+            lr=self.lr,
+            betas=self.betas,
+            weight_decay=self.weight_decay,
+            bucket_mb=self.bucket_mb,
+            moments_dtype=self.moments_dtype,
+            master_layout=self.master_layout,
+            grad_offload=self.grad_offload,
+        )
+
+
+class TrainerSettings(HostOptimizerSettings, TorchSettings):
     """rollstream trainer: GRPO on the ready stream, weights pushed to the generators."""
 
     # model, threads: TorchSettings. dtype and device are redeclared (same defaults, same
@@ -47,10 +104,6 @@ class TrainerSettings(TorchSettings):
     max_new_tokens: int = Field(16, ge=1)
     # GRPO
     groups_per_step: int = Field(8, ge=1)
-    lr: float = Field(2e-5, gt=0)
-    betas: tuple[float, float] = Field((0.9, 0.999))
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
         "grpo", description="policy loss (formulas in rollstream/trainer/grpo.py)"
     )
@@ -80,17 +133,6 @@ class TrainerSettings(TorchSettings):
     )
     chunk_tokens: int = Field(1024, ge=1, description="LM-head chunk when computing log-probs")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in backward")
-    # Optimizer memory (see rollstream/trainer/optimizer.py)
-    bucket_mb: float = Field(32.0, gt=0, description="optimizer step bucket size, MB of fp32 masters")
-    moments_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="AdamW moments in host memory (bfloat16: 4 bytes a parameter less)"
-    )
-    master_layout: Literal["split", "fp32"] = Field(
-        "split",
-        description="fp32 masters in host memory: split = their served bf16 bits plus a 16-bit remainder, exact, 4 bytes a parameter "
-        "(8 in all with bfloat16 moments); fp32 = an fp32 vector plus the served bits twice, 8 bytes",
-    )
-    grad_offload: bool = Field(False, description="move gradients to host memory as backward produces them")
     # LoRA (peft); the published weights are the merged ones
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank)")
@@ -243,15 +285,10 @@ class TrainerSettings(TorchSettings):
     )
     group: str = Field("trainer", description="consumer group on the ready stream")
 
-    @field_validator("generators", "betas", "lora_target_modules", "report_to", mode="before")
+    @field_validator("generators", "lora_target_modules", "report_to", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
-        # Flags and env give "a:1,b:2" or "0.9,0.999" (or JSON); TOML gives a list.
-        if isinstance(v, str):
-            if v.lstrip().startswith("["):
-                return json.loads(v)
-            return [a.strip() for a in v.split(",") if a.strip()]
-        return v
+        return split_list(v)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerSettings":
@@ -297,3 +334,108 @@ def auto_encode_threads(threads: int = 0) -> int:
     """delta_encode_threads = auto for a process of `threads` torch threads (0: as many as
     the cores it may keep busy, cpu_runtime.usable_cores): half, at least 1."""
     return max(1, (threads or cpu_runtime.usable_cores()) // 2)
+
+
+class SftSettings(HostOptimizerSettings, SettingsBase):
+    """rollstream sft: supervised fine-tuning of a model on a dataset, on the trainer's engine
+    (trainer/sft.py). Defaults are TRL 1.16 SFTConfig's where it has one (docs/design-notes.md,
+    "SFT (issue 46)"), except where said: packing on, loss on the assistant's tokens only.
+    Each field is a flag, --field or --sft.field; the [sft] table of --config FILE or --profile
+    NAME|PATH (a `rollstream up` profile) and ROLLSTREAM_SFT_* variables set them too."""
+
+    # Its own environment prefix: ROLLSTREAM_LR is the GRPO trainer's, ROLLSTREAM_SFT_LR this one's.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX + "SFT_", cli_prog_name="rollstream sft")
+
+    model: str = Field(description="the model to fine-tune: a local Hugging Face folder, or smollm2-135m")
+    dataset: str = Field(
+        description="a JSONL file or a datasets.save_to_disk folder: `messages` (conversations) or `prompt` + `completion` rows"
+    )
+    out: str = Field(
+        description="the fine-tuned model's folder (new, empty, or an earlier export), what `rollstream up --model OUT` starts GRPO from"
+    )
+    workdir: str = Field("", description="checkpoints/, steps.jsonl and trackers/ (empty: runs/<run>)")
+    run: str = Field(
+        "sft",
+        pattern=NAME_PATTERN,
+        description="the run's name: the default workdir, the step log's and trackers' name",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of forward/backward")
+    device: str = Field("cpu", description="compute device; the optimizer state always lives on the CPU")
+    threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
+    seed: int = Field(42, description="the order of the packed rows, epoch by epoch (TRL's seed: 42)")
+    # What a step is. TRL's per_device_train_batch_size (8) x gradient_accumulation_steps (1).
+    batch_rows: int = Field(8, ge=1, description="packed rows a step (the last step of an epoch takes what is left)")
+    epochs: int = Field(3, ge=1, description="passes over the dataset (TRL's num_train_epochs: 3)")
+    max_steps: int = Field(
+        0, ge=0, description="stop after this many steps, before the epochs are done (0: the epochs decide)"
+    )
+    lr_scheduler: Literal["linear", "constant"] = Field(
+        "linear", description="the learning rate after warmup: linear to 0 at the last step (TRL's), or constant"
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 (TRL's: 0)")
+    # The data (trainer/sft_data.py).
+    max_length: int = Field(
+        1024, ge=2, description="tokens of a packed row, and the most an example may have (TRL's max_length)"
+    )
+    packing: bool = Field(True, description="pack examples into rows of max_length (TRL's default: off)")
+    truncate: bool = Field(
+        False, description="cut an example longer than max_length to its start instead of refusing the dataset"
+    )
+    all_tokens: bool = Field(
+        False,
+        description="loss on every token, not only the assistant's turns / the completion (TRL's default for messages)",
+    )
+    split: str = Field("train", description="the split of a saved DatasetDict")
+    # The engine (the same pieces as GRPO's step).
+    token_budget: int = Field(4096, ge=16, description="padded tokens per micro-batch")
+    chunk_tokens: int = Field(1024, ge=1, description="LM-head rows at a time (the logits are never whole)")
+    activation_checkpointing: bool = Field(
+        True, description="recompute each decoder layer's activations in backward (TRL's gradient_checkpointing: on)"
+    )
+    # Held-out loss.
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="hold out this fraction of the packed rows (whole examples), never trained on"
+    )
+    eval_dataset: str = Field("", description="held-out examples from this JSONL file or save_to_disk folder instead")
+    eval_every: int = Field(
+        0, ge=0, description="a held-out loss every N steps, and after the last (0: after the last only)"
+    )
+    # Checkpoints and the model.
+    checkpoint_every: int = Field(
+        500, ge=0, description="a checkpoint every N steps, and at the last (TRL's save_steps: 500)"
+    )
+    keep_checkpoints: int = Field(
+        2, ge=0, description="checkpoints kept, latest first: 2 = the latest + a spare in case it is torn, 0 = all"
+    )
+    resume: str = Field(
+        "", description="a checkpoint folder, or latest (the workdir's newest): the same bits as a run never stopped"
+    )
+    export_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="the out folder's weights: bfloat16 = the trained bf16 weights bit for bit, float32 = the masters",
+    )
+    report_to: Annotated[list[Literal["tensorboard", "mlflow", "wandb"]], NoDecode] = Field(
+        [], description="trackers also given each step's metrics: tensorboard, mlflow, wandb (offline), comma-separated"
+    )
+    tracker_dir: str = Field("", description="the trackers' folder (empty: WORKDIR/trackers)")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        return split_list(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SftSettings":
+        for name in ("dataset", "eval_dataset"):
+            path = getattr(self, name)
+            if path and not Path(path).exists():
+                raise ValueError(f"{name} {path!r}: no such file or folder")
+        if self.eval_dataset and self.eval_fraction:
+            raise ValueError("eval_fraction: set it or eval_dataset, not both")
+        if self.report_to and (missing := missing_extras(self.report_to)):
+            raise ValueError(missing)
+        return self
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.workdir or f"runs/{self.run}")

@@ -40,7 +40,7 @@ from rollstream.core import logs
 from rollstream.v1 import rollout_pb2
 
 if TYPE_CHECKING:
-    from rollstream.trainer.config import TrainerSettings
+    from rollstream.trainer.config import SftSettings, TrainerSettings
 
 # The trainer host's own logger: its lines say "trainer" also where a generator shares the process (colocated).
 log = logging.getLogger("rollstream.trainer")
@@ -197,7 +197,7 @@ class Trackers:
         self._lock = threading.Lock()  # the loop's steps and the eval code's rounds
 
     @classmethod
-    def from_settings(cls, settings: TrainerSettings, run: str) -> Trackers:
+    def from_settings(cls, settings: TrainerSettings | SftSettings, run: str) -> Trackers:
         if not settings.report_to:
             return cls()
         os.environ.update(_ENV)
@@ -272,7 +272,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def run_config(settings: TrainerSettings) -> dict[str, Any]:
+def run_config(settings: TrainerSettings | SftSettings) -> dict[str, Any]:
     """The settings as JSON values, secrets left out: redis_url (it can hold a password), the
     SecretStr fields, and the fields that name where a password or token is kept."""
     secret = {

@@ -68,16 +68,7 @@ class Trainer:
         self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
         self.adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
         self.step_config = StepConfig.from_settings(s)
-        self.optimizer = HostAdamW(
-            self.params,
-            lr=s.lr,
-            betas=s.betas,
-            weight_decay=s.weight_decay,
-            bucket_mb=s.bucket_mb,
-            moments_dtype=s.moments_dtype,
-            master_layout=s.master_layout,
-            grad_offload=s.grad_offload,
-        )
+        self.optimizer: HostAdamW = s.host_adamw(self.params)
         self.step = 0
         self.groups_trained = 0
         self.groups_stale = 0
