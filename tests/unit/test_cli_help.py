@@ -1,6 +1,6 @@
 """`rollstream <command> --help`: every option has a help line, and every default shows.
 `up`, `config` and `status`, whose flags are generated from settings classes: test_run_config.py
-and below."""
+and below (`sft`'s: tests/integration/test_sft_command.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rollstream.launcher.cli import build_parser
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {name: p for name, p in sub.choices.items() if name not in ("up", "eval", "config", "status")}
+    return {name: p for name, p in sub.choices.items() if name not in ("up", "eval", "sft", "config", "status")}
 
 
 def entries(help_text: str) -> dict[str, str]:

@@ -9,6 +9,10 @@ rollstream up       the whole system as local processes: embedded redis-server (
                     `rollstream up --help` lists them
 rollstream eval     `up` that trains nothing: one held-out round of a model (or of a run's
                     exported model) through the same generator and reward services
+rollstream sft      supervised fine-tuning of a model on a dataset (conversations or
+                    prompt/completion, JSONL or a datasets folder) on the trainer's
+                    engine; the out folder is what `up --model` starts GRPO from
+                    (trainer/sft.py; flags: rollstream sft --help)
 rollstream config   the run configuration `up` would use, every value with its source
 rollstream status   the pipeline of a run, read from Redis (--watch to follow), with a
                     line naming the bottleneck or the stuck stage (core/diagnose.py)
@@ -111,6 +115,19 @@ def cmd_eval(argv: list[str]) -> int:
         )
         return 0
     return cmd_up(eval_argv(argv))
+
+
+def cmd_sft(argv: list[str]) -> int:
+    """Supervised fine-tuning (trainer/sft.py): 0 with the model exported, 2 for a bad
+    setting or bad data (nothing trained), 1 for a run that stopped."""
+    try:
+        from rollstream.trainer import sft
+    except ImportError as e:  # the launcher without its [up] extra
+        plain_console(stderr=True).print(
+            f"rollstream sft needs the trainer package (pip install 'rollstream-launcher[up]'): {e}", style="red"
+        )
+        return 2
+    return sft.main(argv, Path(__file__).parent / "profiles")  # run_config.PROFILES, without the services' imports
 
 
 def cmd_config(argv: list[str]) -> int:
@@ -388,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser(
+        "sft",
+        help="supervised fine-tuning of a model on a dataset, the model folder GRPO starts from (flags: rollstream sft --help)",
+        add_help=False,
+    )
+    sub.add_parser(
         "config", help="print the run configuration `up` would use, with each value's source", add_help=False
     )
     sub.add_parser(
@@ -455,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main_code(argv: list[str] | None = None) -> int:
     """Run one command and return its exit status (for tests: main() exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    generated = {"up": cmd_up, "eval": cmd_eval, "config": cmd_config, "status": cmd_status}
+    generated = {"up": cmd_up, "eval": cmd_eval, "sft": cmd_sft, "config": cmd_config, "status": cmd_status}
     if argv and argv[0] in generated:
         return generated[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,0 +1,205 @@
+"""`rollstream sft` (trainer/sft.py) on the tiny model, end to end: the command's steps.jsonl,
+held-out losses, checkpoints and the exported folder transformers loads; a bad setting named
+(flag, [sft] table); a bad row refused before anything is written; and a real process
+killed with SIGKILL between steps, resumed with --resume latest, ending on the bits of the
+run never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollstream.core import steplog
+from rollstream.launcher import cli
+from rollstream.trainer import sft
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+LR = 1e-3
+# 40 short conversations packed into 14 rows of up to 64 tokens: 10 trained, 4 held out;
+# 5 steps an epoch of 2 rows, 15 steps in all.
+SETTINGS = ["--sft.max-length", "64", "--sft.batch-rows", "2", "--sft.epochs", "3", "--sft.lr", str(LR),
+            "--sft.threads", "1", "--sft.checkpoint-every", "2", "--sft.eval-fraction", "0.25", "--sft.eval-every", "3"]  # fmt: skip
+STEPS = 15
+# A real process that runs the command and kills itself (SIGKILL: no handler, no flush, no
+# atexit) once step argv[1] is recorded: between two steps, deterministically.
+KILLED_AFTER = (
+    "import os, signal, sys\n"
+    "from rollstream.trainer import sft\n"
+    "stop = int(sys.argv[1])\n"
+    "sys.exit(sft.main(sys.argv[2:], after_step=lambda step: os.kill(os.getpid(), signal.SIGKILL) if step == stop else None))\n"
+)
+
+
+def chat(question: str, answer: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("sft-data") / "sums.jsonl"
+    rows = [
+        chat(f"What is {a} + {b}?", str(a + b)) for a, b in ((rng.randrange(10), rng.randrange(10)) for _ in range(40))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def command(model: Path, data: Path, out: Path, workdir: Path, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--out",
+        str(out),
+        "--workdir",
+        str(workdir),
+        *SETTINGS,
+        *extra,
+    ]
+
+
+def test_the_command_trains_logs_and_exports_a_model_transformers_loads(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, workdir = tmp_path / "out", tmp_path / "run"
+    assert cli.main_code(["sft", *command(tiny_model_dir, dataset, out, workdir)]) == 0, capsys.readouterr().err
+
+    log = steplog.read(workdir / steplog.FILE_NAME)
+    assert [r["step"] for r in log.steps] == list(range(1, STEPS + 1)) and not log.skipped
+    for r in log.steps:
+        assert r["tokens"] > 0 and r["grad_norm"] > 0 and r["seconds"] > 0 and r["rows"] <= 2
+        assert r["lr"] == pytest.approx(LR * (STEPS - r["step"] + 1) / STEPS)  # TRL's linear schedule to 0
+    assert log.steps[-1]["loss"] < log.steps[0]["loss"]  # three epochs of the same sums
+    assert [e["step"] for e in log.evals] == [3, 6, 9, 12, 15]  # eval_every 3, and the last step
+    assert log.evals[-1]["eval_loss"] < log.evals[0]["eval_loss"]
+    # Checkpoints every 2 steps and at the last, two kept; the export marks what it holds.
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["step-00000014", "step-00000015"]
+    assert json.loads((out / "rollstream-export.json").read_text())["step"] == STEPS
+
+    trained = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    changed = [n for n, p in trained.state_dict().items() if not torch.equal(p.float(), base.state_dict()[n].float())]
+    assert len(changed) == len(base.state_dict()), f"weights not trained: {set(base.state_dict()) - set(changed)}"
+    # `rollstream plot` draws the run.
+    assert cli.main_code(["plot", str(workdir)]) == 0 and (workdir / "curves.png").stat().st_size > 0
+
+
+def test_a_bad_setting_is_named_before_anything_runs(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, workdir = tmp_path / "out", tmp_path / "run"
+    assert cli.main_code(["sft", *command(tiny_model_dir, dataset, out, workdir, "--sft.lr", "-1")]) == 2
+    assert "field 'lr': Input should be greater than 0" in capsys.readouterr().err
+    config = tmp_path / "sft.toml"
+    # The [sft] table of --config (no flags of SETTINGS over it here).
+    plain = ["--model", str(tiny_model_dir), "--dataset", str(dataset), "--out", str(out), "--workdir", str(workdir)]
+    config.write_text("[sft]\neval_fraction = 1.5\n")
+    assert cli.main_code(["sft", *plain, "--config", str(config)]) == 2
+    assert "field 'eval_fraction': Input should be less than 1" in capsys.readouterr().err
+    config.write_text("[sft]\nlearning_rate = 1e-4\n")  # TRL's name, not this command's
+    assert cli.main_code(["sft", *plain, "--config", str(config)]) == 2
+    assert "field 'learning_rate': Extra inputs are not permitted" in capsys.readouterr().err
+    assert not out.exists() and not workdir.exists()
+    # The [sft] table's good values are taken, under the flags.
+    config.write_text("[sft]\nbatch_rows = 3\nseed = 7\nlr = 1e-4\n")
+    s = sft.load([*plain, "--config", str(config), "--sft.seed", "8"])
+    assert (s.batch_rows, s.seed, s.lr) == (3, 8, 1e-4)
+
+
+def test_a_bad_row_is_refused_before_any_step(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = dataset.read_text().splitlines()
+    lines[3] = json.dumps(chat("What is 1 + 2?", "  "))
+    lines[6] = json.dumps(
+        {"messages": [{"role": "narrator", "content": "Once"}, {"role": "assistant", "content": "3"}]}
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    out, workdir = tmp_path / "out", tmp_path / "run"
+    assert cli.main_code(["sft", *command(tiny_model_dir, bad, out, workdir)]) == 2
+    err = capsys.readouterr().err
+    assert "2 bad row(s), nothing trained" in err
+    assert "row 3 (line 4), messages[1].content: empty assistant turn" in err
+    assert "row 6 (line 7), messages[0].role: 'narrator' is not a role" in err
+    assert not out.exists() and not workdir.exists()  # no step, no checkpoint, no step log, no model
+
+
+def test_killed_between_steps_resume_latest_gives_the_bits_of_a_run_never_stopped(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f32 = ("--sft.export-dtype", "float32")  # the fp32 masters: every bit of the optimizer's weights
+    whole = command(tiny_model_dir, dataset, tmp_path / "out-whole", tmp_path / "whole", *f32)
+    assert cli.main_code(["sft", *whole]) == 0, capsys.readouterr().err
+
+    out, workdir = tmp_path / "out", tmp_path / "run"
+    args = command(tiny_model_dir, dataset, out, workdir, *f32)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER, "5", *args], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr  # SIGKILL after step 5: the checkpoint of step 4 is the latest
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert not out.exists()
+    # Resumed with other settings that decide the steps: refused, naming the field.
+    assert cli.main_code(["sft", *args, "--sft.resume", "latest", "--sft.seed", "1"]) == 2
+    assert "seed: " in capsys.readouterr().err
+    assert cli.main_code(["sft", *args, "--sft.resume", "latest"]) == 0, capsys.readouterr().err
+
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(tmp_path / "out-whole" / "model.safetensors"))
+    last = f"checkpoints/step-{STEPS:08d}/optimizer.safetensors"  # masters and both moments
+    assert_same_tensors(load_file(workdir / last), load_file(tmp_path / "whole" / last))
+    # Step 5, trained twice, counts once (the last line); every step as the whole run's.
+    resumed, never_stopped = (
+        steplog.read(workdir / steplog.FILE_NAME),
+        steplog.read(tmp_path / "whole" / steplog.FILE_NAME),
+    )
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed.steps] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in never_stopped.steps
+    ]
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(
+            a[name].view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
+        ), name
+
+
+def test_each_epoch_takes_every_row_once_in_its_own_order() -> None:
+    steps = [sft.step_rows(7, 3, seed=42, step=k) for k in range(6)]  # 3 steps an epoch: 3 + 3 + 1 rows
+    assert [len(s) for s in steps] == [3, 3, 1, 3, 3, 1]
+    first, second = sum(steps[:3], []), sum(steps[3:], [])
+    assert sorted(first) == sorted(second) == list(range(7)) and first != second
+    assert sft.step_rows(7, 3, seed=42, step=4) == steps[4]  # a function of the step alone
+    assert [sft.lr_factor(k, 4, 0, "linear") for k in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [sft.lr_factor(k, 4, 2, "constant") for k in range(4)] == [0.0, 0.5, 1.0, 1.0]
+
+
+def test_every_setting_is_a_flag_with_its_description_and_variable() -> None:
+    from rollstream.trainer.config import SftSettings
+
+    rollstream = Path(sys.executable).parent / "rollstream"
+    shown = subprocess.run([str(rollstream), "sft", "--help"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "400"})  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    options = " ".join(shown.stdout.split("options:", 1)[1].split())
+    for name, info in SftSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        found = re.search(rf"(^| ){re.escape(flag)}[ ,](.*?)\[env: (\w+)\]", options)  # the flag's entry
+        assert found, f"{flag} is not in sft --help"
+        assert info.description and " ".join(info.description.split()) in found[2], name
+        assert found[3] == f"ROLLSTREAM_SFT_{name.upper()}", found[0]
