@@ -86,7 +86,7 @@ def run_ours(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     s = TrainerSettings()
     steps, counts = dumped_steps(Path(args.ours))
-    model, tokenizer, _, params = lora.load(str(resolve_model(args.model)), "float32", "cpu", None, args.checkpointing)
+    model, tokenizer, _, params = lora.load(str(resolve_model(args.model)), args.dtype, "cpu", None, args.checkpointing)
     model.train()
     optimizer = HostAdamW(
         params,
@@ -190,6 +190,7 @@ def one_seed(args: argparse.Namespace, model: str, seed: int, folder: Path) -> d
     trl["grad_norms"] = per_step(trl_out, "grad_norm")
     ours_cmd = [sys.executable, __file__, *common, "--ours", str(dump), "--token-budget", str(args.token_budget)]
     ours_cmd += ["--checkpointing"] if args.checkpointing else []
+    ours_cmd += ["--dtype", args.dtype]
     ours_cmd += ["--fp32-weights"] if args.fp32_weights else []
     ours_cmd += ["--moments-dtype", args.moments_dtype] if args.moments_dtype else []
     ours, _ = run_child(ours_cmd, args.threads, "rollstream")
@@ -212,6 +213,12 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=4096, help="rollstream's padded tokens per micro-batch")
     p.add_argument(
         "--checkpointing", action="store_true", help="rollstream with activation checkpointing (TRL's default)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="rollstream's compute dtype (bfloat16: the model's weights and activations, as TRL's --trl-bf16 autocasts)",
     )
     p.add_argument(
         "--moments-dtype", choices=["float32", "bfloat16"], default=None, help="rollstream's (the trainer's default)"
