@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollstream.core import steplog
-from rollstream.launcher import cli
+from rollstream.launcher import cli, plot
 from rollstream.trainer import sft
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -95,8 +95,15 @@ def test_the_command_trains_logs_and_exports_a_model_transformers_loads(
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     changed = [n for n, p in trained.state_dict().items() if not torch.equal(p.float(), base.state_dict()[n].float())]
     assert len(changed) == len(base.state_dict()), f"weights not trained: {set(base.state_dict()) - set(changed)}"
-    # `rollstream plot` draws the run.
+    # `rollstream plot` draws the run: an SFT run's panels, no GRPO one.
     assert cli.main_code(["plot", str(workdir)]) == 0 and (workdir / "curves.png").stat().st_size > 0
+    assert [ax.get_title() for ax in plot.figure(log, "sft").axes] == [
+        "held-out loss (per trained token)",
+        "gradient norm (before clipping)",
+        "step phases (s, stacked)",
+        "loss",
+        "training tokens/s",
+    ]
 
 
 def test_a_bad_setting_is_named_before_anything_runs(
@@ -119,6 +126,24 @@ def test_a_bad_setting_is_named_before_anything_runs(
     config.write_text("[sft]\nbatch_rows = 3\nseed = 7\nlr = 1e-4\n")
     s = sft.load([*plain, "--config", str(config), "--sft.seed", "8"])
     assert (s.batch_rows, s.seed, s.lr) == (3, 8, 1e-4)
+
+
+def test_a_profile_holds_up_s_tables_and_sft_s_and_the_environment_its_own_variables(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollstream.launcher import run_config
+    from rollstream.trainer.config import TrainerSettings
+
+    profile = tmp_path / "warm.toml"
+    profile.write_text("[trainer]\nsteps = 3\n\n[sft]\nepochs = 1\nlr = 1e-4\n")
+    plain = ["--model", str(tiny_model_dir), "--dataset", str(dataset), "--out", str(tmp_path / "out")]
+    assert run_config.load(["--profile", str(profile)]).trainer.steps == 3  # `up` leaves [sft] to sft
+    s = sft.load([*plain, "--profile", str(profile)], run_config.PROFILES)
+    assert (s.epochs, s.lr) == (1, 1e-4)
+    # A named profile without an [sft] table (the demo's) sets nothing here.
+    assert sft.load([*plain, "--profile", "demo"], run_config.PROFILES).epochs == 3
+    monkeypatch.setenv("ROLLSTREAM_SFT_LR", "3e-4")
+    assert sft.load(plain).lr == 3e-4 and TrainerSettings().lr == 2e-5  # not the GRPO trainer's ROLLSTREAM_LR
 
 
 def test_a_bad_row_is_refused_before_any_step(

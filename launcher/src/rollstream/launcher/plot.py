@@ -4,7 +4,9 @@ Panels against the step, two a row: the training reward (mean with a +-std band)
 accuracy (and pass@k when rounds sample more than once) and held-out reward, as points at the
 steps the log's eval lines name; the mean completion length; entropy; gradient norm; the
 step's phases (stacked seconds); loss; KL; staleness; the delta's size as % of the dense bf16
-weights; training tokens/s.
+weights; training tokens/s. An SFT run's log (`rollstream sft`) has no rewards, completions,
+KL, staleness or deltas: its panels are the loss, the held-out loss (its eval lines), the
+gradient norm, the phases and tokens/s.
 
 A panel whose series is constant over the whole run (the demo's KL and staleness are 0 every
 step) tells nothing and is left out; the figure's bottom line names what was left out and at
@@ -85,11 +87,16 @@ def panels(log: steplog.StepLog) -> tuple[list[Panel], list[str]]:
     def line(title: str, values: list[float]) -> Panel:
         return Panel(title, [Series(title, steps, values)])
 
-    reward = [_value(r, "reward_mean") for r in log.steps]
-    std = [_value(r, "reward_std") for r in log.steps]
-    candidates = [Panel("reward (train, mean ± std)", [Series("reward", steps, reward)], always=True,
-                        band=([m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)]))]  # fmt: skip
-    if log.evals:
+    # A GRPO run's log has rewards and eval rounds of accuracy; an SFT run's (`rollstream sft`)
+    # neither, and its eval lines hold a held-out loss: each panel is drawn where its run has it.
+    grpo = any("reward_mean" in r for r in log.steps) or any("eval_accuracy" in e for e in log.evals)
+    candidates: list[Panel] = []
+    if grpo:
+        reward = [_value(r, "reward_mean") for r in log.steps]
+        std = [_value(r, "reward_std") for r in log.steps]
+        candidates += [Panel("reward (train, mean ± std)", [Series("reward", steps, reward)], always=True,
+                             band=([m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)]))]  # fmt: skip
+    if log.evals and grpo:
         at = [e["step"] for e in log.evals]
         held = [Series("accuracy", at, [_value(e, "eval_accuracy", 100.0) for e in log.evals])]
         if any(_value(e, "eval_samples") > 1 for e in log.evals):
@@ -103,24 +110,28 @@ def panels(log: steplog.StepLog) -> tuple[list[Panel], list[str]]:
                 always=True,
             ),
         ]
+    if any("eval_loss" in e for e in log.evals):
+        at = [e["step"] for e in log.evals]
+        loss = [Series("loss", at, [_value(e, "eval_loss") for e in log.evals])]
+        candidates.append(Panel("held-out loss (per trained token)", loss, style="points", always=True))
     phases = [
         Series(p.removesuffix("_s"), steps, [_value(r, p) for r in log.steps])
         for p in PHASES
         if any(p in r for r in log.steps)
     ]
-    candidates += [
-        line(
-            "completion length (tokens trained / completions)", [_ratio(r, "tokens", "completions") for r in log.steps]
-        ),
-        line("entropy (nats per token)", [_value(r, "entropy") for r in log.steps]),
-        line("gradient norm (before clipping)", [_value(r, "grad_norm") for r in log.steps]),
-        Panel("step phases (s, stacked)", phases, style="stack"),
-        line("loss", [_value(r, "loss") for r in log.steps]),
-        line("KL (k3, per token)", [_value(r, "kl") for r in log.steps]),
-        line("mean staleness (versions)", [_value(r, "mean_staleness") for r in log.steps]),
-        line("delta size (% of dense bf16)", [_ratio(r, "delta_bytes", "dense_bytes", 100.0) for r in log.steps]),
-        line("training tokens/s", [_value(r, "train_tokens_per_s") for r in log.steps]),
-    ]
+    # (panel, only GRPO's log has its series)
+    rest = [
+        (line("completion length (tokens trained / completions)", [_ratio(r, "tokens", "completions") for r in log.steps]), True),
+        (line("entropy (nats per token)", [_value(r, "entropy") for r in log.steps]), True),
+        (line("gradient norm (before clipping)", [_value(r, "grad_norm") for r in log.steps]), False),
+        (Panel("step phases (s, stacked)", phases, style="stack"), False),
+        (line("loss", [_value(r, "loss") for r in log.steps]), False),
+        (line("KL (k3, per token)", [_value(r, "kl") for r in log.steps]), True),
+        (line("mean staleness (versions)", [_value(r, "mean_staleness") for r in log.steps]), True),
+        (line("delta size (% of dense bf16)", [_ratio(r, "delta_bytes", "dense_bytes", 100.0) for r in log.steps]), True),
+        (line("training tokens/s", [_value(r, "train_tokens_per_s") for r in log.steps]), False),
+    ]  # fmt: skip
+    candidates += [panel for panel, grpo_only in rest if grpo or not grpo_only]
     shown, left_out = [], []
     for p in candidates:
         values = p.constant()

@@ -189,6 +189,8 @@ class RunConfig(BaseSettings):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        # A profile's [sft] table is `rollstream sft`'s (trainer/sft.py), read by that command.
+        data.pop("sft", None)
         for name in SECTIONS:
             section = dict(data.get(name) or {})
             given = sorted(set(section) & SET_BY_UP[name])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -72,19 +73,32 @@ class Data:
 
 def settings_argv(argv: Sequence[str], profiles: Path | None = None) -> list[str]:
     """`--sft.<field>` as `--<field>` (the spelling `rollstream up` uses for its sections), and
-    `--profile NAME|PATH` as `--config` of that profile's file (a name: one in `profiles`)."""
+    `--profile NAME|PATH` (a name: a file in `profiles`) as `--config` of that file when it has
+    an [sft] table: a profile is `up`'s, where the table is optional."""
     out: list[str] = []
-    args = list(argv)
-    for i, arg in enumerate(args):
-        if arg.startswith("--sft."):
-            out.append("--" + arg.removeprefix("--sft."))
-        elif arg == "--profile" and i + 1 < len(args) and profiles is not None:
-            out.append("--config")
-            name = args[i + 1]
-            args[i + 1] = name if "/" in name or name.endswith(".toml") else str(profiles / f"{name}.toml")
-        else:
-            out.append(arg)
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag == "--profile" and (eq or i + 1 < len(argv)):
+            name = value if eq else argv[i + 1]
+            named = profiles is not None and "/" not in name and not name.endswith(".toml")
+            path = profiles / f"{name}.toml" if named and profiles is not None else Path(name)
+            if _has_table(path):
+                out += ["--config", str(path)]
+            i += 1 if eq else 2
+            continue
+        out.append("--" + argv[i].removeprefix("--sft.") if argv[i].startswith("--sft.") else argv[i])
+        i += 1
     return out
+
+
+def _has_table(path: Path) -> bool:
+    """Whether the TOML file has an [sft] table; one that cannot be read counts as having one,
+    so that load_settings says what is wrong with it."""
+    try:
+        return TABLE in tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return True
 
 
 def load(argv: Sequence[str], profiles: Path | None = None) -> SftSettings:
