@@ -106,6 +106,24 @@ def test_the_command_trains_logs_and_exports_a_model_transformers_loads(
     ]
 
 
+def test_report_to_gives_the_trackers_each_step_and_held_out_loss(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tracker_readers  # tests/tracker_readers.py: TensorBoard's own reader
+
+    workdir = tmp_path / "run"
+    args = command(
+        tiny_model_dir, dataset, tmp_path / "out", workdir, "--sft.epochs", "1", "--sft.report-to", "tensorboard"
+    )
+    assert cli.main_code(["sft", *args]) == 0, capsys.readouterr().err
+    log = steplog.read(workdir / steplog.FILE_NAME)
+    tb = tracker_readers.tensorboard(workdir / "trackers")  # tracker_dir's default: WORKDIR/trackers
+    # TensorBoard keeps float32 scalars.
+    assert tb.series["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in log.steps}, rel=1e-6)
+    assert tb.series["eval/loss"] == pytest.approx({e["step"]: e["eval_loss"] for e in log.evals}, rel=1e-6)
+    assert tb.config["lr"] == LR and tb.config["report_to"] == ["tensorboard"]
+
+
 def test_a_bad_setting_is_named_before_anything_runs(
     tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

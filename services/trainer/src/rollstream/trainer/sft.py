@@ -178,7 +178,9 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
             step += 1
             record = step_record(s, step, result, optimizer.lr, step / per_epoch)
             steplog.append(log_path, record)
-            tracked.log_metrics({f"train/{k}": v for k, v in record.items() if k not in ("schema", "run", "utc")}, step)
+            tracked.log_metrics(
+                {f"train/{k}": v for k, v in record.items() if k not in ("schema", "run", "step", "utc")}, step
+            )
             if data.held_out and ((s.eval_every and step % s.eval_every == 0) or step == total):
                 held = held_out_loss(model, data.held_out, cfg, pad_id)
                 steplog.append(log_path, {"schema": steplog.SCHEMA, "run": s.run, "kind": steplog.EVAL_KIND, "step": step,
