@@ -38,6 +38,7 @@ def test_up_trains_grpo_from_the_model_sft_wrote(tiny_model_dir: Path, redis_url
           "--trainer.steps", "2", "--trainer.eval-prompts", "0"]  # fmt: skip
     done = subprocess.run(up, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert f"curves: {workdir / 'curves.png'}" in done.stdout + done.stderr  # plot.render_at_end, as sft's end
     assert [r["step"] for r in steplog.read(workdir / steplog.FILE_NAME).steps] == [1, 2]
     latest = checkpoint.latest(workdir / "checkpoints")
     assert latest is not None and checkpoint.load_state(latest).settings["model"] == str(out)

@@ -95,7 +95,11 @@ def test_the_command_trains_logs_and_exports_a_model_transformers_loads(
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     changed = [n for n, p in trained.state_dict().items() if not torch.equal(p.float(), base.state_dict()[n].float())]
     assert len(changed) == len(base.state_dict()), f"weights not trained: {set(base.state_dict()) - set(changed)}"
-    # `rollstream plot` draws the run: an SFT run's panels, no GRPO one.
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["last_loss"] == log.steps[-1]["loss"] and summary["model"] == str(out)
+    assert [h["step"] for h in summary["held_out"]] == [3, 6, 9, 12, 15]
+    # The command drew the curves; `rollstream plot` draws them again: an SFT run's panels, no GRPO one.
+    assert f"curves: {workdir / 'curves.png'}" in capsys.readouterr().out
     assert cli.main_code(["plot", str(workdir)]) == 0 and (workdir / "curves.png").stat().st_size > 0
     assert [ax.get_title() for ax in plot.figure(log, "sft").axes] == [
         "held-out loss (per trained token)",

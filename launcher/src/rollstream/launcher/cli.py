@@ -127,7 +127,14 @@ def cmd_sft(argv: list[str]) -> int:
             f"rollstream sft needs the trainer package (pip install 'rollstream-launcher[up]'): {e}", style="red"
         )
         return 2
-    return sft.main(argv, Path(__file__).parent / "profiles")  # run_config.PROFILES, without the services' imports
+    profiles = Path(__file__).parent / "profiles"  # run_config.PROFILES, without the services' imports
+    code = sft.main(argv, profiles)
+    if code == 0:  # the curves, as `up` draws them at its end
+        from rollstream.launcher import plot
+
+        workdir = sft.load(argv, profiles).folder
+        plot.render_at_end(workdir / steplog.FILE_NAME, workdir / "curves.png", plain_console())
+    return code
 
 
 def cmd_config(argv: list[str]) -> int:

@@ -26,6 +26,7 @@ from rollstream.core import steplog
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from rich.console import Console
 
 PHASES = ("forward_s", "backward_s", "optimizer_s", "delta_encode_s", "push_s", "commit_s")  # steplog's phase fields
 
@@ -213,3 +214,17 @@ def render(log_path: Path, out: Path, title: str = "") -> tuple[Path, steplog.St
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out, log
+
+
+def render_at_end(step_log: Path, out: Path, console: Console) -> None:
+    """A run's curves when it ends (`up`, `sft`), said on `console`; a plotting failure is
+    reported, never fatal."""
+    try:
+        path, log = render(step_log, out)
+    except PlotError as e:
+        console.print(f"no curve: {e}", style="yellow", soft_wrap=True)
+        return
+    console.print(
+        f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""),
+        soft_wrap=True,
+    )

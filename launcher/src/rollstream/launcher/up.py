@@ -413,22 +413,9 @@ def _stop_and_report(the_plan: Plan, cfg: RunConfig, run: Supervised, versions: 
     if (exported := Path(cfg.trainer.export_dir)).is_dir():  # the trained model (trainer/export.py)
         console.print(f"model: {exported}", soft_wrap=True)
     if (step_log := workdir / steplog.FILE_NAME).exists() and not cfg.trainer.eval_only:
-        _plot_curve(step_log, workdir / "curves.png", console)
+        from rollstream.launcher import plot
 
-
-def _plot_curve(step_log: Path, out: Path, console: Console) -> None:
-    """The run's curves at the end of `up` (a plotting failure is reported, never fatal)."""
-    from rollstream.launcher import plot
-
-    try:
-        path, log = plot.render(step_log, out)
-    except plot.PlotError as e:
-        console.print(f"no curve: {e}", style="yellow", soft_wrap=True)
-        return
-    console.print(
-        f"curves: {path}" + (f" ({len(log.skipped)} unreadable lines of {step_log} skipped)" if log.skipped else ""),
-        soft_wrap=True,
-    )
+        plot.render_at_end(step_log, workdir / "curves.png", console)
 
 
 def _write_restarts(workdir: Path, children: list[Child]) -> None:

@@ -27,6 +27,7 @@ step (tests/integration/test_sft_command.py kills a real process with SIGKILL).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import tomllib
@@ -47,6 +48,7 @@ from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
 from rollstream.trainer.sft_data import PackedRow, SftDataConfig, SftDataError, prepare
 from rollstream.trainer.sft_step import SftStepConfig, micro_batches, sft_step
 
+SUMMARY = "summary.json"  # in the workdir, as `up` writes one
 TABLE = "sft"  # the table of a --config / --profile file this command reads
 # Settings a resume must share with the checkpoint: they decide which rows each step takes
 # and its learning rate. The others (threads, checkpoint_every, report_to...) may change.
@@ -195,8 +197,27 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
     # 7. The model folder.
     trained = export.Trained(model_dir, optimizer, None, optimizer.published_bits(), step, step, str(ckpt_dir))
     written = export.export(trained, out, s.export_dtype)
+    write_summary(workdir / SUMMARY, log_path, written)
     print(f"sft: {step} steps; the model is in {written} (rollstream up --model {written})", file=sys.stderr)
     return written
+
+
+def write_summary(path: Path, log_path: Path, out: Path) -> None:
+    """WORKDIR/summary.json from the step log (the whole run's, across resumes): the loss
+    curve, the held-out losses, the mean tokens/s, where the model is."""
+    log = steplog.read(log_path) if log_path.exists() else steplog.StepLog()
+    losses = [r["loss"] for r in log.steps]
+    speeds = [r["train_tokens_per_s"] for r in log.steps if r.get("train_tokens_per_s")]
+    summary = {
+        "steps": len(log.steps),
+        "loss_curve": [round(x, 4) for x in losses],
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "held_out": [{"step": e["step"], "loss": e["eval_loss"]} for e in log.evals],
+        "train_tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,
+        "model": str(out),
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def load_data(s: SftSettings, tokenizer: Any) -> Data:
