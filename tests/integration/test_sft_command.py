@@ -143,6 +143,9 @@ def test_a_bad_setting_is_named_before_anything_runs(
     config.write_text("[sft]\nlearning_rate = 1e-4\n")  # TRL's name, not this command's
     assert cli.main_code(["sft", *plain, "--config", str(config)]) == 2
     assert "field 'learning_rate': Extra inputs are not permitted" in capsys.readouterr().err
+    # A packed row longer than the model's context (the tiny model's: 2048 tokens).
+    assert cli.main_code(["sft", *plain, "--sft.max-length", "4096"]) == 2
+    assert "max_length 4096: over the model's context of 2048 tokens" in capsys.readouterr().err
     assert not out.exists() and not workdir.exists()
     # The [sft] table's good values are taken, under the flags.
     config.write_text("[sft]\nbatch_rows = 3\nseed = 7\nlr = 1e-4\n")

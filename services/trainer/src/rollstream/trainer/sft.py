@@ -41,7 +41,7 @@ import torch
 
 from rollstream.core import cpu_runtime, deltas, modeling, steplog
 from rollstream.core.config import ConfigError, load_settings
-from rollstream.core.models import ModelNotFoundError, resolve_model
+from rollstream.core.models import ModelNotFoundError, context_length, resolve_model
 from rollstream.trainer import checkpoint, export, lora, trackers
 from rollstream.trainer.config import SftSettings
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
@@ -141,10 +141,7 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
     if s.threads:
         torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    try:
-        model_dir = str(resolve_model(s.model))
-    except ModelNotFoundError as e:
-        raise SftError(f"model: {e}") from None
+    model_dir = model_folder(s)
     model, tokenizer, _, params = lora.load(model_dir, s.dtype, s.device, None, s.activation_checkpointing)
     model.train()
     optimizer = s.host_adamw(params)
@@ -218,6 +215,18 @@ def write_summary(path: Path, log_path: Path, out: Path) -> None:
         "model": str(out),
     }
     path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def model_folder(s: SftSettings) -> str:
+    """The model's folder, refused (naming the field) when it is missing or when a packed row of
+    max_length tokens would not fit in its context: positions past it were never trained."""
+    try:
+        model_dir = str(resolve_model(s.model))
+    except ModelNotFoundError as e:
+        raise SftError(f"model: {e}") from None
+    if 0 < (context := context_length(model_dir)) < s.max_length:
+        raise ValueError(f"max_length {s.max_length}: over the model's context of {context} tokens ({model_dir})")
+    return model_dir
 
 
 def load_data(s: SftSettings, tokenizer: Any) -> Data:
