@@ -253,3 +253,21 @@ def test_every_setting_is_a_flag_with_its_description_and_variable() -> None:
         assert found, f"{flag} is not in sft --help"
         assert info.description and " ".join(info.description.split()) in found[2], name
         assert found[3] == f"ROLLSTREAM_SFT_{name.upper()}", found[0]
+
+
+def test_the_overlapped_update_gives_the_sequential_steps_losses_and_model(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command overlaps each update with the next forward, the held-out one included: the
+    same step losses, held-out losses and weights as steps run one after the other."""
+    f32 = ("--sft.export-dtype", "float32", "--sft.eval-every", "1", "--sft.epochs", "1")
+    assert sft.main(command(tiny_model_dir, dataset, tmp_path / "out-on", tmp_path / "on", *f32)) == 0
+    sequential = sft.sft_step
+    monkeypatch.setattr(sft, "sft_step", lambda *a, **k: sequential(*a, **{**k, "background": False}))
+    assert sft.main(command(tiny_model_dir, dataset, tmp_path / "out-off", tmp_path / "off", *f32)) == 0
+    on, off = steplog.read(tmp_path / "on" / steplog.FILE_NAME), steplog.read(tmp_path / "off" / steplog.FILE_NAME)
+    assert [r["loss"] for r in on.steps] == [r["loss"] for r in off.steps]
+    assert [e["eval_loss"] for e in on.evals] == [e["eval_loss"] for e in off.evals] and len(on.evals) == 5
+    assert_same_tensors(
+        load_file(tmp_path / "out-on" / "model.safetensors"), load_file(tmp_path / "out-off" / "model.safetensors")
+    )

@@ -169,7 +169,10 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
             rows = [data.train[i] for i in step_rows(len(data.train), s.batch_rows, s.seed, step)]
             optimizer.lr = s.lr * lr_factor(step, total, s.warmup_steps, s.lr_scheduler)
             try:
-                result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id)
+                # The update runs on into the next step's forward, as GRPO's does when nothing
+                # reads the weights in between (each module waits for its own buckets; a
+                # checkpoint, a held-out forward and the export wait too): the same bits.
+                result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id, background=True)
             except NonFiniteStep as e:
                 raise SftError(
                     f"step {step + 1}: {e}; nothing applied (resume from {ckpt_dir} with other settings)"
