@@ -6,9 +6,10 @@
                  after hours of training); WORKDIR holds checkpoints/, steps.jsonl, trackers/
   3. model       loaded as the trainer loads it (lora.load), its optimizer HostAdamW as
                  GRPO's (the shared HostOptimizerSettings): fp32 masters on the host
-  4. data        the whole dataset tokenized, validated and packed before any step
-                 (sft_data.prepare: every bad row named by row and field, then nothing
-                 runs); a held-out part: eval_fraction of the packed rows, or eval_dataset
+  4. data        the whole dataset tokenized, validated and packed before the model loads
+                 (its tokenizer is enough) and before any step (sft_data.prepare: every
+                 bad row named by row and field, then nothing runs); a held-out part:
+                 eval_fraction of the packed rows, or eval_dataset
   5. resume      --resume latest (or a folder): the optimizer state, torch's RNG and the step,
                  which is the data position (the order is a function of seed, epoch and step)
   6. steps       epochs of `batch_rows` packed rows each, in a seeded order per epoch; the
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from rollstream.core import cpu_runtime, deltas, modeling, steplog
 from rollstream.core.config import ConfigError, load_settings
@@ -136,20 +138,21 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
         s = s.model_copy(update={"tracker_dir": str(workdir / "trackers")})
     ckpt_dir = workdir / "checkpoints"
     log_path = workdir / steplog.FILE_NAME
-    # 3. The model, as the trainer loads it.
+    # 3. The model (4. and the data first), as the trainer loads it.
     cpu_runtime.fixed_mmap_threshold()
     if s.threads:
         torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     model_dir = model_folder(s)
+    # 4. The data, all of it checked before anything trains, and before the model loads (minutes
+    # for a large one): its tokenizer is all the data needs.
+    data = load_data(s, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     model, tokenizer, _, params = lora.load(model_dir, s.dtype, s.device, None, s.activation_checkpointing)
     model.train()
     optimizer = s.host_adamw(params)
     # No sync_model: the first step computes with the weights as loaded, as TRL's does (the
     # split masters hold them exactly); from the first update on the model holds the masters'
     # bf16 rounding (benchmarks/sft_vs_trl.py).
-    # 4. The data, all of it checked before anything trains.
-    data = load_data(s, tokenizer)
     per_epoch = math.ceil(len(data.train) / s.batch_rows)
     total = min(s.max_steps, s.epochs * per_epoch) if s.max_steps else s.epochs * per_epoch
     print(
@@ -175,7 +178,7 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
                 result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id, background=True)
             except NonFiniteStep as e:
                 raise SftError(
-                    f"step {step + 1}: {e}; nothing applied (resume from {ckpt_dir} with other settings)"
+                    f"step {step + 1}: {e}; nothing applied (the latest checkpoint is in {ckpt_dir})"
                 ) from None
             step += 1
             record = step_record(s, step, result, optimizer.lr, step / per_epoch)
