@@ -24,7 +24,7 @@ from rollstream.trainer.sft_data import IGNORE, Example, SftDataConfig, SftDataE
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import trl_sft_data  # benchmarks/trl_sft_data.py: its dataset and its marked ChatML template  # noqa: E402
+import trl_sft_data  # noqa: E402 - benchmarks/ is on the path only once ROOT is known (its dataset and marked ChatML template)
 
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 
