@@ -9,6 +9,7 @@ exists (benchmarks/trl_sft_data.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -290,8 +291,12 @@ def test_rows_equal_trls(tiny_model_dir: Path, args: list[str]) -> None:
         capture_output=True,
         text=True,
         check=False,
+        # The trackers' tests leave WANDB_MODE=offline in this process (trackers.py sets it for
+        # the trainer's whole process), and with it TRL's side prints a line to stdout.
+        env={k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))},
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("{"), f"not the script's JSON: stdout starts {out.stdout[:500]!r}"
     report = json.loads(out.stdout)
     assert report["trl"] == "1.16.0" and report["rows"] > 0
     assert report["equal"], report["first_difference"]
