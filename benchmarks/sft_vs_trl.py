@@ -80,6 +80,7 @@ def run_ours(args: argparse.Namespace) -> None:
     from rollstream.trainer import lora
     from rollstream.trainer.config import TrainerSettings
     from rollstream.trainer.optimizer import HostAdamW
+    from rollstream.trainer.sft import onto_masters
     from rollstream.trainer.sft_step import SftStepConfig, sft_step
 
     cpu_runtime.fixed_mmap_threshold()  # as the trainer does
@@ -99,8 +100,8 @@ def run_ours(args: argparse.Namespace) -> None:
         master_layout=s.master_layout,
     )
     # No sync_model: the first step computes with the checkpoint's weights as loaded, as TRL's
-    # does (the split masters hold them exactly); from the first update on the model holds the
-    # masters' bf16 rounding. (GRPO rounds at version 0 so that the generator computes with the
+    # does (the split masters hold them exactly); from the first update on a float32 model holds
+    # the masters, a bfloat16 one their bf16 rounding, as `rollstream sft` has them. (GRPO rounds at version 0 so that the generator computes with the
     # same weights; an SFT run has no generator. SmolLM2's converted weights are not all
     # bf16-exact: rounded first, the first loss differs from TRL's by 0.7 %.)
     cfg = SftStepConfig(token_budget=args.token_budget, chunk_tokens=s.chunk_tokens, max_grad_norm=1.0, device="cpu")
@@ -109,10 +110,8 @@ def run_ours(args: argparse.Namespace) -> None:
     for k, (rows, count) in enumerate(zip(steps, counts)):
         optimizer.lr = args.lr * (len(steps) - k) / len(steps)  # TRL's linear schedule, no warmup
         r = sft_step(model, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id)
-        if args.fp32_weights:  # the diagnosis: the model computes with the fp32 masters, as TRL's does
-            with torch.no_grad():
-                for name, p in params.items():
-                    p.copy_(optimizer.master[name])
+        if args.dtype == "float32":  # as `rollstream sft` runs: the model on the masters, as TRL's fp32 run
+            onto_masters(optimizer, params)
         records.append(
             {
                 "step": k + 1,
@@ -191,7 +190,6 @@ def one_seed(args: argparse.Namespace, model: str, seed: int, folder: Path) -> d
     ours_cmd = [sys.executable, __file__, *common, "--ours", str(dump), "--token-budget", str(args.token_budget)]
     ours_cmd += ["--checkpointing"] if args.checkpointing else []
     ours_cmd += ["--dtype", args.dtype]
-    ours_cmd += ["--fp32-weights"] if args.fp32_weights else []
     ours_cmd += ["--moments-dtype", args.moments_dtype] if args.moments_dtype else []
     ours, _ = run_child(ours_cmd, args.threads, "rollstream")
     first = abs(ours["first_step_loss"] - trl["first_step_loss"]) / abs(trl["first_step_loss"])
@@ -222,12 +220,6 @@ def main() -> None:
     )
     p.add_argument(
         "--moments-dtype", choices=["float32", "bfloat16"], default=None, help="rollstream's (the trainer's default)"
-    )
-    p.add_argument(
-        "--fp32-weights",
-        action="store_true",
-        help="a diagnosis, not the engine: rollstream's model computes with the fp32 masters after each step "
-        "(the engine's hold their bf16 rounding), so what remains of a difference from TRL is the step's",
     )
     p.add_argument(
         "--trl-bf16", action="store_true", help="TRL at its CPU default, bf16 autocast (its first loss then differs)"

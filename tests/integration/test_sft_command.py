@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from rollstream.core import steplog
 from rollstream.launcher import cli, plot
-from rollstream.trainer import sft
+from rollstream.trainer import lora, sft
+from rollstream.trainer.sft_step import SftStepConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -258,9 +259,9 @@ def test_every_setting_is_a_flag_with_its_description_and_variable() -> None:
 def test_the_overlapped_update_gives_the_sequential_steps_losses_and_model(
     tiny_model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The command overlaps each update with the next forward, the held-out one included: the
-    same step losses, held-out losses and weights as steps run one after the other."""
-    f32 = ("--sft.export-dtype", "float32", "--sft.eval-every", "1", "--sft.epochs", "1")
+    """A bfloat16 run overlaps each update with the next forward, the held-out one included:
+    the same step losses, held-out losses and weights as steps run one after the other."""
+    f32 = ("--sft.dtype", "bfloat16", "--sft.export-dtype", "float32", "--sft.eval-every", "1", "--sft.epochs", "1")
     assert sft.main(command(tiny_model_dir, dataset, tmp_path / "out-on", tmp_path / "on", *f32)) == 0
     sequential = sft.sft_step
     monkeypatch.setattr(sft, "sft_step", lambda *a, **k: sequential(*a, **{**k, "background": False}))
@@ -271,3 +272,27 @@ def test_the_overlapped_update_gives_the_sequential_steps_losses_and_model(
     assert_same_tensors(
         load_file(tmp_path / "out-on" / "model.safetensors"), load_file(tmp_path / "out-off" / "model.safetensors")
     )
+
+
+def test_a_float32_model_computes_on_the_unrounded_masters(tiny_model_dir: Path, dataset: Path, tmp_path: Path) -> None:
+    """After each update a float32 run's model holds the fp32 masters, not their bf16 rounding
+    (TRL's fp32 run does): the last held-out loss is that of the exported fp32 masters, and
+    not that of their bf16 rounding."""
+    from transformers import AutoTokenizer
+
+    extra = ("--sft.export-dtype", "float32", "--sft.max-steps", "2", "--sft.eval-every", "2")
+    argv = command(tiny_model_dir, dataset, tmp_path / "out", tmp_path / "run", *extra)
+    assert sft.main(argv) == 0
+    logged = steplog.read(tmp_path / "run" / steplog.FILE_NAME).evals[-1]["eval_loss"]
+    s = sft.load(argv)
+    rows = sft.load_data(s, AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)).held_out
+    cfg = SftStepConfig(s.token_budget, s.chunk_tokens, s.max_grad_norm, "cpu")
+    masters = load_file(tmp_path / "out" / "model.safetensors")
+
+    def held_out_loss(weights: dict[str, torch.Tensor]) -> float:
+        model, tokenizer, _, _ = lora.load(str(tiny_model_dir), "float32", "cpu", None, False)
+        model.load_state_dict(weights, strict=False)  # (a tied head is one tensor, saved once)
+        return sft.held_out_loss(model, rows, cfg, tokenizer.pad_token_id)
+
+    assert held_out_loss(masters) == logged
+    assert held_out_loss({n: w.bfloat16().float() for n, w in masters.items()}) != logged

@@ -151,8 +151,10 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
     model.train()
     optimizer = s.host_adamw(params)
     # No sync_model: the first step computes with the weights as loaded, as TRL's does (the
-    # split masters hold them exactly); from the first update on the model holds the masters'
-    # bf16 rounding (benchmarks/sft_vs_trl.py).
+    # split masters hold them exactly). After each update a float32 model takes the masters
+    # themselves, as TRL's fp32 run computes; a bfloat16 one their bf16 rounding, as GRPO's
+    # (docs/design-notes.md, "SFT (issue 46): the model's weights after a step").
+    on_masters = s.dtype == "float32"
     per_epoch = math.ceil(len(data.train) / s.batch_rows)
     total = min(s.max_steps, s.epochs * per_epoch) if s.max_steps else s.epochs * per_epoch
     print(
@@ -162,6 +164,8 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
     )
     # 5. Resume.
     step = resume(s, ckpt_dir, optimizer, params, model_dir) if s.resume else 0
+    if step and on_masters:
+        onto_masters(optimizer, params)
     # 6. The steps.
     cfg = SftStepConfig(s.token_budget, s.chunk_tokens, s.max_grad_norm, s.device)
     pad_id = tokenizer.pad_token_id
@@ -172,10 +176,13 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
             rows = [data.train[i] for i in step_rows(len(data.train), s.batch_rows, s.seed, step)]
             optimizer.lr = s.lr * lr_factor(step, total, s.warmup_steps, s.lr_scheduler)
             try:
-                # The update runs on into the next step's forward, as GRPO's does when nothing
-                # reads the weights in between (each module waits for its own buckets; a
-                # checkpoint, a held-out forward and the export wait too): the same bits.
-                result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id, background=True)
+                # A bf16 model's update runs on into the next step's forward, as GRPO's does
+                # when nothing reads the weights in between (each module waits for its own
+                # buckets; a checkpoint, a held-out forward and the export wait too): the same
+                # bits. A float32 model waits for the whole update, then takes the masters.
+                result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id, background=not on_masters)
+                if on_masters:
+                    onto_masters(optimizer, params)
             except NonFiniteStep as e:
                 raise SftError(
                     f"step {step + 1}: {e}; nothing applied (the latest checkpoint is in {ckpt_dir})"
@@ -320,6 +327,15 @@ def _utc() -> str:
 
 
 # -- checkpoints --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def onto_masters(optimizer: HostAdamW, params: dict[str, torch.nn.Parameter]) -> None:
+    """Write the unrounded fp32 masters into a float32 model's parameters: an update of
+    lr 2e-5 is far below a bf16 step of most weights, so on their bf16 rounding the model
+    would learn late (docs/benchmarks.md, "The SFT step against TRL's SFTTrainer")."""
+    for name, master in optimizer.master.items():
+        params[name].copy_(master)
 
 
 def _fingerprint(params: dict[str, torch.nn.Parameter]) -> str:
