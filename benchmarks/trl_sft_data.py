@@ -115,7 +115,6 @@ def trl_rows(model: str, rows: list[dict], args: argparse.Namespace, template: s
 
 
 def our_rows(model: str, rows: list[dict], args: argparse.Namespace, template: str | None) -> list[dict]:
-    import torch
     from transformers import AutoTokenizer
 
     from rollstream.trainer import sft_data
@@ -132,7 +131,7 @@ def our_rows(model: str, rows: list[dict], args: argparse.Namespace, template: s
     data = sft_data.prepare_rows(rows, tokenizer, config)
     result = []
     for r in data.rows:
-        batch = sft_data.packed_batch([r], tokenizer.pad_token_id or 0, torch.float32)
+        batch = sft_data.packed_batch([r], tokenizer.pad_token_id or 0)
         result.append(
             {
                 "input_ids": r.input_ids,

@@ -8,6 +8,7 @@ exists (benchmarks/trl_sft_data.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -220,7 +221,7 @@ def test_packing_keeps_every_example_whole(tokenizer: Any) -> None:
         seen += r.rows
     assert sorted(seen) == list(range(80))
     assert len(data.rows) < 80 / 2  # short chats: several to a row
-    assert data.loss_tokens == len(sft_data.packed_batch(data.rows, 3, torch.float32).targets) > 0
+    assert data.loss_tokens == len(sft_data.packed_batch(data.rows, 3).targets) > 0
 
 
 def test_packing_runs_in_trls_slices_of_a_thousand() -> None:
@@ -229,13 +230,35 @@ def test_packing_runs_in_trls_slices_of_a_thousand() -> None:
     assert rows[1].rows == [1000]
 
 
-def test_packed_batch_restarts_positions_and_blocks_attention(tokenizer: Any) -> None:
+def segments(rows: list[sft_data.PackedRow], width: int) -> torch.Tensor:
+    """Each position's example in its row (-2: padding), as modeling.segment_mask reads them."""
+    segment = torch.full((len(rows), width), -2, dtype=torch.long)
+    for b, r in enumerate(rows):
+        at = 0
+        for k, n in enumerate(r.seq_lengths):
+            segment[b, at : at + n] = k
+            at += n
+    return segment
+
+
+def attention_seen(model: Any, batch: modeling.Batch) -> torch.Tensor | None:
+    """Which keys each query sees [B, T, T], as transformers' masking utils build it for this
+    batch (None: plain causal attention, no mask)."""
+    from transformers.masking_utils import create_causal_mask
+
+    embeds = model.get_input_embeddings()(batch.input_ids)
+    mask = create_causal_mask(model.config, embeds, batch.attention_mask, None, position_ids=batch.position_ids)
+    assert mask is None or isinstance(mask, torch.Tensor)
+    return None if mask is None else mask[:, 0]
+
+
+def test_packed_batch_restarts_positions_and_blocks_attention(tiny_model_dir: Path, tokenizer: Any) -> None:
     a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
     rows = [
         sft_data.PackedRow(a + b, [IGNORE, 6, 7, IGNORE, 9], [3, 2], [0, 1]),
         sft_data.PackedRow(c, [10, 11, IGNORE, 13], [4], [2]),
     ]
-    batch = sft_data.packed_batch(rows, pad_id=0, dtype=torch.float32)
+    batch = sft_data.packed_batch(rows, pad_id=0)
     assert batch.position_ids is not None and batch.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [10, 11, 12, 13, 0]]
     # Targets: labelled tokens but each example's first, predicted from the position before.
@@ -247,13 +270,46 @@ def test_packed_batch_restarts_positions_and_blocks_attention(tokenizer: Any) ->
         (1, 2, 13),
     ]
     assert batch.lengths == [2, 1, 2] and [r.loss_tokens for r in rows] == [3, 2]
-    seen = batch.attention_mask[:, 0] == 0  # [B, T, T]: query sees key
+    # No mask of ours: transformers cuts each row where its positions restart.
+    assert batch.attention_mask is None
+    model, _ = modeling.load_model(tiny_model_dir)
+    seen = attention_seen(model, batch)
+    assert seen is not None
     segment = [[0, 0, 0, 1, 1], [0, 0, 0, 0, -2]]
     for r in range(2):
         for q in range(5):
             for k in range(5):
-                same = segment[r][q] == segment[r][k] and segment[r][q] != -2 and k <= q
-                assert bool(seen[r, q, k]) == (same or q == k), (r, q, k)
+                same = segment[r][q] == segment[r][k] and k <= q  # padding: a segment of its own
+                assert bool(seen[r, q, k]) == same, (r, q, k)
+
+
+def test_a_row_of_one_example_gets_no_mask(tiny_model_dir: Path) -> None:
+    """The long-row case: one example filling its row is plain causal attention, no [T, T]
+    mask anywhere (SDPA's is_causal kernels)."""
+    model, _ = modeling.load_model(tiny_model_dir)
+    rows = [sft_data.PackedRow(list(range(5, 5 + n)), list(range(5, 5 + n)), [n], [k]) for k, n in enumerate([9, 9])]
+    assert attention_seen(model, sft_data.packed_batch(rows, pad_id=0)) is None
+
+
+def test_without_the_mask_log_probs_equal_the_masks(tiny_model_dir: Path, tokenizer: Any) -> None:
+    """Micro-batches of packed rows of unequal widths: the log-probs with transformers' own
+    attention from the positions equal those with the block-diagonal additive mask
+    (modeling.segment_mask, what packed_batch passed before and GRPO's shared batch passes)."""
+    model, _ = modeling.load_model(tiny_model_dir)
+    data = sft_data.prepare_rows(trl_sft_data.dataset("messages", 12), tokenizer, SftDataConfig(max_length=128))
+    rows = data.rows[:4]
+    assert len({len(r.input_ids) for r in rows}) > 1 and max(len(r.seq_lengths) for r in rows) >= 2
+    with torch.no_grad():
+        for micro in ([0], [0, 1, 2, 3], [3, 1]):
+            picked = [rows[i] for i in micro]
+            batch = sft_data.packed_batch(picked, 3)
+            width = batch.input_ids.shape[1]
+            masked = dataclasses.replace(
+                batch, attention_mask=modeling.segment_mask(segments(picked, width), torch.float32)
+            )
+            ours, _ = modeling.completion_logprobs(model, batch)
+            theirs, _ = modeling.completion_logprobs(model, masked)
+            assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (micro, (ours - theirs).abs().max())
 
 
 def test_a_packed_row_gives_each_example_its_log_probs_alone(tiny_model_dir: Path, tokenizer: Any) -> None:
@@ -262,11 +318,11 @@ def test_a_packed_row_gives_each_example_its_log_probs_alone(tiny_model_dir: Pat
     row = max(data.rows, key=lambda r: len(r.seq_lengths))
     assert len(row.seq_lengths) >= 2
     with torch.no_grad():
-        packed, _ = modeling.completion_logprobs(model, sft_data.packed_batch([row], 3, torch.float32))
+        packed, _ = modeling.completion_logprobs(model, sft_data.packed_batch([row], 3))
         at, alone = 0, []
         for n, source in zip(row.seq_lengths, row.rows, strict=True):
             single = sft_data.PackedRow(row.input_ids[at : at + n], row.labels[at : at + n], [n], [source])
-            logps, _ = modeling.completion_logprobs(model, sft_data.packed_batch([single], 3, torch.float32))
+            logps, _ = modeling.completion_logprobs(model, sft_data.packed_batch([single], 3))
             alone.append(logps)
             at += n
     assert torch.allclose(packed, torch.cat(alone), rtol=0, atol=1e-5), (packed - torch.cat(alone)).abs().max()

@@ -78,7 +78,9 @@ class Batch:
     """Right-padded prompt+completion sequences and where each completion's tokens sit."""
 
     input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T], or [B, 1, T, T] additive (make_shared_batch)
+    # [B, T], or [B, 1, T, T] additive (make_shared_batch), or None: causal attention within
+    # each run of position_ids counting up by one (sft_data.packed_batch; transformers finds the runs)
+    attention_mask: torch.Tensor | None
     rows: torch.Tensor  # [N] batch row of each completion token
     cols: torch.Tensor  # [N] position whose hidden state predicts that token (t - 1)
     targets: torch.Tensor  # [N] the completion token ids
@@ -226,8 +228,10 @@ def completion_logprobs(
     if batch.targets.numel() == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return empty, empty
+    # No KV cache: nothing decodes after this forward, and with one transformers would not look
+    # for packed rows in the positions (what a Batch without an attention mask relies on).
     hidden = model.get_decoder()(  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
     ).last_hidden_state
     picked = hidden[batch.rows, batch.cols]  # [N, H]
     return head_logprobs(

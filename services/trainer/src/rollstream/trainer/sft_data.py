@@ -450,28 +450,33 @@ def _row(examples: Sequence[Example]) -> PackedRow:
 # --- to the model -------------------------------------------------------------------------
 
 
-def packed_batch(
-    rows: Sequence[PackedRow], pad_id: int, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> modeling.Batch:
-    """Rows as one modeling.Batch: right-padded ids, positions restarting at each example,
-    the block-diagonal causal mask (modeling.segment_mask: each example its own segment), and
-    as targets every labelled token but an example's first, each predicted from the position
-    before it in its own example: what TRL's padding-free collator and loss take. `lengths`
-    holds each example's target count, in row order (0 for one truncation left unlabelled)."""
+def packed_batch(rows: Sequence[PackedRow], pad_id: int, device: str | torch.device = "cpu") -> modeling.Batch:
+    """Rows as one modeling.Batch: right-padded ids, positions restarting at each example and
+    no attention mask, and as targets every labelled token but an example's first, each
+    predicted from the position before it in its own example: what TRL's padding-free
+    collator and loss take. `lengths` holds each example's target count, in row order (0 for
+    one truncation left unlabelled).
+
+    Attention stays within each example without a [B, 1, T, T] mask of ours: with
+    attention_mask None, transformers' masking utils cut each row where its positions stop
+    counting up by one (find_packed_sequence_indices), and a row's padding restarts at 0, a
+    segment no example sees. Where every row is one example and no padding (the long-row
+    case) that is plain causal attention: no mask at all, SDPA's is_causal kernels (flash on
+    a GPU); otherwise transformers builds the block-diagonal mask itself (bool for SDPA, a
+    quarter of an fp32 mask), or varlen / a BlockMask for flash and flex attention."""
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
-    segment = torch.full((len(rows), width), -2, dtype=torch.long)  # -2: padding
     b_rows: list[int] = []
     cols: list[int] = []
     targets: list[int] = []
     lengths: list[int] = []
     for b, r in enumerate(rows):
         ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.long)
+        positions[b, len(r.input_ids) :] = torch.arange(width - len(r.input_ids))  # padding: its own segment
         at = 0
-        for k, n in enumerate(r.seq_lengths):
+        for n in r.seq_lengths:
             positions[b, at : at + n] = torch.arange(n)
-            segment[b, at : at + n] = k
             picked = [t for t in range(at + 1, at + n) if r.labels[t] != IGNORE]
             b_rows += [b] * len(picked)
             cols += [t - 1 for t in picked]
@@ -480,7 +485,7 @@ def packed_batch(
             at += n
     return modeling.Batch(
         input_ids=ids.to(device),
-        attention_mask=modeling.segment_mask(segment, dtype).to(device),
+        attention_mask=None,
         rows=torch.tensor(b_rows, dtype=torch.long, device=device),
         cols=torch.tensor(cols, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),

@@ -11,9 +11,9 @@ rows fall into micro-batches.
                     first micro-batch
   3. micro-batches  whole rows packed to `token_budget` padded tokens (modeling.pack_by_tokens,
                     as GRPO's step packs sequences), and for each:
-       forward      positions restarting at each example, the block-diagonal causal mask
-                    (sft_data.packed_batch), log pi of the trained tokens through the
-                    chunked LM head (modeling.completion_logprobs: the logits never whole)
+       forward      positions restarting at each example, attention within each example
+                    (sft_data.packed_batch: no mask at all for a row of one example), log pi
+                    of the trained tokens through the chunked LM head (modeling.completion_logprobs: the logits never whole)
        loss         -sum(log pi) / normaliser
        backward     step.backward_micro_batch: gradients accumulate over the micro-batches
   4. optimizer      one HostAdamW step with the gradient-norm clip, as GRPO's (HostAdamW.step;
@@ -85,9 +85,8 @@ def micro_batches(
     as GRPO's step packs its sequences), each with the Batch its forward takes
     (sft_data.packed_batch): a step's, and a held-out loss's. One without a trained token
     is left out: it has no loss (TRL's adds a zero) and no gradient."""
-    dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method; the mask adds to the attention scores
     for micro in modeling.pack_by_tokens([len(row.input_ids) for row in rows], cfg.token_budget):
-        batch = packed_batch([rows[i] for i in micro], pad_id, dtype, cfg.device)
+        batch = packed_batch([rows[i] for i in micro], pad_id, cfg.device)
         if batch.targets.numel():
             yield micro, batch
 
