@@ -118,9 +118,9 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def cmd_sft(argv: list[str]) -> int:
-    """Supervised fine-tuning (trainer/sft.py): 0 with the model exported, 2 for a bad
-    setting or bad data (nothing trained), 1 for a run that stopped."""
+    """rollstream sft (trainer/sft.py): 0 with the model exported, 2 for bad settings or data, 1 for a stopped run."""
     try:
+        from rollstream.reward.items import ItemScorer  # the held-out score's recipes (trainer/sft_eval.py)
         from rollstream.trainer import sft
     except ImportError as e:  # the launcher without its [up] extra
         plain_console(stderr=True).print(
@@ -128,7 +128,8 @@ def cmd_sft(argv: list[str]) -> int:
         )
         return 2
     profiles = Path(__file__).parent / "profiles"  # run_config.PROFILES, without the services' imports
-    code = sft.main(argv, profiles)
+    with ItemScorer.from_environment() as scorer:  # its worker pool starts only to score held-out answers
+        code = sft.main(argv, profiles, scorer=scorer)
     if code == 0:  # the curves, as `up` draws them at its end
         from rollstream.launcher import plot
 

@@ -393,9 +393,11 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.metrics.rpc_items.inc(len(scores))
         self.metrics.count_scores(scores)
-        return reward_pb2.ScoreResponse(
-            scores=[reward_pb2.ItemScore(reward=s.reward, components=[to_pb(c) for c in s.components]) for s in scores]
-        )
+        return reward_pb2.ScoreResponse(scores=[item_score(s) for s in scores])
+
+
+def item_score(score: Score) -> reward_pb2.ItemScore:
+    return reward_pb2.ItemScore(reward=score.reward, components=[to_pb(c) for c in score.components])
 
 
 # -- what the stream loop scores with -------------------------------------------------------------

@@ -400,6 +400,20 @@ class SftSettings(HostOptimizerSettings, SettingsBase):
     eval_every: int = Field(
         0, ge=0, description="a held-out loss every N steps, and after the last (0: after the last only)"
     )
+    # Held-out score (trainer/sft_eval.py): greedy completions of held-out rows that have an
+    # answer, scored by the reward service's recipes. Field names and task_kind as [trainer]'s.
+    answer_field: str = Field("answer", description="the field of a row holding its reference answer (empty: none)")
+    metadata_field: str = Field("", description="the field of a row holding the recipe's metadata (empty: none)")
+    task_kind: str = Field(
+        "arithmetic", min_length=1, description="the reward recipe the held-out answers are scored with"
+    )
+    eval_prompts: int = Field(
+        64,
+        ge=0,
+        description="held-out rows with an answer completed and scored, the first N (0: the held-out loss only)",
+    )
+    eval_max_new_tokens: int = Field(256, ge=1, description="tokens a held-out completion may have (greedy)")
+    eval_batch_size: int = Field(16, ge=1, description="held-out prompts generated together")
     # Checkpoints and the model.
     checkpoint_every: int = Field(
         500, ge=0, description="a checkpoint every N steps, and at the last (TRL's save_steps: 500)"

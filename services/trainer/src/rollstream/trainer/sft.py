@@ -9,13 +9,17 @@
   4. data        the whole dataset tokenized, validated and packed before the model loads
                  (its tokenizer is enough) and before any step (sft_data.prepare: every
                  bad row named by row and field, then nothing runs); a held-out part:
-                 eval_fraction of the packed rows, or eval_dataset
+                 eval_fraction of the packed rows, or eval_dataset; of its rows with an
+                 answer (answer_field), the first eval_prompts' prompts (sft_eval.py)
   5. resume      --resume latest (or a folder): the optimizer state, torch's RNG and the step,
                  which is the data position (the order is a function of seed, epoch and step)
   6. steps       epochs of `batch_rows` packed rows each, in a seeded order per epoch; the
                  learning rate of each step from its number (TRL's linear schedule); each step
                  sft_step.sft_step; then a steps.jsonl line (`rollstream plot` draws it), the
-                 trackers, a held-out loss every eval_every steps, a checkpoint every
+                 trackers, a held-out loss every eval_every steps and after the last,
+                 with the held-out score where rows have answers and a scorer was given
+                 (greedy completions scored by the reward service's recipes: reward_mean,
+                 accuracy, as GRPO's held-out evaluation; sft_eval.py), a checkpoint every
                  checkpoint_every steps and at the last (the GRPO trainer's format,
                  checkpoint.py: `rollstream export` reads it too)
   7. export      the model folder (export.py's writer: save_pretrained + tokenizer), what
@@ -44,7 +48,7 @@ from transformers import AutoTokenizer
 from rollstream.core import cpu_runtime, deltas, modeling, steplog
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.models import ModelNotFoundError, context_length, resolve_model
-from rollstream.trainer import checkpoint, export, lora, trackers
+from rollstream.trainer import checkpoint, export, lora, sft_eval, trackers
 from rollstream.trainer.config import SftSettings
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
 from rollstream.trainer.sft_data import PackedRow, SftDataConfig, SftDataError, prepare
@@ -110,11 +114,17 @@ def load(argv: Sequence[str], profiles: Path | None = None) -> SftSettings:
     return load_settings(SftSettings, settings_argv(argv, profiles), table=TABLE)
 
 
-def main(argv: Sequence[str], profiles: Path | None = None, after_step: AfterStep | None = None) -> int:
+def main(
+    argv: Sequence[str],
+    profiles: Path | None = None,
+    after_step: AfterStep | None = None,
+    scorer: sft_eval.Scorer | None = None,
+) -> int:
     """The command: 0 when the model is exported, 2 for a bad setting or bad data (nothing
-    trained), 1 when the run stopped (the latest checkpoint is where --resume latest goes on)."""
+    trained), 1 when the run stopped (the latest checkpoint is where --resume latest goes on).
+    `scorer`: the reward's recipes, for the held-out score (the launcher's; sft_eval.py)."""
     try:
-        run(load(argv, profiles), after_step)
+        run(load(argv, profiles), after_step, scorer)
         return 0
     except (ConfigError, SftDataError, export.ExportError, checkpoint.CheckpointError, ValueError) as e:
         print(e, file=sys.stderr)
@@ -127,10 +137,10 @@ def main(argv: Sequence[str], profiles: Path | None = None, after_step: AfterSte
 # -- 2-7. the run -------------------------------------------------------------------------------
 
 
-def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
+def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Scorer | None = None) -> Path:
     """Train as `s` says and export the model; returns the out folder. `after_step(step)` is
     called once a step is recorded (and checkpointed, when one is due): tests stop the
-    process there."""
+    process there. With `scorer`, held-out rows that have answers are also scored (sft_eval)."""
     # 2. Folders: the out folder is refused now if it could be someone's model.
     out, workdir = Path(s.out).absolute(), s.folder.absolute()
     export.check_output(out)
@@ -146,7 +156,9 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
     model_dir = model_folder(s)
     # 4. The data, all of it checked before anything trains, and before the model loads (minutes
     # for a large one): its tokenizer is all the data needs.
-    data = load_data(s, AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    data_tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    data = load_data(s, data_tokenizer)
+    scoring = sft_eval.held_out_score(s, data.held_out, data_tokenizer, scorer, workdir)
     model, tokenizer, _, params = lora.load(model_dir, s.dtype, s.device, None, s.activation_checkpointing)
     model.train()
     optimizer = s.host_adamw(params)
@@ -194,10 +206,8 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
                 {f"train/{k}": v for k, v in record.items() if k not in ("schema", "run", "step", "utc")}, step
             )
             if data.held_out and ((s.eval_every and step % s.eval_every == 0) or step == total):
-                held = held_out_loss(model, data.held_out, cfg, pad_id)
-                steplog.append(log_path, {"schema": steplog.SCHEMA, "run": s.run, "kind": steplog.EVAL_KIND, "step": step,
-                                          "eval_loss": held, "utc": _utc()})  # fmt: skip
-                tracked.log_metrics({"eval/loss": held}, step)
+                held = held_out_round(model, tokenizer, data.held_out, cfg, scoring, step)
+                log_held_out(s.run, step, held, log_path, tracked)
             if (s.checkpoint_every and step % s.checkpoint_every == 0) or step == total:
                 save(s, ckpt_dir, step, optimizer, params)
             if after_step is not None:
@@ -214,7 +224,7 @@ def run(s: SftSettings, after_step: AfterStep | None = None) -> Path:
 
 def write_summary(path: Path, log_path: Path, out: Path) -> None:
     """WORKDIR/summary.json from the step log (the whole run's, across resumes): the loss
-    curve, the held-out losses, the mean tokens/s, where the model is."""
+    curve, the held-out losses (and scores), the mean tokens/s, where the model is."""
     log = steplog.read(log_path) if log_path.exists() else steplog.StepLog()
     losses = [r["loss"] for r in log.steps]
     speeds = [r["train_tokens_per_s"] for r in log.steps if r.get("train_tokens_per_s")]
@@ -223,7 +233,11 @@ def write_summary(path: Path, log_path: Path, out: Path) -> None:
         "loss_curve": [round(x, 4) for x in losses],
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
-        "held_out": [{"step": e["step"], "loss": e["eval_loss"]} for e in log.evals],
+        "held_out": [
+            {"step": e["step"], "loss": e["eval_loss"]}
+            | {k: e[f"eval_{k}"] for k in ("reward_mean", "accuracy") if f"eval_{k}" in e}
+            for e in log.evals
+        ],
         "train_tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,
         "model": str(out),
     }
@@ -282,6 +296,29 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     if schedule == "constant":
         return 1.0
     return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def held_out_round(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[PackedRow],
+    cfg: SftStepConfig,
+    scoring: sft_eval.HeldOutScore | None,
+    step: int,
+) -> dict[str, float]:
+    """A held-out round after `step`: the loss, and the score where there is one (sft_eval),
+    by the names steps.jsonl's eval line (eval_<name>) and the trackers (eval/<name>) give them."""
+    held = {"loss": held_out_loss(model, rows, cfg, tokenizer.pad_token_id)}
+    if scoring is not None:
+        held |= scoring.evaluate(model, tokenizer, step)
+    return held
+
+
+def log_held_out(run: str, step: int, held: dict[str, float], log_path: Path, tracked: trackers.Trackers) -> None:
+    """A held-out round's steps.jsonl eval line (eval_loss, eval_accuracy...) and trackers' eval/<name>."""
+    steplog.append(log_path, {"schema": steplog.SCHEMA, "run": run, "kind": steplog.EVAL_KIND, "step": step,
+                              **{f"eval_{k}": v for k, v in held.items()}, "utc": _utc()})  # fmt: skip
+    tracked.log_metrics({f"eval/{k}": v for k, v in held.items()}, step)
 
 
 def held_out_loss(model: torch.nn.Module, rows: Sequence[PackedRow], cfg: SftStepConfig, pad_id: int) -> float:
