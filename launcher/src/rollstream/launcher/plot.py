@@ -155,6 +155,8 @@ def figure(log: steplog.StepLog, title: str) -> Figure:
     except ImportError as e:
         raise PlotError(f"matplotlib is not installed ({e}): pip install 'rollstream-core[plot]'") from e
     shown, left_out = panels(log)
+    if not shown:  # one step (a short SFT): every series is a single value
+        raise PlotError(f"every value is constant: {'; '.join(left_out)}")
     rows = math.ceil(len(shown) / 2)
     # A Figure of its own, not pyplot's: no global figure list to leak into, no display needed
     # (savefig picks the Agg canvas for a PNG).
