@@ -33,6 +33,7 @@ from rollstream.core.config import ENV_PREFIX, NAME_PATTERN, CommonSettings, Con
 from rollstream.core.grpc_auth import is_unix_address
 from rollstream.core.redis_policy import check_url
 from rollstream.generator.config import GeneratorSettings
+from rollstream.launcher import warm_start
 from rollstream.launcher.colocation import Colocate, refusal
 from rollstream.reference.config import ReferenceSettings
 from rollstream.reward.config import RewardSettings
@@ -164,6 +165,12 @@ class RunConfig(BaseSettings):
     log_json: bool = Field(
         CommonSettings.model_fields["log_json"].default, description="the services log JSON lines (in WORKDIR/logs)"
     )
+    warm_start: int = Field(
+        0,
+        ge=0,
+        description="before GRPO, SFT on this many generated examples of the answer format (300: a few seconds' worth "
+        "of steps), then GRPO from that model (WORKDIR/warm-start/; launcher/warm_start.py); 0: GRPO from the model itself",
+    )
     trainer: TrainerSettings = Field(
         TrainerSettings.model_validate({}),
         description="the trainer service's settings (its class's defaults; the profile's values: rollstream config)",
@@ -223,6 +230,8 @@ class RunConfig(BaseSettings):
         for asks, limit in (("group_size", "max_group_size"), ("max_new_tokens", "max_task_new_tokens")):
             if getattr(self.trainer, asks) > getattr(self.generator, limit):
                 raise ValueError(f"trainer.{asks} is over generator.{limit}: the generators would refuse every task")
+        if self.warm_start and (why := warm_start.refusal(self.trainer, self.warm_start)):
+            raise ValueError(why)
         if self.colocated:
             # The demo profile colocates: say how to leave it (not to one who asked for async).
             hint = "" if self.colocate == "async" else " (--colocate off: the generators in processes of their own)"

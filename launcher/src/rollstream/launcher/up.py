@@ -28,7 +28,7 @@ from rollstream.core import credentials, redis_acl, redis_policy, run_keys, step
 from rollstream.core import status as pipeline_status
 from rollstream.core.config import ENV_PREFIX
 from rollstream.core.grpc_auth import ClientCredentials
-from rollstream.launcher import procs
+from rollstream.launcher import procs, warm_start
 from rollstream.launcher.cli import plain_console
 from rollstream.launcher.colocation import vllm_missing
 from rollstream.launcher.plan import EXTERNAL_REWARD_FILE, Plan, plan, redis_url_of
@@ -158,12 +158,19 @@ def _up(cfg: RunConfig) -> int:
         f"run={cfg.run} workdir={workdir}{'' if cfg.fresh else ' (continuing the run)'}",
     )
     try:
-        the_plan = plan(cfg, str(resolve_model_in_child(cfg.model)), redis_url_of(cfg), os.cpu_count() or 2)
+        model = str(resolve_model_in_child(cfg.model))
+        if cfg.warm_start:  # SFT first, then GRPO from its model (warm_start.py)
+            model = warm_start.warm_start(cfg.trainer, cfg.warm_start, model, workdir, cfg.run, cfg.generator.seed,
+                                          cfg.threads, cfg.fresh, console)  # fmt: skip
+        the_plan = plan(cfg, model, redis_url_of(cfg), os.cpu_count() or 2)
         for path in the_plan.sockets:
             check_socket_length(path)
     except (ModelNotFoundError, ValueError) as e:
         console.print(str(e), style="red")
         return 2
+    except warm_start.WarmStartError as e:
+        console.print(str(e), style="red")
+        return 1
     console.print(f"model: {the_plan.children[0].tables()['trainer']['model']}")
     # Every service gets its own credentials (docs/security.md): a gRPC token per role, and
     # on the embedded server a Redis ACL user per role. Kept across runs in the workdir.
