@@ -298,6 +298,49 @@ CHECKS: dict[str, list[Check]] = {
             ],
             150,
         ),
+        # Issue 46: 14B SFT on one GPU (benchmarks/gpu_sft.py), rollstream sft's step: split
+        # masters and bf16 moments on the host, activation checkpointing, the chunked LM head,
+        # one example a row (causal attention, no mask). 4 rows a step (LSRL's 4 accumulation
+        # steps) at 4K, 8K and 18K tokens: tokens/s beside LSRL's A800 table, phases, peak device
+        # and host memory; then the longest row that trains, one step each at 32K, 64K, 96K, 128K
+        # until device memory or the time runs out. Gradients stay on the GPU: offloading them
+        # needs 4 more bytes a parameter of host memory (165 GiB at 14B). ~60 s of setup and
+        # ~150 s of lengths: a call of its own, `run.sh --only sft_14b --budget-s 570` (docs/gpu.md).
+        Check(
+            "sft_14b",
+            [
+                "benchmarks/gpu_sft.py",
+                "--size",
+                "14b",
+                "--device",
+                "cuda",
+                "--longest",
+                "32768,65536,98304,131072",
+                "--time-budget-s",
+                "490",
+            ],
+            [
+                "benchmarks/gpu_sft.py",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--lengths",
+                "64,128",
+                "--rows",
+                "2",
+                "--steps",
+                "1",
+                "--longest",
+                "256,512",
+                "--threads",
+                "2",
+            ],
+            545,
+            min_s=240,
+        ),
     ],
     "system": [
         # `rollstream up` (embedded Redis, trainer, reward) on the device, colocated (issue 31):

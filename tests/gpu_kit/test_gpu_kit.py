@@ -201,6 +201,7 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
         and "baseline" not in optimizer
     )
     assert_largest_split(results["largest_split_14b"])
+    assert_sft(results["sft_14b"])
 
     rc, summary = run_kit(kits / "system", device_python3, state, tmp_path / "out2", repo=tree2)
     assert_what_comes_back(tmp_path / "out2")
@@ -261,6 +262,27 @@ def assert_rl_step(result: dict) -> None:
     assert result["host"]["overlapped"] is False and result["host"]["delta"]["bytes"] > 0
     assert_step_figures(result["host_offload"], {**path, "grad_offload": True})
     assert result["offload_backward_over_host"] > 0
+
+
+def assert_sft(result: dict) -> None:
+    """gpu_sft.py at its CPU size (tiny, float32): 2 rows of 64 and of 128 tokens a step, then
+    the longest row, one step at 256 and at 512: every length trained, with its figures."""
+    assert result["fits_host"] is True and result["host_bytes_per_parameter"] == 8
+    assert result["attention"] == "causal, no mask (one example a row)"
+    assert result["optimizer"] == {
+        "path": "split_kernel",
+        "master_layout": "split",
+        "moments_dtype": "bfloat16",
+        "grad_offload": False,
+        "kernel_threads": 2,
+    }
+    assert [r["length"] for r in result["lengths"]] == [64, 128]
+    for r in result["lengths"]:
+        assert r["tokens"] == 2 * r["length"] and r["tokens_per_s"] > 0 and r["rows_a_step"] == 2
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["peak_host_gib"] > 0
+    longest = result["longest"]
+    assert [r["length"] for r in longest["tried"]] == [256, 512] and all(r["fits"] for r in longest["tried"])
+    assert longest["longest_trained"] == 512 and longest["stopped_by"] == "the list's end"
 
 
 def assert_largest_split(result: dict) -> None:
