@@ -12,7 +12,7 @@ sequential (TRL's is random: a fixed order lets the other side train on the very
 Prints one JSON line per optimizer step, {"step", "loss", "grad_norm", "t"}, where loss is the
 Trainer's logged loss (logging every step: the sum of the micro-batches' losses, each
 normalised by the step's count of trained tokens), and a final
-{"done": true, "first_step_loss", "losses", "wall_s", "train_s", "peak_rss_mb"}. With `--dump
+{"done": true, "first_step_loss", "losses", "wall_s", "train_s", "train_cpu_s", "peak_rss_mb"}. With `--dump
 FILE`, every micro-batch as the model saw it goes to FILE, one JSON line each: {"step",
 "input_ids", "labels", "position_ids", "num_items_in_batch"}: what sft_vs_trl.py trains
 rollstream's step on.
@@ -57,6 +57,12 @@ def sft_config(args: argparse.Namespace, out: str):
         report_to=[],
         dataloader_num_workers=0,
     )
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time, user + system (sft_vs_trl.py's measure on a loaded machine)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -117,9 +123,9 @@ def main() -> None:
         trainer = Recording(
             model=model, args=sft_config(args, out), train_dataset=data, processing_class=tokenizer, callbacks=[Steps()]
         )
-        train_started = time.monotonic()
+        train_started, cpu_started = time.monotonic(), cpu_seconds()
         trainer.train()
-        train_s = time.monotonic() - train_started
+        train_s, train_cpu_s = time.monotonic() - train_started, cpu_seconds() - cpu_started
     if dump is not None:
         dump.close()
     emit(
@@ -129,6 +135,7 @@ def main() -> None:
             "losses": losses,
             "wall_s": round(time.monotonic() - STARTED, 2),
             "train_s": round(train_s, 2),
+            "train_cpu_s": round(train_cpu_s, 2),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         }
     )

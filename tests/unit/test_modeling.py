@@ -187,3 +187,41 @@ def test_load_bits_subset_and_bf16_model(tiny_model_dir: Path) -> None:
     assert np.array_equal(after[name], new[name])
     assert all(np.array_equal(after[k], before[k]) for k in before if k != name)
     assert modeling.named_weights(model)[name].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("every", "recomputed"), [(1, [True, True]), (2, [True, False]), (3, [True, False])])
+def test_checkpoint_every_kth_layer_recomputes_those_with_the_same_gradients(
+    tiny_model_dir: Path, every: int, recomputed: list[bool]
+) -> None:
+    """modeling.checkpoint_layers: the chosen layers run their forward again in backward, the
+    others once, and the gradients are those of no checkpointing (the recompute is the same ops)."""
+    batch = modeling.make_batch(SEQUENCES, pad_id=0)
+
+    def grads_and_calls(every: int | None) -> tuple[dict[str, torch.Tensor], list[int]]:
+        model, _ = modeling.load_model(tiny_model_dir, dtype="float32")
+        model.train()
+        if every is not None:
+            assert modeling.checkpoint_layers(model, every) == sum(recomputed)
+        layers = model.get_decoder().layers
+        calls = [0] * len(layers)
+        for i, layer in enumerate(layers):
+            # A pre-hook: the recompute stops once it has what backward needs (torch's early
+            # stop), inside the MLP, so a forward hook would not see it.
+            layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=3)
+        logp.sum().backward()
+        return _param_grads(model), calls
+
+    reference, plain_calls = grads_and_calls(None)
+    got, calls = grads_and_calls(every)
+    assert plain_calls == [1, 1]
+    assert calls == [2 if r else 1 for r in recomputed]
+    assert got.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_checkpoint_every_below_one_is_refused(tiny_model_dir: Path) -> None:
+    model, _ = modeling.load_model(tiny_model_dir, dtype="float32")
+    with pytest.raises(ValueError, match="checkpoint every 0-th layer"):
+        modeling.checkpoint_layers(model, 0)

@@ -35,6 +35,25 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     return model, tokenizer
 
 
+def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> int:
+    """Activation checkpointing (non-reentrant: works with frozen inputs, LoRA, and with the
+    checkpointed LM head) on every `every`-th decoder layer, the first included; the others
+    keep their activations for backward. 1 is every layer (least memory, one more forward in
+    backward); k > 1 trades (1 - 1/k) of that recompute for those layers' activations. Returns
+    how many layers recompute."""
+    if every < 1:
+        raise ValueError(f"checkpoint every {every}-th layer: must be at least 1")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
+        gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0  # read by the layer's __call__ in training
+    return sum(1 for layer in layers if layer.gradient_checkpointing)
+
+
 def named_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters by Hugging Face name; tied weights appear once (as the checkpoint has them)."""
     return dict(model.named_parameters(remove_duplicate=True))

@@ -102,15 +102,19 @@ class LoraModel:
 
 
 def load(
-    model_dir: str, dtype: str, device: str = "cpu", spec: LoraSpec | None = None, checkpointing: bool = False
+    model_dir: str,
+    dtype: str,
+    device: str = "cpu",
+    spec: LoraSpec | None = None,
+    checkpointing: bool = False,
+    checkpoint_every: int = 1,
 ) -> tuple[Any, Any, LoraModel | None, dict[str, torch.nn.Parameter]]:
     """The model as the trainer trains it (and an export of its checkpoint rebuilds it), its tokenizer,
     the LoraModel (None without a spec) and the trained parameters: all the weights, or the adapters
     over a base rounded to bf16."""
     model, tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
     if checkpointing:
-        # Non-reentrant: works with frozen inputs (LoRA) and with our own checkpointed LM head.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        modeling.checkpoint_layers(model, checkpoint_every)
     if spec is None:
         return model, tokenizer, None, modeling.named_weights(model)
     wrapped = LoraModel(model, spec)
