@@ -118,9 +118,13 @@ def test_a_dataset_without_answers_reports_the_held_out_loss_only(
 
 
 def test_bad_settings_and_bad_answers_are_named_before_anything_trains(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = write(tmp_path / "sums.jsonl", rows(answers=True))
+    with monkeypatch.context() as env:  # the reward's own settings, read as its service reads them
+        env.setenv("ROLLSTREAM_ANSWER_WEIGHT", "nan")
+        assert cli.main_code(command(tiny_model_dir, data, tmp_path)) == 2
+    assert "answer_weight" in capsys.readouterr().err
     assert cli.main_code(command(tiny_model_dir, data, tmp_path, "--sft.eval-max-new-tokens", "0")) == 2
     assert "field 'eval_max_new_tokens': Input should be greater than or equal to 1" in capsys.readouterr().err
     assert cli.main_code(command(tiny_model_dir, data, tmp_path, "--sft.task-kind", "sums")) == 2
