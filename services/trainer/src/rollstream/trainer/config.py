@@ -392,6 +392,12 @@ class SftSettings(HostOptimizerSettings, SettingsBase):
     activation_checkpointing: bool = Field(
         True, description="recompute each decoder layer's activations in backward (TRL's gradient_checkpointing: on)"
     )
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="with activation_checkpointing, recompute only every k-th decoder layer: faster, "
+        "the other layers' activations kept (docs/benchmarks.md, 'SFT step time')",
+    )
     # Held-out loss.
     eval_fraction: float = Field(
         0.0, ge=0, lt=1, description="hold out this fraction of the packed rows (whole examples), never trained on"

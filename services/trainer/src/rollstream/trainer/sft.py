@@ -159,7 +159,9 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
     data_tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     data = load_data(s, data_tokenizer)
     scoring = sft_eval.held_out_score(s, data.held_out, data_tokenizer, scorer, workdir)
-    model, tokenizer, _, params = lora.load(model_dir, s.dtype, s.device, None, s.activation_checkpointing)
+    model, tokenizer, _, params = lora.load(
+        model_dir, s.dtype, s.device, None, s.activation_checkpointing, s.checkpoint_every
+    )
     model.train()
     optimizer = s.host_adamw(params)
     # No sync_model: the first step computes with the weights as loaded, as TRL's does (the
