@@ -392,7 +392,7 @@ class SftSettings(HostOptimizerSettings, SettingsBase):
     activation_checkpointing: bool = Field(
         True, description="recompute each decoder layer's activations in backward (TRL's gradient_checkpointing: on)"
     )
-    checkpoint_every: int = Field(
+    activation_checkpointing_every: int = Field(
         1,
         ge=1,
         description="with activation_checkpointing, recompute only every k-th decoder layer: faster, "

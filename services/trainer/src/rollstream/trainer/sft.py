@@ -160,7 +160,7 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
     data = load_data(s, data_tokenizer)
     scoring = sft_eval.held_out_score(s, data.held_out, data_tokenizer, scorer, workdir)
     model, tokenizer, _, params = lora.load(
-        model_dir, s.dtype, s.device, None, s.activation_checkpointing, s.checkpoint_every
+        model_dir, s.dtype, s.device, None, s.activation_checkpointing, s.activation_checkpointing_every
     )
     model.train()
     optimizer = s.host_adamw(params)
