@@ -246,6 +246,46 @@ def test_the_sandbox_probe_runs_in_a_worker_and_reports_back(builtin_pool: Score
     assert list(found[0]) == ["broken_code"] and "/nonexistent/python3" in found[0]["broken_code"]
 
 
+def parent_pid(pid: int) -> int:
+    """From /proc/PID/stat: the field after the command's closing parenthesis is the state, then the parent."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def test_a_sandbox_probe_whose_worker_is_killed_reports_every_code_kind(tmp_path: Path) -> None:
+    """The probe's worker killed mid-check (its interpreter hangs, the test kills the worker):
+    every code kind is reported as unchecked, with the reason, not lost in a callback's
+    exception; the pool carries on."""
+    started = tmp_path / "started"
+    hang = tmp_path / "python3"
+    hang.write_text(f"#!/bin/sh\necho $$ > {started}\nexec sleep 600\n")
+    hang.chmod(0o755)
+    code = ComponentSpec(component="code", weight=1.0, params={"python": str(hang)})
+    specs = {"code_a": [code], "code_b": [code], "arithmetic": default_specs()["arithmetic"]}
+    p = ScorePool(recipe_source(specs, 5.0), workers=1)
+    try:
+        found: list[dict[str, str]] = []
+        reported = threading.Event()
+        p.check_sandboxes(specs, lambda problems: (found.append(problems), reported.set()))
+        deadline = time.monotonic() + 120
+        while not started.exists() or not started.read_text().strip():
+            assert time.monotonic() < deadline, "the probe never ran the interpreter"
+            time.sleep(0.05)
+        # The worker: the ancestor of the hanging interpreter that is a child of this process.
+        hung = worker = int(started.read_text())
+        while parent_pid(worker) != os.getpid():
+            worker = parent_pid(worker)
+            assert worker > 1, "the interpreter is not under this process"
+        os.kill(worker, signal.SIGKILL)
+        assert reported.wait(120), "no report after the probe's worker died"
+        assert sorted(found[0]) == ["code_a", "code_b"]
+        assert all("did not finish" in why for why in found[0].values()), found[0]
+        os.kill(hung, signal.SIGKILL)
+        assert p.score_many([("arithmetic", Sample("The answer is 8.", "8"))])[0].reward > 1.0
+    finally:
+        p.close()
+
+
 def test_recipes_are_rebuilt_in_the_workers_from_plain_data() -> None:
     spec = ComponentSpec(component="exact", weight=2.0, name="answer", timeout_s=3.0, params={"case_sensitive": False})
     source = recipe_source({"exact": [spec]}, 5.0)

@@ -53,7 +53,7 @@ def test_vllm_text_is_what_the_trainer_decodes(backend) -> None:
         ]  # fmt: skip
         samples += [s for group in backend.sample(requests) for s in group]
 
-    def decode(ids: Sequence[int]) -> str:  # the trainer's (trainer/service.py, TrainerLoop.checked)
+    def decode(ids: Sequence[int]) -> str:  # the trainer's (trainer/service.py, prompts.check_answers)
         return str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
     for s in samples:

@@ -118,9 +118,12 @@ def verify_proof(key: Ed25519PublicKey, challenge: bytes, nonce: bytes, address:
 def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
     """What the signature covers: the method, the nonce and every field of the header, one
     per line (a canonical text, not a protobuf encoding, so both sides agree byte for byte)."""
-    fields = [
-        "rollstream.v1.Generator/PushWeights",
-        nonce.hex(),
+    return "\n".join(["rollstream.v1.Generator/PushWeights", nonce.hex(), *_header_lines(header)]).encode()
+
+
+def _header_lines(header: weights_pb2.WeightHeader) -> list[str]:
+    """Every field of a weight header, in the order the signed texts give them."""
+    return [
         header.kind,
         str(header.base_version),
         str(header.version),
@@ -128,7 +131,6 @@ def signed_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
         header.sha256,
         header.model_fingerprint,
     ]
-    return "\n".join(fields).encode()
 
 
 def ack_text(nonce: bytes, header: weights_pb2.WeightHeader) -> bytes:
@@ -183,17 +185,7 @@ def verify(key: Ed25519PublicKey, nonce: bytes, signature: bytes, header: weight
 def payload_text(run: str, header: weights_pb2.WeightHeader) -> bytes:
     """What a catch-up payload's signature covers (FetchWeights' first chunk of each payload,
     the store's chain.json entry): the run and every field of its header."""
-    fields = [
-        "rollstream.v1.Trainer/FetchWeights",
-        run,
-        header.kind,
-        str(header.base_version),
-        str(header.version),
-        str(header.total_bytes),
-        header.sha256,
-        header.model_fingerprint,
-    ]
-    return "\n".join(fields).encode()
+    return "\n".join(["rollstream.v1.Trainer/FetchWeights", run, *_header_lines(header)]).encode()
 
 
 def state_text(run: str, challenge: bytes, version: int, fingerprint: str) -> bytes:

@@ -128,10 +128,24 @@ class ScorePool:
         self, specs: Mapping[str, Sequence[ComponentSpec]], report: Callable[[dict[str, str]], None]
     ) -> None:
         """recipes.sandbox_problems of `specs`, run in a worker (where code runs) beside the
-        start, as a sandbox's interpreter can take seconds to start: `report` gets its answer."""
+        start, as a sandbox's interpreter can take seconds to start: `report` gets its answer.
+        Where the check itself fails (its worker killed, say), `report` gets every code kind
+        with that reason: nothing says the sandbox works. Nothing when the pool closed first."""
+        code_kinds = [kind for kind, components in specs.items() if any(c.component == "code" for c in components)]
+
+        def reported(done: concurrent.futures.Future[dict[str, str]]) -> None:
+            if done.cancelled():
+                return
+            error = done.exception()
+            report(
+                {kind: f"the sandbox check did not finish: {error!r}" for kind in code_kinds}
+                if error
+                else done.result()
+            )
+
         with self._lock:
             future = self._pool.schedule(recipes.sandbox_problems, args=(recipes.plain_specs(specs),))
-        future.add_done_callback(lambda done: report(done.result()))
+        future.add_done_callback(reported)
 
     def close(self) -> None:
         """Stop the workers (a running check is killed)."""

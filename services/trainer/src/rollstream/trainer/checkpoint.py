@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 from safetensors import safe_open
@@ -126,7 +127,9 @@ class CheckpointState(BaseModel):
             raise CheckpointError(f"state file does not match this trainer: {problems}") from None
         return CheckpointState.model_validate(dict(read))
 
-    def check_model(self, path: Path, published: Mapping[str, torch.Tensor], lora_base: Any, model: str) -> None:
+    def check_model(
+        self, path: Path, published: Mapping[str, torch.Tensor], lora_base: Mapping[str, np.ndarray] | None, model: str
+    ) -> None:
         """CheckpointError unless these weights are this checkpoint's model: the same names and
         shapes and, with LoRA (`lora_base` its frozen base bits), the same base weights."""
         if lora_base is not None and self.base_weights_sha256 != deltas.weights_sha256(lora_base):

@@ -268,6 +268,49 @@ def feed_task(
     ops.hset(keys.tasks, task.task_id, known.SerializeToString())
 
 
+def check_answers(
+    client: redis_policy.Client,
+    stage: streams.StreamStage,
+    keys: run_keys.RunKeys,
+    new: validation.Groups,
+    version: int,
+    stale: Callable[[rollout_pb2.RolloutGroup], bool],
+    decode: Callable[[Sequence[int]], str],
+) -> tuple[validation.Groups, validation.Groups]:
+    """The groups of `new` that answer a task of the task map (feed_task), as they say, with
+    text that is their tokens (validation.check_against_task): (training groups, evaluation
+    groups: the task map's word, not the group's). The others are dead-lettered on `stage`
+    with the reason. What trains is what the trainer asked, sampled as the reward saw it.
+    Stale groups pass (the trainer counts them; their task may already be swept); an
+    evaluation group from a version after `version` does not (a round's versions are the
+    report's)."""
+    if not new:
+        return [], []
+    tasks = validation.fetch_tasks(client, keys.tasks, [g.task_id for _, g in new])
+    kept: validation.Groups = []
+    evals: validation.Groups = []
+    for entry, group in new:
+        task = tasks.get(group.task_id)
+        try:
+            if task is not None and task.eval:
+                validation.check_against_task(group, task, decode)
+                if group.policy_version > version:
+                    raise validation.EntryError(
+                        f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {version}"
+                    )
+                evals.append((entry, group))
+                continue
+            if not stale(group):
+                if task is None:
+                    raise validation.EntryError(validation.unknown_task(group, keys.tasks))
+                validation.check_against_task(group, task, decode)
+        except validation.EntryError as e:
+            stage.dead_letter(entry, str(e))
+            continue
+        kept.append((entry, group))
+    return kept, evals
+
+
 class PromptFeeder:
     def __init__(
         self,

@@ -1,10 +1,12 @@
 """Replaying the trained log after a resume: the steps trained after the checkpoint the
 trainer restarted from, trained again in order (service.py calls it once, before the loop);
-and where the log ends, which each checkpoint records as what it has trained through."""
+where the log ends, which each checkpoint records as what it has trained through; and the
+checkpoint between steps that records it (and trims the log to what a resume may replay)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import redis
 
@@ -72,3 +74,35 @@ def trained_log_end(client: redis_policy.Client, keys: run_keys.RunKeys) -> str:
     through, and where a resume's replay starts after."""
     last = client.xrevrange(keys.trained_log, count=1)
     return last[0][0].decode() if last else ""
+
+
+def save_checkpoint(
+    trainer: Trainer,
+    host: ServiceHost,
+    client: redis_policy.Client,
+    keys: run_keys.RunKeys,
+    prompts_fed: int,
+    consumer: str,
+    path: str,
+) -> tuple[Path, int]:
+    """A checkpoint between steps, recording where the trained log ends; its path and version.
+    `path` empty: the trainer's own, checkpoint_dir/step-N, what a restart resumes from: the
+    folder is pruned to keep_checkpoints and the trained log trimmed to what a resume may still
+    replay. Else one SaveCheckpoint asked for, already confined to checkpoint_dir and outside
+    the trainer's names: the operator's, written once, never pruned, never resumed from unless
+    named."""
+    if not path and not trainer.settings.checkpoint_dir:
+        raise ValueError("no checkpoint path given and no checkpoint_dir configured")
+    log_end = host.redis.call(lambda: trained_log_end(client, keys), "reading the trained log's end")
+    if path:
+        saved = trainer.save_checkpoint(Path(path), prompts_fed=prompts_fed, consumer=consumer, trained_log_id=log_end)
+        return saved, trainer.version
+
+    def trim_log(through: str) -> None:
+        ms, seq = run_keys.id_tuple(through)
+        host.redis.call(
+            lambda: client.xtrim(keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False),
+            "trimming the trained log",
+        )
+
+    return trainer.save_own_checkpoint(prompts_fed, consumer, log_end, trim_log), trainer.version

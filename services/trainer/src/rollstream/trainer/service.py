@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollstream.core import logs, redis_policy, run_keys, steplog, streams, validation
+from rollstream.core import logs, redis_policy, run_keys, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
@@ -44,10 +44,10 @@ from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.fleet import GeneratorDirectory
 from rollstream.trainer.optimizer import NonFiniteStep
-from rollstream.trainer.prompts import PromptFeeder, chat_encoder
+from rollstream.trainer.prompts import PromptFeeder, chat_encoder, check_answers
 from rollstream.trainer.push import PushOutcome
 from rollstream.trainer.servicer import CheckpointRequests
-from rollstream.trainer.trackers import Trackers, eval_metrics, run_config, step_metrics
+from rollstream.trainer.trackers import Reports, Trackers, run_config
 from rollstream.trainer.trainer import Trainer
 from rollstream.v1 import rollout_pb2, trainer_pb2_grpc
 
@@ -87,11 +87,10 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         ]
     )
     client = host.connect_redis()
-    trackers = Trackers.from_settings(
-        settings, settings.run
-    )  # report_to; a tracker that fails is turned off, never raised
+    # report_to; a tracker that fails is turned off, never raised
+    reports = Reports(settings.run, settings.metrics_file, host.log, Trackers.from_settings(settings, settings.run))
     try:
-        trackers.log_config(run_config(settings))
+        reports.trackers.log_config(run_config(settings))
         keys = run_keys.RunKeys(settings.run)
         stage = host.open_stage(client, "ready", settings.group)
         fed = host.redis.call(
@@ -101,7 +100,7 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
         encode = chat_encoder(trainer.tokenizer)
         feeder = PromptFeeder(settings, client, stage, fed, encode)
         evaluator = host.redis.call(lambda: Evaluator(settings, client, stage, encode), "reading the evaluation rounds")
-        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, evaluator, directory, checkpoints, trackers)
+        loop = TrainerLoop(trainer, host, client, keys, stage, feeder, evaluator, directory, checkpoints, reports)
         # Who reads a delta, before the first step (replayed ones too): with none, none is encoded.
         trainer.publisher.readers.saw(loop.push_targets(), directory.from_registry)
         # Also without a checkpoint: a trainer killed before its first one starts from the
@@ -124,7 +123,7 @@ def serve(settings: TrainerSettings, host: ServiceHost, trainer: Trainer) -> Non
             host.run_loop(stage, loop.turn, "trainer loop", until=loop.finished)
         loop.finish()
     finally:
-        trackers.close()
+        reports.trackers.close()
         checkpoints.close()
         trainer.close()
         client.close()
@@ -146,7 +145,7 @@ class TrainerLoop:
     evaluator: Evaluator
     directory: GeneratorDirectory
     checkpoints: CheckpointRequests
-    trackers: Trackers = field(default_factory=Trackers)  # report_to: each step's metrics, the eval code's rounds
+    reports: Reports  # steps.jsonl and the trackers: each step's figures, each evaluation round's
     batch: validation.Groups = field(default_factory=list)
 
     def turn(self) -> None:
@@ -180,7 +179,9 @@ class TrainerLoop:
                 trainer.count_dropped("duplicate", 1)
                 continue
             new.append((entry, group))
-        self.batch.extend(self.checked(new))
+        kept, evals = check_answers(self.client, self.stage, keys, new, trainer.version, self.stale, self.decode)
+        self.evaluator.take(evals)
+        self.batch.extend(kept)
         self.report_evals()
         self.drop_stale()
         if len(self.batch) < s.groups_per_step or self.trained_enough():
@@ -259,74 +260,15 @@ class TrainerLoop:
         published (before it resumed from an earlier checkpoint: that lineage was abandoned)."""
         return not 0 <= self.trainer.version - group.policy_version <= self.trainer.settings.max_staleness
 
-    def checked(self, new: validation.Groups) -> validation.Groups:
-        """The groups of `new` that answer a task this trainer fed, as they say, with text that
-        is their tokens (validation.check_against_task); the others are dead-lettered with the
-        reason. What trains is what the trainer asked, sampled as the reward saw it. Stale
-        groups pass (drop_stale counts them; their task may already be swept). Groups of an
-        evaluation task (the task map's word, not the group's) go to the evaluator, checked
-        the same way, and are not returned."""
-        if not new:
-            return []
-        tasks = validation.fetch_tasks(self.client, self.keys.tasks, [g.task_id for _, g in new])
-        tokenizer = self.trainer.tokenizer
-
-        def decode(ids: Sequence[int]) -> str:
-            return str(tokenizer.decode(list(ids), skip_special_tokens=True))
-
-        kept: validation.Groups = []
-        evals: validation.Groups = []
-        for entry, group in new:
-            task = tasks.get(group.task_id)
-            try:
-                if task is not None and task.eval:
-                    validation.check_against_task(group, task, decode)
-                    if (
-                        group.policy_version > self.trainer.version
-                    ):  # a round's versions are the report's: none from the future
-                        raise validation.EntryError(
-                            f"group {group.group_id}: policy_version {group.policy_version} is newer than the trainer's {self.trainer.version}"
-                        )
-                    evals.append((entry, group))
-                    continue
-                if not self.stale(group):
-                    if task is None:
-                        raise validation.EntryError(validation.unknown_task(group, self.keys.tasks))
-                    validation.check_against_task(group, task, decode)
-            except validation.EntryError as e:
-                self.stage.dead_letter(entry, str(e))
-                continue
-            kept.append((entry, group))
-        self.evaluator.take(evals)
-        return kept
+    def decode(self, ids: Sequence[int]) -> str:
+        """A group's tokens as the text the reward scored (check_answers compares them)."""
+        return str(self.trainer.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def report_evals(self) -> None:
         """Report the evaluation rounds that are complete or waited eval_timeout_s: in the evals
         stream (evaluator), then the step log, Prometheus, the trackers and the log."""
         for m in self.evaluator.report_ready():
-            self.trainer.metrics.observe_eval(m)
-            self.trackers.log_metrics(eval_metrics(m), m.step)
-            logs.event(
-                self.host.log,
-                "evaluated",
-                step=m.step,
-                version=m.version,
-                version_max=m.version_max,
-                prompts=m.prompts,
-                prompts_fed=m.prompts_fed,
-                samples=m.samples,
-                accuracy=round(m.accuracy, 4),
-                pass_at_k=round(m.pass_at_k, 4),
-                reward=round(m.reward_mean, 4),
-            )
-            path = self.trainer.settings.metrics_file
-            if path:
-                try:
-                    steplog.append(path, steplog.eval_record(m, run=self.keys.run))
-                except OSError as e:
-                    logs.event(
-                        self.host.log, "step_log_failed", logging.ERROR, path=path, eval_step=m.step, error=str(e)
-                    )
+            self.reports.evaluated(m, self.trainer.metrics)
 
     def train_and_commit(self, taken: validation.Groups) -> bool:
         """One step on `taken`, pushed to the generators, then acknowledged with the ledger in one script;
@@ -370,7 +312,7 @@ class TrainerLoop:
         except NonFiniteStep as e:
             self.refuse_step(taken, e)
             return False
-        self.log_step(metrics, trainer.last_phases, trainer.last_skipped, trainer.last_reanchor)
+        self.reports.step(metrics, trainer.last_phases, trainer.last_skipped, trainer.last_reanchor)
         with contextlib.suppress(*redis_policy.ERRORS):
             self.stage.trim()  # housekeeping: the next step tries again
         logs.event(
@@ -428,51 +370,11 @@ class TrainerLoop:
             refused_groups=logs.group_ids(g for e, g in taken if e.id in refused),
         )
 
-    def log_step(
-        self, metrics: rollout_pb2.StepMetrics, phases: dict[str, float], skipped: str = "", reanchored: str = ""
-    ) -> None:
-        """Append the committed step's line to metrics_file (core/steplog.py), with
-        `delta_skipped` (why no delta was encoded: delta_bytes is then 0) and `reanchored` (why
-        an anchor was written at its start or end, for a reader that appeared) when they happened. A disk that
-        refuses it costs the curve a point, never the run: logged, and training goes on. The
-        same figures go to the trackers (report_to)."""
-        self.trackers.log_metrics(step_metrics(metrics, phases), metrics.step)
-        path = self.trainer.settings.metrics_file
-        if not path:
-            return
-        try:
-            rec = steplog.record(metrics, run=self.keys.run, phases=phases)
-            rec.update({k: v for k, v in (("delta_skipped", skipped), ("reanchored", reanchored)) if v})
-            steplog.append(path, rec)
-        except OSError as e:
-            logs.event(self.host.log, "step_log_failed", logging.ERROR, path=path, step=metrics.step, error=str(e))
-
     def save(self, path: str) -> tuple[Path, int]:
-        """A checkpoint between steps. `path` empty: the trainer's own, checkpoint_dir/step-N,
-        what a restart resumes from: the folder is pruned to keep_checkpoints and the trained
-        log trimmed to what a resume may still replay. Else one SaveCheckpoint asked for,
-        already confined to checkpoint_dir and outside the trainer's names: the operator's,
-        written once, never pruned, never resumed from unless named."""
-        trainer, s = self.trainer, self.trainer.settings
-        if not path and not s.checkpoint_dir:
-            raise ValueError("no checkpoint path given and no checkpoint_dir configured")
-        log_end = self.host.redis.call(
-            lambda: replay.trained_log_end(self.client, self.keys), "reading the trained log's end"
-        )
-        if path:
-            saved = trainer.save_checkpoint(
-                Path(path), prompts_fed=self.feeder.fed, consumer=self.stage.consumer, trained_log_id=log_end
-            )
-            return saved, trainer.version
-
-        def trim_log(through: str) -> None:
-            ms, seq = run_keys.id_tuple(through)
-            self.host.redis.call(
-                lambda: self.client.xtrim(self.keys.trained_log, minid=f"{ms}-{seq + 1}", approximate=False),
-                "trimming the trained log",
-            )
-
-        return trainer.save_own_checkpoint(self.feeder.fed, self.stage.consumer, log_end, trim_log), trainer.version
+        """A checkpoint between steps, the trainer's own (`path` empty) or one SaveCheckpoint
+        asked for (replay.save_checkpoint); its path and version."""
+        fed, consumer = self.feeder.fed, self.stage.consumer
+        return replay.save_checkpoint(self.trainer, self.host, self.client, self.keys, fed, consumer, path)
 
     def save_periodic(self) -> None:
         """The trainer's own checkpoint now. A full or failing disk must not stop training:

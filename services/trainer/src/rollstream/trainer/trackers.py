@@ -27,7 +27,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,7 +36,7 @@ from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import SecretStr
 
-from rollstream.core import logs
+from rollstream.core import logs, steplog
 from rollstream.v1 import rollout_pb2
 
 if TYPE_CHECKING:
@@ -305,6 +305,47 @@ def step_metrics(metrics: Message, phases: Mapping[str, float]) -> dict[str, flo
 def eval_metrics(metrics: Message) -> dict[str, float]:
     """A held-out round's figures (EvalMetrics) as eval/<field>: eval/accuracy, eval/pass_at_k, ..."""
     return figures(metrics, "eval")
+
+
+@dataclass
+class Reports:
+    """Where a committed step's and a held-out round's figures go: the step log (`metrics_file`,
+    steps.jsonl, the complete record), the trackers (report_to) and, for a round, Prometheus
+    and the log. A disk that refuses a step-log line costs the curve a point, never the run:
+    logged, and training goes on."""
+
+    run: str
+    metrics_file: str  # "": no step log
+    log: logging.Logger
+    trackers: Trackers = field(default_factory=Trackers)
+
+    def step(
+        self, metrics: rollout_pb2.StepMetrics, phases: Mapping[str, float], skipped: str = "", reanchored: str = ""
+    ) -> None:
+        """The step's line, with `delta_skipped` (why no delta was encoded: delta_bytes is then
+        0) and `reanchored` (why an anchor was written, for a reader that appeared) when they
+        happened; the same figures to the trackers."""
+        self.trackers.log_metrics(step_metrics(metrics, phases), metrics.step)
+        if self.metrics_file:
+            record = steplog.record(metrics, run=self.run, phases=phases)
+            record.update({k: v for k, v in (("delta_skipped", skipped), ("reanchored", reanchored)) if v})
+            self._append(record, step=metrics.step)
+
+    def evaluated(self, m: rollout_pb2.EvalMetrics, prometheus: Metrics) -> None:
+        """A reported round: Prometheus, the trackers, the log, the step log's eval line."""
+        prometheus.observe_eval(m)
+        self.trackers.log_metrics(eval_metrics(m), m.step)
+        logs.event(self.log, "evaluated", step=m.step, version=m.version, version_max=m.version_max, prompts=m.prompts,
+                   prompts_fed=m.prompts_fed, samples=m.samples, accuracy=round(m.accuracy, 4),
+                   pass_at_k=round(m.pass_at_k, 4), reward=round(m.reward_mean, 4))  # fmt: skip
+        if self.metrics_file:
+            self._append(steplog.eval_record(m, run=self.run), eval_step=m.step)
+
+    def _append(self, record: dict[str, Any], **where: int) -> None:
+        try:
+            steplog.append(self.metrics_file, record)
+        except OSError as e:
+            logs.event(self.log, "step_log_failed", logging.ERROR, path=self.metrics_file, error=str(e), **where)
 
 
 @dataclass(frozen=True)

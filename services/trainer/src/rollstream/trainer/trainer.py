@@ -40,7 +40,7 @@ def _limits(s: TrainerSettings, model_dir: str) -> validation.Limits:
         max_reward_abs=s.max_abs_reward,
         max_context_tokens=context_length(model_dir),
         # Evaluation groups hold eval_samples completions: the size is then checked against
-        # each group's own task (TrainerLoop.checked), which holds the run's for training tasks.
+        # each group's own task (prompts.check_answers), which holds the run's for training tasks.
         group_size=s.group_size if not s.eval_prompts else 0,
         max_group_size=max(s.group_size, s.eval_samples),
     )
