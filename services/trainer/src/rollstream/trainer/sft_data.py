@@ -159,13 +159,16 @@ def _load_saved(path: Path, split: str) -> list[dict[str, Any]]:
     return loaded.to_list()
 
 
+def read_rows(path: Path, split: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """A dataset's rows, and for a JSONL file each row's line (a saved folder: none)."""
+    return (_load_saved(path, split), []) if path.is_dir() else _load_jsonl(path)
+
+
 def prepare(path: str | Path, tokenizer: Any, config: SftDataConfig) -> SftData:
     """Load (a JSONL file, or a folder of `datasets`' save_to_disk: its `split` if a
     DatasetDict; local only), tokenize, validate every row before anything trains, and pack."""
     path = Path(path)
-    if path.is_dir():
-        return prepare_rows(_load_saved(path, config.split), tokenizer, config, source=str(path))
-    rows, lines = _load_jsonl(path)
+    rows, lines = read_rows(path, config.split)
     try:
         return prepare_rows(rows, tokenizer, config, source=str(path))
     except SftDataError as e:  # name each bad row's line too: what an editor shows

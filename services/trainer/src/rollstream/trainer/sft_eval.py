@@ -75,8 +75,7 @@ def eval_prompts(s: SftSettings, held_out: Sequence[PackedRow], tokenizer: Any) 
     if not s.eval_prompts or not s.answer_field or not held_out:
         return []
     source = Path(s.eval_dataset or s.dataset)
-    # sft_data's own loaders (it is at its length limit): the rows as `prepare` numbered them.
-    rows, lines = (sft_data._load_saved(source, s.split), []) if source.is_dir() else sft_data._load_jsonl(source)
+    rows, lines = sft_data.read_rows(source, s.split)  # as `prepare` numbered them
     out: list[EvalPrompt] = []
     problems: list[Problem] = []
     for i in sorted({r for packed in held_out for r in packed.rows}):
