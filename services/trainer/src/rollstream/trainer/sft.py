@@ -171,11 +171,8 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
     on_masters = s.dtype == "float32"
     per_epoch = math.ceil(len(data.train) / s.batch_rows)
     total = min(s.max_steps, s.epochs * per_epoch) if s.max_steps else s.epochs * per_epoch
-    print(
-        f"sft: {data.examples} examples, {len(data.train)} packed rows to train on ({len(data.held_out)} held out), "
-        f"{per_epoch} steps an epoch, {total} steps",
-        file=sys.stderr,
-    )
+    rows_said = f"{len(data.train)} packed rows to train on ({len(data.held_out)} held out)"
+    print(f"sft: {data.examples} examples, {rows_said}, {per_epoch} steps an epoch, {total} steps", file=sys.stderr)
     # 5. Resume.
     step = resume(s, ckpt_dir, optimizer, params, model_dir) if s.resume else 0
     if step and on_masters:
@@ -202,11 +199,7 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
                     f"step {step + 1}: {e}; nothing applied (the latest checkpoint is in {ckpt_dir})"
                 ) from None
             step += 1
-            record = step_record(s, step, result, optimizer.lr, step / per_epoch)
-            steplog.append(log_path, record)
-            tracked.log_metrics(
-                {f"train/{k}": v for k, v in record.items() if k not in ("schema", "run", "step", "utc")}, step
-            )
+            log_step(step_record(s, step, result, optimizer.lr, step / per_epoch), log_path, tracked)
             if data.held_out and ((s.eval_every and step % s.eval_every == 0) or step == total):
                 held = held_out_round(model, tokenizer, data.held_out, cfg, scoring, step)
                 log_held_out(s.run, step, held, log_path, tracked)
@@ -314,6 +307,13 @@ def held_out_round(
     if scoring is not None:
         held |= scoring.evaluate(model, tokenizer, step)
     return held
+
+
+def log_step(record: dict[str, Any], log_path: Path, tracked: trackers.Trackers) -> None:
+    """A step's steps.jsonl line (step_record) and the trackers' train/<name>."""
+    steplog.append(log_path, record)
+    figures = {f"train/{k}": v for k, v in record.items() if k not in ("schema", "run", "step", "utc")}
+    tracked.log_metrics(figures, record["step"])
 
 
 def log_held_out(run: str, step: int, held: dict[str, float], log_path: Path, tracked: trackers.Trackers) -> None:
