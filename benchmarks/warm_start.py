@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=300, help="the warm start's examples (up --warm-start)")
     parser.add_argument("--steps", type=int, default=10, help="GRPO steps of each run (the demo reaches 0.85 in 5-6)")
     parser.add_argument("--keep", default="", help="keep the runs' folders here (default: a temporary folder)")
+    parser.add_argument("--only", choices=["raw", "warm"], default="", help="one arm (a seed's two arms run apart)")
     parser.add_argument("--up-arg", action="append", default=[], help="passed on to `rollstream up` (repeatable)")
     args = parser.parse_args()
     runs = []
@@ -87,6 +88,7 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for i, seed in enumerate(args.seeds):
             arms = [0, args.examples] if i % 2 == 0 else [args.examples, 0]
+            arms = [a for a in arms if not args.only or (a > 0) == (args.only == "warm")]
             runs += [run_up(seed, examples, args.steps, root, args.up_arg) for examples in arms]
     by_arm: dict[str, dict] = {}
     for arm in sorted({r["arm"] for r in runs}):

@@ -41,10 +41,10 @@ FOLDER = "warm-start"  # in the run's workdir
 SEED_OFFSET = 7_000_001  # the examples' prompt stream: trainer.seed + this
 RECORD = "warm-start.json"  # what ran and how long, for the benchmark and the reader
 # The SFT's settings (the [sft] table it is given; ROLLSTREAM_SFT_* variables override them).
-# One pass over the examples in rows of 256 tokens (about 4 examples each), 4 rows a step: about
-# 19 steps for 300 examples, so the linear schedule has room to decay. lr 1e-4, not TRL's 2e-5:
-# measured on the demo's model, 300 examples (docs/benchmarks.md, "Warm start"), 2e-5 leaves the
-# held-out format unlearned in so few steps.
+# One pass over the examples in rows of 256 tokens (about 4 examples each), 4 rows a step: 19
+# steps for 300 examples. lr 1e-4, not TRL's 2e-5: measured on the demo's model, 300 examples,
+# seeds 0-2, held-out accuracy 93.8-100 % after the SFT (docs/benchmarks.md, "The demo's warm
+# start"); 2e-5 is not measured there.
 SFT_SETTINGS: dict[str, Any] = {
     "epochs": 1,
     "lr": 1e-4,
