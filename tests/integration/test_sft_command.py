@@ -296,3 +296,34 @@ def test_a_float32_model_computes_on_the_unrounded_masters(tiny_model_dir: Path,
 
     assert held_out_loss(masters) == logged
     assert held_out_loss({n: w.bfloat16().float() for n, w in masters.items()}) != logged
+
+
+def test_a_step_out_of_device_memory_stops_naming_the_lengths(
+    tiny_model_dir: Path,
+    dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The device's own error (here raised where sft_step would raise it: no CPU runs out of
+    memory on cue) stops the run with exit 1, naming the rows' length, the limits that set it
+    and where the latest checkpoint is; the steps before it stay recorded."""
+    real = sft.sft_step
+    calls = []
+
+    def runs_out_at_step_3(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "sft_step", runs_out_at_step_3)
+    workdir = tmp_path / "run"
+    assert sft.main(command(tiny_model_dir, dataset, tmp_path / "out", workdir)) == 1
+    said = capsys.readouterr().err
+    assert re.search(
+        r"step 3: out of memory on cpu with packed rows of up to \d+ tokens \(max_length 64, token_budget 4096", said
+    ), said
+    assert "CUDA out of memory. Tried to allocate 9.50 GiB" in said and str(workdir / "checkpoints") in said
+    assert [r["step"] for r in steplog.read(workdir / steplog.FILE_NAME).steps] == [1, 2]
+    assert not (tmp_path / "out").exists()

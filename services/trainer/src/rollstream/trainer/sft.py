@@ -198,6 +198,8 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
                 raise SftError(
                     f"step {step + 1}: {e}; nothing applied (the latest checkpoint is in {ckpt_dir})"
                 ) from None
+            except torch.OutOfMemoryError as e:
+                raise SftError(too_long(s, step + 1, rows, e, ckpt_dir)) from None
             step += 1
             log_step(step_record(s, step, result, optimizer.lr, step / per_epoch), log_path, tracked)
             if data.held_out and ((s.eval_every and step % s.eval_every == 0) or step == total):
@@ -307,6 +309,19 @@ def held_out_round(
     if scoring is not None:
         held |= scoring.evaluate(model, tokenizer, step)
     return held
+
+
+def too_long(s: SftSettings, step: int, rows: Sequence[PackedRow], error: Exception, ckpt_dir: Path) -> str:
+    """Why step `step` stopped on the device's memory, naming the lengths that did not fit and
+    what lowers them."""
+    longest = max(len(r.input_ids) for r in rows)
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (
+        f"step {step}: out of memory on {s.device} with packed rows of up to {longest} tokens "
+        f"(max_length {s.max_length}, token_budget {s.token_budget} a micro-batch): {first_line}; "
+        "lower max_length or token_budget, or turn activation_checkpointing on "
+        f"(the latest checkpoint is in {ckpt_dir})"
+    )
 
 
 def log_step(record: dict[str, Any], log_path: Path, tracked: trackers.Trackers) -> None:
