@@ -343,7 +343,7 @@ def held_out_loss(model: torch.nn.Module, rows: Sequence[PackedRow], cfg: SftSte
     loss's definition), without gradients, in a step's micro-batches (sft_step.micro_batches)."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for _, batch in micro_batches(model, rows, cfg, pad_id):
+        for _, batch in micro_batches(rows, cfg, pad_id):
             logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens)
             total -= float(logp.double().sum())
             count += int(batch.targets.numel())

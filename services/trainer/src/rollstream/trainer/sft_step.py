@@ -79,7 +79,7 @@ def check_row(row: PackedRow, index: int) -> None:
 
 
 def micro_batches(
-    model: torch.nn.Module, rows: Sequence[PackedRow], cfg: SftStepConfig, pad_id: int
+    rows: Sequence[PackedRow], cfg: SftStepConfig, pad_id: int
 ) -> Iterator[tuple[list[int], modeling.Batch]]:
     """The rows in micro-batches of at most `token_budget` padded tokens (modeling.pack_by_tokens,
     as GRPO's step packs its sequences), each with the Batch its forward takes
@@ -119,7 +119,7 @@ def sft_step(
     loss = forward_s = backward_s = 0.0
     forwards = 0
     start = time.perf_counter()  # forward_s counts each micro-batch's making too
-    for micro, batch in micro_batches(model, rows, cfg, pad_id):
+    for micro, batch in micro_batches(rows, cfg, pad_id):
         logp, _ = modeling.completion_logprobs(model, batch, chunk_tokens=cfg.chunk_tokens)
         value, f_s, b_s = backward_micro_batch(
             optimizer, -logp.sum() / denom, start, f"a micro-batch of packed rows {micro}"
