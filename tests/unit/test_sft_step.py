@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_train_step import LR, load  # the model at version 0 and its optimizer, as the trainer builds them
 
 from rollstream.core import modeling
 from rollstream.trainer import sft_data
@@ -24,24 +25,6 @@ from rollstream.trainer.sft_data import IGNORE, PackedRow, SftDataConfig
 from rollstream.trainer.sft_step import SftStepConfig, sft_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-LR = 1e-3
-
-
-def load(model_dir: Path, adam_eps: float = 1e-8) -> tuple[torch.nn.Module, HostAdamW, int]:
-    """The model at version 0 (bf16-valued weights) and its optimizer, as the trainer builds them."""
-    model, tokenizer = modeling.load_model(model_dir)
-    model.train()
-    optimizer = HostAdamW(
-        modeling.named_weights(model),
-        lr=LR,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        eps=adam_eps,
-        moments_dtype="float32",
-    )
-    optimizer.sync_model()
-    return model, optimizer, tokenizer.pad_token_id
 
 
 def example(rng: random.Random, vocab: int, prompt: int, completion: int) -> tuple[list[int], list[int]]:
