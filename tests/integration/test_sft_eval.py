@@ -138,5 +138,7 @@ def test_bad_settings_and_bad_answers_are_named_before_anything_trains(
     )
     err = capsys.readouterr().err
     assert "row 7 (line 8), answer: a string or number expected, got list" in err
-    assert "row 9 (line 10), meta: JSON text of an object expected" in err
+    assert (
+        "row 9 (line 10), meta: metadata '[1]' is not a JSON object" in err
+    )  # as GRPO's prompt files (prompts.metadata_json)
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

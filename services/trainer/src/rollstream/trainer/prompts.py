@@ -116,7 +116,7 @@ def _messages(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple((m["role"], m["content"]) for m in raw)
 
 
-def _metadata_json(raw: Any) -> str:
+def metadata_json(raw: Any) -> str:
     """A metadata cell: an object (stored as JSON) or JSON text (checked, kept as is)."""
     if raw is None:
         return ""
@@ -153,7 +153,7 @@ def _rows(
                 messages=_messages(row[prompt_field]),
                 answer=str(row[answer_field]),
                 task_kind=task_kind,
-                metadata_json=_metadata_json(row[metadata_field]) if metadata_field else "",
+                metadata_json=metadata_json(row[metadata_field]) if metadata_field else "",
             )
         epoch += 1
 

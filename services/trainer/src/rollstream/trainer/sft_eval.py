@@ -38,6 +38,7 @@ import torch
 
 from rollstream.trainer import evaluation, sft_data
 from rollstream.trainer.config import SftSettings
+from rollstream.trainer.prompts import metadata_json
 from rollstream.trainer.sft_data import PackedRow, Problem, SftDataError
 from rollstream.v1 import reward_pb2, rollout_pb2
 
@@ -88,7 +89,7 @@ def eval_prompts(s: SftSettings, held_out: Sequence[PackedRow], tokenizer: Any) 
             problems.append(Problem(i, s.answer_field, why, line))
             continue
         try:
-            metadata = _metadata_json(row.get(s.metadata_field)) if s.metadata_field else ""
+            metadata = metadata_json(row.get(s.metadata_field)) if s.metadata_field else ""
         except ValueError as e:
             problems.append(Problem(i, s.metadata_field, str(e), line))
             continue
@@ -96,23 +97,6 @@ def eval_prompts(s: SftSettings, held_out: Sequence[PackedRow], tokenizer: Any) 
     if problems:
         raise SftDataError(problems, str(source))
     return out[: s.eval_prompts]
-
-
-def _metadata_json(value: Any) -> str:
-    """A metadata cell as the GRPO prompt sources take it: an object, or JSON text of one."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value) if value else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not JSON: {e}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("JSON text of an object expected")
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"an object expected, got {type(value).__name__}")
-    return json.dumps(value)
 
 
 def _prompt_ids(row: Mapping[str, Any], tokenizer: Any) -> list[int]:
