@@ -359,7 +359,11 @@ class SftSettings(HostOptimizerSettings, SettingsBase):
         pattern=NAME_PATTERN,
         description="the run's name: the default workdir, the step log's and trackers' name",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype of forward/backward")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype: float32 computes on the fp32 masters after each update (TRL's fp32 run), "
+        "bfloat16 on their bf16 rounding (half the device memory; TRL's bf16 autocast)",
+    )
     device: str = Field("cpu", description="compute device; the optimizer state always lives on the CPU")
     threads: int = Field(0, ge=0, description="torch threads (0: torch's default)")
     seed: int = Field(42, description="the order of the packed rows, epoch by epoch (TRL's seed: 42)")
