@@ -325,5 +325,6 @@ def test_a_step_out_of_device_memory_stops_naming_the_lengths(
         r"step 3: out of memory on cpu with packed rows of up to \d+ tokens \(max_length 64, token_budget 4096", said
     ), said
     assert "CUDA out of memory. Tried to allocate 9.50 GiB" in said and str(workdir / "checkpoints") in said
+    assert "; lower max_length or token_budget (the latest" in said  # checkpointing is on already: not advised
     assert [r["step"] for r in steplog.read(workdir / steplog.FILE_NAME).steps] == [1, 2]
     assert not (tmp_path / "out").exists()

@@ -199,7 +199,7 @@ def make_shared_batch(
 
 def segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive attention mask [B, 1, T, T] in `dtype` of rows whose positions are
-    labelled by segment [B, T]: k >= 0 a segment (a completion; an SFT example), -1 a prefix
+    labelled by segment [B, T]: k >= 0 a segment (a completion), -1 a prefix
     every later segment sees (a shared prompt), -2 padding. A position sees the positions at
     or before it in its own segment and in the prefix, nothing else: causal and block-diagonal.
     It grows as T^2, so callers keep T within their token budget."""

@@ -107,14 +107,14 @@ def load(
     device: str = "cpu",
     spec: LoraSpec | None = None,
     checkpointing: bool = False,
-    checkpoint_every: int = 1,
+    checkpointing_every: int = 1,
 ) -> tuple[Any, Any, LoraModel | None, dict[str, torch.nn.Parameter]]:
     """The model as the trainer trains it (and an export of its checkpoint rebuilds it), its tokenizer,
     the LoraModel (None without a spec) and the trained parameters: all the weights, or the adapters
     over a base rounded to bf16."""
     model, tokenizer = modeling.load_model(model_dir, dtype=dtype, device=device)
     if checkpointing:
-        modeling.checkpoint_layers(model, checkpoint_every)
+        modeling.checkpoint_layers(model, checkpointing_every)
     if spec is None:
         return model, tokenizer, None, modeling.named_weights(model)
     wrapped = LoraModel(model, spec)

@@ -316,11 +316,16 @@ def too_long(s: SftSettings, step: int, rows: Sequence[PackedRow], error: Except
     what lowers them."""
     longest = max(len(r.input_ids) for r in rows)
     first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not s.activation_checkpointing:
+        lower = "lower max_length or token_budget, or turn activation_checkpointing on"
+    elif s.activation_checkpointing_every > 1:
+        lower = "lower max_length or token_budget, or activation_checkpointing_every (1: every layer)"
+    else:
+        lower = "lower max_length or token_budget"
     return (
         f"step {step}: out of memory on {s.device} with packed rows of up to {longest} tokens "
         f"(max_length {s.max_length}, token_budget {s.token_budget} a micro-batch): {first_line}; "
-        "lower max_length or token_budget, or turn activation_checkpointing on "
-        f"(the latest checkpoint is in {ckpt_dir})"
+        f"{lower} (the latest checkpoint is in {ckpt_dir})"
     )
 
 

@@ -13,7 +13,8 @@ rows fall into micro-batches.
                     as GRPO's step packs sequences), and for each:
        forward      positions restarting at each example, attention within each example
                     (sft_data.packed_batch: no mask at all for a row of one example), log pi
-                    of the trained tokens through the chunked LM head (modeling.completion_logprobs: the logits never whole)
+                    of the trained tokens through the chunked LM head
+                    (modeling.completion_logprobs: the logits never whole)
        loss         -sum(log pi) / normaliser
        backward     step.backward_micro_batch: gradients accumulate over the micro-batches
   4. optimizer      one HostAdamW step with the gradient-norm clip, as GRPO's (HostAdamW.step;
