@@ -55,8 +55,9 @@ class HostOptimizerSettings(BaseModel):
     def _split_betas(cls, v: object) -> object:
         return split_list(v)
 
-    def host_adamw(self, params: Mapping[str, torch.nn.Parameter]) -> HostAdamW:
-        """The optimizer of `params` these settings describe (AdamW's eps: HostAdamW's, TRL's 1e-8)."""
+    def host_adamw(self, params: Mapping[str, torch.nn.Parameter], in_model: bool = False) -> HostAdamW:
+        """The optimizer of `params` these settings describe (AdamW's eps: HostAdamW's, TRL's 1e-8).
+        `in_model`: HostAdamW's (the fp32 layout then, whatever master_layout says)."""
         from rollstream.trainer.optimizer import HostAdamW
 
         return HostAdamW(
@@ -66,8 +67,9 @@ class HostOptimizerSettings(BaseModel):
             weight_decay=self.weight_decay,
             bucket_mb=self.bucket_mb,
             moments_dtype=self.moments_dtype,
-            master_layout=self.master_layout,
+            master_layout="fp32" if in_model else self.master_layout,
             grad_offload=self.grad_offload,
+            in_model=in_model,
         )
 
 

@@ -19,6 +19,9 @@ Master layouts (`master_layout`); host bytes a parameter with fp32 / bf16 moment
          "Masters as served bits plus a remainder".
   fp32   16 / 12. An fp32 master vector, and the served bits twice: the version just made
          and the previous one (the base of the next delta).
+         In the model (ModelMasters, `in_model`): the fp32 vector is a float32 CPU model's own
+         parameters, stepped in place; nothing is served, so 0 bytes beyond the model's
+         (SFT's float32 run, which has no generator: sft.py).
 The masters and moments are not pinned: they never cross the bus (gradients and bf16 weights
 do, through pinned staging), and pinning 8-12 bytes a parameter would be a large, slow
 allocation for nothing.
@@ -190,6 +193,7 @@ class _Layout:
     kinds: tuple[str, ...]  # its tensors in a checkpoint, as <kind>/<parameter name>
     tensors: dict[str, torch.Tensor]  # by kind, flat, as checkpoints hold them
     grad_dtypes = frozenset({torch.float32})  # the gradient dtypes step_bucket reads (others come widened)
+    serves = True  # whether a step makes bf16 bits (written into the model, returned, published by deltas)
 
     def __init__(self, width: int, moments: Moments):
         self.hi = self.lo = torch.empty(0, dtype=torch.int16)
@@ -354,6 +358,48 @@ class Fp32Masters(_Layout):
             _join(hi[start:end], lo[start:end], self.flat[off + start : off + end], scratch[: end - start])
 
 
+class ModelMasters(Fp32Masters):
+    """The fp32 layout whose vector is the model: fill() makes each float32 CPU parameter a view
+    of it, so a step changes the weights the model computes with, in place, and serves no bits
+    (no copy into the model, no bf16 bits built). Its checkpoints are the fp32 layout's."""
+
+    serves = False
+
+    def __init__(self, numel: int, width: int, moments: Moments):
+        super().__init__(numel, width, moments, keep_spare=False)
+        self._no_bits = np.empty(0, dtype=np.uint16)
+
+    def fill(self, buckets: list[Bucket], params: Mapping[str, torch.nn.Parameter]) -> None:
+        bad = sorted(f"{n} ({p.dtype}, {p.device})" for n, p in params.items() if p.dtype != torch.float32 or p.is_cuda)
+        if bad:
+            raise ValueError(f"masters in the model need float32 CPU parameters, not {', '.join(bad[:3])}")
+        super().fill(buckets, params)
+        for b in buckets:
+            for pc in b.pieces:
+                if pc.param_start == 0:  # a parameter's first piece: it starts here in the vector
+                    p, off = params[pc.name], b.start + pc.bucket_start
+                    p.data = self.flat[off : off + p.numel()].view(p.shape)
+
+    def new_bits(self) -> np.ndarray:
+        return self._no_bits
+
+    def begin(self, delta: bool) -> None:
+        if delta:
+            raise RuntimeError("masters in the model serve no bits to encode a delta from")
+
+    def step_bucket(
+        self, b: Bucket, grad: torch.Tensor, s: AdamWStep, out: torch.Tensor, new_bits: np.ndarray, keep_old: bool
+    ) -> np.ndarray:
+        self.moments.adamw(self.flat[b.start : b.end], grad, b.start, s)
+        return self._no_bits
+
+    def copy_out(self, b: Bucket, out: torch.Tensor, new_bits: np.ndarray) -> None:
+        """Nothing: the model holds the masters."""
+
+    def end(self, new_bits: np.ndarray) -> None:
+        """Nothing: no bits were served."""
+
+
 Masters = SplitMasters | Fp32Masters
 _LAYOUTS: dict[MasterLayout, type[Masters]] = {"split": SplitMasters, "fp32": Fp32Masters}
 
@@ -378,12 +424,18 @@ def make_masters(
     device: torch.device,
     spare_bits: bool | None,
     kernel: bool | None,
+    in_model: bool = False,
 ) -> Masters:
     """The layout's masters, as many as the moments. `spare_bits` (fp32): keep the bits buffer of
     two steps ago for reuse (Fp32Masters.new_bits); None: only on a GPU. `kernel` (split): step
-    with the compiled kernel; None: where it was built, False: with torch operations (the same bits)."""
+    with the compiled kernel; None: where it was built, False: with torch operations (the same bits).
+    `in_model` (fp32): the model's parameters are the masters (ModelMasters)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"master_layout must be 'split' or 'fp32', not {layout!r}")
+    if in_model:
+        if layout != "fp32":
+            raise ValueError(f"masters in the model are the fp32 layout, not {layout!r}")
+        return ModelMasters(moments.exp_avg.numel(), width, moments)
     numel, split = (
         moments.exp_avg.numel(),
         split_kernel_module.load() if layout == "split" and kernel is not False else None,

@@ -95,16 +95,22 @@ class HostAdamW:
         grad_offload: bool = False,
         spare_bits: bool | None = None,
         split_kernel: bool | None = None,
+        in_model: bool = False,
     ):
         """`moments_dtype` has no default: the trainer's settings hold it (TrainerSettings).
-        `spare_bits`, `split_kernel`: masters.make_masters."""
+        `spare_bits`, `split_kernel`: masters.make_masters. `in_model` (fp32 layout, float32
+        parameters on the CPU): the parameters become views of the masters' vector and a step
+        changes them in place, with no bf16 bits made (masters.ModelMasters: SFT's float32 run);
+        step() and sync_model() then return no bits."""
         self.params = dict(params)
         self.device = masters.one_device(self.params)
         self.lr, self.betas, self.weight_decay, self.eps, self.step_count = lr, betas, weight_decay, eps, 0
         self.layout, self.buckets = masters.cut(self.params, bucket_mb)
         self.numel, width = sum(n for _off, n, _shape in self.layout.values()), max(b.size for b in self.buckets)
         self.moments = Moments(self.numel, moments_dtype, width)
-        self.masters = masters.make_masters(master_layout, width, self.moments, self.device, spare_bits, split_kernel)
+        self.masters = masters.make_masters(
+            master_layout, width, self.moments, self.device, spare_bits, split_kernel, in_model
+        )
         self.masters.fill(self.buckets, self.params)
         self.hi, self.lo, self.flat_master = self.masters.hi, self.masters.lo, self.masters.flat
         self.exp_avg, self.exp_avg_sq = self.moments.exp_avg, self.moments.exp_avg_sq
@@ -141,6 +147,10 @@ class HostAdamW:
 
     def _split_bits(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         return {name: flat[off : off + n].reshape(shape) for name, (off, n, shape) in self.layout.items()}
+
+    def _served(self, new_bits: np.ndarray) -> dict[str, np.ndarray]:
+        """A step's (or sync's) bits by parameter; none where the masters are the model."""
+        return self._split_bits(new_bits) if self.masters.serves else {}
 
     @torch.no_grad()
     def sync_model(self) -> dict[str, np.ndarray]:
@@ -245,12 +255,12 @@ class HostAdamW:
         if model is None:
             self._update_buckets(s, on_piece, new_bits)
             self._drop_grads()  # every fetch was waited for: the device memory may go
-            return norm, self._split_bits(new_bits)
+            return norm, self._served(new_bits)
         self._gate(model)
         update = _InFlight(Future(), [threading.Event() for _ in self.buckets], [None] * len(self.buckets))
         self._in_flight = update
         threading.Thread(target=self._run_update, args=(update, s, on_piece, new_bits), name="host-adamw").start()
-        return norm, self._split_bits(new_bits)
+        return norm, self._served(new_bits)
 
     def _run_update(self, update: _InFlight, s: AdamWStep, on_piece: OnPiece | None, new_bits: np.ndarray) -> None:
         """step()'s buckets on the update's own thread; every bucket counts as uploaded once
@@ -294,6 +304,7 @@ class HostAdamW:
                     masters.flat(self.params[pc.name])[pc.param_start : pc.param_start + pc.count],
                 )
                 for pc in b.pieces
+                if self.masters.serves  # (else the step wrote the model itself)
             ]
             put[k % 2] = self._copier.copy(pairs, self._copier.h2d)
             if update is not None:
@@ -312,7 +323,7 @@ class HostAdamW:
             self._copier.wait(event)
         self._copier.end()
         self.masters.end(new_bits)
-        return self._split_bits(new_bits)
+        return self._served(new_bits)
 
     # -- state (checkpoints) --------------------------------------------------------------
 
