@@ -11,8 +11,8 @@ prompt/completion JSONL. TRL (benchmarks/trl_sft.py, in .venv-trl) trains on it:
 AdamW (0.9, 0.999, 1e-8), and writes every micro-batch down as its model saw it. rollstream
 then trains on those very rows (each a PackedRow, its examples from the restarting
 positions) with trainer.sft_step.sft_step and HostAdamW as the trainer builds it (the
-trainer's defaults: split masters, bf16 moments; the same lr schedule; the first step on the
-checkpoint's weights as loaded, as TRL's), in a process of its own (`--ours DUMP`). So the two sides differ only in the step: the loss, its normalisation
+trainer's defaults: bf16 moments, and for a float32 model its parameters as the fp32 masters;
+the same lr schedule; the first step on the checkpoint's weights as loaded, as TRL's), in a process of its own (`--ours DUMP`). So the two sides differ only in the step: the loss, its normalisation
 (TRL's num_items_in_batch against our count of trained tokens, step by step), the forward
 and the optimizer. TRL runs first each seed: our side needs its rows (until sft_data's own
 rows are compared, this cannot alternate).
@@ -77,10 +77,9 @@ def run_ours(args: argparse.Namespace) -> None:
 
     from rollstream.core import cpu_runtime
     from rollstream.core.models import resolve_model
-    from rollstream.trainer import lora
+    from rollstream.trainer import lora, packed_attention
     from rollstream.trainer.config import TrainerSettings
     from rollstream.trainer.optimizer import HostAdamW
-    from rollstream.trainer.sft import onto_masters
     from rollstream.trainer.sft_step import SftStepConfig, sft_step
 
     cpu_runtime.fixed_mmap_threshold()  # as the trainer does
@@ -90,7 +89,12 @@ def run_ours(args: argparse.Namespace) -> None:
     model, tokenizer, _, params = lora.load(
         str(resolve_model(args.model)), args.dtype, "cpu", None, args.checkpointing, args.checkpoint_every
     )
+    if not args.sdpa:
+        packed_attention.use(model)  # as `rollstream sft`: each example attended on its own
     model.train()
+    # As `rollstream sft` builds it on the CPU: a float32 model's parameters are the fp32
+    # masters (stepped in place), a bfloat16 one computes on their bf16 rounding (split masters).
+    in_model = args.dtype == "float32"
     optimizer = HostAdamW(
         params,
         lr=args.lr,
@@ -99,21 +103,20 @@ def run_ours(args: argparse.Namespace) -> None:
         eps=1e-8,
         bucket_mb=s.bucket_mb,
         moments_dtype=args.moments_dtype or s.moments_dtype,
-        master_layout=s.master_layout,
+        master_layout="fp32" if in_model else s.master_layout,
+        in_model=in_model,
     )
     # No sync_model: the first step computes with the checkpoint's weights as loaded, as TRL's
-    # does (the split masters hold them exactly); from the first update on a float32 model holds
-    # the masters, a bfloat16 one their bf16 rounding, as `rollstream sft` has them. (GRPO rounds at version 0 so that the generator computes with the
-    # same weights; an SFT run has no generator. SmolLM2's converted weights are not all
-    # bf16-exact: rounded first, the first loss differs from TRL's by 0.7 %.)
+    # does (the masters hold them exactly). (GRPO rounds at version 0 so that the generator
+    # computes with the same weights; an SFT run has no generator. SmolLM2's converted weights
+    # are not all bf16-exact: rounded first, the first loss differs from TRL's by 0.7 %.)
     cfg = SftStepConfig(token_budget=args.token_budget, chunk_tokens=s.chunk_tokens, max_grad_norm=1.0, device="cpu")
     records = []
     train_started, cpu_started = time.monotonic(), cpu_seconds()
     for k, (rows, count) in enumerate(zip(steps, counts)):
         optimizer.lr = args.lr * (len(steps) - k) / len(steps)  # TRL's linear schedule, no warmup
-        r = sft_step(model, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id)
-        if args.dtype == "float32":  # as `rollstream sft` runs: the model on the masters, as TRL's fp32 run
-            onto_masters(optimizer, params)
+        # As `rollstream sft` runs it: the update overlapped with the next step's forward.
+        r = sft_step(model, optimizer, rows, cfg, pad_id=tokenizer.pad_token_id, background=True)
         records.append(
             {
                 "step": k + 1,
@@ -128,6 +131,7 @@ def run_ours(args: argparse.Namespace) -> None:
             }
         )
         print(json.dumps(records[-1]), flush=True)
+    optimizer.wait()  # the last update, overlapped with nothing
     train_s, train_cpu_s = time.monotonic() - train_started, cpu_seconds() - cpu_started
     result = {
         "done": True,
@@ -199,7 +203,7 @@ def one_seed(args: argparse.Namespace, model: str, seed: int, folder: Path) -> d
     trl["grad_norms"] = per_step(trl_out, "grad_norm")
     ours_cmd = [sys.executable, __file__, *common, "--ours", str(dump), "--token-budget", str(args.token_budget)]
     ours_cmd += ["--checkpointing", "--checkpoint-every", str(args.checkpoint_every)] if args.checkpointing else []
-    ours_cmd += ["--dtype", args.dtype]
+    ours_cmd += ["--dtype", args.dtype] + (["--sdpa"] if args.sdpa else [])
     ours_cmd += ["--moments-dtype", args.moments_dtype] if args.moments_dtype else []
     ours, _ = run_child(ours_cmd, args.threads, "rollstream")
     first = abs(ours["first_step_loss"] - trl["first_step_loss"]) / abs(trl["first_step_loss"])
@@ -236,6 +240,9 @@ def main() -> None:
     )
     p.add_argument(
         "--moments-dtype", choices=["float32", "bfloat16"], default=None, help="rollstream's (the trainer's default)"
+    )
+    p.add_argument(
+        "--sdpa", action="store_true", help="rollstream on transformers' SDPA and its block-diagonal mask instead"
     )
     p.add_argument(
         "--trl-bf16", action="store_true", help="TRL at its CPU default, bf16 autocast (its first loss then differs)"

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from rollstream.core import steplog
 from rollstream.launcher import cli, plot
-from rollstream.trainer import lora, sft
+from rollstream.trainer import lora, packed_attention, sft
 from rollstream.trainer.sft_step import SftStepConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -256,12 +256,14 @@ def test_every_setting_is_a_flag_with_its_description_and_variable() -> None:
         assert found[3] == f"ROLLSTREAM_SFT_{name.upper()}", found[0]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_overlapped_update_gives_the_sequential_steps_losses_and_model(
-    tiny_model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dtype: str, tiny_model_dir: Path, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bfloat16 run overlaps each update with the next forward, the held-out one included:
-    the same step losses, held-out losses and weights as steps run one after the other."""
-    f32 = ("--sft.dtype", "bfloat16", "--sft.export-dtype", "float32", "--sft.eval-every", "1", "--sft.epochs", "1")
+    """A run overlaps each update with the next forward, the held-out one included (float32:
+    the update steps the model's own parameters): the same step losses, held-out losses and
+    weights as steps run one after the other."""
+    f32 = ("--sft.dtype", dtype, "--sft.export-dtype", "float32", "--sft.eval-every", "1", "--sft.epochs", "1")
     assert sft.main(command(tiny_model_dir, dataset, tmp_path / "out-on", tmp_path / "on", *f32)) == 0
     sequential = sft.sft_step
     monkeypatch.setattr(sft, "sft_step", lambda *a, **k: sequential(*a, **{**k, "background": False}))
@@ -291,6 +293,7 @@ def test_a_float32_model_computes_on_the_unrounded_masters(tiny_model_dir: Path,
 
     def held_out_loss(weights: dict[str, torch.Tensor]) -> float:
         model, tokenizer, _, _ = lora.load(str(tiny_model_dir), "float32", "cpu", None, False)
+        packed_attention.use(model)  # as the run's model
         model.load_state_dict(weights, strict=False)  # (a tied head is one tensor, saved once)
         return sft.held_out_loss(model, rows, cfg, tokenizer.pad_token_id)
 

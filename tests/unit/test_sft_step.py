@@ -268,9 +268,8 @@ def test_the_first_steps_loss_is_trls(tiny_model_dir: Path, tmp_path: Path) -> N
     """TRL 1.16's SFTTrainer (benchmarks/trl_sft.py: packing, fp32, lr 2e-5 linear, clip 1)
     trains the tiny model three steps and writes its micro-batches down; the step on those
     rows, from the same weights, gives TRL's first loss to 1e-5 and counts TRL's tokens.
-    With the model computing on the fp32 masters after each step (TRL's weights; the engine's
-    are their bf16 rounding) the next losses follow TRL's too: the normalisation, the clip and
-    AdamW are TRL's."""
+    With the model's parameters as the fp32 masters (`rollstream sft`'s float32 run: TRL's
+    weights) the next losses follow TRL's too: the normalisation, the clip and AdamW are TRL's."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sft_vs_trl  # benchmarks/sft_vs_trl.py
 
@@ -292,15 +291,20 @@ def test_the_first_steps_loss_is_trls(tiny_model_dir: Path, tmp_path: Path) -> N
     model, tokenizer = modeling.load_model(tiny_model_dir)  # the checkpoint's weights, as TRL's: no rounding
     model.train()
     params = modeling.named_weights(model)
-    optimizer = HostAdamW(params, lr=2e-5, betas=(0.9, 0.999), weight_decay=0.0, moments_dtype="float32")
+    optimizer = HostAdamW(
+        params,
+        lr=2e-5,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        moments_dtype="float32",
+        master_layout="fp32",
+        in_model=True,
+    )
     losses = []
     for k, (rows, count) in enumerate(zip(steps, counts, strict=True)):
         optimizer.lr = 2e-5 * (3 - k) / 3
         r = sft_step(model, optimizer, rows, config(max_grad_norm=1.0), pad_id=tokenizer.pad_token_id)
         assert r.tokens == count
         losses.append(r.loss)
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(optimizer.master[name])
     assert losses[0] == pytest.approx(trl["first_step_loss"], rel=1e-5)
     assert losses == pytest.approx(trl["losses"], rel=1e-4)

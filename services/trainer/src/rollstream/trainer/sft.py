@@ -4,8 +4,10 @@
                  ROLLSTREAM_SFT_* variables; a bad value stops here, naming the field
   2. folders     the out folder must be new, empty or an earlier export (checked now, not
                  after hours of training); WORKDIR holds checkpoints/, steps.jsonl, trackers/
-  3. model       loaded as the trainer loads it (lora.load), its optimizer HostAdamW as
-                 GRPO's (the shared HostOptimizerSettings): fp32 masters on the host
+  3. model       loaded as the trainer loads it (lora.load), attending within each example
+                 of a packed row (packed_attention.py), its optimizer HostAdamW as GRPO's
+                 (the shared HostOptimizerSettings): fp32 masters on the host, a float32
+                 model's own parameters on the CPU
   4. data        the whole dataset tokenized, validated and packed before the model loads
                  (its tokenizer is enough) and before any step (sft_data.prepare: every
                  bad row named by row and field, then nothing runs); a held-out part:
@@ -48,7 +50,7 @@ from transformers import AutoTokenizer
 from rollstream.core import cpu_runtime, deltas, modeling, steplog
 from rollstream.core.config import ConfigError, load_settings
 from rollstream.core.models import ModelNotFoundError, context_length, resolve_model
-from rollstream.trainer import checkpoint, export, lora, sft_eval, trackers
+from rollstream.trainer import checkpoint, export, lora, packed_attention, sft_eval, trackers
 from rollstream.trainer.config import SftSettings
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep
 from rollstream.trainer.sft_data import PackedRow, SftDataConfig, SftDataError, prepare
@@ -162,13 +164,15 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
     model, tokenizer, _, params = lora.load(
         model_dir, s.dtype, s.device, None, s.activation_checkpointing, s.activation_checkpointing_every
     )
+    packed_attention.use(model)  # each example of a packed row attended on its own, no T^2 mask
     model.train()
-    optimizer = s.host_adamw(params)
-    # No sync_model: the first step computes with the weights as loaded, as TRL's does (the
-    # split masters hold them exactly). After each update a float32 model takes the masters
-    # themselves, as TRL's fp32 run computes; a bfloat16 one their bf16 rounding, as GRPO's
-    # (docs/design-notes.md, "SFT (issue 46): the model's weights after a step").
-    on_masters = s.dtype == "float32"
+    # No sync_model: the first step computes with the weights as loaded, as TRL's. A float32
+    # model then computes on the masters themselves (TRL's fp32 run): on the CPU they are its
+    # parameters, on a GPU copied up (onto_masters); a bfloat16 one on their bf16 rounding, as
+    # GRPO's (docs/design-notes.md, "SFT (issue 46): the model's weights after a step").
+    in_model = s.dtype == "float32" and torch.device(s.device).type == "cpu"
+    on_masters = s.dtype == "float32" and not in_model
+    optimizer = s.host_adamw(params, in_model)
     per_epoch = math.ceil(len(data.train) / s.batch_rows)
     total = min(s.max_steps, s.epochs * per_epoch) if s.max_steps else s.epochs * per_epoch
     rows_said = f"{len(data.train)} packed rows to train on ({len(data.held_out)} held out)"
@@ -187,10 +191,8 @@ def run(s: SftSettings, after_step: AfterStep | None = None, scorer: sft_eval.Sc
             rows = [data.train[i] for i in step_rows(len(data.train), s.batch_rows, s.seed, step)]
             optimizer.lr = s.lr * lr_factor(step, total, s.warmup_steps, s.lr_scheduler)
             try:
-                # A bf16 model's update runs on into the next step's forward, as GRPO's does
-                # when nothing reads the weights in between (each module waits for its own
-                # buckets; a checkpoint, a held-out forward and the export wait too): the same
-                # bits. A float32 model waits for the whole update, then takes the masters.
+                # The update runs on into the next forward, as GRPO's (each module waits for its
+                # buckets; a checkpoint, a held-out round, the export wait too): the same bits.
                 result = sft_step(model, optimizer, rows, cfg, pad_id=pad_id, background=not on_masters)
                 if on_masters:
                     onto_masters(optimizer, params)
@@ -390,7 +392,8 @@ def _utc() -> str:
 
 @torch.no_grad()
 def onto_masters(optimizer: HostAdamW, params: dict[str, torch.nn.Parameter]) -> None:
-    """Write the unrounded fp32 masters into a float32 model's parameters: an update of
+    """Write the unrounded fp32 masters into a float32 model's parameters on a GPU (on the CPU
+    they are the masters: HostAdamW's in_model): an update of
     lr 2e-5 is far below a bf16 step of most weights, so on their bf16 rounding the model
     would learn late (docs/benchmarks.md, "The SFT step against TRL's SFTTrainer")."""
     for name, master in optimizer.master.items():
@@ -416,7 +419,7 @@ def save(
         run=s.run,
         model_fingerprint=_fingerprint(params),
         moments_dtype=s.moments_dtype,
-        master_layout=s.master_layout,
+        master_layout=optimizer.masters.name,
         settings={**s.model_dump(mode="json"), "command": "sft"},
     )
     saved, _removed = checkpoint.save_own(

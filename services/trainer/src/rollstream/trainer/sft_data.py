@@ -465,8 +465,9 @@ def packed_batch(rows: Sequence[PackedRow], pad_id: int, device: str | torch.dev
     counting up by one (find_packed_sequence_indices), and a row's padding restarts at 0, a
     segment no example sees. Where every row is one example and no padding (the long-row
     case) that is plain causal attention: no mask at all, SDPA's is_causal kernels (flash on
-    a GPU); otherwise transformers builds the block-diagonal mask itself (bool for SDPA, a
-    quarter of an fp32 mask), or varlen / a BlockMask for flash and flex attention."""
+    a GPU); otherwise `rollstream sft`'s model attends each run on its own (packed_attention.py:
+    no mask at all), and a model on transformers' SDPA gets the block-diagonal mask it builds
+    from the positions (bool, a quarter of an fp32 mask)."""
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)

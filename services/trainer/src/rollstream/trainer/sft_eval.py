@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rollstream.trainer import evaluation, sft_data
+from rollstream.trainer import evaluation, packed_attention, sft_data
 from rollstream.trainer.config import SftSettings
 from rollstream.trainer.prompts import metadata_json
 from rollstream.trainer.sft_data import PackedRow, Problem, SftDataError
@@ -132,23 +132,24 @@ def generate(
     was_training = model.training
     model.eval()  # no dropout, and checkpointing off: generate keeps its KV cache
     out: list[Completion] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for b, p in enumerate(chunk):
-                ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-                mask[b, width - len(p) :] = 1
-            new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
-            for tokens in new[:, width:].tolist():
-                end = next((k for k, t in enumerate(tokens) if t in eos), None)
-                kept = tokens if end is None else tokens[: end + 1]
-                text = tokenizer.decode(kept, skip_special_tokens=True)
-                out.append(Completion(kept, text, "length" if end is None else "stop"))
-    finally:
-        model.train(was_training)
+    with packed_attention.unpacked(model):  # a padding mask and a KV cache: SDPA's
+        try:
+            for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start : start + batch_size]
+                width = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for b, p in enumerate(chunk):
+                    ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                    mask[b, width - len(p) :] = 1
+                new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+                for tokens in new[:, width:].tolist():
+                    end = next((k for k, t in enumerate(tokens) if t in eos), None)
+                    kept = tokens if end is None else tokens[: end + 1]
+                    text = tokenizer.decode(kept, skip_special_tokens=True)
+                    out.append(Completion(kept, text, "length" if end is None else "stop"))
+        finally:
+            model.train(was_training)
     return out
 
 
