@@ -40,6 +40,19 @@ KILLED_AFTER = (
     "stop = int(sys.argv[1])\n"
     "sys.exit(sft.main(sys.argv[2:], after_step=lambda step: os.kill(os.getpid(), signal.SIGKILL) if step == stop else None))\n"
 )
+# The same, killed inside held-out round argv[1] (the step's line written, its checkpoint not).
+KILLED_IN_HELD_OUT = (
+    "import os, signal, sys\n"
+    "from rollstream.trainer import sft\n"
+    "rounds = []\n"
+    "def held_out_loss(*args, real=sft.held_out_loss):\n"
+    "    rounds.append(1)\n"
+    "    if len(rounds) == int(sys.argv[1]):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return real(*args)\n"
+    "sft.held_out_loss = held_out_loss\n"
+    "sys.exit(sft.main(sys.argv[2:]))\n"
+)
 
 
 def chat(question: str, answer: str) -> dict[str, Any]:
@@ -220,6 +233,34 @@ def test_killed_between_steps_resume_latest_gives_the_bits_of_a_run_never_stoppe
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed.steps] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in never_stopped.steps
     ]
+
+
+def test_killed_in_a_held_out_round_resume_latest_gives_the_run_never_stopped(
+    tiny_model_dir: Path, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed in step 6's held-out round (held out every 3 steps, checkpoints every 2): step 6's
+    line is written, its checkpoint is not; resumed from step 4's, steps 5 and 6 run again and
+    the held-out losses and the model are the uninterrupted run's."""
+    f32 = ("--sft.export-dtype", "float32")
+    whole = command(tiny_model_dir, dataset, tmp_path / "out-whole", tmp_path / "whole", *f32)
+    assert cli.main_code(["sft", *whole]) == 0, capsys.readouterr().err
+    out, workdir = tmp_path / "out", tmp_path / "run"
+    args = command(tiny_model_dir, dataset, out, workdir, *f32)
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_HELD_OUT, "2", *args], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    cut = steplog.read(workdir / steplog.FILE_NAME)
+    assert [r["step"] for r in cut.steps][-1] == 6 and [e["step"] for e in cut.evals] == [3]
+    assert cli.main_code(["sft", *args, "--sft.resume", "latest"]) == 0, capsys.readouterr().err
+    resumed, never_stopped = (
+        steplog.read(workdir / steplog.FILE_NAME),
+        steplog.read(tmp_path / "whole" / steplog.FILE_NAME),
+    )
+    assert [(e["step"], e["eval_loss"]) for e in resumed.evals] == [
+        (e["step"], e["eval_loss"]) for e in never_stopped.evals
+    ]
+    assert [r["loss"] for r in resumed.steps] == [r["loss"] for r in never_stopped.steps]
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(tmp_path / "out-whole" / "model.safetensors"))
 
 
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
