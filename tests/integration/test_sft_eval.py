@@ -125,6 +125,10 @@ def test_bad_settings_and_bad_answers_are_named_before_anything_trains(
         env.setenv("ROLLSTREAM_ANSWER_WEIGHT", "nan")
         assert cli.main_code(command(tiny_model_dir, data, tmp_path)) == 2
     assert "answer_weight" in capsys.readouterr().err
+    profile = tmp_path / "mine.toml"  # an `up` profile: its [reward] table is the reward service's too
+    profile.write_text("[reward]\nformat_weight = inf\n")
+    assert cli.main_code(command(tiny_model_dir, data, tmp_path, "--profile", str(profile))) == 2
+    assert "format_weight" in capsys.readouterr().err
     assert cli.main_code(command(tiny_model_dir, data, tmp_path, "--sft.eval-max-new-tokens", "0")) == 2
     assert "field 'eval_max_new_tokens': Input should be greater than or equal to 1" in capsys.readouterr().err
     assert cli.main_code(command(tiny_model_dir, data, tmp_path, "--sft.task-kind", "sums")) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rollstream.core.config import load_settings
 from rollstream.reward import recipes
@@ -28,10 +29,12 @@ class ItemScorer:
         self._pool: ScorePool | None = None
 
     @classmethod
-    def from_environment(cls) -> ItemScorer:
-        """The reward service's recipes as its ROLLSTREAM_* variables (or their defaults) give
-        them: a bad variable is a ConfigError, naming it, at the first use."""
-        return cls(functools.partial(load_settings, RewardSettings, []))
+    def from_config(cls, path: Path | None = None) -> ItemScorer:
+        """The reward service's recipes as its settings give them: the [reward] table of `path`
+        (an `up` profile or config file; none: its defaults), then its ROLLSTREAM_* variables;
+        a bad value is a ConfigError, naming it, at the first use."""
+        argv, table = (["--config", str(path)], "reward") if path is not None else ([], "")
+        return cls(functools.partial(load_settings, RewardSettings, argv, table))
 
     def _source(self) -> recipes.RecipeSource:
         if self._recipes is None:

@@ -90,10 +90,8 @@ def settings_argv(argv: Sequence[str], profiles: Path | None = None) -> list[str
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
         if flag == "--profile" and (eq or i + 1 < len(argv)):
-            name = value if eq else argv[i + 1]
-            named = profiles is not None and "/" not in name and not name.endswith(".toml")
-            path = profiles / f"{name}.toml" if named and profiles is not None else Path(name)
-            if _has_table(path):
+            path = _profile_path(value if eq else argv[i + 1], profiles)
+            if has_table(path, TABLE):
                 out += ["--config", str(path)]
             i += 1 if eq else 2
             continue
@@ -102,11 +100,28 @@ def settings_argv(argv: Sequence[str], profiles: Path | None = None) -> list[str
     return out
 
 
-def _has_table(path: Path) -> bool:
-    """Whether the TOML file has an [sft] table; one that cannot be read counts as having one,
-    so that load_settings says what is wrong with it."""
+def config_file(argv: Sequence[str], profiles: Path | None = None) -> Path | None:
+    """The file `--config PATH` or `--profile NAME|PATH` names, if any: the launcher reads its
+    [reward] table for the held-out score's recipes (reward.items.ItemScorer)."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config", "--profile") and (eq or i + 1 < len(argv)):
+            name = value if eq else argv[i + 1]
+            return _profile_path(name, profiles) if flag == "--profile" else Path(name)
+    return None
+
+
+def _profile_path(name: str, profiles: Path | None) -> Path:
+    """A profile's file: a bare name is a file in `profiles`, anything else a path."""
+    named = profiles is not None and "/" not in name and not name.endswith(".toml")
+    return profiles / f"{name}.toml" if named and profiles is not None else Path(name)
+
+
+def has_table(path: Path, table: str) -> bool:
+    """Whether the TOML file has the table; one that cannot be read counts as having it, so
+    that load_settings says what is wrong with it."""
     try:
-        return TABLE in tomllib.loads(path.read_text())
+        return table in tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return True
 
