@@ -41,24 +41,25 @@ def use(model: torch.nn.Module) -> bool:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
 
-    config: Any = model.config
-    if config.model_type not in PLAIN:
+    hf: Any = model  # (a transformers model: nn.Module's __getattr__ hides its methods from mypy)
+    if hf.config.model_type not in PLAIN:
         return False
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
-    model.set_attn_implementation(NAME)  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
-    return config._attn_implementation == NAME
+    hf.set_attn_implementation(NAME)
+    return hf.config._attn_implementation == NAME
 
 
 @contextmanager
 def unpacked(model: torch.nn.Module) -> Iterator[None]:
     """SDPA for the duration (generation: a padding mask and a KV cache), then as before."""
-    before = model.config._attn_implementation  # type: ignore[union-attr]
-    model.set_attn_implementation("sdpa")  # type: ignore[operator]
+    hf: Any = model
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation("sdpa")
     try:
         yield
     finally:
-        model.set_attn_implementation(before)  # type: ignore[operator]
+        hf.set_attn_implementation(before)
 
 
 def attention(
