@@ -128,9 +128,7 @@ def cmd_sft(argv: list[str]) -> int:
         )
         return 2
     profiles = Path(__file__).parent / "profiles"  # run_config.PROFILES, without the services' imports
-    config = sft.config_file(argv, profiles)  # its [reward] table: the held-out score's recipes
-    reward_config = config if config is not None and sft.has_table(config, "reward") else None
-    with ItemScorer.from_config(reward_config) as scorer:  # its worker pool starts only to score held-out answers
+    with ItemScorer.from_config(sft.reward_file(argv, profiles)) as scorer:  # a profile's [reward]; pool started lazily
         code = sft.main(argv, profiles, scorer=scorer)
     if code == 0:  # the curves, as `up` draws them at its end
         from rollstream.launcher import plot

@@ -100,14 +100,15 @@ def settings_argv(argv: Sequence[str], profiles: Path | None = None) -> list[str
     return out
 
 
-def config_file(argv: Sequence[str], profiles: Path | None = None) -> Path | None:
-    """The file `--config PATH` or `--profile NAME|PATH` names, if any: the launcher reads its
-    [reward] table for the held-out score's recipes (reward.items.ItemScorer)."""
+def reward_file(argv: Sequence[str], profiles: Path | None = None) -> Path | None:
+    """The file `--config PATH` or `--profile NAME|PATH` names, where it has a [reward] table:
+    the launcher's held-out score takes the reward's settings from it (reward.items.ItemScorer)."""
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
         if flag in ("--config", "--profile") and (eq or i + 1 < len(argv)):
             name = value if eq else argv[i + 1]
-            return _profile_path(name, profiles) if flag == "--profile" else Path(name)
+            path = _profile_path(name, profiles) if flag == "--profile" else Path(name)
+            return path if has_table(path, "reward") else None
     return None
 
 
