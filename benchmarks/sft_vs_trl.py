@@ -79,7 +79,6 @@ def run_ours(args: argparse.Namespace) -> None:
     from rollstream.core.models import resolve_model
     from rollstream.trainer import lora, packed_attention
     from rollstream.trainer.config import TrainerSettings
-    from rollstream.trainer.optimizer import HostAdamW
     from rollstream.trainer.sft_step import SftStepConfig, sft_step
 
     cpu_runtime.fixed_mmap_threshold()  # as the trainer does
@@ -92,20 +91,11 @@ def run_ours(args: argparse.Namespace) -> None:
     if not args.sdpa:
         packed_attention.use(model)  # as `rollstream sft`: each example attended on its own
     model.train()
-    # As `rollstream sft` builds it on the CPU: a float32 model's parameters are the fp32
-    # masters (stepped in place), a bfloat16 one computes on their bf16 rounding (split masters).
-    in_model = args.dtype == "float32"
-    optimizer = HostAdamW(
-        params,
-        lr=args.lr,
-        betas=(0.9, 0.999),
-        weight_decay=0.0,
-        eps=1e-8,
-        bucket_mb=s.bucket_mb,
-        moments_dtype=args.moments_dtype or s.moments_dtype,
-        master_layout="fp32" if in_model else s.master_layout,
-        in_model=in_model,
-    )
+    # As `rollstream sft` builds it on the CPU (the shared settings' host_adamw; their betas,
+    # decay and eps are TRL's): a float32 model's parameters are the fp32 masters (stepped in
+    # place), a bfloat16 one computes on their bf16 rounding (split masters).
+    moments = {"moments_dtype": args.moments_dtype} if args.moments_dtype else {}
+    optimizer = s.model_copy(update={"lr": args.lr, **moments}).host_adamw(params, in_model=args.dtype == "float32")
     # No sync_model: the first step computes with the checkpoint's weights as loaded, as TRL's
     # does (the masters hold them exactly). (GRPO rounds at version 0 so that the generator
     # computes with the same weights; an SFT run has no generator. SmolLM2's converted weights
