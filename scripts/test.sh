@@ -11,7 +11,8 @@
 #                                 tier (the dashboard in headless chromium, under a minute);
 #                                 the containers tier (where docker can run: 4-11 min), the
 #                                 fault suite (kill -9, Redis stalls, a CPU hog under `rollstream
-#                                 up`: ~6 min), the GPU tier (skips without CUDA), the GPU kits
+#                                 up`: ~6 min), the ranks tier (the trainer on 2 and 4
+#                                 ranks under torchrun: ~3 min), the GPU tier (skips without CUDA), the GPU kits
 #                                 on a device-shaped CPU python (docs/gpu.md, ~3 min), the slow
 #                                 tier (demo learning on SmolLM2, ~6 min), then the vLLM tier
 #                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)
@@ -63,7 +64,7 @@ tier format "$PY" -m ruff format --check
 tier types "$PY" -m mypy
 # Before the default suite, so that its Compose parser checks (tests/deploy) run too.
 if [ "$fast" = 0 ]; then containers_prerequisites; fi
-tier default "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser" "$@"
+tier default "$PY" -m pytest -m "not slow and not vllm and not containers and not faults and not gpu and not gpu_kit and not browser and not ranks" "$@"
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
   # Debian's chromium for the browser tier; a failure (no network, no apt) leaves it to skip.
   apt-get install -y --no-install-recommends chromium \
@@ -77,6 +78,9 @@ if [ "$fast" = 0 ]; then
   # Early, so that the run's last summary is a tier that ran tests wherever this one skips.
   tier containers "$PY" -m pytest -m containers tests/deploy "$@"
   tier faults "$PY" -m pytest -m faults tests/faults "$@"
+  # The trainer as N ranks under torchrun (FSDP2 on gloo): bits against one process, resumes
+  # at another world size, a rank killed -9.
+  tier ranks "$PY" -m pytest -m ranks tests/ranks "$@"
   # The trainer's CUDA path: skips itself, saying why, where torch sees no GPU (CI).
   tier gpu "$PY" -m pytest -m gpu tests/gpu "$@"
   # The GPU kits (docs/gpu.md) run end to end under a python3 shaped like the GPU machine's.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -55,9 +55,15 @@ class HostOptimizerSettings(BaseModel):
     def _split_betas(cls, v: object) -> object:
         return split_list(v)
 
-    def host_adamw(self, params: Mapping[str, torch.nn.Parameter], in_model: bool = False) -> HostAdamW:
+    def host_adamw(
+        self,
+        params: Mapping[str, torch.nn.Parameter],
+        in_model: bool = False,
+        reduce: Callable[[float], float] | None = None,
+    ) -> HostAdamW:
         """The optimizer of `params` these settings describe (AdamW's eps: HostAdamW's, TRL's 1e-8).
-        `in_model`: HostAdamW's (the fp32 layout then, whatever master_layout says)."""
+        `in_model`, `reduce` (N ranks: the sum of squares over them): HostAdamW's (in_model: the
+        fp32 layout then, whatever master_layout says)."""
         from rollstream.trainer.optimizer import HostAdamW
 
         return HostAdamW(
@@ -70,6 +76,7 @@ class HostOptimizerSettings(BaseModel):
             master_layout="fp32" if in_model else self.master_layout,
             grad_offload=self.grad_offload,
             in_model=in_model,
+            reduce=reduce,
         )
 
 

@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as functional_adamw
 
 from rollstream.trainer import split_kernel as split_kernel_module
@@ -72,12 +73,14 @@ class Bucket:
 
 
 def cut(params: Mapping[str, torch.nn.Parameter], bucket_mb: float) -> tuple[Layout, list[Bucket]]:
-    """The flat layout and its buckets of `bucket_mb` MB of fp32 masters (optimizer.py)."""
+    """The flat layout and its buckets of `bucket_mb` MB of fp32 masters (optimizer.py), over
+    the parameters' local shards where they are DTensors."""
     layout: Layout = {}
     total = 0
     for name, p in params.items():
-        layout[name] = (total, p.numel(), tuple(p.shape))
-        total += p.numel()
+        shard = local(p)
+        layout[name] = (total, shard.numel(), tuple(shard.shape))
+        total += shard.numel()
     size = max(_ALIGN, int(bucket_mb * 2**20) // 4 // _ALIGN * _ALIGN)
     buckets = [Bucket(start, min(start + size, total)) for start in range(0, total, size)]
     for name, (off, n, _shape) in layout.items():
@@ -109,7 +112,15 @@ def one_device(params: Mapping[str, torch.nn.Parameter]) -> torch.device:
     return devices.pop()
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, a view of the storage FSDP2 all-gathers from (ranks.py: a rank's
+    HostAdamW steps the shards it holds); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` (a DTensor: its local shard) as a flat view."""
+    t = local(t)
     if not t.is_contiguous():
         raise ValueError("HostAdamW needs contiguous parameters and gradients")
     return t.view(-1)

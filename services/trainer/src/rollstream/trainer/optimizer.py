@@ -96,13 +96,17 @@ class HostAdamW:
         spare_bits: bool | None = None,
         split_kernel: bool | None = None,
         in_model: bool = False,
+        reduce: Callable[[float], float] | None = None,
     ):
         """`moments_dtype` has no default: the trainer's settings hold it (TrainerSettings).
         `spare_bits`, `split_kernel`: masters.make_masters. `in_model` (fp32 layout, float32
         parameters on the CPU): the parameters become views of the masters' vector and a step
         changes them in place, with no bf16 bits made (masters.ModelMasters: SFT's float32 run);
-        step() and sync_model() then return no bits."""
+        step() and sync_model() then return no bits. `params` may be DTensors (ranks.py): the
+        optimizer then holds and steps their local shards, and `reduce` sums the gradient's sum
+        of squares over the ranks (the norm and its clip factor are the whole model's)."""
         self.params = dict(params)
+        self._reduce = reduce
         self.device = masters.one_device(self.params)
         self.lr, self.betas, self.weight_decay, self.eps, self.step_count = lr, betas, weight_decay, eps, 0
         self.layout, self.buckets = masters.cut(self.params, bucket_mb)
@@ -215,7 +219,8 @@ class HostAdamW:
     def grad_norm(self) -> float:
         """Total 2-norm of the accumulated gradients (before clipping; also read by step.nonfinite_groups)."""
         self.wait()
-        return self.grads.norm()
+        squares = self.grads.sum_of_squares()
+        return math.sqrt(self._reduce(squares) if self._reduce is not None else squares)
 
     def discard_grads(self) -> None:
         """Drop the accumulated gradients without a step (a step refused for non-finite values)."""

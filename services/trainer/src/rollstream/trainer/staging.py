@@ -20,7 +20,6 @@ On a CPU-only machine the same code runs with plain copies and no streams or eve
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollstream.trainer.masters import Bucket, Layout, buckets_of, flat
+from rollstream.trainer.masters import Bucket, Layout, buckets_of, flat, local
 
 # A slot's size in bytes is rounded down to a multiple of this: a whole number of elements
 # of any gradient dtype (fp64 at most).
@@ -223,9 +222,9 @@ class GradOffload:
         finally:
             self.accumulator.zero_()
 
-    def norm(self) -> float:
+    def sum_of_squares(self) -> float:
         self.wait()
-        return host_norm([self.accumulator[off : off + n] for off, n, _ in self.layout.values()])
+        return host_sum_of_squares([self.accumulator[off : off + n] for off, n, _ in self.layout.values()])
 
     begin = wait  # before a step: every add issued by backward is in the accumulator
 
@@ -274,7 +273,7 @@ class Copier:
 
 
 class DeviceGrads:
-    """The gradients backward left in the parameters, fetched a bucket at a time: norm() before
+    """The gradients backward left in the parameters, fetched a bucket at a time: sum_of_squares() before
     a step, begin() and bucket(k, b) for each bucket in order during it, zero() after it, with
     the parameters' gradients dropped (GradOffload has the same four). `wide`: the gradient
     dtypes the masters' step reads itself; others are widened into fp32 first."""
@@ -300,12 +299,14 @@ class DeviceGrads:
                 self._last_in[held[-1]].append(name)
         self._fetched: torch.cuda.Event | None = None
 
-    def norm(self) -> float:
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
-        if grads and self.copier.cuda:  # CUDA reductions are trees: fp32 accumulation is accurate enough.
-            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-            return float(torch.linalg.vector_norm(norms))
-        return host_norm(grads)
+    def sum_of_squares(self) -> float:
+        """Of the accumulated gradients (the gradient norm's square, before any reduction
+        across ranks), in fp64 (host_sum_of_squares)."""
+        grads = [local(p.grad) for p in self.params.values() if p.grad is not None]
+        if grads and self.copier.cuda:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+            return float(norms.square().sum())
+        return host_sum_of_squares(grads)
 
     def begin(self) -> None:
         self._fetched = self._fetch(0)
@@ -337,30 +338,22 @@ class DeviceGrads:
         """(Nothing held beside the parameters' own gradients.)"""
 
 
-_NORM_ROW = 4096
-_NORM_CHUNK = 256 * _NORM_ROW  # elements widened to fp32 at a time (4 MiB of scratch)
+_NORM_CHUNK = 2**20  # elements widened to fp64 at a time (8 MiB of scratch)
 
 
-def host_norm(grads: list[torch.Tensor]) -> float:
-    scratch = torch.empty(_NORM_CHUNK if grads else 0, dtype=torch.float32)
-    return math.sqrt(sum(_sum_of_squares(g, scratch) for g in grads))
-
-
-def _sum_of_squares(t: torch.Tensor, scratch: torch.Tensor) -> float:
-    """Sum of squares of a CPU tensor, accurately and fast. torch's fp32 CPU reduction keeps
-    one long accumulation per SIMD lane and is off by ~0.4% over 50M elements; fp64 is exact
-    but ~25x slower. So: rows of 4096 elements reduced in fp32 (short accumulations), the rows
-    added up in fp64. Rows sit at fixed positions of the tensor, so the result depends only
-    on the values (not on the dtype they come in, nor on any bucket size)."""
-    values = t.reshape(-1)
+def host_sum_of_squares(grads: list[torch.Tensor]) -> float:
+    """Sum of squares of CPU tensors (DTensors: their local shards), in fp64. The square of a
+    bf16 or fp32 value is exact in fp64, so only the fp64 additions round: a relative 1e-16,
+    however the values are split into chunks, buckets or ranks (ranks.py: N ranks' sums add up
+    to one process's to that rounding). torch's fp32 CPU reduction keeps one long accumulation
+    per SIMD lane and is off by ~0.4% over 50M elements; so chunks are widened into fp64
+    scratch and reduced by a dot product (BLAS: about as fast as the fp32 reduction's read)."""
+    scratch = torch.empty(_NORM_CHUNK if grads else 0, dtype=torch.float64)
     total = 0.0
-    for start in range(0, values.numel(), _NORM_CHUNK):
-        piece = values[start : start + _NORM_CHUNK]
-        x = piece if piece.dtype == torch.float32 else scratch[: piece.numel()].copy_(piece)
-        full = x.numel() // _NORM_ROW * _NORM_ROW
-        if full:
-            rows = torch.linalg.vector_norm(x[:full].view(-1, _NORM_ROW), dim=1)
-            total += float(rows.double().square().sum())
-        if full < x.numel():
-            total += float(torch.linalg.vector_norm(x[full:], dtype=torch.float64)) ** 2
+    for g in grads:
+        values = local(g).reshape(-1)
+        for start in range(0, values.numel(), _NORM_CHUNK):
+            piece = values[start : start + _NORM_CHUNK]
+            x = scratch[: piece.numel()].copy_(piece)
+            total += float(torch.dot(x, x))
     return total

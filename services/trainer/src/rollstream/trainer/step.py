@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from rollstream.trainer import grpo
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW, NonFiniteStep, OnPiece
 from rollstream.v1 import rollout_pb2
+
+if TYPE_CHECKING:  # (ranks.py imports torch.distributed's FSDP2: only the trainer on N ranks needs it)
+    from rollstream.trainer.ranks import Ranks
 
 # peft's `disable_adapter`: inside it the model computes with its frozen base weights.
 AdaptersOff = Callable[[], AbstractContextManager[object]]
@@ -207,19 +211,31 @@ def _micro_batches(rows: Sequence[_Row], token_budget: int, share_prompts: bool)
 
 
 def backward_micro_batch(
-    optimizer: HostAdamW, loss: torch.Tensor, started: float, what: str
+    optimizer: HostAdamW,
+    loss: torch.Tensor,
+    started: float,
+    what: str,
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[float, float, float]:
     """One micro-batch's loss read on the host and its backward, its gradients added to the
     parameters' (GRPO's _accumulate and sft_step's loop). A non-finite loss drops every
     gradient accumulated so far and raises NonFiniteStep naming `what`. Returns the loss, the
     seconds from `started` (the micro-batch's start) to its read (on a GPU: its forward) and
-    the backward's seconds."""
+    the backward's seconds. `agree` (N ranks: Ranks.any_true) turns this rank's "non-finite"
+    into every rank's, so that all stop before the backward's collectives or none does."""
     value = float(loss.detach())
-    if not math.isfinite(value):
+    bad = not math.isfinite(value)
+    if agree is not None:
+        bad = agree(bad)
+    if bad:
         # Earlier micro-batches' gradients are in the parameters already: drop them, or
         # they would leak into the next step.
         optimizer.discard_grads()
-        raise NonFiniteStep(f"loss is {value} in {what}")
+        raise NonFiniteStep(
+            f"loss is {value} in {what}"
+            if not math.isfinite(value)
+            else f"a loss is not finite in {what} on another rank"
+        )
     forward_s = time.perf_counter() - started
     start = time.perf_counter()
     optimizer.wait()  # the previous step's update (step with background): backward writes the gradients it drops
@@ -236,6 +252,7 @@ def _accumulate(
     pad_id: int,
     adapters_off: AdaptersOff | None,
     logprobs: list[torch.Tensor] | None = None,
+    ranks: Ranks | None = None,
 ) -> _Sums:
     """Forward, loss and backward of `rows` in token-budget micro-batches: the gradients
     accumulate in the parameters. A non-finite micro-batch loss drops every gradient and
@@ -243,13 +260,25 @@ def _accumulate(
     loss_cfg = cfg.loss
     sums = _Sums()
     dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method; a shared batch's mask adds to the attention scores
-    for part in _micro_batches(rows, cfg.token_budget, cfg.share_prompts):
-        micro = part.rows
+    micros = _micro_batches(rows, cfg.token_budget, cfg.share_prompts)
+    # One process runs every micro-batch; rank r of N the r-th of each round of N (ranks.py).
+    order = [(k, 1) for k in range(len(micros))] if ranks is None else ranks.rounds(len(micros))
+    if ranks is not None:
+        ranks.begin_step()
+    for k, live in order:
+        real = ranks is None or ranks.world.rank < live  # (else a padding copy: its gradient is not added)
+        micro = micros[k].rows
         start = time.perf_counter()
-        batch = part.batch(rows, pad_id, dtype, cfg.device)
-        logp, entropy = modeling.completion_logprobs(
-            model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True
-        )
+        batch = micros[k].batch(rows, pad_id, dtype, cfg.device)
+        if ranks is None:
+            logp, entropy = modeling.completion_logprobs(
+                model, batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True
+            )
+        else:
+            logp, entropy = ranks.logprobs(
+                batch, chunk_tokens=cfg.chunk_tokens, temperature=cfg.temperature, with_entropy=True
+            )
+            ranks.before_backward(live, optimizer.params)
         dev = logp.device
         # The loss works on flat [tokens] vectors; `seq` says which sequence each token is of.
         seq_lengths = torch.tensor(batch.lengths, device=dev)
@@ -263,11 +292,14 @@ def _accumulate(
         else:
             ref = torch.tensor([x for i in micro for x in rows[i].ref], dtype=torch.float32, device=dev)
         parts = grpo.policy_loss(loss_cfg, logp, beh, adv, seq, seq_lengths, denom, ref, entropy)
+        agree = None if ranks is None else (lambda bad, ranks=ranks, real=real: ranks.any_true(bad and real))
         loss, forward_s, backward_s = backward_micro_batch(
-            optimizer, parts.loss, start, f"a micro-batch of {len(micro)} completions"
+            optimizer, parts.loss, start, f"a micro-batch of {len(micro)} completions", agree
         )
         sums.forward_s += forward_s
         sums.backward_s += backward_s
+        if not real:
+            continue
         if logprobs is not None:
             for i, values in zip(micro, logp.detach().split(batch.lengths)):
                 logprobs[i] = values
@@ -277,6 +309,10 @@ def _accumulate(
         sums.clipped += parts.clipped_tokens
         sums.truncated += parts.truncated_tokens
         sums.tokens += parts.tokens
+    if ranks is not None:  # every rank's micro-batches' sums (timings: this rank's own)
+        total = ranks.sum([sums.loss, sums.kl, sums.entropy, sums.clipped, sums.truncated, sums.tokens])
+        sums.loss, sums.kl, sums.entropy = total[:3]
+        sums.clipped, sums.truncated, sums.tokens = (round(x) for x in total[3:])
     return sums
 
 
@@ -290,6 +326,7 @@ def train_step(
     adapters_off: AdaptersOff | None = None,
     on_piece: OnPiece | None = None,
     background: bool = False,
+    ranks: Ranks | None = None,
 ) -> StepResult:
     """One update of `model` (through `optimizer`, which holds its trained parameters) on
     validated, scored `groups`. With beta > 0, log pi_ref is the groups' ref_logprobs, or,
@@ -300,6 +337,10 @@ def train_step(
     their own after this returns (HostAdamW.step with the model): trained_bits and the model's
     weights are final once optimizer.wait() returns, and the next step's forward overlaps the
     update, each module waiting only for its own weights.
+    With `ranks` (the trainer as N ranks, ranks.py: every rank calls this with the same groups),
+    this rank runs its share of the micro-batches on the sharded model and steps its shards;
+    the loss and the metrics are every rank's, `logprobs` holds this rank's rows only (the
+    others' stay empty) and trained_bits are this rank's shards (Ranks.full_bits joins them).
     Raises NonFiniteStep, having applied nothing, on a non-finite loss or gradient norm."""
     if not groups:
         raise ValueError("a step needs at least one group")
@@ -317,7 +358,7 @@ def train_step(
 
     # 3. Micro-batches: forward, loss, backward; the metrics' sums on the way.
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rows)  # every row is in one micro-batch
-    sums = _accumulate(model, optimizer, rows, denom, cfg, pad_id, adapters_off, logprobs)
+    sums = _accumulate(model, optimizer, rows, denom, cfg, pad_id, adapters_off, logprobs, ranks)
 
     # 4. The optimizer step (raises NonFiniteStep on a non-finite gradient norm).
     start = time.perf_counter()
@@ -360,6 +401,7 @@ def nonfinite_groups(
     *,
     pad_id: int,
     adapters_off: AdaptersOff | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[int, str]:
     """After a refused step: which of its groups make the loss or the gradient norm
     non-finite on their own, index in `groups` -> why. Each group's completions run alone
@@ -374,7 +416,7 @@ def nonfinite_groups(
     for k in sorted(set(owner)):
         mine = [row for row, o in zip(rows, owner) if o == k]
         try:
-            _accumulate(model, optimizer, mine, denom, cfg, pad_id, adapters_off)
+            _accumulate(model, optimizer, mine, denom, cfg, pad_id, adapters_off, ranks=ranks)
         except NonFiniteStep as e:
             found[k] = str(e)
             continue

@@ -1,0 +1,64 @@
+"""The trainer's step on 2 and 4 ranks (FSDP2 on gloo, ranks.py) against one process: 20
+GRPO steps with clipping on, in fp32 and in bf16, give the same masters, moments and published
+bits, bit for bit, and the same gradient norms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ranks import launch
+
+pytestmark = pytest.mark.ranks
+
+STEPS = 20
+
+
+def joined(out: Path, n: int) -> dict[str, torch.Tensor]:
+    """Every rank's state tensors, joined along dim 0 in rank order (FSDP2's dim-0 shards)."""
+    parts = [load_file(out / f"rank{r}.safetensors") for r in range(n)]
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("ranks") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_process(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path_factory.mktemp(f"one-{dtype}")
+        launch.run("rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype])
+        runs[dtype] = out
+    return runs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_n_ranks_step_as_one_process(model: Path, one_process: dict[str, Path], tmp_path: Path, n: int, dtype: str) -> None:
+    out = tmp_path / "out"
+    launch.run("rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype], nproc=n, log=tmp_path / "log")
+    ref = one_process[dtype]
+    ours, theirs = json.loads((out / "steps.json").read_text()), json.loads((ref / "steps.json").read_text())
+    assert len(ours) == STEPS
+    for a, b in zip(ours, theirs):
+        assert a["bits"] == b["bits"], f"step {a['step']}: the published bits differ"
+        assert a["tokens"] == b["tokens"]
+        # The norm's fp64 sum of squares is added in another grouping: equal to fp64 rounding.
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-12)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    state, want = joined(out, n), joined(ref, 1)
+    assert state.keys() == want.keys()
+    for key, t in want.items():
+        assert torch.equal(state[key], t), key
+    assert load_file(out / "bits.safetensors").keys() == load_file(ref / "bits.safetensors").keys()
+    for key, t in load_file(ref / "bits.safetensors").items():
+        assert torch.equal(load_file(out / "bits.safetensors")[key], t), key
