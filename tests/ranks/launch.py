@@ -34,5 +34,7 @@ def run(program: str, args: list[str], nproc: int = 0, log: Path | None = None) 
     if log is not None:
         log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
-        raise AssertionError(f"{program} {args} on {nproc or 1} process(es) exited {done.returncode}:\n{done.stderr[-6000:]}")
+        raise AssertionError(
+            f"{program} {args} on {nproc or 1} process(es) exited {done.returncode}:\n{done.stderr[-6000:]}"
+        )
     return done

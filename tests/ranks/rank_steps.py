@@ -22,11 +22,10 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: synthetic
-from synthetic import scored_groups  # noqa: E402 - after the path it needs
-
-from rollstream.trainer import lora, ranks  # noqa: E402 - after the path it needs
-from rollstream.trainer.config import TrainerSettings  # noqa: E402 - after the path it needs
-from rollstream.trainer.step import StepConfig, train_step  # noqa: E402 - after the path it needs
+from rollstream.trainer import lora, ranks
+from rollstream.trainer.config import TrainerSettings
+from rollstream.trainer.step import StepConfig, train_step
+from synthetic import scored_groups
 
 
 def sha(bits: dict[str, np.ndarray]) -> str:
@@ -70,7 +69,9 @@ def main() -> int:
             log.append({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "tokens": r.tokens, "bits": sha(bits)})
     rank = team.world.rank if team is not None else 0
     args.out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().clone() for k, v in optimizer.state_tensors().items()}, args.out / f"rank{rank}.safetensors")
+    save_file(
+        {k: v.contiguous().clone() for k, v in optimizer.state_tensors().items()}, args.out / f"rank{rank}.safetensors"
+    )
     if rank == 0:
         save_numpy({k: np.ascontiguousarray(v) for k, v in bits.items()}, str(args.out / "bits.safetensors"))
         (args.out / "steps.json").write_text(json.dumps(log, indent=1))

@@ -43,9 +43,13 @@ def one_process(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_n_ranks_step_as_one_process(model: Path, one_process: dict[str, Path], tmp_path: Path, n: int, dtype: str) -> None:
+def test_n_ranks_step_as_one_process(
+    model: Path, one_process: dict[str, Path], tmp_path: Path, n: int, dtype: str
+) -> None:
     out = tmp_path / "out"
-    launch.run("rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype], nproc=n, log=tmp_path / "log")
+    launch.run(
+        "rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype], nproc=n, log=tmp_path / "log"
+    )
     ref = one_process[dtype]
     ours, theirs = json.loads((out / "steps.json").read_text()), json.loads((ref / "steps.json").read_text())
     assert len(ours) == STEPS
