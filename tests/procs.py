@@ -74,11 +74,12 @@ STARTED: list[ChildProcess] = []
 
 
 def start_service(
-    name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = ""
+    name: str, workdir: Path, *args: str, env: dict[str, str] | None = None, tag: str = "", ranks: int = 0
 ) -> ServiceProc:
-    """Start `python -m rollstream.<name> ARGS --state-file ...`; logs go to workdir/<name><tag>.log.
-    Its gRPC listens on a unix socket in workdir/sockets (0700), as under `up`, unless ARGS
-    give a --grpc-port."""
+    """Start `python -m rollstream.<name> ARGS --state-file ...` (with `ranks`: as that many
+    ranks under torchrun, its standalone rendezvous on loopback; the process is torchrun's);
+    logs go to workdir/<name><tag>.log. Its gRPC listens on a unix socket in workdir/sockets
+    (0700), as under `up`, unless ARGS give a --grpc-port."""
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{name}{tag}"
     if "--grpc-port" not in args:
@@ -96,8 +97,12 @@ def start_service(
         **(env or {}),
     }
     log = log_path.open("ab")
+    # torchrun's own parser takes any later flag that abbreviates one of its own (--run: its
+    # --run-path) unless `--` ends its options.
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks else []
+    module = ["-m", f"rollstream.{name}", *(["--"] if ranks else [])]
     proc = subprocess.Popen(
-        [sys.executable, "-m", f"rollstream.{name}", "--state-file", str(state_file), *args],
+        [sys.executable, *launcher, *module, "--state-file", str(state_file), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=full_env,

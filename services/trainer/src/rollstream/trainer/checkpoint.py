@@ -9,6 +9,9 @@ A checkpoint is one folder, `step-NNNNNNNN` by default:
                          and master_lo/<name> (int16) in the split layout, which load exactly
                          into either layout; exp_avg/<name>, exp_avg_sq/<name> (the moments'
                          dtype), for every trained parameter (LoRA: the adapters only)
+  optimizer/             instead, from a trainer on N ranks: their shards of the same tensors
+                         (torch.distributed.checkpoint's safetensors files, sharded_state.py),
+                         which resume on any number of ranks, or joined in one process
   rng.safetensors        torch_cpu: torch's CPU generator state (uint8); cuda/<i> per GPU
 The published bf16 weights are not stored apart: they are the masters' bf16 rounding (or,
 with LoRA, the merge of the base model and the adapters), so they are derived on load. Python's and numpy's
@@ -36,7 +39,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import torch
@@ -44,12 +47,17 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 from safetensors import safe_open
 
 from rollstream.core import deltas, progress, safetensors_io
-from rollstream.trainer import folders
+from rollstream.trainer import folders, sharded_state
+from rollstream.trainer.ranks import shard_rows
+
+if TYPE_CHECKING:
+    from rollstream.trainer.optimizer import HostAdamW
 
 FORMAT: Final = "rollstream-trainer-checkpoint"
 FORMAT_VERSION: Final = 1
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+SHARDED_DIR = "optimizer"  # N ranks: their shards, torch.distributed.checkpoint in safetensors (sharded_state.py)
 RNG_FILE = "rng.safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
@@ -231,20 +239,24 @@ def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
 def save(
     path: Path,
     state: CheckpointState,
-    optimizer_tensors: Mapping[str, torch.Tensor],
+    optimizer: Mapping[str, torch.Tensor] | Callable[[Path], None],
     rng: Mapping[str, torch.Tensor],
     replace: bool = False,
 ) -> Path:
     """Write a checkpoint folder at `path` atomically. An existing one is an error, unless
     `replace`: then the new one takes its place once complete (for a moment between two
-    renames neither is there; a partial one never is)."""
+    renames neither is there; a partial one never is). `optimizer`: its state tensors, or
+    what writes them into the folder (N ranks: save_sharded_optimizer on every rank)."""
     path = Path(path)
     if path.exists() and not replace:
         raise FileExistsError(f"checkpoint {path} already exists")
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(folder: Path) -> None:
-        write_safetensors(folder / OPTIMIZER_FILE, optimizer_tensors, {"format": FORMAT})
+        if callable(optimizer):
+            optimizer(folder)
+        else:
+            write_optimizer(folder, optimizer)
         write_safetensors(folder / RNG_FILE, rng, {"format": FORMAT})
         # state.json last: a folder with it is complete (the rename makes that moot, but a
         # reader of a half-copied folder gets an error instead of a half state).
@@ -268,8 +280,39 @@ def load_state(path: Path) -> CheckpointState:
         raise CheckpointError(f"{path / STATE_FILE}: {e}") from None
 
 
-def optimizer_tensors(path: Path) -> SafetensorsReader:
+def write_optimizer(folder: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """One process's optimizer state: one safetensors file."""
+    write_safetensors(folder / OPTIMIZER_FILE, tensors, {"format": FORMAT})
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint `path` holds its optimizer state as N ranks' shards."""
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
+def optimizer_tensors(path: Path) -> Mapping[str, torch.Tensor]:
+    """The optimizer state tensors of checkpoint `path`, whole (a sharded one's joined)."""
+    if is_sharded(path):
+        return sharded_state.read_whole(Path(path) / SHARDED_DIR)
     return SafetensorsReader(Path(path) / OPTIMIZER_FILE)
+
+
+def save_sharded_optimizer(folder: Path, optimizer: HostAdamW, params: Mapping[str, torch.Tensor]) -> None:
+    """Every rank: its shards of the optimizer state into folder/optimizer (collective)."""
+    sharded_state.save(folder / SHARDED_DIR, sharded_state.as_dtensors(optimizer, params))
+
+
+def load_sharded_optimizer(path: Path, optimizer: HostAdamW, params: Mapping[str, torch.Tensor], steps: int) -> None:
+    """Every rank: its shards of checkpoint `path`'s optimizer state, saved on any number of
+    ranks (a one-process checkpoint: each rank reads its rows of the whole tensors), then the
+    served bits into the model (HostAdamW.load_state)."""
+    if is_sharded(path):
+        sharded_state.load(Path(path) / SHARDED_DIR, sharded_state.as_dtensors(optimizer, params))
+        local = optimizer.state_tensors()
+    else:
+        whole = SafetensorsReader(Path(path) / OPTIMIZER_FILE)
+        local = {key: shard_rows(whole[key], params[key.split("/", 1)[1]]) for key in optimizer.state_tensors()}
+    optimizer.load_state(local, steps)
 
 
 def rng_tensors(path: Path) -> SafetensorsReader:
@@ -283,8 +326,11 @@ def verify(path: Path) -> CheckpointState:
     not (that would mean reading the whole optimizer state)."""
     path = Path(path)
     state = load_state(path)
-    for name in (OPTIMIZER_FILE, RNG_FILE):
-        _check_length(path / name)
+    shards = sorted((path / SHARDED_DIR).glob("*.safetensors")) if is_sharded(path) else [path / OPTIMIZER_FILE]
+    if not shards:
+        raise CheckpointError(f"{path / SHARDED_DIR}: no safetensors shards")
+    for file in [*shards, path / RNG_FILE]:
+        _check_length(file)
     return state
 
 

@@ -64,6 +64,9 @@ __all__ = [
 OnPiece = Callable[[str, int, np.ndarray, np.ndarray], None]
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 class NonFiniteStep(ArithmeticError):
     """A step whose loss or gradients are not finite: nothing was applied."""
 
@@ -217,10 +220,17 @@ class HostAdamW:
     # -- the step -----------------------------------------------------------------------
 
     def grad_norm(self) -> float:
-        """Total 2-norm of the accumulated gradients (before clipping; also read by step.nonfinite_groups)."""
+        """Total 2-norm of the accumulated gradients (before clipping; also read by
+        step.nonfinite_groups), in fp32 as torch.nn.utils.clip_grad_norm_'s is: the squares are
+        summed in fp64 (staging.host_sum_of_squares), and a sum past fp32's range is inf, as it
+        is for torch (a gradient that large is refused, not clipped to a direction it alone sets)."""
         self.wait()
         squares = self.grads.sum_of_squares()
-        return math.sqrt(self._reduce(squares) if self._reduce is not None else squares)
+        if self._reduce is not None:
+            squares = self._reduce(squares)
+        if squares > _FP32_MAX:
+            return math.inf
+        return float(torch.tensor(math.sqrt(squares), dtype=torch.float32))
 
     def discard_grads(self) -> None:
         """Drop the accumulated gradients without a step (a step refused for non-finite values)."""

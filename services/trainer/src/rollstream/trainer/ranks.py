@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -38,8 +40,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 # FSDP2's comm hook interface (set_custom_reduce_scatter) is importable only from here in torch 2.13.
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 
 from rollstream.core import modeling
+from rollstream.v1 import rollout_pb2
+
+if TYPE_CHECKING:
+    from rollstream.trainer.config import TrainerSettings
 
 # A follower waits in a broadcast for rank 0's next command while rank 0 waits for rollouts,
 # which may take as long as the generators need: the collectives' timeout is not a health
@@ -125,6 +132,22 @@ class Ranks:
     root: torch.nn.Module | None = None  # the FSDP root: _Forward around the model
     comms: list[RankOrderedReduceScatter] = field(default_factory=list)
     live: int = 1  # ranks with a real micro-batch in the current round
+
+    @classmethod
+    def from_env(cls, settings: TrainerSettings) -> Ranks | None:
+        """The trainer's ranks when torchrun started this process (None otherwise), joined.
+        What is not built on N ranks is refused here, naming the setting."""
+        world = World.from_env()
+        if world is None:
+            return None
+        refused = {
+            "lora_rank": "LoRA" if settings.lora_rank else "",
+            "grad_offload": "gradient offload" if settings.grad_offload else "",
+        }
+        for name, what in refused.items():
+            if what:
+                raise SystemExit(f"{name}: {what} on N ranks (torchrun) is not built; run the trainer as one process")
+        return cls.join(world, rank_device(settings.device, world))
 
     @classmethod
     def join(cls, world: World, device: str) -> Ranks:
@@ -238,11 +261,14 @@ class Ranks:
     def _broadcast(self, data: bytes) -> bytes:
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=0)
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.lead_rank else None
-        if buffer is None or int(size) == 0:
-            buffer = torch.empty(int(size), dtype=torch.uint8)
-        if int(size):
-            dist.broadcast(buffer, src=0)
+        if int(size) == 0:
+            return b""
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.lead_rank
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        dist.broadcast(buffer, src=0)
         return buffer.numpy().tobytes()
 
     # -- the published weights ---------------------------------------------------------------
@@ -257,7 +283,7 @@ class Ranks:
         padded = {}
         for name, p in params.items():
             rows = -(-p.shape[0] // n) if p.dim() else 1
-            per_rank = rows * (p[0].numel() if p.dim() else 1)
+            per_rank = rows * math.prod(p.shape[1:])
             flat = np.zeros(per_rank, dtype=np.uint16)
             mine = local[name].reshape(-1)
             flat[: mine.size] = mine
@@ -282,6 +308,30 @@ class Ranks:
         dist.barrier()
 
 
+def shard_rows(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The rows of `whole` (in `param`'s full shape) that this rank's shard of `param` (a
+    DTensor) holds: FSDP2 cuts dim 0 as torch.chunk does, ceil(rows / N) a rank, the last
+    ranks' shorter or empty."""
+    assert isinstance(param, DTensor)
+    n, r = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    rows = -(-whole.shape[0] // n)
+    return whole[r * rows : (r + 1) * rows]
+
+
+def encode_groups(groups: Sequence[rollout_pb2.RolloutGroup]) -> bytes:
+    """A step's groups as one payload: each group's protobuf after its length (uint32, LE)."""
+    return b"".join(struct.pack("<I", len(data)) + data for data in (g.SerializeToString() for g in groups))
+
+
+def decode_groups(payload: bytes) -> list[rollout_pb2.RolloutGroup]:
+    groups, at = [], 0
+    while at < len(payload):
+        (size,) = struct.unpack_from("<I", payload, at)
+        groups.append(rollout_pb2.RolloutGroup.FromString(payload[at + 4 : at + 4 + size]))
+        at += 4 + size
+    return groups
+
+
 class _Forward(torch.nn.Module):
     """The FSDP root: the model's completion log-probs as one module call."""
 
@@ -297,12 +347,13 @@ class _Forward(torch.nn.Module):
         )
 
 
-def leave(code: int) -> None:
-    """End a rank: every rank at a barrier, the process group destroyed, output flushed, then
+def leave(code: int, together: bool = True) -> NoReturn:
+    """End a rank: with `together`, every rank at a barrier and the process group destroyed
+    (without: a rank failing alone, the others in some other collective); output flushed, then
     os._exit. A normal interpreter exit after gloo's worker threads ran aborts the process in
     Py_FinalizeEx (SIGABRT, seen in 1 exit in 5 at 2 ranks), which torchrun reports as a
     failure of the whole job."""
-    if dist.is_initialized():
+    if together and dist.is_initialized():
         try:
             dist.barrier()
             dist.destroy_process_group()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from rollstream.core import logs, redis_policy, run_keys, streams, validation
 from rollstream.core.config import load_or_exit
 from rollstream.core.grpc_utils import Service
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, export, pipeline_view, replay, servicer
+from rollstream.trainer import checkpoint, export, follower, pipeline_view, ranks, replay, servicer
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.evaluation import Evaluator
 from rollstream.trainer.fleet import GeneratorDirectory
@@ -62,9 +63,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(settings: TrainerSettings) -> int:
-    with ServiceHost("trainer", settings) as host:
-        host.install_signal_handlers()
-        serve(settings, host, Trainer(settings, host))
+    """The trainer: one process, or under torchrun N ranks (ranks.py), rank 0 this service and
+    the others its followers (follower.py)."""
+    team = ranks.Ranks.from_env(settings)
+    if team is None:
+        with ServiceHost("trainer", settings) as host:
+            host.install_signal_handlers()
+            serve(settings, host, Trainer(settings, host))
+        return 0
+    if not team.lead_rank:
+        return follower.run(settings, team)
+    try:
+        with ServiceHost("trainer", settings) as host:
+            host.install_signal_handlers()
+            serve(settings, host, Trainer(settings, host, team))
+    except BaseException:  # noqa: BLE001 - printed, then this rank exits 1 and torchrun ends the others
+        traceback.print_exc()
+        ranks.leave(1, together=False)
+    team.lead("stop")
+    ranks.leave(0)
     return 0
 
 

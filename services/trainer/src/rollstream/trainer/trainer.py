@@ -9,7 +9,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,11 +20,12 @@ from rollstream.core import cpu_runtime, deltas, logs, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
 from rollstream.core.models import context_length, resolve_model, vocab_size
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, lora
+from rollstream.trainer import checkpoint, lora, ranks
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.push import BACKED_OFF, PushOutcome
+from rollstream.trainer.ranks import Ranks
 from rollstream.trainer.servicer import WeightsView
 from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from rollstream.trainer.trackers import Metrics
@@ -46,29 +49,71 @@ def _limits(s: TrainerSettings, model_dir: str) -> validation.Limits:
     )
 
 
-class Trainer:
-    def __init__(self, settings: TrainerSettings, host: ServiceHost):
-        s = self.settings = settings
-        self.log = host.log
+@dataclass
+class Trained:
+    """The model as the trainer trains it and the optimizer of its trained parameters: what
+    every rank of a trainer on N ranks holds (its shards), rank 0's Trainer and the others'
+    Follower alike."""
+
+    model_dir: str
+    model: Any
+    tokenizer: Any
+    lora: lora.LoraModel | None
+    params: dict[str, torch.nn.Parameter]  # N ranks: DTensors, each rank holding its shards
+    optimizer: HostAdamW
+    step_config: StepConfig
+
+    @classmethod
+    def load(cls, s: TrainerSettings, team: Ranks | None) -> Trained:
         # Large freed blocks (activations) back to the OS instead of held by glibc's heaps:
         # far less resident between steps, and less at the peak (core/cpu_runtime.py).
         cpu_runtime.fixed_mmap_threshold()
         if s.threads:
             torch.set_num_threads(s.threads)
         torch.manual_seed(s.seed)
-        self.model_dir = str(resolve_model(s.model))
+        model_dir = str(resolve_model(s.model))
+        spec = lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)) if s.lora_rank else None
+        device = s.device if team is None else str(team.device)
+        model, tokenizer, lora_model, params = lora.load(model_dir, s.dtype, device, spec, s.activation_checkpointing)
+        model.train()
+        if team is not None:
+            params = team.shard(model)
+        optimizer = s.host_adamw(params, reduce=team.sum_of_squares if team is not None else None)
+        return cls(model_dir, model, tokenizer, lora_model, params, optimizer, StepConfig.from_settings(s))
+
+    def restore_optimizer(self, path: Path, state: checkpoint.CheckpointState, team: Ranks | None) -> None:
+        """The optimizer state and RNG of checkpoint `path` (every rank: its shards), and the
+        served bits written into the model."""
+        if team is None:
+            self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
+        else:
+            checkpoint.load_sharded_optimizer(path, self.optimizer, self.params, state.optimizer_steps)
+        checkpoint.set_rng_state(checkpoint.rng_tensors(path))
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, host: ServiceHost, team: Ranks | None = None):
+        """The trainer's state; with `team` (rank 0 of N, ranks.py) the model's shards, the others
+        doing what this one leads (follower.py)."""
+        s = self.settings = settings
+        self.log = host.log
+        self.team = team
+        trained = Trained.load(s, team)
+        self.trained = trained
+        self.model_dir = trained.model_dir
         self.limits = _limits(s, self.model_dir)
         self.need_ref = s.beta > 0 and s.kl_reference == "service"
-        spec = lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)) if s.lora_rank else None
-        self.model, self.tokenizer, self.lora, self.params = lora.load(
-            self.model_dir, s.dtype, s.device, spec, s.activation_checkpointing
+        self.model, self.tokenizer, self.lora, self.params = (
+            trained.model,
+            trained.tokenizer,
+            trained.lora,
+            trained.params,
         )
-        self.model.train()
         # pi_ref from the frozen base under the adapters: the groups need no ref_logprobs.
         self.ref_from_base = s.beta > 0 and s.kl_reference == "lora_base"
         self.adapters_off = self.lora.model.disable_adapter if self.ref_from_base and self.lora is not None else None
-        self.step_config = StepConfig.from_settings(s)
-        self.optimizer: HostAdamW = s.host_adamw(self.params)
+        self.step_config = trained.step_config
+        self.optimizer: HostAdamW = trained.optimizer
         self.step = 0
         self.groups_trained = 0
         self.groups_stale = 0
@@ -89,6 +134,8 @@ class Trainer:
         path = checkpoint.resolve(s.resume, s.checkpoint_dir) if s.resume else None
         if s.resume in ("auto", "latest"):
             self._log_unusable(checkpoint.scan(Path(s.checkpoint_dir)), resuming_from=str(path))
+        if team is not None:  # the other ranks resume from what this one chose (a shared folder)
+            team.lead("start", {"resume": str(path) if path is not None else ""})
         if path is not None:
             self.restored = self._restore(path)
             version = self.restored.version
@@ -118,7 +165,10 @@ class Trainer:
         return self.publisher.version
 
     def _published_bits(self, trained_bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """What generators get: the trained weights, or with LoRA the merged base weights."""
+        """What generators get: the trained weights (N ranks: every rank's shards joined), or
+        with LoRA the merged base weights."""
+        if self.team is not None:
+            return self.team.full_bits(self.params, trained_bits)
         return self.lora.merged_bits() if self.lora is not None else trained_bits
 
     # -- checkpoints ------------------------------------------------------------------
@@ -147,7 +197,16 @@ class Trainer:
             # The Redis URL may carry a password: it stays out of the file.
             settings=s.model_dump(mode="json", exclude={"redis_url"}),
         )
-        saved = checkpoint.save(path, state, self.optimizer.state_tensors(), checkpoint.rng_state(), replace=replace)
+        team = self.team
+
+        def write_optimizer(folder: Path) -> None:
+            if team is None:
+                checkpoint.write_optimizer(folder, self.optimizer.state_tensors())
+            else:  # every rank writes its shards into the same folder (follower.py)
+                team.lead("save", {"folder": str(folder)})
+                checkpoint.save_sharded_optimizer(folder, self.optimizer, self.params)
+
+        saved = checkpoint.save(path, state, write_optimizer, checkpoint.rng_state(), replace=replace)
         logs.event(
             self.log,
             "checkpoint_saved",
@@ -209,8 +268,7 @@ class Trainer:
             )
         published = self.lora.base if self.lora is not None else self.params
         state.check_model(path, published, self.lora.base_bits if self.lora is not None else None, self.model_dir)
-        self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
-        checkpoint.set_rng_state(checkpoint.rng_tensors(path))
+        self.trained.restore_optimizer(path, state, self.team)
         self.step = state.step
         self.groups_trained = state.groups_trained
         self.groups_stale = state.groups_stale
@@ -221,6 +279,8 @@ class Trainer:
     def nonfinite_groups(self, groups: list[rollout_pb2.RolloutGroup]) -> dict[int, str]:
         """After a refused step: the groups that make it non-finite alone, index -> why
         (step.nonfinite_groups; nothing applied)."""
+        if self.team is not None:
+            self.team.lead("probe", payload=ranks.encode_groups(groups))
         return nonfinite_groups(
             self.model,
             self.optimizer,
@@ -228,6 +288,7 @@ class Trainer:
             self.step_config,
             pad_id=self.tokenizer.pad_token_id,
             adapters_off=self.adapters_off,
+            ranks=self.team,
         )
 
     def train_step(
@@ -246,8 +307,11 @@ class Trainer:
             # Full fine-tuning: the trained parameters are the published weights, so the delta is
             # encoded tensor by tensor during the optimizer step. With LoRA the published weights
             # are merged after it.
-            encoder = self.publisher.begin_delta() if self.lora is None and reader else None
+            # N ranks: the bits are joined after the step, the delta encoded from them.
+            encoder = self.publisher.begin_delta() if self.lora is None and reader and self.team is None else None
             background = self._overlap(reader)
+            if self.team is not None:
+                self.team.lead("step", payload=ranks.encode_groups(groups))
             r = train_step(
                 self.model,
                 self.optimizer,
@@ -257,6 +321,7 @@ class Trainer:
                 adapters_off=self.adapters_off,
                 on_piece=encoder.add_piece if encoder is not None else None,
                 background=background,
+                ranks=self.team,
             )
             # No update (dapo filtered every group): the version still advances, since the groups
             # were consumed, with an empty delta.
@@ -311,7 +376,7 @@ class Trainer:
     def _overlap(self, reader: str) -> bool:
         """Whether the update runs on into the next forward (HostAdamW.step with the model): when nothing
         reads the new weights before it (no delta, no merge, no after-step hook); later readers wait (optimizer.wait)."""
-        background = self.lora is None and not reader and not self._after_step
+        background = self.lora is None and not reader and not self._after_step and self.team is None
         if background != self.overlapped:  # said when it starts and when it stops
             logs.event(
                 self.log,
@@ -321,6 +386,8 @@ class Trainer:
                 if background
                 else "LoRA merges after the update"
                 if self.lora is not None
+                else "the ranks join their bits after the update"
+                if self.team is not None
                 else "a follower copies the weights"
                 if self._after_step
                 else f"a delta for {reader}",
