@@ -597,7 +597,17 @@ EXTERNAL = {
     "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
     "outside": (None, {}),
 }
-PORTS = [("TCP", 6379), ("TCP", 50051), ("TCP", 8080), ("UDP", 53), ("TCP", 53), ("TCP", 443)]
+# 29400: the trainer's rendezvous (torchrun on node 0); 45678: a port NCCL or torch picks at run time.
+PORTS = [
+    ("TCP", 6379),
+    ("TCP", 50051),
+    ("TCP", 8080),
+    ("UDP", 53),
+    ("TCP", 53),
+    ("TCP", 443),
+    ("TCP", 29400),
+    ("TCP", 45678),
+]
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -713,6 +723,9 @@ def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> No
     expected |= {
         (peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services
     }  # any pod in the cluster
+    # The trainer's pods among themselves (several machines, issue 47): the rendezvous, then
+    # NCCL's and torch's connections on ports chosen at run time: every TCP port, and only there.
+    expected |= {("trainer", "trainer", "TCP", port) for proto, port in PORTS if proto == "TCP"}
     # A namespace-wide default deny, so that a pod added later starts with no access at all.
     assert any(
         p["spec"]["podSelector"] == {}
