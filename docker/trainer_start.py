@@ -24,20 +24,27 @@ ROLLSTREAM_TRAINER_GPU=0,1,2,3, a pod's `nvidia.com/gpu: 4`), or when torchrun's
 say so (PET_NPROC_PER_NODE, PET_NNODES > 1), this process becomes torchrun, one rank a GPU:
 
     python -m torch.distributed.run --standalone --nproc-per-node=K trainer_start.py ARGS
-    python -m torch.distributed.run --nproc-per-node=K --nnodes=M --node-rank=R
-        --rdzv-backend=static --master-addr=HOST --master-port=PORT trainer_start.py ARGS
+    python -m torch.distributed.run --nproc-per-node=K --nnodes=M --rdzv-backend=c10d
+        --rdzv-endpoint=HOST:PORT --rdzv-id=RUN --rdzv-conf=is_host=0|1,join_timeout=S
+        --local-addr=NAME trainer_start.py ARGS
 
 and torchrun runs this file again in every rank (LOCAL_RANK set), which then runs the trainer's
-main() as above. ARGS carry the `--resume latest` decided here, before any rank starts. Several
-machines (k8s-multi-node/): PET_NNODES, PET_MASTER_ADDR (the node of rank 0), PET_MASTER_PORT
-(default 29400), PET_NODE_RANK (else the number at the end of the host name: a StatefulSet's
-pod index). The static rendezvous, not c10d: its ranks follow the node rank, so rank 0 (the
-one that serves gRPC and HTTP, talks to Redis and writes the weight store) is on node 0, the
-pod the trainer Service selects; c10d would order the nodes by host name and ignore
---node-rank. On a node other than 0, where no rank serves HTTP, this process stays torchrun's
-parent and answers /healthz and /readyz on the trainer's http_port while torchrun runs (the
-probes of the pod); on node 0 it replaces itself with torchrun. One GPU, device cpu, a
-`cuda:N` device, a colocated file: the single process, exactly as before.
+main() as above. ARGS carry the `--resume latest` decided here; a rank decides it again when
+torchrun restarts it, from the same checkpoints. Several machines (k8s-multi-node/): PET_NNODES,
+PET_RDZV_ENDPOINT (node 0's name and port, default 29400), PET_NODE_RANK (else the number at the
+end of the host name: a StatefulSet's pod index), PET_LOCAL_ADDR (this node's stable name).
+Node 0 hosts the rendezvous (is_host, not guessed from DNS, which may lag the pod's start). The
+c10d rendezvous numbers the nodes by their addresses in sorted order (it ignores --node-rank),
+so rank 0 (the one that serves gRPC and HTTP, talks to Redis and writes the weight store) is on
+node 0, the pod the trainer Service selects, when the names sort as the indexes do:
+trainer-0.<service> comes first among trainer-N.<service>. A rank checks it at start
+(GROUP_RANK against PET_NODE_RANK) and says so on stderr when not. c10d rather than the static
+rendezvous: when a pod restarts and joins again, torchrun on the others restarts their ranks,
+so the job resumes without waiting for a collective to fail. On a node other than 0, where no
+rank serves HTTP, this process stays torchrun's parent and answers /healthz and /readyz on the
+trainer's http_port while torchrun runs (the probes of the pod); on node 0 it replaces itself
+with torchrun. One GPU, device cpu, a `cuda:N` device, a colocated file: the single process,
+exactly as before.
 """
 
 from __future__ import annotations
@@ -76,7 +83,8 @@ RANK_ENV = "LOCAL_RANK"
 # torchrun's wait between the SIGTERM it forwards to its ranks and SIGKILL (its default is 30 s):
 # the step in progress finishes, inside the 300 s grace of compose.yaml and k8s/30-trainer.yaml.
 SHUTDOWN_TIMEOUT_S = 270
-MASTER_PORT = 29400  # the rendezvous port of node 0 (k8s/30-trainer.yaml's `rendezvous`)
+RDZV_PORT = 29400  # node 0's rendezvous port (k8s/30-trainer.yaml's `rendezvous`)
+JOIN_TIMEOUT_S = 1800  # how long the nodes wait for each other (pods pulling a large image on new machines)
 
 
 def visible_gpus(environ: Mapping[str, str], dev: Path = Path("/dev")) -> int:
@@ -96,12 +104,15 @@ def visible_gpus(environ: Mapping[str, str], dev: Path = Path("/dev")) -> int:
 
 class Ranks(NamedTuple):  # not a dataclass: the tests load this file by path, outside sys.modules
     """How torchrun runs the trainer here: `nproc` ranks on this node, node `node_rank` of
-    `nnodes`; `master` (host:port of node 0's rendezvous) when nnodes > 1."""
+    `nnodes`; when nnodes > 1, the rendezvous at `endpoint` (host:port of node 0) named
+    `run_id`, this node known to the others as `local_addr` (torchrun's guess when empty)."""
 
     nproc: int
     nnodes: int = 1
     node_rank: int = 0
-    master: str = ""
+    endpoint: str = ""
+    run_id: str = ""
+    local_addr: str = ""
 
 
 def _whole(environ: Mapping[str, str], name: str, default: int, least: int) -> int:
@@ -115,7 +126,11 @@ def _whole(environ: Mapping[str, str], name: str, default: int, least: int) -> i
 
 
 def ranks(
-    device: str, environ: Mapping[str, str], dev: Path = Path("/dev"), hostname: str | None = None
+    device: str,
+    environ: Mapping[str, str],
+    dev: Path = Path("/dev"),
+    hostname: str | None = None,
+    run_id: str = "rollstream",
 ) -> Ranks | None:
     """The ranks to start, or None for the single process (one GPU, the CPU, `cuda:N`, or
     this process already a rank). Read from torchrun's own variables (PET_*, which torchrun
@@ -129,11 +144,12 @@ def ranks(
         return None
     if nnodes == 1:
         return Ranks(nproc)
-    host = environ.get("PET_MASTER_ADDR", "").strip()
-    if not host:
-        print("trainer_start: PET_NNODES > 1 needs PET_MASTER_ADDR, the host of node 0", file=sys.stderr)
+    endpoint = environ.get("PET_RDZV_ENDPOINT", "").strip()
+    if not endpoint:
+        print("trainer_start: PET_NNODES > 1 needs PET_RDZV_ENDPOINT, node 0's host[:port]", file=sys.stderr)
         sys.exit(2)
-    port = _whole(environ, "PET_MASTER_PORT", MASTER_PORT, 1)
+    if not re.search(r":\d+$", endpoint):
+        endpoint = f"{endpoint}:{RDZV_PORT}"
     node_rank = _whole(environ, "PET_NODE_RANK", -1, 0)
     if node_rank < 0:  # a StatefulSet pod's name ends with its index: trainer-3
         m = re.search(r"-(\d+)$", (hostname or socket.gethostname()).split(".")[0])
@@ -144,7 +160,20 @@ def ranks(
     if node_rank >= nnodes:
         print(f"trainer_start: node rank {node_rank} of {nnodes} nodes (PET_NNODES too small?)", file=sys.stderr)
         sys.exit(2)
-    return Ranks(nproc, nnodes, node_rank, f"{host}:{port}")
+    run = environ.get("PET_RDZV_ID", "").strip() or run_id
+    return Ranks(nproc, nnodes, node_rank, endpoint, run, environ.get("PET_LOCAL_ADDR", "").strip())
+
+
+def placement_warning(environ: Mapping[str, str]) -> str | None:
+    """In a rank: a warning when torchrun's node number (GROUP_RANK) is not this pod's index
+    (PET_NODE_RANK), i.e. rank 0 may be on a pod the trainer Service does not select."""
+    group, node = environ.get("GROUP_RANK", ""), environ.get("PET_NODE_RANK", "").strip()
+    if not group or not node or group == node:
+        return None
+    return (
+        f"trainer_start: WARNING torchrun made node {node} (PET_NODE_RANK) its node {group}: rank 0 is "
+        "on the node whose address sorts first (PET_LOCAL_ADDR), which the trainer Service may not select"
+    )
 
 
 def torchrun_command(r: Ranks, args: list[str], script: str = __file__) -> list[str]:
@@ -160,13 +189,14 @@ def torchrun_command(r: Ranks, args: list[str], script: str = __file__) -> list[
     if r.nnodes == 1:
         cmd.append("--standalone")
     else:
-        host, _, port = r.master.rpartition(":")
         cmd += [
             f"--nnodes={r.nnodes}",
-            f"--node-rank={r.node_rank}",
-            "--rdzv-backend=static",
-            f"--master-addr={host}",
-            f"--master-port={port}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={r.endpoint}",
+            f"--rdzv-id={r.run_id}",
+            # Node 0 hosts the rendezvous store (said, not guessed from a DNS name that may lag).
+            f"--rdzv-conf=is_host={int(r.node_rank == 0)},join_timeout={JOIN_TIMEOUT_S}",
+            *([f"--local-addr={r.local_addr}"] if r.local_addr else []),
         ]
     return [*cmd, str(Path(script).resolve()), *args]
 
@@ -222,7 +252,7 @@ def main() -> None:
         sys.exit(colocated.main(args))
     args = start_args(argv)  # every rank gets the same `--resume latest`, decided once here
     settings = load_or_exit(TrainerSettings, args)
-    r = ranks(settings.device, os.environ)
+    r = ranks(settings.device, os.environ, run_id=settings.run)
     if r is not None:
         cmd = torchrun_command(r, args)
         print(f"trainer_start: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -230,6 +260,9 @@ def main() -> None:
     from rollstream.trainer.service import main as trainer_main
 
     rank = f" (rank {os.environ['RANK']} of {os.environ.get('WORLD_SIZE', '?')})" if "RANK" in os.environ else ""
+    warning = placement_warning(os.environ)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(f"trainer_start{rank}: python -m rollstream.trainer {' '.join(args)}", file=sys.stderr, flush=True)
     trainer_main(args)
 

@@ -102,26 +102,43 @@ def test_one_rank_a_visible_gpu(launcher, tmp_path: Path) -> None:
     assert launcher.ranks("cpu", {"PET_NPROC_PER_NODE": "2"}, four) == launcher.Ranks(nproc=2)
 
 
-def test_several_nodes_static_rendezvous_at_node_0(launcher, tmp_path: Path) -> None:
+def test_several_nodes_c10d_rendezvous_hosted_by_node_0(launcher, tmp_path: Path) -> None:
     eight = fake_dev(tmp_path, 8)
-    env = {"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "trainer-0.trainer-ranks.rollstream.svc"}
-    r = launcher.ranks("cuda", env, eight)
-    assert r == launcher.Ranks(8, 3, 2, "trainer-0.trainer-ranks.rollstream.svc:29400")
+    env = {
+        "PET_NNODES": "3",
+        "PET_NODE_RANK": "2",
+        "PET_RDZV_ENDPOINT": "trainer-0.trainer-ranks.rollstream.svc:29400",
+        "PET_LOCAL_ADDR": "trainer-2.trainer-ranks.rollstream.svc",
+    }
+    r = launcher.ranks("cuda", env, eight, run_id="demo")
+    assert r == launcher.Ranks(
+        8, 3, 2, "trainer-0.trainer-ranks.rollstream.svc:29400", "demo", "trainer-2.trainer-ranks.rollstream.svc"
+    )
     cmd = launcher.torchrun_command(r, ["--config", "/etc/rollstream/trainer.toml"])
     assert cmd[3:-3] == [
         "--nproc-per-node=8",
         f"--shutdown-timeout={launcher.SHUTDOWN_TIMEOUT_S}",
         "--nnodes=3",
-        "--node-rank=2",
-        "--rdzv-backend=static",  # ranks follow --node-rank: rank 0 on node 0 (c10d ignores it)
-        "--master-addr=trainer-0.trainer-ranks.rollstream.svc",
-        "--master-port=29400",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=trainer-0.trainer-ranks.rollstream.svc:29400",
+        "--rdzv-id=demo",
+        f"--rdzv-conf=is_host=0,join_timeout={launcher.JOIN_TIMEOUT_S}",  # node 0 hosts the store
+        "--local-addr=trainer-2.trainer-ranks.rollstream.svc",  # the order of the nodes' ranks
     ]
-    # Node rank from the host name when the downward API gave none (a cluster without the pod-index label).
-    env_no_rank = {**env, "PET_NODE_RANK": "", "PET_MASTER_PORT": "29500"}
-    assert launcher.ranks("cuda", env_no_rank, eight, hostname="trainer-1") == launcher.Ranks(
-        8, 3, 1, "trainer-0.trainer-ranks.rollstream.svc:29500"
-    )
+    # Node rank from the host name when the downward API gave none (a cluster without the
+    # pod-index label); the default port; PET_RDZV_ID over the run name.
+    env0 = {"PET_NNODES": "3", "PET_NODE_RANK": "", "PET_RDZV_ENDPOINT": "trainer-0.x", "PET_RDZV_ID": "job7"}
+    r0 = launcher.ranks("cuda", env0, eight, hostname="trainer-0", run_id="demo")
+    assert r0 == launcher.Ranks(8, 3, 0, "trainer-0.x:29400", "job7", "")
+    assert f"--rdzv-conf=is_host=1,join_timeout={launcher.JOIN_TIMEOUT_S}" in launcher.torchrun_command(r0, [])
+    assert not any(a.startswith("--local-addr") for a in launcher.torchrun_command(r0, []))
+
+
+def test_a_rank_says_when_rank_0_is_not_on_node_0(launcher) -> None:
+    assert launcher.placement_warning({}) is None
+    assert launcher.placement_warning({"GROUP_RANK": "1", "PET_NODE_RANK": "1"}) is None
+    assert launcher.placement_warning({"GROUP_RANK": "0", "PET_NODE_RANK": ""}) is None
+    assert "PET_NODE_RANK" in launcher.placement_warning({"GROUP_RANK": "0", "PET_NODE_RANK": "1"})
 
 
 @pytest.mark.parametrize(
@@ -130,9 +147,9 @@ def test_several_nodes_static_rendezvous_at_node_0(launcher, tmp_path: Path) -> 
         ({"PET_NNODES": "two"}, "PET_NNODES"),
         ({"PET_NNODES": "0"}, "PET_NNODES"),
         ({"PET_NPROC_PER_NODE": "0"}, "PET_NPROC_PER_NODE"),
-        ({"PET_NNODES": "2", "PET_NODE_RANK": "1"}, "PET_MASTER_ADDR"),
-        ({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "h"}, "node rank 2 of 2"),
-        ({"PET_NNODES": "2", "PET_MASTER_ADDR": "h"}, "PET_NODE_RANK"),
+        ({"PET_NNODES": "2", "PET_NODE_RANK": "1"}, "PET_RDZV_ENDPOINT"),
+        ({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_RDZV_ENDPOINT": "h"}, "node rank 2 of 2"),
+        ({"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "h"}, "PET_NODE_RANK"),
     ],
 )
 def test_bad_rank_settings_exit_2_naming_them(
@@ -235,7 +252,7 @@ def test_a_node_other_than_0_answers_probes_and_forwards_sigterm(launcher) -> No
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     threading.Thread(target=probe_then_stop, daemon=True).start()
     try:
-        code = launcher.run_ranks(child, launcher.Ranks(1, 2, 1, "127.0.0.1:1"), settings)
+        code = launcher.run_ranks(child, launcher.Ranks(1, 2, 1, "127.0.0.1:1", "demo"), settings)
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
@@ -301,22 +318,24 @@ def test_real_torchrun_one_node_two_ranks(tmp_path: Path) -> None:
 
 
 def test_real_torchrun_two_nodes_rank_0_on_node_0(tmp_path: Path) -> None:
-    """Two launchers as two pods of the StatefulSet (node ranks from their host names' index
-    via PET_NODE_RANK), node 1 started first: the static rendezvous at node 0's port puts global
-    rank 0 on node 0, and node 1's launcher answers the probes on the http port meanwhile."""
+    """Two launchers as two pods of the StatefulSet (node ranks as their pod indexes, local
+    addresses that sort as those), node 1 started first: the c10d rendezvous hosted by node 0
+    puts global rank 0 on node 0, and node 1's launcher answers the probes on the http port
+    meanwhile."""
     pytest.importorskip("torch.distributed.run")
-    master, http = _free_port(), _free_port()
+    rdzv, http = _free_port(), _free_port()
     common = {
         "PET_NNODES": "2",
         "PET_NPROC_PER_NODE": "1",
-        "PET_MASTER_ADDR": "127.0.0.1",
-        "PET_MASTER_PORT": str(master),
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{rdzv}",
         "ROLLSTREAM_HTTP_PORT": str(http),
+        "ROLLSTREAM_RUN": "ranks-test",
     }
     procs = []
     try:
         for node in (1, 0):
-            env = _rank_env(tmp_path, **common, PET_NODE_RANK=str(node))
+            # 127.0.0.N: loopback addresses that sort as the node ranks, as trainer-N.<service> do.
+            env = _rank_env(tmp_path, **common, PET_NODE_RANK=str(node), PET_LOCAL_ADDR=f"127.0.0.{node + 1}")
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(LAUNCHER)],
@@ -343,6 +362,8 @@ def test_real_torchrun_two_nodes_rank_0_on_node_0(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
     records = _records(tmp_path)
-    assert sorted(records) == [0, 1]
+    assert sorted(records) == [0, 1], outputs
     assert (records[0]["GROUP_RANK"], records[1]["GROUP_RANK"]) == ("0", "1")
     assert {r["WORLD_SIZE"] for r in records.values()} == {"2"}
+    assert "--rdzv-backend=c10d" in outputs[0] and "--rdzv-id=ranks-test" in outputs[0]
+    assert not any("WARNING" in o for o in outputs)
