@@ -231,11 +231,14 @@ def run_ranks(cmd: list[str], r: Ranks, settings: TrainerSettings) -> int:
     child, forward SIGTERM/SIGINT to it, answer the probes while it runs, exit with its status."""
     if r.node_rank == 0:
         os.execv(cmd[0], cmd)
-    child = subprocess.Popen(cmd)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _frame: child.send_signal(s))
-    server = serve_health(settings.host, settings.http_port, lambda: child.poll() is None)
+    started: list[subprocess.Popen[bytes]] = []
+    # The port first: a port it cannot bind fails here, before torchrun would be left running.
+    server = serve_health(settings.host, settings.http_port, lambda: bool(started) and started[0].poll() is None)
     try:
+        child = subprocess.Popen(cmd)
+        started.append(child)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _frame: child.send_signal(s))
         code = child.wait()
     finally:
         server.shutdown()
