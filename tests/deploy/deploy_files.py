@@ -245,9 +245,27 @@ class K8s:
         assert parts[2:] in ([], ["svc"], ["svc", "cluster", "local"]), f"{host} is not a Service DNS name"
         return self.get("Service", parts[0])
 
-    def pods_selected(self, service: dict) -> list[dict]:
+    def pods_selected(self, service: dict, index: int | None = None) -> list[dict]:
+        """The workloads with a pod the Service selects (`index`: that pod of a StatefulSet only)."""
         selector = service["spec"]["selector"]
-        return [w for w in self.workloads() if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        return [
+            w
+            for w in self.workloads()
+            if any(
+                selector.items() <= pod_labels(w, i).items()
+                for i in ([index] if index is not None else range(max(w["spec"].get("replicas", 1), 1)))
+            )
+        ]
+
+
+def pod_labels(workload: dict, index: int = 0) -> dict[str, str]:
+    """The labels of a workload's pod: its template's, and for a StatefulSet's pod N those the
+    controller adds (statefulset.kubernetes.io/pod-name, apps.kubernetes.io/pod-index: 1.28+)."""
+    labels = dict(workload["spec"]["template"]["metadata"]["labels"])
+    if workload["kind"] == "StatefulSet":
+        labels["statefulset.kubernetes.io/pod-name"] = f"{workload['metadata']['name']}-{index}"
+        labels["apps.kubernetes.io/pod-index"] = str(index)
+    return labels
 
 
 @dataclass
@@ -336,10 +354,17 @@ def expand(value: str, env: dict[str, str]) -> str:
     return _K8S_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), value)
 
 
-def k8s_container(k8s: K8s, workload: dict) -> Container:
+def k8s_container(k8s: K8s, workload: dict, index: int = 0) -> Container:
+    """The container of the workload's pod `index` (a StatefulSet's pods differ in their name
+    and index labels, which the downward API can give the environment)."""
     containers = workload["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1, f"{workload['metadata']['name']}: expected one container"
     c = Container(workload, containers[0])
+    metadata = {
+        "metadata.name": f"{workload['metadata']['name']}-{index}",
+        "metadata.namespace": workload["metadata"].get("namespace", ""),
+        **{f"metadata.labels['{k}']": v for k, v in pod_labels(workload, index).items()},
+    }
     for entry in c.spec.get("env", []):
         if "value" in entry:
             value = expand(entry["value"], c.env)
@@ -351,6 +376,8 @@ def k8s_container(k8s: K8s, workload: dict) -> Container:
             value = k8s.get("ConfigMap", ref["name"])["data"][ref["key"]]
         elif entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             value = POD_IP
+        elif entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in metadata:
+            value = metadata[entry["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             raise AssertionError(f"{c.spec['name']}: env {entry['name']} has a source these tests do not know")
         c.env[entry["name"]] = value

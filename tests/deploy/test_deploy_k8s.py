@@ -597,7 +597,17 @@ EXTERNAL = {
     "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
     "outside": (None, {}),
 }
-PORTS = [("TCP", 6379), ("TCP", 50051), ("TCP", 8080), ("UDP", 53), ("TCP", 53), ("TCP", 443)]
+# 29400: the trainer's rendezvous (torchrun on node 0); 45678: a port NCCL or torch picks at run time.
+PORTS = [
+    ("TCP", 6379),
+    ("TCP", 50051),
+    ("TCP", 8080),
+    ("UDP", 53),
+    ("TCP", 53),
+    ("TCP", 443),
+    ("TCP", 29400),
+    ("TCP", 45678),
+]
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -713,6 +723,9 @@ def test_network_policies_allow_exactly_the_system_s_connections(k8s: K8s) -> No
     expected |= {
         (peer, s, "TCP", 8080) for peer in ("prometheus", "kube-dns") for s in services
     }  # any pod in the cluster
+    # The trainer's pods among themselves (several machines, issue 47): the rendezvous, then
+    # NCCL's and torch's connections on ports chosen at run time: every TCP port, and only there.
+    expected |= {("trainer", "trainer", "TCP", port) for proto, port in PORTS if proto == "TCP"}
     # A namespace-wide default deny, so that a pod added later starts with no access at all.
     assert any(
         p["spec"]["podSelector"] == {}
@@ -944,3 +957,125 @@ def test_one_gpu_trainer_pod_runs_both_halves_with_their_own_credentials(
     assert (trainer.run, trainer.redis_url, trainer.device) == (generator.run, generator.redis_url, generator.device)
     # The probes and the Service still reach the trainer half.
     assert c.port("http") == trainer.http_port and c.port("grpc") == trainer.grpc_port
+
+
+# -- the trainer on several GPUs and machines (issue 47): k8s/ and k8s-multi-node/ --------------
+
+K8S_MULTI_NODE_DIR = K8S_DIR.parent / "k8s-multi-node"
+
+
+def trainer_launcher():
+    spec = importlib.util.spec_from_file_location("trainer_start_k8s", K8S_DIR.parent / "docker/trainer_start.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpu_dev(folder: Path, gpus: int) -> Path:
+    """A pod's /dev with the `gpus` GPUs the device plugin gave it (and the control nodes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
+        (folder / name).touch()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def multi_node(kustomize: Path) -> K8s:
+    return K8s.built(kustomize, K8S_MULTI_NODE_DIR)
+
+
+def check_trainer_ranks(k8s: K8s, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    """What every trainer pod's entrypoint does (docker/trainer_start.py's decision under the
+    pod's environment, the GPUs it requests), and that the pods can meet: PET_NNODES is the
+    replica count, node ranks are the pod indexes, node 0's rendezvous address is pod 0's stable
+    name under the governing headless Service (published before the pods are ready) on the port
+    the container declares, and the trainer Service (the generators' address) selects rank 0's
+    pod only. The Ranks of each pod, in pod order."""
+    launcher = trainer_launcher()
+    sts = k8s.get("StatefulSet", "trainer")
+    replicas = sts["spec"]["replicas"]
+    assert sts["spec"]["podManagementPolicy"] == "Parallel", "pod 1 would wait for pod 0 to be ready, pod 0 for pod 1"
+    governing = k8s.get("Service", sts["spec"]["serviceName"])
+    assert governing["spec"]["clusterIP"] == "None" and governing["spec"]["publishNotReadyAddresses"] is True
+    assert [w["metadata"]["name"] for w in k8s.pods_selected(governing)] == ["trainer"]
+    for index in range(replicas):
+        assert k8s.pods_selected(governing, index), f"trainer-{index} has no stable name"
+    client = k8s.get("Service", "trainer")
+    assert [i for i in range(replicas) if k8s.pods_selected(client, i)] == [0], "the trainer Service selects pod 0 only"
+    out = []
+    for index in range(replicas):
+        c = k8s_container(k8s, sts, index)
+        s = k8s_settings(k8s, c, "trainer", tmp_path, monkeypatch)
+        assert c.env["PET_NNODES"] == str(replicas), "PET_NNODES must be the replica count"
+        gpus = c.spec["resources"]["limits"]["nvidia.com/gpu"]
+        dev = gpu_dev(tmp_path / f"dev-{index}", gpus)
+        r = launcher.ranks(s.device, c.env, dev, hostname=f"trainer-{index}", run_id=s.run)  # as its main() does
+        if replicas == 1 and gpus == 1:
+            assert r is None, "one machine, one GPU: the single process, as before"
+        else:
+            assert r is not None and (r.nproc, r.nnodes, r.node_rank) == (gpus, replicas, index)
+            assert r.run_id == s.run
+            host, port = split_host_port(r.endpoint)
+            pod, service, namespace, *rest = host.split(".")
+            assert (pod, service, namespace, rest) == ("trainer-0", governing["metadata"]["name"], NAMESPACE, ["svc"])
+            target = next(p["targetPort"] for p in governing["spec"]["ports"] if p["port"] == port)
+            assert c.port(target) == port
+            # The name the others know this pod by: its own stable name, in the same form.
+            assert r.local_addr == f"trainer-{index}.{service}.{namespace}.svc"
+        # The node rank also from the host name, where the pod-index label is missing (before 1.28).
+        no_label = {**c.env, "PET_NODE_RANK": ""}
+        assert launcher.ranks(s.device, no_label, dev, f"trainer-{index}", s.run) == r
+        out.append(r)
+    # c10d numbers the nodes in the sorted order of their addresses: pod 0's name sorts first
+    # among any number of pods' (rank 0 on the pod the trainer Service selects).
+    first = k8s_container(k8s, sts, 0).env["PET_LOCAL_ADDR"]
+    assert first.startswith("trainer-0.")
+    names = [first.replace("trainer-0.", f"trainer-{i}.", 1) for i in range(24)]
+    assert min(names) == first
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > launcher.SHUTDOWN_TIMEOUT_S, "torchrun's ranks must stop in the grace"
+    c = k8s_container(k8s, sts)
+    _, shm = c.mount_of("/dev/shm")
+    assert shm["emptyDir"]["medium"] == "Memory", "NCCL between a pod's ranks goes through /dev/shm"
+    return out
+
+
+def test_trainer_pod_on_one_machine_is_today_s_single_process(
+    k8s: K8s, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert check_trainer_ranks(k8s, tmp_path, monkeypatch) == [None]
+
+
+def test_multi_node_overlay_passes_kubernetes_validate_strict(multi_node: K8s, tmp_path: Path) -> None:
+    out = tmp_path / "multi-node.yaml"
+    out.write_text(yaml.safe_dump_all([d for _, d in multi_node.docs]))
+    done = subprocess.run(
+        [*kubernetes_validate_cmd(), "--strict", "--quiet", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_multi_node_overlay_runs_one_job_over_the_pods_with_one_checkpoint_volume(
+    k8s: K8s, multi_node: K8s, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, overlay = by_name(k8s), by_name(multi_node)
+    assert {key for key in base if base[key] != overlay.get(key)} == {("StatefulSet", "trainer")}
+    assert set(overlay) - set(base) == {("PersistentVolumeClaim", "trainer-checkpoints")}
+    ranks = check_trainer_ranks(multi_node, tmp_path, monkeypatch)
+    assert len(ranks) >= 2 and [r.node_rank for r in ranks] == list(range(len(ranks)))
+    # Every pod mounts the one shared claim at the checkpoint dir: every rank's shard in one step folder.
+    sts = multi_node.get("StatefulSet", "trainer")
+    for index in range(len(ranks)):
+        c = k8s_container(multi_node, sts, index)
+        s = k8s_settings(multi_node, c, "trainer", tmp_path, monkeypatch)
+        _, volume = c.mount_of(s.checkpoint_dir)
+        assert "persistentVolumeClaim" in volume, "checkpoints on a per-pod claim: each pod would see only its shards"
+        claim = multi_node.get("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        _, weights = c.mount_of(s.anchor_dir)  # rank 0's weight store: trainer-0's own claim, as in k8s/
+        assert "persistentVolumeClaimTemplate" in weights
+        # Sized as k8s/'s: keep_checkpoints x 8 bytes a parameter, for 32B (the overlay's example).
+        assert quantity_bytes(claim["spec"]["resources"]["requests"]["storage"]) >= s.keep_checkpoints * 8 * 32e9
+    # The policies let the pods meet (the rendezvous, NCCL's ports).
+    edges = Cluster(multi_node).edges()
+    assert {("trainer", "trainer", "TCP", 29400), ("trainer", "trainer", "TCP", 45678)} <= edges
