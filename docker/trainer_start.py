@@ -198,7 +198,9 @@ def torchrun_command(r: Ranks, args: list[str], script: str = __file__) -> list[
             f"--rdzv-conf=is_host={int(r.node_rank == 0)},join_timeout={JOIN_TIMEOUT_S}",
             *([f"--local-addr={r.local_addr}"] if r.local_addr else []),
         ]
-    return [*cmd, str(Path(script).resolve()), *args]
+    # `--` ends torchrun's options: its parser takes any later flag that abbreviates one of its
+    # own (the trainer's --run would be its --run-path).
+    return [*cmd, str(Path(script).resolve()), "--", *args]
 
 
 def serve_health(host: str, port: int, alive: Callable[[], bool]) -> ThreadingHTTPServer:
@@ -233,7 +235,8 @@ def run_ranks(cmd: list[str], r: Ranks, settings: TrainerSettings) -> int:
         os.execv(cmd[0], cmd)
     started: list[subprocess.Popen[bytes]] = []
     # The port first: a port it cannot bind fails here, before torchrun would be left running.
-    server = serve_health(settings.host, settings.http_port, lambda: bool(started) and started[0].poll() is None)
+    # Alive while torchrun starts and runs: 503 only once it has exited.
+    server = serve_health(settings.host, settings.http_port, lambda: not started or started[0].poll() is None)
     try:
         child = subprocess.Popen(cmd)
         started.append(child)

@@ -91,6 +91,7 @@ def test_one_rank_a_visible_gpu(launcher, tmp_path: Path) -> None:
         f"--shutdown-timeout={launcher.SHUTDOWN_TIMEOUT_S}",
         "--standalone",
         str(LAUNCHER.resolve()),
+        "--",  # torchrun's options end: the trainer's flags are its script's, whatever they abbreviate
         "--checkpoint-dir",
         "/checkpoints",
         "--resume",
@@ -115,7 +116,7 @@ def test_several_nodes_c10d_rendezvous_hosted_by_node_0(launcher, tmp_path: Path
         8, 3, 2, "trainer-0.trainer-ranks.rollstream.svc:29400", "demo", "trainer-2.trainer-ranks.rollstream.svc"
     )
     cmd = launcher.torchrun_command(r, ["--config", "/etc/rollstream/trainer.toml"])
-    assert cmd[3:-3] == [
+    assert cmd[3:-4] == [
         "--nproc-per-node=8",
         f"--shutdown-timeout={launcher.SHUTDOWN_TIMEOUT_S}",
         "--nnodes=3",
@@ -191,7 +192,7 @@ def test_main_decides_resume_once_then_every_rank_runs_the_trainer(
         launcher.main()
     (cmd,) = execs
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    assert cmd[-len(argv) - 3 :] == [str(LAUNCHER.resolve()), *argv, "--resume", "latest"]
+    assert cmd[-len(argv) - 4 :] == [str(LAUNCHER.resolve()), "--", *argv, "--resume", "latest"]
     # A rank: torchrun's variables set, the same arguments: the trainer's main, resume not added twice.
     import rollstream.trainer.service as service
 
