@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+from safetensors.torch import load_file
 
 from helpers import wait_for, write_ready
 from procs import ServiceProc, start_service, trainer_state
@@ -32,7 +34,10 @@ RUN_S = 900
 
 
 def trainer_args(redis_url: str, keys: run_keys.RunKeys, model: Path, ckpt: Path) -> list[str]:
+    """The run's settings; the model exported at its end in float32 (the fp32 masters: on N
+    ranks read back from the final checkpoint's shards) beside the checkpoints."""
     return [
+        *("--export-dir", str(ckpt.parent / "export"), "--export-dtype", "float32"),
         *("--redis-url", redis_url, "--run", keys.run, "--model", str(model), "--threads", "1"),
         *("--consumer", "trainer-0", "--groups-per-step", str(GROUPS_PER_STEP), "--group-size", "4"),
         *("--max-new-tokens", "6", "--prompt-buffer", "2", "--lr", "1e-3", "--max-staleness", "100"),
@@ -70,6 +75,16 @@ def run_to_end(service: ServiceProc, client: redis.Redis, keys: run_keys.RunKeys
     return trainer_state(service.grpc_address, sha=True).weights_sha256
 
 
+def exported(root: Path, service: ServiceProc) -> dict[str, torch.Tensor]:
+    """The run's export (written once its last step is committed, before it lingers)."""
+    folder = root / "export"
+    wait_for(lambda: any(folder.glob("*.safetensors")) and "exported" in service.log(), RUN_S, "the export", [service])
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights |= load_file(file)
+    return weights
+
+
 def rank_pids(torchrun: ServiceProc, n: int) -> list[int]:
     """The ranks' processes: torchrun's children (of any of its threads), in rank order (started
     in that order); waits until all are there."""
@@ -92,7 +107,7 @@ def one_process(redis_server, tiny_model_dir: Path, tiny_decode: Decode, tmp_pat
     service = start_service("trainer", tmp, *trainer_args(redis_server.url, keys, tiny_model_dir, tmp / "ckpt"))
     try:
         sha = run_to_end(service.wait_ready(START_S), client, keys)
-        return sha, metrics(client, keys)
+        return sha, metrics(client, keys), exported(tmp, service)
     finally:
         service.stop()
         client.close()
@@ -117,7 +132,7 @@ def test_two_ranks_train_as_one_process(
     tiny_decode: Decode,
     tmp_path: Path,
 ) -> None:
-    ref_sha, ref_metrics = one_process
+    ref_sha, ref_metrics, ref_export = one_process
     fill_ready(rclient, keys, tiny_decode)
     service = start_service(
         "trainer", tmp_path, *trainer_args(redis_url, keys, tiny_model_dir, tmp_path / "ckpt"), ranks=2
@@ -125,6 +140,10 @@ def test_two_ranks_train_as_one_process(
     try:
         assert run_to_end(service.wait_ready(START_S), rclient, keys) == ref_sha
         same_metrics(metrics(rclient, keys), ref_metrics)
+        ours = exported(tmp_path, service)
+        assert ours.keys() == ref_export.keys()
+        for name, t in ref_export.items():
+            assert t.dtype == torch.float32 and torch.equal(ours[name], t), name
     finally:
         service.stop()
 
@@ -142,7 +161,7 @@ def test_a_rank_killed_resumes_at_another_world_size(
     tiny_decode: Decode,
     tmp_path: Path,
 ) -> None:
-    ref_sha, ref_metrics = one_process
+    ref_sha, ref_metrics, _ = one_process
     fill_ready(rclient, keys, tiny_decode)
     args = trainer_args(redis_url, keys, tiny_model_dir, tmp_path / "ckpt")
     job = start_service("trainer", tmp_path, *args, tag="-first", ranks=first)

@@ -341,6 +341,21 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def _at_end(trainer: "Trainer") -> Trained:
+    """The live trainer's weights; on N ranks in float32, its last checkpoint's (rank 0 holds
+    every parameter's bf16 bits but only its own shard of the fp32 masters)."""
+    s = trainer.settings
+    if trainer.team is None or s.export_dtype == "bfloat16":
+        return from_trainer(trainer)
+    newest = checkpoint.scan(Path(s.checkpoint_dir)).latest if s.checkpoint_dir else None
+    if newest is None or newest.state.step != trainer.step:
+        raise ExportError(
+            f"a float32 export on N ranks is read from the checkpoint of the last step ({trainer.step}), and "
+            "checkpoint_dir holds none: `rollstream export` one, or export in bfloat16"
+        )
+    return from_checkpoint(newest.path)
+
+
 def export_at_end(trainer: "Trainer", log: logging.Logger) -> None:
     """The trained model as a Hugging Face folder in export_dir, when the trainer's loop ends
     with steps trained, finished or stopped. A failure is logged and the run goes on
@@ -349,7 +364,7 @@ def export_at_end(trainer: "Trainer", log: logging.Logger) -> None:
     if not s.export_dir or trainer.step == 0:  # nothing trained: the model is the base model
         return
     try:
-        path = export(from_trainer(trainer), Path(s.export_dir), s.export_dtype)
+        path = export(_at_end(trainer), Path(s.export_dir), s.export_dtype)
     except Exception as e:  # noqa: BLE001 - a full disk, a folder in the way: never the run's end
         logs.event(log, "export_failed", logging.ERROR, path=s.export_dir, step=trainer.step, error=str(e))
         return
