@@ -153,3 +153,19 @@ def test_every_rank_refuses_a_bad_folder(model: Path, runs: dict[str, Path], tmp
             nproc=2,
         )
     assert "ValueError" in str(e.value) and str(folder) in str(e.value)
+
+
+def test_save_refuses_what_is_not_a_tensor(tmp_path: Path) -> None:
+    """DCP would write a non-tensor value with torch.save (a pickle): refused, nothing left."""
+    with pytest.raises(ValueError, match="step: not a tensor"):
+        sharded_state.save(tmp_path / "ck", {**_tensors(), "step": 3})  # type: ignore[dict-item]  # (on purpose)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_rank_raises_when_one_fails_to_save(tmp_path: Path) -> None:
+    """Rank 1 refuses its state: rank 0 raises too (none waits for the other), and neither the
+    folder nor its hidden sibling is left."""
+    done = launch.run("save_fails.py", [str(tmp_path / "ck")], nproc=2)
+    assert "1 raised ValueError: step: not a tensor" in done.stdout
+    assert "0 raised RuntimeError: saving " in done.stdout
+    assert list(tmp_path.iterdir()) == []
