@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from rollstream.trainer import checkpoint, folders
+from rollstream.trainer import folders
 from rollstream.trainer.optimizer import HostAdamW
 
 STATE_FILE = "state.json"  # rank 0's JSON beside the shards (`save`'s `state`)
@@ -113,6 +113,8 @@ class _RankShardWriter(HuggingFaceStorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        from rollstream.trainer.checkpoint import write_safetensors  # (checkpoint imports this module)
+
         tensors: dict[str, torch.Tensor] = {}
         offsets: dict[str, dict[str, list[int]]] = {}
         results = []
@@ -130,7 +132,7 @@ class _RankShardWriter(HuggingFaceStorageWriter):
             DCP_VERSION_KEY: str(HF_DCP_VERSION),
             FORMAT_KEY: FORMAT_VALUE,
         }
-        checkpoint.write_safetensors(path, tensors, meta)
+        write_safetensors(path, tensors, meta)
         folders.fsync_path(path)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
