@@ -12,7 +12,7 @@
 #                                 the containers tier (where docker can run: 4-11 min), the
 #                                 fault suite (kill -9, Redis stalls, a CPU hog under `rollstream
 #                                 up`: ~6 min), the ranks tier (the trainer on 2 and 4
-#                                 ranks under torchrun: ~3 min), the GPU tier (skips without CUDA), the GPU kits
+#                                 ranks under torchrun: ~4 min), the GPU tier (skips without CUDA), the GPU kits
 #                                 on a device-shaped CPU python (docs/gpu.md, ~3 min), the slow
 #                                 tier (demo learning on SmolLM2, ~6 min), then the vLLM tier
 #                                 (scripts/install_vllm.sh into .venv-vllm, then tests/vllm: ~10 min)

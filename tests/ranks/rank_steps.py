@@ -6,6 +6,13 @@ rank 0, bits.safetensors (the published bf16 bits of the last step, whole) and s
 step: the loss, the gradient norm and the sha256 of the whole published bits).
 
     rank_steps.py MODEL_DIR OUT --steps 20 [--dtype float32|bfloat16] [--token-budget 48]
+                  [--save-at K DIR] [--resume DIR]
+
+--save-at K DIR: after step K, the optimizer's state is saved into DIR (sharded_state.save,
+every rank its shards; rank 0 the step count in DIR/state.json). --resume DIR: that state is
+loaded before the first step (on any number of ranks, or in a plain process), and the steps
+run are K+1..steps (the synthetic groups are fixed by the step's number), so steps.json then
+lists those steps only.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: synthetic
-from rollstream.trainer import lora, ranks
+from rollstream.trainer import lora, ranks, sharded_state
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.step import StepConfig, train_step
 from synthetic import scored_groups
@@ -43,6 +50,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--token-budget", type=int, default=48)
+    parser.add_argument("--save-at", nargs=2, metavar=("K", "DIR"))
+    parser.add_argument("--resume", type=Path, metavar="DIR")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -57,16 +66,30 @@ def main() -> int:
     if team is not None:
         params = team.shard(model)
     optimizer = settings.host_adamw(params, reduce=team.sum_of_squares if team is not None else None)
-    local_bits = optimizer.sync_model()
+
+    def state() -> dict[str, torch.Tensor]:
+        """The optimizer's state as sharded_state saves and loads it: views, no copies."""
+        return sharded_state.as_dtensors(optimizer, params) if team is not None else optimizer.state_tensors()
+
+    first = 1
+    if args.resume is not None:
+        saved = sharded_state.read_state(args.resume)
+        local_bits = sharded_state.load_optimizer(args.resume, optimizer, state(), saved["optimizer_steps"])
+        first = saved["step"] + 1
+    else:
+        local_bits = optimizer.sync_model()
+    save_at, save_dir = (int(args.save_at[0]), Path(args.save_at[1])) if args.save_at else (0, None)
     cfg = StepConfig.from_settings(settings)
     log = []
     bits: dict[str, np.ndarray] = {}
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         r = train_step(model, optimizer, scored_groups(step, 4), cfg, pad_id=0, ranks=team)
         local_bits = r.trained_bits or local_bits
         bits = team.full_bits(params, local_bits) if team is not None else local_bits
         if team is None or team.lead_rank:
             log.append({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "tokens": r.tokens, "bits": sha(bits)})
+        if step == save_at and save_dir is not None:
+            sharded_state.save(save_dir, state(), {"step": step, "optimizer_steps": optimizer.step_count})
     rank = team.world.rank if team is not None else 0
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(

@@ -24,11 +24,26 @@ def joined(out: Path, n: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from helpers import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("ranks") / "tiny", seed=0)
+def assert_as_one_process(out: Path, n: int, ref: Path, steps: list[int]) -> None:
+    """rank_steps' output in `out` (n ranks) is the one-process run's in `ref` at `steps` (the
+    steps `out` ran, which `ref` ran too), bit for bit, and its final state and bits are `ref`'s."""
+    ours = json.loads((out / "steps.json").read_text())
+    theirs = {b["step"]: b for b in json.loads((ref / "steps.json").read_text())}
+    assert [a["step"] for a in ours] == steps
+    for a in ours:
+        b = theirs[a["step"]]
+        assert a["bits"] == b["bits"], f"step {a['step']}: the published bits differ"
+        assert a["tokens"] == b["tokens"]
+        # The norm's fp64 sum of squares is added in another grouping: equal to fp64 rounding.
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-12)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    state, want = joined(out, n), joined(ref, 1)
+    assert state.keys() == want.keys()
+    for key, t in want.items():
+        assert torch.equal(state[key], t), key
+    assert load_file(out / "bits.safetensors").keys() == load_file(ref / "bits.safetensors").keys()
+    for key, t in load_file(ref / "bits.safetensors").items():
+        assert torch.equal(load_file(out / "bits.safetensors")[key], t), key
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +65,4 @@ def test_n_ranks_step_as_one_process(
     launch.run(
         "rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype], nproc=n, log=tmp_path / "log"
     )
-    ref = one_process[dtype]
-    ours, theirs = json.loads((out / "steps.json").read_text()), json.loads((ref / "steps.json").read_text())
-    assert len(ours) == STEPS
-    for a, b in zip(ours, theirs):
-        assert a["bits"] == b["bits"], f"step {a['step']}: the published bits differ"
-        assert a["tokens"] == b["tokens"]
-        # The norm's fp64 sum of squares is added in another grouping: equal to fp64 rounding.
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-12)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-    state, want = joined(out, n), joined(ref, 1)
-    assert state.keys() == want.keys()
-    for key, t in want.items():
-        assert torch.equal(state[key], t), key
-    assert load_file(out / "bits.safetensors").keys() == load_file(ref / "bits.safetensors").keys()
-    for key, t in load_file(ref / "bits.safetensors").items():
-        assert torch.equal(load_file(out / "bits.safetensors")[key], t), key
+    assert_as_one_process(out, n, one_process[dtype], list(range(1, STEPS + 1)))
