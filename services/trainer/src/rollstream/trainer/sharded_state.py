@@ -224,12 +224,13 @@ def read_state(folder: Path) -> dict[str, Any]:
     return loaded
 
 
-def load(folder: Path, into: Mapping[str, torch.Tensor]) -> None:
+def load(folder: Path, into: Mapping[str, torch.Tensor], together: bool = True) -> None:
     """Collective: fill `into` (as_dtensors' DTensors at any world size, or plain tensors in a
     plain process: the whole tensors) in place from `folder`, saved by `save` on any number of
     ranks. Before anything is written: every key of `into` must be saved, with its dtype and
     whole shape, its chunks covering it, and nothing else saved; else ValueError naming the key
-    and the folder (every rank finds the same). Every rank raises if any failed."""
+    and the folder (every rank finds the same). Every rank raises if any failed; without
+    `together`, this process alone reads (no collective: read_whole)."""
     folder = Path(folder)
     error: BaseException | None = None
     try:
@@ -244,7 +245,10 @@ def load(folder: Path, into: Mapping[str, torch.Tensor]) -> None:
         cause = _unwrapped(e)
         error = ValueError(f"{folder}: reading the saved shards failed: {cause!r}")
         error.__cause__ = cause
-    _agree(error, f"loading {folder}")
+    if together:
+        _agree(error, f"loading {folder}")
+    elif error is not None:
+        raise error
 
 
 def _unwrapped(e: BaseException) -> BaseException:
@@ -304,13 +308,14 @@ def load_optimizer(
 
 
 def read_whole(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded save in `folder`, whole, in this process (no process group:
-    what a one-process resume and `rollstream export` read)."""
+    """Every tensor of a sharded save in `folder`, whole, read by this process alone, whether
+    or not it is a rank (a one-process resume, `rollstream export`, rank 0's float32 export at
+    the end of a run, while the other ranks wait for its next command)."""
     metadata = _reader(Path(folder)).read_metadata().state_dict_metadata
     into = {
         key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for key, m in metadata.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    load(folder, into)
+    load(folder, into, together=False)
     return into
