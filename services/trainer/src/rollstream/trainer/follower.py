@@ -23,7 +23,7 @@ from rollstream.trainer import checkpoint, ranks
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import NonFiniteStep
 from rollstream.trainer.step import nonfinite_groups, train_step
-from rollstream.trainer.trainer import Trained
+from rollstream.trainer.trained import Trained
 
 
 def run(settings: TrainerSettings, team: ranks.Ranks) -> int:

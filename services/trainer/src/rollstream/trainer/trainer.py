@@ -9,26 +9,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
-from rollstream.core import cpu_runtime, deltas, logs, validation
+from rollstream.core import deltas, logs, validation
 from rollstream.core.grpc_auth import ClientCredentials, load_roles
-from rollstream.core.models import context_length, resolve_model, vocab_size
+from rollstream.core.models import context_length, vocab_size
 from rollstream.core.service import ServiceHost
-from rollstream.trainer import checkpoint, lora, ranks
+from rollstream.trainer import checkpoint, ranks
 from rollstream.trainer.config import TrainerSettings
 from rollstream.trainer.optimizer import HostAdamW
 from rollstream.trainer.publisher import NO_READER, Published, WeightPublisher
 from rollstream.trainer.push import BACKED_OFF, PushOutcome
 from rollstream.trainer.ranks import Ranks
 from rollstream.trainer.servicer import WeightsView
-from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
+from rollstream.trainer.step import nonfinite_groups, train_step
 from rollstream.trainer.trackers import Metrics
+from rollstream.trainer.trained import Trained
 from rollstream.v1 import rollout_pb2
 
 
@@ -47,48 +45,6 @@ def _limits(s: TrainerSettings, model_dir: str) -> validation.Limits:
         group_size=s.group_size if not s.eval_prompts else 0,
         max_group_size=max(s.group_size, s.eval_samples),
     )
-
-
-@dataclass
-class Trained:
-    """The model as the trainer trains it and the optimizer of its trained parameters: what
-    every rank of a trainer on N ranks holds (its shards), rank 0's Trainer and the others'
-    Follower alike."""
-
-    model_dir: str
-    model: Any
-    tokenizer: Any
-    lora: lora.LoraModel | None
-    params: dict[str, torch.nn.Parameter]  # N ranks: DTensors, each rank holding its shards
-    optimizer: HostAdamW
-    step_config: StepConfig
-
-    @classmethod
-    def load(cls, s: TrainerSettings, team: Ranks | None) -> Trained:
-        # Large freed blocks (activations) back to the OS instead of held by glibc's heaps:
-        # far less resident between steps, and less at the peak (core/cpu_runtime.py).
-        cpu_runtime.fixed_mmap_threshold()
-        if s.threads:
-            torch.set_num_threads(s.threads)
-        torch.manual_seed(s.seed)
-        model_dir = str(resolve_model(s.model))
-        spec = lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)) if s.lora_rank else None
-        device = s.device if team is None else str(team.device)
-        model, tokenizer, lora_model, params = lora.load(model_dir, s.dtype, device, spec, s.activation_checkpointing)
-        model.train()
-        if team is not None:
-            params = team.shard(model)
-        optimizer = s.host_adamw(params, reduce=team.sum_of_squares if team is not None else None)
-        return cls(model_dir, model, tokenizer, lora_model, params, optimizer, StepConfig.from_settings(s))
-
-    def restore_optimizer(self, path: Path, state: checkpoint.CheckpointState, team: Ranks | None) -> None:
-        """The optimizer state and RNG of checkpoint `path` (every rank: its shards), and the
-        served bits written into the model."""
-        if team is None:
-            self.optimizer.load_state(checkpoint.optimizer_tensors(path), state.optimizer_steps)
-        else:
-            checkpoint.load_sharded_optimizer(path, self.optimizer, self.params, state.optimizer_steps)
-        checkpoint.set_rng_state(checkpoint.rng_tensors(path))
 
 
 class Trainer:
