@@ -64,8 +64,9 @@ class World:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> World | None:
-        """The world torchrun started this process in; None when not started by torchrun."""
-        if "TORCHELASTIC_RUN_ID" not in env and "WORLD_SIZE" not in env:
+        """The world torchrun started this process in; None when not started by torchrun (a
+        WORLD_SIZE left in the environment by something else does not make a rank)."""
+        if "TORCHELASTIC_RUN_ID" not in env:
             return None
         try:
             world = cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
