@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: synthetic
 from rollstream.trainer import lora, ranks, sharded_state
 from rollstream.trainer.config import TrainerSettings
-from rollstream.trainer.step import StepConfig, train_step
+from rollstream.trainer.optimizer import NonFiniteStep
+from rollstream.trainer.step import StepConfig, nonfinite_groups, train_step
 from synthetic import scored_groups
 
 
@@ -52,6 +54,7 @@ def main() -> int:
     parser.add_argument("--token-budget", type=int, default=48)
     parser.add_argument("--save-at", nargs=2, metavar=("K", "DIR"))
     parser.add_argument("--resume", type=Path, metavar="DIR")
+    parser.add_argument("--nan-at", type=int, default=0, help="a NaN behaviour log-prob in group 3 at this step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -83,11 +86,24 @@ def main() -> int:
     log = []
     bits: dict[str, np.ndarray] = {}
     for step in range(first, args.steps + 1):
-        r = train_step(model, optimizer, scored_groups(step, 4), cfg, pad_id=0, ranks=team)
+        groups = scored_groups(step, 4)
+        blamed: dict[int, str] = {}
+        if step == args.nan_at:  # refused on every rank, the group found, the rest trained: as the trainer does
+            groups[3].completions[0].behaviour_logprobs[0] = math.nan
+            try:
+                train_step(model, optimizer, groups, cfg, pad_id=0, ranks=team)
+                raise AssertionError("a NaN log-prob trained")
+            except NonFiniteStep:
+                blamed = nonfinite_groups(model, optimizer, groups, cfg, pad_id=0, ranks=team)
+            groups = [g for k, g in enumerate(groups) if k not in blamed]
+        r = train_step(model, optimizer, groups, cfg, pad_id=0, ranks=team)
         local_bits = r.trained_bits or local_bits
         bits = team.full_bits(params, local_bits) if team is not None else local_bits
         if team is None or team.lead_rank:
-            log.append({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "tokens": r.tokens, "bits": sha(bits)})
+            log.append(
+                {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "tokens": r.tokens, "bits": sha(bits)}
+                | ({"blamed": sorted(blamed)} if blamed else {})
+            )
         if step == save_at and save_dir is not None:
             sharded_state.save(save_dir, state(), {"step": step, "optimizer_steps": optimizer.step_count})
     rank = team.world.rank if team is not None else 0

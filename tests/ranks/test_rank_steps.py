@@ -66,3 +66,17 @@ def test_n_ranks_step_as_one_process(
         "rank_steps.py", [str(model), str(out), "--steps", str(STEPS), "--dtype", dtype], nproc=n, log=tmp_path / "log"
     )
     assert_as_one_process(out, n, one_process[dtype], list(range(1, STEPS + 1)))
+
+
+def test_a_non_finite_step_is_refused_on_every_rank(model: Path, tmp_path: Path) -> None:
+    """A NaN behaviour log-prob in one group at step 2: every rank refuses the step (the finite
+    check is agreed before any backward: a rank going on alone would wait forever in FSDP's
+    collectives), the probe blames that group alone on every rank, and the other groups train:
+    one process's bits and blame, on 2 ranks."""
+    args = [str(model), "--steps", "3", "--nan-at", "2"]
+    launch.run("rank_steps.py", [args[0], str(tmp_path / "one"), *args[1:]])
+    launch.run("rank_steps.py", [args[0], str(tmp_path / "two"), *args[1:]], nproc=2, log=tmp_path / "log")
+    ours = json.loads((tmp_path / "two" / "steps.json").read_text())
+    theirs = json.loads((tmp_path / "one" / "steps.json").read_text())
+    assert [s.get("blamed") for s in theirs] == [None, [3], None]
+    assert [(s["bits"], s.get("blamed")) for s in ours] == [(s["bits"], s.get("blamed")) for s in theirs]

@@ -304,15 +304,16 @@ def save_sharded_optimizer(folder: Path, optimizer: HostAdamW, params: Mapping[s
 
 def load_sharded_optimizer(path: Path, optimizer: HostAdamW, params: Mapping[str, torch.Tensor], steps: int) -> None:
     """Every rank: its shards of checkpoint `path`'s optimizer state, saved on any number of
-    ranks (a one-process checkpoint: each rank reads its rows of the whole tensors), then the
-    served bits into the model (HostAdamW.load_state)."""
+    ranks (in place: sharded_state.load_optimizer) or by one process (each rank reads its rows
+    of the whole tensors: HostAdamW.load_state), then the served bits into the model."""
     if is_sharded(path):
-        sharded_state.load(Path(path) / SHARDED_DIR, sharded_state.as_dtensors(optimizer, params))
-        local = optimizer.state_tensors()
-    else:
-        whole = SafetensorsReader(Path(path) / OPTIMIZER_FILE)
-        local = {key: shard_rows(whole[key], params[key.split("/", 1)[1]]) for key in optimizer.state_tensors()}
-    optimizer.load_state(local, steps)
+        views = sharded_state.as_dtensors(optimizer, params)
+        sharded_state.load_optimizer(Path(path) / SHARDED_DIR, optimizer, views, steps)
+        return
+    whole = SafetensorsReader(Path(path) / OPTIMIZER_FILE)
+    optimizer.load_state(
+        {key: shard_rows(whole[key], params[key.split("/", 1)[1]]) for key in optimizer.state_tensors()}, steps
+    )
 
 
 def rng_tensors(path: Path) -> SafetensorsReader:
