@@ -402,3 +402,20 @@ def dead_letters(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
         group = validation.decode({k.encode(): v for k, v in letter.original_fields.items()}, rollout_pb2.RolloutGroup)
         out[group.group_id] = letter.reason
     return out
+
+
+def committed_step(client: redis.Redis, keys: RunKeys) -> int:
+    """The last step whose commit (ack, ledger, metrics: one transaction) reached Redis. The
+    trainer's own step (GetState) counts a step before its push and commit, so a test that
+    reads the metrics must wait for this one."""
+    return int(client.hget(keys.counters("trainer"), "step") or 0)
+
+
+def assert_trained_once(client: redis.Redis, keys: RunKeys, groups: int) -> None:
+    """The ledger after a run of `groups` groups, whatever crashed in it: every group trained
+    exactly once, nothing left pending, nothing dead."""
+    trained = client.smembers(keys.groups("trained"))
+    assert len(trained) == groups
+    assert int(client.hget(keys.counters("trainer"), "trained")) == len(trained)
+    assert client.xlen(keys.dead) == 0
+    assert client.xpending(keys.stream("ready"), "trainer")["pending"] == 0

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from helpers import wait_for, write_ready
+from helpers import assert_trained_once, committed_step, wait_for, write_ready
 from procs import start_service, trainer_state
 from rollstream.core import redis_policy, run_keys, validation
 from rollstream.v1 import rollout_pb2
@@ -72,13 +72,6 @@ def trainer_args(redis_url: str, keys: run_keys.RunKeys, model: Path, ckpt: Path
 def fill_ready(client: redis.Redis, keys: run_keys.RunKeys, decode: Decode) -> None:
     for step in range(1, STEPS + 1):
         write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "g"), decode)
-
-
-def committed_step(client: redis.Redis, keys: run_keys.RunKeys) -> int:
-    """The last step whose commit (ack, ledger, metrics: one transaction) reached Redis. The
-    trainer's own step (GetState) counts a step before its push and commit, so a test that
-    reads the metrics must wait for this one."""
-    return int(client.hget(keys.counters("trainer"), "step") or 0)
 
 
 def losses(client: redis.Redis, keys: run_keys.RunKeys) -> dict[int, tuple[float, float]]:
@@ -151,10 +144,6 @@ def test_trainer_killed_at_a_random_moment_resumes_bit_exact(
         # Every step's metrics were written once, by whichever process committed it, and agree.
         assert losses(rclient, keys) == ref_losses
         # The ledger: every group trained exactly once, nothing left pending, nothing dead.
-        trained = rclient.smembers(keys.groups("trained"))
-        assert len(trained) == STEPS * GROUPS_PER_STEP
-        assert int(rclient.hget(keys.counters("trainer"), "trained")) == len(trained)
-        assert rclient.xlen(keys.dead) == 0
-        assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
+        assert_trained_once(rclient, keys, STEPS * GROUPS_PER_STEP)
     finally:
         second.stop()

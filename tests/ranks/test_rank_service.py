@@ -18,7 +18,7 @@ import redis
 import torch
 from safetensors.torch import load_file
 
-from helpers import wait_for, write_ready
+from helpers import assert_trained_once, committed_step, wait_for, write_ready
 from procs import ServiceProc, start_service, trainer_state
 from rollstream.core import redis_policy, run_keys, validation
 from rollstream.v1 import rollout_pb2
@@ -50,10 +50,6 @@ def trainer_args(redis_url: str, keys: run_keys.RunKeys, model: Path, ckpt: Path
 def fill_ready(client: redis.Redis, keys: run_keys.RunKeys, decode: Decode) -> None:
     for step in range(1, STEPS + 1):
         write_ready(client, keys, scored_groups(step, GROUPS_PER_STEP, "g"), decode)
-
-
-def committed_step(client: redis.Redis, keys: run_keys.RunKeys) -> int:
-    return int(client.hget(keys.counters("trainer"), "step") or 0)
 
 
 def metrics(client: redis.Redis, keys: run_keys.RunKeys) -> dict[int, rollout_pb2.StepMetrics]:
@@ -181,10 +177,6 @@ def test_a_rank_killed_resumes_at_another_world_size(
         assert run_to_end(second.wait_ready(START_S), rclient, keys) == ref_sha, f"killed after step {killed_at}"
         # Every step's metrics were written once, by whichever job committed it.
         same_metrics(metrics(rclient, keys), ref_metrics)
-        trained = rclient.smembers(keys.groups("trained"))
-        assert len(trained) == STEPS * GROUPS_PER_STEP
-        assert int(rclient.hget(keys.counters("trainer"), "trained")) == len(trained)
-        assert rclient.xlen(keys.dead) == 0
-        assert rclient.xpending(keys.stream("ready"), "trainer")["pending"] == 0
+        assert_trained_once(rclient, keys, STEPS * GROUPS_PER_STEP)
     finally:
         second.stop()
