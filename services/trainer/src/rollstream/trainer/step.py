@@ -12,6 +12,8 @@
                     the model's own frozen base under its LoRA adapters
        loss         grpo.policy_loss (the formulas are in grpo.py)
        backward     gradients accumulate over the micro-batches
+                    (on N ranks, ranks.py: rank r runs the r-th micro-batch of each round of
+                    N, and the gradients are summed in micro-batch order, one process's bits)
   4. optimizer      one HostAdamW step: grad-norm clip, AdamW on the fp32 masters, new bf16
                     weights in the model and returned as bits (each bucket's pieces, old and
                     new bits, also handed to `on_piece`: the publisher encodes the delta on
