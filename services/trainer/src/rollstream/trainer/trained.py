@@ -44,7 +44,9 @@ class Trained:
         torch.manual_seed(s.seed)
         model_dir = str(resolve_model(s.model))
         spec = lora.LoraSpec(s.lora_rank, s.lora_alpha, tuple(s.lora_target_modules)) if s.lora_rank else None
-        device = s.device if team is None else str(team.device)
+        # N ranks: loaded into host memory, and each layer moved onto the rank's GPU as FSDP2
+        # shards it (Ranks.shard), so that no GPU ever holds more than its shards and a layer.
+        device = s.device if team is None else "cpu"
         model, tokenizer, lora_model, params = lora.load(model_dir, s.dtype, device, spec, s.activation_checkpointing)
         model.train()
         if team is not None:
