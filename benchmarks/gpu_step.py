@@ -327,11 +327,11 @@ def one_step(
     try:
         r = train_step(
             model,
-            MarkedOptimizer(opt, marks),
+            MarkedOptimizer(opt, marks),  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
             groups,
             cfg,
             pad_id=pad_id,
-            on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
+            on_piece=encoder.add_piece if encoder else None,
             background=overlapped,
             ranks=team,
         )
