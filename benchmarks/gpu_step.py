@@ -714,6 +714,11 @@ def ranks_figures(result: dict[str, Any], digests: dict[str, dict[str, str]]) ->
     if "tokens_per_s" in one and "tokens_per_s" in ranked:
         ratio = round(ranked["tokens_per_s"] / one["tokens_per_s"], 3)
         result["ranks_over_one_process"] = ratio
+        # FSDP2's share alone: the ranks' step less its join (Ranks.full_bits: padded copies
+        # and a gather of the whole bits on the host, at world size 1 too).
+        result["ranks_without_join_over_one_process"] = round(
+            ranked["train_tokens"] / (ranked["step_s"] - ranked["join_s"]) / one["tokens_per_s"], 3
+        )
         result["bits_equal"] = ranked["bits_sha256"] == one["bits_sha256"]
         differing = sorted(n for n, d in digests["one_process"].items() if digests["ranks_world1"].get(n) != d)
         result["tensors_differing"] = {"count": len(differing), "first": differing[:5]}
