@@ -710,7 +710,7 @@ def run_ranks(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def ranks_figures(result: dict[str, Any], digests: dict[str, dict[str, str]]) -> None:
     """The ratios and the bits' comparison of the runs so far (RANKS_RUNS), into `result`."""
-    one, ranked, today = (result.get(n, {}) for n in RANKS_RUNS)
+    one, ranked, today = (result.get(n, {}) for n in ("one_process", "ranks_world1", "one_process_overlapped"))
     if "tokens_per_s" in one and "tokens_per_s" in ranked:
         ratio = round(ranked["tokens_per_s"] / one["tokens_per_s"], 3)
         result["ranks_over_one_process"] = ratio
