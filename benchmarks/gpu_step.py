@@ -61,6 +61,20 @@ started at the end of each phase. The result so far is printed (one JSON line) a
 phase, so a run cut at its time limit still says where it was; the last object printed is
 the result.
 
+`ranks` (issue 47's bar, docs/gpu.md): the host optimizer's step (HostAdamW, no delta) on the
+same batch and weights three times, each on a model of its own: `one_process` sequential
+(train_step's background off: the step the trainer runs on N ranks), `ranks_world1` the same
+at world size 1 through ranks.py (this process its only rank: a process group on a free local
+port, NCCL on CUDA and gloo on the CPU; Ranks.shard's FSDP2, HostAdamW's reduce over the
+ranks, each step until Ranks.full_bits has joined the published bits, as the trainer does:
+`join_s`), then `one_process_overlapped` (today's trainer with no reader). Reports each run's
+tokens/s, phases, peak host memory and the sha256 of the bits it publishes after its last
+step; `ranks_over_one_process` (the bar: >= 0.95), `ranks_without_join_over_one_process`,
+`ranks_over_one_process_overlapped`, `bits_equal` (the bar: true) and `bits_equal_overlapped`
+(a control: two runs in one process agree, else the kernels are not deterministic).
+
+    python3 benchmarks/gpu_step.py ranks --size 1.5b --device cuda --sequences 16 --seq-tokens 2048 --moments-dtype bfloat16
+
 On a CPU device everything runs the same way (no resident baseline: there is no GPU), to
 check the script at small sizes (--size tiny --seq-tokens 128 --dtype float32). Prints JSON
 (a line per phase, then the result).
