@@ -61,6 +61,20 @@ started at the end of each phase. The result so far is printed (one JSON line) a
 phase, so a run cut at its time limit still says where it was; the last object printed is
 the result.
 
+`ranks` (issue 47's bar, docs/gpu.md): the host optimizer's step (HostAdamW, no delta) on the
+same batch and weights three times, each on a model of its own: `one_process` sequential
+(train_step's background off: the step the trainer runs on N ranks), `ranks_world1` the same
+at world size 1 through ranks.py (this process its only rank: a process group on a free local
+port, NCCL on CUDA and gloo on the CPU; Ranks.shard's FSDP2, HostAdamW's reduce over the
+ranks, each step until Ranks.full_bits has joined the published bits, as the trainer does:
+`join_s`), then `one_process_overlapped` (today's trainer with no reader). Reports each run's
+tokens/s, phases, peak host memory and the sha256 of the bits it publishes after its last
+step; `ranks_over_one_process` (the bar: >= 0.95), `ranks_without_join_over_one_process`,
+`ranks_over_one_process_overlapped`, `bits_equal` (the bar: true) and `bits_equal_overlapped`
+(a control: two runs in one process agree, else the kernels are not deterministic).
+
+    python3 benchmarks/gpu_step.py ranks --size 1.5b --device cuda --sequences 16 --seq-tokens 2048 --moments-dtype bfloat16
+
 On a CPU device everything runs the same way (no resident baseline: there is no GPU), to
 check the script at small sizes (--size tiny --seq-tokens 128 --dtype float32). Prints JSON
 (a line per phase, then the result).
@@ -70,11 +84,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import resource
+import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -299,6 +316,9 @@ def one_step(
     base: dict[str, np.ndarray] | None = None,
     pool: ThreadPoolExecutor | None = None,
     overlapped: bool = False,
+    team: Any = None,
+    join: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One train_step, timed. Sequential (the trainer's step when a delta is built): until the
     new weights are in the model and, with `base`, the step's delta (encoded on the way on
@@ -307,7 +327,10 @@ def one_step(
     update then running on the optimizer's thread while the next step's forward runs; the
     caller waits for the last one (opt.wait()). On CUDA the Marks bracket the compute stream
     from the step's first forward to its optimizer call: a busy span, so 1 - span / wall is a
-    lower bound of the GPU's idle fraction."""
+    lower bound of the GPU's idle fraction. With `team` (a ranks.Ranks) the step runs on the
+    trainer's N-rank path (train_step's `ranks`) and `join` (Ranks.full_bits) turns its shard
+    bits into the published ones, inside the step's time (the trainer's step on N ranks);
+    `keep["bits"]` gets the step's (published) bits."""
     cuda = device.type == "cuda"
     marks = Marks(cuda)
     encoder = deltas.DeltaEncoder(base, 0, 1, "bench", executor=pool) if base is not None else None
@@ -318,15 +341,24 @@ def one_step(
     try:
         r = train_step(
             model,
-            MarkedOptimizer(opt, marks),
+            MarkedOptimizer(opt, marks),  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
             groups,
             cfg,
             pad_id=pad_id,
-            on_piece=encoder.add_piece if encoder else None,  # type: ignore[arg-type]  # a wrapper (or DropGrads) with HostAdamW's calls, not one
+            on_piece=encoder.add_piece if encoder else None,
             background=overlapped,
+            ranks=team,
         )
         if cuda and not overlapped:
             torch.cuda.synchronize(device)
+        joined_s = None
+        bits = r.trained_bits or {}
+        if join is not None:
+            joining = time.perf_counter()
+            bits = join(bits)
+            joined_s = time.perf_counter() - joining
+        if keep is not None:
+            keep["bits"] = bits
         stepped = time.perf_counter()
         stats = encoder.finish()[1] if encoder is not None else None
     finally:
@@ -342,6 +374,8 @@ def one_step(
             "optimizer_s": round(r.optimizer_s, 3),
         },
     }
+    if joined_s is not None:
+        out["join_s"] = round(joined_s, 3)
     busy = marks.busy_s()
     if busy is not None:
         out["gpu_idle_lower_bound"] = round(1.0 - busy / wall, 3)
@@ -385,7 +419,10 @@ def timed_steps(
     repeats: int,
     delta: bool,
     overlapped: bool,
-    alone_s: float,
+    alone_s: float | None,
+    team: Any = None,
+    join: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One warm-up step on `warmup` and `repeats` timed steps on `groups`, back to back (an
     overlapped step's update runs during the next one's forward, the warm-up's during the first
@@ -393,13 +430,14 @@ def timed_steps(
     With `delta`, each step's delta is encoded on the way on as many threads as the trainer's
     default (delta_encode_threads = auto: half the cores torch has). `gpu_idle_fraction`: the
     share of the step beyond forward and backward alone on the same batch (`alone_s`), the
-    time the GPU waits for the optimizer."""
+    time the GPU waits for the optimizer (left out without `alone_s`). `team`, `join`, `keep`:
+    one_step's (`keep["bits"]`: the last step's bits, final once the last update is waited for)."""
     base = delta_base(opt) if delta else None
     steps = []
     with ThreadPoolExecutor(auto_encode_threads(torch.get_num_threads()), thread_name_prefix="delta") as pool:
-        one_step(model, opt, warmup, cfg, device, 0, base, pool, overlapped)
+        one_step(model, opt, warmup, cfg, device, 0, base, pool, overlapped, team, join)
         for _ in range(repeats):
-            steps.append(one_step(model, opt, groups, cfg, device, 0, base, pool, overlapped))
+            steps.append(one_step(model, opt, groups, cfg, device, 0, base, pool, overlapped, team, join, keep))
         start = time.perf_counter()
         opt.wait()
         if device.type == "cuda":
@@ -410,11 +448,14 @@ def timed_steps(
         "step_s": round(median, 3),
         "train_tokens": steps[0]["train_tokens"],
         "tokens_per_s": round(steps[0]["train_tokens"] / median, 1),
-        "gpu_idle_fraction": round(1.0 - alone_s / median, 3),
         "overlapped": overlapped,
         "update_tail_s": round(tail, 3),
         "phases": [x["phases"] for x in steps],
     }
+    if alone_s is not None:
+        out["gpu_idle_fraction"] = round(1.0 - alone_s / median, 3)
+    if "join_s" in steps[0]:
+        out["join_s"] = round(float(np.median([x["join_s"] for x in steps])), 3)
     if "gpu_idle_lower_bound" in steps[0]:
         out["gpu_idle_lower_bound"] = round(float(np.median([x["gpu_idle_lower_bound"] for x in steps])), 3)
     if "delta" in steps[-1]:
@@ -434,12 +475,18 @@ def build_model_for_step(size: str, device: torch.device, dtype: torch.dtype) ->
 
 
 def host_optimizer(
-    model: torch.nn.Module, grad_offload: bool, moments_dtype: str, master_layout: MasterLayout, sync: bool = True
+    model: torch.nn.Module,
+    grad_offload: bool,
+    moments_dtype: str,
+    master_layout: MasterLayout,
+    sync: bool = True,
+    reduce: Callable[[float], float] | None = None,
 ) -> HostAdamW:
     """HostAdamW over the model's parameters (it reads them a bucket at a time: no whole fp32
     copy of the model on the host). `sync`: write the served bits into the model. Not needed
     where the parameters are bf16 already: the masters are then exactly the weights, whose bf16
-    rounding in either layout is the weights themselves."""
+    rounding in either layout is the weights themselves. `reduce`: HostAdamW's (N ranks:
+    Ranks.sum_of_squares), the parameters then the model's FSDP2 shards."""
     opt = HostAdamW(
         dict(model.named_parameters()),
         lr=LR,
@@ -448,6 +495,7 @@ def host_optimizer(
         moments_dtype=moments_dtype,  # type: ignore[arg-type]  # a --moments-dtype string, one of the literals
         master_layout=master_layout,
         grad_offload=grad_offload,
+        reduce=reduce,
     )
     if sync:
         opt.sync_model()
@@ -503,7 +551,11 @@ def run_variant(
     }
 
 
-def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def step_inputs(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[list[rollout_pb2.RolloutGroup], list[rollout_pb2.RolloutGroup], StepConfig, dict[str, Any]]:
+    """`step`'s and `ranks`'s batch (seed 0), warm-up micro-batch (seed 1), step config and
+    the result's header."""
     vocab = SIZES[args.size][5]
     groups = synthetic_groups(args.sequences, args.seq_tokens, args.prompt_tokens, vocab, seed=0)
     warmup = synthetic_groups(
@@ -514,10 +566,9 @@ def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         seed=1,
     )
     cfg = step_config(args.seq_tokens, args.token_budget, device)
-    parameters = parameter_count(args.size)
-    result: dict[str, Any] = {
+    header = {
         "size": args.size,
-        "parameters": parameters,
+        "parameters": parameter_count(args.size),
         "sequences": args.sequences,
         "seq_tokens": args.seq_tokens,
         "token_budget": args.token_budget,
@@ -525,6 +576,12 @@ def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "master_layout": args.master_layout,
         "moments_dtype": args.moments_dtype,
     }
+    return groups, warmup, cfg, header
+
+
+def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    groups, warmup, cfg, result = step_inputs(args, device)
+    parameters = result["parameters"]
     result["forward_backward_alone"] = forward_backward_alone(
         build_model_for_step(args.size, device, DTYPES[args.dtype]), groups, warmup, cfg, device
     )
@@ -555,6 +612,143 @@ def run_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         if backward["host"] > 0:
             result["offload_backward_over_host"] = round(backward["host_offload"] / backward["host"], 3)
     return result
+
+
+def bits_digests(bits: dict[str, np.ndarray]) -> tuple[str, dict[str, str]]:
+    """The sha256 of published bits (each name, then its bits, in name order: tests/ranks's
+    rank_steps.sha) and each tensor's own sha256 (to name the tensors that differ)."""
+    whole, each = hashlib.sha256(), {}
+    for name in sorted(bits):
+        data = np.ascontiguousarray(bits[name]).tobytes()
+        whole.update(name.encode())
+        whole.update(data)
+        each[name] = hashlib.sha256(data).hexdigest()
+    return whole.hexdigest(), each
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# `ranks`'s runs, in this order: name -> (through ranks.py at world size 1, overlapped).
+RANKS_RUNS = {
+    "one_process": (False, False),  # like for like with the ranks' step: sequential, no delta
+    "ranks_world1": (True, False),  # ranks.py: FSDP2 over 1 rank, the bits joined (full_bits)
+    "one_process_overlapped": (False, True),  # today's trainer with no reader: the update overlapped
+}
+# Issue 47's bar: world size 1 through ranks.py at least this fraction of one process's tokens/s.
+RANKS_BAR = 0.95
+
+
+def run_ranks_variant(
+    args: argparse.Namespace,
+    device: torch.device,
+    name: str,
+    groups: list[rollout_pb2.RolloutGroup],
+    warmup: list[rollout_pb2.RolloutGroup],
+    cfg: StepConfig,
+    parameters: int,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One of RANKS_RUNS on a model of its own (the same seed: the same weights): its timed
+    steps, optimizer path, peak host memory and the sha256 of the bits it publishes after
+    them; and each tensor's sha256."""
+    through_ranks, overlapped = RANKS_RUNS[name]
+    peak_is_own = reset_peak_host()
+    model = build_model_for_step(args.size, device, DTYPES[args.dtype])
+    team = join = None
+    if through_ranks:
+        from rollstream.trainer import ranks  # torch.distributed's FSDP2: only this run imports it
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+        world = ranks.World(0, 1, 0)
+        team = ranks.Ranks.join(world, ranks.rank_device(device.type, world))
+        params = team.shard(model)
+        join = lambda bits: team.full_bits(params, bits)  # noqa: E731  # the trainer's _published_bits
+    try:
+        opt = host_optimizer(
+            model,
+            False,
+            args.moments_dtype,
+            args.master_layout,
+            reduce=team.sum_of_squares if team is not None else None,
+        )
+        path = optimizer_path(opt, args.master_layout, args.moments_dtype, False)
+        keep: dict[str, Any] = {}
+        timed = timed_steps(
+            model, opt, groups, warmup, cfg, device, args.repeats, False, overlapped, None, team, join, keep
+        )
+        peak = peak_host_rss_gib()
+        start = time.perf_counter()
+        sha, each = bits_digests(keep["bits"])
+        sha_s = time.perf_counter() - start
+    finally:
+        if team is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return {
+        **timed,
+        "through_ranks": through_ranks,
+        "world_size": 1 if through_ranks else None,
+        "optimizer": path,
+        "peak_host_gib": round(peak, 2),
+        "peak_host_bytes_per_parameter": round(peak * 2**30 / parameters, 2),
+        "peak_host_is": "this run" if peak_is_own else "the process so far",
+        "bits_sha256": sha,
+        "sha_s": round(sha_s, 2),
+    }, each
+
+
+def run_ranks(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Issue 47's bar on one device: the host optimizer's step (HostAdamW, split masters) in
+    one process as the trainer runs it, then at world size 1 through ranks.py (FSDP2, this
+    process its only rank), the same batch and weights: tokens/s, ratio, bits."""
+    groups, warmup, cfg, result = step_inputs(args, device)
+    result["repeats"] = args.repeats
+    digests: dict[str, dict[str, str]] = {}
+    for name in RANKS_RUNS:
+        release(device)
+        try:
+            result[name], digests[name] = run_ranks_variant(
+                args, device, name, groups, warmup, cfg, result["parameters"]
+            )
+        except torch.OutOfMemoryError as e:
+            result[name] = {"error": f"out of device memory: {str(e).splitlines()[0]}"}
+        ranks_figures(result, digests)
+        progress(result, f"{name}: {result[name].get('tokens_per_s', result[name].get('error'))} tokens/s")
+    return result
+
+
+def ranks_figures(result: dict[str, Any], digests: dict[str, dict[str, str]]) -> None:
+    """The ratios and the bits' comparison of the runs so far (RANKS_RUNS), into `result`."""
+    one, ranked, today = (result.get(n, {}) for n in ("one_process", "ranks_world1", "one_process_overlapped"))
+    if "tokens_per_s" in one and "tokens_per_s" in ranked:
+        ratio = round(ranked["tokens_per_s"] / one["tokens_per_s"], 3)
+        result["ranks_over_one_process"] = ratio
+        # FSDP2's share alone: the ranks' step less its join (Ranks.full_bits: padded copies
+        # and a gather of the whole bits on the host, at world size 1 too).
+        result["ranks_without_join_over_one_process"] = round(
+            ranked["train_tokens"] / (ranked["step_s"] - ranked["join_s"]) / one["tokens_per_s"], 3
+        )
+        result["bits_equal"] = ranked["bits_sha256"] == one["bits_sha256"]
+        differing = sorted(n for n, d in digests["one_process"].items() if digests["ranks_world1"].get(n) != d)
+        result["tensors_differing"] = {"count": len(differing), "first": differing[:5]}
+        result["bar"] = {
+            "ranks_over_one_process_min": RANKS_BAR,
+            "bits_equal": True,
+            "passes": ratio >= RANKS_BAR and result["bits_equal"],
+        }
+    if "tokens_per_s" in today and "tokens_per_s" in ranked:
+        # Against today's trainer (the update overlapped with the next forward): what the
+        # N-rank path's sequential update costs at world size 1.
+        result["ranks_over_one_process_overlapped"] = round(ranked["tokens_per_s"] / today["tokens_per_s"], 3)
+    if "bits_sha256" in today and "bits_sha256" in one:
+        # A control: two runs in one process agree (else the kernels are not deterministic
+        # and bits_equal false says nothing about ranks.py).
+        result["bits_equal_overlapped"] = today["bits_sha256"] == one["bits_sha256"]
 
 
 # What `largest` adds to the optimizer's arithmetic before deciding a size fits, on a GPU: the
@@ -790,11 +984,13 @@ def run_largest(args: argparse.Namespace, device: torch.device) -> dict[str, Any
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["step", "largest"])
+    parser.add_argument("mode", choices=["step", "largest", "ranks"])
     devices.add_argument(parser)
     parser.add_argument("--size", choices=sorted(SIZES), default="1.5b", help="step: the model shape")
     parser.add_argument("--sizes", default="1.5b,3b,7b,14b", help="largest: shapes to try, ascending")
-    parser.add_argument("--sequences", type=int, default=None, help="sequences a step (default: step 8, largest 2)")
+    parser.add_argument(
+        "--sequences", type=int, default=None, help="sequences a step (default: step and ranks 8, largest 2)"
+    )
     parser.add_argument("--seq-tokens", type=int, default=4096)
     parser.add_argument(
         "--token-budget",
@@ -847,7 +1043,7 @@ def main() -> None:
     if args.sample_tokens and not args.tokenizer:
         parser.error("--sample-tokens needs --tokenizer")
     if args.sequences is None:
-        args.sequences = 8 if args.mode == "step" else 2
+        args.sequences = 2 if args.mode == "largest" else 8
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: no {', '.join(sorted(unknown))} (there are {', '.join(VARIANTS)})")
@@ -856,7 +1052,8 @@ def main() -> None:
             f"--token-budget {args.token_budget} is under --seq-tokens {args.seq_tokens}: a sequence must fit one micro-batch"
         )
     device = devices.resolve(args.device)
-    result = run_step(args, device) if args.mode == "step" else run_largest(args, device)
+    run = {"step": run_step, "largest": run_largest, "ranks": run_ranks}[args.mode]
+    result = run(args, device)
     print(
         json.dumps(
             {

@@ -139,6 +139,56 @@ CHECKS: dict[str, list[Check]] = {
             ],
             150,
         ),
+        # Issue 47's bar: the trainer at world size 1 through ranks.py (FSDP2 over this
+        # process as its only rank, NCCL) against the one-process trainer, the same batch and
+        # weights: 16 x 2,048 tokens at 1.5B, the host optimizer (split masters, bf16 moments)
+        # sequential in both (the N-rank step's: no delta on the way, no overlap) and the ranks'
+        # bits joined (full_bits), then the one process overlapped (today's trainer with no
+        # reader). The bar: ranks_over_one_process >= 0.95 and bits_equal.
+        Check(
+            "ranks_world1_1.5b",
+            [
+                "benchmarks/gpu_step.py",
+                "ranks",
+                "--size",
+                "1.5b",
+                "--device",
+                "cuda",
+                "--sequences",
+                "16",
+                "--seq-tokens",
+                "2048",
+                "--moments-dtype",
+                "bfloat16",
+                "--repeats",
+                "2",
+            ],
+            [
+                "benchmarks/gpu_step.py",
+                "ranks",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--sequences",
+                "8",
+                "--seq-tokens",
+                "64",
+                "--prompt-tokens",
+                "16",
+                "--token-budget",
+                "128",
+                "--moments-dtype",
+                "bfloat16",
+                "--repeats",
+                "2",
+                "--dtype",
+                "float32",
+                "--threads",
+                "2",
+            ],
+            150,
+        ),
         # The offloaded step alone against its physical limit (AdamW rate, pinned copy rates;
         # the bar: <= 1.25x), and with its delta on the way; not the per-parameter baseline nor
         # the delta encoded after the step (~30 s of the H200's 1.5B run, history only).

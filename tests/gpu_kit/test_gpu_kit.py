@@ -193,6 +193,7 @@ def test_trainer_kit_then_system_kit_end_to_end(kits: Path, device_python3: Path
     results = {row["name"]: row["result"] for row in summary["checks"]}
     assert results["gpu_step_1.5b"]["host"]["tokens_per_s"] > 0
     assert_rl_step(results["gpu_step_1.5b_64x2048"])
+    assert_ranks_world1(results["ranks_world1_1.5b"])
     optimizer = results["optimizer_step_1.5b"]
     assert optimizer["optimizer"]["path"] == "split_kernel" and optimizer["offloaded_over_limit"] > 0
     assert (
@@ -262,6 +263,34 @@ def assert_rl_step(result: dict) -> None:
     assert result["host"]["overlapped"] is False and result["host"]["delta"]["bytes"] > 0
     assert_step_figures(result["host_offload"], {**path, "grad_offload": True})
     assert result["offload_backward_over_host"] > 0
+
+
+def assert_ranks_world1(result: dict) -> None:
+    """gpu_step.py ranks (tiny, float32, on the CPU: 8 x 64 tokens in 4 micro-batches): the host
+    optimizer's step in one process, then at world size 1 through ranks.py (FSDP2, gloo), then
+    the one process overlapped; the same bits from all three. Issue 47's ratio is a GPU's
+    figure (on the CPU at tiny size FSDP's hooks outweigh the step): only reported here."""
+    assert (result["sequences"], result["micro_batches"], result["repeats"]) == (8, 4, 2)
+    path = {
+        "path": "split_kernel",
+        "master_layout": "split",
+        "moments_dtype": "bfloat16",
+        "grad_offload": False,
+        "kernel_threads": 2,
+    }
+    one, ranked, today = result["one_process"], result["ranks_world1"], result["one_process_overlapped"]
+    for run in (one, ranked, today):
+        assert run["step_s"] > 0 and run["tokens_per_s"] > 0 and run["train_tokens"] == 8 * 64
+        assert len(run["phases"]) == 2 and run["peak_host_gib"] > 0 and run["optimizer"] == path, run
+    assert (one["overlapped"], ranked["overlapped"], today["overlapped"]) == (False, False, True)
+    assert ranked["through_ranks"] is True and ranked["world_size"] == 1 and ranked["join_s"] >= 0
+    assert "join_s" not in one and "join_s" not in today
+    assert result["ranks_over_one_process"] == round(ranked["tokens_per_s"] / one["tokens_per_s"], 3)
+    assert result["ranks_over_one_process_overlapped"] > 0
+    assert result["ranks_without_join_over_one_process"] >= result["ranks_over_one_process"]
+    assert result["bits_equal"] is True and result["bits_equal_overlapped"] is True, result
+    assert result["tensors_differing"] == {"count": 0, "first": []}
+    assert result["bar"]["ranks_over_one_process_min"] == 0.95
 
 
 def assert_sft(result: dict) -> None:
