@@ -278,31 +278,32 @@ class Ranks:
         self, params: Mapping[str, torch.nn.Parameter], local: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """Rank 0: every parameter's bf16 bits (uint16) in its full shape, from each rank's
-        shard bits (`local`, by name, in the shard's shape); other ranks: {}. FSDP2 pads each
-        parameter's dim 0 to a multiple of N, so every rank sends the same number of elements."""
+        shard bits (`local`, by name, in the shard's shape); other ranks: {}. One rank: `local`
+        itself (views, as one process's step returns them). FSDP2 pads each parameter's dim 0
+        to a multiple of N, so every rank sends the same number of elements, in one gather."""
         n = self.world.size
-        padded = {}
-        for name, p in params.items():
-            rows = -(-p.shape[0] // n) if p.dim() else 1
-            per_rank = rows * math.prod(p.shape[1:])
-            flat = np.zeros(per_rank, dtype=np.uint16)
-            mine = local[name].reshape(-1)
-            flat[: mine.size] = mine
-            padded[name] = flat
-        joined = np.concatenate([*padded.values(), np.zeros(1, dtype=np.uint16)])  # (an even count:
-        # the bits travel as int32 pairs, which gloo and NCCL both gather; int16 gloo does not)
-        mine_all = torch.from_numpy(joined[: joined.size // 2 * 2].view(np.int32))
-        gathered = [torch.empty_like(mine_all) for _ in range(n)] if self.lead_rank else None
-        dist.gather(mine_all, gathered, dst=0)
+        if n == 1:
+            return {name: local[name].reshape(tuple(p.shape)) for name, p in params.items()}
+        widths = {name: (-(-p.shape[0] // n) if p.dim() else 1) * math.prod(p.shape[1:]) for name, p in params.items()}
+        # The bits travel as int32 pairs, which gloo and NCCL both gather (int16: gloo does not).
+        mine = np.zeros(sum(widths.values()) + sum(widths.values()) % 2, dtype=np.uint16)
+        at = 0
+        for name, width in widths.items():
+            piece = local[name].reshape(-1)
+            mine[at : at + piece.size] = piece
+            at += width
+        send = torch.from_numpy(mine.view(np.int32))
+        gathered = torch.empty((n, send.numel()), dtype=torch.int32) if self.lead_rank else None
+        dist.gather(send, list(gathered.unbind(0)) if gathered is not None else None, dst=0)
         if gathered is None:
             return {}
+        every = gathered.numpy().view(np.uint16)  # [rank, padded shards one after another]
         out: dict[str, np.ndarray] = {}
-        offset = 0
+        at = 0
         for name, p in params.items():
-            width = padded[name].size
-            parts = [g.numpy().view(np.uint16)[offset : offset + width] for g in gathered]
-            out[name] = np.concatenate(parts)[: p.numel()].reshape(tuple(p.shape))
-            offset += width
+            width = widths[name]
+            out[name] = every[:, at : at + width].reshape(-1)[: p.numel()].reshape(tuple(p.shape))
+            at += width
         return out
 
     def barrier(self) -> None:
