@@ -187,9 +187,11 @@ class Ranks:
         for unit in [*units, root]:
             assert isinstance(unit, FSDPModule)
             # Sums, not means: the loss is normalised over the whole step already (grpo.normaliser).
+            # (One rank: FSDP2 divides by nothing then, and a factor of 1 would still cost a
+            # division's copy of every gradient.)
             unit.set_force_sum_reduction_for_comms(True)
-            unit.set_gradient_divide_factor(1.0)
             if self.world.size > 1:
+                unit.set_gradient_divide_factor(1.0)
                 comm = RankOrderedReduceScatter(self)
                 unit.set_custom_reduce_scatter(comm)
                 self.comms.append(comm)
