@@ -234,14 +234,24 @@ def run_ranks(cmd: list[str], r: Ranks, settings: TrainerSettings) -> int:
     if r.node_rank == 0:
         os.execv(cmd[0], cmd)
     started: list[subprocess.Popen[bytes]] = []
-    # The port first: a port it cannot bind fails here, before torchrun would be left running.
+    signalled: list[int] = []
+
+    def forward(sig: int, _frame: object) -> None:
+        signalled.append(sig)
+        if started:
+            started[0].send_signal(sig)
+
+    # The handlers first: a SIGTERM while torchrun starts is passed on once it has started.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    # The port next: a port it cannot bind fails here, before torchrun would be left running.
     # Alive while torchrun starts and runs: 503 only once it has exited.
     server = serve_health(settings.host, settings.http_port, lambda: not started or started[0].poll() is None)
     try:
         child = subprocess.Popen(cmd)
         started.append(child)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda s, _frame: child.send_signal(s))
+        if signalled:
+            child.send_signal(signalled[0])
         code = child.wait()
     finally:
         server.shutdown()
