@@ -287,7 +287,9 @@ def assert_ranks_world1(result: dict) -> None:
     assert "join_s" not in one and "join_s" not in today
     assert result["ranks_over_one_process"] == round(ranked["tokens_per_s"] / one["tokens_per_s"], 3)
     assert result["ranks_over_one_process_overlapped"] > 0
-    assert result["ranks_without_join_over_one_process"] >= result["ranks_over_one_process"]
+    # Less the join can only be faster, to the rounding of tokens_per_s (0.1), which the ratio
+    # with the join is taken of (the join is ~1 ms at one rank: the two ratios nearly equal).
+    assert result["ranks_without_join_over_one_process"] >= 0.99 * result["ranks_over_one_process"]
     assert result["bits_equal"] is True and result["bits_equal_overlapped"] is True, result
     assert result["tensors_differing"] == {"count": 0, "first": []}
     assert result["bar"]["ranks_over_one_process_min"] == 0.95
