@@ -29,7 +29,17 @@ def readme_tiers() -> list[str]:
 
 
 def test_the_readme_lists_the_tiers_the_script_runs_in_order() -> None:
-    assert script_tiers() == ["default suite", "browser", "containers", "faults", "ranks", "gpu", "gpu_kit", "slow", "vllm"]
+    assert script_tiers() == [
+        "default suite",
+        "browser",
+        "containers",
+        "faults",
+        "ranks",
+        "gpu",
+        "gpu_kit",
+        "slow",
+        "vllm",
+    ]
     assert [t.lower() for t in readme_tiers()] == script_tiers()
 
 
