@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 # FSDP2's comm hook interface (set_custom_reduce_scatter) is importable only from here in torch 2.13.
@@ -129,7 +129,6 @@ class Ranks:
 
     world: World
     device: torch.device
-    mesh: DeviceMesh | None = None
     root: torch.nn.Module | None = None  # the FSDP root: _Forward around the model
     comms: list[RankOrderedReduceScatter] = field(default_factory=list)
     live: int = 1  # ranks with a real micro-batch in the current round
@@ -178,12 +177,12 @@ class Ranks:
         (modeling.completion_logprobs, which calls the decoder and the head apart) runs inside
         the root's hooks. Returns the trained parameters by the model's names: DTensors, each
         rank holding its dim-0 slice (HostAdamW steps their local shards)."""
-        self.mesh = init_device_mesh(self.device.type, (self.world.size,))
+        mesh = init_device_mesh(self.device.type, (self.world.size,))
         layers = model.get_decoder().layers  # type: ignore[operator]  # nn.Module's __getattr__ hides transformers' method
         units: list[torch.nn.Module] = [*layers]
         root = _Forward(model)
         for unit in [*units, root]:
-            fully_shard(unit, mesh=self.mesh)
+            fully_shard(unit, mesh=mesh)
         for unit in [*units, root]:
             assert isinstance(unit, FSDPModule)
             # Sums, not means: the loss is normalised over the whole step already (grpo.normaliser).
@@ -307,9 +306,6 @@ class Ranks:
             out[name] = every[:, at : at + width].reshape(-1)[: p.numel()].reshape(tuple(p.shape))
             at += width
         return out
-
-    def barrier(self) -> None:
-        dist.barrier()
 
 
 def shard_rows(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
